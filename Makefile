@@ -1,0 +1,50 @@
+# pitstop: two commands do everything on a fresh machine.
+#   make demo   set up, then run a local cluster, a live training job and an evacuation
+#   make test   set up, then run the whole test suite
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+CRIU_STAMP := $(VENV)/.criu
+PYTEST_ARGS ?=
+
+.PHONY: all setup criu native test test-fast demo bench doctor clean
+
+all: setup
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null || { echo "need $(PY) (Python >= 3.11)"; exit 1; }
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch==2.13.0 is the CPU build (pinned in pyproject's test extra)
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+# CRIU >= 4.2: the host's if good enough, else Debian's in a private prefix (cached in ~/.cache/pitstop).
+$(CRIU_STAMP): scripts/provision-criu.sh | $(STAMP)
+	scripts/provision-criu.sh >/dev/null
+	touch $@
+
+criu: $(CRIU_STAMP)
+
+native:
+	@if [ -f native/Makefile ]; then $(MAKE) -C native; fi
+	@if [ -f shim/Makefile ]; then $(MAKE) -C shim; fi
+
+setup: $(STAMP) $(CRIU_STAMP) native
+
+doctor: setup
+	$(BIN)/pitstop doctor
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(BIN)/python scripts/demo.py
+
+bench: setup
+	$(BIN)/python bench/move_one_rank.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info service/*.egg-info

@@ -1,0 +1,1 @@
+"""The host agent: one per host, root; captures, sends, receives and restores workers."""

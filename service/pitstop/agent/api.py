@@ -1,0 +1,278 @@
+"""The agent's HTTP APIs.
+
+Two listeners, two audiences:
+- TCP, for peers and the coordinator: every request but /healthz needs the
+  cluster token (PITSTOP_CLUSTER_TOKEN).
+- a Unix socket, for `pitstop run` on this host: registration and output.
+  Its file mode (0660, root) is the access check.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from .. import __version__
+from ..capture import proctree, runtime
+from ..errors import Conflict, FailedPrecondition, PitstopError, TransferFailed
+from ..httpapi import install_error_handlers, require_token
+from .capturing import SourceSide
+from .receiving import DestinationSide
+from .settings import AgentSettings
+from .state import AgentState, Worker
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.captures = Counter("pitstop_agent_captures_total", "Captures by result", ["result"], registry=r)
+        self.restores = Counter("pitstop_agent_restores_total", "Restores by result", ["result"], registry=r)
+        self.phase = Histogram("pitstop_agent_phase_duration_seconds", "Duration of capture/restore phases",
+                               ["phase"], registry=r, buckets=(.01, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60, 120))
+        self.sent = Counter("pitstop_agent_sent_bytes_total", "Image bytes sent to peers", registry=r)
+        self.received = Counter("pitstop_agent_received_bytes_total", "Image bytes received", registry=r)
+
+
+class Agent:
+    """Everything one agent process holds; shared by both listeners."""
+
+    def __init__(self, settings: AgentSettings) -> None:
+        self.s = settings
+        settings.state_dir.mkdir(parents=True, exist_ok=True)
+        settings.images.mkdir(parents=True, exist_ok=True)
+        os.chmod(settings.images, 0o700)
+        self.state = AgentState(settings.state_dir)
+        self.dest = DestinationSide(settings, self.state)
+        self.source = SourceSide(settings, self.state, self.dest)
+        self.metrics = Metrics()
+        self.started = time.time()
+
+    def info(self) -> dict:
+        try:
+            rt = runtime.locate()
+            criu = {"path": rt.binary, "version": rt.version_str}
+        except PitstopError as e:
+            criu = {"error": e.message}
+        return {"name": self.s.name, "url": self.s.url, "spare": self.s.spare, "version": __version__,
+                "criu": criu, "workers": len([w for w in self.state.workers.values()
+                                              if w.state in ("running", "capturing", "stopped")])}
+
+    def refresh(self, w: Worker) -> Worker:
+        if w.state == "running" and not w.restored and (
+                not proctree.exists(w.root_pid) or proctree.start_time(w.root_pid) != w.start_time):
+            self.state.update_worker(w, state="exited" if w.exit_code is not None else "lost")
+        return w
+
+
+class CaptureRequest(BaseModel):
+    worker_id: str
+    dest_url: str | None = Field(None, description="peer agent to stream the images to, while dumping")
+    image_id: str | None = None
+
+
+class CommitRequest(BaseModel):
+    moved_to: dict[str, str] = Field(default_factory=dict)
+
+
+class RegisterRequest(BaseModel):
+    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    rank: int = Field(ge=0)
+    pid: int = Field(gt=1)
+
+
+class ExitedRequest(BaseModel):
+    code: int
+
+
+def peer_app(agent: Agent) -> FastAPI:
+    app = FastAPI(title="pitstop agent", version=__version__)
+    install_error_handlers(app)
+
+    def auth(request: Request) -> None:
+        require_token(request, agent.s.cluster_token, "cluster", "PITSTOP_CLUSTER_TOKEN")
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        # The socket path is public knowledge: its file mode guards it.
+        return {"ok": True, "name": agent.s.name, "socket": str(agent.s.sock)}
+
+    r = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
+
+    @r.get("/info")
+    def info() -> dict:
+        return agent.info()
+
+    @r.get("/workers")
+    def workers() -> list[Worker]:
+        return [agent.refresh(w) for w in list(agent.state.workers.values())]
+
+    @r.get("/workers/{wid}")
+    def worker(wid: str) -> Worker:
+        return agent.refresh(agent.state.worker(wid))
+
+    @r.get("/workers/{wid}/output")
+    async def output(wid: str, stream: str = "stdout", offset: int = 0) -> Response:
+        return await _output(agent, wid, stream, offset)
+
+    @r.post("/captures", status_code=202)
+    def capture(req: CaptureRequest) -> dict:
+        return agent.source.start(req.worker_id, req.dest_url, req.image_id).model_dump()
+
+    @r.get("/captures")
+    def captures() -> list[dict]:
+        return [c.model_dump() for c in agent.state.captures.values()]
+
+    @r.get("/captures/{cid}")
+    async def get_capture(cid: str, wait: float = 0.0) -> dict:
+        c = agent.state.capture(cid)
+        if wait > 0 and c.state == "dumping":
+            c = await run_in_threadpool(agent.source.wait, cid, min(wait, 60.0))
+        if c.state in ("sent", "dumped", "failed") and not getattr(c, "_counted", False):
+            object.__setattr__(c, "_counted", True)
+            agent.metrics.captures.labels("ok" if c.state != "failed" else "failed").inc()
+            agent.metrics.sent.inc(c.bytes_sent)
+            for k, v in c.phases.items():
+                agent.metrics.phase.labels(k).observe(v)
+        return c.model_dump()
+
+    @r.post("/captures/{cid}:release")
+    def release(cid: str) -> dict:
+        return agent.source.release(cid).model_dump()
+
+    @r.post("/captures/{cid}:commit")
+    def commit(cid: str, req: CommitRequest) -> dict:
+        return agent.source.commit(cid, req.moved_to).model_dump()
+
+    @r.post("/captures/{cid}:rollback")
+    def rollback(cid: str) -> dict:
+        return agent.source.rollback(cid).model_dump()
+
+    @r.put("/images/{image_id}")
+    async def receive(image_id: str, request: Request) -> dict:
+        slot = agent.dest.open_slot(image_id)
+        try:
+            async for chunk in request.stream():
+                if chunk:
+                    slot.receiver.feed(chunk)
+            if not slot.receiver.complete:
+                raise TransferFailed(f"image stream {image_id} ended before its manifest "
+                                     f"({slot.receiver.received} bytes received)",
+                                     action="the copy is discarded; the source keeps its images")
+        except BaseException:
+            agent.dest.fail_slot(slot)
+            raise
+        slot.state = "complete"
+        slot.finished = time.monotonic()
+        agent.metrics.received.inc(slot.receiver.received)
+        m = slot.receiver.manifest
+        return {"image_id": image_id, "bytes": slot.receiver.received, "files": len(m.files) if m else 0,
+                "seconds": slot.finished - slot.started}
+
+    @r.get("/images/{image_id}")
+    def image(image_id: str) -> dict:
+        s = agent.dest.slot(image_id)
+        return {"image_id": image_id, "state": s.state, "bytes_received": s.receiver.received,
+                "bytes_total": s.receiver.manifest.total_bytes if s.receiver.manifest else None}
+
+    @r.delete("/images/{image_id}")
+    def discard(image_id: str) -> dict:
+        agent.dest.discard(image_id)
+        return {"image_id": image_id, "discarded": True}
+
+    @r.post("/images/{image_id}:restore")
+    def restore(image_id: str) -> dict:
+        try:
+            w, phases = agent.dest.restore_image(image_id)
+        except PitstopError:
+            agent.metrics.restores.labels("failed").inc()
+            raise
+        agent.metrics.restores.labels("ok").inc()
+        for k, v in phases.items():
+            agent.metrics.phase.labels(k).observe(v)
+        return {"worker": w.model_dump(), "phases": phases}
+
+    app.include_router(r)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(agent.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _output(agent: Agent, wid: str, stream: str, offset: int) -> Response:
+    """Output of a worker from `offset`; follows the worker to wherever it moved."""
+    if stream not in ("stdout", "stderr"):
+        raise FailedPrecondition(f"unknown stream {stream!r}", action="use stdout or stderr")
+    w = agent.refresh(agent.state.worker(wid))
+    if w.state == "moved" and w.moved_to:
+        headers = {"Authorization": f"Bearer {agent.s.cluster_token}"} if agent.s.cluster_token else {}
+        try:
+            async with httpx.AsyncClient(timeout=10) as c:
+                r = await c.get(f"{w.moved_to['url'].rstrip('/')}/v1/workers/{wid}/output",
+                                params={"stream": stream, "offset": offset}, headers=headers)
+        except httpx.HTTPError as e:
+            return Response(b"", headers={"X-Pitstop-State": "unreachable", "X-Pitstop-Error": repr(e)[:200]})
+        return Response(r.content, status_code=r.status_code,
+                        headers={k: v for k, v in r.headers.items() if k.lower().startswith("x-pitstop")})
+    data = agent.dest.read_output(wid, stream, offset) if w.restored else b""
+    headers = {"X-Pitstop-State": w.state, "X-Pitstop-Agent": agent.s.name}
+    if w.exit_code is not None:
+        headers["X-Pitstop-Exit-Code"] = str(w.exit_code)
+    return Response(data, media_type="application/octet-stream", headers=headers)
+
+
+def local_app(agent: Agent) -> FastAPI:
+    app = FastAPI(title="pitstop agent (local)", version=__version__)
+    install_error_handlers(app)
+
+    @app.post("/v1/workers", status_code=201)
+    def register(req: RegisterRequest) -> Worker:
+        pid = req.pid
+        if not proctree.exists(pid):
+            raise FailedPrecondition(f"pid {pid} does not exist", code="no_such_process",
+                                     action="register the worker's tree root while it runs")
+        nsp = proctree.ns_pids(pid)
+        if len(nsp) < 2 or nsp[-1] != 1 or proctree.session_id(pid) != pid:
+            raise FailedPrecondition(
+                f"pid {pid} is not the init of its own PID namespace and session",
+                code="not_capturable", action="start the worker with `pitstop run`")
+        wid = f"{req.job}.{req.rank}"
+        with agent.state.lock:
+            old = agent.state.workers.get(wid)
+            if old and old.state in ("running", "capturing", "stopped") and proctree.exists(old.root_pid):
+                raise Conflict(f"worker {wid} is already registered (pid {old.root_pid})",
+                               action="each rank of a job registers once")
+            w = Worker(id=wid, job=req.job, rank=req.rank, root_pid=pid, start_time=proctree.start_time(pid) or 0)
+            agent.state.workers[wid] = w
+            agent.state.save()
+        return w
+
+    @app.post("/v1/workers/{wid}:exited")
+    def exited(wid: str, req: ExitedRequest) -> Worker:
+        w = agent.state.worker(wid)
+        if w.state in ("running", "lost"):
+            agent.state.update_worker(w, state="exited", exit_code=req.code)
+        return w
+
+    @app.get("/v1/workers/{wid}")
+    def worker(wid: str) -> Worker:
+        return agent.refresh(agent.state.worker(wid))
+
+    @app.get("/v1/workers/{wid}/output")
+    async def output(wid: str, stream: str = "stdout", offset: int = 0) -> Response:
+        return await _output(agent, wid, stream, offset)
+
+    @app.get("/v1/info")
+    def info() -> dict:
+        return agent.info()
+
+    return app
+

@@ -1,0 +1,238 @@
+"""The leaving side of a move: capture a registered worker, stream it, then
+commit (the source is killed for good) or roll back (the source runs again).
+
+States of a capture and who moves it on:
+  dumping  --dump+stream ok-->  sent (or dumped, without a destination)
+  dumping  --any failure----->  failed       (source resumed here, by itself)
+  sent     --release--------->  released     (source killed; images kept)
+  sent     --rollback-------->  rolled_back  (network lock lifted, source resumed)
+  released --rollback-------->  rolled_back  (source restored here from its images)
+  sent/released --commit----->  committed    (source gone, lock lifted, images deleted)
+
+Why "released" exists: with TCP connections restored in the same network
+namespace, CRIU cannot re-create a connection whose four-tuple the stopped
+source still holds ("Cannot assign requested address"), so the source must be
+gone before the destination restores.  Its images stay here until commit, so a
+failed restore rolls back by restoring them on this host: nothing is lost.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import structlog
+
+from ..capture import criu_ops, netlock, proctree, runtime
+from ..capture.manifest import Manifest
+from ..errors import CaptureFailed, Conflict, FailedPrecondition, PitstopError, TransferFailed
+from ..transfer.stream import DirectoryTail
+from .settings import AgentSettings
+from .state import AgentState, Capture, Worker
+
+log = structlog.get_logger("pitstop.agent.capture")
+
+
+class SourceSide:
+    def __init__(self, settings: AgentSettings, state: AgentState, restorer: "object") -> None:
+        self.s = settings
+        self.state = state
+        self.restorer = restorer  # ..receiving.DestinationSide, for rollback by local restore
+        self._threads: dict[str, threading.Thread] = {}
+
+    # -- capture -----------------------------------------------------------------------------
+    def start(self, worker_id: str, dest_url: str | None, image_id: str | None) -> Capture:
+        with self.state.lock:
+            w = self.state.worker(worker_id)
+            self._check_capturable(w)
+            cid = "cap-" + uuid.uuid4().hex[:12]
+            cap = Capture(id=cid, worker_id=w.id, image_dir=str(self.s.images / cid),
+                          dest_url=dest_url, image_id=image_id or (cid if dest_url else None))
+            self.state.captures[cid] = cap
+            self.state.update_worker(w, state="capturing")
+        t = threading.Thread(target=self._run, args=(cap, w), name=f"capture-{cid}", daemon=True)
+        self._threads[cid] = t
+        t.start()
+        return cap
+
+    def _check_capturable(self, w: Worker) -> None:
+        if w.state != "running":
+            raise Conflict(f"worker {w.id} is {w.state}, not running", code="worker_not_running",
+                           action="wait for the operation that holds it to finish")
+        if not proctree.exists(w.root_pid) or proctree.start_time(w.root_pid) != w.start_time:
+            self.state.update_worker(w, state="lost")
+            raise FailedPrecondition(f"worker {w.id} (pid {w.root_pid}) is no longer running",
+                                     code="worker_gone", action="nothing to capture; the worker exited")
+
+    def _run(self, cap: Capture, w: Worker) -> None:
+        images = Path(cap.image_dir)
+        images.mkdir(parents=True, exist_ok=True)
+        images.chmod(0o700)
+        pids = proctree.tree(w.root_pid)
+        stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
+        self.state.update_capture(cap, stdio=stdio)
+        tail = DirectoryTail(images, on_progress=lambda n: setattr(cap, "bytes_sent", n))
+        sender: threading.Thread | None = None
+        send_error: list[BaseException] = []
+        t0 = time.monotonic()
+        send_done = [t0]
+        if cap.dest_url:
+            sender = threading.Thread(target=self._send, args=(cap, tail, send_error, send_done),
+                                      name=f"send-{cap.id}", daemon=True)
+            sender.start()
+        try:
+            res = criu_ops.dump(w.root_pid, images, timeout_s=self.s.dump_timeout_s)
+        except PitstopError as e:
+            tail.failure = e
+            if sender:
+                sender.join(30)
+            self._fail(cap, w, e, resumed_by="criu")
+            return
+        dump_end = time.monotonic()
+        self.state.update_capture(cap, run_id=res.run_id, phases={
+            "freeze": res.stats.get("freezing_time", 0) / 1e6, "dump": res.seconds,
+            "frozen": res.frozen_s, "memdump": res.memdump_s})
+        self.state.update_worker(w, state="stopped")
+        tail.manifest_base = Manifest(capture_id=cap.id, stdio=stdio, criu_version=runtime.locate().version_str,
+                                      output_base=self._output_end(w),
+                                      worker={"id": w.id, "job": w.job, "rank": w.rank})
+        tail.finished.set()
+        if sender is None:
+            total = sum(f.stat().st_size for f in images.iterdir() if not f.name.endswith(".log"))
+            self.state.update_capture(cap, state="dumped", bytes_total=total)
+            log.info("captured", capture=cap.id, worker=w.id, **cap.phases)
+            return
+        sender.join(self.s.transfer_timeout_s)
+        if sender.is_alive() or send_error:
+            err = send_error[0] if send_error else TransferFailed(
+                f"transfer to {cap.dest_url} did not finish within {self.s.transfer_timeout_s:.0f} s",
+                action="check the destination agent and the network between the hosts")
+            tail.failure = err if isinstance(err, Exception) else Exception(str(err))
+            self._rollback_stopped(cap, w)
+            self._fail(cap, w, err, resumed_by="pitstop")
+            return
+        ph = dict(cap.phases)
+        ph["transfer"] = send_done[0] - t0
+        ph["transfer_after_dump"] = max(0.0, send_done[0] - dump_end)
+        self.state.update_capture(cap, state="sent", phases=ph,
+                                  bytes_total=tail.manifest.total_bytes if tail.manifest else cap.bytes_sent)
+        log.info("captured and sent", capture=cap.id, worker=w.id, dest=cap.dest_url,
+                 bytes=cap.bytes_total, **{k: round(v, 4) for k, v in ph.items()})
+
+    def _output_end(self, w: Worker) -> dict[str, int]:
+        """Where this host's copy of the worker's output ends: the next host continues from there."""
+        if not w.restored:
+            return {}
+        out = {}
+        for stream in ("stdout", "stderr"):
+            p = self.restorer.outputs / f"{w.id}.{stream}"
+            out[stream] = w.output_base.get(stream, 0) + (p.stat().st_size if p.exists() else 0)
+        return out
+
+    def _send(self, cap: Capture, tail: DirectoryTail, errors: list[BaseException], done: list[float]) -> None:
+        headers = {"Authorization": f"Bearer {self.s.cluster_token}"} if self.s.cluster_token else {}
+        url = f"{cap.dest_url.rstrip('/')}/v1/images/{cap.image_id}"
+        try:
+            with httpx.Client(timeout=httpx.Timeout(self.s.transfer_timeout_s, connect=10)) as c:
+                r = c.put(url, content=iter(tail), headers=headers)
+            if r.status_code >= 300:
+                body = _error_body(r)
+                errors.append(TransferFailed(f"destination refused the images: {body.get('message', r.text)}",
+                                             action=body.get("action", "check the destination agent"),
+                                             details={"status": r.status_code}))
+        except httpx.HTTPError as e:
+            errors.append(TransferFailed(f"transfer to {url} failed: {e!r}",
+                                         action="the source was resumed; check the destination agent"))
+        except PitstopError as e:
+            errors.append(e)
+        finally:
+            done[0] = time.monotonic()
+
+    def _fail(self, cap: Capture, w: Worker, e: BaseException, resumed_by: str) -> None:
+        err = e.to_dict() if isinstance(e, PitstopError) else {"code": "internal", "message": repr(e)}
+        err["details"] = {**err.get("details", {}), "source_resumed_by": resumed_by}
+        self.state.update_capture(cap, state="failed", error=err)
+        state = "running" if proctree.exists(w.root_pid) else "lost"
+        self.state.update_worker(w, state=state)
+        shutil.rmtree(cap.image_dir, ignore_errors=True)
+        log.warning("capture failed; source resumed", capture=cap.id, worker=w.id, error=err["message"])
+
+    def _rollback_stopped(self, cap: Capture, w: Worker) -> None:
+        netlock.release(cap.run_id)
+        proctree.resume(proctree.tree(w.root_pid))
+
+    # -- after the copy is safe ----------------------------------------------------------------
+    def release(self, cid: str) -> Capture:
+        cap = self.state.capture(cid)
+        if cap.state == "released":
+            return cap
+        if cap.state not in ("sent", "dumped"):
+            raise Conflict(f"capture {cid} is {cap.state}; only a sent capture can be released",
+                           action="wait until the images are sent")
+        w = self.state.worker(cap.worker_id)
+        t0 = time.monotonic()
+        if not proctree.kill_and_wait(w.root_pid):
+            raise CaptureFailed(f"source pid {w.root_pid} did not exit after SIGKILL", action="inspect the host")
+        self.state.update_capture(cap, state="released", phases={**cap.phases, "release": time.monotonic() - t0})
+        self.state.update_worker(w, state="released")
+        return cap
+
+    def commit(self, cid: str, moved_to: dict[str, str]) -> Capture:
+        cap = self.state.capture(cid)
+        if cap.state == "committed":
+            return cap
+        if cap.state not in ("sent", "released", "dumped"):
+            raise Conflict(f"capture {cid} is {cap.state}; it cannot be committed",
+                           action="only a capture whose images were sent can be committed")
+        w = self.state.worker(cap.worker_id)
+        if cap.state != "released":
+            proctree.kill_and_wait(w.root_pid)
+        netlock.release(cap.run_id)
+        shutil.rmtree(cap.image_dir, ignore_errors=True)
+        self.state.update_capture(cap, state="committed")
+        self.state.update_worker(w, state="moved", moved_to=moved_to)
+        log.info("committed", capture=cid, worker=w.id, moved_to=moved_to)
+        return cap
+
+    def rollback(self, cid: str) -> Capture:
+        cap = self.state.capture(cid)
+        if cap.state in ("rolled_back", "failed"):
+            return cap
+        if cap.state == "committed":
+            raise Conflict(f"capture {cid} is committed: the worker runs at its destination",
+                           action="nothing to roll back; move it again if needed")
+        if cap.state == "dumping":
+            raise Conflict(f"capture {cid} is still dumping", action="retry when it has finished")
+        w = self.state.worker(cap.worker_id)
+        t0 = time.monotonic()
+        if cap.state in ("sent", "dumped"):
+            self._rollback_stopped(cap, w)
+            self.state.update_worker(w, state="running")
+            how = "resumed"
+        else:  # released: the source is gone; restore it here from our own images
+            netlock.release(cap.run_id)
+            restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
+                                                 stdio=cap.stdio, replace=True, output_base=self._output_end(w))
+            how = f"restored here as pid {restored.root_pid}"
+        shutil.rmtree(cap.image_dir, ignore_errors=True)
+        self.state.update_capture(cap, state="rolled_back", phases={**cap.phases, "rollback": time.monotonic() - t0})
+        log.info("rolled back", capture=cid, worker=w.id, how=how)
+        return cap
+
+    def wait(self, cid: str, timeout_s: float) -> Capture:
+        t = self._threads.get(cid)
+        if t:
+            t.join(timeout_s)
+        return self.state.capture(cid)
+
+
+def _error_body(r: httpx.Response) -> dict:
+    try:
+        b = r.json()
+        return b.get("error", b) if isinstance(b, dict) else {}
+    except ValueError:
+        return {}

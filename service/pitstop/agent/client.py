@@ -1,0 +1,119 @@
+"""A typed client for an agent's HTTP API (peers, the coordinator, tests, the launcher)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from ..errors import DeadlineExceeded, PitstopError, Unavailable
+
+
+def raise_for(r: httpx.Response) -> Any:
+    """Turn a JSON problem back into the PitstopError it was."""
+    if r.status_code < 300:
+        return r.json() if r.content and r.headers.get("content-type", "").startswith("application/json") else None
+    try:
+        body = r.json()
+        err = body.get("error") if isinstance(body, dict) else None
+    except ValueError:
+        err = None
+    if not err:
+        err = {"code": "http_error", "message": f"HTTP {r.status_code}: {r.text[:300]}"}
+    raise PitstopError.from_dict(err, http_status=r.status_code)
+
+
+class AgentClient:
+    def __init__(self, url: str, token: str | None = None, *, uds: str | None = None,
+                 timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        transport = httpx.HTTPTransport(uds=uds) if uds else None
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "AgentClient":
+        return self
+
+    def __exit__(self, *a: object) -> None:
+        self.close()
+
+    def _req(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            r = self.http.request(method, path, **kw)
+        except httpx.TimeoutException as e:
+            raise DeadlineExceeded(f"{method} {self.url}{path} timed out: {e!r}",
+                                   action="check that the agent is alive and not overloaded") from None
+        except httpx.HTTPError as e:
+            raise Unavailable(f"cannot reach agent at {self.url}: {e!r}",
+                              action="check that the agent runs and the address is right") from None
+        return raise_for(r)
+
+    # reading
+    def info(self) -> dict:
+        return self._req("GET", "/v1/info")
+
+    def workers(self) -> list[dict]:
+        return self._req("GET", "/v1/workers")
+
+    def worker(self, wid: str) -> dict:
+        return self._req("GET", f"/v1/workers/{wid}")
+
+    # local (Unix socket) calls
+    def register(self, job: str, rank: int, pid: int) -> dict:
+        return self._req("POST", "/v1/workers", json={"job": job, "rank": rank, "pid": pid})
+
+    def exited(self, wid: str, code: int) -> dict:
+        return self._req("POST", f"/v1/workers/{wid}:exited", json={"code": code})
+
+    def output(self, wid: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]:
+        try:
+            r = self.http.get(f"/v1/workers/{wid}/output", params={"stream": stream, "offset": offset})
+        except httpx.HTTPError as e:
+            raise Unavailable(f"cannot reach agent at {self.url}: {e!r}", action="check the agent") from None
+        if r.status_code >= 300:
+            raise_for(r)
+        return r.content, {k.lower(): v for k, v in r.headers.items()}
+
+    # the leaving side
+    def capture(self, worker_id: str, dest_url: str | None = None, image_id: str | None = None) -> dict:
+        return self._req("POST", "/v1/captures", json={"worker_id": worker_id, "dest_url": dest_url,
+                                                       "image_id": image_id})
+
+    def get_capture(self, cid: str, wait: float = 0.0) -> dict:
+        return self._req("GET", f"/v1/captures/{cid}", params={"wait": wait} if wait else None,
+                         timeout=max(30.0, wait + 10))
+
+    def wait_capture(self, cid: str, deadline_s: float, on_progress: Any = None) -> dict:
+        end = time.monotonic() + deadline_s
+        while True:
+            c = self.get_capture(cid, wait=0.5)
+            if on_progress:
+                on_progress(c)
+            if c["state"] != "dumping":
+                return c
+            if time.monotonic() > end:
+                raise DeadlineExceeded(f"capture {cid} did not finish within {deadline_s:.0f} s",
+                                       action="the agent rolls the source back when its own deadlines pass")
+
+    def release(self, cid: str) -> dict:
+        return self._req("POST", f"/v1/captures/{cid}:release")
+
+    def commit(self, cid: str, moved_to: dict[str, str]) -> dict:
+        return self._req("POST", f"/v1/captures/{cid}:commit", json={"moved_to": moved_to})
+
+    def rollback(self, cid: str) -> dict:
+        return self._req("POST", f"/v1/captures/{cid}:rollback", timeout=180)
+
+    # the arriving side
+    def image(self, image_id: str) -> dict:
+        return self._req("GET", f"/v1/images/{image_id}")
+
+    def restore(self, image_id: str, timeout: float = 180.0) -> dict:
+        return self._req("POST", f"/v1/images/{image_id}:restore", timeout=timeout)
+
+    def discard(self, image_id: str) -> dict:
+        return self._req("DELETE", f"/v1/images/{image_id}")

@@ -1,0 +1,196 @@
+"""The arriving side of a move: receive images, verify them, restore the tree.
+
+A restored tree is re-parented to this agent (a child subreaper), which pumps
+its stdio into per-worker output files and collects its exit status, so that
+`pitstop run` on the origin host keeps streaming output and exits with the
+worker's code after the worker has moved (it reads both through its agent).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from ..capture import criu_ops, proctree
+from ..capture.manifest import Manifest
+from ..errors import Conflict, NotFound, PitstopError, TransferFailed
+from ..transfer.stream import StreamReceiver, verify_directory
+from .settings import AgentSettings
+from .state import AgentState, Worker
+
+log = structlog.get_logger("pitstop.agent.restore")
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Restored trees are orphaned when CRIU exits; as subreaper we inherit them."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+@dataclass
+class Slot:
+    image_id: str
+    directory: Path
+    receiver: StreamReceiver
+    state: str = "receiving"  # receiving | complete | failed
+    started: float = 0.0
+    finished: float = 0.0
+
+
+class DestinationSide:
+    def __init__(self, settings: AgentSettings, state: AgentState) -> None:
+        self.s = settings
+        self.state = state
+        self.slots: dict[str, Slot] = {}
+        self.lock = threading.Lock()
+        self.outputs = settings.state_dir / "output"
+        self.outputs.mkdir(parents=True, exist_ok=True)
+
+    # -- receiving -----------------------------------------------------------------------------
+    def open_slot(self, image_id: str) -> Slot:
+        if not image_id.replace("-", "").replace("_", "").isalnum():
+            raise TransferFailed(f"bad image id {image_id!r}", action="use letters, digits, '-' and '_'")
+        with self.lock:
+            old = self.slots.get(image_id)
+            if old and old.state in ("receiving", "complete"):
+                raise Conflict(f"image {image_id} is already {old.state} here",
+                               action="discard it first (DELETE /v1/images/{id})")
+            d = self.s.images / ("in-" + image_id)
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+            d.chmod(0o700)
+            slot = Slot(image_id, d, StreamReceiver(d), started=time.monotonic())
+            self.slots[image_id] = slot
+            return slot
+
+    def fail_slot(self, slot: Slot) -> None:
+        slot.receiver.close()
+        slot.state = "failed"
+        shutil.rmtree(slot.directory, ignore_errors=True)
+
+    def slot(self, image_id: str) -> Slot:
+        s = self.slots.get(image_id)
+        if s is None:
+            raise NotFound(f"no image {image_id!r} on this agent", action="send the images first")
+        return s
+
+    def discard(self, image_id: str) -> None:
+        with self.lock:
+            s = self.slots.pop(image_id, None)
+        if s:
+            s.receiver.close()
+            shutil.rmtree(s.directory, ignore_errors=True)
+
+    # -- restoring -----------------------------------------------------------------------------
+    def restore_image(self, image_id: str) -> tuple[Worker, dict[str, float]]:
+        s = self.slot(image_id)
+        if s.state != "complete":
+            raise Conflict(f"image {image_id} is {s.state}, not complete", action="send the images again")
+        t0 = time.monotonic()
+        try:
+            m = verify_directory(s.directory)
+        except PitstopError:
+            self.discard(image_id)
+            raise
+        t1 = time.monotonic()
+        wk = m.worker
+        w = self.restore_dir(s.directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
+                             stdio=[p.model_dump() for p in m.stdio], replace=True,
+                             output_base=m.output_base)
+        phases = {"verify": t1 - t0, "restore": time.monotonic() - t1}
+        self.discard(image_id)
+        return w, phases
+
+    def restore_dir(self, directory: Path, *, worker_id: str, job: str, rank: int,
+                    stdio: list[dict[str, Any]], replace: bool = False,
+                    output_base: dict[str, int] | None = None) -> Worker:
+        """Restore images in `directory`; register the result as a worker of this agent."""
+        with self.state.lock:
+            old = self.state.workers.get(worker_id)
+            if old and old.state in ("running", "capturing", "stopped") and not replace:
+                raise Conflict(f"worker {worker_id} already runs here", action="this would run it twice")
+        inherit: dict[str, int] = {}
+        ours: list[tuple[int, str, int]] = []  # (our fd, stream name, their fd number)
+        theirs: list[int] = []
+        for p in stdio:
+            r, wfd = os.pipe()
+            if p["writable"]:
+                inherit[p["key"]] = wfd
+                theirs.append(wfd)
+                ours.append((r, "stderr" if p["fd"] == 2 else "stdout", p["fd"]))
+            else:
+                inherit[p["key"]] = r
+                theirs.append(r)
+                os.close(wfd)  # the worker reads EOF: stdin is never forwarded
+        try:
+            pid, _secs = criu_ops.restore(directory, inherit)
+        except PitstopError:
+            for fd in theirs + [o[0] for o in ours]:
+                os.close(fd)
+            raise
+        for fd in theirs:
+            os.close(fd)
+        w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
+                   restored=True, output_base=output_base or {})
+        for stream in ("stdout", "stderr"):  # a fresh file: offsets are relative to output_base
+            (self.outputs / f"{worker_id}.{stream}").unlink(missing_ok=True)
+        with self.state.lock:
+            self.state.workers[worker_id] = w
+            self.state.save()
+        pumps = []
+        for fd, stream, _ in ours:
+            t = threading.Thread(target=self._pump, args=(fd, self.outputs / f"{worker_id}.{stream}"),
+                                 daemon=True, name=f"pump-{worker_id}-{stream}")
+            t.start()
+            pumps.append(t)
+        threading.Thread(target=self._reap, args=(w, pumps), daemon=True, name=f"reap-{worker_id}").start()
+        log.info("restored", worker=worker_id, pid=pid)
+        return w
+
+    def _pump(self, fd: int, path: Path) -> None:
+        with open(path, "ab", buffering=0) as out:
+            while True:
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:
+                    break
+                if not data:
+                    break
+                out.write(data)
+        os.close(fd)
+
+    def _reap(self, w: Worker, pumps: list[threading.Thread]) -> None:
+        try:
+            _, status = os.waitpid(w.root_pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+        except ChildProcessError:
+            # Not our child (restore raced with CRIU's exit): poll until it is gone.
+            while proctree.exists(w.root_pid):
+                time.sleep(0.2)
+            code = None
+        for t in pumps:
+            t.join(10)
+        if w.state in ("running",):
+            self.state.update_worker(w, state="exited", exit_code=code)
+        log.info("restored worker exited", worker=w.id, code=code, state=w.state)
+
+    def read_output(self, worker_id: str, stream: str, offset: int, limit: int = 1 << 20) -> bytes:
+        p = self.outputs / f"{worker_id}.{stream}"
+        w = self.state.workers.get(worker_id)
+        base = (w.output_base.get(stream, 0) if w else 0)
+        if not p.exists() or offset < base:
+            return b""
+        with open(p, "rb") as f:
+            f.seek(offset - base)
+            return f.read(limit)

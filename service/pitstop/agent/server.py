@@ -1,0 +1,64 @@
+"""Run an agent: TCP listener for peers, Unix socket for local workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import structlog
+import uvicorn
+
+from ..errors import FailedPrecondition
+from .api import Agent, local_app, peer_app
+from .receiving import become_subreaper
+from .settings import AgentSettings
+
+log = structlog.get_logger("pitstop.agent")
+
+
+def check_security(s: AgentSettings) -> None:
+    if not s.cluster_token and not s.insecure:
+        raise FailedPrecondition(
+            "refusing to start without a cluster token: an image holds every byte of a worker's memory",
+            code="no_cluster_token",
+            action="set PITSTOP_CLUSTER_TOKEN (the same value on every agent and the coordinator), "
+                   "or pass --insecure for local development")
+
+
+def serve(s: AgentSettings) -> None:
+    check_security(s)
+    become_subreaper()
+    agent = Agent(s)
+    host, port = s.host_port()
+    http = "httptools"
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        http = "h11"
+    s.sock.parent.mkdir(parents=True, exist_ok=True)
+    if s.sock.exists():
+        s.sock.unlink()
+    tcp = uvicorn.Server(uvicorn.Config(peer_app(agent), host=host, port=port, log_level="warning",
+                                        http=http, lifespan="off", timeout_keep_alive=30))
+    uds = uvicorn.Server(uvicorn.Config(local_app(agent), uds=str(s.sock), log_level="warning",
+                                        lifespan="off"))
+    extra = []
+    if s.coordinator:
+        from .heartbeat import heartbeat_loop
+
+        extra.append(heartbeat_loop(agent))
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(tcp.serve()), asyncio.create_task(uds.serve())]
+        tasks += [asyncio.create_task(x) for x in extra]
+        await asyncio.sleep(0.2)
+        os.chmod(s.sock, 0o660)
+        log.info("agent up", name=s.name, url=s.url, socket=str(s.sock), spare=s.spare,
+                 coordinator=s.coordinator, insecure=not s.cluster_token)
+        done, pending = await asyncio.wait(tasks[:2], return_when=asyncio.FIRST_COMPLETED)
+        tcp.should_exit = uds.should_exit = True
+        for t in tasks:
+            if t not in done:
+                t.cancel()
+
+    asyncio.run(main())

@@ -1,0 +1,46 @@
+"""Agent configuration: command-line flags over PITSTOP_* environment over defaults."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class AgentSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PITSTOP_AGENT_", extra="ignore")
+
+    name: str = Field(default_factory=socket.gethostname)
+    listen: str = "127.0.0.1:7070"
+    advertise_url: str | None = None  # what peers and the coordinator use; default http://<listen>
+    coordinator: str | None = Field(default=None, validation_alias=AliasChoices(
+        "PITSTOP_AGENT_COORDINATOR", "PITSTOP_COORDINATOR"))
+    state_dir: Path = Path("/var/lib/pitstop/agent")
+    image_dir: Path | None = None      # default: /dev/shm/pitstop/<name> (tmpfs)
+    socket_path: Path | None = None    # default: <state_dir>/agent.sock
+    cluster_token: str | None = Field(default=None, validation_alias=AliasChoices(
+        "PITSTOP_CLUSTER_TOKEN", "PITSTOP_AGENT_CLUSTER_TOKEN"))
+    insecure: bool = False             # run without a cluster token: development only
+    spare: bool = False
+    dump_timeout_s: int = 60
+    transfer_timeout_s: float = 600.0
+    restore_timeout_s: float = 120.0
+    heartbeat_s: float = 1.0
+
+    @property
+    def url(self) -> str:
+        return self.advertise_url or f"http://{self.listen}"
+
+    @property
+    def images(self) -> Path:
+        return self.image_dir or Path("/dev/shm/pitstop") / self.name
+
+    @property
+    def sock(self) -> Path:
+        return self.socket_path or self.state_dir / "agent.sock"
+
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]") or "127.0.0.1", int(port)

@@ -1,0 +1,100 @@
+"""What an agent knows and must not forget: its workers and its captures.
+
+Kept in memory, written through to <state_dir>/agent-state.json on every
+change (atomically), so that a restarted agent still knows which sources it
+left stopped and where moved workers went.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from ..errors import NotFound
+
+WorkerState = Literal["running", "capturing", "stopped", "released", "moved", "exited", "lost"]
+CaptureState = Literal["dumping", "dumped", "sent", "released", "committed", "rolled_back", "failed"]
+
+
+class Worker(BaseModel):
+    id: str
+    job: str
+    rank: int
+    root_pid: int
+    start_time: int
+    state: WorkerState = "running"
+    restored: bool = False                # restored here by this agent (its output pumped by us)
+    moved_to: dict[str, str] | None = None  # {"agent": name, "url": url}
+    exit_code: int | None = None
+    output_base: dict[str, int] = Field(default_factory=dict)  # output seen before it arrived here
+    registered_at: float = Field(default_factory=time.time)
+
+
+class Capture(BaseModel):
+    id: str
+    worker_id: str
+    state: CaptureState = "dumping"
+    image_dir: str
+    dest_url: str | None = None
+    image_id: str | None = None
+    run_id: str = ""
+    phases: dict[str, float] = Field(default_factory=dict)
+    bytes_total: int | None = None
+    bytes_sent: int = 0
+    error: dict[str, Any] | None = None
+    stdio: list[dict[str, Any]] = Field(default_factory=list)
+    created: float = Field(default_factory=time.time)
+    updated: float = Field(default_factory=time.time)
+
+
+class AgentState:
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / "agent-state.json"
+        self.lock = threading.RLock()
+        self.workers: dict[str, Worker] = {}
+        self.captures: dict[str, Capture] = {}
+        if self.path.exists():
+            raw = json.loads(self.path.read_text())
+            self.workers = {k: Worker(**v) for k, v in raw.get("workers", {}).items()}
+            self.captures = {k: Capture(**v) for k, v in raw.get("captures", {}).items()}
+
+    def save(self) -> None:
+        with self.lock:
+            data = {"workers": {k: v.model_dump() for k, v in self.workers.items()},
+                    "captures": {k: v.model_dump() for k, v in self.captures.items()}}
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, self.path)
+
+    def worker(self, wid: str) -> Worker:
+        w = self.workers.get(wid)
+        if w is None:
+            raise NotFound(f"no worker {wid!r} is registered on this agent",
+                           action="list workers with GET /v1/workers; only workers started "
+                                  "through `pitstop run` can be captured")
+        return w
+
+    def capture(self, cid: str) -> Capture:
+        c = self.captures.get(cid)
+        if c is None:
+            raise NotFound(f"no capture {cid!r} on this agent", action="list captures with GET /v1/captures")
+        return c
+
+    def update_capture(self, c: Capture, **changes: Any) -> None:
+        with self.lock:
+            for k, v in changes.items():
+                setattr(c, k, v)
+            c.updated = time.time()
+            self.save()
+
+    def update_worker(self, w: Worker, **changes: Any) -> None:
+        with self.lock:
+            for k, v in changes.items():
+                setattr(w, k, v)
+            self.save()

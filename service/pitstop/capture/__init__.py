@@ -1,0 +1,1 @@
+"""Capturing and restoring process trees: CRIU through pycriu, image layout, integrity."""

@@ -1,0 +1,121 @@
+"""Dump and restore process trees through CRIU's RPC (pycriu, `criu swrk`).
+
+Options are fixed by what pitstop guarantees rather than left to callers:
+- dump leaves the source *stopped* (leave_stopped): until the move commits,
+  the source is the job's copy of record and can be resumed;
+- established TCP connections are dumped (tcp_established) and the network is
+  locked with nftables (iptables is not assumed to exist);
+- stdio pipes to outside the tree are handed back on restore (inherit_fd), as
+  runc and podman do, so output keeps flowing to whoever owns the new pipes.
+Each call writes CRIU's log next to the images; failures quote its Error lines.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CaptureFailed, RestoreFailed
+from . import criulog, runtime
+
+DUMP_LOG = "dump.log"
+RESTORE_LOG = "restore.log"
+
+
+@dataclass
+class DumpResult:
+    seconds: float
+    frozen_s: float
+    memdump_s: float
+    pages_written: int
+    run_id: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _criu(rt: runtime.CriuRuntime):  # noqa: ANN202
+    pycriu = rt.import_pycriu()
+    c = pycriu.criu()
+    c.use_binary(rt.binary)
+    return pycriu, c
+
+
+def _load_image(rt: runtime.CriuRuntime, path: Path) -> dict[str, Any]:
+    pycriu = rt.import_pycriu()
+    with open(path, "rb") as f:
+        return pycriu.images.load(f)["entries"][0]
+
+
+def dump(root_pid: int, images: Path, *, timeout_s: int = 60,
+         rt: runtime.CriuRuntime | None = None) -> DumpResult:
+    """Dump the tree rooted at root_pid into `images`, leaving it stopped."""
+    rt = rt or runtime.locate()
+    pycriu, c = _criu(rt)
+    images.mkdir(parents=True, exist_ok=True)
+    dfd = os.open(images, os.O_DIRECTORY)
+    try:
+        c.opts.images_dir_fd = dfd
+        c.opts.pid = root_pid
+        c.opts.leave_stopped = True
+        c.opts.tcp_established = True
+        c.opts.network_lock = pycriu.rpc.NFTABLES
+        c.opts.log_file = DUMP_LOG
+        c.opts.log_level = 4
+        c.opts.timeout = timeout_s  # bounds CRIU's freeze of the tree
+        t0 = time.monotonic()
+        try:
+            c.dump()
+        except Exception as e:  # pycriu raises its own exception types
+            lines = criulog.error_lines(images / DUMP_LOG)
+            raise CaptureFailed(
+                f"CRIU could not dump pid {root_pid}: {e}" + (": " + " | ".join(lines) if lines else ""),
+                action=f"the worker was resumed; see {images / DUMP_LOG}",
+                details={"criu_errors": lines, "log": str(images / DUMP_LOG)}) from None
+        seconds = time.monotonic() - t0
+    finally:
+        os.close(dfd)
+    stats = _load_image(rt, images / "stats-dump").get("dump", {})
+    inv = _load_image(rt, images / "inventory.img")
+    return DumpResult(seconds=seconds, frozen_s=stats.get("frozen_time", 0) / 1e6,
+                      memdump_s=stats.get("memdump_time", 0) / 1e6,
+                      pages_written=stats.get("pages_written", 0),
+                      run_id=inv.get("dump_criu_run_id", ""), stats=stats)
+
+
+def restore(images: Path, inherit: dict[str, int], *,
+            rt: runtime.CriuRuntime | None = None) -> tuple[int, float]:
+    """Restore a tree detached from us; return (host pid of its root, seconds).
+
+    `inherit` maps CRIU external ids ("pipe:[ino]") to fds of ours that take
+    their place.  The caller should be a child subreaper so that the restored
+    root becomes its child once CRIU exits.
+    """
+    rt = rt or runtime.locate()
+    pycriu, c = _criu(rt)
+    dfd = os.open(images, os.O_DIRECTORY)
+    for fd in inherit.values():
+        os.set_inheritable(fd, True)
+    try:
+        c.opts.images_dir_fd = dfd
+        c.opts.tcp_established = True
+        c.opts.network_lock = pycriu.rpc.NFTABLES
+        c.opts.log_file = RESTORE_LOG
+        c.opts.log_level = 4
+        for key, fd in inherit.items():
+            i = c.opts.inherit_fd.add()
+            i.key = key
+            i.fd = fd
+        t0 = time.monotonic()
+        try:
+            resp = c.restore()
+        except Exception as e:
+            lines = criulog.error_lines(images / RESTORE_LOG)
+            raise RestoreFailed(
+                f"CRIU could not restore: {e}" + (": " + " | ".join(lines) if lines else ""),
+                action=f"the images are kept for a retry or rollback; see {images / RESTORE_LOG}",
+                details={"criu_errors": lines, "log": str(images / RESTORE_LOG)}) from None
+        return resp.pid, time.monotonic() - t0
+    finally:
+        os.close(dfd)

@@ -1,0 +1,94 @@
+"""Image manifests: what a destination must have, byte for byte, before it restores.
+
+A manifest lists every image file with its size and sha256, plus what the
+restore needs to know about the captured tree (the pipes at its stdio that
+must be handed back, the worker's identity).  A restore refuses to start
+unless every file matches: a corrupt image must never become a running
+process that silently computes garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from ..errors import IntegrityError
+
+MANIFEST = "pitstop-manifest.json"
+
+
+class FileEntry(BaseModel):
+    name: str
+    size: int
+    sha256: str
+
+
+class StdioPipe(BaseModel):
+    key: str
+    fd: int
+    writable: bool
+
+
+class Manifest(BaseModel):
+    capture_id: str
+    worker: dict[str, Any] = Field(default_factory=dict)
+    files: list[FileEntry] = Field(default_factory=list)
+    stdio: list[StdioPipe] = Field(default_factory=list)
+    output_base: dict[str, int] = Field(default_factory=dict)  # see agent/receiving.py
+    criu_version: str = ""
+    gpu: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def write(self, directory: Path) -> None:
+        (directory / MANIFEST).write_text(self.model_dump_json(indent=1))
+
+    @classmethod
+    def read(cls, directory: Path) -> "Manifest":
+        try:
+            return cls.model_validate_json((directory / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise IntegrityError(f"no manifest in {directory}: the transfer did not finish",
+                                 action="send the images again") from None
+
+
+def sha256_file(path: Path, bufsize: int = 4 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(directory: Path, manifest: Manifest) -> None:
+    """Raise IntegrityError naming every file that is missing, short, long or altered."""
+    problems: list[str] = []
+
+    def one(e: FileEntry) -> str | None:
+        p = directory / e.name
+        if not p.is_file():
+            return f"{e.name}: missing"
+        size = p.stat().st_size
+        if size != e.size:
+            return f"{e.name}: size {size}, manifest says {e.size}"
+        if sha256_file(p) != e.sha256:
+            return f"{e.name}: sha256 differs from the manifest"
+        return None
+
+    with ThreadPoolExecutor(max_workers=4) as ex:  # hashlib releases the GIL
+        problems = [r for r in ex.map(one, manifest.files) if r]
+    if problems:
+        raise IntegrityError("image does not match its manifest: " + "; ".join(problems[:5]),
+                             action="the copy is discarded; send the images again from the source",
+                             details={"problems": problems})
+
+
+def dumps(m: Manifest) -> bytes:
+    return json.dumps(m.model_dump()).encode()

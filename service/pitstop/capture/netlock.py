@@ -1,0 +1,35 @@
+"""CRIU's nftables network lock, lifted when pitstop is done with a dump.
+
+A dump with --tcp-established adds a table `inet CRIU-<run id prefix>` that
+drops the dumped connections' packets, and leaves it in place (by design: the
+connections must stay silent until they are restored).  Nothing removes it
+afterwards, so pitstop does: on rollback (otherwise the resumed source could
+never talk again) and on commit (otherwise a later connection that reuses the
+same four-tuple would be silently dropped).
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+from . import runtime
+
+
+def release(run_id: str, rt: runtime.CriuRuntime | None = None) -> list[str]:
+    """Delete the lock tables that belong to dump `run_id`; return their names."""
+    if not run_id:
+        return []
+    rt = rt or runtime.locate()
+    if not rt.nft:
+        return []
+    p = subprocess.run([rt.nft, "list", "tables"], capture_output=True, text=True, timeout=30)
+    removed = []
+    for line in p.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "table" and parts[2].startswith("CRIU-"):
+            suffix = parts[2][len("CRIU-"):]
+            if suffix and run_id.startswith(suffix):
+                subprocess.run([rt.nft, "delete", "table", parts[1], parts[2]],
+                               capture_output=True, timeout=30)
+                removed.append(parts[2])
+    return removed

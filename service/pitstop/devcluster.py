@@ -1,0 +1,208 @@
+"""A local cluster of real pitstop processes, for the demo, the benches and the tests.
+
+Every agent and the coordinator run as separate processes (the real `pitstop`
+command), each with its own port, state directory and image directory; a
+training job's ranks run through the real `pitstop run`.  `close()` stops all
+of it and removes every directory it made, also after a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from .agent.client import AgentClient
+from .capture import proctree
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pitstop_cmd() -> list[str]:
+    return [sys.executable, "-m", "pitstop.cli"]
+
+
+def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not come up within {timeout_s} s")
+
+
+@dataclass
+class AgentProc:
+    name: str
+    url: str
+    proc: subprocess.Popen
+    state_dir: Path
+    image_dir: Path
+    log: Path
+    token: str | None
+
+    def client(self, timeout: float = 60.0) -> AgentClient:
+        return AgentClient(self.url, self.token, timeout=timeout)
+
+
+@dataclass
+class Rank:
+    rank: int
+    proc: subprocess.Popen
+    log: Path
+    agent: str
+
+
+@dataclass
+class LocalCluster:
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pitstop-cluster-")))
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    operator_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    agents: dict[str, AgentProc] = field(default_factory=dict)
+    ranks: list[Rank] = field(default_factory=list)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    coordinator_url: str | None = None
+    coordinator_db: Path | None = None
+    coordinator_proc: subprocess.Popen | None = None
+    shm: Path = field(default_factory=lambda: Path("/dev/shm") / f"pitstop-{secrets.token_hex(4)}")
+
+    def env(self) -> dict[str, str]:
+        e = dict(os.environ, PITSTOP_CLUSTER_TOKEN=self.token, PITSTOP_TOKEN=self.operator_token,
+                 PYTHONUNBUFFERED="1")
+        if self.coordinator_url:
+            e["PITSTOP_COORDINATOR"] = self.coordinator_url
+        return e
+
+    def start_coordinator(self, port: int | None = None, extra: list[str] | None = None) -> str:
+        port = port or free_port()
+        self.coordinator_db = self.coordinator_db or self.root / "coordinator.db"
+        log = open(self.root / "coordinator.log", "ab")
+        p = subprocess.Popen([*pitstop_cmd(), "coordinator", "--listen", f"127.0.0.1:{port}",
+                              "--db", str(self.coordinator_db), *(extra or [])],
+                             env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.coordinator_proc = p
+        self.coordinator_url = f"http://127.0.0.1:{port}"
+        wait_http(self.coordinator_url + "/healthz", proc=p)
+        return self.coordinator_url
+
+    def start_agent(self, name: str, spare: bool = False, port: int | None = None) -> AgentProc:
+        port = port or free_port()
+        state = self.root / name
+        images = self.shm / name
+        state.mkdir(parents=True, exist_ok=True)
+        log = state / "agent.log"
+        cmd = [*pitstop_cmd(), "agent", "--name", name, "--listen", f"127.0.0.1:{port}",
+               "--state-dir", str(state), "--image-dir", str(images)]
+        if self.coordinator_url:
+            cmd += ["--coordinator", self.coordinator_url]
+        if spare:
+            cmd.append("--spare")
+        p = subprocess.Popen(cmd, env=self.env(), stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        a = AgentProc(name, f"http://127.0.0.1:{port}", p, state, images, log, self.token)
+        self.agents[name] = a
+        wait_http(a.url + "/healthz", proc=p)
+        return a
+
+    def stop_agent(self, name: str, sig: int = signal.SIGTERM) -> None:
+        a = self.agents[name]
+        _stop(a.proc, sig)
+
+    def start_job(self, job: str, script: list[str], world: int, placement: dict[int, str],
+                  env: dict[str, str] | None = None) -> list[Rank]:
+        """Start `world` ranks of `script` through `pitstop run`; placement maps rank -> agent name."""
+        master_port = free_port()
+        out = []
+        for r in range(world):
+            a = self.agents[placement[r]]
+            log = self.root / f"{job}.rank{r}.log"
+            e = dict(self.env(), RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(master_port), **(env or {}))
+            p = subprocess.Popen([*pitstop_cmd(), "run", "--job", job, "--agent", a.url, "--", *script],
+                                 env=e, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+            rk = Rank(r, p, log, a.name)
+            self.ranks.append(rk)
+            out.append(rk)
+        return out
+
+    def wait_registered(self, agent: str, worker_id: str, timeout_s: float = 30.0) -> dict:
+        c = self.agents[agent].client()
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            for w in c.workers():
+                if w["id"] == worker_id and w["state"] == "running":
+                    return w
+            time.sleep(0.05)
+        raise TimeoutError(f"{worker_id} did not register with {agent}")
+
+    def close(self) -> None:
+        for rk in self.ranks:
+            _stop(rk.proc, signal.SIGTERM, timeout=5)
+        # Workers restored by an agent are its children: stopping the agent must not orphan them.
+        for a in self.agents.values():
+            _kill_restored(a)
+            _stop(a.proc, signal.SIGTERM)
+        if self.coordinator_proc:
+            _stop(self.coordinator_proc, signal.SIGTERM)
+        for p in self.procs:
+            _stop(p, signal.SIGTERM)
+        shutil.rmtree(self.shm, ignore_errors=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *a: object) -> None:
+        self.close()
+
+
+def _kill_restored(a: AgentProc) -> None:
+    import json
+
+    try:
+        st = json.loads((a.state_dir / "agent-state.json").read_text())
+    except (OSError, ValueError):
+        return
+    for w in st.get("workers", {}).values():
+        if w.get("state") in ("running", "capturing", "stopped") and \
+                proctree.start_time(w["root_pid"]) == w.get("start_time"):
+            try:
+                os.kill(w["root_pid"], signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _stop(p: subprocess.Popen, sig: int, timeout: float = 10.0) -> None:
+    if p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        p.send_signal(sig)
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(5)

@@ -1,0 +1,103 @@
+"""`pitstop doctor`: can this host capture and restore workers, and if not, why not."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .capture import runtime
+from .errors import PitstopError
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None  # None: informational / not present, does not block
+    detail: str
+    required: bool = True
+
+
+def _kconfig(option: str) -> str | None:
+    for path in (Path("/proc/config.gz"), Path(f"/boot/config-{platform.release()}")):
+        try:
+            if path.suffix == ".gz":
+                import gzip
+
+                text = gzip.decompress(path.read_bytes()).decode()
+            else:
+                text = path.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith(option + "="):
+                return line.split("=", 1)[1]
+            if line == f"# {option} is not set":
+                return "n"
+    return None
+
+
+def run_checks() -> list[Check]:
+    checks: list[Check] = []
+    checks.append(Check("privileges", os.geteuid() == 0,
+                        "root" if os.geteuid() == 0 else f"uid {os.geteuid()}: CRIU needs root (CAP_SYS_ADMIN et al.)"))
+    checks.append(Check("kernel", True, platform.release(), required=False))
+    try:
+        rt = runtime.locate()
+        checks.append(Check("criu", True, f"{rt.version_str} ({rt.source}: {rt.binary})"))
+        ok, out = rt.check()
+        checks.append(Check("criu check", ok, out.splitlines()[-1] if out else "(no output)"))
+        try:
+            rt.import_pycriu()
+            checks.append(Check("pycriu", True, rt.pycriu_path or "importable"))
+        except ImportError as e:
+            checks.append(Check("pycriu", False, f"cannot import: {e}"))
+        checks.append(Check("network lock", bool(rt.nft), f"nftables ({rt.nft})" if rt.nft else
+                            "nft not found: a rolled-back source could not talk again"))
+    except PitstopError as e:
+        checks.append(Check("criu", False, f"{e.message}; {e.action}"))
+    cr = _kconfig("CONFIG_CHECKPOINT_RESTORE")
+    checks.append(Check("CONFIG_CHECKPOINT_RESTORE", None if cr is None else cr == "y",
+                        cr or "kernel config not readable", required=cr is not None))
+    sd = _kconfig("CONFIG_MEM_SOFT_DIRTY")
+    checks.append(Check("soft-dirty (pre-copy)", None, "available" if sd == "y" else
+                        "not available: no iterative pre-dump; full stop-and-copy is used", required=False))
+    unshare = shutil.which("unshare")
+    if unshare:
+        p = subprocess.run([unshare, "--pid", "--fork", "--kill-child", "true"], capture_output=True, text=True)
+        checks.append(Check("pid namespaces", p.returncode == 0,
+                            "unshare --pid works" if p.returncode == 0 else p.stderr.strip()))
+    else:
+        checks.append(Check("pid namespaces", False, "unshare (util-linux) not found"))
+    shm = Path("/dev/shm")
+    checks.append(Check("image tmpfs", shm.is_dir() and os.access(shm, os.W_OK),
+                        f"/dev/shm, {shutil.disk_usage(shm).free / 2**30:.1f} GiB free" if shm.is_dir() else "missing",
+                        required=False))
+    checks += gpu_checks()
+    return checks
+
+
+def gpu_checks() -> list[Check]:
+    out: list[Check] = []
+    try:
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        n = pynvml.nvmlDeviceGetCount()
+        drv = pynvml.nvmlSystemGetDriverVersion()
+        names = {pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(n)}
+        out.append(Check("gpus", None, f"{n} x {', '.join(map(str, names))}, driver {drv}", required=False))
+    except Exception as e:  # noqa: BLE001 - NVML raises many types when absent
+        out.append(Check("gpus", None, f"not present ({type(e).__name__})", required=False))
+    cc = shutil.which("cuda-checkpoint")
+    out.append(Check("cuda-checkpoint", None, cc or "not present (CPU-only workers can still move)",
+                     required=False))
+    return out
+
+
+def ready(checks: list[Check]) -> tuple[bool, list[str]]:
+    reasons = [f"{c.name}: {c.detail}" for c in checks if c.required and c.ok is False]
+    return not reasons, reasons

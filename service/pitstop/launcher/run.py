@@ -1,0 +1,206 @@
+"""`pitstop run -- CMD`: the zero-code launcher.
+
+It starts CMD so that CRIU can capture it later and keeps behaving like CMD
+for whoever waits on it (a scheduler, a script), even after CMD has moved to
+another host:
+
+- CMD runs as the init of its own PID namespace and session
+  (`unshare --pid --fork setsid CMD`): restore then needs no free PIDs on the
+  destination, and CRIU accepts the tree as a whole.  Not --kill-child: that
+  sets PR_SET_PDEATHSIG, which CRIU restores faithfully, and the restored
+  worker would be killed the moment CRIU (its parent during restore) exits.
+- stdin is /dev/null; stdout and stderr are pipes this launcher drains.  CRIU
+  hands pipes at the tree's edge back on restore (inherit-fd), where the
+  destination agent drains them; this launcher then follows the output through
+  its own agent, which forwards to wherever the worker runs.
+- The environment is made dumpable: USE_LIBUV=0 keeps torch's TCPStore off
+  libuv, whose io_uring CRIU cannot dump.
+- Signals are forwarded.  CMD is PID 1 of its namespace, so the kernel drops
+  signals it has no handler for; a forwarded SIGTERM/SIGINT/SIGHUP that CMD
+  does not handle is therefore turned into SIGKILL, which is what CMD would
+  have suffered outside a namespace.
+- Exit status: CMD's, also when CMD finished on another host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from ..agent.client import AgentClient
+from ..capture import proctree
+from ..errors import PitstopError
+
+MOVING = ("capturing", "stopped", "released", "moved")
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+
+
+def agent_client(agent_url: str) -> AgentClient:
+    """Prefer the agent's Unix socket (no token needed locally); else TCP with the cluster token."""
+    token = os.environ.get("PITSTOP_CLUSTER_TOKEN")
+    if agent_url.startswith("unix:"):
+        return AgentClient("http://agent", uds=agent_url[len("unix:"):])
+    try:
+        h = httpx.get(agent_url.rstrip("/") + "/healthz", timeout=5).json()
+        sock = h.get("socket")
+        if sock and os.access(sock, os.W_OK):
+            return AgentClient("http://agent", uds=sock)
+    except (httpx.HTTPError, ValueError):
+        pass
+    return AgentClient(agent_url, token)
+
+
+def _handles(pid: int, sig: int) -> bool:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) & (1 << (sig - 1)))
+    except OSError:
+        pass
+    return False
+
+
+def _find_ns_init(unshare_pid: int, timeout_s: float = 10.0) -> int:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        kids = proctree.children(unshare_pid)
+        # Registered only once `setsid` has run: CRIU needs the root to lead its session.
+        if kids and proctree.session_id(kids[0]) == kids[0]:
+            return kids[0]
+        if not proctree.exists(unshare_pid):
+            break
+        time.sleep(0.005)
+    raise PitstopError("the command did not start in its own PID namespace",
+                       action="check that `unshare --pid --fork` works here (pitstop doctor)")
+
+
+def _pump(fd: int, out) -> None:  # noqa: ANN001
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        out.buffer.write(data)
+        out.flush()
+    os.close(fd)
+
+
+def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
+        extra_env: dict[str, str] | None = None) -> int:
+    if not cmd:
+        print("pitstop run: no command given; usage: pitstop run --job JOB --agent URL -- CMD [ARGS...]",
+              file=sys.stderr)
+        return 2
+    if rank is None:
+        rank = int(os.environ.get("RANK", os.environ.get("GROUP_RANK", "0")))
+    env = dict(os.environ)
+    env.setdefault("USE_LIBUV", "0")
+    env.update(extra_env or {})
+    client = agent_client(agent_url)
+    rout, wout = os.pipe()
+    rerr, werr = os.pipe()
+    try:
+        p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", *cmd], env=env,
+                             stdin=subprocess.DEVNULL, stdout=wout, stderr=werr)
+    except OSError as e:
+        print(f"pitstop run: cannot start {cmd[0]}: {e}", file=sys.stderr)
+        return 127
+    os.close(wout)
+    os.close(werr)
+    pumps = [threading.Thread(target=_pump, args=(rout, sys.stdout), daemon=True),
+             threading.Thread(target=_pump, args=(rerr, sys.stderr), daemon=True)]
+    for t in pumps:
+        t.start()
+    try:
+        root = _find_ns_init(p.pid)
+        w = client.register(job, rank, root)
+    except PitstopError as e:
+        print(f"pitstop run: could not register with the agent: {e}", file=sys.stderr)
+        p.kill()
+        p.wait()
+        return 125
+    wid = w["id"]
+
+    def forward(sig: int, _frame: object) -> None:
+        info = _safe(client.worker, wid) or {}
+        pid = info.get("root_pid", root)
+        if info.get("state") in ("moved",):
+            return  # the worker runs elsewhere; only the operator's tools reach it there
+        s = sig if (_handles(pid, sig) or sig not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)) \
+            else signal.SIGKILL
+        try:
+            os.kill(pid, s)
+        except ProcessLookupError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+
+    code = p.wait()
+    for t in pumps:
+        t.join(5)
+    info = _safe(client.worker, wid) or {}
+    if info.get("state") not in MOVING and not info.get("restored"):
+        _safe(client.exited, wid, code)
+        return code
+    return shell_code(_follow(client, wid))
+
+
+def shell_code(code: int) -> int:
+    """A worker killed by signal N exits, as a shell reports it, with 128+N."""
+    return 128 - code if code < 0 else code
+
+
+def _follow(client: AgentClient, wid: str) -> int:
+    """Stream the output of a worker that moved, until it exits; return its code."""
+    offsets = {"stdout": 0, "stderr": 0}
+    outs = {"stdout": sys.stdout, "stderr": sys.stderr}
+    unreachable_since: float | None = None
+    while True:
+        code = None
+        got = False
+        state = ""
+        for stream in ("stdout", "stderr"):
+            try:
+                data, h = client.output(wid, stream, offsets[stream])
+            except PitstopError:
+                data, h = b"", {"x-pitstop-state": "unreachable"}
+            state = h.get("x-pitstop-state", "")
+            if data:
+                outs[stream].buffer.write(data)
+                outs[stream].flush()
+                offsets[stream] += len(data)
+                got = True
+            if "x-pitstop-exit-code" in h:
+                code = int(h["x-pitstop-exit-code"])
+        if code is not None and not got:
+            return code
+        if state in ("lost",):
+            print(f"pitstop run: worker {wid} was lost (its process is gone with no exit status)",
+                  file=sys.stderr)
+            return 255
+        if state == "unreachable":
+            unreachable_since = unreachable_since or time.monotonic()
+            if time.monotonic() - unreachable_since > 600:
+                print(f"pitstop run: lost contact with worker {wid} for 10 minutes", file=sys.stderr)
+                return 255
+        else:
+            unreachable_since = None
+        if not got:
+            time.sleep(0.2)
+
+
+def _safe(fn, *a):  # noqa: ANN001, ANN202
+    try:
+        return fn(*a)
+    except PitstopError:
+        return None

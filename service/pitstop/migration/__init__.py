@@ -1,0 +1,1 @@
+"""Moving workers between agents: the step sequence and its rollback rules."""

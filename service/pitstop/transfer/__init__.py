@@ -1,0 +1,1 @@
+"""Streaming images between agents, pipelined with the dump."""

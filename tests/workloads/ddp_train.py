@@ -1,0 +1,73 @@
+"""A plain torch DDP training job (gloo) with no pitstop code in it.
+
+The tests and benches move its ranks between hosts and compare the final
+parameters with an uninterrupted run, bit for bit.  Configuration comes from
+the usual torch.distributed environment (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT) plus a few flags.  Each step prints one line
+``step N t=<unix time> loss=<float>`` so that a harness can see the pause as
+the job sees it (the gap between consecutive step lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--state-mb", type=float, default=0.0, help="extra resident state per rank (MiB)")
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--out", required=True, help="directory for rank<N>.pt and rank<N>.sha256")
+    args = p.parse_args()
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(1234)
+    torch.use_deterministic_algorithms(True)
+    model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 8))
+    ddp = DDP(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    # Ballast: state that must survive the move like any other memory.
+    ballast = torch.arange(int(args.state_mb * 262144), dtype=torch.float32) if args.state_mb else None
+
+    g = torch.Generator().manual_seed(100 + rank)
+    data = torch.randn(args.steps * 16, 64, generator=g)
+    target = torch.randn(args.steps * 16, 8, generator=g)
+    ds = torch.utils.data.TensorDataset(data, target)
+    loader = torch.utils.data.DataLoader(ds, batch_size=16, shuffle=False, num_workers=args.workers,
+                                         persistent_workers=args.workers > 0)
+    step = 0
+    for x, y in loader:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        step += 1
+        print(f"step {step} t={time.time():.6f} loss={loss.item():.6f}", flush=True)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    if ballast is not None:
+        assert float(ballast[-1]) == float(ballast.numel() - 1), "ballast corrupted"
+    os.makedirs(args.out, exist_ok=True)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save(state, os.path.join(args.out, f"rank{rank}.pt"))
+    h = hashlib.sha256(b"".join(v.numpy().tobytes() for v in state.values())).hexdigest()
+    with open(os.path.join(args.out, f"rank{rank}.sha256"), "w") as f:
+        f.write(h + "\n")
+    print(f"done rank={rank} steps={step} sha256={h}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
