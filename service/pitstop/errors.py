@@ -35,9 +35,11 @@ class PitstopError(Exception):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], http_status: int = 500) -> "PitstopError":
-        return cls(d.get("message", "unknown error"), action=d.get("action", ""),
-                   code=d.get("code", "internal"), http_status=http_status,
-                   details=d.get("details") or {})
+        """Rebuild the error a peer raised, as its own class where the code names one."""
+        code = d.get("code", "internal")
+        klass = _by_code().get(code, cls)
+        return klass(d.get("message", "unknown error"), action=d.get("action", ""),
+                     code=code, http_status=http_status, details=d.get("details") or {})
 
     def __str__(self) -> str:
         return f"{self.message} ({self.action})" if self.action else self.message
@@ -106,3 +108,13 @@ class DeadlineExceeded(PitstopError):
 class Unavailable(PitstopError):
     http_status = 503
     code = "unavailable"
+
+
+def _by_code() -> dict[str, type[PitstopError]]:
+    out: dict[str, type[PitstopError]] = {}
+    todo = list(PitstopError.__subclasses__())
+    while todo:
+        k = todo.pop()
+        out.setdefault(k.code, k)
+        todo += k.__subclasses__()
+    return out

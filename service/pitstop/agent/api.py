@@ -186,6 +186,13 @@ def peer_app(agent: Agent) -> FastAPI:
         agent.dest.discard(image_id)
         return {"image_id": image_id, "discarded": True}
 
+    @r.post("/images/{image_id}:verify")
+    def verify(image_id: str) -> dict:
+        m, secs = agent.dest.verify_image(image_id)
+        agent.metrics.phase.labels("verify").observe(secs)
+        return {"image_id": image_id, "verified": True, "files": len(m.files), "bytes": m.total_bytes,
+                "seconds": secs}
+
     @r.post("/images/{image_id}:restore")
     def restore(image_id: str) -> dict:
         try:

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import structlog
 
-from ..capture import criu_ops, netlock, proctree, runtime
+from ..capture import criu_ops, netlock, proctree, runtime, tcprepair
 from ..capture.manifest import Manifest
 from ..errors import CaptureFailed, Conflict, FailedPrecondition, PitstopError, TransferFailed
 from ..transfer.stream import DirectoryTail
@@ -161,9 +161,20 @@ class SourceSide:
         shutil.rmtree(cap.image_dir, ignore_errors=True)
         log.warning("capture failed; source resumed", capture=cap.id, worker=w.id, error=err["message"])
 
-    def _rollback_stopped(self, cap: Capture, w: Worker) -> None:
+    def _rollback_stopped(self, cap: Capture, w: Worker) -> str:
+        """Resume a stopped source in place; if that cannot be done, restore it from its images."""
         netlock.release(cap.run_id)
-        proctree.resume(proctree.tree(w.root_pid))
+        pids = proctree.tree(w.root_pid)
+        try:
+            tcprepair.unrepair(pids)
+        except OSError as e:
+            log.warning("cannot clear TCP repair mode in place; restoring from images", error=str(e))
+            proctree.kill_and_wait(w.root_pid)
+            restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
+                                                 stdio=cap.stdio, replace=True, output_base=self._output_end(w))
+            return f"restored here as pid {restored.root_pid}"
+        proctree.resume(pids)
+        return "resumed in place"
 
     # -- after the copy is safe ----------------------------------------------------------------
     def release(self, cid: str) -> Capture:
@@ -210,9 +221,9 @@ class SourceSide:
         w = self.state.worker(cap.worker_id)
         t0 = time.monotonic()
         if cap.state in ("sent", "dumped"):
-            self._rollback_stopped(cap, w)
-            self.state.update_worker(w, state="running")
-            how = "resumed"
+            how = self._rollback_stopped(cap, w)
+            if how == "resumed in place":
+                self.state.update_worker(w, state="running")
         else:  # released: the source is gone; restore it here from our own images
             netlock.release(cap.run_id)
             restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,

@@ -112,6 +112,9 @@ class AgentClient:
     def image(self, image_id: str) -> dict:
         return self._req("GET", f"/v1/images/{image_id}")
 
+    def verify(self, image_id: str) -> dict:
+        return self._req("POST", f"/v1/images/{image_id}:verify", timeout=180)
+
     def restore(self, image_id: str, timeout: float = 180.0) -> dict:
         return self._req("POST", f"/v1/images/{image_id}:restore", timeout=timeout)
 

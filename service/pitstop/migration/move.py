@@ -3,12 +3,14 @@
 The order of steps is the safety argument:
  1. capture on the source, streamed to the destination while dumping; the
     source is left stopped.  Failure: the source agent resumes it by itself.
- 2. release: the stopped source is killed, its images kept (same-network TCP
+ 3. verify the copy at rest on the destination (sizes, sha256).  Failure:
+    the copy is discarded and the stopped source resumed in place.
+ 4. release: the stopped source is killed, its images kept (same-network TCP
     restore needs the four-tuples free, see agent/capturing.py).
- 3. restore on the destination (it verifies the manifest first).
+ 5. restore on the destination.
     Failure: roll back, i.e. the source agent restores its own images.
- 4. commit on the source: lock lifted, images deleted, worker marked moved.
-Until step 4 returns, every failure leaves the worker running where it was.
+ 6. commit on the source: lock lifted, images deleted, worker marked moved.
+Until step 6 returns, every failure leaves the worker running where it was.
 """
 
 from __future__ import annotations
@@ -55,6 +57,15 @@ def move_worker(src: AgentClient, dst: AgentClient, worker_id: str, *, dest_name
     report = MoveReport(worker_id, cap["id"], src.url, dst.url, bytes=cap.get("bytes_total") or 0)
     report.phases.update({k: v for k, v in cap["phases"].items()})
     if fault:
+        fault("before_verify")
+    try:
+        v = dst.verify(image_id)
+    except PitstopError:
+        _quiet(dst.discard, image_id)
+        src.rollback(cap["id"])  # still stopped: resumed in place
+        raise
+    report.phases["verify"] = v["seconds"]
+    if fault:
         fault("before_release")
     src.release(cap["id"])
     t_restore = time.monotonic()
@@ -67,7 +78,7 @@ def move_worker(src: AgentClient, dst: AgentClient, worker_id: str, *, dest_name
         _quiet(dst.discard, image_id)
         src.rollback(cap["id"])
         raise
-    report.phases.update(r["phases"])
+    report.phases.update({k: v for k, v in r["phases"].items() if k != "verify"})
     report.phases["restore_call"] = time.monotonic() - t_restore
     report.restored_pid = r["worker"]["root_pid"]
     src.commit(cap["id"], {"agent": dest_name or dst.url, "url": dst.url})

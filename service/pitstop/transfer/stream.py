@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 import threading
 import time
@@ -76,8 +77,13 @@ class DirectoryTail:
                     fd = os.open(self.directory / name, os.O_RDONLY)
                 except FileNotFoundError:
                     continue
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    continue
                 st = (fd, 0, hashlib.sha256())
                 self._files[name] = st
+                bname = name.encode()
+                yield b"D" + _D.pack(len(bname), 0, 0) + bname  # announces the file, even if empty
             fd, off, h = st
             size = os.fstat(fd).st_size
             if size < off:
@@ -171,7 +177,10 @@ class StreamReceiver:
             if "/" in name or name in ("", ".", "..") or _skipped(name):
                 raise TransferFailed(f"refusing image file name {name!r}", action="check the sender")
             del buf[:1 + _D.size + nlen]
-            self._pending = (name, off, n)
+            if n == 0:
+                self._write(name, off, b"")
+            else:
+                self._pending = (name, off, n)
             return True
         if kind in (b"M", b"E"):
             if len(buf) < 1 + _L.size:

@@ -1,0 +1,82 @@
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pitstop.capture import runtime
+from pitstop.devcluster import LocalCluster
+
+
+def _e2e_ready() -> str | None:
+    if os.geteuid() != 0:
+        return "end-to-end tests need root (CRIU)"
+    try:
+        runtime.locate()
+    except Exception as e:  # noqa: BLE001
+        return f"CRIU not available: {e} (run `make test`, which provisions it)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _e2e_ready()
+    if reason is None:
+        return
+    if os.environ.get("CI"):
+        return  # in CI a missing CRIU must fail loudly, not skip
+    for it in items:
+        if "e2e" in it.keywords:
+            it.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _leftovers(marker: str) -> list[str]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd:
+            out.append(f"{pid}: {cmd[:160]}")
+    return out
+
+
+@pytest.fixture
+def cluster(tmp_path_factory):
+    """A LocalCluster that must leave no process, directory or tmpfs file behind."""
+    c = LocalCluster(root=tmp_path_factory.mktemp("cluster"))
+    try:
+        yield c
+    finally:
+        c.close()
+        left = _leftovers(str(c.root))
+        for ln in left:  # clean up anyway, then fail
+            try:
+                os.kill(int(ln.split(":")[0]), 9)
+            except ProcessLookupError:
+                pass
+        assert not left, f"processes left behind: {left}"
+        assert not c.shm.exists(), f"{c.shm} left behind"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_criu_lock_tables_left():
+    """Every dump's nftables lock must be lifted by commit or rollback."""
+    def tables() -> set[str]:
+        try:
+            rt = runtime.locate()
+        except Exception:  # noqa: BLE001
+            return set()
+        if not rt.nft or os.geteuid() != 0:
+            return set()
+        p = subprocess.run([rt.nft, "list", "tables"], capture_output=True, text=True)
+        return {ln.split()[2] for ln in p.stdout.splitlines() if "CRIU-" in ln}
+    before = tables()
+    yield
+    left = tables() - before
+    for t in left:
+        subprocess.run([runtime.locate().nft, "delete", "table", "inet", t], capture_output=True)
+    assert not left, f"CRIU network-lock tables left behind: {left}"

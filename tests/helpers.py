@@ -1,0 +1,121 @@
+"""Test helpers: reference runs, waiting on logs, a TCP proxy that cuts connections."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from pitstop.devcluster import free_port
+
+WORKLOADS = Path(__file__).parent / "workloads"
+DDP = str(WORKLOADS / "ddp_train.py")
+
+
+def ddp_cmd(out: Path, steps: int = 100, workers: int = 0, state_mb: float = 0.0,
+            step_sleep: float = 0.05) -> list[str]:
+    return [sys.executable, DDP, "--steps", str(steps), "--out", str(out), "--workers", str(workers),
+            "--state-mb", str(state_mb), "--step-sleep", str(step_sleep)]
+
+
+_REF_CACHE: dict[tuple, list[str]] = {}
+
+
+def reference_hashes(tmp: Path, world: int, **kw) -> list[str]:
+    """Final parameter hashes of an uninterrupted run, plain torch, no pitstop at all."""
+    key = (world, tuple(sorted(kw.items())))
+    if key in _REF_CACHE:
+        return _REF_CACHE[key]
+    out = tmp / "reference"
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), USE_LIBUV="0")
+        kw2 = dict(kw, step_sleep=0.0)
+        procs.append(subprocess.Popen(ddp_cmd(out, **kw2), env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+    for p in procs:
+        assert p.wait(180) == 0, "reference run failed"
+    _REF_CACHE[key] = [hash_of(out, r) for r in range(world)]
+    return _REF_CACHE[key]
+
+
+def hash_of(out: Path, rank: int) -> str:
+    return (out / f"rank{rank}.sha256").read_text().strip()
+
+
+def wait_for_step(log: Path, step: int, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    pat = re.compile(rf"^step {step} ", re.M)
+    while time.monotonic() < end:
+        if log.exists() and pat.search(log.read_text(errors="replace")):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} never appeared in {log}:\n{log.read_text(errors='replace')[-2000:]}")
+
+
+def step_times(log: Path) -> list[tuple[int, float]]:
+    return [(int(m.group(1)), float(m.group(2)))
+            for m in re.finditer(r"^step (\d+) t=([0-9.]+)", log.read_text(errors="replace"), re.M)]
+
+
+class CuttingProxy:
+    """Forward TCP to a target, but cut every connection after `cut_after` bytes upstream."""
+
+    def __init__(self, target_port: int, cut_after: int) -> None:
+        self.target_port = target_port
+        self.cut_after = cut_after
+        self.port = free_port()
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", self.port))
+        self.sock.listen(8)
+        self.cuts = 0
+        self._stop = False
+        self.t = threading.Thread(target=self._accept, daemon=True)
+        self.t.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            u = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._pipe, args=(c, u, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(u, c, False), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket, upstream: bool) -> None:
+        n = 0
+        try:
+            while True:
+                data = a.recv(65536)
+                if not data:
+                    break
+                if upstream and n + len(data) > self.cut_after:
+                    self.cuts += 1
+                    break
+                b.sendall(data)
+                n += len(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()

@@ -1,0 +1,167 @@
+"""End to end, real: agents, CRIU, pitstop run, a torch gloo DDP job with no pitstop code.
+
+Invariant (zdtm style): the job's final parameters are bit-for-bit those of an
+uninterrupted run, whatever happened in between.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from pitstop.capture import proctree
+from pitstop.errors import IntegrityError, PitstopError, TransferFailed
+from pitstop.migration.move import move_worker
+
+from .helpers import CuttingProxy, ddp_cmd, hash_of, reference_hashes, step_times, wait_for_step
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+
+def _job(cluster, tmp_path, world=2, placement=None, **kw):
+    a = cluster.agents.get("a") or cluster.start_agent("a")
+    b = cluster.agents.get("b") or cluster.start_agent("b", spare=True)
+    out = tmp_path / "out"
+    ranks = cluster.start_job("j", ddp_cmd(out, **kw), world, placement or {r: "a" for r in range(world)})
+    for r in range(world):
+        cluster.wait_registered(placement[r] if placement else "a", f"j.{r}")
+    return a, b, out, ranks
+
+
+def _finish(ranks, timeout=120):
+    codes = [r.proc.wait(timeout) for r in ranks]
+    logs = {r.rank: r.log.read_text(errors="replace")[-1500:] for r in ranks}
+    assert codes == [0] * len(ranks), logs
+    return logs
+
+
+def test_move_rank_mid_training_bitwise_equal(cluster, tmp_path):
+    a, b, out, ranks = _job(cluster, tmp_path, steps=100)
+    wait_for_step(ranks[1].log, 10)
+    src_pid = a.client().worker("j.1")["root_pid"]
+    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b")
+    assert rep.bytes > 10_000_000 and rep.restored_pid
+    for phase in ("freeze", "dump", "transfer", "verify", "restore"):
+        assert phase in rep.phases, rep.phases
+    # The moved tree is gone from A, and runs on B.
+    assert not proctree.exists(src_pid)
+    wa = a.client().worker("j.1")
+    assert wa["state"] == "moved" and wa["moved_to"]["agent"] == "b"
+    assert b.client().worker("j.1")["state"] == "running"
+    logs = _finish(ranks)
+    # pitstop run on A kept streaming rank 1's output after the move, to the end.
+    assert "done rank=1 steps=100" in logs[1]
+    assert [s for s, _ in step_times(ranks[1].log)][-1] == 100
+    ref = reference_hashes(tmp_path, 2, steps=100)
+    assert [hash_of(out, r) for r in range(2)] == ref
+    # No images left on either side.
+    assert not any(a.image_dir.iterdir()) and not any(b.image_dir.iterdir())
+    assert b.client().worker("j.1")["state"] == "exited" and b.client().worker("j.1")["exit_code"] == 0
+
+
+def test_move_whole_tree_with_dataloader_children(cluster, tmp_path):
+    a, b, out, ranks = _job(cluster, tmp_path, steps=80, workers=2)
+    wait_for_step(ranks[1].log, 8)
+    root = a.client().worker("j.1")["root_pid"]
+    before = proctree.tree(root)
+    assert len(before) >= 3, "the rank should have DataLoader worker children"
+    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b")
+    after = proctree.tree(rep.restored_pid)
+    assert len(after) == len(before)
+    assert all(not proctree.exists(p) for p in before)
+    _finish(ranks)
+    assert [hash_of(out, r) for r in range(2)] == reference_hashes(tmp_path, 2, steps=80, workers=2)
+
+
+def test_corrupt_image_refused_before_criu_and_source_resumes(cluster, tmp_path):
+    a, b, out, ranks = _job(cluster, tmp_path, steps=80)
+    wait_for_step(ranks[1].log, 8)
+    ca, cb = a.client(), b.client()
+    cap = ca.capture("j.1", dest_url=b.url, image_id="img-corrupt")
+    cap = ca.wait_capture(cap["id"], 120)
+    assert cap["state"] == "sent"
+    pages = max((b.image_dir / "in-img-corrupt").glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with open(pages, "r+b") as f:
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(IntegrityError) as e:
+        cb.verify("img-corrupt")
+    assert "sha256" in e.value.message and pages.name in e.value.message
+    assert not (b.image_dir / "in-img-corrupt").exists(), "a bad copy must be discarded"
+    assert ca.rollback(cap["id"])["state"] == "rolled_back"
+    assert ca.worker("j.1")["state"] == "running"
+    _finish(ranks)
+    assert [hash_of(out, r) for r in range(2)] == reference_hashes(tmp_path, 2, steps=80)
+
+
+def test_transfer_cut_halfway_source_resumes(cluster, tmp_path):
+    a, b, out, ranks = _job(cluster, tmp_path, steps=80)
+    wait_for_step(ranks[1].log, 8)
+    proxy = CuttingProxy(int(b.url.rsplit(":", 1)[1]), cut_after=20_000_000)
+    try:
+        dst = b.client()
+        dst.url = proxy.url  # the source streams through the cutting proxy
+        with pytest.raises(TransferFailed) as e:
+            move_worker(a.client(), dst, "j.1")
+        assert proxy.cuts == 1
+    finally:
+        proxy.close()
+    assert "transfer" in e.value.message
+    assert a.client().worker("j.1")["state"] == "running"
+    caps = [c for c in a.client()._req("GET", "/v1/captures")]
+    assert caps[-1]["state"] == "failed" and caps[-1]["error"]["code"] == "transfer_failed"
+    _finish(ranks)
+    assert [hash_of(out, r) for r in range(2)] == reference_hashes(tmp_path, 2, steps=80)
+    assert not any(b.image_dir.iterdir()), "the partial copy must be discarded"
+    assert not any(a.image_dir.iterdir())
+
+
+def test_bad_requests_change_nothing(cluster, tmp_path):
+    a, b, out, ranks = _job(cluster, tmp_path, steps=60)
+    ca = a.client()
+    # Unregistered worker.
+    with pytest.raises(PitstopError) as e:
+        ca.capture("no-such.0")
+    assert e.value.http_status == 404 and "pitstop run" in e.value.action
+    # No token, wrong token: refused, nothing happens.
+    r = httpx.post(a.url + "/v1/captures", json={"worker_id": "j.1"})
+    assert r.status_code == 401 and "PITSTOP_CLUSTER_TOKEN" in r.json()["error"]["action"]
+    r = httpx.post(a.url + "/v1/captures", json={"worker_id": "j.1"}, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401
+    assert ca.worker("j.1")["state"] == "running" and ca._req("GET", "/v1/captures") == []
+    # Registering a dead pid, or a process that is not a capturable tree root.
+    local = httpx.Client(transport=httpx.HTTPTransport(uds=str(a.state_dir / "agent.sock")), base_url="http://a")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    r = local.post("/v1/workers", json={"job": "x", "rank": 0, "pid": dead.pid})
+    assert r.status_code == 412 and r.json()["error"]["code"] == "no_such_process"
+    plain = subprocess.Popen(["sleep", "30"])
+    try:
+        r = local.post("/v1/workers", json={"job": "x", "rank": 0, "pid": plain.pid})
+        assert r.status_code == 412 and "pitstop run" in r.json()["error"]["action"]
+    finally:
+        plain.kill()
+        plain.wait()
+    r = local.post("/v1/workers", json={"job": "bad job!", "rank": -1, "pid": 1})
+    assert r.status_code == 400 and "job" in r.json()["error"]["message"]
+    # A worker that has exited cannot be captured.
+    _finish(ranks)
+    with pytest.raises(PitstopError) as e:
+        ca.capture("j.0")
+    assert e.value.http_status in (409, 412)
+    assert ca._req("GET", "/v1/captures") == []
+
+
+def test_agent_refuses_to_start_without_cluster_token(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PITSTOP_CLUSTER_TOKEN"}
+    p = subprocess.run([sys.executable, "-m", "pitstop.cli", "agent", "--name", "x", "--listen", "127.0.0.1:1",
+                        "--state-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1
+    assert "cluster token" in p.stderr and "PITSTOP_CLUSTER_TOKEN" in p.stderr

@@ -1,0 +1,121 @@
+"""Unit tests of the image stream: tailing files being written, framing, integrity."""
+
+import os
+import threading
+import time
+
+import pytest
+
+from pitstop.capture.manifest import Manifest, verify
+from pitstop.errors import IntegrityError, TransferFailed
+from pitstop.transfer.stream import DirectoryTail, StreamReceiver, verify_directory
+
+
+def _writer(d, files, done, chunk=100_000, delay=0.001):
+    for name, data in files.items():
+        with open(d / name, "wb") as f:
+            for i in range(0, len(data), chunk):
+                f.write(data[i:i + chunk])
+                f.flush()
+                time.sleep(delay)
+    done()
+
+
+def test_tail_streams_files_while_they_are_written(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    files = {"pages-1.img": os.urandom(3_000_000), "core-1.img": os.urandom(1234), "empty.img": b""}
+    tail = DirectoryTail(src)
+    tail.manifest_base = Manifest(capture_id="c1", worker={"id": "j.1"})
+    t = threading.Thread(target=_writer, args=(src, files, tail.finished.set))
+    t.start()
+    rx = StreamReceiver(dst)
+    for piece in tail:
+        rx.feed(piece[:7])  # arbitrary re-chunking on the wire
+        rx.feed(piece[7:])
+    t.join()
+    assert rx.complete
+    for name, data in files.items():
+        assert (dst / name).read_bytes() == data
+    m = verify_directory(dst)
+    assert m.worker == {"id": "j.1"} and m.total_bytes == sum(map(len, files.values()))
+    assert tail.sent == m.total_bytes
+
+
+def test_logs_and_manifest_names_are_not_streamed(tmp_path):
+    src = tmp_path / "s"
+    src.mkdir()
+    (src / "dump.log").write_text("x")
+    (src / "a.img").write_bytes(b"abc")
+    tail = DirectoryTail(src)
+    tail.finished.set()
+    rx = StreamReceiver(tmp_path / "d")
+    for p in tail:
+        rx.feed(p)
+    assert [f.name for f in rx.manifest.files] == ["a.img"]
+
+
+def test_sender_failure_is_an_error_frame(tmp_path):
+    src = tmp_path / "s"
+    src.mkdir()
+    (src / "a.img").write_bytes(b"abc")
+    tail = DirectoryTail(src)
+    tail.failure = RuntimeError("dump failed")
+    rx = StreamReceiver(tmp_path / "d")
+    with pytest.raises(TransferFailed, match="dump failed"):
+        for p in tail:
+            rx.feed(p)
+
+
+def test_tampered_stream_fails_manifest_check(tmp_path):
+    src = tmp_path / "s"
+    src.mkdir()
+    (src / "a.img").write_bytes(b"A" * 1000)
+    tail = DirectoryTail(src)
+    tail.finished.set()
+    pieces = list(tail)
+    pieces[2] = b"B" * 1000  # the data piece (after the announcement and its header)
+    rx = StreamReceiver(tmp_path / "d")
+    with pytest.raises(IntegrityError, match="differ"):
+        for p in pieces:
+            rx.feed(p)
+    assert not rx.complete
+
+
+@pytest.mark.parametrize("name", ["../evil", "x/y", ".hidden"])
+def test_receiver_refuses_path_tricks(tmp_path, name):
+    import struct
+    b = name.encode()
+    frame = b"D" + struct.pack("!HQI", len(b), 0, 1) + b + b"x"
+    with pytest.raises(TransferFailed, match="refusing"):
+        StreamReceiver(tmp_path / "d").feed(frame)
+
+
+def test_verify_names_every_problem(tmp_path):
+    d = tmp_path
+    (d / "a.img").write_bytes(b"1234")
+    (d / "b.img").write_bytes(b"5678")
+    tail = DirectoryTail(d)
+    tail.finished.set()
+    rx = StreamReceiver(tmp_path / "copy")
+    for p in tail:
+        rx.feed(p)
+    copy = tmp_path / "copy"
+    (copy / "a.img").write_bytes(b"1235")
+    (copy / "b.img").unlink()
+    with pytest.raises(IntegrityError) as e:
+        verify(copy, Manifest.read(copy))
+    assert "a.img: sha256" in e.value.message and "b.img: missing" in e.value.message
+
+
+def test_stream_detects_shrinking_file(tmp_path):
+    d = tmp_path / "s"
+    d.mkdir()
+    (d / "a.img").write_bytes(b"x" * 100)
+    tail = DirectoryTail(d)
+    it = iter(tail)
+    for _ in range(3):  # announcement, header, data
+        next(it)
+    (d / "a.img").write_bytes(b"x" * 10)
+    with pytest.raises(TransferFailed, match="shrank"):
+        list(it)
