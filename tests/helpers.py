@@ -50,6 +50,12 @@ def hash_of(out: Path, rank: int) -> str:
     return (out / f"rank{rank}.sha256").read_text().strip()
 
 
+def assert_same_as_reference(out: Path, ref: list[str]) -> None:
+    got = [hash_of(out, r) for r in range(len(ref))]
+    assert got == ref, (f"final parameters differ from the uninterrupted run: got {got}, want {ref}; "
+                        f"ranks {'agree' if len(set(got)) == 1 else 'DISAGREE'} with each other")
+
+
 def wait_for_step(log: Path, step: int, timeout_s: float = 60.0) -> None:
     end = time.monotonic() + timeout_s
     pat = re.compile(rf"^step {step} ", re.M)

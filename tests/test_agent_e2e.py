@@ -18,7 +18,8 @@ from pitstop.capture import proctree
 from pitstop.errors import IntegrityError, PitstopError, TransferFailed
 from pitstop.migration.move import move_worker
 
-from .helpers import CuttingProxy, ddp_cmd, hash_of, reference_hashes, step_times, wait_for_step
+from .helpers import (CuttingProxy, assert_same_as_reference, ddp_cmd, reference_hashes, step_times,
+                      wait_for_step)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -57,8 +58,7 @@ def test_move_rank_mid_training_bitwise_equal(cluster, tmp_path):
     # pitstop run on A kept streaming rank 1's output after the move, to the end.
     assert "done rank=1 steps=100" in logs[1]
     assert [s for s, _ in step_times(ranks[1].log)][-1] == 100
-    ref = reference_hashes(tmp_path, 2, steps=100)
-    assert [hash_of(out, r) for r in range(2)] == ref
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=100))
     # No images left on either side.
     assert not any(a.image_dir.iterdir()) and not any(b.image_dir.iterdir())
     assert b.client().worker("j.1")["state"] == "exited" and b.client().worker("j.1")["exit_code"] == 0
@@ -75,7 +75,7 @@ def test_move_whole_tree_with_dataloader_children(cluster, tmp_path):
     assert len(after) == len(before)
     assert all(not proctree.exists(p) for p in before)
     _finish(ranks)
-    assert [hash_of(out, r) for r in range(2)] == reference_hashes(tmp_path, 2, steps=80, workers=2)
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80, workers=2))
 
 
 def test_corrupt_image_refused_before_criu_and_source_resumes(cluster, tmp_path):
@@ -98,7 +98,7 @@ def test_corrupt_image_refused_before_criu_and_source_resumes(cluster, tmp_path)
     assert ca.rollback(cap["id"])["state"] == "rolled_back"
     assert ca.worker("j.1")["state"] == "running"
     _finish(ranks)
-    assert [hash_of(out, r) for r in range(2)] == reference_hashes(tmp_path, 2, steps=80)
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80))
 
 
 def test_transfer_cut_halfway_source_resumes(cluster, tmp_path):
@@ -118,7 +118,7 @@ def test_transfer_cut_halfway_source_resumes(cluster, tmp_path):
     caps = [c for c in a.client()._req("GET", "/v1/captures")]
     assert caps[-1]["state"] == "failed" and caps[-1]["error"]["code"] == "transfer_failed"
     _finish(ranks)
-    assert [hash_of(out, r) for r in range(2)] == reference_hashes(tmp_path, 2, steps=80)
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80))
     assert not any(b.image_dir.iterdir()), "the partial copy must be discarded"
     assert not any(a.image_dir.iterdir())
 

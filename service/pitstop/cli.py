@@ -103,6 +103,171 @@ def run(
     raise typer.Exit(run_cmd(args, job=job, agent_url=agent_url, rank=rank))
 
 
+@app.command()
+def coordinator(
+    listen: str = typer.Option("127.0.0.1:7000", help="HOST:PORT for operators and agents"),
+    db: Path = typer.Option(Path("/var/lib/pitstop/coordinator.db"), help="SQLite database file"),
+    insecure: bool = typer.Option(False, "--insecure", help="allow running without tokens"),
+    log_json: bool = typer.Option(False, "--log-json"),
+) -> None:
+    """Run the coordinator (operator REST API, migration driver)."""
+    from .coordinator.server import serve
+    from .coordinator.settings import CoordinatorSettings
+
+    logs.setup(json=log_json)
+    try:
+        serve(CoordinatorSettings(listen=listen, db=db, insecure=insecure))
+    except PitstopError as e:
+        _fail(e)
+
+
+def _client():  # noqa: ANN202
+    from .coordinator.client import CoordinatorClient
+
+    return CoordinatorClient()
+
+
+def _age(s: float) -> str:
+    return f"{s:.1f}s" if s < 120 else f"{s / 60:.0f}m"
+
+
+@app.command()
+def hosts(as_json: bool = typer.Option(False, "--json")) -> None:
+    """List hosts: role, health, GPUs, last heartbeat."""
+    try:
+        hs = _client().hosts()
+    except PitstopError as e:
+        _fail(e, as_json)
+    if as_json:
+        print(json.dumps(hs, indent=1))
+        return
+    t = Table(title="hosts")
+    for c in ("name", "role", "url", "gpus", "health", "last heartbeat"):
+        t.add_column(c)
+    for h in hs:
+        gpus = f"{h.get('gpu_count')} x {h.get('gpu_model')}" if h.get("gpu_count") else \
+            (h.get("gpu_note") or "not present")
+        health = h.get("health") or {}
+        t.add_row(h["name"], h["role"], h["url"], gpus,
+                  "degraded: " + ", ".join(health.get("reasons", [])) if health.get("degraded") else "ok",
+                  _age(h["age_s"]) + " ago")
+    out.print(t)
+
+
+@app.command()
+def jobs(as_json: bool = typer.Option(False, "--json")) -> None:
+    """List jobs and where their workers run."""
+    try:
+        js = _client().jobs()
+    except PitstopError as e:
+        _fail(e, as_json)
+    if as_json:
+        print(json.dumps(js, indent=1))
+        return
+    t = Table(title="jobs")
+    for c in ("job", "state", "workers (rank@host: state)"):
+        t.add_column(c)
+    for j in js:
+        t.add_row(j["job"], j["state"], ", ".join(f"{w['rank']}@{w['host']}: {w['state']}" for w in j["workers"]))
+    out.print(t)
+
+
+@app.command()
+def ops(op_id: Optional[str] = typer.Argument(None, help="an operation id; omit to list all"),
+        as_json: bool = typer.Option(False, "--json")) -> None:
+    """List operations, or show one."""
+    try:
+        data = _client().op(op_id) if op_id else _client().ops()
+    except PitstopError as e:
+        _fail(e, as_json)
+    if as_json:
+        print(json.dumps(data, indent=1))
+        return
+    if op_id:
+        _print_op(data)
+        return
+    t = Table(title="operations")
+    for c in ("operation", "node", "to", "phase", "result", "downtime"):
+        t.add_column(c)
+    for o in data:
+        m = o["metadata"]
+        t.add_row(o["name"], m["node"], m["destination"], m["phase"], m.get("result") or "running",
+                  f"{m['downtime_s']:.2f}s" if m.get("downtime_s") is not None else "")
+    out.print(t)
+
+
+def _print_op(o: dict) -> None:
+    m = o["metadata"]
+    t = Table(title=f"{o['name']}: {m['node']} -> {m['destination']} ({m.get('result') or m['phase']})")
+    t.add_column("phase")
+    t.add_column("seconds", justify="right")
+    for k, v in m.get("phases", {}).items():
+        t.add_row(k, f"{v:.3f}")
+    if m.get("downtime_s") is not None:
+        t.add_row("[bold]downtime (first pause -> last resume)[/]", f"[bold]{m['downtime_s']:.3f}[/]")
+    if m.get("bytes_total"):
+        t.add_row("bytes moved", f"{m['bytes_total']:,}")
+    out.print(t)
+    if o.get("error"):
+        err.print(f"[bold red]failed:[/] {o['error']['message']}")
+        for d in o["error"].get("details", []):
+            if d.get("action"):
+                err.print(f"[bold]what to do:[/] {d['action']}")
+
+
+@app.command()
+def evacuate(
+    node: str = typer.Argument(..., help="the host to drain"),
+    to: Optional[str] = typer.Option(None, "--to", help="destination host (default: a compatible spare)"),
+    wait: bool = typer.Option(False, "--wait", help="wait for the operation to finish"),
+    as_json: bool = typer.Option(False, "--json", help="print the (final) Operation as JSON"),
+    idempotency_key: Optional[str] = typer.Option(None, "--idempotency-key", help="retry-safe request key"),
+    timeout: float = typer.Option(900.0, help="seconds to wait with --wait"),
+) -> None:
+    """Move every worker off NODE to a spare while its jobs keep training."""
+    import time
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+    c = _client()
+    try:
+        o = c.evacuate(node, to, idempotency_key)
+    except PitstopError as e:
+        _fail(e, as_json)
+    if not wait:
+        print(json.dumps(o, indent=1)) if as_json else out.print(f"started {o['name']}")
+        return
+    end = time.monotonic() + timeout
+    show = not as_json and err.is_terminal or os.environ.get("PITSTOP_PROGRESS") == "1"
+    with Progress(TextColumn("[bold]{task.fields[phase]:<9}"), BarColumn(), DownloadColumn(),
+                  TimeElapsedColumn(), console=err, disable=not show, transient=False) as prog:
+        task = prog.add_task("evacuate", total=None, phase="pending")
+        last_phase = None
+        while True:
+            try:
+                o = c.op(o["name"])
+            except PitstopError as e:
+                _fail(e, as_json)
+            m = o["metadata"]
+            prog.update(task, phase=m["phase"], completed=m.get("bytes_done") or 0,
+                        total=m.get("bytes_total") or None)
+            if not show and not as_json and m["phase"] != last_phase:
+                err.print(f"phase: {m['phase']}  bytes: {m.get('bytes_done') or 0:,}")
+            last_phase = m["phase"]
+            if o["done"] or time.monotonic() > end:
+                break
+            time.sleep(0.2)
+    if as_json:
+        print(json.dumps(o, indent=1))
+    else:
+        _print_op(o)
+    if not o["done"]:
+        err.print(f"[yellow]still running after {timeout:.0f} s; follow with `pitstop ops {o['name']}`[/]")
+        raise typer.Exit(2)
+    if o.get("error"):
+        raise typer.Exit(1)
+
+
 def main() -> None:
     try:
         app()

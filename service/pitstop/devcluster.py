@@ -183,7 +183,7 @@ def _kill_restored(a: AgentProc) -> None:
     except (OSError, ValueError):
         return
     for w in st.get("workers", {}).values():
-        if w.get("state") in ("running", "capturing", "stopped") and \
+        if w.get("state") in ("running", "paused", "capturing", "stopped") and \
                 proctree.start_time(w["root_pid"]) == w.get("start_time"):
             try:
                 os.kill(w["root_pid"], signal.SIGKILL)

@@ -11,6 +11,8 @@ import structlog
 def setup(level: str = "info", json: bool = False) -> None:
     lvl = getattr(logging, level.upper(), logging.INFO)
     logging.basicConfig(level=lvl, stream=sys.stderr, format="%(message)s")
+    for noisy in ("httpx", "httpcore"):  # one line per request drowns what matters
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     structlog.configure(
         processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
                     structlog.processors.TimeStamper(fmt="iso", utc=True),

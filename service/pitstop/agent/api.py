@@ -25,7 +25,7 @@ from ..httpapi import install_error_handlers, require_token
 from .capturing import SourceSide
 from .receiving import DestinationSide
 from .settings import AgentSettings
-from .state import AgentState, Worker
+from .state import LIVE_STATES, AgentState, Worker
 
 
 class Metrics:
@@ -62,7 +62,7 @@ class Agent:
             criu = {"error": e.message}
         return {"name": self.s.name, "url": self.s.url, "spare": self.s.spare, "version": __version__,
                 "criu": criu, "workers": len([w for w in self.state.workers.values()
-                                              if w.state in ("running", "capturing", "stopped")])}
+                                              if w.state in LIVE_STATES])}
 
     def refresh(self, w: Worker) -> Worker:
         if w.state == "running" and not w.restored and (
@@ -120,6 +120,39 @@ def peer_app(agent: Agent) -> FastAPI:
     @r.get("/workers/{wid}/output")
     async def output(wid: str, stream: str = "stdout", offset: int = 0) -> Response:
         return await _output(agent, wid, stream, offset)
+
+    @r.post("/workers/{wid}:pause")
+    def pause(wid: str) -> Worker:
+        """Stop a worker's whole tree (SIGSTOP) while a peer of its job moves."""
+        w = agent.refresh(agent.state.worker(wid))
+        if w.state == "paused":
+            return w
+        if w.state != "running":
+            raise Conflict(f"worker {wid} is {w.state}; only a running worker can be paused",
+                           action="check the worker's state")
+        proctree.stop(proctree.tree(w.root_pid))
+        agent.state.update_worker(w, state="paused")
+        return w
+
+    @r.post("/workers/{wid}:resume")
+    def resume(wid: str) -> Worker:
+        w = agent.state.worker(wid)
+        if w.state == "paused":
+            proctree.resume(proctree.tree(w.root_pid))
+            agent.state.update_worker(w, state="running")
+        return w
+
+    @r.post("/workers/{wid}:discard")
+    def discard_worker(wid: str) -> Worker:
+        """Kill a copy this agent restored (a move being rolled back); refuses original workers."""
+        w = agent.state.worker(wid)
+        if not w.restored:
+            raise Conflict(f"worker {wid} was launched here, not restored; refusing to kill it",
+                           action="only restored copies can be discarded")
+        if w.state in ("running", "paused", "capturing", "stopped"):
+            agent.state.update_worker(w, state="lost")
+            proctree.kill_and_wait(w.root_pid)
+        return w
 
     @r.post("/captures", status_code=202)
     def capture(req: CaptureRequest) -> dict:
@@ -254,7 +287,7 @@ def local_app(agent: Agent) -> FastAPI:
         wid = f"{req.job}.{req.rank}"
         with agent.state.lock:
             old = agent.state.workers.get(wid)
-            if old and old.state in ("running", "capturing", "stopped") and proctree.exists(old.root_pid):
+            if old and old.state in LIVE_STATES and proctree.exists(old.root_pid):
                 raise Conflict(f"worker {wid} is already registered (pid {old.root_pid})",
                                action="each rank of a job registers once")
             w = Worker(id=wid, job=req.job, rank=req.rank, root_pid=pid, start_time=proctree.start_time(pid) or 0)

@@ -78,6 +78,18 @@ class AgentClient:
             raise_for(r)
         return r.content, {k.lower(): v for k, v in r.headers.items()}
 
+    def pause(self, wid: str) -> dict:
+        return self._req("POST", f"/v1/workers/{wid}:pause")
+
+    def resume(self, wid: str) -> dict:
+        return self._req("POST", f"/v1/workers/{wid}:resume")
+
+    def discard_worker(self, wid: str) -> dict:
+        return self._req("POST", f"/v1/workers/{wid}:discard")
+
+    def captures(self) -> list[dict]:
+        return self._req("GET", "/v1/captures")
+
     # the leaving side
     def capture(self, worker_id: str, dest_url: str | None = None, image_id: str | None = None) -> dict:
         return self._req("POST", "/v1/captures", json={"worker_id": worker_id, "dest_url": dest_url,

@@ -24,7 +24,7 @@ from ..capture.manifest import Manifest
 from ..errors import Conflict, NotFound, PitstopError, TransferFailed
 from ..transfer.stream import StreamReceiver, verify_directory
 from .settings import AgentSettings
-from .state import AgentState, Worker
+from .state import LIVE_STATES, AgentState, Worker
 
 log = structlog.get_logger("pitstop.agent.restore")
 
@@ -146,7 +146,7 @@ class DestinationSide:
         """Restore images in `directory`; register the result as a worker of this agent."""
         with self.state.lock:
             old = self.state.workers.get(worker_id)
-            if old and old.state in ("running", "capturing", "stopped") and not replace:
+            if old and old.state in LIVE_STATES and not replace:
                 raise Conflict(f"worker {worker_id} already runs here", action="this would run it twice")
         inherit: dict[str, int] = {}
         ours: list[tuple[int, str, int]] = []  # (our fd, stream name, their fd number)

@@ -18,7 +18,8 @@ from pydantic import BaseModel, Field
 
 from ..errors import NotFound
 
-WorkerState = Literal["running", "capturing", "stopped", "released", "moved", "exited", "lost"]
+WorkerState = Literal["running", "paused", "capturing", "stopped", "released", "moved", "exited", "lost"]
+LIVE_STATES = ("running", "paused", "capturing", "stopped")  # a process exists for these
 CaptureState = Literal["dumping", "dumped", "sent", "released", "committed", "rolled_back", "failed"]
 
 

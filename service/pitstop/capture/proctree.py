@@ -109,6 +109,14 @@ def stdio_pipes(pids: list[int]) -> list[PipeEnd]:
     return list(seen.values())
 
 
+def stop(pids: list[int]) -> None:
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+
+
 def resume(pids: list[int]) -> None:
     for p in pids:
         try:

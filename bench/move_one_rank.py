@@ -1,0 +1,85 @@
+"""Move one rank of a reference job between two agents; report every phase against the floor.
+
+    make bench            (or: .venv/bin/python bench/move_one_rank.py --state-mb 512)
+
+Prints each phase's time and bytes, the raw TCP bandwidth between the two
+endpoints measured in the same run, the data floor (bytes / bandwidth), and
+downtime / floor.  Writes bench/out/move_one_rank.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import job_pause, machine, raw_tcp_bandwidth  # noqa: E402
+from pitstop.devcluster import LocalCluster  # noqa: E402
+from pitstop.migration.move import move_worker  # noqa: E402
+
+WORKLOAD = Path(__file__).resolve().parent.parent / "tests" / "workloads" / "ddp_train.py"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--state-mb", type=float, default=512.0, help="extra state in the moved rank (MiB)")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "move_one_rank.json"))
+    args = ap.parse_args()
+
+    bw = raw_tcp_bandwidth()
+    with LocalCluster() as c:
+        a = c.start_agent("a")
+        b = c.start_agent("b", spare=True)
+        out = c.root / "out"
+        cmd = [sys.executable, str(WORKLOAD), "--steps", str(args.steps), "--out", str(out),
+               "--state-mb", str(args.state_mb), "--step-sleep", "0.05"]
+        ranks = c.start_job("bench", cmd, 2, {0: "a", 1: "a"})
+        c.wait_registered("a", "bench.1")
+        _wait_step(ranks[1].log, 20)
+        rep = move_worker(a.client(), b.client(), "bench.1", dest_name="b")
+        codes = [r.proc.wait(300) for r in ranks]
+        pause, step = job_pause(ranks[1].log)
+    floor = rep.bytes / bw
+    res = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "state_mb": args.state_mb,
+        "bytes": rep.bytes,
+        "phases_s": {k: round(v, 4) for k, v in rep.phases.items()},
+        "downtime_s": round(rep.downtime_s, 4),
+        "job_pause_s": round(pause, 4),
+        "normal_step_s": round(step, 4),
+        "raw_tcp_bytes_per_s": round(bw),
+        "floor_s": round(floor, 4),
+        "downtime_over_floor": round(rep.downtime_s / floor, 2),
+        "exit_codes": codes,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(f"moved {rep.bytes / 2**20:.0f} MiB of rank 1 ({res['machine']})")
+    print(f"{'phase':<22}{'seconds':>10}")
+    for k, v in rep.phases.items():
+        print(f"{k:<22}{v:>10.3f}")
+    print(f"{'downtime (API)':<22}{rep.downtime_s:>10.3f}")
+    print(f"{'pause seen by the job':<22}{pause:>10.3f}   (a normal step: {step:.3f} s)")
+    print(f"raw TCP bandwidth      {bw / 1e9:.2f} GB/s   floor = bytes / bandwidth = {floor:.3f} s")
+    print(f"downtime / floor       {rep.downtime_s / floor:.2f}")
+    print(f"job exit codes         {codes}")
+
+
+def _wait_step(log: Path, step: int, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if log.exists() and f"\nstep {step} " in log.read_text(errors="replace"):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not reached")
+
+
+if __name__ == "__main__":
+    main()

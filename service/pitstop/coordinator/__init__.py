@@ -1,0 +1,1 @@
+"""The coordinator: the one part that knows the cluster; plans and drives evacuations."""

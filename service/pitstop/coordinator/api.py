@@ -1,0 +1,164 @@
+"""The operator REST API (versioned, OpenAPI at /openapi.json) and the agents' heartbeat endpoint.
+
+Operators authenticate with PITSTOP_TOKEN, agents with PITSTOP_CLUSTER_TOKEN;
+nothing under /v1 is served without one or the other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, Field
+
+from .. import __version__
+from ..errors import Conflict, NotFound, Unprocessable
+from ..httpapi import install_error_handlers, require_token
+from .driver import Driver
+from .planner import plan
+from .settings import CoordinatorSettings
+from .store import Store
+
+
+class EvacuateRequest(BaseModel):
+    to: str | None = Field(None, description="host to move the workers to; default: a compatible spare")
+    reason: str = Field("operator request", max_length=500)
+
+
+class Heartbeat(BaseModel):
+    name: str = Field(min_length=1, max_length=253)
+    url: str
+    spare: bool = False
+    workers: list[dict[str, Any]] = Field(default_factory=list)
+    gpus: list[dict[str, Any]] = Field(default_factory=list)
+    gpu_model: str | None = None
+    gpu_count: int = 0
+    gpu_note: str = ""
+    driver: str | None = None
+    health: dict[str, Any] = Field(default_factory=dict)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ops = Counter("pitstop_coordinator_operations_total", "Evacuations by result", ["result"], registry=r)
+        self.phase = Histogram("pitstop_coordinator_phase_duration_seconds", "Evacuation phase durations",
+                               ["phase"], registry=r, buckets=(.01, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60, 120))
+        self.bytes = Counter("pitstop_coordinator_transferred_bytes_total", "Image bytes moved by evacuations",
+                             registry=r)
+        self.heartbeats = Counter("pitstop_coordinator_heartbeats_total", "Agent heartbeats received", registry=r)
+        self.hosts = Gauge("pitstop_coordinator_hosts", "Known hosts by role", ["role"], registry=r)
+
+
+def operation_view(op: dict[str, Any]) -> dict[str, Any]:
+    """An operation in the AIP-151 shape."""
+    md = dict(op["metadata"])
+    md.update({"phase": op["phase"], "cancel_requested": op["cancel_requested"], "result": op["result"],
+               "create_time": op["created"], "update_time": op["updated"]})
+    out: dict[str, Any] = {"name": f"operations/{op['id']}", "done": op["done"], "metadata": md}
+    if op["error"]:
+        out["error"] = op["error"]
+    elif op["response"]:
+        out["response"] = op["response"]
+    return out
+
+
+def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[FastAPI, Driver]:
+    store = store or Store(settings.db)
+    metrics = Metrics()
+    driver = Driver(store, settings, on_phase=lambda p, s: metrics.phase.labels(p).observe(s),
+                    on_result=lambda r, b: (metrics.ops.labels(r).inc(), metrics.bytes.inc(b)))
+    app = FastAPI(title="pitstop coordinator", version=__version__,
+                  description="Evacuate GPU hosts without stopping the training jobs on them.")
+    install_error_handlers(app)
+
+    def operator(request: Request) -> None:
+        require_token(request, settings.operator_token, "operator", "PITSTOP_TOKEN")
+
+    def cluster(request: Request) -> None:
+        require_token(request, settings.cluster_token, "cluster", "PITSTOP_CLUSTER_TOKEN")
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"ok": True}
+
+    @app.get("/metrics")
+    def prom() -> Response:
+        roles: dict[str, int] = {}
+        for h in store.hosts():
+            roles[h["role"]] = roles.get(h["role"], 0) + 1
+        for role, n in roles.items():
+            metrics.hosts.labels(role).set(n)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    agents = APIRouter(prefix="/v1", dependencies=[Depends(cluster)], tags=["agents"])
+
+    @agents.post("/agents:heartbeat")
+    def heartbeat(hb: Heartbeat) -> dict:
+        store.heartbeat(hb.model_dump())
+        metrics.heartbeats.inc()
+        return {"ok": True}
+
+    ops = APIRouter(prefix="/v1", dependencies=[Depends(operator)], tags=["operators"])
+
+    @ops.get("/hosts")
+    def hosts() -> list[dict]:
+        return store.hosts()
+
+    @ops.get("/jobs")
+    def jobs() -> list[dict]:
+        by: dict[str, list] = {}
+        for w in store.workers():
+            by.setdefault(w["job"], []).append(w)
+        return [{"job": j, "workers": ws, "hosts": sorted({w["host"] for w in ws}),
+                 "state": "running" if any(w["state"] in ("running", "paused", "capturing", "stopped")
+                                           for w in ws) else "finished"} for j, ws in sorted(by.items())]
+
+    @ops.get("/operations")
+    def operations() -> list[dict]:
+        return [operation_view(o) for o in store.ops()]
+
+    @ops.get("/operations/{op_id}")
+    def operation(op_id: str) -> dict:
+        op = store.op(op_id.removeprefix("operations/"))
+        if op is None:
+            raise NotFound(f"no operation {op_id!r}", action="list operations with `pitstop ops`")
+        return operation_view(op)
+
+    @ops.post("/nodes/{node}:evacuate", status_code=202)
+    def evacuate(node: str, body: EvacuateRequest | None = None,
+                 idempotency_key: str | None = Header(None, max_length=200)) -> JSONResponse:
+        body = body or EvacuateRequest()
+        digest = hashlib.sha256(json.dumps({"node": node, **body.model_dump()}, sort_keys=True).encode()).hexdigest()
+        if idempotency_key:
+            seen = store.idempotent(idempotency_key)
+            if seen:
+                if seen[0] != digest:
+                    raise Unprocessable("this Idempotency-Key was used with a different request",
+                                        code="idempotency_key_reused",
+                                        action="use a new key for a new request", details={"operation": seen[1]})
+                return JSONResponse(operation_view(store.op(seen[1])), status_code=202)
+        p = plan(store, node, body.to, driver.busy_hosts(), settings.heartbeat_timeout_s)
+        op_id = driver.start(p, body.reason, (idempotency_key, digest) if idempotency_key else None)
+        return JSONResponse(operation_view(store.op(op_id)), status_code=202)
+
+    @ops.post("/operations/{op_id}:cancel")
+    def cancel(op_id: str) -> dict:
+        op = store.op(op_id.removeprefix("operations/"))
+        if op is None:
+            raise NotFound(f"no operation {op_id!r}", action="list operations with `pitstop ops`")
+        if op["done"]:
+            raise Conflict(f"operation {op['id']} is already done ({op['result']})", action="nothing to cancel")
+        if op["metadata"].get("committed"):
+            raise Conflict(f"operation {op['id']} is past its commit point", code="past_commit_point",
+                           action="it will finish; evacuate the destination to move the workers again")
+        store.request_cancel(op["id"])
+        return operation_view(store.op(op["id"]))
+
+    app.include_router(agents)
+    app.include_router(ops)
+    return app, driver

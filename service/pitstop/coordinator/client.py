@@ -1,0 +1,55 @@
+"""Operator client for the coordinator's REST API (used by the CLI, the demo and tests)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import httpx
+
+from ..agent.client import raise_for
+from ..errors import FailedPrecondition, Unavailable
+
+
+class CoordinatorClient:
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
+        url = url or os.environ.get("PITSTOP_COORDINATOR")
+        if not url:
+            raise FailedPrecondition("no coordinator given", code="no_coordinator",
+                                     action="set PITSTOP_COORDINATOR=http://HOST:PORT or pass --coordinator")
+        self.url = url.rstrip("/")
+        token = token if token is not None else os.environ.get("PITSTOP_TOKEN")
+        self.http = httpx.Client(base_url=self.url, timeout=timeout,
+                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+
+    def _req(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            return raise_for(self.http.request(method, path, **kw))
+        except httpx.HTTPError as e:
+            raise Unavailable(f"cannot reach the coordinator at {self.url}: {e!r}",
+                              action="check PITSTOP_COORDINATOR and that the coordinator runs") from None
+
+    def hosts(self) -> list[dict]:
+        return self._req("GET", "/v1/hosts")
+
+    def jobs(self) -> list[dict]:
+        return self._req("GET", "/v1/jobs")
+
+    def ops(self) -> list[dict]:
+        return self._req("GET", "/v1/operations")
+
+    def op(self, op_id: str) -> dict:
+        return self._req("GET", f"/v1/operations/{op_id.removeprefix('operations/')}")
+
+    def evacuate(self, node: str, to: str | None = None, idempotency_key: str | None = None,
+                 reason: str | None = None) -> dict:
+        body: dict[str, Any] = {}
+        if to:
+            body["to"] = to
+        if reason:
+            body["reason"] = reason
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._req("POST", f"/v1/nodes/{node}:evacuate", json=body, headers=headers)
+
+    def cancel(self, op_id: str) -> dict:
+        return self._req("POST", f"/v1/operations/{op_id.removeprefix('operations/')}:cancel")

@@ -1,0 +1,390 @@
+"""The migration driver: an evacuation as one durable, resumable operation.
+
+Phases, each written to the store before it starts:
+  pause    peers of the affected jobs on other hosts are stopped (SIGSTOP); the
+           consistent cut between collectives plugs in here for NCCL jobs
+  capture  every leaving worker is dumped and streamed to the spare, in parallel
+  verify   the spare checks each copy against its manifest
+  release  the stopped sources are killed; their images stay on the node
+  restore  the spare restores every worker
+  commit   <- the commit point, recorded before the first commit call
+  resume   peers continue
+Before the commit point any failure, cancel, deadline or coordinator restart
+rolls back: copies on the spare are discarded, sources are resumed in place
+(or restored from their own images once released), peers resumed.  After it,
+the driver only moves forward.  Nothing here ever leaves a job paused or
+running twice: see reconcile() for what a restarted coordinator does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import structlog
+
+from ..agent.client import AgentClient
+from ..errors import DeadlineExceeded, PitstopError
+from .settings import CoordinatorSettings
+from .store import Store
+
+log = structlog.get_logger("pitstop.coordinator.driver")
+
+PHASES = ("pause", "capture", "verify", "release", "restore", "commit", "resume")
+
+
+class Cancelled(PitstopError):
+    http_status = 409
+    code = "cancelled"
+
+
+def new_metadata(plan: Any, reason: str) -> dict[str, Any]:
+    return {
+        "@type": "type.pitstop.dev/EvacuateMetadata",
+        "node": plan.node["name"], "destination": plan.dest["name"], "reason": reason,
+        "jobs": plan.jobs,
+        "workers": {w["id"]: {"job": w["job"], "rank": w["rank"], "state": "pending", "capture_id": None,
+                              "bytes_done": 0, "bytes_total": None} for w in plan.leaving},
+        "peers": {w["id"]: w["host"] for w in plan.peers},
+        "paused": [], "committed": False, "phases": {}, "bytes_done": 0, "bytes_total": None,
+        "conditions": [], "downtime_s": None,
+    }
+
+
+class OpRun:
+    """One operation being driven (or reconciled) by this coordinator process."""
+
+    def __init__(self, driver: "Driver", op_id: str) -> None:
+        self.d = driver
+        self.id = op_id
+        op = driver.store.op(op_id)
+        assert op is not None
+        self.op = op
+        self.md: dict[str, Any] = op["metadata"]
+        self.lock = threading.RLock()
+        self._phase_t0 = time.monotonic()
+        self.started = time.monotonic()
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def save(self, **kw: Any) -> None:
+        with self.lock:
+            self.d.store.update_op(self.id, metadata=self.md, **kw)
+
+    def enter(self, phase: str) -> None:
+        with self.lock:
+            self.md["phase"] = phase
+            self._phase_t0 = time.monotonic()
+            self.save(phase=phase)
+        log.info("phase", op=self.id, phase=phase)
+
+    def leave(self, phase: str) -> None:
+        with self.lock:
+            dt = time.monotonic() - self._phase_t0
+            self.md["phases"][phase] = round(dt, 4)
+            self.d.observe_phase(phase, dt)
+            self.save()
+
+    def condition(self, type_: str, status: bool, reason: str, message: str = "") -> None:
+        with self.lock:
+            conds = [c for c in self.md["conditions"] if c["type"] != type_]
+            conds.append({"type": type_, "status": "True" if status else "False", "reason": reason,
+                          "message": message,
+                          "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            self.md["conditions"] = conds
+            self.save()
+
+    def check(self) -> None:
+        """Between phases: honour cancel and the operation's deadline."""
+        op = self.d.store.op(self.id)
+        if op and op["cancel_requested"]:
+            raise Cancelled("cancelled by the operator before the commit point", action="nothing to do; "
+                            "the job keeps running where it was")
+        if time.monotonic() - self.started > self.d.s.operation_deadline_s:
+            raise DeadlineExceeded(f"the evacuation did not reach its commit point within "
+                                   f"{self.d.s.operation_deadline_s:.0f} s", action="check the agents' logs")
+
+    def agent(self, host: str) -> AgentClient:
+        h = self.d.store.host(host)
+        if h is None:
+            raise PitstopError(f"host {host} is unknown", action="it must heartbeat to the coordinator")
+        return AgentClient(h["url"], self.d.s.cluster_token, timeout=self.d.s.step_timeout_s)
+
+    def image_id(self, wid: str) -> str:
+        return f"{self.id}-{wid}".replace(".", "_")
+
+    def each(self, fn: Callable[[str], Any]) -> None:
+        """Run fn for every leaving worker in parallel; raise the first failure."""
+        ws = list(self.md["workers"])
+        with ThreadPoolExecutor(max_workers=max(1, len(ws))) as ex:
+            for f in [ex.submit(fn, w) for w in ws]:
+                f.result()
+
+    # -- the forward path ---------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._forward()
+        except Exception as e:  # noqa: BLE001 - every failure before commit rolls back
+            err = e if isinstance(e, PitstopError) else PitstopError(f"internal error: {e!r}",
+                                                                     action="see the coordinator's log")
+            if self.md.get("committed"):
+                self._finish_commit(err)
+            else:
+                self.rollback(err)
+
+    def _forward(self) -> None:
+        node, dest = self.md["node"], self.md["destination"]
+        src, dst = self.agent(node), self.agent(dest)
+        self.condition("Planned", True, "SpareSelected", f"{len(self.md['workers'])} worker(s) of "
+                       f"{', '.join(self.md['jobs'])} move from {node} to {dest}")
+        # pause: persisted intent first, so a restart knows whom to resume.
+        self.enter("pause")
+        self.md["first_pause"] = time.time()
+        self.save()
+        for wid, host in self.md["peers"].items():
+            self.agent(host).pause(wid)
+            with self.lock:
+                self.md["paused"].append(wid)
+                self.save()
+        self.leave("pause")
+        self.condition("Quiesced", True, "PeersPaused", f"{len(self.md['paused'])} peer(s) paused")
+        self.check()
+
+        self.enter("capture")
+
+        def capture(wid: str) -> None:
+            w = self.md["workers"][wid]
+            cap = src.capture(wid, dest_url=dst.url, image_id=self.image_id(wid))
+            with self.lock:
+                w["capture_id"], w["state"] = cap["id"], "capturing"
+                self.save()
+
+            def progress(c: dict) -> None:
+                with self.lock:
+                    w["bytes_done"], w["bytes_total"] = c.get("bytes_sent", 0), c.get("bytes_total")
+                    self.md["bytes_done"] = sum(x["bytes_done"] for x in self.md["workers"].values())
+                    self.save()
+
+            cap = src.wait_capture(cap["id"], self.d.s.capture_deadline_s, progress)
+            if cap["state"] == "failed":
+                raise PitstopError.from_dict(cap.get("error") or {"message": "capture failed"})
+            with self.lock:
+                w["state"], w["bytes_total"] = "captured", cap.get("bytes_total")
+                w["bytes_done"] = w["bytes_total"] or w["bytes_done"]
+                w["capture_phases"] = cap.get("phases", {})
+                self.md["bytes_done"] = sum(x["bytes_done"] for x in self.md["workers"].values())
+                self.md["bytes_total"] = sum(x["bytes_total"] or 0 for x in self.md["workers"].values())
+                self.save()
+
+        self.each(capture)
+        self.leave("capture")
+        self.condition("Transferred", True, "ImagesStreamed", f"{self.md['bytes_total']} bytes")
+        self.check()
+
+        self.enter("verify")
+        self.each(lambda wid: dst.verify(self.image_id(wid)))
+        self.leave("verify")
+        self.check()
+
+        self.enter("release")
+
+        def release(wid: str) -> None:
+            src.release(self.md["workers"][wid]["capture_id"])
+            with self.lock:
+                self.md["workers"][wid]["state"] = "released"
+                self.save()
+
+        self.each(release)
+        self.leave("release")
+
+        self.enter("restore")
+
+        def restore(wid: str) -> None:
+            r = dst.restore(self.image_id(wid), timeout=self.d.s.step_timeout_s)
+            with self.lock:
+                self.md["workers"][wid]["state"] = "restored"
+                self.md["workers"][wid]["restored_pid"] = r["worker"]["root_pid"]
+                self.save()
+
+        self.each(restore)
+        self.leave("restore")
+        self.condition("Restored", True, "WorkersRestored", f"on {dest}")
+        self.check()
+        self._commit()
+
+    def _commit(self) -> None:
+        node, dest = self.md["node"], self.md["destination"]
+        with self.lock:
+            self.md["committed"] = True  # the commit point: from here on, only forward
+            self.save()
+        self.enter("commit")
+        src = self.agent(node)
+        dst_url = self.d.store.host(dest)["url"]
+        for wid, w in self.md["workers"].items():
+            src.commit(w["capture_id"], {"agent": dest, "url": dst_url})
+            w["state"] = "committed"
+            self.d.store.set_worker_host(wid, dest)
+        self.d.store.set_role(dest, "active")
+        self.d.store.set_role(node, "drained")
+        self.save()
+        self.leave("commit")
+        self.condition("Committed", True, "MembershipRecorded", f"{dest} now runs the workers; {node} is drained")
+        self.enter("resume")
+        self._resume_peers()
+        self.leave("resume")
+        self.md["last_resume"] = time.time()
+        self.md["downtime_s"] = round(self.md["last_resume"] - self.md["first_pause"], 4)
+        self.condition("Succeeded", True, "Evacuated", f"downtime {self.md['downtime_s']} s")
+        self.save(phase="done", done=True, result="succeeded",
+                  response={"@type": "type.pitstop.dev/EvacuateResponse", "node": node, "destination": dest,
+                            "workers": sorted(self.md["workers"]), "downtime_s": self.md["downtime_s"],
+                            "bytes": self.md["bytes_total"]})
+        self.d.count("succeeded", self.md["bytes_total"] or 0)
+        log.info("evacuated", op=self.id, node=node, dest=dest, downtime_s=self.md["downtime_s"],
+                 **self.md["phases"])
+
+    def _finish_commit(self, err: PitstopError) -> None:
+        """Past the commit point: retry the remaining steps; never roll back."""
+        for attempt in range(5):
+            try:
+                self._commit()
+                return
+            except Exception as e:  # noqa: BLE001
+                log.warning("commit step failed; retrying", op=self.id, attempt=attempt, error=str(e))
+                time.sleep(1 + attempt)
+        self.condition("Succeeded", False, "CommitIncomplete", str(err))
+        self.save(done=True, result="failed", error=_op_error(PitstopError(
+            f"the workers run on {self.md['destination']}, but finishing the commit failed: {err}",
+            code="commit_incomplete", action=f"check the agent on {self.md['node']}; its images and network "
+                                             "lock may need cleaning up")))
+
+    def _resume_peers(self) -> list[str]:
+        problems = []
+        for wid in list(self.md["peers"]):
+            try:
+                self.agent(self.md["peers"][wid]).resume(wid)
+            except PitstopError as e:
+                problems.append(f"{wid}: {e.message}")
+        return problems
+
+    # -- the way back -------------------------------------------------------------------------
+    def rollback(self, err: PitstopError) -> None:
+        cancelled = isinstance(err, Cancelled) or err.code == "cancelled"
+        log.warning("rolling back", op=self.id, reason=err.message)
+        self.enter("rollback")
+        node, dest = self.md["node"], self.md["destination"]
+        problems: list[str] = []
+        try:
+            src, dst = self.agent(node), self.agent(dest)
+        except PitstopError as e:
+            src = dst = None
+            problems.append(e.message)
+        for wid, w in self.md["workers"].items():
+            if dst is not None:
+                try:  # a copy the spare already restored is discarded
+                    got = dst.worker(wid)
+                    if got.get("restored") and got["state"] in ("running", "paused", "capturing", "stopped"):
+                        dst.discard_worker(wid)
+                except PitstopError as e:
+                    if e.http_status != 404:
+                        problems.append(f"{wid} on {dest}: {e.message}")
+                try:
+                    dst.discard(self.image_id(wid))
+                except PitstopError:
+                    pass
+            if src is None:
+                continue
+            try:
+                cid = w.get("capture_id") or next((c["id"] for c in src.captures()
+                                                   if c.get("image_id") == self.image_id(wid)), None)
+                if cid:
+                    c = src.get_capture(cid)
+                    if c["state"] == "dumping":
+                        c = src.wait_capture(cid, self.d.s.capture_deadline_s)
+                    if c["state"] not in ("failed", "rolled_back", "committed"):
+                        src.rollback(cid)
+                w["state"] = "rolled_back"
+            except PitstopError as e:
+                problems.append(f"{wid} on {node}: {e.message}")
+        problems += self._resume_peers()
+        self.leave("rollback")
+        msg = err.message
+        if problems:
+            msg += "; ROLLBACK INCOMPLETE: " + "; ".join(problems)
+        self.condition("RolledBack", not problems, "Cancelled" if cancelled else "Failed", msg)
+        out = PitstopError(msg, code=err.code, http_status=err.http_status,
+                           action=(err.action + "; " if err.action else "") +
+                           (f"the job keeps running on {node}" if not problems else
+                            "some workers may still be stopped: see the problems listed and the agents' logs"),
+                           details={**err.details, "rollback_problems": problems})
+        self.save(phase="done", done=True, result="cancelled" if cancelled else "failed", error=_op_error(out))
+        self.d.count("cancelled" if cancelled else "failed", 0)
+
+
+_GRPC = {"invalid_request": (3, "INVALID_ARGUMENT"), "not_found": (5, "NOT_FOUND"), "conflict": (10, "ABORTED"),
+         "cancelled": (1, "CANCELLED"), "deadline_exceeded": (4, "DEADLINE_EXCEEDED"),
+         "unavailable": (14, "UNAVAILABLE"), "image_integrity": (15, "DATA_LOSS")}
+
+
+def _op_error(e: PitstopError) -> dict[str, Any]:
+    """google.rpc.Status-shaped error, as AIP-151 operations carry."""
+    code, status = _GRPC.get(e.code, (9, "FAILED_PRECONDITION") if e.http_status == 412 else (13, "INTERNAL"))
+    return {"code": code, "status": status, "message": e.message,
+            "details": [{"@type": "type.pitstop.dev/ErrorInfo", "reason": e.code, "action": e.action,
+                         **({"metadata": e.details} if e.details else {})}]}
+
+
+class Driver:
+    def __init__(self, store: Store, settings: CoordinatorSettings,
+                 on_phase: Callable[[str, float], None] | None = None,
+                 on_result: Callable[[str, int], None] | None = None) -> None:
+        self.store = store
+        self.s = settings
+        self._on_phase = on_phase
+        self._on_result = on_result
+        self.threads: dict[str, threading.Thread] = {}
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        if self._on_phase:
+            self._on_phase(phase, seconds)
+
+    def count(self, result: str, nbytes: int) -> None:
+        if self._on_result:
+            self._on_result(result, nbytes)
+
+    def busy_hosts(self) -> dict[str, str]:
+        out = {}
+        for op in self.store.ops(running_only=True):
+            out[op["node"]] = op["id"]
+            if op["dest"]:
+                out[op["dest"]] = op["id"]
+        return out
+
+    def start(self, plan: Any, reason: str, idem: tuple[str, str] | None) -> str:
+        op_id = "op-" + uuid.uuid4().hex[:12]
+        self.store.create_op(op_id, plan.node["name"], plan.dest["name"], new_metadata(plan, reason), idem)
+        self._spawn(op_id, lambda r: r.run())
+        return op_id
+
+    def _spawn(self, op_id: str, fn: Callable[[OpRun], None]) -> None:
+        t = threading.Thread(target=lambda: fn(OpRun(self, op_id)), name=f"op-{op_id}", daemon=True)
+        self.threads[op_id] = t
+        t.start()
+
+    def reconcile(self) -> list[str]:
+        """After a restart: finish what passed its commit point, roll back everything else."""
+        touched = []
+        for op in self.store.ops(running_only=True):
+            touched.append(op["id"])
+            if op["metadata"].get("committed"):
+                log.info("reconcile: finishing committed operation", op=op["id"])
+                self._spawn(op["id"], lambda r: r._finish_commit(PitstopError("coordinator restarted")))
+            else:
+                phase = op["phase"]
+                log.info("reconcile: rolling back operation", op=op["id"], phase=phase)
+                self._spawn(op["id"], lambda r, p=phase: r.rollback(PitstopError(
+                    f"the coordinator restarted during phase {p!r}, before the commit point; rolled back",
+                    code="coordinator_restarted", action="evacuate again if the host must still be drained")))
+        return touched

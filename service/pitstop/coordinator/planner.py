@@ -1,0 +1,93 @@
+"""Which workers leave, which spare takes them, and why a request cannot be served.
+
+All checks run before anything is paused: a request that cannot be served is
+refused with the reason and changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import Conflict, FailedPrecondition, InvalidRequest, NotFound
+from .store import LIVE, Store
+
+
+@dataclass
+class Plan:
+    node: dict[str, Any]
+    dest: dict[str, Any]
+    leaving: list[dict[str, Any]]                  # workers on the node
+    peers: list[dict[str, Any]] = field(default_factory=list)  # other workers of the affected jobs
+    jobs: list[str] = field(default_factory=list)
+
+
+def healthy(h: dict[str, Any], timeout_s: float) -> bool:
+    return time.time() - h["last_seen"] <= timeout_s
+
+
+def gpu_mismatch(src: dict[str, Any], dst: dict[str, Any], leaving: list[dict[str, Any]]) -> str | None:
+    """Why dst cannot host src's workers, GPU-wise; None when it can."""
+    sm, sn = src.get("gpu_model"), int(src.get("gpu_count") or 0)
+    dm, dn = dst.get("gpu_model"), int(dst.get("gpu_count") or 0)
+    if not sn:
+        return None  # CPU-only workers go anywhere
+    if dm != sm:
+        return f"GPU model {dm or 'none'} differs from {src['name']}'s {sm}"
+    if dn < sn:
+        return f"{dn} GPUs, {src['name']} has {sn}"
+    return None
+
+
+def plan(store: Store, node: str, to: str | None, busy_hosts: dict[str, str], heartbeat_timeout_s: float) -> Plan:
+    src = store.host(node)
+    if src is None:
+        raise NotFound(f"no host named {node!r}", action="list hosts with `pitstop hosts`")
+    if node in busy_hosts:
+        raise Conflict(f"host {node} is already being evacuated by operation {busy_hosts[node]}",
+                       action=f"follow it with `pitstop ops {busy_hosts[node]}`",
+                       details={"operation": busy_hosts[node]})
+    leaving = [w for w in store.workers(host=node) if w["state"] in LIVE]
+    if not leaving:
+        raise FailedPrecondition(f"host {node} runs no workers: nothing to evacuate", code="nothing_to_do",
+                                 action="check `pitstop jobs`; workers register through `pitstop run`")
+    jobs = sorted({w["job"] for w in leaving})
+    peers = [w for j in jobs for w in store.workers(job=j) if w["host"] != node and w["state"] in LIVE]
+    if to is not None:
+        if to == node:
+            raise InvalidRequest(f"cannot evacuate {node} to itself", action="name another host, or omit 'to'")
+        dst = store.host(to)
+        if dst is None:
+            raise NotFound(f"no host named {to!r}", action="list hosts with `pitstop hosts`")
+        why = _unusable(dst, src, leaving, busy_hosts, heartbeat_timeout_s)
+        if why:
+            raise FailedPrecondition(f"cannot move {node}'s workers to {to}: {why}", code="no_compatible_spare",
+                                     action="pick another host, or omit 'to' to let pitstop choose a spare")
+        return Plan(src, dst, leaving, peers, jobs)
+    reasons = []
+    for h in store.hosts():
+        if h["name"] == node:
+            continue
+        if h["role"] != "spare":
+            continue
+        why = _unusable(h, src, leaving, busy_hosts, heartbeat_timeout_s)
+        if why is None:
+            return Plan(src, h, leaving, peers, jobs)
+        reasons.append(f"{h['name']}: {why}")
+    raise FailedPrecondition(
+        f"no compatible spare for {node}" + (f" ({'; '.join(reasons)})" if reasons else ": no host is a spare"),
+        code="no_compatible_spare",
+        action="start an agent with --spare on a host matching this one, or name a host with 'to'",
+        details={"candidates": reasons})
+
+
+def _unusable(h: dict[str, Any], src: dict[str, Any], leaving: list[dict[str, Any]], busy: dict[str, str],
+              timeout_s: float) -> str | None:
+    if not healthy(h, timeout_s):
+        return f"no heartbeat for {h['age_s']:.0f} s"
+    if h["name"] in busy:
+        return f"busy with operation {busy[h['name']]}"
+    if h.get("health", {}).get("degraded"):
+        return "degraded: " + ", ".join(h["health"].get("reasons", []))
+    return gpu_mismatch(src, h, leaving)

@@ -1,0 +1,165 @@
+"""Coordinator state in SQLite (WAL): hosts, workers, operations, idempotency keys.
+
+One connection, serialised by a lock: the coordinator's write rate is one row
+per heartbeat and a handful per operation phase, far below what SQLite takes.
+Every operation phase is written here *before* it starts, which is what lets a
+restarted coordinator reconcile (driver.reconcile).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS hosts (
+  name TEXT PRIMARY KEY, url TEXT NOT NULL, role TEXT NOT NULL, info TEXT NOT NULL, last_seen REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS workers (
+  id TEXT PRIMARY KEY, job TEXT NOT NULL, rank INTEGER NOT NULL, host TEXT NOT NULL, state TEXT NOT NULL,
+  info TEXT NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS operations (
+  id TEXT PRIMARY KEY, node TEXT NOT NULL, dest TEXT, done INTEGER NOT NULL DEFAULT 0,
+  result TEXT, phase TEXT NOT NULL, cancel_requested INTEGER NOT NULL DEFAULT 0,
+  metadata TEXT NOT NULL, error TEXT, response TEXT, created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS idempotency (
+  key TEXT PRIMARY KEY, body_hash TEXT NOT NULL, op_id TEXT NOT NULL, created REAL NOT NULL);
+"""
+
+LIVE = ("running", "paused", "capturing", "stopped")  # "released": the process is gone
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(SCHEMA)
+        self.lock = threading.RLock()
+
+    def _x(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self.lock:
+            return self.db.execute(sql, args).fetchall()
+
+    # hosts and workers --------------------------------------------------------------------------
+    def heartbeat(self, hb: dict[str, Any]) -> None:
+        now = time.time()
+        name = hb["name"]
+        info = {k: v for k, v in hb.items() if k not in ("workers",)}
+        with self.lock:
+            self.db.execute("BEGIN")
+            try:
+                row = self.db.execute("SELECT role FROM hosts WHERE name=?", (name,)).fetchone()
+                # The coordinator owns a host's role once it has one (a consumed spare becomes active).
+                role = row["role"] if row else ("spare" if hb.get("spare") else "active")
+                self.db.execute("INSERT INTO hosts(name,url,role,info,last_seen) VALUES(?,?,?,?,?) "
+                                "ON CONFLICT(name) DO UPDATE SET url=excluded.url, info=excluded.info, "
+                                "last_seen=excluded.last_seen", (name, hb["url"], role, json.dumps(info), now))
+                for w in hb.get("workers", []):
+                    # Where a worker is: the host that reports it alive.  Its old host's "moved"
+                    # is no news, and an end state (exited, lost) counts only from its current host.
+                    cur = self.db.execute("SELECT host FROM workers WHERE id=?", (w["id"],)).fetchone()
+                    if w["state"] not in LIVE and (w["state"] == "moved" or (cur and cur["host"] != name)):
+                        continue
+                    self.db.execute(
+                        "INSERT INTO workers(id,job,rank,host,state,info,updated) VALUES(?,?,?,?,?,?,?) "
+                        "ON CONFLICT(id) DO UPDATE SET host=excluded.host, state=excluded.state, "
+                        "info=excluded.info, updated=excluded.updated",
+                        (w["id"], w["job"], w["rank"], name, w["state"], json.dumps(w), now))
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+
+    def hosts(self) -> list[dict[str, Any]]:
+        return [self._host(r) for r in self._x("SELECT * FROM hosts ORDER BY name")]
+
+    def host(self, name: str) -> dict[str, Any] | None:
+        r = self._x("SELECT * FROM hosts WHERE name=?", (name,))
+        return self._host(r[0]) if r else None
+
+    @staticmethod
+    def _host(r: sqlite3.Row) -> dict[str, Any]:
+        info = json.loads(r["info"])
+        return {"name": r["name"], "url": r["url"], "role": r["role"], "last_seen": r["last_seen"],
+                "age_s": round(time.time() - r["last_seen"], 3), **{k: v for k, v in info.items()
+                                                                     if k not in ("name", "url", "spare")}}
+
+    def set_role(self, name: str, role: str) -> None:
+        self._x("UPDATE hosts SET role=? WHERE name=?", (role, name))
+
+    def workers(self, host: str | None = None, job: str | None = None) -> list[dict[str, Any]]:
+        q, a = "SELECT * FROM workers WHERE 1=1", []
+        if host:
+            q += " AND host=?"
+            a.append(host)
+        if job:
+            q += " AND job=?"
+            a.append(job)
+        return [{"id": r["id"], "job": r["job"], "rank": r["rank"], "host": r["host"], "state": r["state"],
+                 "updated": r["updated"]} for r in self._x(q + " ORDER BY job, rank", tuple(a))]
+
+    def set_worker_host(self, wid: str, host: str, state: str = "running") -> None:
+        self._x("UPDATE workers SET host=?, state=?, updated=? WHERE id=?", (host, state, time.time(), wid))
+
+    # operations ---------------------------------------------------------------------------------
+    def create_op(self, op_id: str, node: str, dest: str | None, metadata: dict, idem: tuple[str, str] | None
+                  ) -> None:
+        now = time.time()
+        with self.lock:
+            self.db.execute("BEGIN")
+            try:
+                self.db.execute("INSERT INTO operations(id,node,dest,phase,metadata,created,updated) "
+                                "VALUES(?,?,?,?,?,?,?)", (op_id, node, dest, "pending", json.dumps(metadata), now, now))
+                if idem:
+                    self.db.execute("INSERT INTO idempotency(key,body_hash,op_id,created) VALUES(?,?,?,?)",
+                                    (idem[0], idem[1], op_id, now))
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+
+    def idempotent(self, key: str) -> tuple[str, str] | None:
+        r = self._x("SELECT body_hash, op_id FROM idempotency WHERE key=?", (key,))
+        return (r[0]["body_hash"], r[0]["op_id"]) if r else None
+
+    def op(self, op_id: str) -> dict[str, Any] | None:
+        r = self._x("SELECT * FROM operations WHERE id=?", (op_id,))
+        return self._op(r[0]) if r else None
+
+    def ops(self, running_only: bool = False) -> list[dict[str, Any]]:
+        q = "SELECT * FROM operations" + (" WHERE done=0" if running_only else "") + " ORDER BY created"
+        return [self._op(r) for r in self._x(q)]
+
+    @staticmethod
+    def _op(r: sqlite3.Row) -> dict[str, Any]:
+        return {"id": r["id"], "node": r["node"], "dest": r["dest"], "done": bool(r["done"]), "result": r["result"],
+                "phase": r["phase"], "cancel_requested": bool(r["cancel_requested"]),
+                "metadata": json.loads(r["metadata"]), "error": json.loads(r["error"]) if r["error"] else None,
+                "response": json.loads(r["response"]) if r["response"] else None,
+                "created": r["created"], "updated": r["updated"]}
+
+    def update_op(self, op_id: str, *, phase: str | None = None, metadata: dict | None = None,
+                  done: bool | None = None, result: str | None = None, error: dict | None = None,
+                  response: dict | None = None, dest: str | None = None) -> None:
+        sets, args = ["updated=?"], [time.time()]
+        for col, val in (("phase", phase), ("result", result), ("dest", dest)):
+            if val is not None:
+                sets.append(f"{col}=?")
+                args.append(val)
+        for col, val in (("metadata", metadata), ("error", error), ("response", response)):
+            if val is not None:
+                sets.append(f"{col}=?")
+                args.append(json.dumps(val))
+        if done is not None:
+            sets.append("done=?")
+            args.append(int(done))
+        self._x(f"UPDATE operations SET {', '.join(sets)} WHERE id=?", (*args, op_id))
+
+    def request_cancel(self, op_id: str) -> None:
+        self._x("UPDATE operations SET cancel_requested=1, updated=? WHERE id=?", (time.time(), op_id))

@@ -1,0 +1,1 @@
+"""GPU inventory and health (NVML); says "not present" plainly on hosts without GPUs."""

@@ -1,0 +1,29 @@
+"""What GPUs this host has, read through NVML (nvidia-ml-py), cached.
+
+The coordinator only moves workers to spares whose GPU model and count match
+the leaving host's, so this is part of every heartbeat.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+@functools.lru_cache(maxsize=1)
+def inventory() -> dict[str, Any]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as e:  # noqa: BLE001 - NVML raises its own family when absent
+        return {"gpus": [], "gpu_model": None, "gpu_count": 0, "gpu_note": f"not present ({type(e).__name__})"}
+    gpus = []
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        gpus.append({"index": i, "uuid": pynvml.nvmlDeviceGetUUID(h), "name": pynvml.nvmlDeviceGetName(h),
+                     "memory_total": mem.total})
+    model = gpus[0]["name"] if gpus else None
+    return {"gpus": gpus, "gpu_model": model, "gpu_count": len(gpus),
+            "driver": pynvml.nvmlSystemGetDriverVersion(), "gpu_note": ""}
