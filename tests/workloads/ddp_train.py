@@ -39,7 +39,7 @@ def main() -> None:
     ddp = DDP(model)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
     # Ballast: state that must survive the move like any other memory.
-    ballast = torch.arange(int(args.state_mb * 262144), dtype=torch.float32) if args.state_mb else None
+    ballast = torch.arange(int(args.state_mb * 262144), dtype=torch.int32) if args.state_mb else None
 
     g = torch.Generator().manual_seed(100 + rank)
     data = torch.randn(args.steps * 16, 64, generator=g)
@@ -58,7 +58,9 @@ def main() -> None:
         if args.step_sleep:
             time.sleep(args.step_sleep)
     if ballast is not None:
-        assert float(ballast[-1]) == float(ballast.numel() - 1), "ballast corrupted"
+        n = ballast.numel()
+        assert int(ballast[-1]) == n - 1 and int(ballast[n // 2]) == n // 2, "ballast corrupted"
+        assert int(ballast.sum(dtype=torch.int64)) == n * (n - 1) // 2, "ballast corrupted"
     os.makedirs(args.out, exist_ok=True)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save(state, os.path.join(args.out, f"rank{rank}.pt"))

@@ -1,0 +1,173 @@
+"""End to end through the coordinator's REST API and the `pitstop` CLI, all real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from pitstop.coordinator.client import CoordinatorClient
+from pitstop.devcluster import pitstop_cmd
+from pitstop.errors import PitstopError
+
+from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, reference_hashes, wait_for_step
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+SLEEPER = [sys.executable, str(WORKLOADS / "sleeper.py"), "120"]
+
+
+def _cluster(cluster, spare=True):
+    cluster.start_coordinator()
+    cluster.start_agent("host-a")
+    cluster.start_agent("host-b")
+    if spare:
+        cluster.start_agent("spare-1", spare=True)
+    return CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+
+
+def _wait_jobs(cc, job, n, timeout=30):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        js = [j for j in cc.jobs() if j["job"] == job]
+        if js and len([w for w in js[0]["workers"] if w["state"] == "running"]) == n:
+            return js[0]
+        time.sleep(0.1)
+    raise TimeoutError(f"job {job} never showed {n} running workers: {cc.jobs()}")
+
+
+def _wait_op(cc, name, timeout=240, until=lambda o: o["done"]):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        o = cc.op(name)
+        if until(o):
+            return o
+        time.sleep(0.05)
+    raise TimeoutError(f"{name} did not get there: {cc.op(name)}")
+
+
+def _cli(cluster, *args, timeout=300):
+    return subprocess.run([*pitstop_cmd(), *args], env=cluster.env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_demo_scenario_through_the_cli(cluster, tmp_path):
+    cc = _cluster(cluster)
+    out = tmp_path / "out"
+    ranks = cluster.start_job("train", ddp_cmd(out, steps=120), 4,
+                              {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"})
+    _wait_jobs(cc, "train", 4)
+    wait_for_step(ranks[2].log, 10)
+    p = _cli(cluster, "evacuate", "host-b", "--wait", "--json", "--idempotency-key", "k-1")
+    assert p.returncode == 0, p.stderr
+    op = json.loads(p.stdout)
+    # AIP-151 shape.
+    assert op["name"].startswith("operations/op-") and op["done"] is True and "error" not in op
+    md = op["metadata"]
+    assert md["node"] == "host-b" and md["destination"] == "spare-1" and md["result"] == "succeeded"
+    assert set(md["phases"]) >= {"pause", "capture", "verify", "release", "restore", "commit", "resume"}
+    assert md["bytes_total"] > 10_000_000 and md["bytes_done"] == md["bytes_total"]
+    assert md["downtime_s"] > 0 and op["response"]["workers"] == ["train.2", "train.3"]
+    assert {c["type"] for c in md["conditions"] if c["status"] == "True"} >= {"Quiesced", "Restored", "Committed",
+                                                                               "Succeeded"}
+    # Retried with the same key and body: the same operation, no second evacuation.
+    again = cc.evacuate("host-b", idempotency_key="k-1")
+    assert again["name"] == op["name"]
+    with pytest.raises(PitstopError) as e:  # same key, other body
+        cc.evacuate("host-b", to="host-a", idempotency_key="k-1")
+    assert e.value.http_status == 422 and "Idempotency-Key" in e.value.message
+    assert [r.proc.wait(180) for r in ranks] == [0, 0, 0, 0]
+    assert_same_as_reference(out, reference_hashes(tmp_path, 4, steps=120))
+    hosts = {h["name"]: h for h in cc.hosts()}
+    assert hosts["spare-1"]["role"] == "active" and hosts["host-b"]["role"] == "drained"
+    assert len(cc.ops()) == 1
+    # Human output of the CLI, and Prometheus metrics on both kinds of service.
+    p = _cli(cluster, "ops", op["name"])
+    assert p.returncode == 0 and "downtime" in p.stdout and "capture" in p.stdout
+    m = httpx.get(cluster.coordinator_url + "/metrics").text
+    assert 'pitstop_coordinator_operations_total{result="succeeded"} 1.0' in m
+    assert "pitstop_coordinator_phase_duration_seconds_count{phase=\"capture\"} 1.0" in m
+    assert "pitstop_coordinator_transferred_bytes_total" in m
+    m = httpx.get(cluster.agents["spare-1"].url + "/metrics").text
+    assert 'pitstop_agent_restores_total{result="ok"} 2.0' in m and "pitstop_agent_received_bytes_total" in m
+
+
+def test_refusals_change_nothing(cluster, tmp_path):
+    cc = _cluster(cluster, spare=False)
+    cluster.start_job("idle", SLEEPER, 2, {0: "host-a", 1: "host-b"})
+    _wait_jobs(cc, "idle", 2)
+    # No spare at all: refused with the reason; nothing paused, no operation.
+    with pytest.raises(PitstopError) as e:
+        cc.evacuate("host-b")
+    assert e.value.http_status == 412 and "no compatible spare" in e.value.message and "--spare" in e.value.action
+    # Unknown hosts; a host to itself.
+    with pytest.raises(PitstopError) as e:
+        cc.evacuate("nope")
+    assert e.value.http_status == 404
+    with pytest.raises(PitstopError) as e:
+        cc.evacuate("host-b", to="host-b")
+    assert e.value.http_status == 400
+    # Unauthenticated or wrongly authenticated mutations, and agents' endpoint with the operator token.
+    url = cluster.coordinator_url
+    assert httpx.post(f"{url}/v1/nodes/host-b:evacuate", json={"to": "host-a"}).status_code == 401
+    assert httpx.post(f"{url}/v1/nodes/host-b:evacuate", json={"to": "host-a"},
+                      headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.post(f"{url}/v1/agents:heartbeat", json={"name": "evil", "url": "http://x"},
+                      headers={"Authorization": f"Bearer {cluster.operator_token}"}).status_code == 401
+    assert httpx.get(f"{url}/v1/hosts").status_code == 401
+    assert cc.ops() == [] and "evil" not in {h["name"] for h in cc.hosts()}
+    js = _wait_jobs(cc, "idle", 2)
+    assert all(w["state"] == "running" for w in js["workers"])
+    # The CLI says what is wrong and exits non-zero.
+    p = _cli(cluster, "evacuate", "host-b", "--wait")
+    assert p.returncode == 1 and "no compatible spare" in p.stderr and "what to do" in p.stderr
+
+
+def test_concurrent_evacuation_is_409_and_cancel_rolls_back(cluster, tmp_path):
+    cc = _cluster(cluster)
+    out = tmp_path / "out"
+    ranks = cluster.start_job("train", ddp_cmd(out, steps=150, state_mb=300), 2, {0: "host-a", 1: "host-b"})
+    _wait_jobs(cc, "train", 2)
+    wait_for_step(ranks[1].log, 5)
+    op = cc.evacuate("host-b")
+    with pytest.raises(PitstopError) as e:
+        cc.evacuate("host-b")
+    assert e.value.http_status == 409 and op["name"].split("/")[1] in e.value.message
+    cc.cancel(op["name"])
+    o = _wait_op(cc, op["name"])
+    assert o["metadata"]["result"] == "cancelled" and o["error"]["status"] == "CANCELLED"
+    assert "keeps running on host-b" in o["error"]["details"][0]["action"]
+    assert [r.proc.wait(240) for r in ranks] == [0, 0]
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150, state_mb=300))
+    a = cluster.agents["host-b"].client()
+    assert a.worker("train.1")["state"] == "exited" and not a.worker("train.1")["restored"]
+    assert not any(cluster.agents["spare-1"].image_dir.iterdir())
+    with pytest.raises(PitstopError) as e:
+        cc.cancel(op["name"])
+    assert e.value.http_status == 409
+
+
+def test_coordinator_killed_mid_operation_rolls_back_on_restart(cluster, tmp_path):
+    cc = _cluster(cluster)
+    out = tmp_path / "out"
+    ranks = cluster.start_job("train", ddp_cmd(out, steps=150, state_mb=300), 2, {0: "host-a", 1: "host-b"})
+    _wait_jobs(cc, "train", 2)
+    wait_for_step(ranks[1].log, 5)
+    op = cc.evacuate("host-b")
+    _wait_op(cc, op["name"], until=lambda o: o["metadata"]["phase"] == "capture")
+    port = int(cluster.coordinator_url.rsplit(":", 1)[1])
+    os.killpg(cluster.coordinator_proc.pid, signal.SIGKILL)
+    cluster.coordinator_proc.wait(10)
+    time.sleep(1)
+    cluster.start_coordinator(port=port)
+    o = _wait_op(cc, op["name"])
+    assert o["metadata"]["result"] == "failed"
+    assert o["error"]["details"][0]["reason"] == "coordinator_restarted"
+    assert not o["error"]["details"][0].get("metadata", {}).get("rollback_problems")
+    assert [r.proc.wait(240) for r in ranks] == [0, 0]
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150, state_mb=300))
