@@ -50,9 +50,10 @@ def step_gaps(log: Path) -> list[tuple[int, float]]:
     return [(s, t - tp) for (s, t), (_, tp) in zip(times[1:], times[:-1])]
 
 
-def job_pause(log: Path) -> tuple[float, float]:
-    """(longest gap between steps, median gap): the pause as the job saw it, and a normal step."""
-    gaps = sorted(g for _, g in step_gaps(log))
+def job_pause(log: Path, since: float = 0.0) -> tuple[float, float]:
+    """(longest gap between steps after `since`, median gap): the pause as the job saw it, and a normal step."""
+    times = [float(m.group(1)) for m in re.finditer(r"^step \d+ t=([0-9.]+)", log.read_text(errors="replace"), re.M)]
+    gaps = sorted(b - a for a, b in zip(times, times[1:]) if b >= since)
     return (gaps[-1], gaps[len(gaps) // 2]) if gaps else (0.0, 0.0)
 
 

@@ -27,7 +27,10 @@ WORKLOAD = Path(__file__).resolve().parent.parent / "tests" / "workloads" / "ddp
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--state-mb", type=float, default=512.0, help="extra state in the moved rank (MiB)")
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="moves before the measured one (this VM pays a large first-touch cost for fresh "
+                         "memory; warm-up moves measure the steady state, and are reported too)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "move_one_rank.json"))
     args = ap.parse_args()
 
@@ -41,9 +44,17 @@ def main() -> None:
         ranks = c.start_job("bench", cmd, 2, {0: "a", 1: "a"})
         c.wait_registered("a", "bench.1")
         _wait_step(ranks[1].log, 20)
-        rep = move_worker(a.client(), b.client(), "bench.1", dest_name="b")
+        warm = []
+        hosts = [(a, b), (b, a)]
+        for i in range(args.warmup):
+            src, dst = hosts[i % 2]
+            warm.append(move_worker(src.client(), dst.client(), "bench.1", dest_name=dst.name).downtime_s)
+            time.sleep(1.0)
+        src, dst = hosts[args.warmup % 2]
+        mark = time.time()
+        rep = move_worker(src.client(), dst.client(), "bench.1", dest_name=dst.name)
         codes = [r.proc.wait(300) for r in ranks]
-        pause, step = job_pause(ranks[1].log)
+        pause, step = job_pause(ranks[0].log, since=mark)
     floor = rep.bytes / bw
     res = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -52,6 +63,7 @@ def main() -> None:
         "bytes": rep.bytes,
         "phases_s": {k: round(v, 4) for k, v in rep.phases.items()},
         "downtime_s": round(rep.downtime_s, 4),
+        "warmup_downtimes_s": [round(x, 4) for x in warm],
         "job_pause_s": round(pause, 4),
         "normal_step_s": round(step, 4),
         "raw_tcp_bytes_per_s": round(bw),
@@ -65,7 +77,7 @@ def main() -> None:
     print(f"{'phase':<22}{'seconds':>10}")
     for k, v in rep.phases.items():
         print(f"{k:<22}{v:>10.3f}")
-    print(f"{'downtime (API)':<22}{rep.downtime_s:>10.3f}")
+    print(f"{'downtime (API)':<22}{rep.downtime_s:>10.3f}   (warm-up moves: {', '.join(f'{x:.3f}' for x in warm)})")
     print(f"{'pause seen by the job':<22}{pause:>10.3f}   (a normal step: {step:.3f} s)")
     print(f"raw TCP bandwidth      {bw / 1e9:.2f} GB/s   floor = bytes / bandwidth = {floor:.3f} s")
     print(f"downtime / floor       {rep.downtime_s / floor:.2f}")

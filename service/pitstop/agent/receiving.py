@@ -22,7 +22,7 @@ import structlog
 from ..capture import criu_ops, proctree
 from ..capture.manifest import Manifest
 from ..errors import Conflict, NotFound, PitstopError, TransferFailed
-from ..transfer.stream import StreamReceiver, verify_directory
+from ..transfer.stream import StreamReceiver, file_stats, verify_directory
 from .settings import AgentSettings
 from .state import LIVE_STATES, AgentState, Worker
 
@@ -46,7 +46,6 @@ class Slot:
     state: str = "receiving"  # receiving | complete | verified | failed
     started: float = 0.0
     finished: float = 0.0
-    verified_stat: dict[str, tuple[int, int]] | None = None  # name -> (size, mtime_ns) at verify
 
 
 class DestinationSide:
@@ -95,42 +94,33 @@ class DestinationSide:
 
     # -- restoring -----------------------------------------------------------------------------
     def verify_image(self, image_id: str) -> tuple[Manifest, float]:
-        """Full check of the images at rest against the manifest (sizes and sha256).
+        """Check the images at rest against the manifest, before the source is released.
 
-        Run before the source is released, so that a bad copy is refused while
-        the source can still simply be resumed.  The file stats seen here let
-        the restore that follows skip a second full read unless a file changed.
+        The receiver already hashed every byte as it wrote it and compared with the
+        sender's manifest.  What can still go wrong is a change after that: any
+        write, truncation or replacement changes a file's (size, mtime, inode), and
+        then every file is read and hashed again.  A bad copy is refused while the
+        source can still simply be resumed.
         """
         s = self.slot(image_id)
         if s.state not in ("complete", "verified"):
             raise Conflict(f"image {image_id} is {s.state}, not complete", action="send the images again")
         t0 = time.monotonic()
-        try:
-            m = verify_directory(s.directory)
-        except PitstopError:
-            self.discard(image_id)
-            raise
-        s.verified_stat = self._stat(s.directory, m)
+        m = Manifest.read(s.directory)
+        if s.receiver.written_stat is None or file_stats(s.directory, m) != s.receiver.written_stat:
+            try:
+                m = verify_directory(s.directory)
+            except PitstopError:
+                self.discard(image_id)
+                raise
+            s.receiver.written_stat = file_stats(s.directory, m)
         s.state = "verified"
         return m, time.monotonic() - t0
-
-    @staticmethod
-    def _stat(directory: Path, m: Manifest) -> dict[str, tuple[int, int]]:
-        out = {}
-        for f in m.files:
-            try:
-                st = (directory / f.name).stat()
-                out[f.name] = (st.st_size, st.st_mtime_ns)
-            except FileNotFoundError:
-                out[f.name] = (-1, -1)
-        return out
 
     def restore_image(self, image_id: str) -> tuple[Worker, dict[str, float]]:
         s = self.slot(image_id)
         t0 = time.monotonic()
-        m = Manifest.read(s.directory)
-        if s.state != "verified" or s.verified_stat != self._stat(s.directory, m):
-            m, _ = self.verify_image(image_id)
+        m, _ = self.verify_image(image_id)  # cheap unless a file changed since it arrived
         t1 = time.monotonic()
         wk = m.worker
         w = self.restore_dir(s.directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),

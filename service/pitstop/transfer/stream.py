@@ -144,29 +144,37 @@ class StreamReceiver:
         self._buf = bytearray()
         self._files: dict[str, tuple[int, int, "hashlib._Hash"]] = {}
         self._pending: tuple[str, int, int] | None = None  # name, offset, remaining
+        self.written_stat: dict[str, tuple[int, int, int]] | None = None
 
     def feed(self, chunk: bytes) -> None:
+        """Consume one piece of the stream.  File data goes from `chunk` straight to disk:
+        only frame headers are ever buffered (this is the hot path of every move)."""
         if self.manifest is not None:
             raise TransferFailed("data after the end of the image stream", action="send again")
-        self._buf += chunk
-        while self._step():
-            pass
+        mv = memoryview(chunk)
+        while mv:
+            if self._pending is not None:
+                name, off, remaining = self._pending
+                take = min(remaining, len(mv))
+                self._write(name, off, mv[:take])
+                mv = mv[take:]
+                remaining -= take
+                self._pending = None if remaining == 0 else (name, off + take, remaining)
+                continue
+            self._buf += mv  # a header, or the start of one
+            mv = memoryview(b"")
+            while self._pending is None and self._header():
+                pass
+            if self._pending is not None and self._buf:
+                mv = memoryview(bytes(self._buf))  # data that followed the header in the same chunk
+                self._buf.clear()
 
-    def _step(self) -> bool:
+    def _header(self) -> bool:
+        """Parse one frame header from the buffer; True if one was consumed."""
         buf = self._buf
-        if self._pending is not None:
-            name, off, remaining = self._pending
-            if not buf:
-                return False
-            take = min(remaining, len(buf))
-            self._write(name, off, bytes(buf[:take]))
-            del buf[:take]
-            remaining -= take
-            self._pending = None if remaining == 0 else (name, off + take, remaining)
-            return bool(buf)
-        if not buf:
+        if not buf or self.manifest is not None:
             return False
-        kind = buf[:1]
+        kind = bytes(buf[:1])
         if kind == b"D":
             if len(buf) < 1 + _D.size:
                 return False
@@ -197,7 +205,7 @@ class StreamReceiver:
             return False
         raise TransferFailed(f"corrupt image stream (frame type {kind!r})", action="send again")
 
-    def _write(self, name: str, off: int, data: bytes) -> None:
+    def _write(self, name: str, off: int, data: bytes | memoryview) -> None:
         st = self._files.get(name)
         if st is None:
             fd = os.open(self.directory / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -220,6 +228,7 @@ class StreamReceiver:
                                  action="the copy is discarded; send again")
         m.write(self.directory)
         self.manifest = m
+        self.written_stat = file_stats(self.directory, m)
 
     def close(self) -> None:
         for fd, _, _ in self._files.values():
@@ -232,6 +241,18 @@ class StreamReceiver:
     @property
     def complete(self) -> bool:
         return self.manifest is not None
+
+
+def file_stats(directory: Path, m: Manifest) -> dict[str, tuple[int, int, int]]:
+    """(size, mtime_ns, inode) of each image file: any change to a file changes these."""
+    out = {}
+    for f in m.files:
+        try:
+            st = (directory / f.name).stat()
+            out[f.name] = (st.st_size, st.st_mtime_ns, st.st_ino)
+        except FileNotFoundError:
+            out[f.name] = (-1, -1, -1)
+    return out
 
 
 def verify_directory(directory: Path) -> Manifest:
