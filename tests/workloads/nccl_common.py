@@ -1,0 +1,33 @@
+"""Shared plumbing of the NCCL workloads: arguments, step lines, the final hash."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import time
+
+import numpy as np
+
+
+def args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--rendezvous", required=True, help="shared directory for the unique ids")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    a.rank, a.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return a
+
+
+def step_line(step: int, value: float) -> None:
+    print(f"step {step} t={time.time():.6f} loss={value:.6f}", flush=True)
+
+
+def finish(a: argparse.Namespace, *arrays: np.ndarray) -> None:
+    os.makedirs(a.out, exist_ok=True)
+    h = hashlib.sha256(b"".join(np.ascontiguousarray(x).tobytes() for x in arrays)).hexdigest()
+    with open(os.path.join(a.out, f"rank{a.rank}.sha256"), "w") as f:
+        f.write(h + "\n")
+    print(f"done rank={a.rank} sha256={h}", flush=True)
