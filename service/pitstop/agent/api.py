@@ -15,10 +15,13 @@ import time
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from typing import Any, Literal
+
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
+from .. import shimctl
 from ..capture import proctree, runtime
 from ..errors import Conflict, FailedPrecondition, PitstopError, TransferFailed
 from ..httpapi import install_error_handlers, require_token
@@ -75,6 +78,14 @@ class CaptureRequest(BaseModel):
     worker_id: str
     dest_url: str | None = Field(None, description="peer agent to stream the images to, while dumping")
     image_id: str | None = None
+
+
+class ShimOp(BaseModel):
+    op: Literal["quiesce", "targets", "command"]
+    gen: int = 0
+    targets: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    command: Literal["destroy", "genids", "rebuild", "resume", "release"] = "release"
+    ids: dict[str, str] = Field(default_factory=dict)
 
 
 class CommitRequest(BaseModel):
@@ -153,6 +164,29 @@ def peer_app(agent: Agent) -> FastAPI:
             agent.state.update_worker(w, state="lost")
             proctree.kill_and_wait(w.root_pid)
         return w
+
+    @r.get("/workers/{wid}/shim")
+    def shim_blocks(wid: str) -> dict:
+        """The NCCL shim's control blocks in this worker's processes (empty: no NCCL)."""
+        w = agent.state.worker(wid)
+        if w.state not in LIVE_STATES:
+            return {"blocks": []}
+        return {"blocks": [b.view() for b in shimctl.blocks(w.root_pid)]}
+
+    @r.post("/workers/{wid}/shim")
+    def shim_op(wid: str, req: ShimOp) -> dict:
+        w = agent.state.worker(wid)
+        if w.state not in LIVE_STATES:
+            raise Conflict(f"worker {wid} is {w.state}", action="only live workers have a shim to talk to")
+        bs = shimctl.blocks(w.root_pid)
+        for b in bs:
+            if req.op == "quiesce":
+                shimctl.quiesce(b, req.gen)
+            elif req.op == "targets":
+                shimctl.set_targets(b, req.targets)
+            elif req.op == "command":
+                shimctl.command(b, req.command, req.ids)
+        return {"blocks": len(bs)}
 
     @r.post("/captures", status_code=202)
     def capture(req: CaptureRequest) -> dict:

@@ -87,6 +87,12 @@ class AgentClient:
     def discard_worker(self, wid: str) -> dict:
         return self._req("POST", f"/v1/workers/{wid}:discard")
 
+    def shim_blocks(self, wid: str) -> list[dict]:
+        return self._req("GET", f"/v1/workers/{wid}/shim")["blocks"]
+
+    def shim_op(self, wid: str, body: dict) -> dict:
+        return self._req("POST", f"/v1/workers/{wid}/shim", json=body)
+
     def captures(self) -> list[dict]:
         return self._req("GET", "/v1/captures")
 

@@ -1,0 +1,211 @@
+"""A consistent cut across every rank and communicator of a job, then rewiring.
+
+Each rank's shim counts the operations it issued per communicator.  The cut is
+the point where, for every communicator, all members have issued the same number
+of operations and every rank is parked at a call entry (not inside a call):
+nothing is half-issued anywhere, and group calls stay whole (the shim checks a
+group once, at its first operation).
+
+Algorithm (run by the coordinator over the agents, or directly in tests):
+ 1. raise the request: every rank parks at its next NCCL call;
+ 2. repeat until stable: target[c] = max over members of issued[c]; ranks below a
+    target continue (they are behind: they must catch up, not the others go back);
+    if everyone is parked yet some rank lags on a communicator it can only reach
+    past the call it is parked at, raise that call's communicator by one;
+ 3. stable: destroy the real communicators (nothing of NCCL crosses the capture).
+After the capture (or a rollback): rank 0 of every top-level communicator makes a
+fresh unique id; the ids are handed to every member; every rank rebuilds its
+communicators in creation order (splits replayed) and resumes.  A rank that never
+reaches the cut within the deadline fails the quiesce; the others are released
+and the job continues as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from ..errors import DeadlineExceeded, PitstopError
+
+log = structlog.get_logger("pitstop.cut")
+
+# transport: list the blocks of a worker; post an operation to a worker's blocks
+GetBlocks = Callable[[str], list[dict[str, Any]]]
+Post = Callable[[str, dict[str, Any]], Any]
+
+
+class CutFailed(PitstopError):
+    http_status = 500
+    code = "cut_failed"
+
+
+@dataclass
+class CutResult:
+    targets: dict[str, int]
+    rounds: int
+    seconds: float
+
+
+class Cut:
+    def __init__(self, workers: list[str], get_blocks: GetBlocks, post: Post, deadline_s: float = 60.0,
+                 poll_s: float = 0.003) -> None:
+        self.workers = workers
+        self.get = get_blocks
+        self.post = post
+        self.deadline_s = deadline_s
+        self.poll_s = poll_s
+        self.gen = int(time.time() * 1000) & 0x7FFFFFFF or 1
+
+    def _all(self) -> list[tuple[str, dict[str, Any]]]:
+        return [(w, b) for w in self.workers for b in self.get(w)]
+
+    def uses_shim(self) -> bool:
+        return any(b["comms"] for _, b in self._all())
+
+    # -- 1 + 2 + 3 ----------------------------------------------------------------------------
+    def quiesce(self) -> CutResult:
+        t0 = time.monotonic()
+        for w in self.workers:
+            self.post(w, {"op": "quiesce", "gen": self.gen})
+        end = t0 + self.deadline_s
+        rounds = 0
+        last: dict[str, Any] = {}
+        prev: Any = None
+        while True:
+            rounds += 1
+            blocks = self._all()
+            snap = [(b["token"], b["state"], [(c["issued"], c["sent"], c["recvd"]) for c in b["comms"]])
+                    for _, b in blocks]
+            targets, stable, lagging = self._targets(blocks, stalled=snap == prev)
+            prev = snap
+            if stable:
+                res = CutResult(targets, rounds, time.monotonic() - t0)
+                log.info("consistent cut reached", rounds=rounds, seconds=round(res.seconds, 4),
+                         communicators=len(targets))
+                return res
+            if targets != last:
+                for w in self.workers:
+                    self.post(w, {"op": "targets", "targets": targets})
+                last = targets
+            if time.monotonic() > end:
+                self.release()
+                raise CutFailed(
+                    f"no consistent cut within {self.deadline_s:.0f} s: "
+                    + ", ".join(lagging[:6]) + (" ..." if len(lagging) > 6 else ""),
+                    action="those ranks did not reach an NCCL call (stuck in compute, or finished?); "
+                           "the job was released and keeps running", details={"lagging": lagging})
+            time.sleep(self.poll_s)
+
+    def _targets(self, blocks: list[tuple[str, dict[str, Any]]], stalled: bool = False
+                 ) -> tuple[dict[str, Any], bool, list[str]]:
+        """Allowances for every member of every communicator ("<key>@<rank>"), stability, who lags.
+
+        Collectives: a member may issue while below the most any member issued.
+        Point to point: r may send to b while below b's receives from r, and receive
+        from a while below a's sends to r.  Stable: everyone parked, collective counts
+        equal, every channel balanced.
+        """
+        members: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
+        for _, b in blocks:
+            for c in b["comms"]:
+                if c["alive"]:
+                    members[c["key"]][c["rank"]] = c
+        targets: dict[str, Any] = {}
+        lag: dict[int, list[str]] = defaultdict(list)  # id(block) -> what it owes
+        owner = {id(c): b for _, b in blocks for c in b["comms"]}
+
+        def count(xs: list[int], i: int) -> int:
+            return xs[i] if 0 <= i < len(xs) else 0
+
+        for key, ms in members.items():
+            top = max(c["issued"] for c in ms.values())
+            for r, c in ms.items():
+                send = {str(q): count(m["recvd"], r) for q, m in ms.items() if q != r}
+                recv = {str(q): count(m["sent"], r) for q, m in ms.items() if q != r}
+                targets[f"{key}@{r}"] = {"coll": top, "send": send, "recv": recv}
+                b = owner[id(c)]
+                if c["issued"] < top:
+                    lag[id(b)].append(f"{key}: {c['issued']} of {top} collectives")
+                for q, n in send.items():
+                    if count(c["sent"], int(q)) < n:
+                        lag[id(b)].append(f"{key}: owes sends to rank {q}")
+                for q, n in recv.items():
+                    if count(c["recvd"], int(q)) < n:
+                        lag[id(b)].append(f"{key}: owes receives from rank {q}")
+        parked = {id(b): b["state"] == "parked" and b["ack"] == self.gen for _, b in blocks}
+        lagging = [f"{w} (pid {b['pid']}): {b['state']}" for w, b in blocks if not parked[id(b)]]
+        lagging += [f"{w} (pid {b['pid']}): " + "; ".join(lag[id(b)]) for w, b in blocks if lag[id(b)]]
+        if all(parked.values()) and not any(lag.values()):
+            return targets, True, []
+        waiting = all(parked[id(b)] or (b["in_call"] and stalled) for _, b in blocks)
+        if waiting:
+            # Everyone waits (parked, or blocked inside a call with nothing moving), yet someone
+            # lags: it can only catch up past the call it is parked at.
+            for _, b in blocks:
+                p = b["parked_comm"]
+                if not parked[id(b)] or not lag[id(b)] or not 0 <= p < len(b["comms"]):
+                    continue
+                c = b["comms"][p]
+                t = targets[f"{c['key']}@{c['rank']}"]
+                if b["parked_op"] == "coll":
+                    t["coll"] = max(t["coll"], c["issued"] + 1)
+                elif b["parked_op"] in ("send", "recv"):
+                    side, counts = ("send", c["sent"]) if b["parked_op"] == "send" else ("recv", c["recvd"])
+                    q = str(b["parked_peer"])
+                    t[side][q] = max(t[side].get(q, 0), count(counts, int(q)) + 1)
+        return targets, False, lagging
+
+    def _command(self, name: str, want: set[str], ids: dict[str, str] | None = None,
+                 deadline_s: float | None = None) -> list[tuple[str, dict[str, Any]]]:
+        for w in self.workers:
+            self.post(w, {"op": "command", "command": name, "ids": ids or {}})
+        end = time.monotonic() + (deadline_s or self.deadline_s)
+        while True:
+            blocks = self._all()
+            failed = [f"{w} (pid {b['pid']}): {b['note']}" for w, b in blocks if b["state"] == "failed"]
+            if failed:
+                raise CutFailed(f"{name} failed on " + "; ".join(failed), action="see the workers' agents' logs")
+            if all(b["state"] in want and b["done_seq"] == b["command_seq"] for _, b in blocks):
+                return blocks
+            if time.monotonic() > end:
+                slow = [f"{w} (pid {b['pid']}): {b['state']}" for w, b in blocks if b["state"] not in want]
+                raise DeadlineExceeded(f"{name} did not finish within {deadline_s or self.deadline_s:.0f} s: "
+                                       + ", ".join(slow), action="see the workers' agents' logs")
+            time.sleep(self.poll_s)
+
+    def destroy(self) -> float:
+        t0 = time.monotonic()
+        self._command("destroy", {"destroyed"})
+        return time.monotonic() - t0
+
+    def rewire(self) -> tuple[float, dict[str, str]]:
+        """Fresh unique ids from each top-level communicator's rank 0, rebuild everywhere, resume."""
+        t0 = time.monotonic()
+        blocks = self._command("genids", {"ids_ready"})
+        ids: dict[str, str] = {}
+        for _, b in blocks:
+            for c in b["comms"]:
+                if c["kind"] == "init" and c["rank"] == 0 and c["myid"]:
+                    ids[c["key"]] = c["myid"]
+        want = {c["key"] for _, b in blocks for c in b["comms"] if c["kind"] == "init"}
+        if want - set(ids):
+            raise CutFailed(f"no fresh unique id for communicator(s) {sorted(want - set(ids))}",
+                            action="rank 0 of each communicator must be part of the job's workers")
+        self._command("rebuild", {"rebuilt"}, ids)
+        self._command("resume", {"running", "parked"})
+        log.info("communicators re-created with new unique ids", communicators=len(ids),
+                 ids={k: v[:16] + "…" for k, v in ids.items()})
+        return time.monotonic() - t0, ids
+
+    def release(self) -> None:
+        """Abandon a quiesce whose communicators still exist: every rank carries on."""
+        for w in self.workers:
+            try:
+                self.post(w, {"op": "command", "command": "release", "ids": {}})
+            except PitstopError as e:
+                log.warning("release failed", worker=w, error=e.message)

@@ -1,0 +1,144 @@
+"""Find every shim control block in a worker's process tree; read and write it.
+
+Blocks are memfd mappings named "pitstop-ctl".  The agent (root) reads and writes
+them through /proc/PID/mem: the worker makes no system call for it.  A forked child
+shares its parent's block (MAP_SHARED), so blocks are told apart by their token.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..capture import proctree
+from . import layout as L
+
+
+@dataclass
+class Block:
+    pid: int
+    addr: int
+    header: dict[str, Any]
+    comms: list[dict[str, Any]] = field(default_factory=list)
+
+    def view(self) -> dict[str, Any]:
+        h = self.header
+        return {"pid": self.pid, "token": f"{h['token']:016x}", "state": L.STATES.get(h["state"], str(h["state"])),
+                "request": h["request"], "ack": h["ack"], "parked_comm": h["parked_comm"],
+                "parked_op": L.OPS.get(h["parked_op"], "?"), "parked_peer": h["parked_peer"],
+                "in_call": bool(h["in_call"]),
+                "command_seq": h["command_seq"], "done_seq": h["done_seq"], "error": h["error"],
+                "note": h["note"].split(b"\0", 1)[0].decode(errors="replace"),
+                "comms": [{"idx": i, "key": f"{c['key']:016x}", "issued": c["issued"],
+                           "target": None if c["target"] == L.TARGET_UNSET else c["target"],
+                           "nranks": c["nranks"], "rank": c["rank"], "kind": L.KINDS.get(c["kind"], "?"),
+                           "parent": c["parent"], "alive": bool(c["alive"]),
+                           "sent": _trim(c["sent"]), "recvd": _trim(c["recvd"]),
+                           "myid": c["myid"].hex() if c["myid_set"] else None}
+                          for i, c in enumerate(self.comms)]}
+
+
+def _trim(xs: list[int]) -> list[int]:
+    """Per-peer counters without the unused tail."""
+    n = len(xs)
+    while n and not xs[n - 1]:
+        n -= 1
+    return xs[:n]
+
+
+def _find(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                if "/memfd:pitstop-ctl" in line:
+                    return int(line.split("-", 1)[0], 16)
+    except OSError:
+        pass
+    return None
+
+
+def read_block(pid: int, addr: int) -> Block | None:
+    try:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, L.SIZE, addr)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    h = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0)))
+    if not h["magic"].startswith(L.MAGIC):
+        return None
+    n = min(h["ncomms"], L.MAX_COMMS)
+    comms = []
+    for i in range(n):
+        vals = L.COMM.unpack_from(raw, L.comm_offset(i))
+        c = dict(zip(L.COMM_FIELDS, vals[:len(L.COMM_FIELDS)]))
+        rest = vals[len(L.COMM_FIELDS):]
+        m = L.MAX_PEERS
+        c["sent"], c["recvd"] = list(rest[:m]), list(rest[m:2 * m])
+        c["send_target"], c["recv_target"] = list(rest[2 * m:3 * m]), list(rest[3 * m:])
+        comms.append(c)
+    return Block(pid, addr, h, comms)
+
+
+def blocks(root_pid: int) -> list[Block]:
+    out: dict[int, Block] = {}
+    for pid in proctree.tree(root_pid):
+        addr = _find(pid)
+        if addr is None:
+            continue
+        b = read_block(pid, addr)
+        if b is not None and b.header["token"] not in out:
+            out[b.header["token"]] = b
+    return list(out.values())
+
+
+def _write(b: Block, offset: int, data: bytes) -> None:
+    fd = os.open(f"/proc/{b.pid}/mem", os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, b.addr + offset)
+    finally:
+        os.close(fd)
+
+
+def quiesce(b: Block, gen: int) -> None:
+    """Clear every target and allowance, then raise the request: each rank parks at its next call."""
+    unset = struct.pack("<Q", L.TARGET_UNSET)
+    for i in range(len(b.comms)):
+        base = L.comm_offset(i)
+        _write(b, base + L.COMM_OFF_TARGET, unset)
+        _write(b, base + L.COMM_OFF_SEND_TARGET, unset * L.MAX_PEERS)
+        _write(b, base + L.COMM_OFF_RECV_TARGET, unset * L.MAX_PEERS)
+    _write(b, L.OFF_REQUEST, struct.pack("<I", gen))
+
+
+def set_targets(b: Block, targets: dict[str, Any]) -> None:
+    """targets["<key>@<rank>"] = {"coll": n, "send": {peer: n}, "recv": {peer: n}} (any part may be missing)."""
+    for i, c in enumerate(b.comms):
+        t = targets.get(f"{c['key']:016x}@{c['rank']}")
+        if not t:
+            continue
+        base = L.comm_offset(i)
+        if t.get("coll") is not None and t["coll"] != c["target"]:
+            _write(b, base + L.COMM_OFF_TARGET, struct.pack("<Q", t["coll"]))
+        for name, off, cur in (("send", L.COMM_OFF_SEND_TARGET, c["send_target"]),
+                               ("recv", L.COMM_OFF_RECV_TARGET, c["recv_target"])):
+            for peer, n in (t.get(name) or {}).items():
+                p = int(peer)
+                if 0 <= p < L.MAX_PEERS and cur[p] != n:
+                    _write(b, base + off + 8 * p, struct.pack("<Q", n))
+
+
+def command(b: Block, name: str, ids: dict[str, str] | None = None) -> None:
+    for i, c in enumerate(b.comms):
+        newid = (ids or {}).get(f"{c['key']:016x}")
+        if newid:
+            _write(b, L.comm_offset(i) + L.COMM_OFF_NEWID, bytes.fromhex(newid))
+            _write(b, L.comm_offset(i) + L.COMM_OFF_NEWID_SET, struct.pack("<i", 1))
+    _write(b, L.OFF_COMMAND, struct.pack("<I", L.COMMANDS[name]))
+    _write(b, L.OFF_COMMAND_SEQ, struct.pack("<I", b.header["command_seq"] + 1))

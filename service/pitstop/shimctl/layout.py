@@ -1,0 +1,39 @@
+"""Byte layout of shim/ctl.h's struct pitstop_ctl (tests/test_shim.py checks it against the C compiler)."""
+
+from __future__ import annotations
+
+import struct
+
+MAGIC = b"PITSTOP-CTL-v1"
+MAX_COMMS = 64
+TARGET_UNSET = 2**64 - 1
+
+MAX_PEERS = 32
+HEADER = struct.Struct("<16sIIIIIIIIiiiiQii176s")
+COMM = struct.Struct(f"<QQQiiiiiiii128sii128s{MAX_PEERS}Q{MAX_PEERS}Q{MAX_PEERS}Q{MAX_PEERS}Q")
+HEADER_FIELDS = ("magic", "version", "ncomms", "request", "ack", "state", "command", "command_seq", "done_seq",
+                 "parked_comm", "error", "parked_op", "parked_peer", "token", "in_call", "pad", "note")
+COMM_FIELDS = ("key", "issued", "target", "nranks", "rank", "kind", "parent", "color", "key_arg", "alive",
+               "newid_set", "newid", "myid_set", "pad", "myid")
+COMM_OFF_SENT = 320
+COMM_OFF_RECVD = COMM_OFF_SENT + 8 * MAX_PEERS
+COMM_OFF_SEND_TARGET = COMM_OFF_RECVD + 8 * MAX_PEERS
+COMM_OFF_RECV_TARGET = COMM_OFF_SEND_TARGET + 8 * MAX_PEERS
+OPS = {0: "coll", 1: "send", 2: "recv"}
+SIZE = HEADER.size + MAX_COMMS * COMM.size
+
+# offsets used for single-field writes
+OFF_REQUEST = 24
+OFF_COMMAND = 36
+OFF_COMMAND_SEQ = 40
+COMM_OFF_TARGET = 16
+COMM_OFF_NEWID_SET = 52
+COMM_OFF_NEWID = 56
+
+STATES = {0: "running", 1: "parked", 2: "destroyed", 3: "ids_ready", 4: "rebuilt", 5: "failed"}
+COMMANDS = {"destroy": 1, "genids": 2, "rebuild": 3, "resume": 4, "release": 5}
+KINDS = {1: "init", 2: "split"}
+
+
+def comm_offset(idx: int) -> int:
+    return HEADER.size + idx * COMM.size

@@ -1,0 +1,65 @@
+/* The shim's control block: the only thing the agent and a worker share.
+ *
+ * One memfd mapping ("pitstop-ctl") per process that uses NCCL.  The agent finds it
+ * in /proc/PID/maps and reads and writes it through /proc/PID/mem; the worker
+ * only loads and stores.  So the shim has no thread, makes no system call on the
+ * collective path, and holds no socket that could cross a checkpoint; CRIU dumps
+ * and restores the block with the rest of the process, at the same address.
+ *
+ * Each field has exactly one writer (A: agent, S: shim).  Layout is fixed and
+ * mirrored in service/pitstop/shimctl/layout.py; change both together. */
+#ifndef PITSTOP_SHIM_CTL_H
+#define PITSTOP_SHIM_CTL_H
+#include <stdint.h>
+
+#define PITSTOP_CTL_MAGIC "PITSTOP-CTL-v1"
+#define PITSTOP_MAX_COMMS 64
+#define PITSTOP_TARGET_UNSET UINT64_MAX
+#define PITSTOP_MAX_PEERS 32   /* point-to-point tracked per peer rank below this */
+
+enum { ST_RUNNING = 0, ST_PARKED = 1, ST_DESTROYED = 2, ST_IDS_READY = 3, ST_REBUILT = 4, ST_FAILED = 5 };
+enum { CMD_NONE = 0, CMD_DESTROY = 1, CMD_GENIDS = 2, CMD_REBUILD = 3, CMD_RESUME = 4, CMD_RELEASE = 5 };
+enum { KIND_INIT = 1, KIND_SPLIT = 2 };
+enum { OP_COLL = 0, OP_SEND = 1, OP_RECV = 2 };
+
+struct pitstop_comm_ctl {           /* 1344 bytes */
+  uint64_t key;                     /* S: same on every member of the communicator */
+  volatile uint64_t issued;         /* S: operations issued on it */
+  volatile uint64_t target;         /* A: may issue while issued < target */
+  int32_t nranks, rank;             /* S */
+  int32_t kind, parent;             /* S: KIND_*, parent index for splits */
+  int32_t color, key_arg;           /* S: split arguments */
+  volatile int32_t alive;           /* S: 1 while the application holds it */
+  volatile int32_t newid_set;       /* A: 1 when newid holds the id to rebuild with */
+  uint8_t newid[128];               /* A */
+  volatile int32_t myid_set;        /* S: 1 when myid holds a fresh id (rank 0 of an INIT comm) */
+  int32_t pad;
+  uint8_t myid[128];                /* S */
+  volatile uint64_t sent[PITSTOP_MAX_PEERS];        /* S: sends issued to each peer */
+  volatile uint64_t recvd[PITSTOP_MAX_PEERS];       /* S: receives issued from each peer */
+  volatile uint64_t send_target[PITSTOP_MAX_PEERS]; /* A: may send to peer while sent < this */
+  volatile uint64_t recv_target[PITSTOP_MAX_PEERS]; /* A: may receive from peer while recvd < this */
+};
+
+struct pitstop_ctl {
+  char magic[16];                   /* S: PITSTOP_CTL_MAGIC */
+  uint32_t version;                 /* S: 1 */
+  volatile uint32_t ncomms;         /* S */
+  volatile uint32_t request;        /* A: quiesce generation; 0 = none */
+  volatile uint32_t ack;            /* S: the generation the shim has seen */
+  volatile uint32_t state;          /* S: ST_* */
+  volatile uint32_t command;        /* A: CMD_* for the current generation */
+  volatile uint32_t command_seq;    /* A: bumped with every command */
+  volatile uint32_t done_seq;       /* S: the command_seq last carried out */
+  volatile int32_t parked_comm;     /* S: index of the comm the parked call is on */
+  volatile int32_t error;           /* S: last ncclResult_t of a rebuild, 0 if fine */
+  volatile int32_t parked_op;       /* S: OP_* of the call the rank is parked at */
+  volatile int32_t parked_peer;     /* S: its peer, for send and receive */
+  uint64_t token;                   /* S: random, stable across restore: names this process */
+  volatile int32_t in_call;         /* S: 1 while inside a real NCCL call (blocked there, perhaps) */
+  int32_t pad;
+  char note[176];                   /* S: last thing the shim did, for logs */
+  struct pitstop_comm_ctl comms[PITSTOP_MAX_COMMS];
+};
+
+#endif

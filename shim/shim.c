@@ -1,0 +1,295 @@
+/* pitstop's NCCL shim (LD_PRELOAD): virtual communicators, a consistent cut, rewiring.
+ *
+ * The application gets virtual handles (struct vcomm *) and never sees a real one.
+ * Per communicator the shim counts issued operations.  When the agent raises a
+ * quiesce request in the control block (ctl.h), each call entry compares its
+ * communicator's count with the target the coordinator set: below it, the call
+ * proceeds; at it, the rank parks there (between collectives, a group kept whole)
+ * and carries out the agent's commands: destroy the real communicators (so nothing
+ * of NCCL crosses the checkpoint), generate fresh unique ids, rebuild every
+ * communicator in creation order (splits replayed), resume.  The handles never
+ * change; the application sees no error.
+ *
+ * Every wait has a deadline (PITSTOP_SHIM_DEADLINE_S, default 300 s): a parked rank
+ * whose agent vanished resumes on its own if its communicators still exist, and
+ * otherwise returns ncclRemoteError rather than hang (cf. NVIDIA/nccl#2349).
+ * Idle cost: one load and compare per call, one store per issued operation. */
+#define _GNU_SOURCE
+#include "shim.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+struct pitstop_ctl *pitstop_ctl;
+uint32_t pitstop_seen;               /* the quiesce generation this rank has finished with */
+static struct vcomm *vcomms[PITSTOP_MAX_COMMS];
+static int nvcomms;
+static __thread int groupDepth, groupChecked;
+
+struct event { int kind; int idx; int parent; int color, key; }; /* creation order, NOCOLOR splits too */
+static struct event events[4 * PITSTOP_MAX_COMMS];
+static int nevents;
+
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+static double deadlineS(void) { const char *e = getenv("PITSTOP_SHIM_DEADLINE_S"); double v = e ? atof(e) : 300; return v > 0 ? v : 300; }
+static void note(const char *fmt, const char *a, long b) {
+  if (pitstop_ctl) snprintf(pitstop_ctl->note, sizeof pitstop_ctl->note, fmt, a, b);
+}
+
+static uint64_t mix(uint64_t h, uint64_t v) { h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); return h * 0xff51afd7ed558ccdull; }
+
+static struct pitstop_ctl *ctl(void) {
+  if (pitstop_ctl) return pitstop_ctl;
+  int fd = memfd_create("pitstop-ctl", MFD_CLOEXEC);
+  void *p = MAP_FAILED;
+  if (fd >= 0 && ftruncate(fd, sizeof(struct pitstop_ctl)) == 0)
+    p = mmap(NULL, sizeof(struct pitstop_ctl), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (fd >= 0) close(fd);
+  if (p == MAP_FAILED) { /* still correct, just not movable: the agent will find no block */
+    static struct pitstop_ctl fallback;
+    p = &fallback;
+  }
+  struct pitstop_ctl *c = p;
+  memcpy(c->magic, PITSTOP_CTL_MAGIC, sizeof PITSTOP_CTL_MAGIC);
+  c->version = 1;
+  c->token = mix((uint64_t)getpid(), (uint64_t)(now() * 1e9));
+  c->parked_comm = -1;
+  pitstop_ctl = c;
+  return c;
+}
+
+static struct vcomm *newVcomm(int kind, int nranks, int rank, uint64_t key, int parent, int color, int keyArg,
+                              const ncclConfig_t *config) {
+  if (nvcomms >= PITSTOP_MAX_COMMS) return NULL;
+  struct pitstop_ctl *c = ctl();
+  struct vcomm *v = calloc(1, sizeof *v);
+  v->magic = VCOMM_MAGIC;
+  v->idx = nvcomms;
+  if (config) { /* never read past the caller's struct (NVIDIA/nccl#2347) */
+    size_t n = config->size < sizeof v->config ? config->size : sizeof v->config;
+    memcpy(&v->config, config, n);
+    v->config.size = n;
+    v->hasConfig = 1;
+  }
+  struct pitstop_comm_ctl *cc = &c->comms[v->idx];
+  memset(cc, 0, sizeof *cc);
+  cc->key = key; cc->nranks = nranks; cc->rank = rank; cc->kind = kind; cc->parent = parent;
+  cc->color = color; cc->key_arg = keyArg; cc->target = PITSTOP_TARGET_UNSET; cc->alive = 1;
+  for (int i = 0; i < PITSTOP_MAX_PEERS; i++) cc->send_target[i] = cc->recv_target[i] = PITSTOP_TARGET_UNSET;
+  vcomms[nvcomms++] = v;
+  c->ncomms = (uint32_t)nvcomms;
+  return v;
+}
+
+struct vcomm *pitstop_v(ncclComm_t comm) {
+  struct vcomm *v = (struct vcomm *)comm;
+  return (v && v->magic == VCOMM_MAGIC) ? v : NULL;
+}
+
+/* ---- lifecycle ---------------------------------------------------------------------- */
+ncclResult_t pitstop_init(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config, int withConfig) {
+  ncclComm_t real = NULL;
+  ncclResult_t r = withConfig ? real_ncclCommInitRankConfig(&real, nranks, id, rank, config)
+                              : real_ncclCommInitRank(&real, nranks, id, rank);
+  if (r != ncclSuccess) return r;
+  uint64_t key = 0x1ull;
+  for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++) key = mix(key, (uint8_t)id.internal[i]);
+  struct vcomm *v = newVcomm(KIND_INIT, nranks, rank, key, -1, 0, 0, withConfig ? config : NULL);
+  if (!v) { real_ncclCommDestroy(real); return ncclInternalError; }
+  v->real = real;
+  events[nevents++] = (struct event){KIND_INIT, v->idx, -1, 0, 0};
+  *comm = (ncclComm_t)v;
+  return ncclSuccess;
+}
+
+ncclResult_t pitstop_split(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config) {
+  struct vcomm *p = pitstop_v(comm);
+  if (!p) return ncclInvalidArgument;
+  ncclComm_t real = NULL;
+  ncclResult_t r = real_ncclCommSplit(p->real, color, key, &real, config);
+  if (r != ncclSuccess) return r;
+  p->splits++;
+  if (nevents >= (int)(sizeof events / sizeof *events)) return ncclInternalError;
+  if (!real) { /* NCCL_SPLIT_NOCOLOR: no communicator, but the split is replayed too */
+    events[nevents++] = (struct event){KIND_SPLIT, -1, p->idx, color, key};
+    *newcomm = NULL;
+    return ncclSuccess;
+  }
+  int nranks = 0, rank = 0;
+  real_ncclCommCount(real, &nranks);
+  real_ncclCommUserRank(real, &rank);
+  uint64_t k = mix(mix(mix(pitstop_ctl->comms[p->idx].key, p->splits), (uint64_t)(uint32_t)color), 0x5b);
+  struct vcomm *v = newVcomm(KIND_SPLIT, nranks, rank, k, p->idx, color, key, config);
+  if (!v) { real_ncclCommDestroy(real); return ncclInternalError; }
+  v->real = real;
+  events[nevents++] = (struct event){KIND_SPLIT, v->idx, p->idx, color, key};
+  *newcomm = (ncclComm_t)v;
+  return ncclSuccess;
+}
+
+ncclResult_t pitstop_destroy(ncclComm_t comm, int how) {
+  struct vcomm *v = pitstop_v(comm);
+  if (!v) return ncclInvalidArgument;
+  ncclResult_t r = ncclSuccess;
+  if (how == 2) return v->real ? real_ncclCommFinalize(v->real) : ncclSuccess;
+  if (v->real) r = how == 1 ? real_ncclCommAbort(v->real) : real_ncclCommDestroy(v->real);
+  v->real = NULL;
+  v->appDestroyed = 1;
+  pitstop_ctl->comms[v->idx].alive = 0;
+  return r;
+}
+
+/* ---- the consistent cut --------------------------------------------------------------- */
+static void destroyAll(void) {
+  for (int i = 0; i < nvcomms; i++)
+    if (vcomms[i]->real) { real_ncclCommDestroy(vcomms[i]->real); vcomms[i]->real = NULL; }
+}
+
+static ncclResult_t rebuildAll(void) {
+  struct pitstop_ctl *c = pitstop_ctl;
+  ncclComm_t tmp[PITSTOP_MAX_COMMS] = {0};
+  for (int e = 0; e < nevents; e++) {
+    struct event ev = events[e];
+    ncclResult_t r;
+    if (ev.kind == KIND_INIT) {
+      struct vcomm *v = vcomms[ev.idx];
+      struct pitstop_comm_ctl *cc = &c->comms[ev.idx];
+      ncclUniqueId id;
+      memcpy(id.internal, cc->newid, sizeof id.internal);
+      r = v->hasConfig ? real_ncclCommInitRankConfig(&tmp[ev.idx], cc->nranks, id, cc->rank, &v->config)
+                       : real_ncclCommInitRank(&tmp[ev.idx], cc->nranks, id, cc->rank);
+    } else {
+      ncclComm_t out = NULL;
+      r = real_ncclCommSplit(tmp[ev.parent], ev.color, ev.key, &out,
+                             ev.idx >= 0 && vcomms[ev.idx]->hasConfig ? &vcomms[ev.idx]->config : NULL);
+      if (ev.idx >= 0) tmp[ev.idx] = out;
+      else if (out) real_ncclCommDestroy(out);
+    }
+    if (r != ncclSuccess) {
+      for (int i = 0; i < nvcomms; i++) if (tmp[i]) real_ncclCommDestroy(tmp[i]);
+      return r;
+    }
+  }
+  for (int i = 0; i < nvcomms; i++) {
+    if (vcomms[i]->appDestroyed) { if (tmp[i]) real_ncclCommDestroy(tmp[i]); continue; }
+    vcomms[i]->real = tmp[i]; /* the application's handle now points at the new communicator */
+  }
+  return ncclSuccess;
+}
+
+static void runCommand(uint32_t cmd) {
+  struct pitstop_ctl *c = pitstop_ctl;
+  switch (cmd) {
+    case CMD_DESTROY:
+      destroyAll();
+      c->state = ST_DESTROYED;
+      note("destroyed %s communicators (%ld)", "all", nvcomms);
+      break;
+    case CMD_GENIDS:
+      for (int i = 0; i < nvcomms; i++) {
+        struct pitstop_comm_ctl *cc = &c->comms[i];
+        if (cc->kind == KIND_INIT && cc->rank == 0) {
+          ncclUniqueId id;
+          if (real_ncclGetUniqueId(&id) == ncclSuccess) { memcpy(cc->myid, id.internal, sizeof cc->myid); cc->myid_set = 1; }
+        }
+      }
+      c->state = ST_IDS_READY;
+      break;
+    case CMD_REBUILD: {
+      ncclResult_t r = rebuildAll();
+      c->error = (int32_t)r;
+      c->state = r == ncclSuccess ? ST_REBUILT : ST_FAILED;
+      note("rebuilt communicators: %s (%ld)", r == ncclSuccess ? "ok" : "FAILED", (long)r);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+/* May this call go ahead under the current targets?  Collectives: while below the
+ * communicator's target.  Sends and receives: while below the per-peer allowance the
+ * coordinator derived from the peer's own counts (the channel a->b is balanced when
+ * a's sends to b equal b's receives from a). */
+static int allowed(struct pitstop_comm_ctl *cc, int op, int peer) {
+  if (op == OP_COLL) return cc->target != PITSTOP_TARGET_UNSET && cc->issued < cc->target;
+  if (peer < 0 || peer >= PITSTOP_MAX_PEERS) return 1; /* untracked peer: never blocks the cut */
+  uint64_t t = op == OP_SEND ? cc->send_target[peer] : cc->recv_target[peer];
+  uint64_t n = op == OP_SEND ? cc->sent[peer] : cc->recvd[peer];
+  return t != PITSTOP_TARGET_UNSET && n < t;
+}
+
+void pitstop_count(struct vcomm *v, int op, int peer) {
+  struct pitstop_comm_ctl *cc = &pitstop_ctl->comms[v->idx];
+  if (op == OP_COLL) cc->issued++;
+  else if (peer >= 0 && peer < PITSTOP_MAX_PEERS) { if (op == OP_SEND) cc->sent[peer]++; else cc->recvd[peer]++; }
+}
+
+/* A call entry during a quiesce: proceed while allowed, else park and obey. */
+ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer) {
+  struct pitstop_ctl *c = pitstop_ctl;
+  uint32_t gen = c->request;
+  if (gen == pitstop_seen) return ncclSuccess;
+  c->ack = gen;
+  int idx = v ? v->idx : -1;
+  double start = now(), limit = deadlineS();
+  int parked = 0;
+  for (;;) {
+    if (c->request != gen) { gen = c->request; c->ack = gen; start = now(); }
+    uint32_t seq = c->command_seq;
+    if (seq != c->done_seq) {
+      uint32_t cmd = c->command;
+      if (cmd == CMD_RESUME || cmd == CMD_RELEASE) {
+        if (cmd == CMD_RELEASE && c->state == ST_DESTROYED) { c->done_seq = seq; continue; } /* needs a rebuild */
+        c->done_seq = seq;
+        pitstop_seen = gen;
+        c->state = ST_RUNNING;
+        c->parked_comm = -1;
+        return ncclSuccess;
+      }
+      runCommand(cmd);
+      c->done_seq = seq;
+      start = now();
+      continue;
+    }
+    int destroyed = c->state == ST_DESTROYED || c->state == ST_IDS_READY || c->state == ST_FAILED;
+    if (!destroyed && c->state != ST_REBUILT && idx >= 0 && allowed(&c->comms[idx], op, peer)) {
+      if (parked) { c->state = ST_RUNNING; c->parked_comm = -1; } /* the cut is further on */
+      return ncclSuccess;
+    }
+    if (!parked) {
+      c->parked_op = op; c->parked_peer = peer; c->parked_comm = idx;
+      if (!destroyed && c->state != ST_REBUILT) c->state = ST_PARKED;
+      parked = 1;
+    }
+    if (now() - start > limit) {
+      if (!destroyed) { /* the agent vanished: carry on as if nothing happened */
+        pitstop_seen = gen; c->state = ST_RUNNING; c->parked_comm = -1;
+        note("quiesce %s: no word from the agent for %ld s; resumed", "timed out", (long)limit);
+        return ncclSuccess;
+      }
+      note("quiesce %s: communicators gone and no rebuild for %ld s", "failed", (long)limit);
+      return ncclRemoteError;
+    }
+    struct timespec ts = {0, 500000};
+    nanosleep(&ts, NULL);
+  }
+}
+
+/* Entry of an operation on v; groups are checked once, at their first operation. */
+ncclResult_t pitstop_enter(struct vcomm *v, int op, int peer) {
+  if (__builtin_expect(!pitstop_ctl || pitstop_ctl->request == pitstop_seen, 1)) return ncclSuccess;
+  if (groupDepth > 0) {
+    if (groupChecked) return ncclSuccess;
+    groupChecked = 1;
+  }
+  return pitstop_quiesce_point(v, op, peer);
+}
+
+void pitstop_group_start(void) { if (groupDepth++ == 0) groupChecked = 0; }
+void pitstop_group_end(void) { if (groupDepth > 0) groupDepth--; }
