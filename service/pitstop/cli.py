@@ -93,6 +93,8 @@ def run(
     agent_url: str = typer.Option(os.environ.get("PITSTOP_AGENT", "http://127.0.0.1:7070"), "--agent",
                                   help="this host's agent (http://HOST:PORT or unix:/path)"),
     rank: Optional[int] = typer.Option(None, help="rank of this process tree (default: $RANK, else 0)"),
+    host_nccl: bool = typer.Option(False, "--host-nccl", help="use pitstop's host NCCL (TCP, CPU) as libnccl.so.2"),
+    no_shim: bool = typer.Option(False, "--no-shim", help="do not preload the NCCL shim"),
 ) -> None:
     """Run COMMAND so that pitstop can move it: pitstop run --job J --agent URL -- COMMAND [ARGS...]"""
     from .launcher.run import run as run_cmd
@@ -100,7 +102,8 @@ def run(
     args = list(ctx.args)
     if args and args[0] == "--":
         args = args[1:]
-    raise typer.Exit(run_cmd(args, job=job, agent_url=agent_url, rank=rank))
+    raise typer.Exit(run_cmd(args, job=job, agent_url=agent_url, rank=rank, shim=not no_shim,
+                             host_nccl=host_nccl))
 
 
 @app.command()

@@ -24,6 +24,7 @@ import httpx
 
 from .agent.client import AgentClient
 from .capture import proctree
+from .netns import NetHosts
 
 
 def free_port() -> int:
@@ -84,6 +85,7 @@ class LocalCluster:
     coordinator_db: Path | None = None
     coordinator_proc: subprocess.Popen | None = None
     shm: Path = field(default_factory=lambda: Path("/dev/shm") / f"pitstop-{secrets.token_hex(4)}")
+    net: NetHosts | None = None  # set: every agent is a host in its own network namespace
 
     def env(self) -> dict[str, str]:
         e = dict(os.environ, PITSTOP_CLUSTER_TOKEN=self.token, PITSTOP_TOKEN=self.operator_token,
@@ -94,23 +96,31 @@ class LocalCluster:
 
     def start_coordinator(self, port: int | None = None, extra: list[str] | None = None) -> str:
         port = port or free_port()
+        host = "127.0.0.1"
+        if self.net:
+            self.net.setup()
+            host = self.net.gateway  # reachable from every host namespace
         self.coordinator_db = self.coordinator_db or self.root / "coordinator.db"
         log = open(self.root / "coordinator.log", "ab")
-        p = subprocess.Popen([*pitstop_cmd(), "coordinator", "--listen", f"127.0.0.1:{port}",
+        p = subprocess.Popen([*pitstop_cmd(), "coordinator", "--listen", f"{host}:{port}",
                               "--db", str(self.coordinator_db), *(extra or [])],
                              env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.coordinator_proc = p
-        self.coordinator_url = f"http://127.0.0.1:{port}"
+        self.coordinator_url = f"http://{host}:{port}"
         wait_http(self.coordinator_url + "/healthz", proc=p)
         return self.coordinator_url
 
     def start_agent(self, name: str, spare: bool = False, port: int | None = None) -> AgentProc:
         port = port or free_port()
+        addr, prefix = "127.0.0.1", []
+        if self.net:
+            _, addr = self.net.add(name)
+            prefix = self.net.exec_prefix(name)
         state = self.root / name
         images = self.shm / name
         state.mkdir(parents=True, exist_ok=True)
         log = state / "agent.log"
-        cmd = [*pitstop_cmd(), "agent", "--name", name, "--listen", f"127.0.0.1:{port}",
+        cmd = [*prefix, *pitstop_cmd(), "agent", "--name", name, "--listen", f"{addr}:{port}",
                "--state-dir", str(state), "--image-dir", str(images)]
         if self.coordinator_url:
             cmd += ["--coordinator", self.coordinator_url]
@@ -118,7 +128,7 @@ class LocalCluster:
             cmd.append("--spare")
         p = subprocess.Popen(cmd, env=self.env(), stdout=open(log, "ab"), stderr=subprocess.STDOUT,
                              start_new_session=True)
-        a = AgentProc(name, f"http://127.0.0.1:{port}", p, state, images, log, self.token)
+        a = AgentProc(name, f"http://{addr}:{port}", p, state, images, log, self.token)
         self.agents[name] = a
         wait_http(a.url + "/healthz", proc=p)
         return a
@@ -128,7 +138,7 @@ class LocalCluster:
         _stop(a.proc, sig)
 
     def start_job(self, job: str, script: list[str], world: int, placement: dict[int, str],
-                  env: dict[str, str] | None = None) -> list[Rank]:
+                  env: dict[str, str] | None = None, run_args: list[str] | None = None) -> list[Rank]:
         """Start `world` ranks of `script` through `pitstop run`; placement maps rank -> agent name."""
         master_port = free_port()
         out = []
@@ -137,7 +147,9 @@ class LocalCluster:
             log = self.root / f"{job}.rank{r}.log"
             e = dict(self.env(), RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(master_port), **(env or {}))
-            p = subprocess.Popen([*pitstop_cmd(), "run", "--job", job, "--agent", a.url, "--", *script],
+            prefix = self.net.exec_prefix(a.name) if self.net else []
+            p = subprocess.Popen([*prefix, *pitstop_cmd(), "run", "--job", job, "--agent", a.url, *(run_args or []), "--",
+                                  *script],
                                  env=e, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
             rk = Rank(r, p, log, a.name)
             self.ranks.append(rk)
@@ -165,6 +177,8 @@ class LocalCluster:
             _stop(self.coordinator_proc, signal.SIGTERM)
         for p in self.procs:
             _stop(p, signal.SIGTERM)
+        if self.net:
+            self.net.close()
         shutil.rmtree(self.shm, ignore_errors=True)
         shutil.rmtree(self.root, ignore_errors=True)
 

@@ -16,7 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, Field
 
 from .. import __version__
-from ..errors import Conflict, NotFound, Unprocessable
+from ..agent.client import AgentClient
+from ..errors import Conflict, NotFound, PitstopError, Unprocessable
 from ..httpapi import install_error_handlers, require_token
 from .driver import Driver
 from .planner import plan
@@ -142,6 +143,13 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Fa
                                         code="idempotency_key_reused",
                                         action="use a new key for a new request", details={"operation": seen[1]})
                 return JSONResponse(operation_view(store.op(seen[1])), status_code=202)
+        h = store.host(node)
+        if h is not None:  # ask the node itself: heartbeats may lag a job that just started
+            try:
+                with AgentClient(h["url"], settings.cluster_token, timeout=5.0) as a:
+                    store.sync_workers(node, a.workers())
+            except PitstopError:
+                pass  # unreachable: plan with what the heartbeats said
         p = plan(store, node, body.to, driver.busy_hosts(), settings.heartbeat_timeout_s)
         op_id = driver.start(p, body.reason, (idempotency_key, digest) if idempotency_key else None)
         return JSONResponse(operation_view(store.op(op_id)), status_code=202)

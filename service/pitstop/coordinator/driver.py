@@ -28,12 +28,13 @@ import structlog
 
 from ..agent.client import AgentClient
 from ..errors import DeadlineExceeded, PitstopError
+from .cut import Cut
 from .settings import CoordinatorSettings
 from .store import Store
 
 log = structlog.get_logger("pitstop.coordinator.driver")
 
-PHASES = ("pause", "capture", "verify", "release", "restore", "commit", "resume")
+PHASES = ("pause", "capture", "verify", "release", "restore", "rewire", "commit", "resume")
 
 
 class Cancelled(PitstopError):
@@ -112,6 +113,24 @@ class OpRun:
             raise PitstopError(f"host {host} is unknown", action="it must heartbeat to the coordinator")
         return AgentClient(h["url"], self.d.s.cluster_token, timeout=self.d.s.step_timeout_s)
 
+    def cut(self, moved: bool = False) -> Cut:
+        """The consistent-cut driver over every worker of the affected jobs, through their agents.
+
+        moved: the leaving workers are addressed at the destination (after restore)."""
+        hosts = dict(self.md["peers"])
+        for wid in self.md["workers"]:
+            hosts[wid] = self.md["destination"] if moved else self.md["node"]
+        clients: dict[str, AgentClient] = {}
+
+        def client(wid: str) -> AgentClient:
+            h = hosts[wid]
+            if h not in clients:
+                clients[h] = self.agent(h)
+            return clients[h]
+
+        return Cut(sorted(hosts), lambda w: client(w).shim_blocks(w), lambda w, body: client(w).shim_op(w, body),
+                   deadline_s=self.d.s.cut_deadline_s)
+
     def image_id(self, wid: str) -> str:
         return f"{self.id}-{wid}".replace(".", "_")
 
@@ -143,13 +162,30 @@ class OpRun:
         self.enter("pause")
         self.md["first_pause"] = time.time()
         self.save()
-        for wid, host in self.md["peers"].items():
-            self.agent(host).pause(wid)
+        cut = self.cut()
+        if cut.uses_shim():
+            # NCCL jobs: every rank parks at one consistent point between collectives, then the
+            # real communicators are destroyed, so no NCCL socket crosses the capture.
             with self.lock:
-                self.md["paused"].append(wid)
+                self.md["cut"] = {"used": True, "destroyed": False}
                 self.save()
-        self.leave("pause")
-        self.condition("Quiesced", True, "PeersPaused", f"{len(self.md['paused'])} peer(s) paused")
+            res = cut.quiesce()
+            cut.destroy()
+            with self.lock:
+                self.md["cut"].update(destroyed=True, rounds=res.rounds, seconds=round(res.seconds, 4))
+                self.save()
+            self.leave("pause")
+            self.condition("Quiesced", True, "ConsistentCut",
+                           f"{len(cut.workers)} worker(s) parked at a consistent cut after {res.rounds} round(s); "
+                           "NCCL communicators destroyed")
+        else:
+            for wid, host in self.md["peers"].items():
+                self.agent(host).pause(wid)
+                with self.lock:
+                    self.md["paused"].append(wid)
+                    self.save()
+            self.leave("pause")
+            self.condition("Quiesced", True, "PeersPaused", f"{len(self.md['paused'])} peer(s) paused (SIGSTOP)")
         self.check()
 
         self.enter("capture")
@@ -211,6 +247,15 @@ class OpRun:
         self.each(restore)
         self.leave("restore")
         self.condition("Restored", True, "WorkersRestored", f"on {dest}")
+        if self.md.get("cut", {}).get("destroyed"):
+            self.enter("rewire")
+            secs, ids = self.cut(moved=True).rewire()
+            with self.lock:
+                self.md["cut"].update(destroyed=False, rewired=True, new_ids={k: v[:32] for k, v in ids.items()})
+                self.save()
+            self.leave("rewire")
+            self.condition("Rewired", True, "CommunicatorsRecreated",
+                           f"{len(ids)} communicator(s) re-created with new unique ids")
         self.check()
         self._commit()
 
@@ -309,7 +354,17 @@ class OpRun:
             except PitstopError as e:
                 problems.append(f"{wid} on {node}: {e.message}")
         problems += self._resume_peers()
-        self.leave("rollback")
+        cutmd = self.md.get("cut") or {}
+        if cutmd.get("used"):
+            try:
+                if cutmd.get("destroyed"):
+                    # the workers run where they were: give them communicators again
+                    self.cut().rewire()
+                    cutmd["destroyed"] = False
+                else:
+                    self.cut().release()
+            except PitstopError as e:
+                problems.append(f"rewiring in place: {e.message}")
         msg = err.message
         if problems:
             msg += "; ROLLBACK INCOMPLETE: " + "; ".join(problems)

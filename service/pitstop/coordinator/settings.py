@@ -20,6 +20,7 @@ class CoordinatorSettings(BaseSettings):
     capture_deadline_s: float = 300.0     # dump + stream of one worker
     step_timeout_s: float = 180.0         # any other single agent call
     operation_deadline_s: float = 900.0   # the whole evacuation, before commit
+    cut_deadline_s: float = 30.0          # every rank of an NCCL job reaches the consistent cut
 
     def host_port(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")

@@ -47,7 +47,14 @@ class Store:
             return self.db.execute(sql, args).fetchall()
 
     # hosts and workers --------------------------------------------------------------------------
-    def heartbeat(self, hb: dict[str, Any]) -> None:
+    def sync_workers(self, host: str, workers: list[dict[str, Any]]) -> None:
+        """What the host's agent says it runs right now (fresher than its last heartbeat)."""
+        h = self.host(host)
+        if h is not None:
+            info = {k: v for k, v in h.items() if k not in ("role", "last_seen", "age_s")}
+            self.heartbeat({**info, "name": host, "url": h["url"], "workers": workers}, touch=False)
+
+    def heartbeat(self, hb: dict[str, Any], touch: bool = True) -> None:
         now = time.time()
         name = hb["name"]
         info = {k: v for k, v in hb.items() if k not in ("workers",)}
@@ -57,9 +64,10 @@ class Store:
                 row = self.db.execute("SELECT role FROM hosts WHERE name=?", (name,)).fetchone()
                 # The coordinator owns a host's role once it has one (a consumed spare becomes active).
                 role = row["role"] if row else ("spare" if hb.get("spare") else "active")
-                self.db.execute("INSERT INTO hosts(name,url,role,info,last_seen) VALUES(?,?,?,?,?) "
-                                "ON CONFLICT(name) DO UPDATE SET url=excluded.url, info=excluded.info, "
-                                "last_seen=excluded.last_seen", (name, hb["url"], role, json.dumps(info), now))
+                if touch:
+                    self.db.execute("INSERT INTO hosts(name,url,role,info,last_seen) VALUES(?,?,?,?,?) "
+                                    "ON CONFLICT(name) DO UPDATE SET url=excluded.url, info=excluded.info, "
+                                    "last_seen=excluded.last_seen", (name, hb["url"], role, json.dumps(info), now))
                 for w in hb.get("workers", []):
                     # Where a worker is: the host that reports it alive.  Its old host's "moved"
                     # is no news, and an end state (exited, lost) counts only from its current host.

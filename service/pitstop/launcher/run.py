@@ -19,6 +19,9 @@ another host:
   signals it has no handler for; a forwarded SIGTERM/SIGINT/SIGHUP that CMD
   does not handle is therefore turned into SIGKILL, which is what CMD would
   have suffered outside a namespace.
+- The NCCL shim is preloaded (when built): communicators get virtual handles and
+  the job can be brought to a consistent cut and rewired (shim/).  --host-nccl makes
+  the host NCCL (native/) the process's libnccl.so.2, for CPU jobs and tests.
 - Exit status: CMD's, also when CMD finished on another host.
 """
 
@@ -94,8 +97,37 @@ def _pump(fd: int, out) -> None:  # noqa: ANN001
     os.close(fd)
 
 
+REPO = Path(__file__).resolve().parents[3]
+
+
+def shim_path() -> Path | None:
+    p = Path(os.environ.get("PITSTOP_SHIM", REPO / "shim" / "build" / "libpitstop_shim.so"))
+    return p if p.exists() else None
+
+
+def host_nccl_dir() -> Path | None:
+    p = Path(os.environ.get("PITSTOP_HOST_NCCL_DIR", REPO / "native" / "build"))
+    return p if (p / "libnccl.so.2").exists() else None
+
+
+def nccl_env(env: dict[str, str], *, shim: bool, host_nccl: bool) -> dict[str, str]:
+    """Preload the NCCL shim (first, so its NCCL symbols win); optionally make host NCCL the libnccl."""
+    if host_nccl:
+        d = host_nccl_dir()
+        if d is None:
+            raise PitstopError("--host-nccl: native/build/libnccl.so.2 is not built",
+                               action="run `make native`, or set PITSTOP_HOST_NCCL_DIR")
+        env["LD_LIBRARY_PATH"] = ":".join(x for x in (str(d), env.get("LD_LIBRARY_PATH", "")) if x)
+    if shim:
+        p = shim_path()
+        if p is None:
+            raise PitstopError("the NCCL shim is not built", action="run `make native`, or pass --no-shim")
+        env["LD_PRELOAD"] = ":".join(x for x in (str(p), env.get("LD_PRELOAD", "")) if x)
+    return env
+
+
 def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
-        extra_env: dict[str, str] | None = None) -> int:
+        extra_env: dict[str, str] | None = None, shim: bool = True, host_nccl: bool = False) -> int:
     if not cmd:
         print("pitstop run: no command given; usage: pitstop run --job JOB --agent URL -- CMD [ARGS...]",
               file=sys.stderr)
@@ -105,6 +137,11 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     env = dict(os.environ)
     env.setdefault("USE_LIBUV", "0")
     env.update(extra_env or {})
+    try:
+        env = nccl_env(env, shim=shim and (host_nccl or shim_path() is not None), host_nccl=host_nccl)
+    except PitstopError as e:
+        print(f"pitstop run: {e}", file=sys.stderr)
+        return 125
     client = agent_client(agent_url)
     rout, wout = os.pipe()
     rerr, werr = os.pipe()

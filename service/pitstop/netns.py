@@ -1,0 +1,68 @@
+"""Hosts with their own addresses on one machine: a network namespace per host on a bridge.
+
+For tests, the demo and benches only.  Names are random per cluster so that runs
+never collide; close() removes every namespace and link it made.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+from dataclasses import dataclass, field
+
+
+def _ip(*args: str) -> None:
+    p = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {p.stderr.strip()}")
+
+
+@dataclass
+class NetHosts:
+    tag: str = field(default_factory=lambda: secrets.token_hex(2))
+    subnet: int = field(default_factory=lambda: 20 + secrets.randbelow(200))
+    hosts: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (netns, address)
+    up: bool = False
+
+    @property
+    def bridge(self) -> str:
+        return f"pst{self.tag}br"
+
+    @property
+    def gateway(self) -> str:
+        return f"10.213.{self.subnet}.1"
+
+    def setup(self) -> None:
+        if self.up:
+            return
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self.up = True
+        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+
+    def add(self, name: str) -> tuple[str, str]:
+        self.setup()
+        i = len(self.hosts) + 1
+        ns, addr, veth = f"pst-{self.tag}-{name}", f"10.213.{self.subnet}.{10 + i}", f"pst{self.tag}v{i}"
+        _ip("netns", "add", ns)
+        self.hosts[name] = (ns, addr)
+        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("link", "set", veth, "master", self.bridge, "up")
+        _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", ns, "route", "add", "default", "via", self.gateway)
+        return ns, addr
+
+    def exec_prefix(self, name: str) -> list[str]:
+        # Not `ip netns exec`: it also makes a new mount namespace per command, so a worker and
+        # the agent's CRIU would live in different ones and CRIU would try to dump mounts.
+        return ["nsenter", f"--net=/run/netns/{self.hosts[name][0]}", "--"]
+
+    def close(self) -> None:
+        for ns, _ in self.hosts.values():
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+        self.hosts.clear()
+        if self.up:
+            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+            self.up = False
