@@ -259,8 +259,15 @@ ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer) {
     }
     int destroyed = c->state == ST_DESTROYED || c->state == ST_IDS_READY || c->state == ST_FAILED;
     if (!destroyed && c->state != ST_REBUILT && idx >= 0 && allowed(&c->comms[idx], op, peer)) {
-      if (parked) { c->state = ST_RUNNING; c->parked_comm = -1; } /* the cut is further on */
-      return ncclSuccess;
+      /* Publish "leaving" before trusting the allowance (Dekker with the coordinator, which
+       * writes final targets and then re-reads states): either it sees us leave, or we see
+       * its new targets and stay. */
+      uint32_t was = c->state;
+      c->state = ST_RUNNING;
+      __atomic_thread_fence(__ATOMIC_SEQ_CST);
+      if (allowed(&c->comms[idx], op, peer)) { c->parked_comm = -1; return ncclSuccess; } /* the cut is further on */
+      c->state = was;
+      continue;
     }
     if (!parked) {
       c->parked_op = op; c->parked_peer = peer; c->parked_comm = idx;

@@ -16,13 +16,26 @@ def args() -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--rendezvous", required=True, help="shared directory for the unique ids")
     p.add_argument("--out", required=True)
+    p.add_argument("--stall-rank", type=int, default=-1, help="this rank computes for --stall-seconds ...")
+    p.add_argument("--stall-at", type=int, default=-1, help="... at this step, calling no NCCL at all")
+    p.add_argument("--stall-seconds", type=float, default=0.0)
     a = p.parse_args()
     a.rank, a.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    global _args
+    _args = a
     return a
+
+
+_args: argparse.Namespace | None = None
 
 
 def step_line(step: int, value: float) -> None:
     print(f"step {step} t={time.time():.6f} loss={value:.6f}", flush=True)
+    if _args is not None and _args.rank == _args.stall_rank and step == _args.stall_at:
+        print(f"stalling for {_args.stall_seconds} s", flush=True)
+        end = time.time() + _args.stall_seconds
+        while time.time() < end:  # busy in compute: never reaches an NCCL call
+            pass
 
 
 def finish(a: argparse.Namespace, *arrays: np.ndarray) -> None:

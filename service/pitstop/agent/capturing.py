@@ -18,6 +18,7 @@ failed restore rolls back by restoring them on this host: nothing is lost.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -43,6 +44,8 @@ class SourceSide:
         self.state = state
         self.restorer = restorer  # ..receiving.DestinationSide, for rollback by local restore
         self._threads: dict[str, threading.Thread] = {}
+        self._cwd_locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
 
     # -- capture -----------------------------------------------------------------------------
     def start(self, worker_id: str, dest_url: str | None, image_id: str | None) -> Capture:
@@ -85,7 +88,8 @@ class SourceSide:
                                       name=f"send-{cap.id}", daemon=True)
             sender.start()
         try:
-            res = criu_ops.dump(w.root_pid, images, timeout_s=self.s.dump_timeout_s)
+            with self._cwd_lock(w.root_pid):
+                res = criu_ops.dump(w.root_pid, images, timeout_s=self.s.dump_timeout_s)
         except PitstopError as e:
             tail.failure = e
             if sender:
@@ -122,6 +126,20 @@ class SourceSide:
                                   bytes_total=tail.manifest.total_bytes if tail.manifest else cap.bytes_sent)
         log.info("captured and sent", capture=cap.id, worker=w.id, dest=cap.dest_url,
                  bytes=cap.bytes_total, **{k: round(v, 4) for k, v in ph.items()})
+
+    def _cwd_lock(self, pid: int) -> threading.Lock:
+        """One dump at a time per working directory.
+
+        A worker is not in the host's PID namespace, so CRIU's parasite mounts a private
+        /proc at a fixed name ("proc.crtools") in the task's working directory; two
+        concurrent dumps of ranks sharing a directory race on that mkdir (EEXIST).
+        """
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            cwd = ""
+        with self._locks_guard:
+            return self._cwd_locks.setdefault(cwd, threading.Lock())
 
     def _output_end(self, w: Worker) -> dict[str, int]:
         """Where this host's copy of the worker's output ends: the next host continues from there."""

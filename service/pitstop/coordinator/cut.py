@@ -84,6 +84,18 @@ class Cut:
             targets, stable, lagging = self._targets(blocks, stalled=snap == prev)
             prev = snap
             if stable:
+                # Confirm: write targets that let nobody move (an allowance from an earlier round
+                # may still be in flight), then read again; the shim publishes "leaving" before it
+                # trusts an allowance, so a rank on its way out shows here.
+                for w in self.workers:
+                    self.post(w, {"op": "targets", "targets": targets})
+                last = targets
+                again = self._all()
+                snap2 = [(b["token"], b["state"], [(c["issued"], c["sent"], c["recvd"]) for c in b["comms"]])
+                         for _, b in again]
+                _, stable2, _ = self._targets(again)
+                stable = stable2 and snap2 == snap
+            if stable:
                 res = CutResult(targets, rounds, time.monotonic() - t0)
                 log.info("consistent cut reached", rounds=rounds, seconds=round(res.seconds, 4),
                          communicators=len(targets))
@@ -194,7 +206,9 @@ class Cut:
                     ids[c["key"]] = c["myid"]
         want = {c["key"] for _, b in blocks for c in b["comms"] if c["kind"] == "init"}
         if want - set(ids):
-            raise CutFailed(f"no fresh unique id for communicator(s) {sorted(want - set(ids))}",
+            roots = [f"{w} pid {b['pid']} state {b['state']} seq {b['done_seq']}/{b['command_seq']} note {b['note']!r}"
+                     for w, b in blocks for c in b["comms"] if c["kind"] == "init" and c["rank"] == 0]
+            raise CutFailed(f"no fresh unique id for communicator(s) {sorted(want - set(ids))}; rank 0: {roots}",
                             action="rank 0 of each communicator must be part of the job's workers")
         self._command("rebuild", {"rebuilt"}, ids)
         self._command("resume", {"running", "parked"})

@@ -1,0 +1,67 @@
+"""The shim on its own: ABI hygiene, layout agreement with the agent, transparency."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from pitstop.shimctl import layout as L
+
+from .helpers import WORKLOADS
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIM = ROOT / "shim" / "build" / "libpitstop_shim.so"
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_exports_only_nccl_names_and_wraps_the_whole_header():
+    out = subprocess.run(["nm", "-D", "--defined-only", str(SHIM)], capture_output=True, text=True).stdout
+    names = {ln.split()[-1] for ln in out.splitlines() if ln.strip()}
+    header = (ROOT / "native" / "nccl.h").read_text().split("BEGIN API")[1].split("END API")[0]
+    declared = {w.split("(")[0].split()[-1].lstrip("*") for w in header.splitlines() if "nccl" in w and "(" in w}
+    assert names == declared
+
+
+def test_control_block_layout_matches_the_c_compiler(tmp_path):
+    src = tmp_path / "l.c"
+    src.write_text('#include <stddef.h>\n#include <stdio.h>\n#include "ctl.h"\nint main(void){printf("%zu %zu %zu %zu '
+                   '%zu %zu %zu %zu %zu %zu\\n", sizeof(struct pitstop_ctl), offsetof(struct pitstop_ctl, request), '
+                   'offsetof(struct pitstop_ctl, command), offsetof(struct pitstop_ctl, command_seq), '
+                   'offsetof(struct pitstop_ctl, comms), sizeof(struct pitstop_comm_ctl), '
+                   'offsetof(struct pitstop_comm_ctl, newid_set), offsetof(struct pitstop_comm_ctl, newid), '
+                   'offsetof(struct pitstop_comm_ctl, sent), offsetof(struct pitstop_comm_ctl, recv_target));}\n')
+    subprocess.run(["cc", "-I", str(ROOT / "shim"), str(src), "-o", str(tmp_path / "l")], check=True)
+    got = [int(x) for x in subprocess.run([str(tmp_path / "l")], capture_output=True, text=True).stdout.split()]
+    assert got == [L.SIZE, L.OFF_REQUEST, L.OFF_COMMAND, L.OFF_COMMAND_SEQ, L.HEADER.size, L.COMM.size,
+                   L.COMM_OFF_NEWID_SET, L.COMM_OFF_NEWID, L.COMM_OFF_SENT, L.COMM_OFF_RECV_TARGET]
+
+
+@pytest.mark.parametrize("script", ["nccl_dp.py", "nccl_tp_dp.py", "nccl_pipeline.py"])
+def test_transparent_same_results_with_and_without_the_shim(script):
+    outs = []
+    for preload in ("", str(SHIM)):
+        with tempfile.TemporaryDirectory() as d:
+            rdv, out = Path(d) / "r", Path(d) / "o"
+            rdv.mkdir()
+            env = dict(os.environ, LD_LIBRARY_PATH=str(ROOT / "native" / "build"), PYTHONPATH=str(WORKLOADS),
+                       HOSTNCCL_ADDR="127.0.0.1", WORLD_SIZE="4", LD_PRELOAD=preload)
+            ps = [subprocess.Popen([sys.executable, str(WORKLOADS / script), "--steps", "20", "--step-sleep", "0",
+                                    "--rendezvous", str(rdv), "--out", str(out)], env=dict(env, RANK=str(r)))
+                  for r in range(4)]
+            assert [p.wait(100) for p in ps] == [0] * 4
+            outs.append([(out / f"rank{r}.sha256").read_text() for r in range(4)])
+    assert outs[0] == outs[1]
+
+
+def test_config_smaller_than_ours_is_never_read_past_its_size():
+    """An older, smaller ncclConfig_t (NVIDIA/nccl#2347): 16 bytes that end at a guard page."""
+    env = dict(os.environ, LD_LIBRARY_PATH=str(ROOT / "native" / "build"), PYTHONPATH=str(WORKLOADS),
+               HOSTNCCL_ADDR="127.0.0.1", LD_PRELOAD=str(SHIM))
+    p = subprocess.run([sys.executable, str(WORKLOADS / "nccl_small_config.py")], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stderr[-500:])

@@ -1,0 +1,127 @@
+"""The NCCL shim end to end: unchanged NCCL programs (numpy + ctypes over the host NCCL),
+4 ranks on hosts that are separate network namespaces with their own addresses, evacuated
+through the coordinator with a consistent cut and rewired communicators."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pitstop.coordinator.client import CoordinatorClient
+from pitstop.devcluster import free_port, pitstop_cmd
+from pitstop.netns import NetHosts
+
+from .helpers import WORKLOADS, assert_same_as_reference, wait_for_step
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+STEPS = 300
+_REF: dict[tuple, list[str]] = {}
+
+
+def _cmd(script: str, rdv: Path, out: Path, steps: int = STEPS, extra: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, str(WORKLOADS / script), "--steps", str(steps), "--step-sleep", "0.02",
+            "--rendezvous", str(rdv), "--out", str(out), *extra]
+
+
+def reference(script: str, steps: int = STEPS) -> list[str]:
+    """The same program, uninterrupted, over the host NCCL alone: no shim, no pitstop."""
+    key = (script, steps)
+    if key not in _REF:
+        with tempfile.TemporaryDirectory() as d:
+            rdv, out = Path(d) / "rdv", Path(d) / "out"
+            rdv.mkdir()
+            env = dict(os.environ, LD_LIBRARY_PATH=str(ROOT / "native" / "build"), PYTHONPATH=str(WORKLOADS),
+                       HOSTNCCL_ADDR="127.0.0.1", WORLD_SIZE="4")
+            cmd = _cmd(script, rdv, out, steps)
+            cmd[cmd.index("--step-sleep") + 1] = "0"
+            ps = [subprocess.Popen(cmd, env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL) for r in range(4)]
+            assert [p.wait(120) for p in ps] == [0] * 4
+            _REF[key] = [(out / f"rank{r}.sha256").read_text().strip() for r in range(4)]
+    return _REF[key]
+
+
+def _start(cluster, tmp_path, script, spares=1, steps=STEPS, extra=(), coord_env=None):
+    cluster.net = NetHosts()
+    if coord_env:
+        os.environ.update(coord_env)
+    try:
+        cluster.start_coordinator()
+    finally:
+        for k in coord_env or {}:
+            os.environ.pop(k, None)
+    for name in ("host-a", "host-b"):
+        cluster.start_agent(name)
+    for i in range(spares):
+        cluster.start_agent(f"spare-{i + 1}", spare=True)
+    rdv, out = tmp_path / "rdv", tmp_path / "out"
+    rdv.mkdir()
+    ranks = cluster.start_job("nccl", _cmd(script, rdv, out, steps, extra), 4,
+                              {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"},
+                              env={"PYTHONPATH": str(WORKLOADS)}, run_args=["--host-nccl"])
+    return CoordinatorClient(cluster.coordinator_url, cluster.operator_token), ranks, out
+
+
+def _evacuate(cc, node, to=None):
+    op = cc.evacuate(node, to=to)
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        op = cc.op(op["name"])
+        if op["done"]:
+            return op
+        time.sleep(0.1)
+    raise TimeoutError(op)
+
+
+@pytest.mark.parametrize("script", ["nccl_dp.py", "nccl_tp_dp.py", "nccl_pipeline.py"])
+def test_evacuate_nccl_job_across_addresses(cluster, tmp_path, script):
+    cc, ranks, out = _start(cluster, tmp_path, script)
+    wait_for_step(ranks[3].log, 20)
+    op = _evacuate(cc, "host-b")
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op.get("error")
+    assert "rewire" in md["phases"] and md["cut"]["rewired"] and md["cut"]["new_ids"]
+    assert any(c["type"] == "Quiesced" and c["reason"] == "ConsistentCut" for c in md["conditions"])
+    assert any(c["type"] == "Rewired" and c["status"] == "True" for c in md["conditions"])
+    # the new unique id names the new rendezvous address: another host's own address
+    addrs = {h["name"]: h["url"].split("//")[1].split(":")[0] for h in cc.hosts()}
+    assert addrs["host-b"] != addrs["spare-1"] != addrs["host-a"]
+    assert [r.proc.wait(180) for r in ranks] == [0] * 4
+    assert_same_as_reference(out, reference(script))
+    log = (cluster.root / "coordinator.log").read_text()
+    assert "consistent cut reached" in log and "communicators re-created with new unique ids" in log
+    # nothing in the application knew: no pitstop name in its output
+    assert all("pitstop" not in r.log.read_text().replace(str(cluster.root), "") for r in ranks)
+
+
+def test_three_evacuations_in_a_row_one_back_to_its_first_host(cluster, tmp_path):
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_tp_dp.py", spares=2, steps=500)
+    wait_for_step(ranks[3].log, 20)
+    assert _evacuate(cc, "host-b")["metadata"]["result"] == "succeeded"          # 2, 3 -> spare-1
+    assert _evacuate(cc, "spare-1", to="host-b")["metadata"]["result"] == "succeeded"  # back home
+    assert _evacuate(cc, "host-a")["metadata"]["result"] == "succeeded"          # 0, 1 -> spare-2
+    where = {w["id"]: w["host"] for j in cc.jobs() for w in j["workers"]}
+    assert where == {"nccl.0": "spare-2", "nccl.1": "spare-2", "nccl.2": "host-b", "nccl.3": "host-b"}
+    assert [r.proc.wait(240) for r in ranks] == [0] * 4
+    assert_same_as_reference(out, reference("nccl_tp_dp.py", 500))
+
+
+def test_rank_that_never_reaches_the_cut_fails_cleanly(cluster, tmp_path):
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_dp.py",
+                            extra=("--stall-rank", "1", "--stall-at", "40", "--stall-seconds", "8"),
+                            coord_env={"PITSTOP_COORDINATOR_CUT_DEADLINE_S": "2"})
+    wait_for_step(ranks[1].log, 40)
+    op = _evacuate(cc, "host-b")
+    assert op["metadata"]["result"] == "failed"
+    assert op["error"]["details"][0]["reason"] == "cut_failed"
+    assert "nccl.1" in op["error"]["message"] and "keeps running" in op["error"]["details"][0]["action"]
+    assert [r.proc.wait(180) for r in ranks] == [0] * 4
+    assert_same_as_reference(out, reference("nccl_dp.py"))
+    where = {w["id"]: w["host"] for j in cc.jobs() for w in j["workers"]}
+    assert where["nccl.2"] == "host-b"
