@@ -68,6 +68,27 @@ def operation_view(op: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def sync_workers(store: Store, settings: CoordinatorSettings, node: str) -> None:
+    """Ask the agents what they run right now: heartbeats may lag a job that just started, and
+    the plan (and the consistent cut) must know every rank of the affected jobs.  Each host
+    that has heartbeated recently is asked, in parallel, with a short deadline; an agent that
+    does not answer is planned with what its heartbeats said.  (For very large fleets this
+    should narrow to the hosts of the affected jobs.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    hosts = [h for h in store.hosts() if h["name"] == node or h["age_s"] <= settings.heartbeat_timeout_s]
+
+    def one(h: dict) -> None:
+        try:
+            with AgentClient(h["url"], settings.cluster_token, timeout=3.0) as a:
+                store.sync_workers(h["name"], a.workers())
+        except PitstopError:
+            pass
+
+    with ThreadPoolExecutor(max_workers=min(32, max(1, len(hosts)))) as ex:
+        list(ex.map(one, hosts))
+
+
 def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[FastAPI, Driver]:
     store = store or Store(settings.db)
     metrics = Metrics()
@@ -143,13 +164,7 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Fa
                                         code="idempotency_key_reused",
                                         action="use a new key for a new request", details={"operation": seen[1]})
                 return JSONResponse(operation_view(store.op(seen[1])), status_code=202)
-        h = store.host(node)
-        if h is not None:  # ask the node itself: heartbeats may lag a job that just started
-            try:
-                with AgentClient(h["url"], settings.cluster_token, timeout=5.0) as a:
-                    store.sync_workers(node, a.workers())
-            except PitstopError:
-                pass  # unreachable: plan with what the heartbeats said
+        sync_workers(store, settings, node)
         p = plan(store, node, body.to, driver.busy_hosts(), settings.heartbeat_timeout_s)
         op_id = driver.start(p, body.reason, (idempotency_key, digest) if idempotency_key else None)
         return JSONResponse(operation_view(store.op(op_id)), status_code=202)

@@ -70,6 +70,7 @@ class Cut:
     # -- 1 + 2 + 3 ----------------------------------------------------------------------------
     def quiesce(self) -> CutResult:
         t0 = time.monotonic()
+        self._check_membership(self._all())
         for w in self.workers:
             self.post(w, {"op": "quiesce", "gen": self.gen})
         end = t0 + self.deadline_s
@@ -112,6 +113,24 @@ class Cut:
                     action="those ranks did not reach an NCCL call (stuck in compute, or finished?); "
                            "the job was released and keeps running", details={"lagging": lagging})
             time.sleep(self.poll_s)
+
+    def _check_membership(self, blocks: list[tuple[str, dict[str, Any]]]) -> None:
+        """Every member of every communicator must be one of the workers we drive: a rank we
+        cannot see would be left running while its peers destroy their communicators."""
+        seen: dict[str, set[int]] = defaultdict(set)
+        size: dict[str, int] = {}
+        for _, b in blocks:
+            for c in b["comms"]:
+                if c["alive"]:
+                    seen[c["key"]].add(c["rank"])
+                    size[c["key"]] = c["nranks"]
+        missing = {k: sorted(set(range(size[k])) - ranks) for k, ranks in seen.items() if len(ranks) < size[k]}
+        if missing:
+            raise CutFailed("some ranks of the job are unknown to pitstop: "
+                            + "; ".join(f"communicator {k} lacks rank(s) {v[:8]}" for k, v in missing.items()),
+                            action="start every rank through `pitstop run` on a host with an agent, wait a "
+                                   "heartbeat, and evacuate again; nothing was paused",
+                            details={"missing": missing})
 
     def _targets(self, blocks: list[tuple[str, dict[str, Any]]], stalled: bool = False
                  ) -> tuple[dict[str, Any], bool, list[str]]:
