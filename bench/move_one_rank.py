@@ -48,11 +48,12 @@ def main() -> None:
         hosts = [(a, b), (b, a)]
         for i in range(args.warmup):
             src, dst = hosts[i % 2]
-            warm.append(move_worker(src.client(), dst.client(), "bench.1", dest_name=dst.name).downtime_s)
+            warm.append(move_worker(src.client(), dst.client(), "bench.1", dest_name=dst.name,
+                                    peers=[(a.client(), "bench.0")]).downtime_s)
             time.sleep(1.0)
         src, dst = hosts[args.warmup % 2]
         mark = time.time()
-        rep = move_worker(src.client(), dst.client(), "bench.1", dest_name=dst.name)
+        rep = move_worker(src.client(), dst.client(), "bench.1", dest_name=dst.name, peers=[(a.client(), "bench.0")])
         codes = [r.proc.wait(300) for r in ranks]
         pause, step = job_pause(ranks[0].log, since=mark)
     floor = rep.bytes / bw

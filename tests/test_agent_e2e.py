@@ -45,7 +45,7 @@ def test_move_rank_mid_training_bitwise_equal(cluster, tmp_path):
     a, b, out, ranks = _job(cluster, tmp_path, steps=100)
     wait_for_step(ranks[1].log, 10)
     src_pid = a.client().worker("j.1")["root_pid"]
-    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b")
+    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     assert rep.bytes > 10_000_000 and rep.restored_pid
     for phase in ("freeze", "dump", "transfer", "verify", "restore"):
         assert phase in rep.phases, rep.phases
@@ -70,7 +70,7 @@ def test_move_whole_tree_with_dataloader_children(cluster, tmp_path):
     root = a.client().worker("j.1")["root_pid"]
     before = proctree.tree(root)
     assert len(before) >= 3, "the rank should have DataLoader worker children"
-    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b")
+    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     after = proctree.tree(rep.restored_pid)
     assert len(after) == len(before)
     assert all(not proctree.exists(p) for p in before)
@@ -82,6 +82,7 @@ def test_corrupt_image_refused_before_criu_and_source_resumes(cluster, tmp_path)
     a, b, out, ranks = _job(cluster, tmp_path, steps=80)
     wait_for_step(ranks[1].log, 8)
     ca, cb = a.client(), b.client()
+    ca.pause("j.0")  # as the coordinator does: nothing flows into j.1's connections while it is dumped
     cap = ca.capture("j.1", dest_url=b.url, image_id="img-corrupt")
     cap = ca.wait_capture(cap["id"], 120)
     assert cap["state"] == "sent"
@@ -96,6 +97,7 @@ def test_corrupt_image_refused_before_criu_and_source_resumes(cluster, tmp_path)
     assert "sha256" in e.value.message and pages.name in e.value.message
     assert not (b.image_dir / "in-img-corrupt").exists(), "a bad copy must be discarded"
     assert ca.rollback(cap["id"])["state"] == "rolled_back"
+    ca.resume("j.0")
     assert ca.worker("j.1")["state"] == "running"
     _finish(ranks)
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80))
@@ -109,7 +111,7 @@ def test_transfer_cut_halfway_source_resumes(cluster, tmp_path):
         dst = b.client()
         dst.url = proxy.url  # the source streams through the cutting proxy
         with pytest.raises(TransferFailed) as e:
-            move_worker(a.client(), dst, "j.1")
+            move_worker(a.client(), dst, "j.1", peers=[(a.client(), "j.0")])
         assert proxy.cuts == 1
     finally:
         proxy.close()

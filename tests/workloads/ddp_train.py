@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--out", required=True, help="directory for rank<N>.pt and rank<N>.sha256")
+    p.add_argument("--trace-params", action="store_true", help="print a digest of the parameters every step")
     args = p.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -55,6 +56,9 @@ def main() -> None:
         opt.step()
         step += 1
         print(f"step {step} t={time.time():.6f} loss={loss.item():.6f}", flush=True)
+        if args.trace_params:
+            d = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
+            print(f"params {step} {d}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
     if ballast is not None:

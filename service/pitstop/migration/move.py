@@ -44,8 +44,25 @@ class MoveReport:
 def move_worker(src: AgentClient, dst: AgentClient, worker_id: str, *, dest_name: str = "",
                 capture_deadline_s: float = 300.0,
                 on_progress: Callable[[dict[str, Any]], None] | None = None,
-                fault: Callable[[str], None] | None = None) -> MoveReport:
-    """Run the whole move; raise PitstopError (worker still running somewhere) on failure."""
+                fault: Callable[[str], None] | None = None,
+                peers: list[tuple[AgentClient, str]] = ()) -> MoveReport:
+    """Run the whole move; raise PitstopError (worker still running somewhere) on failure.
+
+    peers: the job's other workers (agent, worker id), paused (SIGSTOP) for the duration, as
+    the coordinator does: nothing is sent into the worker's connections while it is dumped.
+    """
+    for a, wid in peers:
+        a.pause(wid)
+    try:
+        return _move(src, dst, worker_id, dest_name, capture_deadline_s, on_progress, fault)
+    finally:
+        for a, wid in peers:
+            _quiet(a.resume, wid)
+
+
+def _move(src: AgentClient, dst: AgentClient, worker_id: str, dest_name: str, capture_deadline_s: float,
+          on_progress: Callable[[dict[str, Any]], None] | None,
+          fault: Callable[[str], None] | None) -> MoveReport:
     image_id = "img-" + uuid.uuid4().hex[:12]
     t0 = time.monotonic()
     cap = src.capture(worker_id, dest_url=dst.url, image_id=image_id)
