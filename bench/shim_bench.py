@@ -52,7 +52,8 @@ def quiesce_rewire(world: int, cycles: int = 3) -> dict:
                LD_PRELOAD=str(SHIM), HOSTNCCL_ADDR="127.0.0.1", WORLD_SIZE=str(world))
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "workloads" / "nccl_dp.py"), "--steps", "100000",
                                "--step-sleep", "0.005", "--rendezvous", rdv, "--out", out],
-                              env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL) for r in range(world)]
+                              env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for r in range(world)]
     try:
         pids = {f"r{r}": p.pid for r, p in enumerate(procs)}
         end = time.monotonic() + 60
