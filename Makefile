@@ -45,6 +45,7 @@ demo: setup
 
 bench: setup
 	$(BIN)/python bench/move_one_rank.py
+	$(BIN)/python bench/shim_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info service/*.egg-info
