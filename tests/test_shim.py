@@ -65,3 +65,48 @@ def test_config_smaller_than_ours_is_never_read_past_its_size():
     p = subprocess.run([sys.executable, str(WORKLOADS / "nccl_small_config.py")], env=env, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stderr[-500:])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads and writes other processes' memory (root)")
+def test_ranks_resume_by_themselves_when_the_agent_vanishes(tmp_path):
+    """A quiesce is raised and then nobody ever speaks again: every rank parks, waits out
+    PITSTOP_SHIM_DEADLINE_S and carries on; the job ends exactly as if nothing happened."""
+    import time
+
+    from pitstop import shimctl
+
+    def run(preload_deadline: str | None) -> tuple[list[str], float]:
+        rdv, out = tmp_path / f"r{preload_deadline}", tmp_path / f"o{preload_deadline}"
+        rdv.mkdir()
+        env = dict(os.environ, LD_LIBRARY_PATH=str(ROOT / "native" / "build"), PYTHONPATH=str(WORKLOADS),
+                   HOSTNCCL_ADDR="127.0.0.1", WORLD_SIZE="4", LD_PRELOAD=str(SHIM),
+                   PITSTOP_SHIM_DEADLINE_S=preload_deadline or "300")
+        ps = [subprocess.Popen([sys.executable, str(WORKLOADS / "nccl_dp.py"), "--steps", "150", "--step-sleep",
+                                "0.01", "--rendezvous", str(rdv), "--out", str(out)], env=dict(env, RANK=str(r)))
+              for r in range(4)]
+        parked_for = 0.0
+        if preload_deadline:
+            end = time.monotonic() + 30
+            while time.monotonic() < end and not all(shimctl.blocks(p.pid) and shimctl.blocks(p.pid)[0].comms
+                                                     for p in ps):
+                time.sleep(0.05)
+            for p in ps:
+                for b in shimctl.blocks(p.pid):
+                    shimctl.quiesce(b, 7)          # ... and then the "agent" is gone
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 10:
+                states = [b.view()["state"] for p in ps for b in shimctl.blocks(p.pid)]
+                if states and all(s == "parked" for s in states):
+                    break
+                time.sleep(0.02)
+            assert all(s == "parked" for s in states), states
+            while any(b.view()["state"] == "parked" for p in ps for b in shimctl.blocks(p.pid)):
+                time.sleep(0.05)
+            parked_for = time.monotonic() - t0
+        assert [p.wait(120) for p in ps] == [0] * 4
+        return [(out / f"rank{r}.sha256").read_text() for r in range(4)], parked_for
+
+    hashes, parked = run("2")
+    assert 1.5 < parked < 10, parked
+    assert hashes == run(None)[0]
