@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import job_pause, machine, raw_tcp_bandwidth  # noqa: E402
-from pitstop.devcluster import LocalCluster  # noqa: E402
+from pitstop.devcluster import LocalCluster, wait_for_step  # noqa: E402
 from pitstop.migration.move import move_worker  # noqa: E402
 
 WORKLOAD = Path(__file__).resolve().parent.parent / "tests" / "workloads" / "ddp_train.py"
@@ -43,7 +43,7 @@ def main() -> None:
                "--state-mb", str(args.state_mb), "--step-sleep", "0.05"]
         ranks = c.start_job("bench", cmd, 2, {0: "a", 1: "a"})
         c.wait_registered("a", "bench.1")
-        _wait_step(ranks[1].log, 20)
+        wait_for_step(ranks[1].log, 20)
         warm = []
         hosts = [(a, b), (b, a)]
         for i in range(args.warmup):
@@ -83,15 +83,6 @@ def main() -> None:
     print(f"raw TCP bandwidth      {bw / 1e9:.2f} GB/s   floor = bytes / bandwidth = {floor:.3f} s")
     print(f"downtime / floor       {rep.downtime_s / floor:.2f}")
     print(f"job exit codes         {codes}")
-
-
-def _wait_step(log: Path, step: int, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if log.exists() and f"\nstep {step} " in log.read_text(errors="replace"):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"step {step} not reached")
 
 
 if __name__ == "__main__":

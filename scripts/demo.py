@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pitstop.devcluster import LocalCluster, free_port, pitstop_cmd  # noqa: E402
+from pitstop.devcluster import LocalCluster, free_port, pitstop_cmd, wait_for_step  # noqa: E402
 
 WORKLOAD = ROOT / "tests" / "workloads" / "ddp_train.py"
 STEPS = 200
@@ -65,7 +65,7 @@ def main() -> int:
         ranks = c.start_job("demo", [sys.executable, str(WORKLOAD), "--steps", str(STEPS), "--out", str(out),
                                      "--state-mb", "64"], 4,
                             {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"})
-        _wait_step(ranks[2].log, 30)
+        wait_for_step(ranks[2].log, 30)
         cli(c, "hosts")
         cli(c, "jobs")
         say("evacuating host-b while the job trains: pitstop evacuate host-b --wait")
@@ -93,15 +93,6 @@ def main() -> int:
              "identical to an uninterrupted run") if ok else "FAIL: see above")
         say(f"cleaning up (demo took {time.monotonic() - t0:.0f} s)")
     return 0 if ok else 1
-
-
-def _wait_step(log: Path, step: int, timeout: float = 120.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if log.exists() and f"\nstep {step} " in log.read_text(errors="replace"):
-            return
-        time.sleep(0.1)
-    raise SystemExit(f"the job did not reach step {step}; see {log}")
 
 
 def _gaps(log: Path) -> list[float]:

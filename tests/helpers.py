@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from pitstop.devcluster import free_port
+from pitstop.devcluster import free_port, wait_for_step  # noqa: F401 (re-exported for tests)
 
 WORKLOADS = Path(__file__).parent / "workloads"
 DDP = str(WORKLOADS / "ddp_train.py")
@@ -54,16 +54,6 @@ def assert_same_as_reference(out: Path, ref: list[str]) -> None:
     got = [hash_of(out, r) for r in range(len(ref))]
     assert got == ref, (f"final parameters differ from the uninterrupted run: got {got}, want {ref}; "
                         f"ranks {'agree' if len(set(got)) == 1 else 'DISAGREE'} with each other")
-
-
-def wait_for_step(log: Path, step: int, timeout_s: float = 60.0) -> None:
-    end = time.monotonic() + timeout_s
-    pat = re.compile(rf"^step {step} ", re.M)
-    while time.monotonic() < end:
-        if log.exists() and pat.search(log.read_text(errors="replace")):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"step {step} never appeared in {log}:\n{log.read_text(errors='replace')[-2000:]}")
 
 
 def step_times(log: Path) -> list[tuple[int, float]]:

@@ -9,6 +9,7 @@ of it and removes every directory it made, also after a failure.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -35,6 +36,18 @@ def free_port() -> int:
 
 def pitstop_cmd() -> list[str]:
     return [sys.executable, "-m", "pitstop.cli"]
+
+
+def wait_for_step(log: Path, step: int, timeout_s: float = 120.0) -> None:
+    """Wait until a workload's log shows `step N ` (the workloads print one such line per step)."""
+    end = time.monotonic() + timeout_s
+    pat = re.compile(rf"^step {step} ", re.M)
+    while time.monotonic() < end:
+        if log.exists() and pat.search(log.read_text(errors="replace")):
+            return
+        time.sleep(0.05)
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+    raise TimeoutError(f"step {step} never appeared in {log}:\n{tail}")
 
 
 def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
