@@ -9,6 +9,7 @@ import structlog
 import uvicorn
 
 from ..errors import FailedPrecondition
+from ..sdnotify import notify, watchdog_loop
 from .api import Agent, local_app, peer_app
 from .receiving import become_subreaper
 from .settings import AgentSettings
@@ -51,11 +52,17 @@ def serve(s: AgentSettings) -> None:
     async def main() -> None:
         tasks = [asyncio.create_task(tcp.serve()), asyncio.create_task(uds.serve())]
         tasks += [asyncio.create_task(x) for x in extra]
-        await asyncio.sleep(0.2)
+        while not (tcp.started and uds.started):
+            if any(t.done() for t in tasks[:2]):
+                break
+            await asyncio.sleep(0.02)
         os.chmod(s.sock, 0o660)
+        tasks.append(asyncio.create_task(watchdog_loop()))
+        notify(f"READY=1\nSTATUS=agent {s.name} serving {s.url}")
         log.info("agent up", name=s.name, url=s.url, socket=str(s.sock), spare=s.spare,
                  coordinator=s.coordinator, insecure=not s.cluster_token)
         done, pending = await asyncio.wait(tasks[:2], return_when=asyncio.FIRST_COMPLETED)
+        notify("STOPPING=1")
         tcp.should_exit = uds.should_exit = True
         for t in tasks:
             if t not in done:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import structlog
 import uvicorn
 
 from ..errors import FailedPrecondition
+from ..sdnotify import notify, watchdog_loop
 from .api import build
 from .settings import CoordinatorSettings
 
@@ -22,5 +25,17 @@ def serve(s: CoordinatorSettings) -> None:
     app, driver = build(s)
     touched = driver.reconcile()
     host, port = s.host_port()
-    log.info("coordinator up", listen=s.listen, db=str(s.db), reconciled=touched)
-    uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+
+    async def main() -> None:
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.02)
+        dog = asyncio.create_task(watchdog_loop())
+        log.info("coordinator up", listen=s.listen, db=str(s.db), reconciled=touched)
+        notify(f"READY=1\nSTATUS=coordinator serving {s.listen}")
+        await serving
+        notify("STOPPING=1")
+        dog.cancel()
+
+    asyncio.run(main())
