@@ -171,3 +171,19 @@ def test_coordinator_killed_mid_operation_rolls_back_on_restart(cluster, tmp_pat
     assert not o["error"]["details"][0].get("metadata", {}).get("rollback_problems")
     assert [r.proc.wait(240) for r in ranks] == [0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150, state_mb=300))
+
+
+def test_read_only_token_reads_but_never_mutates(cluster, monkeypatch):
+    monkeypatch.setenv("PITSTOP_READ_TOKEN", "reader-token")
+    cluster.start_coordinator()
+    url = cluster.coordinator_url
+    ro = {"Authorization": "Bearer reader-token"}
+    assert httpx.get(f"{url}/v1/hosts", headers=ro).status_code == 200
+    assert httpx.get(f"{url}/v1/operations", headers=ro).status_code == 200
+    r = httpx.post(f"{url}/v1/nodes/any:evacuate", json={}, headers=ro)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "read_only_token"
+    assert "PITSTOP_TOKEN" in r.json()["error"]["action"]
+    assert httpx.post(f"{url}/v1/operations/op-x:cancel", headers=ro).status_code == 403
+    assert httpx.get(f"{url}/v1/hosts", headers={"Authorization": "Bearer nope"}).status_code == 401
+    op = {"Authorization": f"Bearer {cluster.operator_token}"}
+    assert httpx.post(f"{url}/v1/nodes/any:evacuate", json={}, headers=op).status_code == 404  # passes auth

@@ -29,6 +29,11 @@ def bearer(request: Request) -> str | None:
     return h[7:].strip() if h.lower().startswith("bearer ") else None
 
 
+def token_matches(request: Request, expected: str | None) -> bool:
+    got = bearer(request)
+    return bool(got and expected and hmac.compare_digest(got.encode(), expected.encode()))
+
+
 def require_token(request: Request, expected: str | None, what: str, env: str) -> None:
     """Constant-time check of a bearer token; `expected` None means insecure mode."""
     if expected is None:

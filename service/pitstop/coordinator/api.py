@@ -17,8 +17,8 @@ from pydantic import BaseModel, Field
 
 from .. import __version__
 from ..agent.client import AgentClient
-from ..errors import Conflict, NotFound, PitstopError, Unprocessable
-from ..httpapi import install_error_handlers, require_token
+from ..errors import Conflict, Forbidden, NotFound, PitstopError, Unprocessable
+from ..httpapi import install_error_handlers, require_token, token_matches
 from .driver import Driver
 from .planner import plan
 from .settings import CoordinatorSettings
@@ -99,6 +99,14 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Fa
     install_error_handlers(app)
 
     def operator(request: Request) -> None:
+        """Reads: the operator token or the read-only token.  Mutations: the operator token only."""
+        if settings.operator_token is None:
+            return  # insecure development mode
+        if request.method in ("GET", "HEAD") and token_matches(request, settings.read_token):
+            return
+        if request.method not in ("GET", "HEAD") and token_matches(request, settings.read_token):
+            raise Forbidden("this token may only read", code="read_only_token",
+                            action="use the operator token (PITSTOP_TOKEN) for evacuations and cancels")
         require_token(request, settings.operator_token, "operator", "PITSTOP_TOKEN")
 
     def cluster(request: Request) -> None:

@@ -14,6 +14,7 @@ class CoordinatorSettings(BaseSettings):
     listen: str = "127.0.0.1:7000"
     db: Path = Path("/var/lib/pitstop/coordinator.db")
     operator_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_TOKEN"))
+    read_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_READ_TOKEN"))  # reads only
     cluster_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_CLUSTER_TOKEN"))
     insecure: bool = False
     heartbeat_timeout_s: float = 5.0      # a host silent this long is not offered as a spare
