@@ -108,5 +108,8 @@ def test_ranks_resume_by_themselves_when_the_agent_vanishes(tmp_path):
         return [(out / f"rank{r}.sha256").read_text() for r in range(4)], parked_for
 
     hashes, parked = run("2")
-    assert 1.5 < parked < 10, parked
+    # Each rank waits out its own deadline from when it parked; a rank blocked inside a
+    # collective parks only after a peer timed out, so the waits can follow each other:
+    # at most about deadline x ranks, plus a loaded machine's slack.
+    assert 1.5 < parked < 4 * 2 + 12, parked
     assert hashes == run(None)[0]
