@@ -187,3 +187,26 @@ def test_read_only_token_reads_but_never_mutates(cluster, monkeypatch):
     assert httpx.get(f"{url}/v1/hosts", headers={"Authorization": "Bearer nope"}).status_code == 401
     op = {"Authorization": f"Bearer {cluster.operator_token}"}
     assert httpx.post(f"{url}/v1/nodes/any:evacuate", json={}, headers=op).status_code == 404  # passes auth
+
+
+def test_coordinator_killed_after_the_commit_point_finishes_on_restart(cluster, tmp_path, monkeypatch):
+    """Past the commit point a restarted coordinator moves forward: the workers stay on the spare."""
+    monkeypatch.setenv("PITSTOP_ENABLE_FAULTS", "1")
+    monkeypatch.setenv("PITSTOP_FAULTS", "after_commit_point=sleep:30")
+    cc = _cluster(cluster)
+    monkeypatch.delenv("PITSTOP_FAULTS")
+    out = tmp_path / "out"
+    ranks = cluster.start_job("train", ddp_cmd(out, steps=150), 2, {0: "host-a", 1: "host-b"})
+    _wait_jobs(cc, "train", 2)
+    wait_for_step(ranks[1].log, 5)
+    op = cc.evacuate("host-b")
+    _wait_op(cc, op["name"], until=lambda o: o["metadata"]["phase"] == "commit")
+    port = int(cluster.coordinator_url.rsplit(":", 1)[1])
+    os.killpg(cluster.coordinator_proc.pid, signal.SIGKILL)   # held by the fault, past the commit point
+    cluster.coordinator_proc.wait(10)
+    cluster.start_coordinator(port=port)                       # no fault this time
+    o = _wait_op(cc, op["name"])
+    assert o["metadata"]["result"] == "succeeded" and o["metadata"]["committed"], o.get("error")
+    assert [r.proc.wait(240) for r in ranks] == [0, 0]
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150))
+    assert cluster.agents["spare-1"].client().worker("train.1")["exit_code"] == 0

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import structlog
 
+from .. import faults
 from ..agent.client import AgentClient
 from ..errors import DeadlineExceeded, PitstopError
 from .cut import Cut
@@ -265,6 +266,7 @@ class OpRun:
             self.md["committed"] = True  # the commit point: from here on, only forward
             self.save()
         self.enter("commit")
+        faults.hit("after_commit_point")
         src = self.agent(node)
         dst_url = self.d.store.host(dest)["url"]
         for wid, w in self.md["workers"].items():
