@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import platform
-import re
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pitstop.devcluster import step_gaps
 
 RECEIVER = r"""
 import socket, sys
@@ -43,17 +44,9 @@ def raw_tcp_bandwidth(nbytes: int = 1 << 30) -> float:
     return sent / dt
 
 
-def step_gaps(log: Path) -> list[tuple[int, float]]:
-    """(step, seconds since the previous step) for every step line of the workload."""
-    times = [(int(m.group(1)), float(m.group(2))) for m in
-             re.finditer(r"^step (\d+) t=([0-9.]+)", log.read_text(errors="replace"), re.M)]
-    return [(s, t - tp) for (s, t), (_, tp) in zip(times[1:], times[:-1])]
-
-
 def job_pause(log: Path, since: float = 0.0) -> tuple[float, float]:
     """(longest gap between steps after `since`, median gap): the pause as the job saw it, and a normal step."""
-    times = [float(m.group(1)) for m in re.finditer(r"^step \d+ t=([0-9.]+)", log.read_text(errors="replace"), re.M)]
-    gaps = sorted(b - a for a, b in zip(times, times[1:]) if b >= since)
+    gaps = sorted(step_gaps(log, since))
     return (gaps[-1], gaps[len(gaps) // 2]) if gaps else (0.0, 0.0)
 
 

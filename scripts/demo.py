@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pitstop.devcluster import LocalCluster, free_port, pitstop_cmd, wait_for_step  # noqa: E402
+from pitstop.devcluster import LocalCluster, free_port, pitstop_cmd, step_gaps, wait_for_step  # noqa: E402
 
 WORKLOAD = ROOT / "tests" / "workloads" / "ddp_train.py"
 STEPS = 200
@@ -75,7 +75,7 @@ def main() -> int:
         say("the job continues; waiting for it to finish")
         codes = [r.proc.wait(300) for r in ranks]
         print(f"   exit codes of the four `pitstop run` launchers: {codes}")
-        gaps = _gaps(ranks[2].log)
+        gaps = step_gaps(ranks[2].log)
         if gaps:
             print(f"   rank 2's longest pause between two steps: {max(gaps):.2f} s "
                   f"(a normal step: {sorted(gaps)[len(gaps) // 2]:.3f} s)")
@@ -93,13 +93,6 @@ def main() -> int:
              "identical to an uninterrupted run") if ok else "FAIL: see above")
         say(f"cleaning up (demo took {time.monotonic() - t0:.0f} s)")
     return 0 if ok else 1
-
-
-def _gaps(log: Path) -> list[float]:
-    import re
-
-    ts = [float(m.group(1)) for m in re.finditer(r"^step \d+ t=([0-9.]+)", log.read_text(errors="replace"), re.M)]
-    return [b - a for a, b in zip(ts, ts[1:])]
 
 
 if __name__ == "__main__":

@@ -86,11 +86,6 @@ static struct vcomm *newVcomm(int kind, int nranks, int rank, uint64_t key, int 
   return v;
 }
 
-struct vcomm *pitstop_v(ncclComm_t comm) {
-  struct vcomm *v = (struct vcomm *)comm;
-  return (v && v->magic == VCOMM_MAGIC) ? v : NULL;
-}
-
 /* ---- lifecycle ---------------------------------------------------------------------- */
 ncclResult_t pitstop_init(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config, int withConfig) {
   ncclComm_t real = NULL;
@@ -224,12 +219,6 @@ static int allowed(struct pitstop_comm_ctl *cc, int op, int peer) {
   return t != PITSTOP_TARGET_UNSET && n < t;
 }
 
-void pitstop_count(struct vcomm *v, int op, int peer) {
-  struct pitstop_comm_ctl *cc = &pitstop_ctl->comms[v->idx];
-  if (op == OP_COLL) cc->issued++;
-  else if (peer >= 0 && peer < PITSTOP_MAX_PEERS) { if (op == OP_SEND) cc->sent[peer]++; else cc->recvd[peer]++; }
-}
-
 /* A call entry during a quiesce: proceed while allowed, else park and obey. */
 ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer) {
   struct pitstop_ctl *c = pitstop_ctl;
@@ -288,9 +277,9 @@ ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer) {
   }
 }
 
-/* Entry of an operation on v; groups are checked once, at their first operation. */
-ncclResult_t pitstop_enter(struct vcomm *v, int op, int peer) {
-  if (__builtin_expect(!pitstop_ctl || pitstop_ctl->request == pitstop_seen, 1)) return ncclSuccess;
+/* The slow half of pitstop_enter (shim.h): a quiesce is requested.  Groups are checked
+ * once, at their first operation, so they stay whole. */
+ncclResult_t pitstop_enter_slow(struct vcomm *v, int op, int peer) {
   if (groupDepth > 0) {
     if (groupChecked) return ncclSuccess;
     groupChecked = 1;

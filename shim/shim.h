@@ -19,13 +19,28 @@ struct vcomm {
 extern struct pitstop_ctl *pitstop_ctl;
 extern uint32_t pitstop_seen;
 
-struct vcomm *pitstop_v(ncclComm_t comm);
 ncclResult_t pitstop_init(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config, int withConfig);
 ncclResult_t pitstop_split(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config);
 ncclResult_t pitstop_destroy(ncclComm_t comm, int how); /* 0 destroy, 1 abort, 2 finalize */
-ncclResult_t pitstop_enter(struct vcomm *v, int op, int peer);
+ncclResult_t pitstop_enter_slow(struct vcomm *v, int op, int peer);
 ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer);
-void pitstop_count(struct vcomm *v, int op, int peer);
+
+/* The collective path, inline: a handle check, one load and compare, one store. */
+static inline struct vcomm *pitstop_v(ncclComm_t comm) {
+  struct vcomm *v = (struct vcomm *)comm;
+  return (v && v->magic == VCOMM_MAGIC) ? v : NULL;
+}
+
+static inline ncclResult_t pitstop_enter(struct vcomm *v, int op, int peer) {
+  if (__builtin_expect(!pitstop_ctl || pitstop_ctl->request == pitstop_seen, 1)) return ncclSuccess;
+  return pitstop_enter_slow(v, op, peer);
+}
+
+static inline void pitstop_count(struct vcomm *v, int op, int peer) {
+  struct pitstop_comm_ctl *cc = &pitstop_ctl->comms[v->idx];
+  if (op == OP_COLL) cc->issued++;
+  else if (peer >= 0 && peer < PITSTOP_MAX_PEERS) { if (op == OP_SEND) cc->sent[peer]++; else cc->recvd[peer]++; }
+}
 void pitstop_group_start(void);
 void pitstop_group_end(void);
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from pitstop.devcluster import free_port, wait_for_step  # noqa: F401 (re-exported for tests)
+from pitstop.devcluster import free_port, step_times, wait_for_step  # noqa: F401 (re-exported for tests)
 
 WORKLOADS = Path(__file__).parent / "workloads"
 DDP = str(WORKLOADS / "ddp_train.py")
@@ -54,11 +53,6 @@ def assert_same_as_reference(out: Path, ref: list[str]) -> None:
     got = [hash_of(out, r) for r in range(len(ref))]
     assert got == ref, (f"final parameters differ from the uninterrupted run: got {got}, want {ref}; "
                         f"ranks {'agree' if len(set(got)) == 1 else 'DISAGREE'} with each other")
-
-
-def step_times(log: Path) -> list[tuple[int, float]]:
-    return [(int(m.group(1)), float(m.group(2)))
-            for m in re.finditer(r"^step (\d+) t=([0-9.]+)", log.read_text(errors="replace"), re.M)]
 
 
 class CuttingProxy:

@@ -50,6 +50,18 @@ def wait_for_step(log: Path, step: int, timeout_s: float = 120.0) -> None:
     raise TimeoutError(f"step {step} never appeared in {log}:\n{tail}")
 
 
+def step_times(log: Path) -> list[tuple[int, float]]:
+    """(step, unix time) of every `step N t=T` line a workload printed."""
+    return [(int(m.group(1)), float(m.group(2)))
+            for m in re.finditer(r"^step (\d+) t=([0-9.]+)", log.read_text(errors="replace"), re.M)]
+
+
+def step_gaps(log: Path, since: float = 0.0) -> list[float]:
+    """Seconds between consecutive steps (those ending after `since`): the pause as the job sees it."""
+    ts = [t for _, t in step_times(log)]
+    return [b - a for a, b in zip(ts, ts[1:]) if b >= since]
+
+
 def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:

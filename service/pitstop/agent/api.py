@@ -28,7 +28,7 @@ from ..httpapi import install_error_handlers, require_token
 from .capturing import SourceSide
 from .receiving import DestinationSide
 from .settings import AgentSettings
-from .state import LIVE_STATES, AgentState, Worker
+from .state import LIVE_STATES, AgentState, Capture, Worker
 
 
 class Metrics:
@@ -55,7 +55,15 @@ class Agent:
         self.dest = DestinationSide(settings, self.state)
         self.source = SourceSide(settings, self.state, self.dest)
         self.metrics = Metrics()
+        self.source.on_finished = self._count_capture
         self.started = time.time()
+
+    def _count_capture(self, c: Capture) -> None:
+        """Called once per capture, when its dump and stream are over (sent, dumped or failed)."""
+        self.metrics.captures.labels("failed" if c.state == "failed" else "ok").inc()
+        self.metrics.sent.inc(c.bytes_sent)
+        for k, v in c.phases.items():
+            self.metrics.phase.labels(k).observe(v)
 
     def info(self) -> dict:
         try:
@@ -201,12 +209,6 @@ def peer_app(agent: Agent) -> FastAPI:
         c = agent.state.capture(cid)
         if wait > 0 and c.state == "dumping":
             c = await run_in_threadpool(agent.source.wait, cid, min(wait, 60.0))
-        if c.state in ("sent", "dumped", "failed") and not getattr(c, "_counted", False):
-            object.__setattr__(c, "_counted", True)
-            agent.metrics.captures.labels("ok" if c.state != "failed" else "failed").inc()
-            agent.metrics.sent.inc(c.bytes_sent)
-            for k, v in c.phases.items():
-                agent.metrics.phase.labels(k).observe(v)
         return c.model_dump()
 
     @r.post("/captures/{cid}:release")

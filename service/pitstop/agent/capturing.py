@@ -23,6 +23,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -44,6 +45,7 @@ class SourceSide:
         self.state = state
         self.restorer = restorer  # ..receiving.DestinationSide, for rollback by local restore
         self._threads: dict[str, threading.Thread] = {}
+        self.on_finished: Callable[[Capture], None] | None = None  # metrics, once per capture
         self._cwd_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -57,7 +59,7 @@ class SourceSide:
                           dest_url=dest_url, image_id=image_id or (cid if dest_url else None))
             self.state.captures[cid] = cap
             self.state.update_worker(w, state="capturing")
-        t = threading.Thread(target=self._run, args=(cap, w), name=f"capture-{cid}", daemon=True)
+        t = threading.Thread(target=self._run_and_report, args=(cap, w), name=f"capture-{cid}", daemon=True)
         self._threads[cid] = t
         t.start()
         return cap
@@ -70,6 +72,13 @@ class SourceSide:
             self.state.update_worker(w, state="lost")
             raise FailedPrecondition(f"worker {w.id} (pid {w.root_pid}) is no longer running",
                                      code="worker_gone", action="nothing to capture; the worker exited")
+
+    def _run_and_report(self, cap: Capture, w: Worker) -> None:
+        try:
+            self._run(cap, w)
+        finally:
+            if self.on_finished:
+                self.on_finished(cap)
 
     def _run(self, cap: Capture, w: Worker) -> None:
         images = Path(cap.image_dir)

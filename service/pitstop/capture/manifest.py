@@ -10,7 +10,6 @@ process that silently computes garbage.
 from __future__ import annotations
 
 import hashlib
-import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,6 @@ class Manifest(BaseModel):
     stdio: list[StdioPipe] = Field(default_factory=list)
     output_base: dict[str, int] = Field(default_factory=dict)  # see agent/receiving.py
     criu_version: str = ""
-    gpu: dict[str, Any] = Field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -89,6 +87,3 @@ def verify(directory: Path, manifest: Manifest) -> None:
                              action="the copy is discarded; send the images again from the source",
                              details={"problems": problems})
 
-
-def dumps(m: Manifest) -> bytes:
-    return json.dumps(m.model_dump()).encode()

@@ -35,9 +35,6 @@ from .store import Store
 
 log = structlog.get_logger("pitstop.coordinator.driver")
 
-PHASES = ("pause", "capture", "verify", "release", "restore", "rewire", "commit", "resume")
-
-
 class Cancelled(PitstopError):
     http_status = 409
     code = "cancelled"
@@ -69,6 +66,7 @@ class OpRun:
         self.lock = threading.RLock()
         self._phase_t0 = time.monotonic()
         self.started = time.monotonic()
+        self._clients: dict[str, AgentClient] = {}
 
     # -- bookkeeping --------------------------------------------------------------------------
     def save(self, **kw: Any) -> None:
@@ -109,10 +107,16 @@ class OpRun:
                                    f"{self.d.s.operation_deadline_s:.0f} s", action="check the agents' logs")
 
     def agent(self, host: str) -> AgentClient:
-        h = self.d.store.host(host)
-        if h is None:
-            raise PitstopError(f"host {host} is unknown", action="it must heartbeat to the coordinator")
-        return AgentClient(h["url"], self.d.s.cluster_token, timeout=self.d.s.step_timeout_s)
+        """The host's agent; one client (one connection pool) per host for the whole operation."""
+        with self.lock:
+            c = self._clients.get(host)
+            if c is None:
+                h = self.d.store.host(host)
+                if h is None:
+                    raise PitstopError(f"host {host} is unknown", action="it must heartbeat to the coordinator")
+                c = self._clients[host] = AgentClient(h["url"], self.d.s.cluster_token,
+                                                      timeout=self.d.s.step_timeout_s)
+            return c
 
     def cut(self, moved: bool = False) -> Cut:
         """The consistent-cut driver over every worker of the affected jobs, through their agents.
@@ -121,16 +125,8 @@ class OpRun:
         hosts = dict(self.md["peers"])
         for wid in self.md["workers"]:
             hosts[wid] = self.md["destination"] if moved else self.md["node"]
-        clients: dict[str, AgentClient] = {}
-
-        def client(wid: str) -> AgentClient:
-            h = hosts[wid]
-            if h not in clients:
-                clients[h] = self.agent(h)
-            return clients[h]
-
-        return Cut(sorted(hosts), lambda w: client(w).shim_blocks(w), lambda w, body: client(w).shim_op(w, body),
-                   deadline_s=self.d.s.cut_deadline_s)
+        return Cut(sorted(hosts), lambda w: self.agent(hosts[w]).shim_blocks(w),
+                   lambda w, body: self.agent(hosts[w]).shim_op(w, body), deadline_s=self.d.s.cut_deadline_s)
 
     def image_id(self, wid: str) -> str:
         return f"{self.id}-{wid}".replace(".", "_")
@@ -426,7 +422,15 @@ class Driver:
         return op_id
 
     def _spawn(self, op_id: str, fn: Callable[[OpRun], None]) -> None:
-        t = threading.Thread(target=lambda: fn(OpRun(self, op_id)), name=f"op-{op_id}", daemon=True)
+        def body() -> None:
+            run = OpRun(self, op_id)
+            try:
+                fn(run)
+            finally:
+                for c in run._clients.values():
+                    c.close()
+
+        t = threading.Thread(target=body, name=f"op-{op_id}", daemon=True)
         self.threads[op_id] = t
         t.start()
 
