@@ -150,10 +150,17 @@ def hosts(as_json: bool = typer.Option(False, "--json")) -> None:
     for h in hs:
         gpus = f"{h.get('gpu_count')} x {h.get('gpu_model')}" if h.get("gpu_count") else \
             (h.get("gpu_note") or "not present")
+        temps = [g["temperature_c"] for g in h.get("gpu_health") or [] if g.get("temperature_c") is not None]
+        if temps:
+            gpus += f", {max(temps)} C max"
         health = h.get("health") or {}
-        t.add_row(h["name"], h["role"], h["url"], gpus,
-                  "degraded: " + ", ".join(health.get("reasons", [])) if health.get("degraded") else "ok",
-                  _age(h["age_s"]) + " ago")
+        status = "degraded: " + "; ".join(health.get("reasons", [])) if health.get("degraded") else "ok"
+        auto = h.get("auto_evacuation")
+        if auto:
+            status += f"\nauto-evacuation {auto.get('state')}" + (
+                f" ({auto['operation']})" if auto.get("operation") else
+                f": {auto['error']['message']}" if auto.get("error") else "")
+        t.add_row(h["name"], h["role"], h["url"], gpus, status, _age(h["age_s"]) + " ago")
     out.print(t)
 
 

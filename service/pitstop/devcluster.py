@@ -119,7 +119,8 @@ class LocalCluster:
             e["PITSTOP_COORDINATOR"] = self.coordinator_url
         return e
 
-    def start_coordinator(self, port: int | None = None, extra: list[str] | None = None) -> str:
+    def start_coordinator(self, port: int | None = None, extra: list[str] | None = None,
+                          env: dict[str, str] | None = None) -> str:
         port = port or free_port()
         host = "127.0.0.1"
         if self.net:
@@ -129,13 +130,15 @@ class LocalCluster:
         log = open(self.root / "coordinator.log", "ab")
         p = subprocess.Popen([*pitstop_cmd(), "coordinator", "--listen", f"{host}:{port}",
                               "--db", str(self.coordinator_db), *(extra or [])],
-                             env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                             env={**self.env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
         self.coordinator_proc = p
         self.coordinator_url = f"http://{host}:{port}"
         wait_http(self.coordinator_url + "/healthz", proc=p)
         return self.coordinator_url
 
-    def start_agent(self, name: str, spare: bool = False, port: int | None = None) -> AgentProc:
+    def start_agent(self, name: str, spare: bool = False, port: int | None = None,
+                    env: dict[str, str] | None = None) -> AgentProc:
         port = port or free_port()
         addr, prefix = "127.0.0.1", []
         if self.net:
@@ -151,7 +154,7 @@ class LocalCluster:
             cmd += ["--coordinator", self.coordinator_url]
         if spare:
             cmd.append("--spare")
-        p = subprocess.Popen(cmd, env=self.env(), stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+        p = subprocess.Popen(cmd, env={**self.env(), **(env or {})}, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
                              start_new_session=True)
         a = AgentProc(name, f"http://{addr}:{port}", p, state, images, log, self.token)
         self.agents[name] = a

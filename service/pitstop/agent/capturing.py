@@ -32,6 +32,7 @@ import structlog
 from ..capture import criu_ops, netlock, proctree, runtime, tcprepair
 from ..capture.manifest import Manifest
 from ..errors import CaptureFailed, Conflict, FailedPrecondition, PitstopError, TransferFailed
+from ..gpu.checkpoint import GpuCheckpointer
 from ..transfer.stream import DirectoryTail
 from .settings import AgentSettings
 from .state import AgentState, Capture, Worker
@@ -44,6 +45,7 @@ class SourceSide:
         self.s = settings
         self.state = state
         self.restorer = restorer  # ..receiving.DestinationSide, for rollback by local restore
+        self.gpu = GpuCheckpointer(settings.gpu_lock_timeout_s)
         self._threads: dict[str, threading.Thread] = {}
         self.on_finished: Callable[[Capture], None] | None = None  # metrics, once per capture
         self._cwd_locks: dict[str, threading.Lock] = {}
@@ -96,6 +98,16 @@ class SourceSide:
             sender = threading.Thread(target=self._send, args=(cap, tail, send_error, send_done),
                                       name=f"send-{cap.id}", daemon=True)
             sender.start()
+        try:  # GPU state first: CRIU must see a process that no longer holds a GPU
+            suspended = self.gpu.suspend(pids)
+        except PitstopError as e:  # undone already: the worker never stopped
+            tail.failure = e
+            if sender:
+                sender.join(30)
+            self._fail(cap, w, e, resumed_by="pitstop (GPU lock undone)")
+            return
+        if suspended:
+            self.state.update_capture(cap, gpu=suspended.record())
         try:
             with self._cwd_lock(w.root_pid):
                 res = criu_ops.dump(w.root_pid, images, timeout_s=self.s.dump_timeout_s)
@@ -103,16 +115,18 @@ class SourceSide:
             tail.failure = e
             if sender:
                 sender.join(30)
+            self._resume_gpu(cap)  # CRIU let the tree run again; now give it its GPUs back
             self._fail(cap, w, e, resumed_by="criu")
             return
         dump_end = time.monotonic()
+        gpu_phases = {"gpu_lock": suspended.lock_s, "gpu_checkpoint": suspended.checkpoint_s} if suspended else {}
         self.state.update_capture(cap, run_id=res.run_id, phases={
-            "freeze": res.stats.get("freezing_time", 0) / 1e6, "dump": res.seconds,
+            **gpu_phases, "freeze": res.stats.get("freezing_time", 0) / 1e6, "dump": res.seconds,
             "frozen": res.frozen_s, "memdump": res.memdump_s})
         self.state.update_worker(w, state="stopped")
         tail.manifest_base = Manifest(capture_id=cap.id, stdio=stdio, criu_version=runtime.locate().version_str,
                                       output_base=self._output_end(w),
-                                      worker={"id": w.id, "job": w.job, "rank": w.rank})
+                                      worker={"id": w.id, "job": w.job, "rank": w.rank}, gpu=cap.gpu)
         tail.finished.set()
         if sender is None:
             total = sum(f.stat().st_size for f in images.iterdir() if not f.name.endswith(".log"))
@@ -198,10 +212,16 @@ class SourceSide:
             log.warning("cannot clear TCP repair mode in place; restoring from images", error=str(e))
             proctree.kill_and_wait(w.root_pid)
             restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
-                                                 stdio=cap.stdio, replace=True, output_base=self._output_end(w))
+                                                 stdio=cap.stdio, replace=True, output_base=self._output_end(w),
+                                                 gpu=cap.gpu)
             return f"restored here as pid {restored.root_pid}"
         proctree.resume(pids)
+        self._resume_gpu(cap)  # after SIGCONT: the driver's restore thread must run
         return "resumed in place"
+
+    def _resume_gpu(self, cap: Capture) -> None:
+        if cap.gpu:
+            self.gpu.resume_in_place(cap.gpu)
 
     # -- after the copy is safe ----------------------------------------------------------------
     def release(self, cid: str) -> Capture:
@@ -254,7 +274,8 @@ class SourceSide:
         else:  # released: the source is gone; restore it here from our own images
             netlock.release(cap.run_id)
             restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
-                                                 stdio=cap.stdio, replace=True, output_base=self._output_end(w))
+                                                 stdio=cap.stdio, replace=True, output_base=self._output_end(w),
+                                                 gpu=cap.gpu)
             how = f"restored here as pid {restored.root_pid}"
         shutil.rmtree(cap.image_dir, ignore_errors=True)
         self.state.update_capture(cap, state="rolled_back", phases={**cap.phases, "rollback": time.monotonic() - t0})

@@ -19,13 +19,14 @@ log = structlog.get_logger("pitstop.agent.heartbeat")
 
 
 def payload(agent: Agent) -> dict:
+    from ..gpu.health import readings
     from ..gpu.inventory import inventory
 
     workers = [agent.refresh(w).model_dump(include={"id", "job", "rank", "state", "root_pid", "moved_to",
                                                       "exit_code"})
                for w in list(agent.state.workers.values())]
     return {"name": agent.s.name, "url": agent.s.url, "spare": agent.s.spare, "workers": workers,
-            **inventory()}
+            **inventory(), "gpu_health": readings()}
 
 
 async def heartbeat_loop(agent: Agent) -> None:

@@ -22,6 +22,7 @@ import structlog
 from ..capture import criu_ops, proctree
 from ..capture.manifest import Manifest
 from ..errors import Conflict, NotFound, PitstopError, TransferFailed
+from ..gpu.checkpoint import GpuCheckpointer
 from ..transfer.stream import StreamReceiver, file_stats, verify_directory
 from .settings import AgentSettings
 from .state import LIVE_STATES, AgentState, Worker
@@ -55,6 +56,7 @@ class DestinationSide:
         self.slots: dict[str, Slot] = {}
         self.lock = threading.Lock()
         self.outputs = settings.state_dir / "output"
+        self.gpu = GpuCheckpointer(settings.gpu_lock_timeout_s)
         self.outputs.mkdir(parents=True, exist_ok=True)
 
     # -- receiving -----------------------------------------------------------------------------
@@ -123,16 +125,18 @@ class DestinationSide:
         m, _ = self.verify_image(image_id)  # cheap unless a file changed since it arrived
         t1 = time.monotonic()
         wk = m.worker
+        gpu_phases: dict[str, float] = {}
         w = self.restore_dir(s.directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
                              stdio=[p.model_dump() for p in m.stdio], replace=True,
-                             output_base=m.output_base)
-        phases = {"verify": t1 - t0, "restore": time.monotonic() - t1}
+                             output_base=m.output_base, gpu=m.gpu, phases=gpu_phases)
+        phases = {"verify": t1 - t0, "restore": time.monotonic() - t1, **gpu_phases}
         self.discard(image_id)
         return w, phases
 
     def restore_dir(self, directory: Path, *, worker_id: str, job: str, rank: int,
                     stdio: list[dict[str, Any]], replace: bool = False,
-                    output_base: dict[str, int] | None = None) -> Worker:
+                    output_base: dict[str, int] | None = None, gpu: dict[str, Any] | None = None,
+                    phases: dict[str, float] | None = None) -> Worker:
         """Restore images in `directory`; register the result as a worker of this agent."""
         with self.state.lock:
             old = self.state.workers.get(worker_id)
@@ -159,6 +163,16 @@ class DestinationSide:
             raise
         for fd in theirs:
             os.close(fd)
+        if gpu:
+            try:
+                timings = self.gpu.resume_restored(pid, gpu)
+            except PitstopError:
+                proctree.kill_and_wait(pid)  # a copy without its GPU memory must never run
+                for fd, _, _ in ours:
+                    os.close(fd)
+                raise
+            if phases is not None:
+                phases.update(timings)
         w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
                    restored=True, output_base=output_base or {})
         for stream in ("stdout", "stderr"):  # a fresh file: offsets are relative to output_base

@@ -50,6 +50,7 @@ class Capture(BaseModel):
     bytes_sent: int = 0
     error: dict[str, Any] | None = None
     stdio: list[dict[str, Any]] = Field(default_factory=list)
+    gpu: dict[str, Any] = Field(default_factory=dict)  # gpu.checkpoint.Suspended.record(); empty: no CUDA
     created: float = Field(default_factory=time.time)
     updated: float = Field(default_factory=time.time)
 

@@ -40,6 +40,7 @@ class Manifest(BaseModel):
     stdio: list[StdioPipe] = Field(default_factory=list)
     output_base: dict[str, int] = Field(default_factory=dict)  # see agent/receiving.py
     criu_version: str = ""
+    gpu: dict[str, Any] = Field(default_factory=dict)  # GPU model, UUIDs, driver, CUDA, CUDA processes
 
     @property
     def total_bytes(self) -> int:

@@ -20,9 +20,10 @@ from ..agent.client import AgentClient
 from ..errors import Conflict, Forbidden, NotFound, PitstopError, Unprocessable
 from ..httpapi import install_error_handlers, require_token, token_matches
 from .driver import Driver
+from .health_policy import AutoEvacuator
 from .planner import plan
 from .settings import CoordinatorSettings
-from .store import Store
+from .store import LIVE, Store
 
 
 class EvacuateRequest(BaseModel):
@@ -40,7 +41,7 @@ class Heartbeat(BaseModel):
     gpu_count: int = 0
     gpu_note: str = ""
     driver: str | None = None
-    health: dict[str, Any] = Field(default_factory=dict)
+    gpu_health: list[dict[str, Any]] = Field(default_factory=list, description="NVML readings, one per GPU")
 
 
 class Metrics:
@@ -97,6 +98,18 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Fa
     app = FastAPI(title="pitstop coordinator", version=__version__,
                   description="Evacuate GPU hosts without stopping the training jobs on them.")
     install_error_handlers(app)
+    policy = settings.health_policy()
+
+    def start_evacuation(node: str, to: str | None, reason: str,
+                         idempotency: tuple[str, str] | None = None) -> str:
+        sync_workers(store, settings, node)
+        p = plan(store, node, to, driver.busy_hosts(), settings.heartbeat_timeout_s)
+        return driver.start(p, reason, idempotency)
+
+    auto = AutoEvacuator(start=lambda node, reason: start_evacuation(node, None, reason),
+                         busy=driver.busy_hosts,
+                         has_workers=lambda node: any(w["state"] in LIVE for w in store.workers(host=node)),
+                         retry_s=settings.health_retry_s)
 
     def operator(request: Request) -> None:
         """Reads: the operator token or the read-only token.  Mutations: the operator token only."""
@@ -129,15 +142,22 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Fa
 
     @agents.post("/agents:heartbeat")
     def heartbeat(hb: Heartbeat) -> dict:
-        store.heartbeat(hb.model_dump())
+        reasons = policy.evaluate(hb.gpu_health)
+        store.heartbeat({**hb.model_dump(), "health": {"degraded": bool(reasons), "reasons": reasons}})
         metrics.heartbeats.inc()
+        if reasons and settings.auto_evacuate:
+            auto.observe(hb.name, reasons)
         return {"ok": True}
 
     ops = APIRouter(prefix="/v1", dependencies=[Depends(operator)], tags=["operators"])
 
     @ops.get("/hosts")
     def hosts() -> list[dict]:
-        return store.hosts()
+        hs = store.hosts()
+        for h in hs:
+            if h["name"] in auto.status:
+                h["auto_evacuation"] = auto.status[h["name"]]
+        return hs
 
     @ops.get("/jobs")
     def jobs() -> list[dict]:
@@ -172,9 +192,7 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Fa
                                         code="idempotency_key_reused",
                                         action="use a new key for a new request", details={"operation": seen[1]})
                 return JSONResponse(operation_view(store.op(seen[1])), status_code=202)
-        sync_workers(store, settings, node)
-        p = plan(store, node, body.to, driver.busy_hosts(), settings.heartbeat_timeout_s)
-        op_id = driver.start(p, body.reason, (idempotency_key, digest) if idempotency_key else None)
+        op_id = start_evacuation(node, body.to, body.reason, (idempotency_key, digest) if idempotency_key else None)
         return JSONResponse(operation_view(store.op(op_id)), status_code=202)
 
     @ops.post("/operations/{op_id}:cancel")

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from .health_policy import HealthPolicy
 
 
 class CoordinatorSettings(BaseSettings):
@@ -22,6 +26,24 @@ class CoordinatorSettings(BaseSettings):
     step_timeout_s: float = 180.0         # any other single agent call
     operation_deadline_s: float = 900.0   # the whole evacuation, before commit
     cut_deadline_s: float = 30.0          # every rank of an NCCL job reaches the consistent cut
+    # GPU health policy (health_policy.py): a host past any of these is degraded.
+    auto_evacuate: bool = True            # start an evacuation of a degraded host by itself
+    health_max_temperature_c: float = 90.0
+    health_max_ecc_uncorrected: int = 0   # volatile uncorrected ECC errors since the last reset
+    health_max_retired_pages: int = 60
+    health_max_remapped_rows_uncorrectable: int = 512
+    health_throttle_reasons: str = "hw_slowdown,hw_thermal_slowdown,hw_power_brake_slowdown"
+    health_retry_s: float = 30.0          # a blocked automatic evacuation is tried again after this
+
+    def health_policy(self) -> "HealthPolicy":
+        from .health_policy import HealthPolicy
+
+        return HealthPolicy(max_temperature_c=self.health_max_temperature_c,
+                            max_ecc_uncorrected=self.health_max_ecc_uncorrected,
+                            max_retired_pages=self.health_max_retired_pages,
+                            max_remapped_rows_uncorrectable=self.health_max_remapped_rows_uncorrectable,
+                            throttle_reasons=tuple(r.strip() for r in self.health_throttle_reasons.split(",")
+                                                   if r.strip()))
 
     def host_port(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")

@@ -1,0 +1,231 @@
+"""GPU state around a CRIU dump: lock and checkpoint before, restore and unlock after.
+
+The order is the one CRIU's own cuda plugin follows, and the failure rules
+are what keep a job alive:
+
+  lock (with a deadline)  - a lock that times out is undone: the worker never
+                            stopped computing, nothing was captured;
+  checkpoint              - device memory goes to host memory and the GPU is
+                            released, so CRIU sees an ordinary process;
+  ... CRIU dump, transfer, CRIU restore ...
+  restore (UUID remap)    - on the destination's GPUs, pair by pair;
+  unlock                  - CUDA calls proceed.
+
+Any failure after the lock is undone on the source (restore with no remap,
+then unlock) before the error is reported, so the source keeps running.  The
+driver needs the target's restore thread to run: restore is only called on a
+process that is not stopped (after SIGCONT, or after CRIU restored it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from ..capture import proctree
+from ..errors import CaptureFailed, RestoreFailed
+from .driver import CudaDriver, DriverError, NoDriver, load
+
+log = structlog.get_logger("pitstop.gpu.checkpoint")
+
+
+def cuda_pids(pids: list[int]) -> list[int]:
+    """The processes that hold a CUDA context: an open /dev/nvidia* file or mapping.
+
+    Cheap and driver-free, so that hosts without GPUs never load libcuda.
+    """
+    out = []
+    for pid in pids:
+        if _touches_nvidia(pid):
+            out.append(pid)
+    return out
+
+
+def _touches_nvidia(pid: int) -> bool:
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/nvidia"):
+                    return True
+            except OSError:
+                continue
+        with open(f"/proc/{pid}/maps") as f:
+            return any("/dev/nvidia" in line for line in f)
+    except OSError:
+        return False
+
+
+@dataclass
+class GpuProcess:
+    pid: int     # host pid, on the host that holds it now
+    ns_pid: int  # pid inside the worker's pid namespace: stable across CRIU restore
+
+
+@dataclass
+class Suspended:
+    """What suspend() did, enough to undo it here or to finish it elsewhere."""
+
+    procs: list[GpuProcess]
+    lock_s: float
+    checkpoint_s: float
+    source: dict[str, Any] = field(default_factory=dict)  # GPU model, UUIDs, driver, CUDA version
+
+    def record(self) -> dict[str, Any]:
+        """The image manifest's "gpu" section."""
+        return {**self.source, "processes": [p.ns_pid for p in self.procs], "host_pids": [p.pid for p in self.procs],
+                "lock_s": self.lock_s, "checkpoint_s": self.checkpoint_s}
+
+
+def remap_pairs(src: dict[str, Any], dst_inventory: dict[str, Any]) -> list[tuple[str, str]]:
+    """Source GPU i goes to destination GPU i; refuse a spare that cannot take them."""
+    src_uuids = list(src.get("uuids") or [])
+    dst_uuids = [g["uuid"] for g in dst_inventory.get("gpus", [])]
+    if not src_uuids:
+        return []
+    if not dst_uuids:
+        raise RestoreFailed("the image holds GPU state but this host has no GPU "
+                            f"({dst_inventory.get('gpu_note') or 'not present'})", code="gpu_mismatch",
+                            action="restore on a host with the same GPU model and count")
+    if src.get("model") and dst_inventory.get("gpu_model") != src["model"]:
+        raise RestoreFailed(f"the image was taken on {src['model']} GPUs; this host has "
+                            f"{dst_inventory.get('gpu_model')}", code="gpu_mismatch",
+                            action="restore on a host with the same GPU model")
+    if len(dst_uuids) < len(src_uuids):
+        raise RestoreFailed(f"the image used {len(src_uuids)} GPUs; this host has {len(dst_uuids)}",
+                            code="gpu_mismatch", action="restore on a host with at least as many GPUs")
+    return list(zip(src_uuids, dst_uuids[:len(src_uuids)]))
+
+
+class GpuCheckpointer:
+    def __init__(self, lock_timeout_s: float = 10.0, driver: Callable[[], CudaDriver] = load,
+                 inventory: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.lock_timeout_s = lock_timeout_s
+        self._factory = driver
+        self._driver: CudaDriver | None = None
+        if inventory is None:
+            from .inventory import inventory as inv
+            inventory = inv
+        self._inventory = inventory
+
+    def driver(self) -> CudaDriver:
+        if self._driver is None:
+            self._driver = self._factory()
+        return self._driver
+
+    # -- source --------------------------------------------------------------------------------
+    def suspend(self, pids: list[int]) -> Suspended | None:
+        """Lock then checkpoint every CUDA process of a tree; None when none holds CUDA state."""
+        targets = cuda_pids(pids)
+        if not targets:
+            return None
+        try:
+            drv = self.driver()
+        except NoDriver as e:
+            raise CaptureFailed(f"the worker uses a GPU but this agent cannot reach the CUDA driver: {e}",
+                                code="gpu_driver_unavailable",
+                                action="run the agent on the GPU host with the NVIDIA driver (>= 570) loaded; "
+                                       "the worker keeps running") from None
+        procs = [GpuProcess(p, (proctree.ns_pids(p) or [p])[-1]) for p in targets]
+        locked: list[GpuProcess] = []
+        t0 = time.monotonic()
+        for p in procs:
+            try:
+                drv.lock(p.pid, int(self.lock_timeout_s * 1000))
+            except DriverError as e:
+                self._undo(drv, locked, [])
+                if e.name == "CUDA_ERROR_TIMEOUT":
+                    raise CaptureFailed(
+                        f"pid {p.pid} did not reach a point where its CUDA work could be locked within "
+                        f"{self.lock_timeout_s:.0f} s (a kernel or a blocking CUDA call was still running)",
+                        code="gpu_lock_timeout",
+                        action="nothing was captured and the worker keeps running; retry, or raise "
+                               "PITSTOP_AGENT_GPU_LOCK_TIMEOUT_S for jobs with long kernels") from None
+                raise CaptureFailed(f"cannot lock the CUDA state of pid {p.pid}: {e}", code="gpu_lock_failed",
+                                    action="the worker keeps running; see the agent's log") from None
+            locked.append(p)
+        t1 = time.monotonic()
+        done: list[GpuProcess] = []
+        for p in procs:
+            try:
+                drv.checkpoint(p.pid)
+            except DriverError as e:
+                self._undo(drv, locked, done)
+                raise CaptureFailed(f"cannot checkpoint the GPU memory of pid {p.pid}: {e}",
+                                    code="gpu_checkpoint_failed",
+                                    action="the worker was restored on its GPUs and keeps running; check "
+                                           "host memory (device memory is copied to host RAM)") from None
+            done.append(p)
+        t2 = time.monotonic()
+        inv = self._inventory()
+        src = {"model": inv.get("gpu_model"), "uuids": [g["uuid"] for g in inv.get("gpus", [])],
+               "driver": inv.get("driver"), "cuda": drv.version()}
+        log.info("gpu state checkpointed", pids=[p.pid for p in procs], lock_s=round(t1 - t0, 4),
+                 checkpoint_s=round(t2 - t1, 4))
+        return Suspended(procs, t1 - t0, t2 - t1, src)
+
+    def _undo(self, drv: CudaDriver, locked: list[GpuProcess], checkpointed: list[GpuProcess]) -> list[str]:
+        """Put every touched process back to running; collect what could not be undone."""
+        problems = []
+        for p in locked:
+            try:
+                if p in checkpointed:
+                    drv.restore(p.pid, [])
+                drv.unlock(p.pid)
+            except DriverError as e:
+                problems.append(str(e))
+                log.error("cannot undo GPU suspend", pid=p.pid, error=str(e))
+        return problems
+
+    def resume_in_place(self, record: dict[str, Any]) -> None:
+        """Undo suspend() on the source, for a rollback.  The processes must not be stopped."""
+        pids = record.get("host_pids") or []
+        if not pids:
+            return
+        drv = self.driver()
+        procs = [GpuProcess(p, n) for p, n in zip(pids, record.get("processes", []))]
+        problems = self._undo(drv, procs, procs)
+        if problems:
+            raise RestoreFailed("the worker's GPU state could not be put back: " + "; ".join(problems),
+                                code="gpu_restore_failed",
+                                action="the worker's CUDA calls stay blocked; restart the job from its "
+                                       "last checkpoint and report the driver error")
+
+    # -- destination ---------------------------------------------------------------------------
+    def resume_restored(self, root_pid: int, record: dict[str, Any]) -> dict[str, float]:
+        """Restore GPU state into a tree CRIU just restored (remapped onto this host's GPUs), then unlock."""
+        ns = list(record.get("processes") or [])
+        if not ns:
+            return {}
+        pairs = remap_pairs(record, self._inventory())
+        try:
+            drv = self.driver()
+        except NoDriver as e:
+            raise RestoreFailed(f"the image holds GPU state but the CUDA driver is unusable here: {e}",
+                                code="gpu_driver_unavailable", action="restore on a GPU host") from None
+        by_ns = {(proctree.ns_pids(p) or [p])[-1]: p for p in proctree.tree(root_pid)}
+        missing = [n for n in ns if n not in by_ns]
+        if missing:
+            raise RestoreFailed(f"restored tree lacks the CUDA processes {missing} (pids in the worker's namespace)",
+                                code="gpu_restore_failed", action="the images are kept; roll back")
+        t0 = time.monotonic()
+        for n in ns:
+            try:
+                drv.restore(by_ns[n], pairs)
+            except DriverError as e:
+                raise RestoreFailed(f"cannot restore GPU memory of pid {by_ns[n]} onto "
+                                    f"{', '.join(b for _, b in pairs) or 'its GPUs'}: {e}",
+                                    code="gpu_restore_failed",
+                                    action="the restored copy is discarded and the source rolled back") from None
+        t1 = time.monotonic()
+        for n in ns:
+            try:
+                drv.unlock(by_ns[n])
+            except DriverError as e:
+                raise RestoreFailed(f"cannot unlock CUDA in pid {by_ns[n]}: {e}", code="gpu_restore_failed",
+                                    action="the restored copy is discarded and the source rolled back") from None
+        return {"gpu_restore": t1 - t0, "gpu_unlock": time.monotonic() - t1}
