@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 CRIU_STAMP := $(VENV)/.criu
 PYTEST_ARGS ?=
 
-.PHONY: all setup criu native test test-fast demo bench doctor clean
+.PHONY: all setup criu native test test-fast demo bench doctor clean gpu-bundle gpu-check
 
 all: setup
 
@@ -46,6 +46,14 @@ demo: setup
 bench: setup
 	$(BIN)/python bench/move_one_rank.py
 	$(BIN)/python bench/shim_bench.py
+
+# GPU validation (tests/gpu): pack CRIU and wheels for a GPU host without registry access,
+# then run the one-shot check there (`make gpu-check`, or `bash tests/gpu/run.sh`).
+gpu-bundle: setup
+	scripts/gpu-bundle.sh
+
+gpu-check:
+	bash tests/gpu/run.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info service/*.egg-info

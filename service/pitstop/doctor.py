@@ -92,9 +92,15 @@ def gpu_checks() -> list[Check]:
         out.append(Check("gpus", None, f"{n} x {', '.join(map(str, names))}, driver {drv}", required=False))
     except Exception as e:  # noqa: BLE001 - NVML raises many types when absent
         out.append(Check("gpus", None, f"not present ({type(e).__name__})", required=False))
-    cc = shutil.which("cuda-checkpoint")
-    out.append(Check("cuda-checkpoint", None, cc or "not present (CPU-only workers can still move)",
-                     required=False))
+    from .gpu.driver import NoDriver, load
+
+    try:
+        v = load().version()
+        out.append(Check("cuda checkpoint API", True, f"driver API CUDA {v // 1000}.{v % 1000 // 10}",
+                         required=False))
+    except NoDriver as e:
+        out.append(Check("cuda checkpoint API", None, f"not present ({e}); CPU-only workers can still move",
+                         required=False))
     return out
 
 

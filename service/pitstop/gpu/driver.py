@@ -64,7 +64,9 @@ class BindingsDriver:
         try:
             (err,) = cu.cuInit(0)
         except Exception as e:  # noqa: BLE001 - pathfinder raises its own type when libcuda is absent
-            raise NoDriver(f"no CUDA driver ({type(e).__name__}: {str(e)[:120]})") from None
+            why = ("libcuda.so.1 not found" if "NotFound" in type(e).__name__
+                   else f"{type(e).__name__}: {str(e)[:100]}")
+            raise NoDriver(f"no CUDA driver: {why}") from None
         if err != cu.CUresult.CUDA_SUCCESS:
             raise NoDriver(f"cuInit failed: {err.name}")
         err, v = cu.cuDriverGetVersion()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Pack what tests/gpu/run.sh needs on a GPU host that cannot reach a package registry:
+# CRIU (private prefix, from provision-criu.sh), and wheels for CPython 3.10-3.13.
+# Output: .gpu-bundle/ (ignored by git; carried to the GPU machine).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+B="$ROOT/.gpu-bundle"
+PIP="${PIP:-$ROOT/.venv/bin/python -m pip}"
+PREFIX="${PITSTOP_CRIU_PREFIX:-${XDG_CACHE_HOME:-$HOME/.cache}/pitstop/criu-4.2}"
+rm -rf "$B" && mkdir -p "$B/wheels"
+for v in 3.10 3.11 3.12 3.13; do
+  $PIP download -q --no-deps --only-binary=:all: --python-version "$v" --platform manylinux_2_28_x86_64 \
+    -d "$B/wheels" "cuda-bindings>=12.8,<14" 2>&1 | grep -v "is ignored" || true
+done
+$PIP download -q --no-deps --only-binary=:all: -d "$B/wheels" cuda-pathfinder structlog nvidia-ml-py \
+  "protobuf>=4.25" 2>&1 | grep -v "is ignored" || true
+[[ -x "$PREFIX/bin/criu" ]] || "$ROOT/scripts/provision-criu.sh" >/dev/null
+tar -C "$(dirname "$PREFIX")" --exclude='criu-4.2/bin' -cJf "$B/criu.tar.xz" "$(basename "$PREFIX")"
+du -sh "$B" "$B"/wheels/* "$B/criu.tar.xz"

@@ -1,0 +1,64 @@
+"""A deterministic CUDA training loop (no pitstop code): the workload of tests/gpu.
+
+--pg nccl  wraps the gradient in a ProcessGroupNCCL allreduce (world size 1);
+--hold-gib N  only allocates N GiB on the GPU, prints its checksum, waits for
+a line on stdin, and prints the checksum again (the throughput check).
+Prints "step N ..." per step and "done sha256=..." of the final parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+
+import torch
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=200)
+p.add_argument("--step-sleep", type=float, default=0.01)
+p.add_argument("--pg", choices=["none", "nccl"], default="none")
+p.add_argument("--hold-gib", type=float, default=0.0)
+p.add_argument("--device", default="cuda", help="cpu: exercise the harness on a machine without a GPU")
+a = p.parse_args()
+
+dev = torch.device(a.device, 0) if a.device == "cuda" else torch.device(a.device)
+if a.hold_gib:
+    n = int(a.hold_gib * 2**30) // 4
+    buf = torch.arange(n, dtype=torch.int32, device=dev)
+    buf.mul_(2654435761 & 0x7FFFFFFF)
+    print(f"holding {a.hold_gib} GiB checksum={int(buf.sum(dtype=torch.int64))}", flush=True)
+    sys.stdin.readline()
+    print(f"after checksum={int(buf.sum(dtype=torch.int64))}", flush=True)
+    sys.exit(0)
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+torch.use_deterministic_algorithms(True)
+torch.manual_seed(1234)
+pg = None
+if a.pg == "nccl":
+    import torch.distributed as dist
+
+    store = dist.FileStore(os.environ["PG_STORE"], 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 16)).to(dev)
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+g = torch.Generator(device=dev).manual_seed(99)
+for step in range(1, a.steps + 1):
+    x = torch.randn(256, 512, device=dev, generator=g)
+    y = torch.randn(256, 16, device=dev, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    if a.pg == "nccl":
+        for prm in model.parameters():
+            dist.all_reduce(prm.grad)  # SUM over one rank: the same values, through NCCL
+    opt.step()
+    print(f"step {step} t={time.time():.6f} loss={loss.item():.6f}", flush=True)
+    time.sleep(a.step_sleep)
+h = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in model.parameters())).hexdigest()
+if a.pg == "nccl":
+    dist.destroy_process_group()
+print(f"done sha256={h}", flush=True)

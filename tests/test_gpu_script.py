@@ -1,0 +1,62 @@
+"""tests/gpu (the one-shot GPU validation) exercised as far as a machine without a GPU allows:
+its usage errors, its skip reasons, and the CRIU half of check (b) on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK = ROOT / "tests" / "gpu" / "gpu_check.py"
+pytestmark = pytest.mark.timeout(240)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--only", "x"], "--only takes letters from a,b,c,d"),
+    (["--sizes-gib", "1,lots"], "--sizes-gib takes numbers"),
+    (["--sizes-gib", "0"], "between 0 and 1024"),
+    (["--steps", "10"], "--steps must be at least 100"),
+])
+def test_bad_arguments_say_what_is_wrong(args, msg, tmp_path):
+    p = subprocess.run([sys.executable, str(CHECK), "--report", str(tmp_path / "r.json"), *args],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and msg in p.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.skipif(_cuda(), reason="a GPU is present: run tests/gpu/run.sh for the real checks")
+def test_run_sh_without_a_gpu_skips_every_check_with_its_reason(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable)
+    p = subprocess.run(["bash", str(ROOT / "tests" / "gpu" / "run.sh"), "--out", str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads((tmp_path / "gpu-report.json").read_text())
+    assert set(r["checks"]) == {"a_cuda_checkpoint_roundtrip", "b_criu_with_cuda", "c_shim_under_processgroupnccl",
+                                "d_checkpoint_throughput"}
+    for c in r["checks"].values():
+        assert c["status"] == "skipped" and c["reason"].startswith("no CUDA device"), c
+    assert r["machine"]["torch"] and r["date"] and "criu" in r["machine"]
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(_cuda(), reason="a GPU is present: the real check (b) runs in tests/gpu")
+def test_check_b_harness_dumps_and_restores_a_torch_worker_bitwise(tmp_path):
+    p = subprocess.run([sys.executable, str(CHECK), "--cpu-dry-run", "--only", "a,b",
+                        "--report", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=200)
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads((tmp_path / "r.json").read_text())
+    b = r["checks"]["b_criu_with_cuda"]
+    assert b["status"] == "passed" and b["cpu_dry_run"] is True and b["sha256"] == b["reference_sha256"]
+    assert b["criu_dump_s"] > 0 and b["image_bytes"] > 10_000_000
+    assert r["checks"]["a_cuda_checkpoint_roundtrip"]["status"] == "skipped"
