@@ -66,6 +66,8 @@ def agent(
     advertise_url: Optional[str] = typer.Option(None, help="URL peers use to reach this agent"),
     spare: bool = typer.Option(False, "--spare", help="offer this host as a migration target"),
     insecure: bool = typer.Option(False, "--insecure", help="allow running without PITSTOP_CLUSTER_TOKEN"),
+    worker_link: Optional[str] = typer.Option(None, help="uplink for workers' own addresses "
+                                              "(`pitstop run --address`); default: the default route's link"),
     log_json: bool = typer.Option(False, "--log-json"),
 ) -> None:
     """Run the host agent."""
@@ -80,6 +82,8 @@ def agent(
         kw["image_dir"] = image_dir
     if advertise_url:
         kw["advertise_url"] = advertise_url
+    if worker_link:
+        kw["worker_link"] = worker_link
     try:
         serve(AgentSettings(**kw))
     except PitstopError as e:
@@ -95,6 +99,9 @@ def run(
     rank: Optional[int] = typer.Option(None, help="rank of this process tree (default: $RANK, else 0)"),
     host_nccl: bool = typer.Option(False, "--host-nccl", help="use pitstop's host NCCL (TCP, CPU) as libnccl.so.2"),
     no_shim: bool = typer.Option(False, "--no-shim", help="do not preload the NCCL shim"),
+    address: Optional[str] = typer.Option(None, help="give the worker its own address A.B.C.D/P on the host's "
+                                          "uplink subnet: its TCP connections then survive a move to any host "
+                                          "on that segment"),
 ) -> None:
     """Run COMMAND so that pitstop can move it: pitstop run --job J --agent URL -- COMMAND [ARGS...]"""
     from .launcher.run import run as run_cmd
@@ -103,7 +110,7 @@ def run(
     if args and args[0] == "--":
         args = args[1:]
     raise typer.Exit(run_cmd(args, job=job, agent_url=agent_url, rank=rank, shim=not no_shim,
-                             host_nccl=host_nccl))
+                             host_nccl=host_nccl, address=address))
 
 
 @app.command()

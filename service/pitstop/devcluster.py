@@ -165,19 +165,29 @@ class LocalCluster:
         a = self.agents[name]
         _stop(a.proc, sig)
 
+    def worker_address(self, index: int) -> str:
+        """An address for a worker of its own on the hosts' segment (`pitstop run --address`)."""
+        assert self.net is not None, "worker addresses need hosts with their own network (net=NetHosts())"
+        return f"10.213.{self.net.subnet}.{100 + index}/24"
+
     def start_job(self, job: str, script: list[str], world: int, placement: dict[int, str],
-                  env: dict[str, str] | None = None, run_args: list[str] | None = None) -> list[Rank]:
-        """Start `world` ranks of `script` through `pitstop run`; placement maps rank -> agent name."""
+                  env: dict[str, str] | None = None, run_args: list[str] | None = None,
+                  addresses: dict[int, str] | None = None) -> list[Rank]:
+        """Start `world` ranks of `script` through `pitstop run`; placement maps rank -> agent name.
+
+        addresses: rank -> its own address (A.B.C.D/P); rank 0's is then MASTER_ADDR."""
         master_port = free_port()
+        master = addresses[0].split("/")[0] if addresses else "127.0.0.1"
         out = []
         for r in range(world):
             a = self.agents[placement[r]]
             log = self.root / f"{job}.rank{r}.log"
-            e = dict(self.env(), RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+            e = dict(self.env(), RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR=master,
                      MASTER_PORT=str(master_port), **(env or {}))
             prefix = self.net.exec_prefix(a.name) if self.net else []
-            p = subprocess.Popen([*prefix, *pitstop_cmd(), "run", "--job", job, "--agent", a.url, *(run_args or []), "--",
-                                  *script],
+            own = ["--address", addresses[r]] if addresses else []
+            p = subprocess.Popen([*prefix, *pitstop_cmd(), "run", "--job", job, "--agent", a.url, *own,
+                                  *(run_args or []), "--", *script],
                                  env=e, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
             rk = Rank(r, p, log, a.name)
             self.ranks.append(rk)

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
 from .. import shimctl
+from ..network import workerns
 from ..capture import proctree, runtime
 from ..errors import Conflict, FailedPrecondition, PitstopError, TransferFailed
 from ..httpapi import install_error_handlers, require_token
@@ -79,13 +80,22 @@ class Agent:
         if w.state == "running" and not w.restored and (
                 not proctree.exists(w.root_pid) or proctree.start_time(w.root_pid) != w.start_time):
             self.state.update_worker(w, state="exited" if w.exit_code is not None else "lost")
+            self.drop_net(w)
         return w
+
+    def drop_net(self, w: Worker) -> None:
+        """A worker that ended takes its address with it."""
+        wn = workerns.from_dict(w.net)
+        if wn and w.state in ("exited", "lost"):
+            workerns.destroy(wn)
 
 
 class CaptureRequest(BaseModel):
     worker_id: str
     dest_url: str | None = Field(None, description="peer agent to stream the images to, while dumping")
     image_id: str | None = None
+    keep_peers: list[str] | None = Field(None, description="addresses of the job's workers: the worker's "
+                                         "connections to any other address are reset at the destination")
 
 
 class ShimOp(BaseModel):
@@ -104,6 +114,13 @@ class RegisterRequest(BaseModel):
     job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
     rank: int = Field(ge=0)
     pid: int = Field(gt=1)
+    address: str | None = Field(None, description="the worker's own address, prepared with POST /v1/networks")
+
+
+class NetworkRequest(BaseModel):
+    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    rank: int = Field(ge=0)
+    address: str = Field(min_length=9, max_length=18, description="A.B.C.D/P inside the uplink's subnet")
 
 
 class ExitedRequest(BaseModel):
@@ -198,7 +215,7 @@ def peer_app(agent: Agent) -> FastAPI:
 
     @r.post("/captures", status_code=202)
     def capture(req: CaptureRequest) -> dict:
-        return agent.source.start(req.worker_id, req.dest_url, req.image_id).model_dump()
+        return agent.source.start(req.worker_id, req.dest_url, req.image_id, req.keep_peers).model_dump()
 
     @r.get("/captures")
     def captures() -> list[dict]:
@@ -326,7 +343,17 @@ def local_app(agent: Agent) -> FastAPI:
             if old and old.state in LIVE_STATES and proctree.exists(old.root_pid):
                 raise Conflict(f"worker {wid} is already registered (pid {old.root_pid})",
                                action="each rank of a job registers once")
-            w = Worker(id=wid, job=req.job, rank=req.rank, root_pid=pid, start_time=proctree.start_time(pid) or 0)
+            net = None
+            if req.address:
+                wn = workerns.spec(wid, req.address)
+                if not workerns.exists(wn) or workerns.netns_inode(pid) != workerns.path_inode(wn):
+                    raise FailedPrecondition(f"pid {pid} does not run in the network prepared for {req.address}",
+                                             code="network_mismatch",
+                                             action="prepare it with POST /v1/networks and start the worker in it "
+                                                    "(`pitstop run --address` does both)")
+                net = wn.to_dict()
+            w = Worker(id=wid, job=req.job, rank=req.rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
+                       net=net)
             agent.state.workers[wid] = w
             agent.state.save()
         return w
@@ -336,7 +363,32 @@ def local_app(agent: Agent) -> FastAPI:
         w = agent.state.worker(wid)
         if w.state in ("running", "lost"):
             agent.state.update_worker(w, state="exited", exit_code=req.code)
+            agent.drop_net(w)
         return w
+
+    @app.post("/v1/networks", status_code=201)
+    def prepare_network(req: NetworkRequest) -> dict:
+        """A network namespace with the worker's own address, for `pitstop run --address` to start it in."""
+        wid = f"{req.job}.{req.rank}"
+        wn = workerns.spec(wid, req.address)
+        with agent.state.lock:
+            for o in agent.state.workers.values():
+                if o.net and o.state in LIVE_STATES and (o.net["address"].split("/")[0] == wn.ip or o.id == wid):
+                    raise Conflict(f"{wn.ip} or {wid} is already in use by worker {o.id} here",
+                                   action="give each worker its own address")
+            if workerns.exists(wn):  # left by a launch that never registered
+                workerns.destroy(wn)
+            workerns.create(wn, agent.s.worker_link, locked=False, nft=None)
+        return wn.to_dict() | {"path": wn.path}
+
+    @app.delete("/v1/networks/{wid}")
+    def drop_network(wid: str) -> dict:
+        w = agent.state.workers.get(wid)
+        if w and w.state in LIVE_STATES:
+            raise Conflict(f"worker {wid} still runs in it", action="stop the worker first")
+        wn = workerns.WorkerNet("", "", workerns.netns_name(wid))
+        workerns.destroy(wn)
+        return {"deleted": wn.netns}
 
     @app.get("/v1/workers/{wid}")
     def worker(wid: str) -> Worker:

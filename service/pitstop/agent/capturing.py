@@ -29,10 +29,11 @@ from pathlib import Path
 import httpx
 import structlog
 
-from ..capture import criu_ops, netlock, proctree, runtime, tcprepair
+from ..capture import criu_ops, netlock, proctree, runtime
 from ..capture.manifest import Manifest
 from ..errors import CaptureFailed, Conflict, FailedPrecondition, PitstopError, TransferFailed
 from ..gpu.checkpoint import GpuCheckpointer
+from ..network import workerns
 from ..transfer.stream import DirectoryTail
 from .settings import AgentSettings
 from .state import AgentState, Capture, Worker
@@ -52,13 +53,15 @@ class SourceSide:
         self._locks_guard = threading.Lock()
 
     # -- capture -----------------------------------------------------------------------------
-    def start(self, worker_id: str, dest_url: str | None, image_id: str | None) -> Capture:
+    def start(self, worker_id: str, dest_url: str | None, image_id: str | None,
+              keep_peers: list[str] | None = None) -> Capture:
         with self.state.lock:
             w = self.state.worker(worker_id)
             self._check_capturable(w)
             cid = "cap-" + uuid.uuid4().hex[:12]
             cap = Capture(id=cid, worker_id=w.id, image_dir=str(self.s.images / cid),
-                          dest_url=dest_url, image_id=image_id or (cid if dest_url else None))
+                          dest_url=dest_url, image_id=image_id or (cid if dest_url else None),
+                          keep_peers=keep_peers)
             self.state.captures[cid] = cap
             self.state.update_worker(w, state="capturing")
         t = threading.Thread(target=self._run_and_report, args=(cap, w), name=f"capture-{cid}", daemon=True)
@@ -98,9 +101,16 @@ class SourceSide:
             sender = threading.Thread(target=self._send, args=(cap, tail, send_error, send_done),
                                       name=f"send-{cap.id}", daemon=True)
             sender.start()
-        try:  # GPU state first: CRIU must see a process that no longer holds a GPU
+        net = workerns.from_dict(w.net)
+        nft = runtime.locate().nft if net else None
+        try:  # its own namespace: nothing goes in or out until it runs again, here or there
+            if net:
+                workerns.lock(net, nft)
+            # GPU state first: CRIU must see a process that no longer holds a GPU
             suspended = self.gpu.suspend(pids)
         except PitstopError as e:  # undone already: the worker never stopped
+            if net:
+                workerns.unlock(net, nft)
             tail.failure = e
             if sender:
                 sender.join(30)
@@ -110,11 +120,14 @@ class SourceSide:
             self.state.update_capture(cap, gpu=suspended.record())
         try:
             with self._cwd_lock(w.root_pid):
-                res = criu_ops.dump(w.root_pid, images, timeout_s=self.s.dump_timeout_s)
+                res = criu_ops.dump(w.root_pid, images, timeout_s=self.s.dump_timeout_s,
+                                    own_netns=workerns.netns_inode(w.root_pid) if net else None)
         except PitstopError as e:
             tail.failure = e
             if sender:
                 sender.join(30)
+            if net:
+                workerns.unlock(net, nft)
             self._resume_gpu(cap)  # CRIU let the tree run again; now give it its GPUs back
             self._fail(cap, w, e, resumed_by="criu")
             return
@@ -126,7 +139,8 @@ class SourceSide:
         self.state.update_worker(w, state="stopped")
         tail.manifest_base = Manifest(capture_id=cap.id, stdio=stdio, criu_version=runtime.locate().version_str,
                                       output_base=self._output_end(w),
-                                      worker={"id": w.id, "job": w.job, "rank": w.rank}, gpu=cap.gpu)
+                                      worker={"id": w.id, "job": w.job, "rank": w.rank}, gpu=cap.gpu,
+                                      net=w.net, keep_peers=cap.keep_peers)
         tail.finished.set()
         if sender is None:
             total = sum(f.stat().st_size for f in images.iterdir() if not f.name.endswith(".log"))
@@ -197,27 +211,33 @@ class SourceSide:
         err = e.to_dict() if isinstance(e, PitstopError) else {"code": "internal", "message": repr(e)}
         err["details"] = {**err.get("details", {}), "source_resumed_by": resumed_by}
         self.state.update_capture(cap, state="failed", error=err)
+        w = self.state.workers.get(w.id, w)
         state = "running" if proctree.exists(w.root_pid) else "lost"
         self.state.update_worker(w, state=state)
         shutil.rmtree(cap.image_dir, ignore_errors=True)
         log.warning("capture failed; source resumed", capture=cap.id, worker=w.id, error=err["message"])
 
     def _rollback_stopped(self, cap: Capture, w: Worker) -> str:
-        """Resume a stopped source in place; if that cannot be done, restore it from its images."""
+        """Bring a stopped source back by restoring it here from its own, complete images.
+
+        Resuming it in place would mean taking its sockets out of TCP repair mode by hand.
+        Measured (test_corrupt_image_refused_before_criu_and_source_resumes, 2026-11-29):
+        that broke or silently corrupted a gloo stream in 3 of 13 runs.  CRIU's restore
+        re-creates each connection exactly as dumped.  The dump's nftables lock stays until
+        the restored sockets exist, so no peer packet ever meets a missing socket (an RST);
+        killing the source first is silent, because its sockets are still in repair mode.
+        """
+        proctree.kill_and_wait(w.root_pid)
+        restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
+                                             stdio=cap.stdio, replace=True, output_base=self._output_end(w),
+                                             gpu=cap.gpu, net=w.net)
         netlock.release(cap.run_id)
-        pids = proctree.tree(w.root_pid)
-        try:
-            tcprepair.unrepair(pids)
-        except OSError as e:
-            log.warning("cannot clear TCP repair mode in place; restoring from images", error=str(e))
-            proctree.kill_and_wait(w.root_pid)
-            restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
-                                                 stdio=cap.stdio, replace=True, output_base=self._output_end(w),
-                                                 gpu=cap.gpu)
-            return f"restored here as pid {restored.root_pid}"
-        proctree.resume(pids)
-        self._resume_gpu(cap)  # after SIGCONT: the driver's restore thread must run
-        return "resumed in place"
+        return f"restored here as pid {restored.root_pid}"
+
+    def _drop_net(self, w: Worker) -> None:
+        net = workerns.from_dict(w.net)
+        if net:
+            workerns.destroy(net)
 
     def _resume_gpu(self, cap: Capture) -> None:
         if cap.gpu:
@@ -235,6 +255,7 @@ class SourceSide:
         t0 = time.monotonic()
         if not proctree.kill_and_wait(w.root_pid):
             raise CaptureFailed(f"source pid {w.root_pid} did not exit after SIGKILL", action="inspect the host")
+        self._drop_net(w)  # its address must be gone from here before it appears at the destination
         self.state.update_capture(cap, state="released", phases={**cap.phases, "release": time.monotonic() - t0})
         self.state.update_worker(w, state="released")
         return cap
@@ -249,6 +270,7 @@ class SourceSide:
         w = self.state.worker(cap.worker_id)
         if cap.state != "released":
             proctree.kill_and_wait(w.root_pid)
+            self._drop_net(w)
         netlock.release(cap.run_id)
         shutil.rmtree(cap.image_dir, ignore_errors=True)
         self.state.update_capture(cap, state="committed")
@@ -269,13 +291,11 @@ class SourceSide:
         t0 = time.monotonic()
         if cap.state in ("sent", "dumped"):
             how = self._rollback_stopped(cap, w)
-            if how == "resumed in place":
-                self.state.update_worker(w, state="running")
-        else:  # released: the source is gone; restore it here from our own images
-            netlock.release(cap.run_id)
+        else:  # released: the source is gone; restore it here from our own images, lock still held
             restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
                                                  stdio=cap.stdio, replace=True, output_base=self._output_end(w),
-                                                 gpu=cap.gpu)
+                                                 gpu=cap.gpu, net=w.net)
+            netlock.release(cap.run_id)
             how = f"restored here as pid {restored.root_pid}"
         shutil.rmtree(cap.image_dir, ignore_errors=True)
         self.state.update_capture(cap, state="rolled_back", phases={**cap.phases, "rollback": time.monotonic() - t0})

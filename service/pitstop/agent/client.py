@@ -63,8 +63,14 @@ class AgentClient:
         return self._req("GET", f"/v1/workers/{wid}")
 
     # local (Unix socket) calls
-    def register(self, job: str, rank: int, pid: int) -> dict:
-        return self._req("POST", "/v1/workers", json={"job": job, "rank": rank, "pid": pid})
+    def register(self, job: str, rank: int, pid: int, address: str | None = None) -> dict:
+        return self._req("POST", "/v1/workers", json={"job": job, "rank": rank, "pid": pid, "address": address})
+
+    def prepare_network(self, job: str, rank: int, address: str) -> dict:
+        return self._req("POST", "/v1/networks", json={"job": job, "rank": rank, "address": address})
+
+    def drop_network(self, wid: str) -> dict:
+        return self._req("DELETE", f"/v1/networks/{wid}")
 
     def exited(self, wid: str, code: int) -> dict:
         return self._req("POST", f"/v1/workers/{wid}:exited", json={"code": code})
@@ -97,9 +103,10 @@ class AgentClient:
         return self._req("GET", "/v1/captures")
 
     # the leaving side
-    def capture(self, worker_id: str, dest_url: str | None = None, image_id: str | None = None) -> dict:
+    def capture(self, worker_id: str, dest_url: str | None = None, image_id: str | None = None,
+                keep_peers: list[str] | None = None) -> dict:
         return self._req("POST", "/v1/captures", json={"worker_id": worker_id, "dest_url": dest_url,
-                                                       "image_id": image_id})
+                                                       "image_id": image_id, "keep_peers": keep_peers})
 
     def get_capture(self, cid: str, wait: float = 0.0) -> dict:
         return self._req("GET", f"/v1/captures/{cid}", params={"wait": wait} if wait else None,

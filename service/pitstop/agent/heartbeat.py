@@ -22,7 +22,7 @@ def payload(agent: Agent) -> dict:
     from ..gpu.health import readings
     from ..gpu.inventory import inventory
 
-    workers = [agent.refresh(w).model_dump(include={"id", "job", "rank", "state", "root_pid", "moved_to",
+    workers = [agent.refresh(w).model_dump(include={"id", "job", "rank", "state", "root_pid", "moved_to", "net",
                                                       "exit_code"})
                for w in list(agent.state.workers.values())]
     return {"name": agent.s.name, "url": agent.s.url, "spare": agent.s.spare, "workers": workers,

@@ -22,7 +22,9 @@ import structlog
 from ..capture import criu_ops, proctree
 from ..capture.manifest import Manifest
 from ..errors import Conflict, NotFound, PitstopError, TransferFailed
+from ..capture import runtime
 from ..gpu.checkpoint import GpuCheckpointer
+from ..network import workerns
 from ..transfer.stream import StreamReceiver, file_stats, verify_directory
 from .settings import AgentSettings
 from .state import LIVE_STATES, AgentState, Worker
@@ -128,7 +130,8 @@ class DestinationSide:
         gpu_phases: dict[str, float] = {}
         w = self.restore_dir(s.directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
                              stdio=[p.model_dump() for p in m.stdio], replace=True,
-                             output_base=m.output_base, gpu=m.gpu, phases=gpu_phases)
+                             output_base=m.output_base, gpu=m.gpu, phases=gpu_phases, net=m.net,
+                             keep_peers=m.keep_peers)
         phases = {"verify": t1 - t0, "restore": time.monotonic() - t1, **gpu_phases}
         self.discard(image_id)
         return w, phases
@@ -136,7 +139,8 @@ class DestinationSide:
     def restore_dir(self, directory: Path, *, worker_id: str, job: str, rank: int,
                     stdio: list[dict[str, Any]], replace: bool = False,
                     output_base: dict[str, int] | None = None, gpu: dict[str, Any] | None = None,
-                    phases: dict[str, float] | None = None) -> Worker:
+                    phases: dict[str, float] | None = None, net: dict[str, str] | None = None,
+                    keep_peers: list[str] | None = None) -> Worker:
         """Restore images in `directory`; register the result as a worker of this agent."""
         with self.state.lock:
             old = self.state.workers.get(worker_id)
@@ -155,12 +159,27 @@ class DestinationSide:
                 inherit[p["key"]] = r
                 theirs.append(r)
                 os.close(wfd)  # the worker reads EOF: stdin is never forwarded
+        wn = workerns.from_dict(net)
+        nft = runtime.locate().nft if wn else None
+        net_fd, created = None, False
         try:
-            pid, _secs = criu_ops.restore(directory, inherit)
+            if wn:  # the worker's address, here, locked until its sockets exist again
+                if workerns.exists(wn):
+                    workerns.lock(wn, nft)  # a rollback on the source: its namespace is still here
+                else:
+                    workerns.create(wn, self.s.worker_link, locked=True, nft=nft)
+                    created = True
+                net_fd = os.open(wn.path, os.O_RDONLY)
+            pid, _secs = criu_ops.restore(directory, inherit, net_fd=net_fd)
         except PitstopError:
             for fd in theirs + [o[0] for o in ours]:
                 os.close(fd)
+            if created:
+                workerns.destroy(wn)
             raise
+        finally:
+            if net_fd is not None:
+                os.close(net_fd)
         for fd in theirs:
             os.close(fd)
         if gpu:
@@ -170,11 +189,18 @@ class DestinationSide:
                 proctree.kill_and_wait(pid)  # a copy without its GPU memory must never run
                 for fd, _, _ in ours:
                     os.close(fd)
+                if created:
+                    workerns.destroy(wn)
                 raise
             if phases is not None:
                 phases.update(timings)
+        if wn:
+            reset = workerns.reset_unrelated(wn, keep_peers) if keep_peers is not None else 0
+            workerns.announce(wn)
+            workerns.unlock(wn, nft)
+            log.info("worker address up here", worker=worker_id, address=wn.address, reset_connections=reset)
         w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
-                   restored=True, output_base=output_base or {})
+                   restored=True, output_base=output_base or {}, net=net)
         for stream in ("stdout", "stderr"):  # a fresh file: offsets are relative to output_base
             (self.outputs / f"{worker_id}.{stream}").unlink(missing_ok=True)
         with self.state.lock:
@@ -215,6 +241,9 @@ class DestinationSide:
             t.join(10)
         if w.state in ("running",):
             self.state.update_worker(w, state="exited", exit_code=code)
+            wn = workerns.from_dict(w.net)
+            if wn:
+                workerns.destroy(wn)
         log.info("restored worker exited", worker=w.id, code=code, state=w.state)
 
     def read_output(self, worker_id: str, stream: str, offset: int, limit: int = 1 << 20) -> bytes:

@@ -34,6 +34,7 @@ class Worker(BaseModel):
     moved_to: dict[str, str] | None = None  # {"agent": name, "url": url}
     exit_code: int | None = None
     output_base: dict[str, int] = Field(default_factory=dict)  # output seen before it arrived here
+    net: dict[str, str] | None = None     # network.workerns.WorkerNet: an address that moves with it
     registered_at: float = Field(default_factory=time.time)
 
 
@@ -51,6 +52,7 @@ class Capture(BaseModel):
     error: dict[str, Any] | None = None
     stdio: list[dict[str, Any]] = Field(default_factory=list)
     gpu: dict[str, Any] = Field(default_factory=dict)  # gpu.checkpoint.Suspended.record(); empty: no CUDA
+    keep_peers: list[str] | None = None  # addresses whose connections survive the move; None: all
     created: float = Field(default_factory=time.time)
     updated: float = Field(default_factory=time.time)
 

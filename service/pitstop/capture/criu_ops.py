@@ -7,6 +7,10 @@ Options are fixed by what pitstop guarantees rather than left to callers:
   locked with nftables (iptables is not assumed to exist);
 - stdio pipes to outside the tree are handed back on restore (inherit_fd), as
   runc and podman do, so output keeps flowing to whoever owns the new pipes.
+- a worker with its own network namespace (network/workerns.py) has that
+  namespace marked external (key "wnet") and is restored into a namespace the
+  agent prepared with the same address; the agent locks the whole namespace
+  itself, so CRIU's per-connection lock is skipped for it.
 Each call writes CRIU's log next to the images; failures quote its Error lines.
 """
 
@@ -48,7 +52,10 @@ def _load_image(rt: runtime.CriuRuntime, path: Path) -> dict[str, Any]:
         return pycriu.images.load(f)["entries"][0]
 
 
-def dump(root_pid: int, images: Path, *, timeout_s: int = 60,
+NET_KEY = "wnet"
+
+
+def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | None = None,
          rt: runtime.CriuRuntime | None = None) -> DumpResult:
     """Dump the tree rooted at root_pid into `images`, leaving it stopped."""
     rt = rt or runtime.locate()
@@ -61,6 +68,9 @@ def dump(root_pid: int, images: Path, *, timeout_s: int = 60,
         c.opts.leave_stopped = True
         c.opts.tcp_established = True
         c.opts.network_lock = pycriu.rpc.NFTABLES
+        if own_netns is not None:  # the worker's namespace: external, locked whole by the agent
+            c.opts.external.append(f"net[{own_netns}]:{NET_KEY}")
+            c.opts.network_lock = pycriu.rpc.SKIP
         c.opts.log_file = DUMP_LOG
         c.opts.log_level = 4
         c.opts.timeout = timeout_s  # bounds CRIU's freeze of the tree
@@ -84,7 +94,7 @@ def dump(root_pid: int, images: Path, *, timeout_s: int = 60,
                       run_id=inv.get("dump_criu_run_id", ""), stats=stats)
 
 
-def restore(images: Path, inherit: dict[str, int], *,
+def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None,
             rt: runtime.CriuRuntime | None = None) -> tuple[int, float]:
     """Restore a tree detached from us; return (host pid of its root, seconds).
 
@@ -101,6 +111,10 @@ def restore(images: Path, inherit: dict[str, int], *,
         c.opts.images_dir_fd = dfd
         c.opts.tcp_established = True
         c.opts.network_lock = pycriu.rpc.NFTABLES
+        if net_fd is not None:
+            inherit = {**inherit, NET_KEY: net_fd}
+            os.set_inheritable(net_fd, True)
+            c.opts.network_lock = pycriu.rpc.SKIP
         c.opts.log_file = RESTORE_LOG
         c.opts.log_level = 4
         for key, fd in inherit.items():

@@ -41,6 +41,8 @@ class Manifest(BaseModel):
     output_base: dict[str, int] = Field(default_factory=dict)  # see agent/receiving.py
     criu_version: str = ""
     gpu: dict[str, Any] = Field(default_factory=dict)  # GPU model, UUIDs, driver, CUDA, CUDA processes
+    net: dict[str, str] | None = None  # the worker's own address (network/workerns.py)
+    keep_peers: list[str] | None = None  # connections to other addresses are reset at the destination
 
     @property
     def total_bytes(self) -> int:

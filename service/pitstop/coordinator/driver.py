@@ -48,6 +48,10 @@ def new_metadata(plan: Any, reason: str) -> dict[str, Any]:
         "workers": {w["id"]: {"job": w["job"], "rank": w["rank"], "state": "pending", "capture_id": None,
                               "bytes_done": 0, "bytes_total": None} for w in plan.leaving},
         "peers": {w["id"]: w["host"] for w in plan.peers},
+        # Workers with their own addresses keep their connections to each other; any other
+        # connection of a moved worker is reset at the destination (network/workerns.py).
+        "keep_peers": sorted({w["address"].split("/")[0] for w in plan.leaving + plan.peers if w.get("address")})
+        or None,
         "paused": [], "committed": False, "phases": {}, "bytes_done": 0, "bytes_total": None,
         "conditions": [], "downtime_s": None,
     }
@@ -189,7 +193,8 @@ class OpRun:
 
         def capture(wid: str) -> None:
             w = self.md["workers"][wid]
-            cap = src.capture(wid, dest_url=dst.url, image_id=self.image_id(wid))
+            cap = src.capture(wid, dest_url=dst.url, image_id=self.image_id(wid),
+                              keep_peers=self.md.get("keep_peers"))
             with self.lock:
                 w["capture_id"], w["state"] = cap["id"], "capturing"
                 self.save()

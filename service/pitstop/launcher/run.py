@@ -127,7 +127,8 @@ def nccl_env(env: dict[str, str], *, shim: bool, host_nccl: bool) -> dict[str, s
 
 
 def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
-        extra_env: dict[str, str] | None = None, shim: bool = True, host_nccl: bool = False) -> int:
+        extra_env: dict[str, str] | None = None, shim: bool = True, host_nccl: bool = False,
+        address: str | None = None) -> int:
     if not cmd:
         print("pitstop run: no command given; usage: pitstop run --job JOB --agent URL -- CMD [ARGS...]",
               file=sys.stderr)
@@ -143,13 +144,24 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         print(f"pitstop run: {e}", file=sys.stderr)
         return 125
     client = agent_client(agent_url)
+    prefix: list[str] = []
+    if address:  # its own network namespace and address, made by the agent (network/workerns.py)
+        try:
+            net = client.prepare_network(job, rank, address)
+        except PitstopError as e:
+            print(f"pitstop run: cannot give the worker address {address}: {e}", file=sys.stderr)
+            return 125
+        prefix = ["nsenter", f"--net={net['path']}", "--"]
+        env.setdefault("GLOO_SOCKET_IFNAME", "eth0")  # gloo's default (the hostname's address) is not here
     rout, wout = os.pipe()
     rerr, werr = os.pipe()
     try:
-        p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", *cmd], env=env,
+        p = subprocess.Popen([*prefix, "unshare", "--pid", "--fork", "setsid", *cmd], env=env,
                              stdin=subprocess.DEVNULL, stdout=wout, stderr=werr)
     except OSError as e:
         print(f"pitstop run: cannot start {cmd[0]}: {e}", file=sys.stderr)
+        if address:
+            _safe(client.drop_network, f"{job}.{rank}")
         return 127
     os.close(wout)
     os.close(werr)
@@ -159,11 +171,13 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         t.start()
     try:
         root = _find_ns_init(p.pid)
-        w = client.register(job, rank, root)
+        w = client.register(job, rank, root, address)
     except PitstopError as e:
         print(f"pitstop run: could not register with the agent: {e}", file=sys.stderr)
         p.kill()
         p.wait()
+        if address:
+            _safe(client.drop_network, f"{job}.{rank}")
         return 125
     wid = w["id"]
 
