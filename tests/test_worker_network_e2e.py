@@ -33,7 +33,7 @@ def _finish(ranks, timeout=240):
 
 def _evacuate(cc, node):
     op = _wait_op(cc, cc.evacuate(node)["name"])
-    assert op["metadata"]["result"] == "succeeded", op
+    assert op["metadata"]["result"] == "succeeded", (op.get("error") or {}).get("message", op)
     return op
 
 
@@ -72,3 +72,73 @@ def test_gloo_job_survives_evacuating_a_host_then_the_store_host(cluster, tmp_pa
           f"{op1['metadata']['downtime_s']:.2f} s); evacuating host-a (the store) {g2:.2f} s "
           f"(downtime {op2['metadata']['downtime_s']:.2f} s)")
     assert _netns_left() == [], "every worker's namespace goes with the worker"
+
+
+def test_torchrun_tree_moves_whole_and_the_job_finishes(cluster, tmp_path):
+    """Two hosts, each one `pitstop run -- torchrun` with 2 local ranks; torchrun's agent on
+    host-a serves the store.  Evacuating host-b moves its torchrun tree (agent and both
+    workers), then evacuating host-a moves the store's."""
+    from pitstop.devcluster import free_port
+
+    cc = _cluster(cluster, spares=2)
+    out = tmp_path / "out"
+    addrs = {r: cluster.worker_address(r) for r in range(2)}
+    port = str(free_port())
+    trun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+            "--master-addr", addrs[0].split("/")[0], "--master-port", port, "--monitor-interval", "0.2"]
+    script = ddp_cmd(out, steps=220)[1:]
+    nodes = []  # one `pitstop run -- torchrun` per host, registered as ranks 0 and 1 of job "trun"
+    for r, host in ((0, "host-a"), (1, "host-b")):
+        nodes += cluster.start_job("trun", [*trun, "--node-rank", str(r), *script], 2, {r: host}, addresses=addrs)
+    _wait_jobs(cc, "trun", 2, timeout=60)
+    wait_for_step(nodes[0].log, 30)
+    _evacuate(cc, "host-b")
+    wait_for_step(nodes[0].log, 120)
+    _evacuate(cc, "host-a")
+    _finish(nodes)
+    assert_same_as_reference(out, reference_hashes(tmp_path, 4, steps=220))
+    assert _netns_left() == []
+
+
+def test_unrelated_connection_is_reset_not_hung_and_the_worker_continues(cluster, tmp_path):
+    import http.server
+    import threading
+
+    cc = _cluster(cluster, spares=1)
+    seen: list[str] = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive
+
+        def do_GET(self):  # noqa: N802
+            seen.append(f"{self.client_address[1]} {self.path}")
+            body = f"ok {self.path.rsplit('/', 1)[1]}".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer((cluster.net.gateway, 0), H)  # outside every host
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://{cluster.net.gateway}:{srv.server_address[1]}"
+        ranks = cluster.start_job("web", [sys.executable, str(WORKLOADS / "keepalive_worker.py"), "--url", url,
+                                          "--steps", "150"], 1, {0: "host-a"},
+                                  addresses={0: cluster.worker_address(0)})
+        _wait_jobs(cc, "web", 1)
+        wait_for_step(ranks[0].log, 20)
+        t0 = time.time()
+        op = _evacuate(cc, "host-a")
+        _finish(ranks, timeout=120)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    log = ranks[0].log.read_text()
+    assert "reset at step" in log and "done connections=2" in log, log[-2000:]
+    assert len({s.split()[0] for s in seen}) == 2  # the old connection, then exactly one new one
+    gap = max(step_gaps(ranks[0].log, since=t0))
+    assert gap < op["metadata"]["downtime_s"] + 5, "the reset must come at once, not after a timeout"
+    assert _netns_left() == []

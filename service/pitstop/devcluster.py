@@ -173,13 +173,13 @@ class LocalCluster:
     def start_job(self, job: str, script: list[str], world: int, placement: dict[int, str],
                   env: dict[str, str] | None = None, run_args: list[str] | None = None,
                   addresses: dict[int, str] | None = None) -> list[Rank]:
-        """Start `world` ranks of `script` through `pitstop run`; placement maps rank -> agent name.
+        """Start the ranks in `placement` (rank -> agent name) of `script` through `pitstop run`.
 
         addresses: rank -> its own address (A.B.C.D/P); rank 0's is then MASTER_ADDR."""
         master_port = free_port()
         master = addresses[0].split("/")[0] if addresses else "127.0.0.1"
         out = []
-        for r in range(world):
+        for r in sorted(placement):
             a = self.agents[placement[r]]
             log = self.root / f"{job}.rank{r}.log"
             e = dict(self.env(), RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR=master,

@@ -14,7 +14,8 @@ another host:
   destination agent drains them; this launcher then follows the output through
   its own agent, which forwards to wherever the worker runs.
 - The environment is made dumpable: USE_LIBUV=0 keeps torch's TCPStore off
-  libuv, whose io_uring CRIU cannot dump.
+  libuv, and a seccomp rule makes io_uring_setup(2) fail with ENOSYS for the
+  whole tree (torchrun's store ignores USE_LIBUV), since CRIU cannot dump io_uring.
 - Signals are forwarded.  CMD is PID 1 of its namespace, so the kernel drops
   signals it has no handler for; a forwarded SIGTERM/SIGINT/SIGHUP that CMD
   does not handle is therefore turned into SIGKILL, which is what CMD would
@@ -40,6 +41,7 @@ import httpx
 from ..agent.client import AgentClient
 from ..capture import proctree
 from ..errors import PitstopError
+from .seccomp import deny_io_uring
 
 MOVING = ("capturing", "stopped", "released", "moved")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
@@ -137,6 +139,10 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         rank = int(os.environ.get("RANK", os.environ.get("GROUP_RANK", "0")))
     env = dict(os.environ)
     env.setdefault("USE_LIBUV", "0")
+    why = deny_io_uring()  # CRIU cannot dump io_uring (launcher/seccomp.py); inherited by the worker
+    if why:
+        print(f"pitstop run: warning: io_uring stays available to the worker ({why}); a worker that "
+              "uses it cannot be moved", file=sys.stderr)
     env.update(extra_env or {})
     try:
         env = nccl_env(env, shim=shim and (host_nccl or shim_path() is not None), host_nccl=host_nccl)
