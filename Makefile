@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 CRIU_STAMP := $(VENV)/.criu
 PYTEST_ARGS ?=
 
-.PHONY: all setup criu native test test-fast demo bench doctor clean gpu-bundle gpu-check
+.PHONY: all setup criu native test test-fast demo bench doctor clean gpu-bundle gpu-check qualify
 
 all: setup
 
@@ -46,6 +46,11 @@ demo: setup
 bench: setup
 	$(BIN)/python bench/move_one_rank.py
 	$(BIN)/python bench/shim_bench.py
+
+# The fault-injection matrix and the soak (tests/qualify): prints fault x outcome and keeps
+# the latest in docs/reliability.md.  Not part of `make test` (about 20 minutes on 2 cores).
+qualify: setup
+	PITSTOP_QUALIFY_DOC=docs/reliability.md $(BIN)/python -m pytest tests/qualify -p no:cacheprovider $(PYTEST_ARGS)
 
 # GPU validation (tests/gpu): pack CRIU and wheels for a GPU host without registry access,
 # then run the one-shot check there (`make gpu-check`, or `bash tests/gpu/run.sh`).

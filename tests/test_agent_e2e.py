@@ -6,10 +6,13 @@ uninterrupted run, whatever happened in between.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -167,3 +170,41 @@ def test_agent_refuses_to_start_without_cluster_token(tmp_path):
                         "--state-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1
     assert "cluster token" in p.stderr and "PITSTOP_CLUSTER_TOKEN" in p.stderr
+
+
+def test_local_socket_checks_peer_credentials(tmp_path):
+    """Even if the socket file were opened to everyone, the kernel's SO_PEERCRED decides."""
+    import shutil
+    import tempfile
+
+    from pitstop.devcluster import free_port, wait_http
+
+    state = Path(tempfile.mkdtemp(prefix="pitstop-peercred-", dir="/tmp"))
+    state.chmod(0o711)
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "pitstop.cli", "agent", "--name", "pc", "--insecure",
+                          "--listen", f"127.0.0.1:{port}", "--state-dir", str(state),
+                          "--image-dir", str(state / "images")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz", proc=p)
+        sock = state / "agent.sock"
+        for _ in range(100):
+            if sock.exists() and sock.stat().st_mode & 0o777 == 0o660:
+                break
+            time.sleep(0.05)
+        sock.chmod(0o666)
+        ok = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://a").get("/v1/info")
+        assert ok.status_code == 200 and ok.json()["name"] == "pc"
+        probe = ("import httpx,os,json; os.setgid(65534); os.setuid(65534); "
+                 f"r=httpx.Client(transport=httpx.HTTPTransport(uds={str(sock)!r}),base_url='http://a')"
+                 ".post('/v1/workers', json={'job':'x','rank':0,'pid':2}); print(r.status_code, json.dumps(r.json()))")
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+        code, body = out.stdout.split(" ", 1)
+        err = json.loads(body)["error"]
+        assert code == "403" and err["code"] == "forbidden_peer" and "uid 65534" in err["message"], out
+        assert "pitstop" in err["action"]
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(20)
+        shutil.rmtree(state, ignore_errors=True)

@@ -138,14 +138,14 @@ class LocalCluster:
         return self.coordinator_url
 
     def start_agent(self, name: str, spare: bool = False, port: int | None = None,
-                    env: dict[str, str] | None = None) -> AgentProc:
+                    env: dict[str, str] | None = None, image_dir: Path | None = None) -> AgentProc:
         port = port or free_port()
         addr, prefix = "127.0.0.1", []
         if self.net:
             _, addr = self.net.add(name)
             prefix = self.net.exec_prefix(name)
         state = self.root / name
-        images = self.shm / name
+        images = image_dir or self.shm / name
         state.mkdir(parents=True, exist_ok=True)
         log = state / "agent.log"
         cmd = [*prefix, *pitstop_cmd(), "agent", "--name", name, "--listen", f"{addr}:{port}",

@@ -2,8 +2,15 @@
 
 A hook fires only when *both* PITSTOP_ENABLE_FAULTS=1 and PITSTOP_FAULTS name it, so a
 stray variable cannot turn one on.  PITSTOP_FAULTS is a comma-separated list of
-`point=action`; actions: `sleep:SECONDS`, `fail` (raise).  Used by the tests to stop a
-process at a precise phase (CRIU's zdtm does the same with its own hooks).
+`point=action`; actions: `sleep:SECONDS`, `fail` (raise), or a value read with value().
+Used by the qualification matrix (tests/qualify) to stop a process at a precise phase or
+damage what it handles, as CRIU's zdtm does with its own hooks.  Points:
+  phase:<name>          coordinator, as an evacuation enters a phase
+  after_commit_point    coordinator, right after the commit point is recorded
+  capture:before_dump   source agent, before CRIU dumps
+  transfer:cut_after    source agent, value = bytes after which the image stream breaks
+  image:corrupt         destination agent, value = 1: flip one byte of the received pages
+  restore:before_criu   destination agent, before CRIU restores
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ def _table() -> dict[str, str]:
             k, v = item.split("=", 1)
             out[k.strip()] = v.strip()
     return out
+
+
+def value(point: str) -> str | None:
+    return _table().get(point)
 
 
 def hit(point: str) -> None:

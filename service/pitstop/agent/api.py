@@ -10,6 +10,7 @@ Two listeners, two audiences:
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import httpx
@@ -57,6 +58,7 @@ class Agent:
         self.source = SourceSide(settings, self.state, self.dest)
         self.metrics = Metrics()
         self.source.on_finished = self._count_capture
+        self.source.reconcile()
         self.started = time.time()
 
     def _count_capture(self, c: Capture) -> None:
@@ -246,7 +248,16 @@ def peer_app(agent: Agent) -> FastAPI:
         try:
             async for chunk in request.stream():
                 if chunk:
-                    slot.receiver.feed(chunk)
+                    try:
+                        slot.receiver.feed(chunk)
+                    except OSError as e:  # ENOSPC above all: say where and how much
+                        free = shutil.disk_usage(agent.s.images).free
+                        raise TransferFailed(
+                            f"cannot store image {image_id} on {agent.s.name}: {e.strerror} in {agent.s.images} "
+                            f"after {slot.receiver.received} bytes ({free // 2**20} MiB free there now)",
+                            code="destination_storage", http_status=507,
+                            action="the copy is discarded and the source resumed; free space in the "
+                                   "destination's image directory or pick another spare") from None
             if not slot.receiver.complete:
                 raise TransferFailed(f"image stream {image_id} ended before its manifest "
                                      f"({slot.receiver.received} bytes received)",

@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import structlog
 
+from .. import faults
 from ..capture import criu_ops, netlock, proctree, runtime
 from ..capture.manifest import Manifest
 from ..errors import CaptureFailed, Conflict, FailedPrecondition, PitstopError, TransferFailed
@@ -118,6 +119,7 @@ class SourceSide:
             return
         if suspended:
             self.state.update_capture(cap, gpu=suspended.record())
+        faults.hit("capture:before_dump")
         try:
             with self._cwd_lock(w.root_pid):
                 res = criu_ops.dump(w.root_pid, images, timeout_s=self.s.dump_timeout_s,
@@ -164,6 +166,44 @@ class SourceSide:
         log.info("captured and sent", capture=cap.id, worker=w.id, dest=cap.dest_url,
                  bytes=cap.bytes_total, **{k: round(v, 4) for k, v in ph.items()})
 
+    def reconcile(self) -> list[str]:
+        """After an agent restart: captures whose thread died with the previous agent process.
+
+        The worker must end up running where it was.  A dump that completed left it stopped
+        with its sockets in repair mode: it is restored from those images, as a rollback
+        would.  A dump that never completed (CRIU unfreezes on failure, or never started)
+        leaves a process that only needs its network, GPU and SIGSTOP state undone."""
+        notes = []
+        for cap in [c for c in self.state.captures.values() if c.state == "dumping"]:
+            w = self.state.workers.get(cap.worker_id)
+            how = "worker unknown"
+            try:
+                if w and proctree.exists(w.root_pid) and proctree.start_time(w.root_pid) == w.start_time:
+                    images = Path(cap.image_dir)
+                    if proctree.state(w.root_pid) == "T" and (images / "stats-dump").exists():
+                        how = self._rollback_stopped(cap, w)
+                    else:
+                        net = workerns.from_dict(w.net)
+                        if net:
+                            workerns.unlock(net, runtime.locate().nft)
+                        proctree.resume(proctree.tree(w.root_pid))
+                        self._resume_gpu(cap)
+                        self.state.update_worker(w, state="running")
+                        how = "resumed in place (the dump never completed)"
+                elif w:
+                    self.state.update_worker(w, state="lost")
+                    how = "the worker is gone"
+            except PitstopError as e:
+                how = f"could not be resumed: {e.message}"
+            netlock.release(cap.run_id)
+            shutil.rmtree(cap.image_dir, ignore_errors=True)
+            self.state.update_capture(cap, state="failed", error={
+                "code": "agent_restarted", "message": f"the agent restarted during capture {cap.id}; {how}",
+                "action": "evacuate again when the agent is healthy", "details": {}})
+            notes.append(f"{cap.id}: {how}")
+            log.warning("capture interrupted by an agent restart", capture=cap.id, outcome=how)
+        return notes
+
     def _cwd_lock(self, pid: int) -> threading.Lock:
         """One dump at a time per working directory.
 
@@ -193,7 +233,7 @@ class SourceSide:
         url = f"{cap.dest_url.rstrip('/')}/v1/images/{cap.image_id}"
         try:
             with httpx.Client(timeout=httpx.Timeout(self.s.transfer_timeout_s, connect=10)) as c:
-                r = c.put(url, content=iter(tail), headers=headers)
+                r = c.put(url, content=_cut(iter(tail), faults.value("transfer:cut_after")), headers=headers)
             if r.status_code >= 300:
                 body = _error_body(r)
                 errors.append(TransferFailed(f"destination refused the images: {body.get('message', r.text)}",
@@ -307,6 +347,15 @@ class SourceSide:
         if t:
             t.join(timeout_s)
         return self.state.capture(cid)
+
+
+def _cut(chunks, after: str | None):  # noqa: ANN001, ANN202 - a fault hook: the stream breaks mid-way
+    sent = 0
+    for c in chunks:
+        sent += len(c)
+        if after and sent > int(after):
+            raise TransferFailed(f"injected fault: stream cut after {after} bytes", action="this is a test")
+        yield c
 
 
 def _error_body(r: httpx.Response) -> dict:

@@ -22,6 +22,7 @@ import structlog
 from ..capture import criu_ops, proctree
 from ..capture.manifest import Manifest
 from ..errors import Conflict, NotFound, PitstopError, TransferFailed
+from .. import faults
 from ..capture import runtime
 from ..gpu.checkpoint import GpuCheckpointer
 from ..network import workerns
@@ -111,6 +112,8 @@ class DestinationSide:
             raise Conflict(f"image {image_id} is {s.state}, not complete", action="send the images again")
         t0 = time.monotonic()
         m = Manifest.read(s.directory)
+        if faults.value("image:corrupt"):
+            _flip_a_byte(s.directory)
         if s.receiver.written_stat is None or file_stats(s.directory, m) != s.receiver.written_stat:
             try:
                 m = verify_directory(s.directory)
@@ -126,6 +129,7 @@ class DestinationSide:
         t0 = time.monotonic()
         m, _ = self.verify_image(image_id)  # cheap unless a file changed since it arrived
         t1 = time.monotonic()
+        faults.hit("restore:before_criu")
         wk = m.worker
         gpu_phases: dict[str, float] = {}
         w = self.restore_dir(s.directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
@@ -255,3 +259,14 @@ class DestinationSide:
         with open(p, "rb") as f:
             f.seek(offset - base)
             return f.read(limit)
+
+
+def _flip_a_byte(directory: Path) -> None:
+    """Fault hook (image:corrupt): damage the copy at rest, as a bad disk or a bug would."""
+    pages = max(directory.glob("pages-*.img"), key=lambda p: p.stat().st_size, default=None)
+    if pages is not None and pages.stat().st_size > 4096:
+        with open(pages, "r+b") as f:
+            f.seek(4096)
+            b = f.read(1)
+            f.seek(4096)
+            f.write(bytes([b[0] ^ 0xFF]))

@@ -11,6 +11,7 @@ import uvicorn
 from ..errors import FailedPrecondition
 from ..sdnotify import notify, watchdog_loop
 from .api import Agent, local_app, peer_app
+from .peercred import checked
 from .receiving import become_subreaper
 from .settings import AgentSettings
 
@@ -41,8 +42,12 @@ def serve(s: AgentSettings) -> None:
         s.sock.unlink()
     tcp = uvicorn.Server(uvicorn.Config(peer_app(agent), host=host, port=port, log_level="warning",
                                         http=http, lifespan="off", timeout_keep_alive=30))
+    if http == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
     uds = uvicorn.Server(uvicorn.Config(local_app(agent), uds=str(s.sock), log_level="warning",
-                                        lifespan="off"))
+                                        http=checked(base, s.local_group), lifespan="off"))
     extra = []
     if s.coordinator:
         from .heartbeat import heartbeat_loop

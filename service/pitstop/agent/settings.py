@@ -28,6 +28,7 @@ class AgentSettings(BaseSettings):
     transfer_timeout_s: float = 600.0
     restore_timeout_s: float = 120.0
     heartbeat_s: float = 1.0
+    local_group: str | None = "pitstop"  # besides root and the agent's user, who may use the local socket
     worker_link: str | None = None     # uplink for workers' own addresses (default: the default route's)
     gpu_lock_timeout_s: float = 10.0   # cuCheckpointProcessLock: longer kernels abort the capture cleanly
 

@@ -83,6 +83,7 @@ class OpRun:
             self._phase_t0 = time.monotonic()
             self.save(phase=phase)
         log.info("phase", op=self.id, phase=phase)
+        faults.hit(f"phase:{phase}")
 
     def leave(self, phase: str) -> None:
         with self.lock:
@@ -281,6 +282,7 @@ class OpRun:
         self.condition("Committed", True, "MembershipRecorded", f"{dest} now runs the workers; {node} is drained")
         self.enter("resume")
         self._resume_peers()
+        self._check_replacements(dest)
         self.leave("resume")
         self.md["last_resume"] = time.time()
         self.md["downtime_s"] = round(self.md["last_resume"] - self.md["first_pause"], 4)
@@ -292,6 +294,29 @@ class OpRun:
         self.d.count("succeeded", self.md["bytes_total"] or 0)
         log.info("evacuated", op=self.id, node=node, dest=dest, downtime_s=self.md["downtime_s"],
                  **self.md["phases"])
+
+    def _check_replacements(self, dest: str) -> None:
+        """Say plainly if a moved worker did not survive its first moments at the destination.
+
+        Past the commit point there is nothing to roll back to; the job's own recovery (its
+        checkpoint-restart) is out of pitstop's scope, but the operation must not hide it."""
+        gone = []
+        for wid in self.md["workers"]:
+            try:
+                w = self.agent(dest).worker(wid)
+            except PitstopError as e:
+                gone.append(f"{wid}: destination agent unreachable ({e.message})")
+                continue
+            if w.get("state") not in ("running", "paused"):
+                gone.append(f"{wid}: {w.get('state')}" + (f" (exit code {w['exit_code']})"
+                                                           if w.get("exit_code") is not None else ""))
+        if gone:
+            self.condition("ReplacementsRunning", False, "ReplacementEnded",
+                           "after the commit point: " + "; ".join(gone) + ". The job's state was moved intact; "
+                           "restart the job from its last checkpoint")
+            log.error("moved worker ended right after the move", op=self.id, workers=gone)
+        else:
+            self.condition("ReplacementsRunning", True, "Running", f"every moved worker runs on {dest}")
 
     def _finish_commit(self, err: PitstopError) -> None:
         """Past the commit point: retry the remaining steps; never roll back."""

@@ -1,0 +1,71 @@
+"""Who may talk to the agent's local socket: checked per connection with SO_PEERCRED.
+
+The local socket registers workers and prepares their networks, so it is as sensitive as
+the agent itself.  The socket file is 0660, and on top of that every connection's peer
+credentials (from the kernel, not from anything the client says) must be root, the
+agent's own user, or a member of the `pitstop` group (PITSTOP_AGENT_LOCAL_GROUP).  Others
+get a 403 that says so and the connection is closed before any request is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import json
+import os
+import pwd
+import socket
+import struct
+
+import structlog
+
+log = structlog.get_logger("pitstop.agent.peercred")
+
+
+def peer_of(sock: socket.socket) -> tuple[int, int, int]:
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                        struct.calcsize("3i")))
+    return pid, uid, gid
+
+
+def allowed(uid: int, gid: int, group: str | None) -> bool:
+    if uid in (0, os.getuid()):
+        return True
+    if not group:
+        return False
+    try:
+        g = grp.getgrnam(group)
+    except KeyError:
+        return False
+    if gid == g.gr_gid:
+        return True
+    try:
+        return pwd.getpwuid(uid).pw_name in g.gr_mem
+    except KeyError:
+        return False
+
+
+def checked(base: type[asyncio.Protocol], group: str | None) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class, refusing peers that `allowed` rejects."""
+
+    class PeerChecked(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)  # type: ignore[arg-type]
+            sock = transport.get_extra_info("socket")
+            try:
+                pid, uid, gid = peer_of(sock)
+            except OSError:
+                return  # not a Unix socket
+            if allowed(uid, gid, group):
+                return
+            body = json.dumps({"error": {
+                "code": "forbidden_peer",
+                "message": f"uid {uid} (pid {pid}) may not use this agent's local socket",
+                "action": f"run as root or as a member of the {group!r} group" if group else "run as root",
+                "details": {}}}).encode()
+            log.warning("local socket: peer refused", pid=pid, uid=uid, gid=gid)
+            transport.write(b"HTTP/1.1 403 Forbidden\r\ncontent-type: application/json\r\n"  # type: ignore[attr-defined]
+                            + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+            transport.close()
+
+    return PeerChecked

@@ -1,0 +1,233 @@
+"""The fault-injection matrix (zdtm-style): one small workload with an invariant, run under
+each fault injected at a precise point.  The invariant: the job finishes with final
+parameters bitwise equal to an uninterrupted run (it kept running on its source, or it was
+moved), unless the fault itself kills a rank; and every refused or failed operation says
+what happened and what to do.  Run with `make qualify` (not part of `make test`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from pitstop.coordinator.client import CoordinatorClient
+from pitstop.errors import PitstopError
+
+from ..helpers import assert_same_as_reference, ddp_cmd, reference_hashes, wait_for_step
+from ..test_coordinator_e2e import _wait_jobs, _wait_op
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+STEPS = 160
+
+
+def _faults(spec: str) -> dict[str, str]:
+    return {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": spec}
+
+
+class World:
+    def __init__(self, cluster, tmp_path, *, coord: str = "", agents: dict[str, str] | None = None,
+                 spare: bool = True, spare_images=None) -> None:
+        self.c, self.tmp = cluster, tmp_path
+        self.port = None
+        cluster.start_coordinator(env=_faults(coord) if coord else None)
+        self.port = int(cluster.coordinator_url.rsplit(":", 1)[1])
+        agents = agents or {}
+        for name in ("host-a", "host-b", *(["spare-1"] if spare else [])):
+            cluster.start_agent(name, spare=name.startswith("spare"),
+                                env=_faults(agents[name]) if name in agents else None,
+                                image_dir=spare_images if name == "spare-1" else None)
+        self.cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+        self.out = tmp_path / "out"
+        self.ranks = cluster.start_job("train", ddp_cmd(self.out, steps=STEPS), 2, {0: "host-a", 1: "host-b"})
+        _wait_jobs(self.cc, "train", 2)
+        wait_for_step(self.ranks[1].log, 10)
+
+    def evacuate(self, **kw):
+        return self.cc.evacuate("host-b", **kw)
+
+    def until_phase(self, op, phase):
+        return _wait_op(self.cc, op["name"], timeout=120, until=lambda o: o["metadata"]["phase"] == phase)
+
+    def restart_coordinator(self):
+        os.killpg(self.c.coordinator_proc.pid, signal.SIGKILL)
+        self.c.coordinator_proc.wait(10)
+        self.c.start_coordinator(port=self.port)
+
+    def kill_agent(self, name):
+        os.killpg(self.c.agents[name].proc.pid, signal.SIGKILL)
+        self.c.agents[name].proc.wait(10)
+
+    def restart_agent(self, name):
+        a = self.c.agents[name]
+        self.kill_agent(name)
+        self.c.start_agent(name, spare=name.startswith("spare"), port=int(a.url.rsplit(":", 1)[1]))
+
+    def finished_intact(self) -> str:
+        codes = [r.proc.wait(240) for r in self.ranks]
+        assert codes == [0, 0], {r.rank: r.log.read_text(errors="replace")[-1200:] for r in self.ranks}
+        assert_same_as_reference(self.out, reference_hashes(self.tmp, 2, steps=STEPS))
+        hosts = {w["rank"]: w["host"] for w in self.cc.jobs()[0]["workers"]}
+        return f"job finished bitwise equal, rank 1 on {hosts[1]}"
+
+
+def _failed(op) -> str:
+    assert op["metadata"]["result"] == "failed", op
+    err = op["error"]
+    assert err.get("message") and err.get("details"), err
+    d = err["details"][0]
+    assert not (d.get("metadata") or {}).get("rollback_problems"), d
+    return f"op failed: {err['message'][:160]}"
+
+
+def test_transfer_cut_halfway(cluster, tmp_path, record):
+    w = World(cluster, tmp_path, agents={"host-b": "transfer:cut_after=20000000"})
+    op = _wait_op(w.cc, w.evacuate()["name"])
+    msg = _failed(op)
+    assert "transfer" in op["error"]["message"] or "cut" in op["error"]["message"]
+    record("transfer cut after 20 MB", "rolled back; " + w.finished_intact(), msg)
+
+
+def test_destination_agent_killed_mid_restore(cluster, tmp_path, record):
+    w = World(cluster, tmp_path, agents={"spare-1": "restore:before_criu=sleep:8"})
+    op = w.until_phase(w.evacuate(), "restore")
+    time.sleep(1)
+    w.kill_agent("spare-1")
+    op = _wait_op(w.cc, op["name"])
+    assert op["metadata"]["result"] == "failed"
+    record("destination agent killed mid-restore", "rolled back; " + w.finished_intact(),
+           f"op failed: {op['error']['message'][:160]}")
+
+
+def test_corrupt_image_at_destination(cluster, tmp_path, record):
+    w = World(cluster, tmp_path, agents={"spare-1": "image:corrupt=1"})
+    op = _wait_op(w.cc, w.evacuate()["name"])
+    msg = _failed(op)
+    assert "sha256" in op["error"]["message"] or "manifest" in op["error"]["message"]
+    record("image corrupted at rest on the destination", "refused before restore; " + w.finished_intact(), msg)
+
+
+def test_destination_disk_full(cluster, tmp_path, record):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)], check=True)
+    try:
+        w = World(cluster, tmp_path, spare_images=mnt)
+        op = _wait_op(w.cc, w.evacuate()["name"])
+        msg = _failed(op)
+        assert "No space left" in op["error"]["message"], op["error"]
+        record("destination disk full (48 MiB tmpfs)", "rolled back; " + w.finished_intact(), msg)
+        cluster.stop_agent("spare-1")
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_worker_dies_during_the_freeze(cluster, tmp_path, record):
+    w = World(cluster, tmp_path, agents={"host-b": "capture:before_dump=sleep:4"})
+    op = w.until_phase(w.evacuate(), "capture")
+    pid = cluster.agents["host-b"].client().worker("train.1")["root_pid"]
+    os.kill(pid, signal.SIGKILL)
+    op = _wait_op(w.cc, op["name"])
+    assert op["metadata"]["result"] == "failed" and op["error"]["message"]
+    # The fault killed a rank: the job cannot finish; the peer must not be left stopped.
+    code0 = w.ranks[0].proc.wait(120)
+    assert code0 != 0
+    record("a worker dies during the freeze", "op failed; the surviving rank was resumed and exited on "
+           "its own (the fault killed its peer)", f"op failed: {op['error']['message'][:160]}")
+
+
+@pytest.mark.parametrize("phase", ["pause", "capture", "verify", "release", "restore", "commit", "resume"])
+def test_coordinator_restarted_in_each_phase(cluster, tmp_path, record, phase):
+    w = World(cluster, tmp_path, coord=f"phase:{phase}=sleep:6")
+    op = w.until_phase(w.evacuate(), phase)
+    w.restart_coordinator()
+    op = _wait_op(w.cc, op["name"])
+    before_commit = phase not in ("commit", "resume")
+    want = "failed" if before_commit else "succeeded"
+    assert op["metadata"]["result"] == want, op.get("error")
+    how = "rolled back on restart" if before_commit else "finished on restart (past the commit point)"
+    record(f"coordinator restarted in phase {phase}", f"{how}; " + w.finished_intact(),
+           (op.get("error") or {}).get("message", "succeeded")[:160])
+
+
+def test_source_agent_restarted_during_capture(cluster, tmp_path, record):
+    w = World(cluster, tmp_path, agents={"host-b": "capture:before_dump=sleep:6"})
+    op = w.until_phase(w.evacuate(), "capture")
+    time.sleep(1)
+    w.restart_agent("host-b")
+    op = _wait_op(w.cc, op["name"])
+    assert op["metadata"]["result"] == "failed"
+    caps = cluster.agents["host-b"].client().captures()
+    assert caps and caps[-1]["state"] == "failed" and caps[-1]["error"]["code"] == "agent_restarted"
+    record("source agent restarted during the capture (the host comes back mid-move)",
+           "op failed, worker resumed by the restarted agent; " + w.finished_intact(),
+           f"op: {op['error']['message'][:100]}; agent: {caps[-1]['error']['message'][:100]}")
+
+
+def test_replacement_dies_right_after_commit(cluster, tmp_path, record):
+    w = World(cluster, tmp_path, coord="phase:resume=sleep:4")
+    op = w.until_phase(w.evacuate(), "resume")
+    wk = cluster.agents["spare-1"].client().worker("train.1")
+    os.kill(wk["root_pid"], signal.SIGKILL)
+    op = _wait_op(w.cc, op["name"])
+    assert op["metadata"]["result"] == "succeeded"
+    cond = {c["type"]: c for c in op["metadata"]["conditions"]}["ReplacementsRunning"]
+    assert cond["status"] == "False" and "train.1" in cond["message"] and "restart the job" in cond["message"]
+    assert w.ranks[0].proc.wait(120) != 0
+    record("the replacement dies right after the commit", "op succeeded with condition "
+           "ReplacementsRunning=False; the job's own recovery takes over", cond["message"][:200])
+
+
+def test_concurrent_evacuations_of_one_node(cluster, tmp_path, record):
+    w = World(cluster, tmp_path, coord="phase:capture=sleep:3")
+    op = w.evacuate()
+    with pytest.raises(PitstopError) as e:
+        w.evacuate()
+    assert e.value.http_status == 409 and op["name"].split("/")[1] in e.value.message
+    op = _wait_op(w.cc, op["name"])
+    assert op["metadata"]["result"] == "succeeded"
+    record("a second evacuation of the same node", "409, first one finishes; " + w.finished_intact(),
+           e.value.message[:160])
+
+
+def test_no_compatible_spare(cluster, tmp_path, record):
+    w = World(cluster, tmp_path, spare=False)
+    with pytest.raises(PitstopError) as e:
+        w.evacuate()
+    assert e.value.http_status == 412 and e.value.code == "no_compatible_spare" and e.value.action
+    assert w.cc.ops() == []
+    record("no compatible spare", "412, nothing paused or changed; " + w.finished_intact(),
+           f"{e.value.message[:100]} -> {e.value.action[:80]}")
+
+
+def test_wrong_or_missing_tokens(cluster, tmp_path, record):
+    w = World(cluster, tmp_path)
+    url = cluster.coordinator_url
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"{url}/v1/nodes/host-b:evacuate", json={}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["action"]
+    agent = cluster.agents["host-b"].url
+    r = httpx.post(f"{agent}/v1/captures", json={"worker_id": "train.1"}, headers={"Authorization": "Bearer x"})
+    assert r.status_code == 401
+    assert w.cc.ops() == [] and cluster.agents["host-b"].client().captures() == []
+    record("wrong or missing tokens (operator API, agent API)", "401, nothing changed; " + w.finished_intact(),
+           r.json()["error"]["message"][:160])
+
+
+def test_rank_that_never_reaches_the_cut(cluster, tmp_path, record):
+    from ..test_shim_e2e import _evacuate as nccl_evacuate
+    from ..test_shim_e2e import _start, reference
+
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_dp.py",
+                            extra=("--stall-rank", "1", "--stall-at", "40", "--stall-seconds", "8"),
+                            coord_env={"PITSTOP_COORDINATOR_CUT_DEADLINE_S": "2"})
+    wait_for_step(ranks[1].log, 40)
+    op = nccl_evacuate(cc, "host-b")
+    assert op["metadata"]["result"] == "failed" and op["error"]["details"][0]["reason"] == "cut_failed"
+    assert [r.proc.wait(180) for r in ranks] == [0] * 4
+    assert [(out / f"rank{r}.sha256").read_text().strip() for r in range(4)] == reference("nccl_dp.py")
+    record("a rank never reaches the consistent cut (NCCL job)", "cut deadline, released, job finished "
+           "bitwise equal on its hosts", op["error"]["message"][:160])
