@@ -196,13 +196,16 @@ def test_local_socket_checks_peer_credentials(tmp_path):
         sock.chmod(0o666)
         ok = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://a").get("/v1/info")
         assert ok.status_code == 200 and ok.json()["name"] == "pc"
-        probe = ("import httpx,os,json; os.setgid(65534); os.setuid(65534); "
-                 f"r=httpx.Client(transport=httpx.HTTPTransport(uds={str(sock)!r}),base_url='http://a')"
-                 ".post('/v1/workers', json={'job':'x','rank':0,'pid':2}); print(r.status_code, json.dumps(r.json()))")
+        # Raw HTTP over the socket as uid 65534 (everything imported before dropping root: the
+        # interpreter's own files may not be readable by that user).
+        probe = ("import os, socket, sys; s = socket.socket(socket.AF_UNIX); os.setgid(65534); os.setuid(65534); "
+                 f"s.connect({str(sock)!r}); "
+                 "s.sendall(b'POST /v1/workers HTTP/1.1\\r\\nhost: a\\r\\ncontent-length: 2\\r\\n\\r\\n{}'); "
+                 "d = b''\nwhile (c := s.recv(65536)): d += c\nsys.stdout.write(d.decode())")
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-        code, body = out.stdout.split(" ", 1)
-        err = json.loads(body)["error"]
-        assert code == "403" and err["code"] == "forbidden_peer" and "uid 65534" in err["message"], out
+        assert out.stdout.startswith("HTTP/1.1 403"), (out.stdout, out.stderr[-1500:])
+        err = json.loads(out.stdout.split("\n\n", 1)[1])["error"]  # text mode turned CRLF into LF
+        assert err["code"] == "forbidden_peer" and "uid 65534" in err["message"], err
         assert "pitstop" in err["action"]
     finally:
         os.killpg(p.pid, signal.SIGTERM)

@@ -49,11 +49,12 @@ def checked(base: type[asyncio.Protocol], group: str | None) -> type[asyncio.Pro
     """uvicorn's HTTP protocol class, refusing peers that `allowed` rejects."""
 
     class PeerChecked(base):  # type: ignore[misc, valid-type]
+        _refusal: bytes | None = None
+
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)  # type: ignore[arg-type]
-            sock = transport.get_extra_info("socket")
             try:
-                pid, uid, gid = peer_of(sock)
+                pid, uid, gid = peer_of(transport.get_extra_info("socket"))
             except OSError:
                 return  # not a Unix socket
             if allowed(uid, gid, group):
@@ -64,8 +65,16 @@ def checked(base: type[asyncio.Protocol], group: str | None) -> type[asyncio.Pro
                 "action": f"run as root or as a member of the {group!r} group" if group else "run as root",
                 "details": {}}}).encode()
             log.warning("local socket: peer refused", pid=pid, uid=uid, gid=gid)
-            transport.write(b"HTTP/1.1 403 Forbidden\r\ncontent-type: application/json\r\n"  # type: ignore[attr-defined]
-                            + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
-            transport.close()
+            self._refusal = (b"HTTP/1.1 403 Forbidden\r\ncontent-type: application/json\r\n"
+                             + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+
+        def data_received(self, data: bytes) -> None:
+            if self._refusal is None:
+                return super().data_received(data)
+            # The request is read and dropped, never parsed; answering after reading it lets the
+            # close be a clean FIN rather than a reset that could swallow the answer.
+            self.transport.write(self._refusal)
+            self._refusal = b""
+            self.transport.close()
 
     return PeerChecked
