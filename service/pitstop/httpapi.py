@@ -7,6 +7,7 @@ import hmac
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from .errors import PitstopError, Unauthenticated
 
@@ -15,6 +16,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(PitstopError)
     async def _pitstop(_: Request, e: PitstopError) -> JSONResponse:
         return JSONResponse({"error": e.to_dict()}, status_code=e.http_status)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, e: HTTPException) -> JSONResponse:
+        """Routing errors (unknown path, wrong method) in the same shape as every other error."""
+        return JSONResponse({"error": {"code": f"http_{e.status_code}", "message": str(e.detail),
+                                       "action": "check the method and path against /openapi.json",
+                                       "details": {}}}, status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:

@@ -102,7 +102,7 @@ class CaptureRequest(BaseModel):
 
 class ShimOp(BaseModel):
     op: Literal["quiesce", "targets", "command"]
-    gen: int = 0
+    gen: int = Field(0, ge=0, le=2**31 - 1)
     targets: dict[str, dict[str, Any]] = Field(default_factory=dict)
     command: Literal["destroy", "genids", "rebuild", "resume", "release"] = "release"
     ids: dict[str, str] = Field(default_factory=dict)
@@ -114,14 +114,14 @@ class CommitRequest(BaseModel):
 
 class RegisterRequest(BaseModel):
     job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
-    rank: int = Field(ge=0)
-    pid: int = Field(gt=1)
+    rank: int = Field(ge=0, le=10_000_000)
+    pid: int = Field(gt=1, le=2**22)
     address: str | None = Field(None, description="the worker's own address, prepared with POST /v1/networks")
 
 
 class NetworkRequest(BaseModel):
     job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
-    rank: int = Field(ge=0)
+    rank: int = Field(ge=0, le=10_000_000)
     address: str = Field(min_length=9, max_length=18, description="A.B.C.D/P inside the uplink's subnet")
 
 
@@ -260,7 +260,7 @@ def peer_app(agent: Agent) -> FastAPI:
                                    "destination's image directory or pick another spare") from None
             if not slot.receiver.complete:
                 raise TransferFailed(f"image stream {image_id} ended before its manifest "
-                                     f"({slot.receiver.received} bytes received)",
+                                     f"({slot.receiver.received} bytes received)", http_status=400,
                                      action="the copy is discarded; the source keeps its images")
         except BaseException:
             agent.dest.fail_slot(slot)

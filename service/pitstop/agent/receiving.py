@@ -21,7 +21,7 @@ import structlog
 
 from ..capture import criu_ops, proctree
 from ..capture.manifest import Manifest
-from ..errors import Conflict, NotFound, PitstopError, TransferFailed
+from ..errors import Conflict, InvalidRequest, NotFound, PitstopError, TransferFailed
 from .. import faults
 from ..capture import runtime
 from ..gpu.checkpoint import GpuCheckpointer
@@ -65,7 +65,7 @@ class DestinationSide:
     # -- receiving -----------------------------------------------------------------------------
     def open_slot(self, image_id: str) -> Slot:
         if not image_id.replace("-", "").replace("_", "").isalnum():
-            raise TransferFailed(f"bad image id {image_id!r}", action="use letters, digits, '-' and '_'")
+            raise InvalidRequest(f"bad image id {image_id!r}", action="use letters, digits, '-' and '_'")
         with self.lock:
             old = self.slots.get(image_id)
             if old and old.state in ("receiving", "complete"):

@@ -10,10 +10,11 @@ import hashlib
 import json
 from typing import Any
 
+import httpx
 from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from .. import __version__
 from ..agent.client import AgentClient
@@ -31,14 +32,25 @@ class EvacuateRequest(BaseModel):
     reason: str = Field("operator request", max_length=500)
 
 
+class WorkerReport(BaseModel):
+    """One worker as its agent reports it; fields beyond these are kept as they come."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str = Field(min_length=1, max_length=200)
+    job: str = Field(min_length=1, max_length=128)
+    rank: int = Field(ge=0, le=10_000_000)
+    state: str = Field(min_length=1, max_length=32)
+
+
 class Heartbeat(BaseModel):
-    name: str = Field(min_length=1, max_length=253)
-    url: str
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    url: str = Field(max_length=2048, pattern=r"^https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?/?$",
+                     description="how peers and the coordinator reach this agent: http(s)://HOST:PORT")
     spare: bool = False
-    workers: list[dict[str, Any]] = Field(default_factory=list)
+    workers: list[WorkerReport] = Field(default_factory=list)
     gpus: list[dict[str, Any]] = Field(default_factory=list)
     gpu_model: str | None = None
-    gpu_count: int = 0
+    gpu_count: int = Field(0, ge=0, le=4096)
     gpu_note: str = ""
     driver: str | None = None
     gpu_health: list[dict[str, Any]] = Field(default_factory=list, description="NVML readings, one per GPU")
@@ -83,8 +95,8 @@ def sync_workers(store: Store, settings: CoordinatorSettings, node: str) -> None
         try:
             with AgentClient(h["url"], settings.cluster_token, timeout=3.0) as a:
                 store.sync_workers(h["name"], a.workers())
-        except PitstopError:
-            pass
+        except (PitstopError, httpx.HTTPError, httpx.InvalidURL, ValueError):
+            pass  # planned with what its heartbeats said
 
     with ThreadPoolExecutor(max_workers=min(32, max(1, len(hosts)))) as ex:
         list(ex.map(one, hosts))
