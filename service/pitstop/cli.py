@@ -285,6 +285,36 @@ def evacuate(
         raise typer.Exit(1)
 
 
+pki = typer.Typer(no_args_is_help=True, help="A private CA for mutual TLS between pitstop's services.")
+app.add_typer(pki, name="pki")
+
+
+@pki.command("init")
+def pki_init(directory: Path = typer.Argument(..., help="where the CA's ca.pem and ca.key go (keep ca.key offline)")) -> None:
+    """Create the cluster's CA."""
+    from . import tls
+
+    try:
+        print(tls.init_ca(directory))
+    except PitstopError as e:
+        _fail(e)
+
+
+@pki.command("issue")
+def pki_issue(directory: Path = typer.Argument(..., help="the CA's directory"),
+              name: str = typer.Argument(..., help="host, coordinator or operator name (the certificate's CN)"),
+              san: list[str] = typer.Option([], "--san", help="a DNS name or IP address peers use for it (repeat)"),
+              days: int = typer.Option(365, min=1, max=3650)) -> None:
+    """Issue NAME.pem and NAME.key; point PITSTOP_TLS_CA/CERT/KEY at them on that host."""
+    from . import tls
+
+    try:
+        crt, key = tls.issue(directory, name, san, days)
+    except PitstopError as e:
+        _fail(e)
+    print(f"PITSTOP_TLS_CA={directory / 'ca.pem'}\nPITSTOP_TLS_CERT={crt}\nPITSTOP_TLS_KEY={key}")
+
+
 def main() -> None:
     try:
         app()

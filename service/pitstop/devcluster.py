@@ -14,6 +14,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl  # noqa: F401 - type names in annotations
 import subprocess
 import sys
 import tempfile
@@ -62,13 +63,14 @@ def step_gaps(log: Path, since: float = 0.0) -> list[float]:
     return [b - a for a, b in zip(ts, ts[1:]) if b >= since]
 
 
-def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None,
+              verify: "ssl.SSLContext | bool" = True) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process for {url} exited with {proc.returncode}")
         try:
-            if httpx.get(url, timeout=1).status_code < 500:
+            if httpx.get(url, timeout=1, verify=verify).status_code < 500:
                 return
         except httpx.HTTPError:
             pass
@@ -111,10 +113,39 @@ class LocalCluster:
     coordinator_proc: subprocess.Popen | None = None
     shm: Path = field(default_factory=lambda: Path("/dev/shm") / f"pitstop-{secrets.token_hex(4)}")
     net: NetHosts | None = None  # set: every agent is a host in its own network namespace
+    tls_dir: Path | None = None  # set: mutual TLS from a CA made here, a certificate per process
+
+    def tls_env(self, name: str, sans: list[str] | None = None) -> dict[str, str]:
+        """PITSTOP_TLS_* for one process (`name`: a host, "coordinator" or "operator")."""
+        if self.tls_dir is None:
+            return {}
+        from . import tls
+
+        if not (self.tls_dir / "ca.pem").exists():
+            tls.init_ca(self.tls_dir)
+        crt, key = self.tls_dir / f"{name}.pem", self.tls_dir / f"{name}.key"
+        if not crt.exists():
+            crt, key = tls.issue(self.tls_dir, name, sans or ["127.0.0.1"])
+        return {"PITSTOP_TLS_CA": str(self.tls_dir / "ca.pem"), "PITSTOP_TLS_CERT": str(crt),
+                "PITSTOP_TLS_KEY": str(key)}
+
+    def _verify(self) -> "ssl.SSLContext | bool":
+        if self.tls_dir is None:
+            return True
+        import ssl as _ssl
+
+        e = self.tls_env("operator")
+        ctx = _ssl.create_default_context(cafile=e["PITSTOP_TLS_CA"])
+        ctx.load_cert_chain(e["PITSTOP_TLS_CERT"], e["PITSTOP_TLS_KEY"])
+        return ctx
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_dir else "http"
 
     def env(self) -> dict[str, str]:
         e = dict(os.environ, PITSTOP_CLUSTER_TOKEN=self.token, PITSTOP_TOKEN=self.operator_token,
-                 PYTHONUNBUFFERED="1")
+                 PYTHONUNBUFFERED="1", **self.tls_env("operator"))
         if self.coordinator_url:
             e["PITSTOP_COORDINATOR"] = self.coordinator_url
         return e
@@ -130,11 +161,11 @@ class LocalCluster:
         log = open(self.root / "coordinator.log", "ab")
         p = subprocess.Popen([*pitstop_cmd(), "coordinator", "--listen", f"{host}:{port}",
                               "--db", str(self.coordinator_db), *(extra or [])],
-                             env={**self.env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+                             env={**self.env(), **self.tls_env("coordinator", [host, "127.0.0.1"]), **(env or {})},
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.coordinator_proc = p
-        self.coordinator_url = f"http://{host}:{port}"
-        wait_http(self.coordinator_url + "/healthz", proc=p)
+        self.coordinator_url = f"{self.scheme}://{host}:{port}"
+        wait_http(self.coordinator_url + "/healthz", proc=p, verify=self._verify())
         return self.coordinator_url
 
     def start_agent(self, name: str, spare: bool = False, port: int | None = None,
@@ -154,11 +185,11 @@ class LocalCluster:
             cmd += ["--coordinator", self.coordinator_url]
         if spare:
             cmd.append("--spare")
-        p = subprocess.Popen(cmd, env={**self.env(), **(env or {})}, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                             start_new_session=True)
-        a = AgentProc(name, f"http://{addr}:{port}", p, state, images, log, self.token)
+        p = subprocess.Popen(cmd, env={**self.env(), **self.tls_env(name, [addr, "127.0.0.1"]), **(env or {})},
+                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        a = AgentProc(name, f"{self.scheme}://{addr}:{port}", p, state, images, log, self.token)
         self.agents[name] = a
-        wait_http(a.url + "/healthz", proc=p)
+        wait_http(a.url + "/healthz", proc=p, verify=self._verify())
         return a
 
     def stop_agent(self, name: str, sig: int = signal.SIGTERM) -> None:

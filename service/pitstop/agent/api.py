@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
-from .. import shimctl
+from .. import shimctl, tls
 from ..network import workerns
 from ..capture import proctree, runtime
 from ..errors import Conflict, FailedPrecondition, PitstopError, TransferFailed
@@ -319,7 +319,7 @@ async def _output(agent: Agent, wid: str, stream: str, offset: int) -> Response:
     if w.state == "moved" and w.moved_to:
         headers = {"Authorization": f"Bearer {agent.s.cluster_token}"} if agent.s.cluster_token else {}
         try:
-            async with httpx.AsyncClient(timeout=10) as c:
+            async with httpx.AsyncClient(timeout=10, verify=tls.client_context()) as c:
                 r = await c.get(f"{w.moved_to['url'].rstrip('/')}/v1/workers/{wid}/output",
                                 params={"stream": stream, "offset": offset}, headers=headers)
         except httpx.HTTPError as e:

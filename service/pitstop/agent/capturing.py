@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import structlog
 
-from .. import faults
+from .. import faults, tls
 from ..capture import criu_ops, netlock, proctree, runtime
 from ..capture.manifest import Manifest
 from ..errors import CaptureFailed, Conflict, FailedPrecondition, PitstopError, TransferFailed
@@ -232,7 +232,8 @@ class SourceSide:
         headers = {"Authorization": f"Bearer {self.s.cluster_token}"} if self.s.cluster_token else {}
         url = f"{cap.dest_url.rstrip('/')}/v1/images/{cap.image_id}"
         try:
-            with httpx.Client(timeout=httpx.Timeout(self.s.transfer_timeout_s, connect=10)) as c:
+            with httpx.Client(timeout=httpx.Timeout(self.s.transfer_timeout_s, connect=10),
+                              verify=tls.client_context()) as c:
                 r = c.put(url, content=_cut(iter(tail), faults.value("transfer:cut_after")), headers=headers)
             if r.status_code >= 300:
                 body = _error_body(r)

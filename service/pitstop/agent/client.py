@@ -7,6 +7,8 @@ from typing import Any
 
 import httpx
 
+from .. import tls
+
 from ..errors import DeadlineExceeded, PitstopError, Unavailable
 
 
@@ -30,7 +32,8 @@ class AgentClient:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         transport = httpx.HTTPTransport(uds=uds) if uds else None
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
+                                 verify=True if uds else tls.client_context())
 
     def close(self) -> None:
         self.http.close()

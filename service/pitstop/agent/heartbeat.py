@@ -13,6 +13,7 @@ import asyncio
 import httpx
 import structlog
 
+from .. import tls
 from .api import Agent
 
 log = structlog.get_logger("pitstop.agent.heartbeat")
@@ -33,7 +34,7 @@ async def heartbeat_loop(agent: Agent) -> None:
     url = agent.s.coordinator.rstrip("/") + "/v1/agents:heartbeat"
     headers = {"Authorization": f"Bearer {agent.s.cluster_token}"} if agent.s.cluster_token else {}
     failing = False
-    async with httpx.AsyncClient(timeout=5.0) as c:
+    async with httpx.AsyncClient(timeout=5.0, verify=tls.client_context()) as c:
         while True:
             try:
                 r = await c.post(url, json=payload(agent), headers=headers)

@@ -8,6 +8,7 @@ import os
 import structlog
 import uvicorn
 
+from .. import tls
 from ..errors import FailedPrecondition
 from ..sdnotify import notify, watchdog_loop
 from .api import Agent, local_app, peer_app
@@ -41,7 +42,7 @@ def serve(s: AgentSettings) -> None:
     if s.sock.exists():
         s.sock.unlink()
     tcp = uvicorn.Server(uvicorn.Config(peer_app(agent), host=host, port=port, log_level="warning",
-                                        http=http, lifespan="off", timeout_keep_alive=30))
+                                        http=http, lifespan="off", timeout_keep_alive=30, **tls.server_kwargs()))
     if http == "httptools":
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     else:

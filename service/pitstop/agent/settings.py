@@ -34,7 +34,9 @@ class AgentSettings(BaseSettings):
 
     @property
     def url(self) -> str:
-        return self.advertise_url or f"http://{self.listen}"
+        from ..tls import scheme
+
+        return self.advertise_url or f"{scheme()}://{self.listen}"
 
     @property
     def images(self) -> Path:

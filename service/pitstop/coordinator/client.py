@@ -7,6 +7,8 @@ from typing import Any
 
 import httpx
 
+from .. import tls
+
 from ..agent.client import raise_for
 from ..errors import FailedPrecondition, Unavailable
 
@@ -19,7 +21,7 @@ class CoordinatorClient:
                                      action="set PITSTOP_COORDINATOR=http://HOST:PORT or pass --coordinator")
         self.url = url.rstrip("/")
         token = token if token is not None else os.environ.get("PITSTOP_TOKEN")
-        self.http = httpx.Client(base_url=self.url, timeout=timeout,
+        self.http = httpx.Client(base_url=self.url, timeout=timeout, verify=tls.client_context(),
                                  headers={"Authorization": f"Bearer {token}"} if token else {})
 
     def _req(self, method: str, path: str, **kw: Any) -> Any:

@@ -7,6 +7,8 @@ import asyncio
 import structlog
 import uvicorn
 
+from .. import tls
+
 from ..errors import FailedPrecondition
 from ..sdnotify import notify, watchdog_loop
 from .api import build
@@ -25,7 +27,8 @@ def serve(s: CoordinatorSettings) -> None:
     app, driver = build(s)
     touched = driver.reconcile()
     host, port = s.host_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                           **tls.server_kwargs()))
 
     async def main() -> None:
         serving = asyncio.create_task(server.serve())

@@ -40,6 +40,7 @@ import httpx
 
 from ..agent.client import AgentClient
 from ..capture import proctree
+from .. import tls
 from ..errors import PitstopError
 from .seccomp import deny_io_uring
 
@@ -53,7 +54,7 @@ def agent_client(agent_url: str) -> AgentClient:
     if agent_url.startswith("unix:"):
         return AgentClient("http://agent", uds=agent_url[len("unix:"):])
     try:
-        h = httpx.get(agent_url.rstrip("/") + "/healthz", timeout=5).json()
+        h = httpx.get(agent_url.rstrip("/") + "/healthz", timeout=5, verify=tls.client_context()).json()
         sock = h.get("socket")
         if sock and os.access(sock, os.W_OK):
             return AgentClient("http://agent", uds=sock)

@@ -1,0 +1,139 @@
+"""Mutual TLS between pitstop's services, from a private CA.
+
+Every service and client presents a certificate signed by the cluster's CA and checks the
+other side's, so that a stolen cluster token alone no longer lets anyone act as an agent
+or the coordinator on the network, and images (every byte of a worker's memory) never
+cross the wire in clear.  Configured by three paths in the environment, the same names for
+every process (each process its own certificate):
+
+  PITSTOP_TLS_CA    the CA certificate (PEM) that every peer's certificate must chain to
+  PITSTOP_TLS_CERT  this process's certificate (PEM), with its host names/addresses as SANs
+  PITSTOP_TLS_KEY   its private key (PEM, 0600)
+
+Without PITSTOP_TLS_CA, services speak plain HTTP (the bearer tokens still apply).
+`pitstop pki init DIR` and `pitstop pki issue DIR NAME --san ...` make a CA and certificates.
+The agents' local Unix socket never uses TLS (SO_PEERCRED decides there).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+import ssl
+from pathlib import Path
+from typing import Any
+
+from .errors import FailedPrecondition
+
+
+def _paths() -> tuple[str | None, str | None, str | None]:
+    return (os.environ.get("PITSTOP_TLS_CA") or None, os.environ.get("PITSTOP_TLS_CERT") or None,
+            os.environ.get("PITSTOP_TLS_KEY") or None)
+
+
+def enabled() -> bool:
+    return _paths()[0] is not None
+
+
+def scheme() -> str:
+    return "https" if enabled() else "http"
+
+
+def _check(paths: list[str | None], what: str) -> None:
+    missing = [p for p in paths if not p or not Path(p).is_file()]
+    if missing:
+        raise FailedPrecondition(f"TLS is on (PITSTOP_TLS_CA is set) but {what} is missing: {missing}",
+                                 code="tls_misconfigured",
+                                 action="set PITSTOP_TLS_CA, PITSTOP_TLS_CERT and PITSTOP_TLS_KEY to readable PEM "
+                                        "files (`pitstop pki issue`)")
+
+
+def client_context() -> ssl.SSLContext | bool:
+    """What httpx's `verify=` takes: our CA and certificate when TLS is on, the default otherwise."""
+    ca, cert, key = _paths()
+    if not ca:
+        return True
+    _check([ca, cert, key], "this client's certificate")
+    ctx = ssl.create_default_context(cafile=ca)
+    ctx.load_cert_chain(cert, key)  # type: ignore[arg-type]
+    return ctx
+
+
+def server_kwargs() -> dict[str, Any]:
+    """uvicorn.Config arguments: serve TLS and require a client certificate from our CA."""
+    ca, cert, key = _paths()
+    if not ca:
+        return {}
+    _check([ca, cert, key], "this server's certificate")
+    return {"ssl_certfile": cert, "ssl_keyfile": key, "ssl_ca_certs": ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+
+
+# -- a private CA (pitstop pki) -------------------------------------------------------------------
+def init_ca(directory: Path, name: str = "pitstop cluster CA", days: int = 3650) -> Path:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / "ca.pem").exists():
+        raise FailedPrecondition(f"{directory}/ca.pem already exists", code="ca_exists",
+                                 action="use it, or remove the directory to start a new CA")
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False),
+                           critical=True)
+            .sign(key, hashes.SHA256()))
+    _write_key(directory / "ca.key", key, serialization)
+    (directory / "ca.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return directory / "ca.pem"
+
+
+def issue(directory: Path, name: str, sans: list[str], days: int = 365) -> tuple[Path, Path]:
+    """A certificate for `name` (a host, the coordinator, an operator) signed by the CA in directory."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    try:
+        ca_cert = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
+        ca_key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), password=None)
+    except FileNotFoundError:
+        raise FailedPrecondition(f"no CA in {directory}", code="no_ca",
+                                 action=f"run `pitstop pki init {directory}` first") from None
+    names: list[x509.GeneralName] = []
+    for s in sans or [name]:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(s)))
+        except ValueError:
+            names.append(x509.DNSName(s))
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
+    crt, k = directory / f"{name}.pem", directory / f"{name}.key"
+    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(k, key, serialization)
+    return crt, k
+
+
+def _write_key(path: Path, key: Any, serialization: Any) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
