@@ -73,3 +73,24 @@ def test_ready_and_watchdog(service, tmp_path):
         s.close()
     assert any(m.startswith("READY=1") for m in msgs), msgs
     assert sum(m == "WATCHDOG=1" for m in msgs) >= 3, msgs
+
+
+def test_restored_workers_get_their_own_scope_where_systemd_runs():
+    """The D-Bus call is checked here; it has not run under a real systemd (PID 1 is not systemd here)."""
+    import subprocess as sp
+
+    from pitstop.agent import scope
+
+    calls = []
+
+    def run(args, **kw):
+        calls.append(args)
+        return sp.CompletedProcess(args, 0, "o \"/org/freedesktop/systemd1/job/7\"", "")
+
+    assert scope.place("train.1", 4242, present=lambda: False, run=run) is None and calls == []
+    assert scope.place("train.1", 4242, present=lambda: True, run=run) == "pitstop-worker-train.1-4242.scope"
+    a = calls[0]
+    assert a[:2] == ["busctl", "call"] and "StartTransientUnit" in a
+    assert a[a.index("PIDs"):a.index("PIDs") + 4] == ["PIDs", "au", "1", "4242"]
+    refused = lambda args, **kw: sp.CompletedProcess(args, 1, "", "Access denied")  # noqa: E731
+    assert scope.place("train.1", 4242, present=lambda: True, run=refused) is None  # logged, never raised

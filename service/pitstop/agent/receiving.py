@@ -27,6 +27,7 @@ from ..capture import runtime
 from ..gpu.checkpoint import GpuCheckpointer
 from ..network import workerns
 from ..transfer.stream import StreamReceiver, file_stats, verify_directory
+from . import scope
 from .settings import AgentSettings
 from .state import LIVE_STATES, AgentState, Worker
 
@@ -203,6 +204,7 @@ class DestinationSide:
             workerns.announce(wn)
             workerns.unlock(wn, nft)
             log.info("worker address up here", worker=worker_id, address=wn.address, reset_connections=reset)
+        scope.place(worker_id, pid)  # its own cgroup where systemd runs the host (agent/scope.py)
         w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
                    restored=True, output_base=output_base or {}, net=net)
         for stream in ("stdout", "stderr"):  # a fresh file: offsets are relative to output_base
