@@ -231,3 +231,25 @@ def test_rank_that_never_reaches_the_cut(cluster, tmp_path, record):
     assert [(out / f"rank{r}.sha256").read_text().strip() for r in range(4)] == reference("nccl_dp.py")
     record("a rank never reaches the consistent cut (NCCL job)", "cut deadline, released, job finished "
            "bitwise equal on its hosts", op["error"]["message"][:160])
+
+
+def test_pid_clash_on_the_destination(cluster, tmp_path, record):
+    """The spare already runs a worker whose PIDs, inside its namespace, are the very ones the
+    arriving worker uses (every worker is PID 1 of its own namespace)."""
+    import sys
+
+    from ..helpers import WORKLOADS
+
+    w = World(cluster, tmp_path)
+    other = cluster.start_job("other", [sys.executable, str(WORKLOADS / "sleeper.py"), "120"], 1, {0: "spare-1"})
+    _wait_jobs(w.cc, "other", 1)
+    op = _wait_op(w.cc, w.evacuate()["name"])
+    assert op["metadata"]["result"] == "succeeded", op.get("error")
+    spare = cluster.agents["spare-1"].client()
+    ours, theirs = spare.worker("train.1"), spare.worker("other.0")
+    assert ours["state"] == "running" and theirs["state"] == "running" and ours["root_pid"] != theirs["root_pid"]
+    outcome = w.finished_intact()
+    other[0].proc.terminate()
+    record("PID clash on the destination (another worker there with the same in-namespace PIDs)",
+           "no clash: each restore gets a fresh PID namespace; " + outcome,
+           f"pid 1 of both namespaces; host pids {ours['root_pid']} and {theirs['root_pid']}")
