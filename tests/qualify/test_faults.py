@@ -70,7 +70,8 @@ class World:
         codes = [r.proc.wait(240) for r in self.ranks]
         assert codes == [0, 0], {r.rank: r.log.read_text(errors="replace")[-1200:] for r in self.ranks}
         assert_same_as_reference(self.out, reference_hashes(self.tmp, 2, steps=STEPS))
-        hosts = {w["rank"]: w["host"] for w in self.cc.jobs()[0]["workers"]}
+        job = next(j for j in self.cc.jobs() if j["job"] == "train")
+        hosts = {w["rank"]: w["host"] for w in job["workers"]}
         return f"job finished bitwise equal, rank 1 on {hosts[1]}"
 
 
