@@ -40,7 +40,7 @@ def reference_hashes(tmp: Path, world: int, **kw) -> list[str]:
         procs.append(subprocess.Popen(ddp_cmd(out, **kw2), env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL))
     for p in procs:
-        assert p.wait(180) == 0, "reference run failed"
+        assert p.wait(180 + kw.get("steps", 100) * 0.2) == 0, "reference run failed"
     _REF_CACHE[key] = [hash_of(out, r) for r in range(world)]
     return _REF_CACHE[key]
 

@@ -177,7 +177,8 @@ def test_replacement_dies_right_after_commit(cluster, tmp_path, record):
     assert op["metadata"]["result"] == "succeeded"
     cond = {c["type"]: c for c in op["metadata"]["conditions"]}["ReplacementsRunning"]
     assert cond["status"] == "False" and "train.1" in cond["message"] and "restart the job" in cond["message"]
-    assert w.ranks[0].proc.wait(120) != 0
+    # Rank 0 now fails or blocks in gloo until its own timeout: the job's recovery, not pitstop's.
+    w.ranks[0].proc.terminate()
     record("the replacement dies right after the commit", "op succeeded with condition "
            "ReplacementsRunning=False; the job's own recovery takes over", cond["message"][:200])
 
