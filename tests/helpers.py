@@ -25,24 +25,39 @@ def ddp_cmd(out: Path, steps: int = 100, workers: int = 0, state_mb: float = 0.0
 _REF_CACHE: dict[tuple, list[str]] = {}
 
 
-def reference_hashes(tmp: Path, world: int, **kw) -> list[str]:
-    """Final parameter hashes of an uninterrupted run, plain torch, no pitstop at all."""
-    key = (world, tuple(sorted(kw.items())))
-    if key in _REF_CACHE:
-        return _REF_CACHE[key]
-    out = tmp / "reference"
+def _uninterrupted(out: Path, world: int, kw: dict) -> list[str]:
     port = free_port()
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), USE_LIBUV="0")
-        kw2 = dict(kw, step_sleep=0.0)
-        procs.append(subprocess.Popen(ddp_cmd(out, **kw2), env=env, stdout=subprocess.DEVNULL,
+        procs.append(subprocess.Popen(ddp_cmd(out, **dict(kw, step_sleep=0.0)), env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL))
     for p in procs:
         assert p.wait(180 + kw.get("steps", 100) * 0.2) == 0, "reference run failed"
-    _REF_CACHE[key] = [hash_of(out, r) for r in range(world)]
-    return _REF_CACHE[key]
+    return [hash_of(out, r) for r in range(world)]
+
+
+def reference_hashes(tmp: Path, world: int, **kw) -> list[str]:
+    """Final parameter hashes of an uninterrupted run, plain torch, no pitstop at all.
+
+    Run twice, and a third time if the two differ (majority wins): on 2026-11-29 one plain
+    4-rank run on this VM produced another result than eight others of the same job, and a
+    wrong reference must not be mistaken for a wrong move.  A disagreement is kept in
+    REFERENCE_DISAGREEMENTS for the assertion message."""
+    key = (world, tuple(sorted(kw.items())))
+    if key in _REF_CACHE:
+        return _REF_CACHE[key]
+    runs = [_uninterrupted(tmp / f"reference-{i}", world, kw) for i in range(2)]
+    if runs[0] != runs[1]:
+        runs.append(_uninterrupted(tmp / "reference-2", world, kw))
+        REFERENCE_DISAGREEMENTS.append(f"{key}: {[r[0][:12] for r in runs]}")
+    best = max(runs, key=runs.count)
+    _REF_CACHE[key] = best
+    return best
+
+
+REFERENCE_DISAGREEMENTS: list[str] = []
 
 
 def hash_of(out: Path, rank: int) -> str:
@@ -52,7 +67,8 @@ def hash_of(out: Path, rank: int) -> str:
 def assert_same_as_reference(out: Path, ref: list[str]) -> None:
     got = [hash_of(out, r) for r in range(len(ref))]
     assert got == ref, (f"final parameters differ from the uninterrupted run: got {got}, want {ref}; "
-                        f"ranks {'agree' if len(set(got)) == 1 else 'DISAGREE'} with each other")
+                        f"ranks {'agree' if len(set(got)) == 1 else 'DISAGREE'} with each other; "
+                        f"uninterrupted runs that disagreed among themselves: {REFERENCE_DISAGREEMENTS or 'none'}")
 
 
 class CuttingProxy:
