@@ -1,0 +1,42 @@
+"""Probe for the open gloo divergence (README, "open correctness issue"): evacuate a 2-rank
+job's second host N times and report, for each run, the first step at which the ranks'
+parameter digests differ (ddp_train --trace-params) next to the step after which the move
+happened.  Optional CPU burners add load.  Not a benchmark: a diagnostic.
+
+    .venv/bin/python bench/divergence_probe.py RUNS [BURNERS]
+"""
+from pathlib import Path
+import re, sys, time, tempfile, subprocess, os
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pitstop.devcluster import LocalCluster, wait_for_step
+from pitstop.coordinator.client import CoordinatorClient
+from tests.helpers import ddp_cmd
+
+N = int(sys.argv[1]); load = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]
+try:
+    for it in range(N):
+        with LocalCluster(root=Path(tempfile.mkdtemp(prefix="diag-"))) as c:
+            c.start_coordinator()
+            for n in ("host-a", "host-b"): c.start_agent(n)
+            c.start_agent("spare-1", spare=True)
+            cc = CoordinatorClient(c.coordinator_url, c.operator_token)
+            out = c.root / "out"
+            cmd = ddp_cmd(out, steps=80) + ["--trace-params"]
+            ranks = c.start_job("d", cmd, 2, {0: "host-a", 1: "host-b"})
+            wait_for_step(ranks[1].log, 10)
+            op = cc.evacuate("host-b")
+            while not op["done"]:
+                time.sleep(0.05); op = cc.op(op["name"])
+            codes = [r.proc.wait(200) for r in ranks]
+            logs = [r.log.read_text() for r in ranks]
+            d = [dict(re.findall(r"^params (\d+) (\w+)", l, re.M)) for l in logs]
+            first = next((s for s in sorted(d[0], key=int) if d[0].get(s) != d[1].get(s)), None)
+            # the move: the largest gap between step lines of rank 0
+            ts = [(int(a), float(b)) for a, b in re.findall(r"^step (\d+) t=([\d.]+)", logs[0], re.M)]
+            gaps = max(((ts[i + 1][1] - ts[i][1], ts[i][0]) for i in range(len(ts) - 1)), default=(0, 0))
+            print(f"it {it}: result={op['metadata']['result']} codes={codes} first_divergent_step={first} "
+                  f"move_after_step={gaps[1]} gap={gaps[0]:.2f}", flush=True)
+finally:
+    for b in burners: b.kill()
