@@ -33,7 +33,7 @@ from .. import faults, tls
 from ..capture import criu_ops, netlock, proctree, runtime
 from ..capture.manifest import Manifest
 from ..errors import CaptureFailed, Conflict, FailedPrecondition, PitstopError, TransferFailed
-from ..gpu.checkpoint import GpuCheckpointer
+from ..gpu.checkpoint import GpuCheckpointer  # noqa: F401 - the type of self.gpu
 from ..network import workerns
 from ..transfer.stream import DirectoryTail
 from .settings import AgentSettings
@@ -47,7 +47,7 @@ class SourceSide:
         self.s = settings
         self.state = state
         self.restorer = restorer  # ..receiving.DestinationSide, for rollback by local restore
-        self.gpu = GpuCheckpointer(settings.gpu_lock_timeout_s)
+        self.gpu: GpuCheckpointer = restorer.gpu  # type: ignore[attr-defined] - one driver handle per agent
         self._threads: dict[str, threading.Thread] = {}
         self.on_finished: Callable[[Capture], None] | None = None  # metrics, once per capture
         self._cwd_locks: dict[str, threading.Lock] = {}

@@ -30,10 +30,10 @@ def _try(fn: Any, *args: Any) -> Any:
 
 def readings() -> list[dict[str, Any]]:
     """One dict per GPU; [] where there is no NVML (the heartbeat then says "not present")."""
-    try:
-        import pynvml
+    from .inventory import nvml
 
-        pynvml.nvmlInit()
+    try:
+        pynvml = nvml()
         n = pynvml.nvmlDeviceGetCount()
     except Exception:  # noqa: BLE001
         return []

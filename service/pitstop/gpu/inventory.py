@@ -11,11 +11,18 @@ from typing import Any
 
 
 @functools.lru_cache(maxsize=1)
+def nvml() -> Any:
+    """pynvml, initialised once per process; raises (NVML's own errors) where there is no GPU."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    return pynvml
+
+
+@functools.lru_cache(maxsize=1)
 def inventory() -> dict[str, Any]:
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
+        pynvml = nvml()
     except Exception as e:  # noqa: BLE001 - NVML raises its own family when absent
         return {"gpus": [], "gpu_model": None, "gpu_count": 0, "gpu_note": f"not present ({type(e).__name__})"}
     gpus = []

@@ -169,13 +169,9 @@ def reset_unrelated(n: WorkerNet, keep: list[str]) -> int:
     """
     peers = sorted({*keep, n.ip} - {""})
     allowed = " or ".join(["dst 127.0.0.0/8"] + [f"dst {p}" for p in peers])
-    before = _run([*_in(n), "ss", "-H", "-t", "-n", "state", "connected", f"not ( {allowed} )"],
-                  "list the worker's connections")
-    count = len([ln for ln in before.splitlines() if ln.strip()])
-    if count:
-        _run([*_in(n), "ss", "-K", "-H", "-t", "-n", "state", "connected", f"not ( {allowed} )"],
-             "reset the worker's unrelated connections")
-    return count
+    killed = _run([*_in(n), "ss", "-K", "-H", "-t", "-n", "state", "connected", f"not ( {allowed} )"],
+                  "reset the worker's unrelated connections")  # prints each socket it aborted
+    return len([ln for ln in killed.splitlines() if ln.strip()])
 
 
 _GARP = r"""
