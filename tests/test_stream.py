@@ -105,7 +105,7 @@ def test_verify_names_every_problem(tmp_path):
     (copy / "b.img").unlink()
     with pytest.raises(IntegrityError) as e:
         verify(copy, Manifest.read(copy))
-    assert "a.img: sha256" in e.value.message and "b.img: missing" in e.value.message
+    assert "a.img: content differs" in e.value.message and "b.img: missing" in e.value.message
 
 
 def test_stream_detects_shrinking_file(tmp_path):
@@ -119,3 +119,53 @@ def test_stream_detects_shrinking_file(tmp_path):
     (d / "a.img").write_bytes(b"x" * 10)
     with pytest.raises(TransferFailed, match="shrank"):
         list(it)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_consumer_giving_up_stops_read_ahead_and_closes_files(tmp_path):
+    """The sender reads ahead in a thread; a failed PUT must not leave it running or files open."""
+    src = tmp_path / "s"
+    src.mkdir()
+    (src / "pages-1.img").write_bytes(os.urandom(3 << 20))  # mapped, not read: > 256 KiB pieces
+    before = _open_fds()
+    it = iter(DirectoryTail(src))  # never finished: the producer would poll forever
+    pieces = [next(it) for _ in range(3)]
+    assert bytes(pieces[2][:16]) == (src / "pages-1.img").read_bytes()[:16]
+    del pieces  # a mapped piece holds its file until dropped
+    it.close()
+    assert _open_fds() == before
+    assert not any(t.name == "stream-read-ahead" for t in threading.enumerate())
+
+
+def test_write_errors_surface_from_the_write_thread(tmp_path):
+    import asyncio
+    import errno
+
+    from pitstop.transfer.stream import receive_into
+
+    class Full(StreamReceiver):
+        def feed_all(self, chunks):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def body():
+        for _ in range(4):
+            yield b"x" * (3 << 20)
+
+    with pytest.raises(OSError, match="No space"):
+        asyncio.run(receive_into(Full(tmp_path / "d"), body(), batch_bytes=4 << 20))
+
+
+def test_manifest_with_another_digest_is_refused(tmp_path):
+    src = tmp_path / "s"
+    src.mkdir()
+    (src / "a.img").write_bytes(b"abc")
+    tail = DirectoryTail(src)
+    tail.manifest_base = Manifest(capture_id="c", digest_algorithm="sha256")
+    tail.finished.set()
+    rx = StreamReceiver(tmp_path / "d")
+    with pytest.raises(IntegrityError, match="same pitstop version"):
+        for p in tail:
+            rx.feed(p)

@@ -27,6 +27,7 @@ from ..network import workerns
 from ..capture import proctree, runtime
 from ..errors import Conflict, FailedPrecondition, PitstopError, TransferFailed
 from ..httpapi import install_error_handlers, require_token
+from ..transfer.stream import receive_into
 from .capturing import SourceSide
 from .receiving import DestinationSide
 from .settings import AgentSettings
@@ -246,18 +247,16 @@ def peer_app(agent: Agent) -> FastAPI:
     async def receive(image_id: str, request: Request) -> dict:
         slot = agent.dest.open_slot(image_id)
         try:
-            async for chunk in request.stream():
-                if chunk:
-                    try:
-                        slot.receiver.feed(chunk)
-                    except OSError as e:  # ENOSPC above all: say where and how much
-                        free = shutil.disk_usage(agent.s.images).free
-                        raise TransferFailed(
-                            f"cannot store image {image_id} on {agent.s.name}: {e.strerror} in {agent.s.images} "
-                            f"after {slot.receiver.received} bytes ({free // 2**20} MiB free there now)",
-                            code="destination_storage", http_status=507,
-                            action="the copy is discarded and the source resumed; free space in the "
-                                   "destination's image directory or pick another spare") from None
+            try:
+                await receive_into(slot.receiver, request.stream())
+            except OSError as e:  # ENOSPC above all: say where and how much
+                free = shutil.disk_usage(agent.s.images).free
+                raise TransferFailed(
+                    f"cannot store image {image_id} on {agent.s.name}: {e.strerror} in {agent.s.images} "
+                    f"after {slot.receiver.received} bytes ({free // 2**20} MiB free there now)",
+                    code="destination_storage", http_status=507,
+                    action="the copy is discarded and the source resumed; free space in the "
+                           "destination's image directory or pick another spare") from None
             if not slot.receiver.complete:
                 raise TransferFailed(f"image stream {image_id} ended before its manifest "
                                      f"({slot.receiver.received} bytes received)", http_status=400,

@@ -3,7 +3,7 @@
 The order of steps is the safety argument:
  1. capture on the source, streamed to the destination while dumping; the
     source is left stopped.  Failure: the source agent resumes it by itself.
- 3. verify the copy at rest on the destination (sizes, sha256).  Failure:
+ 3. verify the copy at rest on the destination (sizes, digests).  Failure:
     the copy is discarded and the stopped source resumed in place.
  4. release: the stopped source is killed, its images kept (same-network TCP
     restore needs the four-tuples free, see agent/capturing.py).

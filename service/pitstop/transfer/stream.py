@@ -5,8 +5,14 @@ the job waits for both.  Why not CRIU's page server: it moves about 340 MB/s
 on this testbed's loopback, well under what a plain HTTP stream reaches.
 So the sender tails the image directory while CRIU writes it and ships each
 file's new bytes as they appear; when the dump is over it sends the manifest
-(sizes and sha256 of exactly what was streamed).  The receiver hashes as it
+(sizes and digests of exactly what was streamed).  The receiver hashes as it
 writes and checks the manifest before it calls the transfer complete.
+
+Both ends overlap their disk work with the network: the sender reads and
+hashes the next pieces in a thread while the current one is on the wire
+(`_ahead`), the receiver writes and hashes a batch in a thread while the
+next batch arrives (`receive_into`).  pread, pwrite and xxhash release the
+GIL, so on two cores this roughly doubles the stream's rate.
 
 This relies on CRIU writing image files append-only, which it does (each image
 is a stream of protobuf records or raw pages); the sender still checks, and
@@ -20,17 +26,20 @@ Wire format (one HTTP request body, chunked):
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import json
+import mmap
 import os
 import stat
 import struct
 import threading
+import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-from ..capture.manifest import MANIFEST, FileEntry, Manifest, verify
+from ..capture.manifest import DIGEST, MANIFEST, FileEntry, Manifest, new_hasher, verify
 from ..errors import IntegrityError, TransferFailed
 
 _D = struct.Struct("!HQI")
@@ -60,7 +69,7 @@ class DirectoryTail:
         self.poll_s = poll_s
         self.sent = 0
         self._on_progress = on_progress
-        self._files: dict[str, tuple[int, int, "hashlib._Hash"]] = {}  # name -> (fd, offset, hash)
+        self._files: dict[str, tuple[int, int, Any]] = {}  # name -> (fd, offset, hash)
         self.manifest: Manifest | None = None
 
     def _scan_once(self) -> Iterator[bytes]:
@@ -80,7 +89,7 @@ class DirectoryTail:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     os.close(fd)
                     continue
-                st = (fd, 0, hashlib.sha256())
+                st = (fd, 0, new_hasher())
                 self._files[name] = st
                 bname = name.encode()
                 yield b"D" + _D.pack(len(bname), 0, 0) + bname  # announces the file, even if empty
@@ -90,9 +99,7 @@ class DirectoryTail:
                 raise TransferFailed(f"image file {name} shrank while streaming ({size} < {off})",
                                      action="this CRIU does not write images append-only; report it")
             while off < size:
-                data = os.pread(fd, min(CHUNK, size - off), off)
-                if not data:
-                    break
+                data = _read(fd, off, min(CHUNK, size - off))
                 h.update(data)
                 bname = name.encode()
                 yield b"D" + _D.pack(len(bname), off, len(data)) + bname
@@ -104,8 +111,12 @@ class DirectoryTail:
             self._files[name] = (fd, off, h)
 
     def __iter__(self) -> Iterator[bytes]:
+        stop = threading.Event()
+        return _ahead(self._pieces(stop), stop)
+
+    def _pieces(self, stop: threading.Event) -> Iterator[bytes]:
         try:
-            while True:
+            while not stop.is_set():
                 if self.failure is not None:
                     body = json.dumps({"message": str(self.failure)}).encode()
                     yield b"E" + _L.pack(len(body)) + body
@@ -119,7 +130,7 @@ class DirectoryTail:
                     if got:
                         continue  # one more pass: the dump was over before that scan began
                     m = (self.manifest_base or Manifest(capture_id="")).model_copy()
-                    m.files = [FileEntry(name=n, size=off, sha256=h.hexdigest())
+                    m.files = [FileEntry(name=n, size=off, digest=h.hexdigest())
                                for n, (_, off, h) in sorted(self._files.items())]
                     self.manifest = m
                     body = m.model_dump_json().encode()
@@ -142,9 +153,13 @@ class StreamReceiver:
         self.received = 0
         self.manifest: Manifest | None = None
         self._buf = bytearray()
-        self._files: dict[str, tuple[int, int, "hashlib._Hash"]] = {}
+        self._files: dict[str, tuple[int, int, Any]] = {}
         self._pending: tuple[str, int, int] | None = None  # name, offset, remaining
         self.written_stat: dict[str, tuple[int, int, int]] | None = None
+
+    def feed_all(self, chunks: list[bytes]) -> None:
+        for c in chunks:
+            self.feed(c)
 
     def feed(self, chunk: bytes) -> None:
         """Consume one piece of the stream.  File data goes from `chunk` straight to disk:
@@ -209,7 +224,7 @@ class StreamReceiver:
         st = self._files.get(name)
         if st is None:
             fd = os.open(self.directory / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            st = (fd, 0, hashlib.sha256())
+            st = (fd, 0, new_hasher())
         fd, cur, h = st
         if off != cur:
             raise TransferFailed(f"{name}: piece at offset {off}, expected {cur}", action="send again")
@@ -221,7 +236,10 @@ class StreamReceiver:
     def _finish(self, m: Manifest) -> None:
         self.close()
         got = {n: (off, h.hexdigest()) for n, (_, off, h) in self._files.items()}
-        want = {f.name: (f.size, f.sha256) for f in m.files}
+        if m.digest_algorithm != DIGEST:
+            raise IntegrityError(f"the sender's manifest uses digest {m.digest_algorithm!r}, this agent {DIGEST!r}",
+                                 action="run the same pitstop version on both agents, then move again")
+        want = {f.name: (f.size, f.digest) for f in m.files}
         if got != want:
             bad = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
             raise IntegrityError(f"received images differ from the sender's manifest: {', '.join(bad[:5])}",
@@ -241,6 +259,97 @@ class StreamReceiver:
     @property
     def complete(self) -> bool:
         return self.manifest is not None
+
+
+_END = object()
+_PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+def _read(fd: int, off: int, n: int) -> bytes | memoryview:
+    """`n` bytes at `off`: mapped, not copied, when the piece is big (the pages of a dump are
+    shared with the page cache; the mapping lives as long as the piece).  Safe because image
+    files only grow, and the piece covers bytes already written."""
+    if n < (256 << 10):
+        return os.pread(fd, n, off)
+    base = off - off % _PAGE
+    m = mmap.mmap(fd, off + n - base, prot=mmap.PROT_READ, offset=base)
+    return memoryview(m)[off - base:]
+
+
+def _ahead(pieces: Iterator[bytes], stop: threading.Event, depth: int = 8) -> Iterator[bytes]:
+    """Run `pieces` in a thread, up to `depth` pieces ahead of the consumer.
+
+    Closing this generator (the consumer gave up) sets `stop`, which `pieces`
+    also watches while it waits for the dump, then closes `pieces`, so its
+    files are closed in every case."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+
+    def produce() -> None:
+        try:
+            for piece in pieces:
+                while not stop.is_set():
+                    try:
+                        q.put(piece, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            item: object = _END
+        except BaseException as e:  # handed to the consumer, raised there
+            item = e
+        finally:
+            pieces.close()
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    t = threading.Thread(target=produce, name="stream-read-ahead", daemon=True)
+    t.start()
+    try:
+        while True:
+            item = q.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        t.join(timeout=5)
+
+
+async def receive_into(rx: StreamReceiver, chunks: AsyncIterator[bytes], batch_bytes: int = 4 << 20) -> None:
+    """Feed an HTTP body to `rx`, writing one batch in a thread while the next arrives.
+
+    At most two batches are held (about 2 x batch_bytes); an error from a write
+    (ENOSPC above all) is raised here, at the next batch or at the end."""
+    loop = asyncio.get_running_loop()
+    pending: asyncio.Future | None = None
+    batch: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in chunks:
+            if not chunk:
+                continue
+            batch.append(chunk)
+            size += len(chunk)
+            if size >= batch_bytes:
+                if pending is not None:
+                    await pending
+                pending = loop.run_in_executor(None, rx.feed_all, batch)
+                batch, size = [], 0
+        if pending is not None:
+            await pending
+            pending = None
+        if batch:
+            await loop.run_in_executor(None, rx.feed_all, batch)
+    finally:
+        if pending is not None and not pending.done():
+            await asyncio.wait([pending])  # never leave a write running on a slot being discarded
 
 
 def file_stats(directory: Path, m: Manifest) -> dict[str, tuple[int, int, int]]:
