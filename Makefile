@@ -7,9 +7,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CRIU_STAMP := $(VENV)/.criu
+BENCH_STAMP := $(VENV)/.bench
 PYTEST_ARGS ?=
 
-.PHONY: all setup criu native test test-fast demo bench doctor clean gpu-bundle gpu-check qualify
+.PHONY: all setup criu native test test-fast demo bench bench-compare bench-heartbeat doctor clean gpu-bundle gpu-check qualify
 
 all: setup
 
@@ -43,9 +44,18 @@ test: setup
 demo: setup
 	$(BIN)/python scripts/demo.py
 
+$(BENCH_STAMP): pyproject.toml | $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	touch $@
+
 bench: setup
 	$(BIN)/python bench/move_one_rank.py
 	$(BIN)/python bench/shim_bench.py
+
+# pitstop vs its data floor, checkpoint-restart and naive CRIU, scaling 2/4/8 ranks (about 10 min);
+# writes bench/out/compare.json and compare.png.  BENCH_ARGS="--state-mb 2048" for bigger ranks.
+bench-compare: setup $(BENCH_STAMP)
+	$(BIN)/python bench/compare.py $(BENCH_ARGS)
 
 # The fault-injection matrix and the soak (tests/qualify): prints fault x outcome and keeps
 # the latest in docs/reliability.md.  Not part of `make test` (about 20 minutes on 2 cores).

@@ -1,8 +1,11 @@
 """Control plane at fleet scale: simulated agents heartbeating against one real coordinator.
 
-Each simulated agent holds one keep-alive HTTP connection and posts a realistic heartbeat
-(its name, URL, 8 GPUs' readings, 8 workers) at --rate Hz with jitter; latency is measured
-per request from send to the end of the response.  The load generators are separate
+Each simulated agent holds one keep-alive HTTP connection and speaks the agents' protocol
+(agent/heartbeat.py): one full report (its name, URL, 8 GPUs' readings, 8 workers), then a
+beat at --rate Hz with jitter, a full report again whenever the coordinator answers 409;
+--full-only sends the full report every time (the protocol before beats).  Agents start
+spread over --ramp-s (a fleet does not boot in one second); latency is measured per
+request from send to the end of the response, after the ramp only.  The load generators are separate
 processes (raw sockets and hand-made HTTP/1.1, so that the client costs as little as
 possible); they share this machine's cores with the coordinator, so the figures are a
 lower bound for the coordinator on a machine of its own.  Reports requests/s achieved,
@@ -27,10 +30,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine  # noqa: E402
+from pitstop.coordinator.beats import ACK_OK, big_buffers, decode_ack, encode_beat  # noqa: E402
 from pitstop.devcluster import LocalCluster  # noqa: E402
 
 
-def payload(i: int) -> bytes:
+def payload(i: int, generation: str) -> bytes:
     gpus = [{"index": g, "uuid": f"GPU-{i:08x}-0000-0000-0000-{g:012x}", "temperature_c": 50 + g,
              "memory_used": 10**10, "memory_total": 1.4e11, "ecc_uncorrected_volatile": 0,
              "retired_pages": 0, "remap_pending": False, "throttle_reasons": []} for g in range(8)]
@@ -39,43 +43,105 @@ def payload(i: int) -> bytes:
     return json.dumps({"name": f"gpu-{i:05d}", "url": f"http://10.{i // 65536}.{i // 256 % 256}.{i % 256}:7070",
                        "workers": workers, "gpus": [{"index": g, "uuid": gpus[g]["uuid"], "name": "NVIDIA H200"}
                                                       for g in range(8)],
-                       "gpu_model": "NVIDIA H200", "gpu_count": 8, "gpu_health": gpus}).encode()
+                       "gpu_model": "NVIDIA H200", "gpu_count": 8, "gpu_health": gpus,
+                       "generation": generation}).encode()
 
 
-async def agent(i: int, host: str, port: int, token: str, rate: float, until: float, lat: list[float],
-                errors: list[str]) -> None:
-    body = payload(i)
-    req = (f"POST /v1/agents:heartbeat HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {token}\r\n"
-           f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
-    await asyncio.sleep(random.random() / rate)
+def _post(host: str, token: str, path: str, body: bytes) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {token}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+
+
+class Acks(asyncio.DatagramProtocol):
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.waiting: dict[int, asyncio.Future] = {}
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        big_buffers(transport.get_extra_info("socket"))
+
+    def datagram_received(self, data: bytes, addr: tuple) -> None:
+        a = decode_ack(self.key, data)
+        fut = self.waiting.pop(a[0], None) if a else None
+        if fut is not None and not fut.done():
+            fut.set_result(a[1])
+
+
+async def agent(i: int, host: str, port: int, token: str, rate: float, ramp: float, measure_from: float,
+                until: float, full_only: bool, lat: list[float], errors: list[str], kinds: dict[str, int],
+                udp: tuple[asyncio.DatagramTransport, Acks] | None = None) -> None:
+    gen = f"sim{i}-1"
+    full = _post(host, token, "/v1/agents:heartbeat", payload(i, gen))
+    beat = full if full_only else _post(host, token, "/v1/agents:beat",
+                                        json.dumps({"name": f"gpu-{i:05d}", "generation": gen}).encode())
+    need_full = True
+    k = 0
+    await asyncio.sleep(random.random() * ramp)
     reader = writer = None
     while time.monotonic() < until:
         t0 = time.monotonic()
         try:
+            if udp is not None and not need_full:  # the beat as a datagram, answered by an ack
+                transport, acks = udp
+                k += 1
+                seq = (k << 20) | i
+                fut = asyncio.get_running_loop().create_future()
+                acks.waiting[seq] = fut
+                transport.sendto(encode_beat(token.encode(), seq, f"gpu-{i:05d}", gen, time.time()))
+                try:
+                    status = await asyncio.wait_for(fut, 2.0)
+                except asyncio.TimeoutError:
+                    acks.waiting.pop(seq, None)
+                    if t0 >= measure_from:
+                        errors.append("udp timeout")
+                else:
+                    need_full = status != ACK_OK
+                    if t0 >= measure_from:
+                        lat.append(time.monotonic() - t0)
+                        kinds["beat_udp"] = kinds.get("beat_udp", 0) + 1
+                await asyncio.sleep(max(0.0, 1 / rate - (time.monotonic() - t0)) * random.uniform(0.9, 1.1))
+                continue
             if writer is None:
                 reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 10)
-            writer.write(req)
+            writer.write(full if need_full else beat)
+            kind = "full" if need_full or full_only else "beat"
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
             n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
             await asyncio.wait_for(reader.readexactly(n), 10)
+            if head.startswith(b"HTTP/1.1 409"):
+                need_full = True  # the coordinator asks for a full report
+                continue
             if not head.startswith(b"HTTP/1.1 200"):
-                errors.append(head.split(b"\r\n")[0].decode())
-            lat.append(time.monotonic() - t0)
+                if t0 >= measure_from:
+                    errors.append(head.split(b"\r\n")[0].decode())
+            else:
+                need_full = False
+            if t0 >= measure_from:
+                lat.append(time.monotonic() - t0)
+                kinds[kind] = kinds.get(kind, 0) + 1
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
-            errors.append(type(e).__name__)
+            if t0 >= measure_from:  # errors of the measured window only, like the latencies
+                errors.append(type(e).__name__)
             writer = None
         await asyncio.sleep(max(0.0, 1 / rate - (time.monotonic() - t0)) * random.uniform(0.9, 1.1))
 
 
-def generator(ids: range, host: str, port: int, token: str, rate: float, until: float, q: mp.Queue) -> None:
+def generator(ids: range, host: str, port: int, token: str, rate: float, ramp: float, measure_from: float,
+              until: float, full_only: bool, use_udp: bool, q: mp.Queue) -> None:
     lat: list[float] = []
     errors: list[str] = []
+    kinds: dict[str, int] = {}
 
     async def main() -> None:
-        await asyncio.gather(*(agent(i, host, port, token, rate, until, lat, errors) for i in ids))
+        udp = None
+        if use_udp:
+            udp = await asyncio.get_running_loop().create_datagram_endpoint(
+                lambda: Acks(token.encode()), remote_addr=(host, port))
+        await asyncio.gather(*(agent(i, host, port, token, rate, ramp, measure_from, until, full_only, lat, errors,
+                                     kinds, udp) for i in ids))
 
     asyncio.run(main())
-    q.put((lat, errors))
+    q.put((lat, errors, kinds))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -89,6 +155,10 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=1.0, help="heartbeats per agent per second")
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--procs", type=int, default=2, help="load generator processes")
+    ap.add_argument("--ramp-s", type=float, default=30.0, help="agents start spread over this long (not measured)")
+    ap.add_argument("--full-only", action="store_true", help="every heartbeat a full report (no beats)")
+    ap.add_argument("--transport", choices=("udp", "http"), default="udp",
+                    help="how beats travel (full reports always go over HTTP)")
     a = ap.parse_args()
     import resource
 
@@ -100,11 +170,13 @@ def main() -> None:
         url = c.start_coordinator()
         host, port = url.split("//")[1].split(":")
         pid = c.coordinator_proc.pid
-        warm = time.monotonic() + 5
+        warm = time.monotonic() + a.ramp_s + 5
         until = warm + a.seconds
         q: mp.Queue = mp.Queue()
         chunks = [range(k, a.agents, a.procs) for k in range(a.procs)]
-        ps = [mp.Process(target=generator, args=(ids, host, int(port), c.token, a.rate, until, q)) for ids in chunks]
+        ps = [mp.Process(target=generator, args=(ids, host, int(port), c.token, a.rate, a.ramp_s, warm, until,
+                                                 a.full_only, a.transport == "udp" and not a.full_only, q))
+              for ids in chunks]
         for p in ps:
             p.start()
         time.sleep(max(0.0, warm - time.monotonic()))
@@ -113,17 +185,22 @@ def main() -> None:
         cpu1, t1 = cpu_seconds(pid), time.monotonic()
         lat: list[float] = []
         errors: list[str] = []
+        kinds: dict[str, int] = {}
         for _ in ps:
-            lt, er = q.get(timeout=120)
+            lt, er, kd = q.get(timeout=120)
             lat += lt
             errors += er
+            for k, v in kd.items():
+                kinds[k] = kinds.get(k, 0) + v
         for p in ps:
             p.join(30)
     lat.sort()
     pct = (lambda x: lat[min(len(lat) - 1, int(x * len(lat)))] * 1000) if lat else (lambda x: float("nan"))
     res = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(sys.argv),
            "agents": a.agents, "rate_hz": a.rate, "offered_per_s": a.agents * a.rate,
-           "achieved_per_s": round(len(lat) / (a.seconds + 5), 1), "p50_ms": round(pct(0.5), 2),
+           "protocol": "full reports only" if a.full_only else f"beats over {a.transport} (full report on change)",
+           "measured_by_kind": kinds,
+           "achieved_per_s": round(len(lat) / a.seconds, 1), "p50_ms": round(pct(0.5), 2),
            "p99_ms": round(pct(0.99), 2), "max_ms": round(lat[-1] * 1000, 2) if lat else None,
            "errors": len(errors), "error_kinds": sorted(set(errors))[:5],
            "coordinator_cpu_cores": round((cpu1 - cpu0) / (t1 - t0), 2)}

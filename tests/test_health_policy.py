@@ -94,3 +94,28 @@ def test_auto_evacuation_starts_once_and_retries_a_blocked_one_after_backoff():
     a.observe("host-b", ["GPU 0 temperature 99 C > 90 C"])   # busy with its evacuation: no second one
     time.sleep(0.05)
     assert len(started) == 1
+
+
+def test_a_degraded_verdict_is_retried_without_further_reports():
+    """Beats do not restate an unchanged verdict: the evacuator retries a blocked host by itself,
+    and stops once the host is healthy again."""
+    attempts: list[str] = []
+    spare = {"ok": False}
+
+    def start(node, reason):
+        attempts.append(node)
+        if not spare["ok"]:
+            raise FailedPrecondition("no compatible spare", code="no_compatible_spare", action="start a spare")
+        return "op-1"
+
+    a = AutoEvacuator(start, busy=lambda: {}, has_workers=lambda n: True, retry_s=0.2)
+    a.verdict("host-c", [])
+    a.verdict("host-b", ["GPU 0 temperature 99 C > 90 C"])   # one report, then only beats
+    _wait(lambda: a.status.get("host-b", {}).get("state") == "blocked")
+    spare["ok"] = True
+    _wait(lambda: a.status["host-b"].get("state") == "started")
+    assert attempts[0] == "host-b" and len(attempts) >= 2 and "host-c" not in attempts
+    a.verdict("host-b", [])  # healthy again: no more retries
+    n = len(attempts)
+    time.sleep(0.6)
+    assert len(attempts) == n

@@ -10,10 +10,13 @@ the job sees it (the gap between consecutive step lines).
 
 from __future__ import annotations
 
+import time
+
+T_START = time.time()  # before torch's import: a relaunch's start-up is part of checkpoint-restart's cost
+
 import argparse
 import hashlib
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -30,10 +33,17 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--out", required=True, help="directory for rank<N>.pt and rank<N>.sha256")
     p.add_argument("--trace-params", action="store_true", help="print a digest of the parameters every step")
+    p.add_argument("--save-at-step", type=int, default=0,
+                   help="checkpoint-restart baseline: after this step torch.save everything to --ckpt and exit")
+    p.add_argument("--ckpt", help="directory for the checkpoint (--save-at-step, --resume)")
+    p.add_argument("--resume", action="store_true", help="load the checkpoint in --ckpt and continue from it")
     args = p.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    print(f"phase start t={T_START:.6f}", flush=True)
+    print(f"phase imported t={time.time():.6f}", flush=True)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    print(f"phase group t={time.time():.6f}", flush=True)
     torch.manual_seed(1234)
     torch.use_deterministic_algorithms(True)
     model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 8))
@@ -49,7 +59,17 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(ds, batch_size=16, shuffle=False, num_workers=args.workers,
                                          persistent_workers=args.workers > 0)
     step = 0
-    for x, y in loader:
+    ckpt = os.path.join(args.ckpt, f"rank{rank}.ckpt") if args.ckpt else None
+    if args.resume:
+        saved = torch.load(ckpt)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        ballast, step = saved["ballast"], saved["step"]
+        print(f"phase loaded t={time.time():.6f}", flush=True)
+    batches = iter(loader)
+    for _ in range(step):  # the loader is not shuffled: skipping is exact
+        next(batches)
+    for x, y in batches:
         opt.zero_grad()
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()
@@ -59,6 +79,12 @@ def main() -> None:
         if args.trace_params:
             d = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
             print(f"params {step} {d}", flush=True)
+        if step == args.save_at_step:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "ballast": ballast, "step": step}, ckpt)
+            print(f"phase saved t={time.time():.6f}", flush=True)
+            dist.barrier()  # every rank's checkpoint is on disk before any rank leaves
+            dist.destroy_process_group()
+            return
         if args.step_sleep:
             time.sleep(args.step_sleep)
     if ballast is not None:

@@ -101,7 +101,8 @@ class SourceSide:
         if cap.dest_url:
             sender = threading.Thread(target=self._send, args=(cap, tail, send_error, send_done),
                                       name=f"send-{cap.id}", daemon=True)
-            sender.start()
+            if self.s.stream_while_dumping:
+                sender.start()
         net = workerns.from_dict(w.net)
         nft = runtime.locate().nft if net else None
         try:  # its own namespace: nothing goes in or out until it runs again, here or there
@@ -113,7 +114,7 @@ class SourceSide:
             if net:
                 workerns.unlock(net, nft)
             tail.failure = e
-            if sender:
+            if sender and sender.is_alive():
                 sender.join(30)
             self._fail(cap, w, e, resumed_by="pitstop (GPU lock undone)")
             return
@@ -126,7 +127,7 @@ class SourceSide:
                                     own_netns=workerns.netns_inode(w.root_pid) if net else None)
         except PitstopError as e:
             tail.failure = e
-            if sender:
+            if sender and sender.is_alive():
                 sender.join(30)
             if net:
                 workerns.unlock(net, nft)
@@ -144,6 +145,8 @@ class SourceSide:
                                       worker={"id": w.id, "job": w.job, "rank": w.rank}, gpu=cap.gpu,
                                       net=w.net, keep_peers=cap.keep_peers)
         tail.finished.set()
+        if sender is not None and not self.s.stream_while_dumping:
+            sender.start()
         if sender is None:
             total = sum(f.stat().st_size for f in images.iterdir() if not f.name.endswith(".log"))
             self.state.update_capture(cap, state="dumped", bytes_total=total)

@@ -1,19 +1,28 @@
 """Register with the coordinator and keep telling it what this host holds.
 
-One POST a heartbeat period, with a deadline, carrying the host's identity,
-role, inventory and its workers; the coordinator learns jobs from these.  A
-coordinator that is down only delays the next beat: agents never depend on
-it to keep their workers running.
+One POST a heartbeat period, with a deadline.  A full report (identity, role,
+inventory, GPU health, every worker) goes when something in it changed, when
+the coordinator asks for one (409 resync: it restarted, or lost the report) and
+every `full_every_s` anyway; in between a beat says only "alive, generation G
+holds", plus the GPU readings when one changed enough to matter.  That keeps a
+fleet's steady state to tiny requests the coordinator answers from memory.  A
+coordinator that is down only delays the next beat: agents never depend on it
+to keep their workers running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import secrets
+import time
+from typing import Any
 
 import httpx
 import structlog
 
 from .. import tls
+from ..coordinator.beats import ACK_OK, ACK_RESYNC, decode_ack, encode_beat
 from .api import Agent
 
 log = structlog.get_logger("pitstop.agent.heartbeat")
@@ -30,21 +39,185 @@ def payload(agent: Agent) -> dict:
             **inventory(), "gpu_health": readings()}
 
 
+FULL, BEAT = "/v1/agents:heartbeat", "/v1/agents:beat"
+HEALTH_KEYS = ("index", "uuid", "ecc_uncorrected_volatile", "ecc_uncorrected_aggregate", "retired_pages",
+               "retired_pages_pending", "remap_pending", "remap_failure", "throttle_reasons")
+TEMPERATURE_BAND_C = 3  # a GPU's temperature is sent again when it moved by this much
+
+
+def health_signature(readings: list[dict[str, Any]]) -> list:
+    """What of the GPU readings is worth a message: errors, remaps, throttling, temperature in bands."""
+    sig = []
+    for g in readings:
+        t = g.get("temperature_c")
+        sig.append([g.get(k) for k in HEALTH_KEYS] + [None if t is None else int(t) // TEMPERATURE_BAND_C])
+    return sig
+
+
+class Reporter:
+    """Decides, beat by beat, between a full report and a beat, and what each carries."""
+
+    def __init__(self, full_every_s: float = 60.0) -> None:
+        self.nonce = secrets.token_hex(4)  # a restarted agent never reuses a generation
+        self.n = 0
+        self.full_every_s = full_every_s
+        self.need_full = True
+        self._key: str | None = None
+        self._health: list | None = None
+        self._last_full = 0.0
+
+    def next(self, report: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """(path, body) of the next message for `report`, a full payload()."""
+        key = json.dumps({k: v for k, v in report.items() if k != "gpu_health"}, sort_keys=True, default=str)
+        health = health_signature(report.get("gpu_health", []))
+        now = time.monotonic()
+        if key != self._key:
+            self.n += 1
+        if key != self._key or self.need_full or now - self._last_full >= self.full_every_s:
+            self._key, self._health, self._last_full, self.need_full = key, health, now, False
+            return FULL, {**report, "generation": f"{self.nonce}-{self.n}"}
+        body: dict[str, Any] = {"name": report["name"], "generation": f"{self.nonce}-{self.n}"}
+        if health != self._health:
+            self._health = health
+            body["gpu_health"] = report.get("gpu_health", [])
+        return BEAT, body
+
+    def failed(self) -> None:
+        """The last full report may not have arrived, or the coordinator lacks it: send it again."""
+        self.need_full = True
+
+
+class UdpBeats:
+    """Beats as datagrams (coordinator/beats.py): one outstanding at a time, each acked."""
+
+    def __init__(self, host: str, port: int, token: str | None) -> None:
+        self.addr = (host, port)
+        self.key = (token or "").encode()
+        self.seq = 0
+        self._transport: asyncio.DatagramTransport | None = None
+        self._waiting: tuple[int, asyncio.Future] | None = None
+
+    async def open(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._transport, _ = await loop.create_datagram_endpoint(lambda: _Acks(self), remote_addr=self.addr)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    async def beat(self, name: str, generation: str, timeout_s: float) -> int | None:
+        """ACK_OK, ACK_RESYNC, or None when no answer came in time."""
+        if self._transport is None:
+            await self.open()
+        self.seq = max(self.seq + 1, time.time_ns() // 1000)  # grows across agent restarts too
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting = (self.seq, fut)
+        assert self._transport is not None
+        self._transport.sendto(encode_beat(self.key, self.seq, name, generation, time.time()))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self._waiting = None
+
+    def _answer(self, data: bytes | None) -> None:
+        if self._waiting is None:
+            return
+        seq, fut = self._waiting
+        ack = decode_ack(self.key, data) if data is not None else None
+        if fut.done():
+            return
+        if data is None:
+            fut.set_result(None)  # ICMP unreachable: nobody listens there
+        elif ack is not None and ack[0] == seq:
+            fut.set_result(ack[1])
+
+
+class _Acks(asyncio.DatagramProtocol):
+    def __init__(self, owner: UdpBeats) -> None:
+        self.owner = owner
+
+    def datagram_received(self, data: bytes, addr: tuple) -> None:
+        self.owner._answer(data)
+
+    def error_received(self, exc: Exception) -> None:
+        self.owner._answer(None)
+
+
+UDP_MISSES_BEFORE_HTTP = 3
+UDP_RETRY_AFTER_S = 60.0
+
+
 async def heartbeat_loop(agent: Agent) -> None:
-    url = agent.s.coordinator.rstrip("/") + "/v1/agents:heartbeat"
+    base = agent.s.coordinator.rstrip("/")
     headers = {"Authorization": f"Bearer {agent.s.cluster_token}"} if agent.s.cluster_token else {}
     failing = False
+    rep = Reporter(agent.s.full_report_s)
+    udp: UdpBeats | None = None
+    misses, udp_off_until = 0, 0.0
     async with httpx.AsyncClient(timeout=5.0, verify=tls.client_context()) as c:
         while True:
+            url, path, udp_missed = base, BEAT, False
             try:
-                r = await c.post(url, json=payload(agent), headers=headers)
+                path, body = rep.next(payload(agent))
+                if path == BEAT and "gpu_health" not in body and udp is not None \
+                        and time.monotonic() >= udp_off_until:
+                    status = await udp.beat(body["name"], body["generation"], min(1.0, agent.s.heartbeat_s))
+                    if status == ACK_OK:
+                        misses, failing = 0, False
+                        await asyncio.sleep(agent.s.heartbeat_s)
+                        continue
+                    if status == ACK_RESYNC:
+                        rep.failed()
+                        path, body = rep.next(payload(agent))
+                    else:
+                        udp_missed = True  # this beat goes by HTTP
+                url = base + path
+                r = await c.post(url, json=body, headers=headers)
+                if r.status_code == 409:  # the coordinator lacks our last full report: send it now
+                    rep.failed()
+                    path, body = rep.next(payload(agent))
+                    url = base + path
+                    r = await c.post(url, json=body, headers=headers)
                 if r.status_code >= 300:
+                    if path == FULL:  # not stored: say it all again (a lost beat needs nothing: 409 tells)
+                        rep.failed()
                     raise httpx.HTTPStatusError(r.text[:200], request=r.request, response=r)
+                if path == FULL:
+                    udp = await _udp_for(udp, r, base, agent.s.cluster_token)
+                if udp_missed and udp is not None:  # HTTP got through where UDP did not: a firewall?
+                    misses += 1
+                    if misses >= UDP_MISSES_BEFORE_HTTP:
+                        udp_off_until, misses = time.monotonic() + UDP_RETRY_AFTER_S, 0
+                        log.warning("UDP beats not answered while HTTP works; beating over HTTP for a while",
+                                    coordinator=udp.addr, retry_after_s=UDP_RETRY_AFTER_S)
                 if failing:
                     log.info("coordinator reachable again", url=url)
                 failing = False
             except (httpx.HTTPError, OSError) as e:
+                if path == FULL:
+                    rep.failed()
                 if not failing:
                     log.warning("heartbeat failed; will keep trying", url=url, error=repr(e)[:200])
                 failing = True
             await asyncio.sleep(agent.s.heartbeat_s)
+
+
+async def _udp_for(udp: UdpBeats | None, r: httpx.Response, base: str, token: str | None) -> UdpBeats | None:
+    """The UDP beat channel the coordinator offered in its answer to a full report (or none)."""
+    try:
+        port = r.json().get("beat_udp_port")
+    except ValueError:
+        port = None
+    host = httpx.URL(base).host
+    if not port:
+        if udp is not None:
+            udp.close()
+        return None
+    if udp is not None and udp.addr == (host, port):
+        return udp
+    if udp is not None:
+        udp.close()
+    return UdpBeats(host, int(port), token)

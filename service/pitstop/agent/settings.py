@@ -28,9 +28,13 @@ class AgentSettings(BaseSettings):
     transfer_timeout_s: float = 600.0
     restore_timeout_s: float = 120.0
     heartbeat_s: float = 1.0
+    full_report_s: float = 60.0        # a full report at least this often, even when nothing changed
     local_group: str | None = "pitstop"  # besides root and the agent's user, who may use the local socket
     worker_link: str | None = None     # uplink for workers' own addresses (default: the default route's)
     gpu_lock_timeout_s: float = 10.0   # cuCheckpointProcessLock: longer kernels abort the capture cleanly
+    # False: dump whole to disk, then send (plain dump-copy-restore).  Slower; the baseline that
+    # bench/compare.py measures pitstop against, and a fallback should a CRIU ever rewrite an image.
+    stream_while_dumping: bool = True
 
     @property
     def url(self) -> str:

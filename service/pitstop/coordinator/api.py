@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .. import __version__
 from ..agent.client import AgentClient
+from .beats import BeatFastPath
 from ..errors import Conflict, Forbidden, NotFound, PitstopError, Unprocessable
 from ..httpapi import install_error_handlers, require_token, token_matches
 from .driver import Driver
@@ -54,6 +55,18 @@ class Heartbeat(BaseModel):
     gpu_note: str = ""
     driver: str | None = None
     gpu_health: list[dict[str, Any]] = Field(default_factory=list, description="NVML readings, one per GPU")
+    generation: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+                                   description="names this report; later beats that carry it mean 'nothing "
+                                               "changed but GPU health' (POST /v1/agents:beat)")
+
+
+class Beat(BaseModel):
+    """Between full reports: 'alive, and what I reported as `generation` still holds'."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    generation: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    gpu_health: list[dict[str, Any]] | None = Field(
+        None, max_length=4096, description="present only when a reading changed enough to matter")
 
 
 class Metrics:
@@ -64,7 +77,8 @@ class Metrics:
                                ["phase"], registry=r, buckets=(.01, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60, 120))
         self.bytes = Counter("pitstop_coordinator_transferred_bytes_total", "Image bytes moved by evacuations",
                              registry=r)
-        self.heartbeats = Counter("pitstop_coordinator_heartbeats_total", "Agent heartbeats received", registry=r)
+        self.heartbeats = Counter("pitstop_coordinator_heartbeats_total", "Agent heartbeats received, by kind "
+                                  "(full report, beat over HTTP, beat over UDP)", ["kind"], registry=r)
         self.hosts = Gauge("pitstop_coordinator_hosts", "Known hosts by role", ["role"], registry=r)
 
 
@@ -102,7 +116,8 @@ def sync_workers(store: Store, settings: CoordinatorSettings, node: str) -> None
         list(ex.map(one, hosts))
 
 
-def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[FastAPI, Driver]:
+def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[BeatFastPath, Driver]:
+    """The coordinator's ASGI app (the FastAPI app, at `.app`, behind the beats' fast path) and driver."""
     store = store or Store(settings.db)
     metrics = Metrics()
     driver = Driver(store, settings, on_phase=lambda p, s: metrics.phase.labels(p).observe(s),
@@ -134,7 +149,7 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Fa
                             action="use the operator token (PITSTOP_TOKEN) for evacuations and cancels")
         require_token(request, settings.operator_token, "operator", "PITSTOP_TOKEN")
 
-    def cluster(request: Request) -> None:
+    async def cluster(request: Request) -> None:  # async: no thread hop on the hottest path (beats)
         require_token(request, settings.cluster_token, "cluster", "PITSTOP_CLUSTER_TOKEN")
 
     @app.get("/healthz")
@@ -156,9 +171,23 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Fa
     def heartbeat(hb: Heartbeat) -> dict:
         reasons = policy.evaluate(hb.gpu_health)
         store.heartbeat({**hb.model_dump(), "health": {"degraded": bool(reasons), "reasons": reasons}})
-        metrics.heartbeats.inc()
-        if reasons and settings.auto_evacuate:
-            auto.observe(hb.name, reasons)
+        metrics.heartbeats.labels("full").inc()
+        if settings.auto_evacuate:
+            auto.verdict(hb.name, reasons)
+        return {"ok": True, "beat_udp_port": settings.host_port()[1] if settings.beat_udp else None}
+
+    @agents.post("/agents:beat", responses={409: {"description": "no full report of this generation: send one"}})
+    async def beat(b: Beat) -> dict:
+        """Runs on the event loop and touches only memory (Store.beat): 10,000 agents send one a second."""
+        if not store.beat(b.name, b.generation):
+            raise Conflict(f"no full report of generation {b.generation} from {b.name}", code="resync",
+                           action="send a full report (POST /v1/agents:heartbeat), then beat again")
+        metrics.heartbeats.labels("beat").inc()
+        if b.gpu_health is not None:
+            reasons = policy.evaluate(b.gpu_health)
+            store.set_health(b.name, b.gpu_health, {"degraded": bool(reasons), "reasons": reasons})
+            if settings.auto_evacuate:
+                auto.verdict(b.name, reasons)
         return {"ok": True}
 
     ops = APIRouter(prefix="/v1", dependencies=[Depends(operator)], tags=["operators"])
@@ -222,4 +251,6 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Fa
 
     app.include_router(agents)
     app.include_router(ops)
-    return app, driver
+    beats = metrics.heartbeats.labels("beat")
+    return BeatFastPath(app, beat=store.beat, token=settings.cluster_token, count=beats.inc,
+                        count_udp=metrics.heartbeats.labels("beat_udp").inc), driver

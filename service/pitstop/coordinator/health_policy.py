@@ -78,6 +78,36 @@ class AutoEvacuator:
         self.status: dict[str, dict[str, Any]] = {}  # host -> {"at", "operation" | "blocked", "reasons"}
         self._lock = threading.Lock()
         self._running: set[str] = set()
+        self._degraded: dict[str, list[str]] = {}
+        self._ticker: threading.Thread | None = None
+
+    def verdict(self, node: str, reasons: list[str]) -> None:
+        """A host's latest health verdict.  Beats repeat a verdict without restating it, so a
+        degraded host is retried from here (every few seconds, `observe` keeps the back-off)
+        until it is healthy again, evacuated, or empty."""
+        with self._lock:
+            if reasons:
+                self._degraded[node] = reasons
+            else:
+                self._degraded.pop(node, None)
+            start = bool(reasons) and self._ticker is None
+            if start:
+                self._ticker = threading.Thread(target=self._tick, daemon=True, name="auto-evacuate-retry")
+        if start:
+            assert self._ticker is not None
+            self._ticker.start()
+        self.observe(node, reasons)
+
+    def _tick(self) -> None:
+        while True:
+            time.sleep(max(0.2, min(self.retry_s, 5.0)))
+            with self._lock:
+                degraded = list(self._degraded.items())
+            for node, reasons in degraded:
+                try:
+                    self.observe(node, reasons)
+                except Exception as e:  # noqa: BLE001 - the next tick tries again
+                    log.warning("automatic evacuation retry failed", host=node, error=repr(e)[:200])
 
     def observe(self, node: str, reasons: list[str]) -> None:
         if not reasons:

@@ -6,6 +6,7 @@ import asyncio
 
 import structlog
 import uvicorn
+import uvloop
 
 from .. import tls
 
@@ -15,6 +16,16 @@ from .api import build
 from .settings import CoordinatorSettings
 
 log = structlog.get_logger("pitstop.coordinator")
+
+
+async def flush_loop(store: "object", every_s: float) -> None:
+    """Write the beats gathered in memory (Store.flush), off the event loop, until cancelled."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await asyncio.to_thread(store.flush)
+        except Exception as e:  # noqa: BLE001 - kept in memory and retried at the next tick
+            log.warning("could not write heartbeats to the database; will retry", error=repr(e)[:200])
 
 
 def serve(s: CoordinatorSettings) -> None:
@@ -34,11 +45,19 @@ def serve(s: CoordinatorSettings) -> None:
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)
+        udp = None
+        if s.beat_udp:
+            udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(app.datagrams, local_addr=(host, port))
         dog = asyncio.create_task(watchdog_loop())
+        flusher = asyncio.create_task(flush_loop(driver.store, s.flush_s))
         log.info("coordinator up", listen=s.listen, db=str(s.db), reconciled=touched)
         notify(f"READY=1\nSTATUS=coordinator serving {s.listen}")
         await serving
         notify("STOPPING=1")
         dog.cancel()
+        flusher.cancel()
+        if udp is not None:
+            udp.close()
+        driver.store.flush()
 
-    asyncio.run(main())
+    uvloop.run(main())  # libuv: about a third less CPU per request than asyncio's loop (bench/heartbeat_load.py)

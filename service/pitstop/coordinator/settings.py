@@ -22,6 +22,8 @@ class CoordinatorSettings(BaseSettings):
     cluster_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_CLUSTER_TOKEN"))
     insecure: bool = False
     heartbeat_timeout_s: float = 5.0      # a host silent this long is not offered as a spare
+    beat_udp: bool = True                 # also take beats as datagrams on the listen port (coordinator/beats.py)
+    flush_s: float = 1.0                  # how often beats kept in memory are written to the database
     capture_deadline_s: float = 300.0     # dump + stream of one worker
     step_timeout_s: float = 180.0         # any other single agent call
     operation_deadline_s: float = 900.0   # the whole evacuation, before commit

@@ -1,9 +1,16 @@
 """Coordinator state in SQLite (WAL): hosts, workers, operations, idempotency keys.
 
-One connection, serialised by a lock: the coordinator's write rate is one row
-per heartbeat and a handful per operation phase, far below what SQLite takes.
-Every operation phase is written here *before* it starts, which is what lets a
-restarted coordinator reconcile (driver.reconcile).
+One connection, serialised by a lock.  Every operation phase is written here
+*before* it starts, which is what lets a restarted coordinator reconcile
+(driver.reconcile).
+
+Liveness is kept in memory and written in batches: at 10,000 agents beating once
+a second, one SQLite transaction per beat costs more CPU than the coordinator has
+(bench/heartbeat_load.py).  A beat only says "alive, still generation G": it
+touches a dict, and `flush()` writes every changed last_seen (and GPU health) in
+one transaction about once a second.  What a restart loses is at most that second
+of last_seen, which only ages a host by a second.  Full reports (workers, inventory)
+still go to SQLite at once: they change rarely and the planner needs them.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from typing import Any
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS hosts (
-  name TEXT PRIMARY KEY, url TEXT NOT NULL, role TEXT NOT NULL, info TEXT NOT NULL, last_seen REAL NOT NULL);
+  name TEXT PRIMARY KEY, url TEXT NOT NULL, role TEXT NOT NULL, info TEXT NOT NULL, last_seen REAL NOT NULL,
+  generation TEXT);
 CREATE TABLE IF NOT EXISTS workers (
   id TEXT PRIMARY KEY, job TEXT NOT NULL, rank INTEGER NOT NULL, host TEXT NOT NULL, state TEXT NOT NULL,
   info TEXT NOT NULL, updated REAL NOT NULL);
@@ -41,6 +49,17 @@ class Store:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
         self.lock = threading.RLock()
+        self._live = threading.Lock()
+        self.seen: dict[str, float] = {}             # host -> last beat (unix time), newer than the table's
+        self.generation: dict[str, str] = {}         # host -> generation of its last full report
+        self.health: dict[str, tuple[list, dict]] = {}  # host -> (gpu_health, verdict) from beats
+        self._dirty: set[str] = set()
+        if "generation" not in {r["name"] for r in self.db.execute("PRAGMA table_info(hosts)")}:
+            self.db.execute("ALTER TABLE hosts ADD COLUMN generation TEXT")  # a database from before beats
+        # A restarted coordinator still holds every host's last full report, so it takes their beats
+        # at once instead of asking 10,000 agents for full reports in the same second.
+        self.generation = {r["name"]: r["generation"] for r in
+                           self.db.execute("SELECT name, generation FROM hosts WHERE generation IS NOT NULL")}
 
     def _x(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self.lock:
@@ -54,10 +73,55 @@ class Store:
             info = {k: v for k, v in h.items() if k not in ("role", "last_seen", "age_s")}
             self.heartbeat({**info, "name": host, "url": h["url"], "workers": workers}, touch=False)
 
+    def beat(self, name: str, generation: str) -> bool:
+        """A beat from an agent whose last full report we hold; False: ask it for a full report."""
+        if self.generation.get(name) != generation:
+            return False
+        with self._live:
+            self.seen[name] = time.time()
+            self._dirty.add(name)
+        return True
+
+    def set_health(self, name: str, gpu_health: list, verdict: dict) -> None:
+        with self._live:
+            self.health[name] = (gpu_health, verdict)
+            self._dirty.add(name)
+
+    def flush(self) -> int:
+        """Write the beats and health readings gathered since the last flush, in one transaction."""
+        with self._live:
+            dirty, self._dirty = self._dirty, set()
+            rows = [(n, self.seen.get(n), self.health.pop(n, None)) for n in dirty]
+        if not rows:
+            return 0
+        with self.lock:
+            self.db.execute("BEGIN")
+            try:
+                for name, _, health in rows:
+                    if health is not None:
+                        r = self.db.execute("SELECT info FROM hosts WHERE name=?", (name,)).fetchone()
+                        if r is not None:
+                            info = json.loads(r["info"])
+                            info["gpu_health"], info["health"] = health
+                            self.db.execute("UPDATE hosts SET info=? WHERE name=?", (json.dumps(info), name))
+                self.db.executemany("UPDATE hosts SET last_seen=max(last_seen, ?) WHERE name=?",
+                                    [(seen, name) for name, seen, _ in rows if seen is not None])
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                with self._live:  # written next time
+                    self._dirty |= dirty
+                    for name, _, health in rows:
+                        if health is not None:
+                            self.health.setdefault(name, health)
+                raise
+        return len(rows)
+
     def heartbeat(self, hb: dict[str, Any], touch: bool = True) -> None:
+        """A full report: the host's identity, inventory, health and every worker."""
         now = time.time()
         name = hb["name"]
-        info = {k: v for k, v in hb.items() if k not in ("workers",)}
+        info = {k: v for k, v in hb.items() if k not in ("workers", "generation")}
         with self.lock:
             self.db.execute("BEGIN")
             try:
@@ -65,9 +129,10 @@ class Store:
                 # The coordinator owns a host's role once it has one (a consumed spare becomes active).
                 role = row["role"] if row else ("spare" if hb.get("spare") else "active")
                 if touch:
-                    self.db.execute("INSERT INTO hosts(name,url,role,info,last_seen) VALUES(?,?,?,?,?) "
+                    self.db.execute("INSERT INTO hosts(name,url,role,info,last_seen,generation) VALUES(?,?,?,?,?,?) "
                                     "ON CONFLICT(name) DO UPDATE SET url=excluded.url, info=excluded.info, "
-                                    "last_seen=excluded.last_seen", (name, hb["url"], role, json.dumps(info), now))
+                                    "last_seen=excluded.last_seen, generation=excluded.generation",
+                                    (name, hb["url"], role, json.dumps(info), now, hb.get("generation")))
                 for w in hb.get("workers", []):
                     # Where a worker is: the host that reports it alive.  Its old host's "moved"
                     # is no news, and an end state (exited, lost) counts only from its current host.
@@ -83,6 +148,14 @@ class Store:
             except BaseException:
                 self.db.execute("ROLLBACK")
                 raise
+        if touch:
+            with self._live:
+                self.seen[name] = now
+                self.health.pop(name, None)  # the report carried fresher readings
+                if hb.get("generation"):
+                    self.generation[name] = hb["generation"]
+                else:
+                    self.generation.pop(name, None)
 
     def hosts(self) -> list[dict[str, Any]]:
         return [self._host(r) for r in self._x("SELECT * FROM hosts ORDER BY name")]
@@ -91,12 +164,16 @@ class Store:
         r = self._x("SELECT * FROM hosts WHERE name=?", (name,))
         return self._host(r[0]) if r else None
 
-    @staticmethod
-    def _host(r: sqlite3.Row) -> dict[str, Any]:
+    def _host(self, r: sqlite3.Row) -> dict[str, Any]:
         info = json.loads(r["info"])
-        return {"name": r["name"], "url": r["url"], "role": r["role"], "last_seen": r["last_seen"],
-                "age_s": round(time.time() - r["last_seen"], 3), **{k: v for k, v in info.items()
-                                                                     if k not in ("name", "url", "spare")}}
+        name = r["name"]
+        last_seen = max(r["last_seen"], self.seen.get(name, 0.0))
+        health = self.health.get(name)
+        if health is not None:
+            info["gpu_health"], info["health"] = health
+        return {"name": name, "url": r["url"], "role": r["role"], "last_seen": last_seen,
+                "age_s": round(time.time() - last_seen, 3), **{k: v for k, v in info.items()
+                                                              if k not in ("name", "url", "spare")}}
 
     def set_role(self, name: str, role: str) -> None:
         self._x("UPDATE hosts SET role=? WHERE name=?", (role, name))

@@ -1,0 +1,240 @@
+"""pitstop against its floor, checkpoint-restart and naive CRIU, in one run on one machine.
+
+    .venv/bin/python bench/compare.py [--state-mb 512] [--worlds 2,4,8] [--restart-worlds 4]
+    (make bench-compare)
+
+The reference job is tests/workloads/ddp_train.py: torch gloo DDP, every rank holding
+--state-mb of extra state, launched through `pitstop run`, 4 ranks on 2 hosts (host-a:
+ranks 0-1, host-b: ranks 2-3).  Methods, each on a fresh local cluster:
+
+- pitstop: host-b evacuated to a spare through the coordinator; downtime (first rank
+  paused to last rank resumed), every phase, and the pause the job saw (the longest gap
+  between two consecutive steps of any rank).
+- floor: the leaving ranks' image bytes / raw TCP bandwidth between two processes,
+  measured in this run (hosts here share one kernel: the link is loopback).
+- naive CRIU: the same evacuation with agents that dump whole to disk, then copy, then
+  restore (PITSTOP_AGENT_STREAM_WHILE_DUMPING=0); the copy uses pitstop's own transport,
+  so naive CRIU here is faster than with scp or rsync.
+- checkpoint-restart: the same job, launched plainly, saves model, optimizer and state
+  with torch.save after a step, every rank exits, the job is relaunched at once, loads and
+  continues; its pause runs from the last step before the save to the first after the load.
+  No scheduler delay and no fsync are counted: the most favourable case for it.
+- scaling: pitstop with 2, 4 and 8 ranks in the job and the same leaving part (one rank
+  on host-b), the others on host-a.
+
+Writes bench/out/compare.json and bench/out/compare.png (downtime by phase).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import machine, raw_tcp_bandwidth  # noqa: E402
+from pitstop.coordinator.client import CoordinatorClient  # noqa: E402
+from pitstop.devcluster import LocalCluster, free_port, step_gaps, step_times, wait_for_step  # noqa: E402
+from tests.helpers import ddp_cmd  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def _final_hashes(out: Path, world: int) -> list[str]:
+    return [(out / f"rank{r}.sha256").read_text().strip() for r in range(world)]
+
+
+def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agent_env: dict | None = None,
+               label: str = "pitstop") -> dict:
+    """Run the job through `pitstop run` and evacuate host-b (which holds `leaving`) to a spare."""
+    with LocalCluster(root=Path(tempfile.mkdtemp(prefix="pitstop-bench-"))) as c:
+        c.start_coordinator()
+        for name in ("host-a", "host-b"):
+            c.start_agent(name, env=agent_env)
+        c.start_agent("spare-1", spare=True, env=agent_env)
+        cc = CoordinatorClient(c.coordinator_url, c.operator_token)
+        placement = {r: ("host-b" if r in leaving else "host-a") for r in range(world)}
+        out = c.root / "out"
+        ranks = c.start_job("b", ddp_cmd(out, steps=steps, state_mb=state_mb), world, placement)
+        for rk in ranks:
+            wait_for_step(rk.log, 20, timeout_s=300)
+        t0 = time.time()
+        op = cc.evacuate("host-b")
+        while not op["done"]:
+            time.sleep(0.05)
+            op = cc.op(op["name"])
+        md = op["metadata"]
+        if md["result"] != "succeeded":
+            raise SystemExit(f"{label}: evacuation failed: {op.get('error')}")
+        codes = [r.proc.wait(600) for r in ranks]
+        if codes != [0] * world:
+            raise SystemExit(f"{label}: job exit codes {codes}")
+        gaps = [sorted(step_gaps(rk.log, since=t0)) for rk in ranks]
+        pause = max(g[-1] for g in gaps if g)
+        normal = sorted(x for g in gaps for x in g)[len([x for g in gaps for x in g]) // 2]
+        caps = [w.get("capture_phases", {}) for w in md["workers"].values()]
+        dump = max((cp.get("dump", 0.0) for cp in caps), default=0.0)
+        phases = dict(md["phases"])
+        return {"method": label, "world": world, "leaving_ranks": leaving, "state_mb": state_mb,
+                "downtime_s": md["downtime_s"], "job_pause_s": round(pause, 4), "median_step_s": round(normal, 4),
+                "bytes": md["bytes_total"], "phases": phases, "dump_s": round(dump, 4),
+                "capture_phases": caps, "final": _final_hashes(out, world)}
+
+
+def _phase_times(log: Path) -> dict[str, float]:
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r"^phase (\w+) t=([0-9.]+)", log.read_text(errors="replace"), re.M)}
+
+
+def checkpoint_restart(world: int, state_mb: float, steps: int, save_at: int = 20) -> dict:
+    """torch.save at a step, every rank exits, relaunch at once, torch.load, continue."""
+    root = Path(tempfile.mkdtemp(prefix="pitstop-bench-ckpt-", dir="/var/tmp"))  # a disk, not tmpfs
+    try:
+        out, ckpt = root / "out", root / "ckpt"
+        ckpt.mkdir()
+
+        def launch(tag: str, extra: list[str]) -> list[Path]:
+            port, procs, logs = free_port(), [], []
+            for r in range(world):
+                log = root / f"{tag}.rank{r}.log"
+                env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port), USE_LIBUV="0", PYTHONUNBUFFERED="1")
+                procs.append(subprocess.Popen([*ddp_cmd(out, steps=steps, state_mb=state_mb), "--ckpt", str(ckpt),
+                                               *extra], env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT))
+                logs.append(log)
+            codes = [p.wait(600) for p in procs]
+            if codes != [0] * world:
+                raise SystemExit(f"checkpoint-restart ({tag}): exit codes {codes}; see {root}")
+            return logs
+
+        first = launch("before", ["--save-at-step", str(save_at)])
+        second = launch("after", ["--resume"])
+        a, b = _phase_times(first[0]), _phase_times(second[0])
+        last_step = step_times(first[0])[-1][1]
+        first_step = step_times(second[0])[0][1]
+        gaps = sorted(step_gaps(first[0]))
+        phases = {"save": a["saved"] - last_step,
+                  "exit_and_relaunch": b["start"] - a["saved"],
+                  "import": b["imported"] - b["start"],
+                  "init_process_group": b["group"] - b["imported"],
+                  "build_and_load": b["loaded"] - b["group"],
+                  "first_step": first_step - b["loaded"]}
+        ckpt_bytes = sum(f.stat().st_size for f in ckpt.iterdir())
+        return {"method": "checkpoint-restart", "world": world, "state_mb": state_mb,
+                "job_pause_s": round(first_step - last_step, 4), "downtime_s": round(first_step - last_step, 4),
+                "median_step_s": round(gaps[len(gaps) // 2], 4), "checkpoint_bytes": ckpt_bytes,
+                "phases": {k: round(v, 4) for k, v in phases.items()}, "final": _final_hashes(out, world)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+CHART_PHASES = {  # method phase -> chart segment
+    "pause": "pause (cut)", "capture": "capture (dump + transfer)", "verify": "verify",
+    "release": "other", "restore": "restore", "rewire": "other", "commit": "other", "resume": "other",
+    "save": "save", "exit_and_relaunch": "exit + relaunch", "import": "import torch",
+    "init_process_group": "init_process_group", "build_and_load": "build + load", "first_step": "other",
+}
+
+
+def chart(runs: list[dict], path: Path, floor_s: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, stacks = [], []
+    for r in runs:
+        seg: dict[str, float] = {}
+        phases = dict(r["phases"])
+        if r["method"] != "checkpoint-restart" and "capture" in phases:
+            seg["dump (CRIU)"] = min(r["dump_s"], phases["capture"])
+            seg["transfer after dump"] = phases.pop("capture") - seg["dump (CRIU)"]
+        for k, v in phases.items():
+            name = CHART_PHASES.get(k, "other")
+            seg[name] = seg.get(name, 0.0) + v
+        labels.append(f"{r['method']}\n{r['world']} ranks")
+        stacks.append(seg)
+    names = list(dict.fromkeys(k for s in stacks for k in s))
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(runs) + 2))
+    left = [0.0] * len(runs)
+    cmap = plt.get_cmap("tab20")
+    for i, n in enumerate(names):
+        w = [s.get(n, 0.0) for s in stacks]
+        ax.barh(labels, w, left=left, label=n, color=cmap(i))
+        left = [a + b for a, b in zip(left, w)]
+    for i, r in enumerate(runs):
+        ax.plot([r["job_pause_s"]], [i], "k|", markersize=18)
+    ax.axvline(floor_s, color="red", linestyle="--", label=f"data floor {floor_s:.2f} s")
+    ax.set_xlabel("seconds (bars: phases of the downtime; | : longest gap between steps the job saw)")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("Moving the ranks of one host: downtime by phase")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--state-mb", type=float, default=512.0, help="extra state per rank (MiB), up to about 2048")
+    ap.add_argument("--steps", type=int, default=160)
+    ap.add_argument("--worlds", default="2,4,8", help="job sizes for the scaling runs (one leaving rank)")
+    ap.add_argument("--restart-worlds", default="4", help="job sizes for checkpoint-restart")
+    ap.add_argument("--skip-naive", action="store_true")
+    ap.add_argument("--out", default=str(OUT / "compare.json"))
+    a = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    bw = raw_tcp_bandwidth()
+    runs = [evacuation(4, [2, 3], a.state_mb, a.steps)]
+    if not a.skip_naive:
+        runs.append(evacuation(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_STREAM_WHILE_DUMPING": "0"},
+                               label="naive CRIU"))
+    runs += [checkpoint_restart(int(w), a.state_mb, a.steps) for w in a.restart_worlds.split(",") if w]
+    scaling = [evacuation(int(w), [int(w) - 1], a.state_mb, a.steps, label="pitstop, 1 rank leaving")
+               for w in a.worlds.split(",") if w]
+    ref = runs[0]
+    floor = ref["bytes"] / bw
+    after_bw = raw_tcp_bandwidth()
+    summary = {
+        "raw_tcp_bytes_per_s": [bw, after_bw], "floor_s": floor,
+        "target_floor_s": 1.5 * floor + 0.5,
+        "pitstop_vs_target": ref["downtime_s"] / (1.5 * floor + 0.5),
+        "downtime_over_floor": ref["downtime_s"] / floor,
+    }
+    for r in runs[1:]:
+        summary[f"{r['method']} / pitstop (job pause)"] = r["job_pause_s"] / ref["job_pause_s"]
+    if scaling:
+        d = [s["downtime_s"] for s in scaling]
+        summary["scaling_downtime_spread"] = (max(d) - min(d)) / min(d)
+    transfer = [cp.get("transfer", 0.0) for cp in ref["capture_phases"]]
+    if transfer and max(transfer) > 0:
+        summary["stream_bytes_per_s"] = ref["bytes"] / max(transfer)
+        summary["stream_vs_raw_tcp"] = summary["stream_bytes_per_s"] / bw
+    finals = {tuple(r["final"]) for r in runs if r["world"] == 4}
+    summary["final_state_identical_across_methods"] = len(finals) == 1
+    doc = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(sys.argv),
+           "wall_s": round(time.time() - started, 1), "summary": summary, "runs": runs, "scaling": scaling}
+    Path(a.out).write_text(json.dumps(doc, indent=1))
+    png = Path(a.out).with_suffix(".png")
+    chart(runs + scaling, png, floor)
+    print(f"{machine()}; raw TCP {bw / 1e9:.2f} GB/s; floor {floor:.3f} s for {ref['bytes'] / 1e6:.0f} MB")
+    print(f"{'method':<28}{'ranks':>6}{'downtime s':>11}{'job pause s':>12}{'MB':>7}  phases")
+    for r in runs + scaling:
+        mb = r.get("bytes") or r.get("checkpoint_bytes", 0)
+        print(f"{r['method']:<28}{r['world']:>6}{r['downtime_s']:>11.2f}{r['job_pause_s']:>12.2f}{mb / 1e6:>7.0f}  "
+              + " ".join(f"{k}={v:.2f}" for k, v in r["phases"].items()))
+    for k, v in summary.items():
+        print(f"  {k}: {v if isinstance(v, (bool, list)) else round(v, 3)}")
+    print(f"wrote {a.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()
