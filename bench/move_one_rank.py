@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -31,11 +32,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1,
                     help="moves before the measured one (this VM pays a large first-touch cost for fresh "
                          "memory; warm-up moves measure the steady state, and are reported too)")
+    ap.add_argument("--tls", action="store_true", help="mutual TLS between the agents (the stream's TLS cost)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "move_one_rank.json"))
     args = ap.parse_args()
 
     bw = raw_tcp_bandwidth()
     with LocalCluster() as c:
+        if args.tls:
+            c.tls_dir = c.root / "pki"
+            os.environ.update(c.tls_env("operator"))  # this process's clients (tls.client_context)
         a = c.start_agent("a")
         b = c.start_agent("b", spare=True)
         out = c.root / "out"
@@ -61,6 +66,7 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "state_mb": args.state_mb,
+        "tls": args.tls,
         "bytes": rep.bytes,
         "phases_s": {k: round(v, 4) for k, v in rep.phases.items()},
         "downtime_s": round(rep.downtime_s, 4),
@@ -74,7 +80,7 @@ def main() -> None:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"moved {rep.bytes / 2**20:.0f} MiB of rank 1 ({res['machine']})")
+    print(f"moved {rep.bytes / 2**20:.0f} MiB of rank 1 ({res['machine']}){' over mutual TLS' if args.tls else ''}")
     print(f"{'phase':<22}{'seconds':>10}")
     for k, v in rep.phases.items():
         print(f"{k:<22}{v:>10.3f}")

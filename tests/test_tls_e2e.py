@@ -50,3 +50,45 @@ def test_evacuation_over_mutual_tls_and_strangers_refused(cluster, tmp_path, mon
                 httpx.get(url, headers=auth, timeout=5, verify=ctx)
     good = httpx.get(cluster.coordinator_url + "/v1/hosts", headers=auth, timeout=5, verify=cluster._verify())
     assert good.status_code == 200
+
+    # Certificates are bound to roles: the right CA and the right token are not enough.
+    def ctx(name):
+        c = ssl.create_default_context(cafile=ca)
+        c.load_cert_chain(str(cluster.tls_dir / f"{name}.pem"), str(cluster.tls_dir / f"{name}.key"))
+        return c
+
+    cluster_auth = {"Authorization": f"Bearer {cluster.token}"}
+    r = httpx.get(cluster.agents["spare-1"].url + "/v1/workers", headers=cluster_auth, timeout=5,
+                  verify=ctx("operator"))  # an operator's certificate cannot act as an agent
+    assert r.status_code == 403 and r.json()["error"]["code"] == "wrong_certificate_role"
+    assert "--role agent" in r.json()["error"]["action"]
+    r = httpx.get(cluster.coordinator_url + "/v1/hosts", headers=auth, timeout=5,
+                  verify=ctx("host-a"))  # a GPU host's certificate cannot operate the cluster
+    assert r.status_code == 403 and r.json()["error"]["code"] == "wrong_certificate_role"
+    r = httpx.post(cluster.coordinator_url + "/v1/agents:beat", headers=cluster_auth, timeout=5,
+                   json={"name": "host-a", "generation": "x-1"}, verify=ctx("operator"))
+    assert r.status_code == 403  # nor beat for a host, fast path or not
+    r = httpx.get(cluster.agents["spare-1"].url + "/v1/workers", headers=cluster_auth, timeout=5,
+                  verify=ctx("coordinator"))
+    assert r.status_code == 200
+
+
+def test_certificates_are_issued_for_a_role(tmp_path):
+    import subprocess
+
+    from pitstop.devcluster import pitstop_cmd
+
+    subprocess.run([*pitstop_cmd(), "pki", "init", str(tmp_path / "ca")], check=True, capture_output=True)
+    p = subprocess.run([*pitstop_cmd(), "pki", "issue", str(tmp_path / "ca"), "gpu-1"], capture_output=True, text=True)
+    assert p.returncode == 2 and "--role" in p.stderr
+    p = subprocess.run([*pitstop_cmd(), "pki", "issue", str(tmp_path / "ca"), "gpu-1", "--role", "admin"],
+                       capture_output=True, text=True)
+    assert p.returncode != 0 and "agent, coordinator, operator" in (p.stdout + p.stderr)
+    assert not (tmp_path / "ca" / "gpu-1.pem").exists()
+    p = subprocess.run([*pitstop_cmd(), "pki", "issue", str(tmp_path / "ca"), "gpu-1", "--role", "agent"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((tmp_path / "ca" / "gpu-1.pem").read_bytes())
+    assert "OU=pitstop-agent" in cert.subject.rfc4514_string()

@@ -303,13 +303,15 @@ def pki_init(directory: Path = typer.Argument(..., help="where the CA's ca.pem a
 @pki.command("issue")
 def pki_issue(directory: Path = typer.Argument(..., help="the CA's directory"),
               name: str = typer.Argument(..., help="host, coordinator or operator name (the certificate's CN)"),
+              role: str = typer.Option(..., "--role", help="agent (a GPU host), coordinator or operator: "
+                                                          "each server admits only the roles its endpoints are for"),
               san: list[str] = typer.Option([], "--san", help="a DNS name or IP address peers use for it (repeat)"),
               days: int = typer.Option(365, min=1, max=3650)) -> None:
     """Issue NAME.pem and NAME.key; point PITSTOP_TLS_CA/CERT/KEY at them on that host."""
     from . import tls
 
     try:
-        crt, key = tls.issue(directory, name, san, days)
+        crt, key = tls.issue(directory, name, san, days, role=role)
     except PitstopError as e:
         _fail(e)
     print(f"PITSTOP_TLS_CA={directory / 'ca.pem'}\nPITSTOP_TLS_CERT={crt}\nPITSTOP_TLS_KEY={key}")

@@ -125,7 +125,8 @@ class LocalCluster:
             tls.init_ca(self.tls_dir)
         crt, key = self.tls_dir / f"{name}.pem", self.tls_dir / f"{name}.key"
         if not crt.exists():
-            crt, key = tls.issue(self.tls_dir, name, sans or ["127.0.0.1"])
+            role = name if name in ("coordinator", "operator") else "agent"
+            crt, key = tls.issue(self.tls_dir, name, sans or ["127.0.0.1"], role=role)
         return {"PITSTOP_TLS_CA": str(self.tls_dir / "ca.pem"), "PITSTOP_TLS_CERT": str(crt),
                 "PITSTOP_TLS_KEY": str(key)}
 

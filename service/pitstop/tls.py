@@ -11,8 +11,15 @@ every process (each process its own certificate):
   PITSTOP_TLS_KEY   its private key (PEM, 0600)
 
 Without PITSTOP_TLS_CA, services speak plain HTTP (the bearer tokens still apply).
-`pitstop pki init DIR` and `pitstop pki issue DIR NAME --san ...` make a CA and certificates.
-The agents' local Unix socket never uses TLS (SO_PEERCRED decides there).
+`pitstop pki init DIR` and `pitstop pki issue DIR NAME --role ROLE --san ...` make a CA and
+certificates.  The agents' local Unix socket never uses TLS (SO_PEERCRED decides there).
+
+Every certificate names one role (its subject's OU: pitstop-agent, pitstop-coordinator or
+pitstop-operator), and each server admits only the roles its endpoints are for (agents'
+peer API: agents and the coordinator; coordinator's agent endpoints: agents; its operator
+API: operators).  So the certificate given to an operator's laptop cannot stream images or
+act as an agent, and a compromised GPU host's certificate cannot start evacuations, even
+where the bearer token leaked along with it.
 """
 
 from __future__ import annotations
@@ -24,7 +31,11 @@ import ssl
 from pathlib import Path
 from typing import Any
 
-from .errors import FailedPrecondition
+from .errors import FailedPrecondition, Forbidden
+
+ROLES = ("agent", "coordinator", "operator")
+_OU_PREFIX = "pitstop-"
+PEER_ROLE = "pitstop.peer_role"  # the ASGI scope key with_peer_role() fills in
 
 
 def _paths() -> tuple[str | None, str | None, str | None]:
@@ -97,13 +108,16 @@ def init_ca(directory: Path, name: str = "pitstop cluster CA", days: int = 3650)
     return directory / "ca.pem"
 
 
-def issue(directory: Path, name: str, sans: list[str], days: int = 365) -> tuple[Path, Path]:
-    """A certificate for `name` (a host, the coordinator, an operator) signed by the CA in directory."""
+def issue(directory: Path, name: str, sans: list[str], days: int = 365, role: str = "agent") -> tuple[Path, Path]:
+    """A certificate for `name` in `role` (see ROLES) signed by the CA in directory."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+    if role not in ROLES:
+        raise FailedPrecondition(f"unknown role {role!r}", code="unknown_role",
+                                 action=f"use one of: {', '.join(ROLES)}")
     try:
         ca_cert = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
         ca_key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), password=None)
@@ -118,7 +132,9 @@ def issue(directory: Path, name: str, sans: list[str], days: int = 365) -> tuple
             names.append(x509.DNSName(s))
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, _OU_PREFIX + role),
+                         x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    cert = (x509.CertificateBuilder().subject_name(subject)
             .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
             .add_extension(x509.SubjectAlternativeName(names), critical=False)
@@ -130,6 +146,58 @@ def issue(directory: Path, name: str, sans: list[str], days: int = 365) -> tuple
     crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     _write_key(k, key, serialization)
     return crt, k
+
+
+def role_of(peercert: dict | None) -> str | None:
+    """The pitstop role a verified peer certificate (ssl.getpeercert()) names, or None."""
+    for rdn in (peercert or {}).get("subject", ()):
+        for k, v in rdn:
+            if k == "organizationalUnitName" and v.startswith(_OU_PREFIX) and v[len(_OU_PREFIX):] in ROLES:
+                return v[len(_OU_PREFIX):]
+    return None
+
+
+def with_peer_role(base: type) -> type:
+    """uvicorn's HTTP protocol class, putting the TLS peer's role into each request's scope."""
+
+    class PeerRole(base):  # type: ignore[misc, valid-type]
+        _peer_role: str | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            ssl_object = transport.get_extra_info("ssl_object")
+            if ssl_object is not None:
+                self._peer_role = role_of(ssl_object.getpeercert())
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.scope[PEER_ROLE] = self._peer_role
+
+    return PeerRole
+
+
+def role_allowed(scope: dict, allowed: tuple[str, ...]) -> bool:
+    return not enabled() or scope.get(PEER_ROLE) in allowed
+
+
+def require_role(scope: dict, allowed: tuple[str, ...]) -> None:
+    """With TLS on, refuse a peer whose certificate's role is not in `allowed` (403)."""
+    if role_allowed(scope, allowed):
+        return
+    got = scope.get(PEER_ROLE)
+    raise Forbidden(f"a certificate of role {got!r} may not call this" if got else
+                    "the client certificate names no pitstop role", code="wrong_certificate_role",
+                    action=f"use a certificate issued with `pitstop pki issue --role {allowed[0]}`"
+                           + (f" (or {', '.join(allowed[1:])})" if len(allowed) > 1 else ""))
+
+
+def http_protocol() -> type:
+    """The HTTP protocol class for a TCP server: uvicorn's, plus the peer's role under TLS."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:  # pragma: no cover - httptools ships with uvicorn[standard]
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return with_peer_role(base)
 
 
 def _write_key(path: Path, key: Any, serialization: Any) -> None:

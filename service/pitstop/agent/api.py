@@ -135,6 +135,7 @@ def peer_app(agent: Agent) -> FastAPI:
     install_error_handlers(app)
 
     def auth(request: Request) -> None:
+        tls.require_role(request.scope, ("agent", "coordinator"))
         require_token(request, agent.s.cluster_token, "cluster", "PITSTOP_CLUSTER_TOKEN")
 
     @app.get("/healthz")

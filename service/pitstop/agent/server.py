@@ -43,7 +43,8 @@ def serve(s: AgentSettings) -> None:
     if s.sock.exists():
         s.sock.unlink()
     tcp = uvicorn.Server(uvicorn.Config(peer_app(agent), host=host, port=port, log_level="warning",
-                                        http=http, lifespan="off", timeout_keep_alive=30, **tls.server_kwargs()))
+                                        http=tls.http_protocol() if http == "httptools" else http, lifespan="off",
+                                        timeout_keep_alive=30, **tls.server_kwargs()))
     if http == "httptools":
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     else:

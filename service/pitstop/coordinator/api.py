@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from .. import __version__
+from .. import __version__, tls
 from ..agent.client import AgentClient
 from .beats import BeatFastPath
 from ..errors import Conflict, Forbidden, NotFound, PitstopError, Unprocessable
@@ -140,6 +140,7 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
 
     def operator(request: Request) -> None:
         """Reads: the operator token or the read-only token.  Mutations: the operator token only."""
+        tls.require_role(request.scope, ("operator",))
         if settings.operator_token is None:
             return  # insecure development mode
         if request.method in ("GET", "HEAD") and token_matches(request, settings.read_token):
@@ -150,6 +151,7 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
         require_token(request, settings.operator_token, "operator", "PITSTOP_TOKEN")
 
     async def cluster(request: Request) -> None:  # async: no thread hop on the hottest path (beats)
+        tls.require_role(request.scope, ("agent",))
         require_token(request, settings.cluster_token, "cluster", "PITSTOP_CLUSTER_TOKEN")
 
     @app.get("/healthz")

@@ -24,6 +24,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ..tls import role_allowed
+
 PATH = "/v1/agents:beat"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 _GEN = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -74,6 +76,8 @@ class BeatFastPath:
                              count=self._count_udp)
 
     def _authorized(self, scope: Scope) -> bool:
+        if not role_allowed(scope, ("agent",)):
+            return False  # the route says why (403)
         if self._token is None:
             return True  # insecure development mode, as the route
         for k, v in scope["headers"]:

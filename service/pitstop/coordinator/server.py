@@ -39,6 +39,7 @@ def serve(s: CoordinatorSettings) -> None:
     touched = driver.reconcile()
     host, port = s.host_port()
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                           http=tls.http_protocol(),
                                            **tls.server_kwargs()))
 
     async def main() -> None:

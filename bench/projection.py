@@ -1,0 +1,141 @@
+"""A projection, not a measurement: pitstop vs checkpoint-restart for one host leaving a job of
+64, 1,024 and 16,384 GPUs.
+
+    .venv/bin/python bench/projection.py [--measured bench/out/compare-warm.json] [--markdown]
+
+The model is made of the components bench/compare.py measures on this machine (rates of
+CRIU's dump and restore, pitstop's stream, torch.save/torch.load, a relaunch's start-up,
+the coordinator's cost per host contacted) and of GPU-cluster inputs that nobody has
+measured here yet (no GPU run so far; each is named in ASSUMED with where it comes from).
+Every GPU of the job waits while either method runs, so the cost of an evacuation is its
+pause times the job's GPUs.
+
+pitstop, one host of 8 GPUs leaving (cost follows the leaving host; only control grows):
+    control   = 3 rounds (pause, commit, resume) x (measured round latency + hosts x RPC CPU)
+    gpu       = device memory in use / cuda-checkpoint rate, out and back in
+    data      = leaving bytes (device + host memory) / min(8 x stream rate per rank, NIC)
+    restore   = leaving bytes / (8 x CRIU restore rate per rank)
+    rewire    = NCCL communicator re-creation at the job's size
+checkpoint-restart of the same planned evacuation (cost follows the whole job):
+    save      = every GPU's checkpoint shard / shared storage's aggregate write rate
+    relaunch  = scheduler, process start, imports, CUDA init, every rank in parallel
+    nccl_init = NCCL communicator creation at the job's size
+    load      = every shard / aggregate read rate
+Asymmetry worth knowing: a checkpoint holds parameters and optimizer state only, a shard
+per GPU, while pitstop moves all device memory in use (activations and caches included),
+but only the leaving host's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+GPUS_PER_HOST = 8
+SIZES = (64, 1024, 16384)
+
+ASSUMED = {
+    # name: (value, unit, source)
+    "device_in_use_gb": (100.0, "GB per GPU", "H200 has 141 GB; a large job keeps most of it busy"),
+    "host_state_gb": (20.0, "GB per GPU", "host memory per rank (pinned buffers, loaders, Python)"),
+    "checkpoint_shard_gb": (10.0, "GB per GPU", "parameters + Adam state (16 B/param), sharded across the job"),
+    "cuda_checkpoint_gbps": (20.0, "GB/s per GPU",
+                             "device-to-host over PCIe Gen5; not measured (tests/gpu/run.sh measures it)"),
+    "nic_gbps": (50.0, "GB/s per host", "one 400 Gb/s front-end NIC; pitstop's stream is TCP, not RDMA"),
+    "storage_write_gbps": (1000.0, "GB/s aggregate", "a large parallel file system"),
+    "storage_read_gbps": (2000.0, "GB/s aggregate", "a large parallel file system"),
+    "relaunch_s": (60.0, "s", "scheduler, containers, imports, CUDA contexts (4.6 s here for a toy job)"),
+    "nccl_init_s_per_log2": (2.5, "s per doubling",
+                             "NCCL init at 16k GPUs takes tens of seconds in public reports; modelled as "
+                             "a log2(N) bootstrap"),
+    "rpc_cpu_s": (0.0017, "s per host per round",
+                  "coordinator CPU per agent call, as measured for a full heartbeat (bench/heartbeat_load.py)"),
+}
+
+
+def _load(measured: Path) -> dict:
+    d = json.loads(measured.read_text())
+    runs = {r["method"]: r for r in d["runs"]}
+    p = runs["pitstop"]
+    # Per-rank rates from a move of one rank alone (the smallest scaling run): on 2 cores two
+    # concurrent ranks halve each other's rates, which a host with cores for each rank does not.
+    solo = min(d.get("scaling") or [p], key=lambda r: r["world"])
+    caps = solo["capture_phases"]
+    per_rank = solo["bytes"] / len(caps)
+    out = {"date": d["date"], "machine": d["machine"], "rates_from": f"{solo['method']}, {solo['world']} ranks",
+           "dump_Bps": per_rank / max(c["dump"] for c in caps),
+           "stream_Bps": per_rank / max(c["transfer"] for c in caps),
+           "restore_Bps": per_rank / solo["phases"]["restore"],
+           "round_s": (p["phases"]["pause"] + p["phases"]["commit"] + p["phases"]["resume"]) / 3,
+           "pitstop_downtime_s": p["downtime_s"], "moved_bytes": p["bytes"]}
+    ck = runs.get("checkpoint-restart")
+    if ck:
+        ph = ck["phases"]
+        out.update({"ckpt_relaunch_s": ph["exit_and_relaunch"] + ph["import"], "ckpt_pause_s": ck["job_pause_s"]})
+    return out
+
+
+def project(m: dict, gpus: int) -> dict:
+    a = {k: v[0] for k, v in ASSUMED.items()}
+    hosts = gpus // GPUS_PER_HOST
+    gb = 1e9
+    leaving = GPUS_PER_HOST * (a["device_in_use_gb"] + a["host_state_gb"]) * gb
+    # Measured per rank on 2 shared cores; a GPU host streams and restores its 8 ranks on cores
+    # of their own, so the per-rank rates add up, until the NIC caps the stream.
+    stream = min(m["stream_Bps"] * GPUS_PER_HOST, a["nic_gbps"] * gb)
+    log2 = max(1.0, gpus.bit_length() - 1)
+    pit = {
+        "control": 3 * (m["round_s"] + hosts * a["rpc_cpu_s"]),
+        "gpu": 2 * a["device_in_use_gb"] / a["cuda_checkpoint_gbps"],
+        "data": leaving / stream,
+        "restore": leaving / (m["restore_Bps"] * GPUS_PER_HOST),
+        "rewire": a["nccl_init_s_per_log2"] * log2,
+    }
+    shards = gpus * a["checkpoint_shard_gb"]
+    ck = {
+        "save": shards / a["storage_write_gbps"],
+        "relaunch": a["relaunch_s"],
+        "nccl_init": a["nccl_init_s_per_log2"] * log2,
+        "load": shards / a["storage_read_gbps"],
+    }
+    tp, tc = sum(pit.values()), sum(ck.values())
+    return {"gpus": gpus, "pitstop_s": tp, "checkpoint_restart_s": tc, "pitstop": pit, "checkpoint_restart": ck,
+            "pitstop_dominant": max(pit, key=pit.get), "restart_dominant": max(ck, key=ck.get),
+            "gpu_hours_pitstop": gpus * tp / 3600, "gpu_hours_restart": gpus * tc / 3600,
+            "pitstop_at_nic_speed_s": tp - pit["data"] + leaving / (a["nic_gbps"] * gb)}
+
+
+def markdown(m: dict, rows: list[dict]) -> str:
+    out = [f"Measured inputs ({m['date']}, {m['machine']}, bench/compare.py, rates from the run "
+           f"'{m['rates_from']}'): per leaving rank, CRIU dump "
+           f"{m['dump_Bps'] / 1e9:.2f} GB/s, pitstop stream {m['stream_Bps'] / 1e9:.2f} GB/s, CRIU restore "
+           f"{m['restore_Bps'] / 1e9:.2f} GB/s; a control round (pause, commit or resume) {m['round_s']:.2f} s.", "",
+           "| GPUs | pitstop (s) | its largest term | pitstop with a NIC-speed stream (s) | checkpoint-restart (s) "
+           "| its largest term | GPU-hours per evacuation: pitstop / restart |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['gpus']:,} | {r['pitstop_s']:.0f} | {r['pitstop_dominant']} "
+                   f"({r['pitstop'][r['pitstop_dominant']]:.0f} s) | {r['pitstop_at_nic_speed_s']:.0f} | "
+                   f"{r['checkpoint_restart_s']:.0f} | "
+                   f"{r['restart_dominant']} ({r['checkpoint_restart'][r['restart_dominant']]:.0f} s) | "
+                   f"{r['gpu_hours_pitstop']:.1f} / {r['gpu_hours_restart']:.1f} |")
+    out += ["", "Assumed (not measured here):", ""]
+    out += [f"- {k} = {v} {u}: {src}" for k, (v, u, src) in ASSUMED.items()]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--measured", default=str(Path(__file__).resolve().parent / "out" / "compare-warm.json"))
+    ap.add_argument("--markdown", action="store_true")
+    a = ap.parse_args()
+    m = _load(Path(a.measured))
+    rows = [project(m, n) for n in SIZES]
+    if a.markdown:
+        print(markdown(m, rows))
+        return
+    print(json.dumps({"measured": m, "assumed": ASSUMED, "projection": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
