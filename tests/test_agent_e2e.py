@@ -21,7 +21,7 @@ from pitstop.capture import proctree
 from pitstop.errors import IntegrityError, PitstopError, TransferFailed
 from pitstop.migration.move import move_worker
 
-from .helpers import (CuttingProxy, assert_same_as_reference, ddp_cmd, reference_hashes, step_times,
+from .helpers import (CuttingProxy, free_port, assert_same_as_reference, ddp_cmd, reference_hashes, step_times,
                       wait_for_step)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -106,13 +106,24 @@ def test_corrupt_image_refused_before_criu_and_source_resumes(cluster, tmp_path)
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80))
 
 
-def test_transfer_cut_halfway_source_resumes(cluster, tmp_path):
+@pytest.mark.parametrize("path", ["data port", "http"])
+def test_transfer_cut_halfway_source_resumes(cluster, tmp_path, path):
+    """The network breaks mid-stream, on the data port and on the HTTP fallback alike."""
+    if path == "http":
+        cluster.start_agent("a", env={"PITSTOP_AGENT_DATA_STREAM": "0"})
+        b = cluster.start_agent("b", spare=True)
+        proxy = CuttingProxy(int(b.url.rsplit(":", 1)[1]), cut_after=20_000_000)
+    else:  # b's data port behind the cutting proxy, which b announces as its data port
+        data = free_port()
+        proxy = CuttingProxy(data, cut_after=20_000_000)
+        b = cluster.start_agent("b", spare=True, env={"PITSTOP_AGENT_DATA_LISTEN": f"127.0.0.1:{data}",
+                                                      "PITSTOP_AGENT_DATA_ADVERTISE_PORT": str(proxy.port)})
     a, b, out, ranks = _job(cluster, tmp_path, steps=80)
     wait_for_step(ranks[1].log, 8)
-    proxy = CuttingProxy(int(b.url.rsplit(":", 1)[1]), cut_after=20_000_000)
     try:
         dst = b.client()
-        dst.url = proxy.url  # the source streams through the cutting proxy
+        if path == "http":
+            dst.url = proxy.url  # the source streams through the cutting proxy
         with pytest.raises(TransferFailed) as e:
             move_worker(a.client(), dst, "j.1", peers=[(a.client(), "j.0")])
         assert proxy.cuts == 1

@@ -169,3 +169,29 @@ def test_manifest_with_another_digest_is_refused(tmp_path):
     with pytest.raises(IntegrityError, match="same pitstop version"):
         for p in tail:
             rx.feed(p)
+
+
+def test_any_rechunking_of_the_stream_gives_the_same_files(tmp_path):
+    """The receiver parses headers in place and buffers only a header cut by a piece boundary:
+    cut the stream at random places, down to single bytes, and the files must come out whole."""
+    import random
+
+    src = tmp_path / "s"
+    src.mkdir()
+    files = {f"f{i}.img": os.urandom(random.Random(i).randint(0, 5000)) for i in range(12)}
+    for n, data in files.items():
+        (src / n).write_bytes(data)
+    tail = DirectoryTail(src)
+    tail.finished.set()
+    stream = b"".join(bytes(p) for p in tail)
+    for seed in range(5):
+        rng = random.Random(seed)
+        rx = StreamReceiver(tmp_path / f"d{seed}")
+        i = 0
+        while i < len(stream):
+            k = rng.choice([1, 2, 3, 7, 16, 64, 500, 4096])
+            rx.feed(memoryview(stream)[i:i + k])
+            i += k
+        assert rx.complete
+        for n, data in files.items():
+            assert (tmp_path / f"d{seed}" / n).read_bytes() == data

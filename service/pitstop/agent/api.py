@@ -29,7 +29,7 @@ from ..errors import Conflict, FailedPrecondition, PitstopError, TransferFailed
 from ..httpapi import install_error_handlers, require_token
 from ..transfer.stream import receive_into
 from .capturing import SourceSide
-from .receiving import DestinationSide
+from .receiving import DestinationSide, Slot
 from .settings import AgentSettings
 from .state import LIVE_STATES, AgentState, Capture, Worker
 
@@ -61,6 +61,7 @@ class Agent:
         self.source.on_finished = self._count_capture
         self.source.reconcile()
         self.started = time.time()
+        self.data_port: int | None = None  # set by the server once transfer/dataport.py listens
 
     def _count_capture(self, c: Capture) -> None:
         """Called once per capture, when its dump and stream are over (sent, dumped or failed)."""
@@ -69,6 +70,25 @@ class Agent:
         for k, v in c.phases.items():
             self.metrics.phase.labels(k).observe(v)
 
+    def storage_error(self, slot: Slot, e: OSError) -> TransferFailed:
+        """A write of a received image failed (ENOSPC above all): say where and how much."""
+        free = shutil.disk_usage(self.s.images).free
+        return TransferFailed(
+            f"cannot store image {slot.image_id} on {self.s.name}: {e.strerror} in {self.s.images} "
+            f"after {slot.receiver.received} bytes ({free // 2**20} MiB free there now)",
+            code="destination_storage", http_status=507,
+            action="the copy is discarded and the source resumed; free space in the "
+                   "destination's image directory or pick another spare")
+
+    def finish_slot(self, slot: Slot) -> dict:
+        slot.state = "complete"
+        slot.finished = time.monotonic()
+        rx = slot.receiver
+        self.metrics.received.inc(rx.received)
+        m = rx.manifest
+        return {"image_id": slot.image_id, "bytes": rx.received, "files": len(m.files) if m else 0,
+                "seconds": slot.finished - slot.started}
+
     def info(self) -> dict:
         try:
             rt = runtime.locate()
@@ -76,6 +96,7 @@ class Agent:
         except PitstopError as e:
             criu = {"error": e.message}
         return {"name": self.s.name, "url": self.s.url, "spare": self.s.spare, "version": __version__,
+                "data_port": self.data_port,
                 "criu": criu, "workers": len([w for w in self.state.workers.values()
                                               if w.state in LIVE_STATES])}
 
@@ -246,18 +267,13 @@ def peer_app(agent: Agent) -> FastAPI:
 
     @r.put("/images/{image_id}")
     async def receive(image_id: str, request: Request) -> dict:
+        """The image stream as an HTTP body (agents without a data port; transfer/dataport.py)."""
         slot = agent.dest.open_slot(image_id)
         try:
             try:
                 await receive_into(slot.receiver, request.stream())
             except OSError as e:  # ENOSPC above all: say where and how much
-                free = shutil.disk_usage(agent.s.images).free
-                raise TransferFailed(
-                    f"cannot store image {image_id} on {agent.s.name}: {e.strerror} in {agent.s.images} "
-                    f"after {slot.receiver.received} bytes ({free // 2**20} MiB free there now)",
-                    code="destination_storage", http_status=507,
-                    action="the copy is discarded and the source resumed; free space in the "
-                           "destination's image directory or pick another spare") from None
+                raise agent.storage_error(slot, e) from None
             if not slot.receiver.complete:
                 raise TransferFailed(f"image stream {image_id} ended before its manifest "
                                      f"({slot.receiver.received} bytes received)", http_status=400,
@@ -265,12 +281,7 @@ def peer_app(agent: Agent) -> FastAPI:
         except BaseException:
             agent.dest.fail_slot(slot)
             raise
-        slot.state = "complete"
-        slot.finished = time.monotonic()
-        agent.metrics.received.inc(slot.receiver.received)
-        m = slot.receiver.manifest
-        return {"image_id": image_id, "bytes": slot.receiver.received, "files": len(m.files) if m else 0,
-                "seconds": slot.finished - slot.started}
+        return agent.finish_slot(slot)
 
     @r.get("/images/{image_id}")
     def image(image_id: str) -> dict:

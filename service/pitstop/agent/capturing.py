@@ -35,6 +35,7 @@ from ..capture.manifest import Manifest
 from ..errors import CaptureFailed, Conflict, FailedPrecondition, PitstopError, TransferFailed
 from ..gpu.checkpoint import GpuCheckpointer  # noqa: F401 - the type of self.gpu
 from ..network import workerns
+from ..transfer import dataport
 from ..transfer.stream import DirectoryTail
 from .settings import AgentSettings
 from .state import AgentState, Capture, Worker
@@ -237,6 +238,11 @@ class SourceSide:
         try:
             with httpx.Client(timeout=httpx.Timeout(self.s.transfer_timeout_s, connect=10),
                               verify=tls.client_context()) as c:
+                port = self._data_port(c, cap.dest_url, headers) if self.s.data_stream else None
+                if port:  # the fast path: a socket of its own (transfer/dataport.py)
+                    dataport.send(_cut(iter(tail), faults.value("transfer:cut_after")), httpx.URL(url).host, port,
+                                  cap.image_id, self.s.cluster_token, timeout_s=self.s.transfer_timeout_s)
+                    return
                 r = c.put(url, content=_cut(iter(tail), faults.value("transfer:cut_after")), headers=headers)
             if r.status_code >= 300:
                 body = _error_body(r)
@@ -248,8 +254,20 @@ class SourceSide:
                                          action="the source was resumed; check the destination agent"))
         except PitstopError as e:
             errors.append(e)
+        except OSError as e:  # the data port: refused, reset, timed out
+            errors.append(TransferFailed(f"transfer to {cap.dest_url} failed: {e!r}",
+                                         action="the source was resumed; check the destination agent"))
         finally:
             done[0] = time.monotonic()
+
+    @staticmethod
+    def _data_port(c: httpx.Client, dest_url: str, headers: dict[str, str]) -> int | None:
+        """The destination's data port (None: an agent without one; the images go as an HTTP PUT)."""
+        r = c.get(f"{dest_url.rstrip('/')}/v1/info", headers=headers, timeout=10)
+        if r.status_code >= 300:
+            return None
+        port = r.json().get("data_port")
+        return int(port) if isinstance(port, int) and 0 < port < 65536 else None
 
     def _fail(self, cap: Capture, w: Worker, e: BaseException, resumed_by: str) -> None:
         err = e.to_dict() if isinstance(e, PitstopError) else {"code": "internal", "message": repr(e)}

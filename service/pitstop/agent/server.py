@@ -10,6 +10,7 @@ import uvicorn
 import uvloop
 
 from .. import tls
+from ..transfer.dataport import DataPort
 from ..errors import FailedPrecondition
 from ..sdnotify import notify, watchdog_loop
 from .api import Agent, local_app, peer_app
@@ -51,6 +52,11 @@ def serve(s: AgentSettings) -> None:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     uds = uvicorn.Server(uvicorn.Config(local_app(agent), uds=str(s.sock), log_level="warning",
                                         http=checked(base, s.local_group), lifespan="off"))
+    data_host, data_port = s.data_host_port()
+    port_ = DataPort(data_host, data_port, token=s.cluster_token, open_slot=agent.dest.open_slot,
+                     fail_slot=agent.dest.fail_slot, finished=agent.finish_slot, on_error=agent.storage_error,
+                     idle_timeout_s=min(s.transfer_timeout_s, 60.0)).start()
+    agent.data_port = s.data_advertise_port or port_.port
     extra = []
     if s.coordinator:
         from .heartbeat import heartbeat_loop
@@ -72,6 +78,7 @@ def serve(s: AgentSettings) -> None:
         done, pending = await asyncio.wait(tasks[:2], return_when=asyncio.FIRST_COMPLETED)
         notify("STOPPING=1")
         tcp.should_exit = uds.should_exit = True
+        port_.close()
         for t in tasks:
             if t not in done:
                 t.cancel()

@@ -35,6 +35,15 @@ class AgentSettings(BaseSettings):
     # False: dump whole to disk, then send (plain dump-copy-restore).  Slower; the baseline that
     # bench/compare.py measures pitstop against, and a fallback should a CRIU ever rewrite an image.
     stream_while_dumping: bool = True
+    # Image streams arrive on a plain socket of their own (transfer/dataport.py); port 0: any free
+    # port, announced in /v1/info.  Set a fixed one (e.g. 0.0.0.0:7071) where firewalls need it.
+    data_listen: str | None = None     # default: the listen host, port 0
+    data_stream: bool = True           # False: send images as an HTTP PUT (the slower path)
+    data_advertise_port: int | None = Field(default=None, ge=1, le=65535)  # what peers connect to, behind NAT
+
+    def data_host_port(self) -> tuple[str, int]:
+        host, _, port = (self.data_listen or f"{self.host_port()[0]}:0").rpartition(":")
+        return host.strip("[]") or "127.0.0.1", int(port)
 
     @property
     def url(self) -> str:

@@ -161,9 +161,10 @@ class StreamReceiver:
         for c in chunks:
             self.feed(c)
 
-    def feed(self, chunk: bytes) -> None:
-        """Consume one piece of the stream.  File data goes from `chunk` straight to disk:
-        only frame headers are ever buffered (this is the hot path of every move)."""
+    def feed(self, chunk: bytes | bytearray | memoryview) -> None:
+        """Consume one piece of the stream.  File data goes from `chunk` straight to disk and
+        headers are parsed in place: only a header split across two pieces is ever buffered
+        (this is the hot path of every move)."""
         if self.manifest is not None:
             raise TransferFailed("data after the end of the image stream", action="send again")
         mv = memoryview(chunk)
@@ -176,48 +177,52 @@ class StreamReceiver:
                 remaining -= take
                 self._pending = None if remaining == 0 else (name, off + take, remaining)
                 continue
-            self._buf += mv  # a header, or the start of one
-            mv = memoryview(b"")
-            while self._pending is None and self._header():
-                pass
-            if self._pending is not None and self._buf:
-                mv = memoryview(bytes(self._buf))  # data that followed the header in the same chunk
-                self._buf.clear()
+            if self.manifest is not None:
+                raise TransferFailed("data after the end of the image stream", action="send again")
+            if self._buf:  # the rest of a split header: complete it from this piece
+                have = len(self._buf)
+                self._buf += mv
+                used = self._parse(memoryview(self._buf))
+                if used == 0:
+                    return  # still incomplete; all of `mv` is buffered
+                self._buf = bytearray()
+                mv = mv[used - have:]
+                continue
+            used = self._parse(mv)
+            if used == 0:
+                self._buf = bytearray(mv)  # a header cut by the end of this piece
+                return
+            mv = mv[used:]
 
-    def _header(self) -> bool:
-        """Parse one frame header from the buffer; True if one was consumed."""
-        buf = self._buf
-        if not buf or self.manifest is not None:
-            return False
-        kind = bytes(buf[:1])
+    def _parse(self, view: memoryview) -> int:
+        """Parse one frame header at the start of `view`; the bytes it took, 0 if incomplete."""
+        kind = bytes(view[:1])
         if kind == b"D":
-            if len(buf) < 1 + _D.size:
-                return False
-            nlen, off, n = _D.unpack_from(buf, 1)
-            if len(buf) < 1 + _D.size + nlen:
-                return False
-            name = bytes(buf[1 + _D.size:1 + _D.size + nlen]).decode()
+            if len(view) < 1 + _D.size:
+                return 0
+            nlen, off, n = _D.unpack_from(view, 1)
+            if len(view) < 1 + _D.size + nlen:
+                return 0
+            name = bytes(view[1 + _D.size:1 + _D.size + nlen]).decode()
             if "/" in name or name in ("", ".", "..") or _skipped(name):
                 raise TransferFailed(f"refusing image file name {name!r}", action="check the sender")
-            del buf[:1 + _D.size + nlen]
             if n == 0:
                 self._write(name, off, b"")
             else:
                 self._pending = (name, off, n)
-            return True
+            return 1 + _D.size + nlen
         if kind in (b"M", b"E"):
-            if len(buf) < 1 + _L.size:
-                return False
-            (n,) = _L.unpack_from(buf, 1)
-            if len(buf) < 1 + _L.size + n:
-                return False
-            body = bytes(buf[1 + _L.size:1 + _L.size + n])
-            del buf[:1 + _L.size + n]
+            if len(view) < 1 + _L.size:
+                return 0
+            (n,) = _L.unpack_from(view, 1)
+            if len(view) < 1 + _L.size + n:
+                return 0
+            body = bytes(view[1 + _L.size:1 + _L.size + n])
             if kind == b"E":
                 raise TransferFailed("the sender aborted the transfer: " + json.loads(body).get("message", ""),
-                                     action="the copy is discarded; the source keeps running")
+                                     action="the copy is discarded; the source keeps its images")
             self._finish(Manifest.model_validate_json(body))
-            return False
+            return 1 + _L.size + n
         raise TransferFailed(f"corrupt image stream (frame type {kind!r})", action="send again")
 
     def _write(self, name: str, off: int, data: bytes | memoryview) -> None:

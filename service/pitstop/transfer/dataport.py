@@ -1,0 +1,185 @@
+"""The agents' data port: image streams on a plain socket instead of an HTTP request.
+
+Why: on the HTTP path uvicorn copies every received byte twice before the application
+sees it (into a bytearray per read, then into a bytes object per receive()) and pauses
+reading every 64 KiB; with recv_into() a 4 MiB buffer and pwrite() from it, the receiver
+copies each byte once from the kernel and once into the image file.  The sender hands
+mapped image pages straight to sendall().  Same framing as the HTTP body (stream.py), same
+slot, manifest check and errors; the HTTP PUT stays for agents without a data port.
+
+The exchange, one connection per image (TLS-wrapped when PITSTOP_TLS_* is set, with the
+same CA and the same role check as the HTTP API):
+  client: {"image_id": ..., "token": ...}\\n       server: {"ok": true}\\n  or an error line
+  client: the frames, up to and including the manifest
+  server: {"ok": true, "bytes": N, "files": F, "seconds": S}\\n  or {"error": {...}, "status": 507}\\n
+Every wait has a deadline (connect, hello, each receive, the final answer).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import structlog
+
+from .. import tls
+from ..errors import PitstopError, TransferFailed
+from .stream import StreamReceiver
+
+log = structlog.get_logger("pitstop.transfer.dataport")
+
+BUFFER = 4 << 20
+MAX_LINE = 64 << 10
+
+
+def _read_line(sock: socket.socket, limit: int = MAX_LINE) -> bytes:
+    out = bytearray()
+    while not out.endswith(b"\n"):
+        b = sock.recv(1)  # only for the short control lines; the stream itself is read in bulk
+        if not b:
+            raise ConnectionError("connection closed")
+        out += b
+        if len(out) > limit:
+            raise ValueError("control line too long")
+    return bytes(out)
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
+class DataPort:
+    """The receiving side: a listening socket and a thread per incoming stream."""
+
+    def __init__(self, host: str, port: int, *, token: str | None, open_slot: Callable[[str], Any],
+                 fail_slot: Callable[[Any], None], finished: Callable[[Any], dict], on_error: Callable[[Any, BaseException], PitstopError],
+                 idle_timeout_s: float = 60.0) -> None:
+        self._token = token.encode() if token else None
+        self._open_slot, self._fail_slot, self._finished, self._on_error = open_slot, fail_slot, finished, on_error
+        self.idle_timeout_s = idle_timeout_s
+        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                         backlog=64, reuse_port=False)
+        self.port = self.sock.getsockname()[1]
+        self._ssl = self._server_context()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="dataport-accept", daemon=True)
+
+    @staticmethod
+    def _server_context() -> ssl.SSLContext | None:
+        kw = tls.server_kwargs()
+        if not kw:
+            return None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(kw["ssl_certfile"], kw["ssl_keyfile"])
+        ctx.load_verify_locations(kw["ssl_ca_certs"])
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def start(self) -> "DataPort":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, addr = self.sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn, addr), name="dataport-recv", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, addr: Any) -> None:
+        slot = None
+        try:
+            conn.settimeout(self.idle_timeout_s)
+            if self._ssl is not None:
+                conn = self._ssl.wrap_socket(conn, server_side=True)
+                tls.require_role({tls.PEER_ROLE: tls.role_of(conn.getpeercert())}, ("agent",))
+            hello = json.loads(_read_line(conn))
+            got = str(hello.get("token") or "").encode()
+            if self._token is not None and not hmac.compare_digest(got, self._token):
+                raise PitstopError("missing or wrong cluster token on the data port", code="unauthenticated",
+                                   http_status=401, action="send the value of PITSTOP_CLUSTER_TOKEN")
+            slot = self._open_slot(str(hello.get("image_id", "")))
+            conn.sendall(_line({"ok": True}))
+            rx: StreamReceiver = slot.receiver
+            buf = bytearray(BUFFER)
+            mv = memoryview(buf)
+            while not rx.complete:
+                n = conn.recv_into(mv)
+                if n == 0:
+                    raise TransferFailed(f"image stream {slot.image_id} ended before its manifest "
+                                         f"({rx.received} bytes received)", http_status=400,
+                                         action="the copy is discarded; the source keeps its images")
+                try:
+                    rx.feed(mv[:n])
+                except OSError as e:
+                    raise self._on_error(slot, e) from None
+            conn.sendall(_line({"ok": True, **self._finished(slot)}))
+        except BaseException as e:  # noqa: BLE001 - every failure is answered, the slot discarded
+            if slot is not None:
+                self._fail_slot(slot)
+            err = e if isinstance(e, PitstopError) else TransferFailed(
+                f"image stream failed on the destination: {e!r}", action="the copy is discarded; send again")
+            log.warning("image stream refused or failed", peer=str(addr), error=err.message)
+            try:
+                conn.sendall(_line({"error": err.to_dict(), "status": err.http_status}))
+            except OSError:
+                pass
+        finally:
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+
+def send(pieces: Iterable[bytes | memoryview], host: str, port: int, image_id: str, token: str | None,
+         timeout_s: float, connect_timeout_s: float = 10.0) -> dict[str, Any]:
+    """Stream `pieces` to a data port; the destination's final answer, or TransferFailed."""
+    ctx = tls.client_context()
+    sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+    try:
+        if isinstance(ctx, ssl.SSLContext):
+            sock = ctx.wrap_socket(sock, server_hostname=host)
+        sock.settimeout(timeout_s)
+        sock.sendall(_line({"image_id": image_id, "token": token or ""}))
+        _answer(sock, f"{host}:{port}")
+        t0 = time.monotonic()
+        try:
+            for piece in pieces:
+                sock.sendall(piece)
+        except OSError:
+            _answer(sock, f"{host}:{port}")  # the destination stopped reading: it says why
+            raise
+        reply = _answer(sock, f"{host}:{port}")
+        reply.setdefault("seconds", time.monotonic() - t0)
+        return reply
+    finally:
+        sock.close()
+
+
+def _answer(sock: socket.socket, where: str) -> dict[str, Any]:
+    try:
+        reply = json.loads(_read_line(sock))
+    except (OSError, ValueError) as e:
+        raise TransferFailed(f"image transfer to {where} broke before the destination answered: {e!r}",
+                             action="the source was resumed; check the destination agent and the network "
+                                    "between the hosts") from None
+    if "error" in reply:
+        err = reply["error"]
+        raise TransferFailed(f"destination refused the images: {err.get('message', '')}",
+                             action=err.get("action", "check the destination agent"),
+                             details={"status": reply.get("status"), "code": err.get("code")})
+    return reply
