@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import job_pause, machine  # noqa: E402
+from bench.common import evacuate_and_wait, job_pause, machine  # noqa: E402
 from pitstop.coordinator.client import CoordinatorClient  # noqa: E402
 from pitstop.devcluster import LocalCluster, wait_for_step  # noqa: E402
 from pitstop.netns import NetHosts  # noqa: E402
@@ -41,13 +41,7 @@ def one(own_addresses: bool, steps: int) -> dict:
                             {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}, addresses=addrs)
         wait_for_step(ranks[3].log, 30)
         t0 = time.time()
-        op = cc.evacuate("host-b")
-        while not op["done"]:
-            time.sleep(0.05)
-            op = cc.op(op["name"])
-        md = op["metadata"]
-        if md["result"] != "succeeded":
-            raise SystemExit(f"evacuation failed: {op.get('error')}")
+        md = evacuate_and_wait(cc, "host-b")
         codes = [r.proc.wait(300) for r in ranks]
         assert codes == [0, 0, 0, 0], codes
         pause, median = job_pause(ranks[0].log, since=t0)

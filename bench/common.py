@@ -44,6 +44,18 @@ def raw_tcp_bandwidth(nbytes: int = 1 << 30) -> float:
     return sent / dt
 
 
+def evacuate_and_wait(cc: "object", node: str, label: str = "evacuation") -> dict:
+    """Evacuate `node` through the coordinator and wait for the operation; its metadata."""
+    op = cc.evacuate(node)  # type: ignore[attr-defined]
+    while not op["done"]:
+        time.sleep(0.05)
+        op = cc.op(op["name"])  # type: ignore[attr-defined]
+    md = op["metadata"]
+    if md["result"] != "succeeded":
+        raise SystemExit(f"{label}: evacuation failed: {op.get('error')}")
+    return md
+
+
 def job_pause(log: Path, since: float = 0.0) -> tuple[float, float]:
     """(longest gap between steps after `since`, median gap): the pause as the job saw it, and a normal step."""
     gaps = sorted(step_gaps(log, since))

@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, raw_tcp_bandwidth  # noqa: E402
+from bench.common import evacuate_and_wait, machine, raw_tcp_bandwidth  # noqa: E402
 from pitstop.coordinator.client import CoordinatorClient  # noqa: E402
 from pitstop.devcluster import LocalCluster, free_port, step_gaps, step_times, wait_for_step  # noqa: E402
 from tests.helpers import ddp_cmd  # noqa: E402
@@ -86,13 +86,7 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
             wait_for_step(rk.log, 20, timeout_s=300)
         warm_s = prewarm(prewarm_gib)
         t0 = time.time()
-        op = cc.evacuate("host-b")
-        while not op["done"]:
-            time.sleep(0.05)
-            op = cc.op(op["name"])
-        md = op["metadata"]
-        if md["result"] != "succeeded":
-            raise SystemExit(f"{label}: evacuation failed: {op.get('error')}")
+        md = evacuate_and_wait(cc, "host-b", label)
         codes = [r.proc.wait(600) for r in ranks]
         if codes != [0] * world:
             raise SystemExit(f"{label}: job exit codes {codes}")
@@ -160,10 +154,10 @@ def checkpoint_restart(world: int, state_mb: float, steps: int, save_at: int = 2
 
 
 CHART_PHASES = {  # method phase -> chart segment
-    "pause": "pause (cut)", "capture": "capture (dump + transfer)", "verify": "verify",
-    "release": "other", "restore": "restore", "rewire": "other", "commit": "other", "resume": "other",
+    "pause": "pause (cut)", "verify": "verify", "release": "release", "restore": "restore",
+    "rewire": "rewire", "commit": "commit + resume", "resume": "commit + resume",
     "save": "save", "exit_and_relaunch": "exit + relaunch", "import": "import torch",
-    "init_process_group": "init_process_group", "build_and_load": "build + load", "first_step": "other",
+    "init_process_group": "init_process_group", "build_and_load": "build + load", "first_step": "first step",
 }
 
 
@@ -175,13 +169,13 @@ def chart(runs: list[dict], path: Path, floor_s: float) -> None:
 
     labels, stacks = [], []
     for r in runs:
-        seg: dict[str, float] = {}
-        phases = dict(r["phases"])
-        if r["method"] != "checkpoint-restart" and "capture" in phases:
-            seg["dump (CRIU)"] = min(r["dump_s"], phases["capture"])
-            seg["transfer after dump"] = phases.pop("capture") - seg["dump (CRIU)"]
-        for k, v in phases.items():
-            name = CHART_PHASES.get(k, "other")
+        seg: dict[str, float] = {}  # in the order the phases happen
+        for k, v in r["phases"].items():
+            if k == "capture":
+                seg["dump (CRIU)"] = min(r["dump_s"], v)
+                seg["transfer after dump"] = v - seg["dump (CRIU)"]
+                continue
+            name = CHART_PHASES.get(k, k)
             seg[name] = seg.get(name, 0.0) + v
         labels.append(f"{r['method']}\n{r['world']} ranks")
         stacks.append(seg)
@@ -214,7 +208,12 @@ def main() -> None:
     ap.add_argument("--prewarm-gib", type=float, default=0.0,
                     help="touch and free this much tmpfs right before each evacuation (see prewarm())")
     ap.add_argument("--out", default=str(OUT / "compare.json"))
+    ap.add_argument("--chart-only", metavar="JSON", help="redraw the chart of an earlier run's JSON")
     a = ap.parse_args()
+    if a.chart_only:
+        d = json.loads(Path(a.chart_only).read_text())
+        chart(d["runs"] + d["scaling"], Path(a.chart_only).with_suffix(".png"), d["summary"]["floor_s"])
+        return
     OUT.mkdir(parents=True, exist_ok=True)
     started = time.time()
     bw = raw_tcp_bandwidth()

@@ -35,6 +35,7 @@ from .stream import StreamReceiver
 log = structlog.get_logger("pitstop.transfer.dataport")
 
 BUFFER = 4 << 20
+MAX_IDLE_BUFFERS = 4
 MAX_LINE = 64 << 10
 
 
@@ -69,6 +70,10 @@ class DataPort:
         self._ssl = self._server_context()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="dataport-accept", daemon=True)
+        # Receive buffers are reused: a fresh 4 MiB buffer per stream, freed on another thread
+        # each time, made glibc's per-thread arenas grow by 10-15 MiB over a 50-move soak.
+        self._buffers: list[bytearray] = []
+        self._buffers_lock = threading.Lock()
 
     @staticmethod
     def _server_context() -> ssl.SSLContext | None:
@@ -100,6 +105,28 @@ class DataPort:
                 return  # closed
             threading.Thread(target=self._serve, args=(conn, addr), name="dataport-recv", daemon=True).start()
 
+    def _take_buffer(self) -> bytearray:
+        with self._buffers_lock:
+            return self._buffers.pop() if self._buffers else bytearray(BUFFER)
+
+    def _give_back(self, buf: bytearray) -> None:
+        with self._buffers_lock:
+            if len(self._buffers) < MAX_IDLE_BUFFERS:
+                self._buffers.append(buf)
+
+    def _receive(self, conn: socket.socket, slot: Any, mv: memoryview) -> None:
+        rx: StreamReceiver = slot.receiver
+        while not rx.complete:
+            n = conn.recv_into(mv)
+            if n == 0:
+                raise TransferFailed(f"image stream {slot.image_id} ended before its manifest "
+                                     f"({rx.received} bytes received)", http_status=400,
+                                     action="the copy is discarded; the source keeps its images")
+            try:
+                rx.feed(mv[:n])
+            except OSError as e:
+                raise self._on_error(slot, e) from None
+
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         slot = None
         try:
@@ -114,19 +141,16 @@ class DataPort:
                                    http_status=401, action="send the value of PITSTOP_CLUSTER_TOKEN")
             slot = self._open_slot(str(hello.get("image_id", "")))
             conn.sendall(_line({"ok": True}))
-            rx: StreamReceiver = slot.receiver
-            buf = bytearray(BUFFER)
+            buf = self._take_buffer()
             mv = memoryview(buf)
-            while not rx.complete:
-                n = conn.recv_into(mv)
-                if n == 0:
-                    raise TransferFailed(f"image stream {slot.image_id} ended before its manifest "
-                                         f"({rx.received} bytes received)", http_status=400,
-                                         action="the copy is discarded; the source keeps its images")
+            try:
+                self._receive(conn, slot, mv)
+            finally:
                 try:
-                    rx.feed(mv[:n])
-                except OSError as e:
-                    raise self._on_error(slot, e) from None
+                    mv.release()  # no view of a pooled buffer may outlive its stream
+                    self._give_back(buf)
+                except BufferError:
+                    pass  # something still holds a view: the buffer is not reused
             conn.sendall(_line({"ok": True, **self._finished(slot)}))
         except BaseException as e:  # noqa: BLE001 - every failure is answered, the slot discarded
             if slot is not None:

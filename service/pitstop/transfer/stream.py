@@ -289,28 +289,27 @@ def _ahead(pieces: Iterator[bytes], stop: threading.Event, depth: int = 8) -> It
     files are closed in every case."""
     q: queue.Queue = queue.Queue(maxsize=depth)
 
+    def put(item: object) -> bool:
+        """Queue `item` unless the consumer gave up first."""
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for piece in pieces:
-                while not stop.is_set():
-                    try:
-                        q.put(piece, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put(piece):
                     return
             item: object = _END
         except BaseException as e:  # handed to the consumer, raised there
             item = e
         finally:
             pieces.close()
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        put(item)
 
     t = threading.Thread(target=produce, name="stream-read-ahead", daemon=True)
     t.start()
