@@ -40,7 +40,7 @@ def main() -> None:
     with LocalCluster() as c:
         if args.tls:
             c.tls_dir = c.root / "pki"
-            os.environ.update(c.tls_env("operator"))  # this process's clients (tls.client_context)
+            os.environ.update(c.tls_env("coordinator"))  # this process drives the agents, as the coordinator does
         a = c.start_agent("a")
         b = c.start_agent("b", spare=True)
         out = c.root / "out"
