@@ -44,13 +44,37 @@ def _leftovers(marker: str) -> list[str]:
     return out
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201
+    """Remember each phase's report on the test item, so fixtures can tell whether it failed."""
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)
+
+
+def _keep_logs(root: Path, dest: Path, limit: int = 20 << 20) -> None:
+    """Copy a failed test's logs (ranks, agents, coordinator) out of the cluster before it is removed:
+    the rare failures (the open gloo divergence) are diagnosed from the step lines."""
+    for f in root.rglob("*"):
+        if f.is_file() and (f.suffix == ".log" or f.suffix in (".stdout", ".stderr")) and f.stat().st_size < limit:
+            target = dest / f.relative_to(root)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, target)
+
+
 @pytest.fixture
-def cluster(tmp_path_factory):
-    """A LocalCluster that must leave no process, directory or tmpfs file behind."""
+def cluster(tmp_path_factory, request):
+    """A LocalCluster that must leave no process, directory or tmpfs file behind.  If the test
+    failed, its logs are kept under <pytest's base temp>/failed-logs/<test name>."""
     c = LocalCluster(root=tmp_path_factory.mktemp("cluster"))
     try:
         yield c
     finally:
+        rep = getattr(request.node, "rep_call", None)
+        if rep is not None and rep.failed:
+            dest = tmp_path_factory.getbasetemp() / "failed-logs" / request.node.name
+            _keep_logs(c.root, dest)
+            print(f"\nlogs of the failed test kept in {dest}")
         c.close()
         left = _leftovers(str(c.root))
         for ln in left:  # clean up anyway, then fail

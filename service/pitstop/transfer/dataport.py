@@ -59,8 +59,8 @@ class DataPort:
     """The receiving side: a listening socket and a thread per incoming stream."""
 
     def __init__(self, host: str, port: int, *, token: str | None, open_slot: Callable[[str], Any],
-                 fail_slot: Callable[[Any], None], finished: Callable[[Any], dict], on_error: Callable[[Any, BaseException], PitstopError],
-                 idle_timeout_s: float = 60.0) -> None:
+                 fail_slot: Callable[[Any], None], finished: Callable[[Any], dict],
+                 on_error: Callable[[Any, OSError], PitstopError], idle_timeout_s: float = 60.0) -> None:
         self._token = token.encode() if token else None
         self._open_slot, self._fail_slot, self._finished, self._on_error = open_slot, fail_slot, finished, on_error
         self.idle_timeout_s = idle_timeout_s
