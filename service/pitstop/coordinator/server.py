@@ -61,4 +61,4 @@ def serve(s: CoordinatorSettings) -> None:
             udp.close()
         driver.store.flush()
 
-    uvloop.run(main())  # libuv: about a third less CPU per request than asyncio's loop (bench/heartbeat_load.py)
+    uvloop.run(main())  # libuv's loop: 0.45 instead of 0.49 cores at 3,000 HTTP beats/s (bench/heartbeat_load.py)
