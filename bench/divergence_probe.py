@@ -3,7 +3,11 @@ job's second host N times and report, for each run, the first step at which the 
 parameter digests differ (ddp_train --trace-params) next to the step after which the move
 happened.  Optional CPU burners add load.  Not a benchmark: a diagnostic.
 
-    .venv/bin/python bench/divergence_probe.py RUNS [BURNERS]
+    .venv/bin/python bench/divergence_probe.py RUNS [BURNERS] [rollback]
+
+With "rollback", host-b's agent breaks the image stream after 20 MB (fault hook
+transfer:cut_after), so every run is a rollback by restore on the source: where the
+divergence was last seen.  A divergent run's logs are copied to bench/out/divergence-<it>/.
 """
 from pathlib import Path
 import re, sys, time, tempfile, subprocess, os
@@ -14,12 +18,16 @@ from pitstop.coordinator.client import CoordinatorClient
 from tests.helpers import ddp_cmd
 
 N = int(sys.argv[1]); load = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+rollback = len(sys.argv) > 3 and sys.argv[3] == "rollback"
+import shutil
 burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]
 try:
     for it in range(N):
         with LocalCluster(root=Path(tempfile.mkdtemp(prefix="diag-"))) as c:
             c.start_coordinator()
-            for n in ("host-a", "host-b"): c.start_agent(n)
+            c.start_agent("host-a")
+            c.start_agent("host-b", env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "transfer:cut_after=20000000"}
+                          if rollback else None)
             c.start_agent("spare-1", spare=True)
             cc = CoordinatorClient(c.coordinator_url, c.operator_token)
             out = c.root / "out"
@@ -38,5 +46,11 @@ try:
             gaps = max(((ts[i + 1][1] - ts[i][1], ts[i][0]) for i in range(len(ts) - 1)), default=(0, 0))
             print(f"it {it}: result={op['metadata']['result']} codes={codes} first_divergent_step={first} "
                   f"move_after_step={gaps[1]} gap={gaps[0]:.2f}", flush=True)
+            if first is not None:
+                keep = Path(__file__).resolve().parent / "out" / f"divergence-{it}"
+                for f in c.root.rglob("*.log"):
+                    (keep / f.relative_to(c.root)).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(f, keep / f.relative_to(c.root))
+                print(f"   logs kept in {keep}", flush=True)
 finally:
     for b in burners: b.kill()
