@@ -193,11 +193,9 @@ def require_role(scope: dict, allowed: tuple[str, ...]) -> None:
 
 def http_protocol() -> type:
     """The HTTP protocol class for a TCP server: uvicorn's, plus the peer's role under TLS."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    except ImportError:  # pragma: no cover - httptools ships with uvicorn[standard]
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base
-    return with_peer_role(base)
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # uvicorn[standard] brings httptools
+
+    return with_peer_role(HttpToolsProtocol)
 
 
 def _write_key(path: Path, key: Any, serialization: Any) -> None:

@@ -8,6 +8,7 @@ import os
 import structlog
 import uvicorn
 import uvloop
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .. import tls
 from ..transfer.dataport import DataPort
@@ -35,23 +36,14 @@ def serve(s: AgentSettings) -> None:
     become_subreaper()
     agent = Agent(s)
     host, port = s.host_port()
-    http = "httptools"
-    try:
-        import httptools  # noqa: F401
-    except ImportError:
-        http = "h11"
     s.sock.parent.mkdir(parents=True, exist_ok=True)
     if s.sock.exists():
         s.sock.unlink()
     tcp = uvicorn.Server(uvicorn.Config(peer_app(agent), host=host, port=port, log_level="warning",
-                                        http=tls.http_protocol() if http == "httptools" else http, lifespan="off",
-                                        timeout_keep_alive=30, **tls.server_kwargs()))
-    if http == "httptools":
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    else:
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+                                        http=tls.http_protocol(), lifespan="off", timeout_keep_alive=30,
+                                        **tls.server_kwargs()))
     uds = uvicorn.Server(uvicorn.Config(local_app(agent), uds=str(s.sock), log_level="warning",
-                                        http=checked(base, s.local_group), lifespan="off"))
+                                        http=checked(HttpToolsProtocol, s.local_group), lifespan="off"))
     data_host, data_port = s.data_host_port()
     port_ = DataPort(data_host, data_port, token=s.cluster_token, open_slot=agent.dest.open_slot,
                      fail_slot=agent.dest.fail_slot, finished=agent.finish_slot, on_error=agent.storage_error,

@@ -253,6 +253,6 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
 
     app.include_router(agents)
     app.include_router(ops)
-    beats = metrics.heartbeats.labels("beat")
-    return BeatFastPath(app, beat=store.beat, token=settings.cluster_token, count=beats.inc,
+    return BeatFastPath(app, beat=store.beat, token=settings.cluster_token,
+                        count=metrics.heartbeats.labels("beat").inc,
                         count_udp=metrics.heartbeats.labels("beat_udp").inc), driver

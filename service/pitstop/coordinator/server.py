@@ -14,11 +14,12 @@ from ..errors import FailedPrecondition
 from ..sdnotify import notify, watchdog_loop
 from .api import build
 from .settings import CoordinatorSettings
+from .store import Store
 
 log = structlog.get_logger("pitstop.coordinator")
 
 
-async def flush_loop(store: "object", every_s: float) -> None:
+async def flush_loop(store: Store, every_s: float) -> None:
     """Write the beats gathered in memory (Store.flush), off the event loop, until cancelled."""
     while True:
         await asyncio.sleep(every_s)

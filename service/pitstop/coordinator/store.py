@@ -51,14 +51,13 @@ class Store:
         self.lock = threading.RLock()
         self._live = threading.Lock()
         self.seen: dict[str, float] = {}             # host -> last beat (unix time), newer than the table's
-        self.generation: dict[str, str] = {}         # host -> generation of its last full report
         self.health: dict[str, tuple[list, dict]] = {}  # host -> (gpu_health, verdict) from beats
         self._dirty: set[str] = set()
         if "generation" not in {r["name"] for r in self.db.execute("PRAGMA table_info(hosts)")}:
             self.db.execute("ALTER TABLE hosts ADD COLUMN generation TEXT")  # a database from before beats
         # A restarted coordinator still holds every host's last full report, so it takes their beats
         # at once instead of asking 10,000 agents for full reports in the same second.
-        self.generation = {r["name"]: r["generation"] for r in
+        self.generation: dict[str, str] = {r["name"]: r["generation"] for r in  # host -> its last report's
                            self.db.execute("SELECT name, generation FROM hosts WHERE generation IS NOT NULL")}
 
     def _x(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
