@@ -178,3 +178,53 @@ def test_udp_beat_without_an_answer_times_out():
         assert asyncio.run(go()) is None
     finally:
         silent.close()
+
+
+def test_fast_path_answers_plain_beats_alone_and_hands_on_everything_else_intact():
+    """A plain beat of a known generation never reaches FastAPI; anything else reaches it with
+    its body unchanged (so errors and validation stay the route's)."""
+    import asyncio
+    import json as _json
+
+    from pitstop.coordinator.beats import PATH, BeatFastPath
+
+    seen_by_app = []
+
+    async def app(scope, receive, send):
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        seen_by_app.append(body)
+        await send({"type": "http.response.start", "status": 409, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    counted = []
+    fast = BeatFastPath(app, beat=lambda n, g: g == "g-1", token="tok", count=lambda: counted.append(1))
+
+    def call(body: bytes, token: bytes = b"tok", chunks: int = 1):
+        parts = [body] if chunks == 1 else [body[:5], body[5:]]  # a body in two pieces
+        msgs = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)]
+        sent = []
+
+        async def receive():
+            return msgs.pop(0)
+
+        async def send(m):
+            sent.append(m)
+
+        scope = {"type": "http", "path": PATH, "method": "POST", "headers": [(b"authorization", b"Bearer " + token)]}
+        asyncio.run(fast(scope, receive, send))
+        return sent[0]["status"]
+
+    plain = _json.dumps({"name": "gpu-1", "generation": "g-1"}).encode()
+    assert call(plain) == 200 and call(plain, chunks=2) == 200 and seen_by_app == [] and len(counted) == 2
+    others = [_json.dumps({"name": "gpu-1", "generation": "g-0"}).encode(),           # unknown generation
+              _json.dumps({"name": "gpu-1", "generation": "g-1", "gpu_health": []}).encode(),  # readings
+              b"not json"]
+    for body in others:
+        assert call(body) == 409
+    assert call(plain, token=b"wrong") == 409  # a bad token is the route's to refuse
+    assert seen_by_app == [*others, plain] and len(counted) == 2
