@@ -12,6 +12,9 @@ ranks 0-1, host-b: ranks 2-3).  Methods, each on a fresh local cluster:
   between two consecutive steps of any rank).
 - floor: the leaving ranks' image bytes / raw TCP bandwidth between two processes,
   measured in this run (hosts here share one kernel: the link is loopback).
+- pitstop, post-copy: the same evacuation with the spare restoring lazily
+  (PITSTOP_AGENT_LAZY_RESTORE=1, capture/lazy_pages.py): the job resumes while CRIU's
+  lazy-pages daemon fills the restored ranks' memory from the received images.
 - naive CRIU: the same evacuation with agents that dump whole to disk, then copy, then
   restore (PITSTOP_AGENT_STREAM_WHILE_DUMPING=0); the copy uses pitstop's own transport,
   so naive CRIU here is faster than with scp or rsync.
@@ -205,6 +208,7 @@ def main() -> None:
     ap.add_argument("--worlds", default="2,4,8", help="job sizes for the scaling runs (one leaving rank)")
     ap.add_argument("--restart-worlds", default="4", help="job sizes for checkpoint-restart")
     ap.add_argument("--skip-naive", action="store_true")
+    ap.add_argument("--skip-post-copy", action="store_true")
     ap.add_argument("--prewarm-gib", type=float, default=0.0,
                     help="touch and free this much tmpfs right before each evacuation (see prewarm())")
     ap.add_argument("--out", default=str(OUT / "compare.json"))
@@ -218,6 +222,9 @@ def main() -> None:
     started = time.time()
     bw = raw_tcp_bandwidth()
     runs = [evacuation(4, [2, 3], a.state_mb, a.steps, prewarm_gib=a.prewarm_gib)]
+    if not a.skip_post_copy:
+        runs.append(evacuation(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_LAZY_RESTORE": "1"},
+                               label="pitstop, post-copy", prewarm_gib=a.prewarm_gib))
     if not a.skip_naive:
         runs.append(evacuation(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_STREAM_WHILE_DUMPING": "0"},
                                label="naive CRIU", prewarm_gib=a.prewarm_gib))
@@ -237,6 +244,13 @@ def main() -> None:
     }
     for r in runs[1:]:
         summary[f"{r['method']} / pitstop (job pause)"] = r["job_pause_s"] / ref["job_pause_s"]
+    post = next((r for r in runs if r["method"] == "pitstop, post-copy"), None)
+    if post:
+        summary["post-copy: downtime_over_floor"] = post["downtime_s"] / floor
+        summary["post-copy: vs_target"] = post["downtime_s"] / (1.5 * floor + 0.5)
+        for r in runs:
+            if r["method"] in ("naive CRIU", "checkpoint-restart"):
+                summary[f"{r['method']} / post-copy (job pause)"] = r["job_pause_s"] / post["job_pause_s"]
     if scaling:
         d = [s["downtime_s"] for s in scaling]
         summary["scaling_downtime_spread"] = (max(d) - min(d)) / min(d)

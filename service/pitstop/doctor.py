@@ -9,7 +9,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from .capture import runtime
+from .capture import lazy_pages, runtime
 from .errors import PitstopError
 
 
@@ -57,6 +57,11 @@ def run_checks() -> list[Check]:
             checks.append(Check("pycriu", False, f"cannot import: {e}"))
         checks.append(Check("network lock", bool(rt.nft), f"nftables ({rt.nft})" if rt.nft else
                             "nft not found: a rolled-back source could not talk again"))
+        lazy_ok, lazy_out = lazy_pages.supported(rt)
+        checks.append(Check("post-copy restore (lazy pages)", lazy_ok,
+                            "available: PITSTOP_AGENT_LAZY_RESTORE=1 may be used" if lazy_ok else
+                            f"unavailable, restores stay eager: {lazy_out.splitlines()[-1] if lazy_out else ''}",
+                            required=False))
     except PitstopError as e:
         checks.append(Check("criu", False, f"{e.message}; {e.action}"))
     cr = _kconfig("CONFIG_CHECKPOINT_RESTORE")

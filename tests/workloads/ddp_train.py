@@ -79,6 +79,11 @@ def main() -> None:
         if args.trace_params:
             d = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
             print(f"params {step} {d}", flush=True)
+            if step == 1:  # the first update is where the rare gloo divergence shows (README)
+                os.makedirs(args.out, exist_ok=True)
+                torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                            "grads": [p.grad.detach().clone() for p in model.parameters()]},
+                           os.path.join(args.out, f"trace-rank{rank}-step1.pt"))
         if step == args.save_at_step:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "ballast": ballast, "step": step}, ckpt)
             print(f"phase saved t={time.time():.6f}", flush=True)

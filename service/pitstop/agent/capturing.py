@@ -94,7 +94,9 @@ class SourceSide:
         pids = proctree.tree(w.root_pid)
         stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
         self.state.update_capture(cap, stdio=stdio)
-        tail = DirectoryTail(images, on_progress=lambda n: setattr(cap, "bytes_sent", n))
+        # pages shared copy-on-write with a parent go once (transfer/dedup.py): only a tree has them
+        tail = DirectoryTail(images, on_progress=lambda n: setattr(cap, "bytes_sent", n),
+                             dedup=self.s.dedup_pages and len(pids) > 1)
         sender: threading.Thread | None = None
         send_error: list[BaseException] = []
         t0 = time.monotonic()
@@ -122,6 +124,7 @@ class SourceSide:
         if suspended:
             self.state.update_capture(cap, gpu=suspended.record())
         faults.hit("capture:before_dump")
+        t_dump = time.monotonic()
         try:
             with self._cwd_lock(w.root_pid):
                 res = criu_ops.dump(w.root_pid, images, timeout_s=self.s.dump_timeout_s,
@@ -138,7 +141,8 @@ class SourceSide:
         dump_end = time.monotonic()
         gpu_phases = {"gpu_lock": suspended.lock_s, "gpu_checkpoint": suspended.checkpoint_s} if suspended else {}
         self.state.update_capture(cap, run_id=res.run_id, phases={
-            **gpu_phases, "freeze": res.stats.get("freezing_time", 0) / 1e6, "dump": res.seconds,
+            **gpu_phases, "before_dump": t_dump - t0,
+            "freeze": res.stats.get("freezing_time", 0) / 1e6, "dump": res.seconds,
             "frozen": res.frozen_s, "memdump": res.memdump_s})
         self.state.update_worker(w, state="stopped")
         tail.manifest_base = Manifest(capture_id=cap.id, stdio=stdio, criu_version=runtime.locate().version_str,
@@ -166,9 +170,11 @@ class SourceSide:
         ph["transfer"] = send_done[0] - t0
         ph["transfer_after_dump"] = max(0.0, send_done[0] - dump_end)
         self.state.update_capture(cap, state="sent", phases=ph,
-                                  bytes_total=tail.manifest.total_bytes if tail.manifest else cap.bytes_sent)
+                                  bytes_total=tail.manifest.total_bytes if tail.manifest else cap.bytes_sent,
+                                  bytes_deduplicated=tail.index.bytes_saved if tail.index else 0)
         log.info("captured and sent", capture=cap.id, worker=w.id, dest=cap.dest_url,
-                 bytes=cap.bytes_total, **{k: round(v, 4) for k, v in ph.items()})
+                 bytes=cap.bytes_total, deduplicated=cap.bytes_deduplicated,
+                 **{k: round(v, 4) for k, v in ph.items()})
 
     def reconcile(self) -> list[str]:
         """After an agent restart: captures whose thread died with the previous agent process.

@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from ..capture import criu_ops, proctree
+from ..capture import criu_ops, lazy_pages, proctree
 from ..capture.manifest import Manifest
 from ..errors import Conflict, InvalidRequest, NotFound, PitstopError, TransferFailed
 from .. import faults
@@ -133,20 +133,50 @@ class DestinationSide:
         faults.hit("restore:before_criu")
         wk = m.worker
         gpu_phases: dict[str, float] = {}
+        fills: list[lazy_pages.LazyFill] = []
         w = self.restore_dir(s.directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
                              stdio=[p.model_dump() for p in m.stdio], replace=True,
                              output_base=m.output_base, gpu=m.gpu, phases=gpu_phases, net=m.net,
-                             keep_peers=m.keep_peers)
+                             keep_peers=m.keep_peers, lazy_fill=fills if self.s.lazy_restore else None)
         phases = {"verify": t1 - t0, "restore": time.monotonic() - t1, **gpu_phases}
-        self.discard(image_id)
+        if fills and faults.value("restore:kill_fill"):
+            fills[0].proc.kill()
+        if fills:  # the images serve the fill: they go when it ends (_watch_fill)
+            s.state = "filling"
+            threading.Thread(target=self._watch_fill, args=(w, fills[0], image_id), daemon=True,
+                             name=f"fill-{w.id}").start()
+        else:
+            self.discard(image_id)
         return w, phases
+
+    def _watch_fill(self, w: Worker, fill: lazy_pages.LazyFill, image_id: str) -> None:
+        """Until every page is in place the worker depends on the daemon: if it fails, stop the worker.
+
+        A dead daemon's userfaultfd is dropped by the kernel and the pages it never filled would
+        read as zeros: a rank computing on zeros is worse than a rank that is gone.
+        """
+        ok, why = fill.wait(self.s.lazy_fill_timeout_s)
+        if ok:
+            log.info("memory filled", worker=w.id, seconds=round(fill.seconds, 3))
+        elif w.state in LIVE_STATES and proctree.exists(w.root_pid):
+            proctree.kill_and_wait(w.root_pid)
+            self.state.update_worker(w, state="lost", reason="its memory could not be filled after a lazy restore: " + why)
+            log.error("restored worker stopped: its memory could not be filled", worker=w.id, reason=why,
+                      action="the move had committed; the job's own recovery takes over from here "
+                             f"(see {fill.images / lazy_pages.LOG} before the images go)")
+        self.discard(image_id)
 
     def restore_dir(self, directory: Path, *, worker_id: str, job: str, rank: int,
                     stdio: list[dict[str, Any]], replace: bool = False,
                     output_base: dict[str, int] | None = None, gpu: dict[str, Any] | None = None,
                     phases: dict[str, float] | None = None, net: dict[str, str] | None = None,
-                    keep_peers: list[str] | None = None) -> Worker:
-        """Restore images in `directory`; register the result as a worker of this agent."""
+                    keep_peers: list[str] | None = None,
+                    lazy_fill: list[lazy_pages.LazyFill] | None = None) -> Worker:
+        """Restore images in `directory`; register the result as a worker of this agent.
+
+        lazy_fill: restore post-copy, memory filled by a lazy-pages daemon after the worker
+        runs again; the running daemon is appended to the list for the caller to watch.
+        """
         with self.state.lock:
             old = self.state.workers.get(worker_id)
             if old and old.state in LIVE_STATES and not replace:
@@ -175,7 +205,13 @@ class DestinationSide:
                     workerns.create(wn, self.s.worker_link, locked=True, nft=nft)
                     created = True
                 net_fd = os.open(wn.path, os.O_RDONLY)
-            pid, _secs = criu_ops.restore(directory, inherit, net_fd=net_fd)
+            fill = lazy_pages.start(directory) if lazy_fill is not None else None
+            try:
+                pid, _secs = criu_ops.restore(directory, inherit, net_fd=net_fd, lazy=fill is not None)
+            except PitstopError:
+                if fill:
+                    fill.kill()
+                raise
         except PitstopError:
             for fd in theirs + [o[0] for o in ours]:
                 os.close(fd)
@@ -192,6 +228,8 @@ class DestinationSide:
                 timings = self.gpu.resume_restored(pid, gpu)
             except PitstopError:
                 proctree.kill_and_wait(pid)  # a copy without its GPU memory must never run
+                if fill:
+                    fill.kill()
                 for fd, _, _ in ours:
                     os.close(fd)
                 if created:
@@ -205,6 +243,9 @@ class DestinationSide:
             workerns.unlock(wn, nft)
             log.info("worker address up here", worker=worker_id, address=wn.address, reset_connections=reset)
         scope.place(worker_id, pid)  # its own cgroup where systemd runs the host (agent/scope.py)
+        if fill:  # the worker's memory depends on it: an agent restart must not take it down
+            scope.place(worker_id + "-fill", fill.pid)
+            lazy_fill.append(fill)  # type: ignore[union-attr]
         w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
                    restored=True, output_base=output_base or {}, net=net)
         for stream in ("stdout", "stderr"):  # a fresh file: offsets are relative to output_base

@@ -12,6 +12,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .. import tls
 from ..transfer.dataport import DataPort
+from ..capture import lazy_pages
 from ..errors import FailedPrecondition
 from ..sdnotify import notify, watchdog_loop
 from .api import Agent, local_app, peer_app
@@ -31,8 +32,23 @@ def check_security(s: AgentSettings) -> None:
                    "or pass --insecure for local development")
 
 
+def check_lazy_restore(s: AgentSettings) -> None:
+    """Post-copy asked for on a kernel that cannot do it: say so at start, not at the first move."""
+    if not s.lazy_restore:
+        return
+    ok, out = lazy_pages.supported()
+    if not ok:
+        raise FailedPrecondition(
+            "PITSTOP_AGENT_LAZY_RESTORE=1 but this kernel cannot serve lazy restores: CRIU says "
+            + (out.splitlines()[-1] if out else "nothing"),
+            code="lazy_restore_unsupported",
+            action="unset PITSTOP_AGENT_LAZY_RESTORE (restores stay eager), or enable userfaultfd "
+                   "(CONFIG_USERFAULTFD, vm.unprivileged_userfaultfd does not matter for root)")
+
+
 def serve(s: AgentSettings) -> None:
     check_security(s)
+    check_lazy_restore(s)
     become_subreaper()
     agent = Agent(s)
     host, port = s.host_port()

@@ -38,6 +38,12 @@ class AgentSettings(BaseSettings):
     # Image streams arrive on a plain socket of their own (transfer/dataport.py); port 0: any free
     # port, announced in /v1/info.  Set a fixed one (e.g. 0.0.0.0:7071) where firewalls need it.
     data_listen: str | None = None     # default: the listen host, port 0
+    # Post-copy from the local copy (capture/lazy_pages.py): the restored worker runs before its
+    # memory is all in place; a lazy-pages daemon fills it.  Shorter downtime; after the commit
+    # the worker depends on that daemon until the fill ends (it is stopped if the daemon fails).
+    lazy_restore: bool = False
+    lazy_fill_timeout_s: float = 600.0
+    dedup_pages: bool = True           # a tree's copy-on-write pages go once (transfer/dedup.py)
     data_stream: bool = True           # False: send images as an HTTP PUT (the slower path)
     data_advertise_port: int | None = Field(default=None, ge=1, le=65535)  # what peers connect to, behind NAT
 

@@ -33,6 +33,7 @@ class Worker(BaseModel):
     restored: bool = False                # restored here by this agent (its output pumped by us)
     moved_to: dict[str, str] | None = None  # {"agent": name, "url": url}
     exit_code: int | None = None
+    reason: str | None = None             # why it is lost, where pitstop knows
     output_base: dict[str, int] = Field(default_factory=dict)  # output seen before it arrived here
     net: dict[str, str] | None = None     # network.workerns.WorkerNet: an address that moves with it
     registered_at: float = Field(default_factory=time.time)
@@ -49,6 +50,7 @@ class Capture(BaseModel):
     phases: dict[str, float] = Field(default_factory=dict)
     bytes_total: int | None = None
     bytes_sent: int = 0
+    bytes_deduplicated: int = 0  # image bytes sent as references to pages sent before (transfer/dedup.py)
     error: dict[str, Any] | None = None
     stdio: list[dict[str, Any]] = Field(default_factory=list)
     gpu: dict[str, Any] = Field(default_factory=dict)  # gpu.checkpoint.Suspended.record(); empty: no CUDA

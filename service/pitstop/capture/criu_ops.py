@@ -94,13 +94,14 @@ def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | N
                       run_id=inv.get("dump_criu_run_id", ""), stats=stats)
 
 
-def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None,
+def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None, lazy: bool = False,
             rt: runtime.CriuRuntime | None = None) -> tuple[int, float]:
     """Restore a tree detached from us; return (host pid of its root, seconds).
 
     `inherit` maps CRIU external ids ("pipe:[ino]") to fds of ours that take
     their place.  The caller should be a child subreaper so that the restored
-    root becomes its child once CRIU exits.
+    root becomes its child once CRIU exits.  lazy: the tree's anonymous memory
+    is left to a lazy-pages daemon the caller started (capture/lazy_pages.py).
     """
     rt = rt or runtime.locate()
     pycriu, c = _criu(rt)
@@ -117,6 +118,7 @@ def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None,
             c.opts.network_lock = pycriu.rpc.SKIP
         c.opts.log_file = RESTORE_LOG
         c.opts.log_level = 4
+        c.opts.lazy_pages = lazy
         for key, fd in inherit.items():
             i = c.opts.inherit_fd.add()
             i.key = key

@@ -213,6 +213,7 @@ class OpRun:
                 w["state"], w["bytes_total"] = "captured", cap.get("bytes_total")
                 w["bytes_done"] = w["bytes_total"] or w["bytes_done"]
                 w["capture_phases"] = cap.get("phases", {})
+                w["bytes_deduplicated"] = cap.get("bytes_deduplicated", 0)
                 self.md["bytes_done"] = sum(x["bytes_done"] for x in self.md["workers"].values())
                 self.md["bytes_total"] = sum(x["bytes_total"] or 0 for x in self.md["workers"].values())
                 self.save()

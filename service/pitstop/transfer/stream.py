@@ -18,8 +18,11 @@ This relies on CRIU writing image files append-only, which it does (each image
 is a stream of protobuf records or raw pages); the sender still checks, and
 fails the transfer if a file ever shrinks.
 
-Wire format (one HTTP request body, chunked):
+Wire format (one HTTP request body, chunked, or the data port's socket):
   b"D" !H name_len !Q offset !I length name data   a piece of a file
+  b"C" !H name_len !Q offset !I length !H src_len !Q src_offset name src_name
+                                                   a piece of a file equal to bytes of an
+                                                   earlier piece (dedup.py: copy-on-write pages)
   b"M" !I length json                              the manifest; the end
   b"E" !I length json                              the sender gave up; discard
 """
@@ -41,8 +44,10 @@ from typing import Any
 
 from ..capture.manifest import DIGEST, MANIFEST, FileEntry, Manifest, new_hasher, verify
 from ..errors import IntegrityError, TransferFailed
+from .dedup import PAGE, Copy, PageIndex
 
 _D = struct.Struct("!HQI")
+_C = struct.Struct("!HQIHQ")
 _L = struct.Struct("!I")
 CHUNK = 4 << 20
 SKIP_SUFFIXES = (".log",)
@@ -61,8 +66,11 @@ class DirectoryTail:
     """
 
     def __init__(self, directory: Path, *, poll_s: float = 0.003,
-                 on_progress: Callable[[int], None] | None = None) -> None:
+                 on_progress: Callable[[int], None] | None = None, dedup: bool = False) -> None:
         self.directory = directory
+        # dedup: pages sent before go as references; worth its CPU only where the tree has
+        # forked children sharing pages with their parent (capture decides)
+        self.index = PageIndex() if dedup else None
         self.finished = threading.Event()
         self.failure: Exception | None = None
         self.manifest_base: Manifest | None = None
@@ -98,17 +106,32 @@ class DirectoryTail:
             if size < off:
                 raise TransferFailed(f"image file {name} shrank while streaming ({size} < {off})",
                                      action="this CRIU does not write images append-only; report it")
+            if self.index is not None and name.startswith("pages-") and not self.finished.is_set():
+                size = max(off, size - size % PAGE)  # whole pages only, until the dump is over: each can be indexed
             while off < size:
                 data = _read(fd, off, min(CHUNK, size - off))
                 h.update(data)
                 bname = name.encode()
-                yield b"D" + _D.pack(len(bname), off, len(data)) + bname
-                yield data
+                if self.index is None or not name.startswith("pages-"):
+                    yield b"D" + _D.pack(len(bname), off, len(data)) + bname
+                    yield data
+                else:
+                    for seg in self.index.split(name, off, data, self._read_sent):
+                        if isinstance(seg, Copy):
+                            src = seg.src_name.encode()
+                            yield (b"C" + _C.pack(len(bname), seg.offset, seg.length, len(src), seg.src_offset)
+                                   + bname + src)
+                        else:
+                            yield b"D" + _D.pack(len(bname), seg.offset, len(seg.data)) + bname
+                            yield seg.data
                 off += len(data)
                 self.sent += len(data)
                 if self._on_progress:
                     self._on_progress(self.sent)
             self._files[name] = (fd, off, h)
+
+    def _read_sent(self, name: str, off: int, n: int) -> bytes | memoryview:
+        return _read(self._files[name][0], off, n)
 
     def __iter__(self) -> Iterator[bytes]:
         stop = threading.Event()
@@ -155,6 +178,7 @@ class StreamReceiver:
         self._buf = bytearray()
         self._files: dict[str, tuple[int, int, Any]] = {}
         self._pending: tuple[str, int, int] | None = None  # name, offset, remaining
+        self._readers: dict[str, int] = {}  # read fds of written files, for C frames
         self.written_stat: dict[str, tuple[int, int, int]] | None = None
 
     def feed_all(self, chunks: list[bytes]) -> None:
@@ -203,14 +227,23 @@ class StreamReceiver:
             nlen, off, n = _D.unpack_from(view, 1)
             if len(view) < 1 + _D.size + nlen:
                 return 0
-            name = bytes(view[1 + _D.size:1 + _D.size + nlen]).decode()
-            if "/" in name or name in ("", ".", "..") or _skipped(name):
-                raise TransferFailed(f"refusing image file name {name!r}", action="check the sender")
+            name = self._name(bytes(view[1 + _D.size:1 + _D.size + nlen]))
             if n == 0:
                 self._write(name, off, b"")
             else:
                 self._pending = (name, off, n)
             return 1 + _D.size + nlen
+        if kind == b"C":
+            if len(view) < 1 + _C.size:
+                return 0
+            nlen, off, n, slen, soff = _C.unpack_from(view, 1)
+            end = 1 + _C.size + nlen + slen
+            if len(view) < end:
+                return 0
+            name = self._name(bytes(view[1 + _C.size:1 + _C.size + nlen]))
+            src = self._name(bytes(view[1 + _C.size + nlen:end]))
+            self._copy(name, off, n, src, soff)
+            return end
         if kind in (b"M", b"E"):
             if len(view) < 1 + _L.size:
                 return 0
@@ -224,6 +257,27 @@ class StreamReceiver:
             self._finish(Manifest.model_validate_json(body))
             return 1 + _L.size + n
         raise TransferFailed(f"corrupt image stream (frame type {kind!r})", action="send again")
+
+    @staticmethod
+    def _name(raw: bytes) -> str:
+        name = raw.decode(errors="replace")
+        if "/" in name or name in ("", ".", "..") or _skipped(name):
+            raise TransferFailed(f"refusing image file name {name!r}", action="check the sender")
+        return name
+
+    def _copy(self, name: str, off: int, n: int, src: str, soff: int) -> None:
+        """A C frame: bytes this receiver already wrote, at src/soff, repeated at name/off."""
+        have = self._files.get(src)
+        if n == 0 or have is None or soff + n > have[1]:
+            raise TransferFailed(f"corrupt image stream: {name}@{off} refers to {n} bytes of {src}@{soff} "
+                                 "that were not received", action="the copy is discarded; send again")
+        fd = self._readers.get(src)
+        if fd is None:
+            fd = self._readers[src] = os.open(self.directory / src, os.O_RDONLY)
+        data = os.pread(fd, n, soff)
+        if len(data) != n:
+            raise TransferFailed(f"{src} is shorter than what was written to it", action="send again")
+        self._write(name, off, data)
 
     def _write(self, name: str, off: int, data: bytes | memoryview) -> None:
         st = self._files.get(name)
@@ -254,12 +308,13 @@ class StreamReceiver:
         self.written_stat = file_stats(self.directory, m)
 
     def close(self) -> None:
-        for fd, _, _ in self._files.values():
+        for fd in [fd for fd, _, _ in self._files.values()] + list(self._readers.values()):
             try:
                 os.close(fd)
             except OSError:
                 pass
         self._files = {n: (-1, off, h) for n, (_, off, h) in self._files.items()}
+        self._readers.clear()
 
     @property
     def complete(self) -> bool:

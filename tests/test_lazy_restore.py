@@ -1,0 +1,85 @@
+"""Post-copy restore from the local copy (capture/lazy_pages.py), end to end and real.
+
+Invariant as everywhere: the moved job ends bit for bit as an uninterrupted run.  And the
+risk the mode carries: if the lazy-pages daemon dies before the worker's memory is all in
+place, the worker is stopped (never left to read zeros) and says why.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pitstop.capture import proctree
+from pitstop.migration.move import move_worker
+
+from .helpers import assert_same_as_reference, ddp_cmd, reference_hashes, step_times, wait_for_step
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+
+def _wait(cond, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["one process", "with DataLoader children"])
+def test_lazy_restore_moves_rank_bitwise_equal(cluster, tmp_path, workers):
+    a = cluster.start_agent("a")
+    b = cluster.start_agent("b", spare=True, env={"PITSTOP_AGENT_LAZY_RESTORE": "1"})
+    out = tmp_path / "out"
+    kw = dict(steps=80, state_mb=64, workers=workers)
+    ranks = cluster.start_job("j", ddp_cmd(out, **kw), 2, {0: "a", 1: "a"})
+    for r in range(2):
+        cluster.wait_registered("a", f"j.{r}")
+    wait_for_step(ranks[1].log, 8)
+    before = proctree.tree(a.client().worker("j.1")["root_pid"])
+    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
+    assert len(proctree.tree(rep.restored_pid)) == len(before)
+    # The fill ends by itself, and then the images go.
+    _wait(lambda: "memory filled" in b.log.read_text(errors="replace"))
+    _wait(lambda: not any(b.image_dir.iterdir()))
+    codes = [r.proc.wait(120) for r in ranks]
+    assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
+    assert [s for s, _ in step_times(ranks[1].log)][-1] == 80
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))
+    assert b.client().worker("j.1")["state"] == "exited"
+
+
+def test_fill_daemon_dies_worker_is_stopped_and_says_why(cluster, tmp_path):
+    a = cluster.start_agent("a")
+    b = cluster.start_agent("b", spare=True, env={"PITSTOP_AGENT_LAZY_RESTORE": "1", "PITSTOP_ENABLE_FAULTS": "1",
+                                                  "PITSTOP_FAULTS": "restore:kill_fill=1"})
+    out = tmp_path / "out"
+    ranks = cluster.start_job("j", ddp_cmd(out, steps=400, state_mb=64), 2, {0: "a", 1: "a"})
+    for r in range(2):
+        cluster.wait_registered("a", f"j.{r}")
+    wait_for_step(ranks[1].log, 5)
+    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
+    _wait(lambda: b.client().worker("j.1")["state"] == "lost")
+    w = b.client().worker("j.1")
+    assert "lazy-pages daemon stopped with signal 9" in w["reason"], w
+    assert not proctree.exists(rep.restored_pid)
+    _wait(lambda: not any(b.image_dir.iterdir()))
+    for r in ranks:  # the job's own recovery would take over; here the test ends it
+        r.proc.kill()
+        r.proc.wait(30)
+
+
+def test_agent_refuses_lazy_restore_where_the_kernel_cannot(monkeypatch, tmp_path):
+    from pitstop.agent import server
+    from pitstop.agent.settings import AgentSettings
+    from pitstop.errors import FailedPrecondition
+
+    s = AgentSettings(name="x", state_dir=tmp_path, lazy_restore=True, insecure=True)
+    monkeypatch.setattr(server.lazy_pages, "supported",
+                        lambda rt=None: (False, "Error (criu/uffd.c:290): uffd: Feature not supported"))
+    with pytest.raises(FailedPrecondition) as e:
+        server.check_lazy_restore(s)
+    assert "uffd: Feature not supported" in e.value.message and "PITSTOP_AGENT_LAZY_RESTORE" in e.value.action
+    server.check_lazy_restore(AgentSettings(name="x", state_dir=tmp_path, insecure=True))  # off: no check
+    monkeypatch.setattr(server.lazy_pages, "supported", lambda rt=None: (True, "Looks good."))
+    server.check_lazy_restore(s)
