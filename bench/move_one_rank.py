@@ -33,6 +33,10 @@ def main() -> None:
                     help="moves before the measured one (this VM pays a large first-touch cost for fresh "
                          "memory; warm-up moves measure the steady state, and are reported too)")
     ap.add_argument("--tls", action="store_true", help="mutual TLS between the agents (the stream's TLS cost)")
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (a tree to move)")
+    ap.add_argument("--agent-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="agent setting for both agents, e.g. PITSTOP_AGENT_LAZY_RESTORE=1 or "
+                         "PITSTOP_AGENT_DEDUP_PAGES=0 (repeatable)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "move_one_rank.json"))
     args = ap.parse_args()
 
@@ -41,11 +45,12 @@ def main() -> None:
         if args.tls:
             c.tls_dir = c.root / "pki"
             os.environ.update(c.tls_env("coordinator"))  # this process drives the agents, as the coordinator does
-        a = c.start_agent("a")
-        b = c.start_agent("b", spare=True)
+        env = dict(kv.split("=", 1) for kv in args.agent_env)
+        a = c.start_agent("a", env=env)
+        b = c.start_agent("b", spare=True, env=env)
         out = c.root / "out"
         cmd = [sys.executable, str(WORKLOAD), "--steps", str(args.steps), "--out", str(out),
-               "--state-mb", str(args.state_mb), "--step-sleep", "0.05"]
+               "--state-mb", str(args.state_mb), "--step-sleep", "0.05", "--workers", str(args.workers)]
         ranks = c.start_job("bench", cmd, 2, {0: "a", 1: "a"})
         c.wait_registered("a", "bench.1")
         wait_for_step(ranks[1].log, 20)
@@ -59,6 +64,7 @@ def main() -> None:
         src, dst = hosts[args.warmup % 2]
         mark = time.time()
         rep = move_worker(src.client(), dst.client(), "bench.1", dest_name=dst.name, peers=[(a.client(), "bench.0")])
+        cap = next(x for x in src.client().captures() if x["id"] == rep.capture_id)
         codes = [r.proc.wait(300) for r in ranks]
         pause, step = job_pause(ranks[0].log, since=mark)
     floor = rep.bytes / bw
@@ -67,7 +73,10 @@ def main() -> None:
         "machine": machine(),
         "state_mb": args.state_mb,
         "tls": args.tls,
+        "workers": args.workers,
+        "agent_env": env,
         "bytes": rep.bytes,
+        "bytes_deduplicated": cap.get("bytes_deduplicated", 0),
         "phases_s": {k: round(v, 4) for k, v in rep.phases.items()},
         "downtime_s": round(rep.downtime_s, 4),
         "warmup_downtimes_s": [round(x, 4) for x in warm],
@@ -80,7 +89,9 @@ def main() -> None:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"moved {rep.bytes / 2**20:.0f} MiB of rank 1 ({res['machine']}){' over mutual TLS' if args.tls else ''}")
+    print(f"moved {rep.bytes / 2**20:.0f} MiB of rank 1 ({res['machine']}){' over mutual TLS' if args.tls else ''}"
+          f"{f', {args.workers} DataLoader workers' if args.workers else ''}{f', {env}' if env else ''}; "
+          f"{res['bytes_deduplicated'] / 2**20:.0f} MiB of it sent as references")
     print(f"{'phase':<22}{'seconds':>10}")
     for k, v in rep.phases.items():
         print(f"{k:<22}{v:>10.3f}")

@@ -68,6 +68,7 @@ def test_move_rank_mid_training_bitwise_equal(cluster, tmp_path):
 
 
 def test_move_whole_tree_with_dataloader_children(cluster, tmp_path):
+    cluster.start_agent("a", env={"PITSTOP_AGENT_DEDUP_PAGES": "on"})
     a, b, out, ranks = _job(cluster, tmp_path, steps=80, workers=2)
     wait_for_step(ranks[1].log, 8)
     root = a.client().worker("j.1")["root_pid"]

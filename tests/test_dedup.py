@@ -79,20 +79,31 @@ def test_without_dedup_every_byte_is_sent(tmp_path):
         assert (dst / name).read_bytes() == data
 
 
-def test_a_sampled_key_collision_is_sent_as_data():
-    a = _pages(1, 7)
-    b = _flip(a, 1)
+def test_a_key_collision_is_caught_by_the_compare(monkeypatch):
+    """Every page gets the same key: only pages whose bytes really match may become references."""
+    from pitstop.transfer import dedup
+
+    class Colliding:
+        @staticmethod
+        def xxh3_64_intdigest(_):
+            return 42
+
+    monkeypatch.setattr(dedup, "xxhash", Colliding)
+    a = _pages(3, 7)
+    b = a[:PAGE] + _flip(a[PAGE:2 * PAGE], 1) + a[2 * PAGE:]
     idx = PageIndex()
     sent = {"pages-1.img": a}
-    assert [type(s) for s in idx.split("pages-1.img", 0, a, None)] == [Data]
-    segs = idx.split("pages-2.img", 0, a + b, lambda n, o, k: sent[n][o:o + k])
-    assert [type(s) for s in segs] == [Copy, Data]
-    assert bytes(segs[1].data) == b and idx.pages_referenced == 1
+    assert [type(s) for s in idx.split("pages-1.img", 0, a, None, None)] == [Data]
+    segs = idx.split("pages-2.img", 0, b, lambda n, o, k: memoryview(sent[n])[o:o + k], lambda n: len(sent[n]))
+    rebuilt = b"".join(bytes(s.data) if isinstance(s, Data) else a[s.src_offset:s.src_offset + s.length]
+                       for s in segs)
+    assert rebuilt == b
+    assert [type(s) for s in segs] == [Copy, Data] and idx.pages_referenced == 1
 
 
 def test_index_stops_growing_at_its_cap():
     idx = PageIndex(max_pages=5)
-    idx.split("pages-1.img", 0, _pages(10, 3), None)
+    idx.split("pages-1.img", 0, _pages(10, 3), None, None)
     assert len(idx._where) == 5
 
 

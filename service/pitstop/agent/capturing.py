@@ -94,9 +94,10 @@ class SourceSide:
         pids = proctree.tree(w.root_pid)
         stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
         self.state.update_capture(cap, stdio=stdio)
-        # pages shared copy-on-write with a parent go once (transfer/dedup.py): only a tree has them
-        tail = DirectoryTail(images, on_progress=lambda n: setattr(cap, "bytes_sent", n),
-                             dedup=self.s.dedup_pages and len(pids) > 1)
+        # pages shared copy-on-write with a parent go once (transfer/dedup.py): only a tree has them,
+        # and it pays where a byte on the wire costs more than finding it (TLS, slower links)
+        dedup = len(pids) > 1 and (self.s.dedup_pages == "on" or (self.s.dedup_pages == "auto" and tls.enabled()))
+        tail = DirectoryTail(images, on_progress=lambda n: setattr(cap, "bytes_sent", n), dedup=dedup)
         sender: threading.Thread | None = None
         send_error: list[BaseException] = []
         t0 = time.monotonic()

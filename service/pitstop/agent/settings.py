@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -43,7 +44,10 @@ class AgentSettings(BaseSettings):
     # the worker depends on that daemon until the fill ends (it is stopped if the daemon fails).
     lazy_restore: bool = False
     lazy_fill_timeout_s: float = 600.0
-    dedup_pages: bool = True           # a tree's copy-on-write pages go once (transfer/dedup.py)
+    # A tree's copy-on-write pages go once (transfer/dedup.py).  auto: where the stream is TLS,
+    # whose per-byte cost makes that pay; on: also for plain links slower than about 2 GB/s per
+    # stream (on this testbed's loopback it costs more CPU than it saves); off: never.
+    dedup_pages: Literal["auto", "on", "off"] = "auto"
     data_stream: bool = True           # False: send images as an HTTP PUT (the slower path)
     data_advertise_port: int | None = Field(default=None, ge=1, le=65535)  # what peers connect to, behind NAT
 

@@ -78,6 +78,7 @@ class DirectoryTail:
         self.sent = 0
         self._on_progress = on_progress
         self._files: dict[str, tuple[int, int, Any]] = {}  # name -> (fd, offset, hash)
+        self._maps: dict[str, memoryview] = {}  # name -> mapping of its sent bytes (the page index)
         self.manifest: Manifest | None = None
 
     def _scan_once(self) -> Iterator[bytes]:
@@ -116,7 +117,7 @@ class DirectoryTail:
                     yield b"D" + _D.pack(len(bname), off, len(data)) + bname
                     yield data
                 else:
-                    for seg in self.index.split(name, off, data, self._read_sent):
+                    for seg in self.index.split(name, off, data, self._read_sent, self._sent_upto):
                         if isinstance(seg, Copy):
                             src = seg.src_name.encode()
                             yield (b"C" + _C.pack(len(bname), seg.offset, seg.length, len(src), seg.src_offset)
@@ -130,12 +131,23 @@ class DirectoryTail:
                     self._on_progress(self.sent)
             self._files[name] = (fd, off, h)
 
-    def _read_sent(self, name: str, off: int, n: int) -> bytes | memoryview:
-        return _read(self._files[name][0], off, n)
+    def _read_sent(self, name: str, off: int, n: int) -> memoryview:
+        """Bytes of `name` already sent, from a mapping kept per file (the page index compares
+        against earlier pages thousands of times per dump: no syscall or copy per compare)."""
+        m = self._maps.get(name)
+        if m is None or off + n > len(m):
+            if m is not None:
+                m.release()
+            size = self._files[name][1]
+            m = self._maps[name] = memoryview(mmap.mmap(self._files[name][0], size, prot=mmap.PROT_READ))
+        return m[off:off + n]
+
+    def _sent_upto(self, name: str) -> int:
+        return self._files[name][1]
 
     def __iter__(self) -> Iterator[bytes]:
         stop = threading.Event()
-        return _ahead(self._pieces(stop), stop)
+        return _ahead(_coalesced(self._pieces(stop)), stop)
 
     def _pieces(self, stop: threading.Event) -> Iterator[bytes]:
         try:
@@ -162,6 +174,9 @@ class DirectoryTail:
                 if not got:
                     time.sleep(self.poll_s)
         finally:
+            for m in self._maps.values():
+                m.release()  # the mmap itself goes with its last view
+            self._maps.clear()
             for fd, _, _ in self._files.values():
                 os.close(fd)
             self._files.clear()
@@ -334,6 +349,28 @@ def _read(fd: int, off: int, n: int) -> bytes | memoryview:
     base = off - off % _PAGE
     m = mmap.mmap(fd, off + n - base, prot=mmap.PROT_READ, offset=base)
     return memoryview(m)[off - base:]
+
+
+def _coalesced(pieces: Iterator[bytes | memoryview], small: int = 64 << 10) -> Iterator[bytes | memoryview]:
+    """Join runs of small pieces (frame headers, references, a few pages between references) into
+    one: each piece costs the sender a syscall, a TLS record or an HTTP chunk of its own."""
+    buf = bytearray()
+    try:
+        for piece in pieces:
+            if len(piece) < small:
+                buf += piece
+                if len(buf) >= small:
+                    yield bytes(buf)
+                    buf.clear()
+                continue
+            if buf:
+                yield bytes(buf)
+                buf.clear()
+            yield piece
+        if buf:
+            yield bytes(buf)
+    finally:
+        pieces.close()  # type: ignore[attr-defined]
 
 
 def _ahead(pieces: Iterator[bytes], stop: threading.Event, depth: int = 8) -> Iterator[bytes]:
