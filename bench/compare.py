@@ -84,7 +84,7 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
         cc = CoordinatorClient(c.coordinator_url, c.operator_token)
         placement = {r: ("host-b" if r in leaving else "host-a") for r in range(world)}
         out = c.root / "out"
-        ranks = c.start_job("b", ddp_cmd(out, steps=steps, state_mb=state_mb), world, placement)
+        ranks = c.start_job("b", ddp_cmd(out, steps=steps, state_mb=state_mb) + ["--trace-params"], world, placement)
         for rk in ranks:
             wait_for_step(rk.log, 20, timeout_s=300)
         warm_s = prewarm(prewarm_gib)
@@ -98,13 +98,36 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
             raise SystemExit(f"{label}: the job finished before the evacuation; raise --steps")
         pause = max(g[-1] for g in gaps if g)
         normal = sorted(x for g in gaps for x in g)[len([x for g in gaps for x in g]) // 2]
+        diverged = first_divergent_step([rk.log for rk in ranks])
+        if diverged is not None:  # keep the evidence (README: the open gloo divergence)
+            keep = OUT / f"divergent-{label.replace(' ', '_').replace(',', '')}-{world}-{int(time.time())}"
+            for f in c.root.rglob("*.log"):
+                (keep / f.relative_to(c.root)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, keep / f.relative_to(c.root))
+            print(f"{label}: ranks disagree from step {diverged} on; logs kept in {keep}", flush=True)
         caps = [w.get("capture_phases", {}) for w in md["workers"].values()]
         dump = max((cp.get("dump", 0.0) for cp in caps), default=0.0)
         phases = dict(md["phases"])
         return {"method": label, "world": world, "leaving_ranks": leaving, "state_mb": state_mb,
                 "downtime_s": md["downtime_s"], "job_pause_s": round(pause, 4), "median_step_s": round(normal, 4),
                 "bytes": md["bytes_total"], "phases": phases, "dump_s": round(dump, 4),
-                "capture_phases": caps, "prewarm_s": round(warm_s, 2), "final": _final_hashes(out, world)}
+                "capture_phases": caps, "prewarm_s": round(warm_s, 2), "final": _final_hashes(out, world),
+                "first_divergent_step": diverged, "moved_after_step": _moved_after(ranks[0].log, t0)}
+
+
+def first_divergent_step(logs: list[Path]) -> int | None:
+    """The first step after which the ranks' parameters differ (ddp_train --trace-params), or None."""
+    per = [dict(re.findall(r"^params (\d+) (\w+)", p.read_text(errors="replace"), re.M)) for p in logs]
+    steps = sorted(set().union(*per), key=int)
+    return next((int(s) for s in steps if len({d.get(s) for d in per}) > 1), None)
+
+
+def _moved_after(log: Path, since: float) -> int | None:
+    """The step before the longest gap after `since`: where the job was paused."""
+    ts = [t for t in step_times(log) if t[1] >= since]
+    if len(ts) < 2:
+        return None
+    return max(((ts[i + 1][1] - ts[i][1], ts[i][0]) for i in range(len(ts) - 1)))[1]
 
 
 def _phase_times(log: Path) -> dict[str, float]:
@@ -260,6 +283,9 @@ def main() -> None:
         summary["stream_vs_raw_tcp"] = summary["stream_bytes_per_s"] / bw
     exact = {tuple(r["final"]) for r in runs + scaling if r["world"] == 4 and r["method"] != "checkpoint-restart"}
     summary["pitstop_and_naive_identical"] = len(exact) == 1
+    summary["runs_whose_ranks_disagree"] = [f"{r['method']} ({r['world']} ranks): from step {r['first_divergent_step']},"
+                                            f" moved after step {r['moved_after_step']}"
+                                            for r in runs + scaling if r.get("first_divergent_step") is not None]
     # DDP rebuilds its gradient buckets after a relaunch, which changes the order in which a
     # 4-rank allreduce sums (last-bit rounding): checkpoint-restart is not bit-exact here.
     summary["checkpoint_restart_identical_to_pitstop"] = all(
