@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from pitstop.capture import proctree
 from pitstop.coordinator.client import CoordinatorClient
 from pitstop.errors import PitstopError
 
@@ -133,11 +134,24 @@ def test_worker_dies_during_the_freeze(cluster, tmp_path, record):
     os.kill(pid, signal.SIGKILL)
     op = _wait_op(w.cc, op["name"])
     assert op["metadata"]["result"] == "failed" and op["error"]["message"]
-    # The fault killed a rank: the job cannot finish; the peer must not be left stopped.
-    code0 = w.ranks[0].proc.wait(120)
-    assert code0 != 0
-    record("a worker dies during the freeze", "op failed; the surviving rank was resumed and exited on "
-           "its own (the fault killed its peer)", f"op failed: {op['error']['message'][:160]}")
+    assert "ROLLBACK INCOMPLETE" not in op["error"]["message"], op["error"]["message"]
+    # The fault killed a rank: the job cannot finish.  pitstop's part is that the surviving rank
+    # is not left stopped.  Whether it then notices its dead peer is gloo's business: mostly it
+    # raises at once, but about one run in fifteen it waits in the allreduce for gloo's own
+    # timeout (30 min by default), running, with no connection to the peer left (seen with
+    # py-spy and ss, 2026-11-29).
+    survivor = cluster.agents["host-a"].client().worker("train.0")
+    assert survivor["state"] == "running", survivor
+    assert proctree.state(survivor["root_pid"]) not in ("T", "t"), "the surviving rank was left stopped"
+    try:
+        code0 = w.ranks[0].proc.wait(30)
+        how = f"exited on its own (code {code0}): gloo saw its dead peer"
+    except subprocess.TimeoutExpired:
+        how = "still running, waiting in gloo for its dead peer (gloo's own timeout ends it)"
+        proctree.kill_and_wait(survivor["root_pid"])  # the test ends it; its launcher then exits
+        w.ranks[0].proc.wait(30)
+    record("a worker dies during the freeze", "op failed; the surviving rank was resumed and " + how,
+           f"op failed: {op['error']['message'][:160]}")
 
 
 @pytest.mark.parametrize("phase", ["pause", "capture", "verify", "release", "restore", "commit", "resume"])
