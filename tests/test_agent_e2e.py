@@ -188,6 +188,19 @@ def test_agent_refuses_to_start_without_cluster_token(tmp_path):
     assert "cluster token" in p.stderr and "PITSTOP_CLUSTER_TOKEN" in p.stderr
 
 
+@pytest.mark.parametrize("command,var,value,says", [
+    ("agent", "PITSTOP_AGENT_DEDUP_PAGES", "1", "'auto', 'on' or 'off'"),
+    ("coordinator", "PITSTOP_COORDINATOR_FLUSH_S", "abc", "valid number")])
+def test_a_bad_setting_is_named_not_a_traceback(tmp_path, command, var, value, says):
+    args = (["--name", "x", "--state-dir", str(tmp_path)] if command == "agent" else ["--db", str(tmp_path / "c.db")])
+    p = subprocess.run([sys.executable, "-m", "pitstop.cli", command, "--insecure", "--listen", "127.0.0.1:1", *args],
+                       env={**os.environ, var: value}, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    out = " ".join(p.stderr.split())
+    assert f"bad setting: {var}='{value}'" in out and says in out
+    assert not any(tmp_path.iterdir())  # nothing created
+
+
 def test_local_socket_checks_peer_credentials(tmp_path):
     """Even if the socket file were opened to everyone, the kernel's SO_PEERCRED decides."""
     import shutil

@@ -124,3 +124,12 @@ def test_receiver_refuses_path_tricks_in_references(tmp_path):
     name, src = b"pages-1.img", b"../etc/passwd"
     with pytest.raises(TransferFailed, match="refusing image file name"):
         rx.feed(b"C" + struct.pack("!HQIHQ", len(name), 0, PAGE, len(src), 0) + name + src)
+
+
+@pytest.mark.parametrize("setting,processes,over_tls,want", [
+    ("auto", 3, True, True), ("auto", 3, False, False), ("auto", 1, True, False),
+    ("on", 3, False, True), ("on", 1, False, False), ("off", 3, True, False)])
+def test_when_the_sender_looks_for_copy_on_write_pages(setting, processes, over_tls, want):
+    from pitstop.agent.capturing import dedup_pages
+
+    assert dedup_pages(setting, processes, over_tls) is want

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import logs
-from .errors import PitstopError
+from .errors import InvalidRequest, PitstopError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="pitstop: move training workers between hosts without stopping the job.")
@@ -29,6 +29,19 @@ def _fail(e: PitstopError, as_json: bool = False) -> None:
         if e.action:
             err.print(f"[bold]what to do:[/] {e.action}")
     raise typer.Exit(1)
+
+
+def _settings(cls, prefix: str, **kw):  # noqa: ANN001, ANN202 - a pydantic-settings class
+    """Build settings; a bad value is an operator's error, said plainly, not a traceback."""
+    from pydantic import ValidationError
+
+    try:
+        return cls(**kw)
+    except ValidationError as e:
+        bad = "; ".join(f"{prefix}{'_'.join(map(str, x['loc'])).upper()}={x.get('input')!r}: {x['msg']}"
+                        for x in e.errors())
+        _fail(InvalidRequest(f"bad setting: {bad}",
+                             action="fix the value in the environment (or /etc/pitstop/*.env) and start again"))
 
 
 @app.command()
@@ -85,7 +98,7 @@ def agent(
     if worker_link:
         kw["worker_link"] = worker_link
     try:
-        serve(AgentSettings(**kw))
+        serve(_settings(AgentSettings, "PITSTOP_AGENT_", **kw))
     except PitstopError as e:
         _fail(e)
 
@@ -126,7 +139,7 @@ def coordinator(
 
     logs.setup(json=log_json)
     try:
-        serve(CoordinatorSettings(listen=listen, db=db, insecure=insecure))
+        serve(_settings(CoordinatorSettings, "PITSTOP_COORDINATOR_", listen=listen, db=db, insecure=insecure))
     except PitstopError as e:
         _fail(e)
 

@@ -94,10 +94,8 @@ class SourceSide:
         pids = proctree.tree(w.root_pid)
         stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
         self.state.update_capture(cap, stdio=stdio)
-        # pages shared copy-on-write with a parent go once (transfer/dedup.py): only a tree has them,
-        # and it pays where a byte on the wire costs more than finding it (TLS, slower links)
-        dedup = len(pids) > 1 and (self.s.dedup_pages == "on" or (self.s.dedup_pages == "auto" and tls.enabled()))
-        tail = DirectoryTail(images, on_progress=lambda n: setattr(cap, "bytes_sent", n), dedup=dedup)
+        tail = DirectoryTail(images, on_progress=lambda n: setattr(cap, "bytes_sent", n),
+                             dedup=dedup_pages(self.s.dedup_pages, len(pids), tls.enabled()))
         sender: threading.Thread | None = None
         send_error: list[BaseException] = []
         t0 = time.monotonic()
@@ -377,6 +375,13 @@ class SourceSide:
         if t:
             t.join(timeout_s)
         return self.state.capture(cid)
+
+
+def dedup_pages(setting: str, processes: int, over_tls: bool) -> bool:
+    """Send copy-on-write pages once (transfer/dedup.py)?  Only a tree has them, and finding them
+    pays where a byte on the wire costs more than the search: over TLS, or on slower links
+    (`on`); on this testbed's plain loopback it costs more than it saves (docs/benchmarks.md)."""
+    return processes > 1 and (setting == "on" or (setting == "auto" and over_tls))
 
 
 def _cut(chunks, after: str | None):  # noqa: ANN001, ANN202 - a fault hook: the stream breaks mid-way
