@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import platform
+import re
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from pitstop.devcluster import step_gaps
+from pitstop.devcluster import step_gaps, step_times
 
 RECEIVER = r"""
 import socket, sys
@@ -75,3 +77,26 @@ def machine() -> str:
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Linux {platform.release()}"
+
+
+def first_divergent_step(logs: list[Path]) -> int | None:
+    """The first step after which the ranks' parameters differ (ddp_train --trace-params), or None."""
+    per = [dict(re.findall(r"^params (\d+) (\w+)", p.read_text(errors="replace"), re.M)) for p in logs]
+    steps = sorted(set().union(*per), key=int)
+    return next((int(s) for s in steps if len({d.get(s) for d in per}) > 1), None)
+
+
+def moved_after_step(log: Path, since: float) -> int | None:
+    """The step before the longest gap after `since`: where the job was paused."""
+    ts = [t for t in step_times(log) if t[1] >= since]
+    if len(ts) < 2:
+        return None
+    return max(((ts[i + 1][1] - ts[i][1], ts[i][0]) for i in range(len(ts) - 1)))[1]
+
+
+def keep_logs(root: Path, dest: Path) -> Path:
+    """Copy every log under a cluster's root to `dest` (same layout) before the cluster is removed."""
+    for f in list(root.rglob("*.log")):  # listed first: dest may lie under root
+        (dest / f.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dest / f.relative_to(root))
+    return dest

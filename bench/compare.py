@@ -43,7 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import evacuate_and_wait, machine, raw_tcp_bandwidth  # noqa: E402
+from bench.common import (evacuate_and_wait, first_divergent_step, keep_logs, machine,  # noqa: E402
+                          moved_after_step, raw_tcp_bandwidth)
 from pitstop.coordinator.client import CoordinatorClient  # noqa: E402
 from pitstop.devcluster import LocalCluster, free_port, step_gaps, step_times, wait_for_step  # noqa: E402
 from tests.helpers import ddp_cmd  # noqa: E402
@@ -100,10 +101,8 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
         normal = sorted(x for g in gaps for x in g)[len([x for g in gaps for x in g]) // 2]
         diverged = first_divergent_step([rk.log for rk in ranks])
         if diverged is not None:  # keep the evidence (README: the open gloo divergence)
-            keep = OUT / f"divergent-{label.replace(' ', '_').replace(',', '')}-{world}-{int(time.time())}"
-            for f in c.root.rglob("*.log"):
-                (keep / f.relative_to(c.root)).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, keep / f.relative_to(c.root))
+            keep = keep_logs(c.root, OUT / f"divergent-{label.replace(' ', '_').replace(',', '')}-{world}-"
+                                           f"{int(time.time())}")
             print(f"{label}: ranks disagree from step {diverged} on; logs kept in {keep}", flush=True)
         caps = [w.get("capture_phases", {}) for w in md["workers"].values()]
         dump = max((cp.get("dump", 0.0) for cp in caps), default=0.0)
@@ -112,22 +111,7 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
                 "downtime_s": md["downtime_s"], "job_pause_s": round(pause, 4), "median_step_s": round(normal, 4),
                 "bytes": md["bytes_total"], "phases": phases, "dump_s": round(dump, 4),
                 "capture_phases": caps, "prewarm_s": round(warm_s, 2), "final": _final_hashes(out, world),
-                "first_divergent_step": diverged, "moved_after_step": _moved_after(ranks[0].log, t0)}
-
-
-def first_divergent_step(logs: list[Path]) -> int | None:
-    """The first step after which the ranks' parameters differ (ddp_train --trace-params), or None."""
-    per = [dict(re.findall(r"^params (\d+) (\w+)", p.read_text(errors="replace"), re.M)) for p in logs]
-    steps = sorted(set().union(*per), key=int)
-    return next((int(s) for s in steps if len({d.get(s) for d in per}) > 1), None)
-
-
-def _moved_after(log: Path, since: float) -> int | None:
-    """The step before the longest gap after `since`: where the job was paused."""
-    ts = [t for t in step_times(log) if t[1] >= since]
-    if len(ts) < 2:
-        return None
-    return max(((ts[i + 1][1] - ts[i][1], ts[i][0]) for i in range(len(ts) - 1)))[1]
+                "first_divergent_step": diverged, "moved_after_step": moved_after_step(ranks[0].log, t0)}
 
 
 def _phase_times(log: Path) -> dict[str, float]:

@@ -9,17 +9,16 @@ With "rollback", host-b's agent breaks the image stream after 20 MB (fault hook
 transfer:cut_after), so every run is a rollback by restore on the source: where the
 divergence was last seen.  A divergent run's logs are copied to bench/out/divergence-<it>/.
 """
-from pathlib import Path
-import re, sys, time, tempfile, subprocess, os
+import sys, time, tempfile, subprocess
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pitstop.devcluster import LocalCluster, wait_for_step
 from pitstop.coordinator.client import CoordinatorClient
 from tests.helpers import ddp_cmd
+from bench.common import first_divergent_step, keep_logs, moved_after_step
 
 N = int(sys.argv[1]); load = int(sys.argv[2]) if len(sys.argv) > 2 else 0
 rollback = len(sys.argv) > 3 and sys.argv[3] == "rollback"
-import shutil
 burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]
 try:
     for it in range(N):
@@ -38,19 +37,12 @@ try:
             while not op["done"]:
                 time.sleep(0.05); op = cc.op(op["name"])
             codes = [r.proc.wait(200) for r in ranks]
-            logs = [r.log.read_text() for r in ranks]
-            d = [dict(re.findall(r"^params (\d+) (\w+)", l, re.M)) for l in logs]
-            first = next((s for s in sorted(d[0], key=int) if d[0].get(s) != d[1].get(s)), None)
-            # the move: the largest gap between step lines of rank 0
-            ts = [(int(a), float(b)) for a, b in re.findall(r"^step (\d+) t=([\d.]+)", logs[0], re.M)]
-            gaps = max(((ts[i + 1][1] - ts[i][1], ts[i][0]) for i in range(len(ts) - 1)), default=(0, 0))
+            first = first_divergent_step([r.log for r in ranks])
+            moved = moved_after_step(ranks[0].log, 0.0)
             print(f"it {it}: result={op['metadata']['result']} codes={codes} first_divergent_step={first} "
-                  f"move_after_step={gaps[1]} gap={gaps[0]:.2f}", flush=True)
+                  f"move_after_step={moved}", flush=True)
             if first is not None:
-                keep = Path(__file__).resolve().parent / "out" / f"divergence-{it}"
-                for f in c.root.rglob("*.log"):
-                    (keep / f.relative_to(c.root)).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(f, keep / f.relative_to(c.root))
+                keep = keep_logs(c.root, Path(__file__).resolve().parent / "out" / f"divergence-{it}")
                 print(f"   logs kept in {keep}", flush=True)
 finally:
     for b in burners: b.kill()

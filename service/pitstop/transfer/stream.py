@@ -107,17 +107,18 @@ class DirectoryTail:
             if size < off:
                 raise TransferFailed(f"image file {name} shrank while streaming ({size} < {off})",
                                      action="this CRIU does not write images append-only; report it")
-            if self.index is not None and name.startswith("pages-") and not self.finished.is_set():
+            dedup = self.index is not None and name.startswith("pages-")
+            if dedup and not self.finished.is_set():
                 size = max(off, size - size % PAGE)  # whole pages only, until the dump is over: each can be indexed
+            bname = name.encode()
             while off < size:
                 data = _read(fd, off, min(CHUNK, size - off))
                 h.update(data)
-                bname = name.encode()
-                if self.index is None or not name.startswith("pages-"):
+                if not dedup:
                     yield b"D" + _D.pack(len(bname), off, len(data)) + bname
                     yield data
                 else:
-                    for seg in self.index.split(name, off, data, self._read_sent, self._sent_upto):
+                    for seg in self.index.split(name, off, data, self._read_sent, self._sent_upto):  # type: ignore[union-attr]
                         if isinstance(seg, Copy):
                             src = seg.src_name.encode()
                             yield (b"C" + _C.pack(len(bname), seg.offset, seg.length, len(src), seg.src_offset)
