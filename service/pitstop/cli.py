@@ -31,13 +31,14 @@ def _fail(e: PitstopError, as_json: bool = False) -> None:
     raise typer.Exit(1)
 
 
-def _settings(cls, prefix: str, **kw):  # noqa: ANN001, ANN202 - a pydantic-settings class
+def _settings(cls, **kw):  # noqa: ANN001, ANN202 - a pydantic-settings class
     """Build settings; a bad value is an operator's error, said plainly, not a traceback."""
     from pydantic import ValidationError
 
     try:
         return cls(**kw)
     except ValidationError as e:
+        prefix = cls.model_config.get("env_prefix", "")
         bad = "; ".join(f"{prefix}{'_'.join(map(str, x['loc'])).upper()}={x.get('input')!r}: {x['msg']}"
                         for x in e.errors())
         _fail(InvalidRequest(f"bad setting: {bad}",
@@ -98,7 +99,7 @@ def agent(
     if worker_link:
         kw["worker_link"] = worker_link
     try:
-        serve(_settings(AgentSettings, "PITSTOP_AGENT_", **kw))
+        serve(_settings(AgentSettings, **kw))
     except PitstopError as e:
         _fail(e)
 
@@ -139,7 +140,7 @@ def coordinator(
 
     logs.setup(json=log_json)
     try:
-        serve(_settings(CoordinatorSettings, "PITSTOP_COORDINATOR_", listen=listen, db=db, insecure=insecure))
+        serve(_settings(CoordinatorSettings, listen=listen, db=db, insecure=insecure))
     except PitstopError as e:
         _fail(e)
 
