@@ -201,6 +201,22 @@ def test_a_bad_setting_is_named_not_a_traceback(tmp_path, command, var, value, s
     assert not any(tmp_path.iterdir())  # nothing created
 
 
+def test_command_line_flags_win_over_the_environment(monkeypatch):
+    """`--coordinator` was once dropped when no PITSTOP_COORDINATOR was set (an aliased field takes
+    only its alias unless populate_by_name): an agent under systemd then never joined its cluster."""
+    from pitstop.agent.settings import AgentSettings
+    from pitstop.coordinator.settings import CoordinatorSettings
+
+    monkeypatch.delenv("PITSTOP_COORDINATOR", raising=False)
+    monkeypatch.delenv("PITSTOP_AGENT_COORDINATOR", raising=False)
+    assert AgentSettings(coordinator="http://c:7000").coordinator == "http://c:7000"
+    monkeypatch.setenv("PITSTOP_COORDINATOR", "http://env:7000")
+    assert AgentSettings(coordinator="http://flag:7000").coordinator == "http://flag:7000"
+    assert AgentSettings().coordinator == "http://env:7000"
+    monkeypatch.setenv("PITSTOP_CLUSTER_TOKEN", "from-env")
+    assert CoordinatorSettings(cluster_token="given").cluster_token == "given"
+
+
 def test_local_socket_checks_peer_credentials(tmp_path):
     """Even if the socket file were opened to everyone, the kernel's SO_PEERCRED decides."""
     import shutil

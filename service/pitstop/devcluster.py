@@ -170,12 +170,14 @@ class LocalCluster:
         return self.coordinator_url
 
     def start_agent(self, name: str, spare: bool = False, port: int | None = None,
-                    env: dict[str, str] | None = None, image_dir: Path | None = None) -> AgentProc:
+                    env: dict[str, str] | None = None, image_dir: Path | None = None,
+                    wrap: list[str] | None = None) -> AgentProc:
+        """wrap: a command the agent runs under (setpriv, to give it a unit's capability set)."""
         port = port or free_port()
-        addr, prefix = "127.0.0.1", []
+        addr, prefix = "127.0.0.1", list(wrap or [])
         if self.net:
             _, addr = self.net.add(name)
-            prefix = self.net.exec_prefix(name)
+            prefix = self.net.exec_prefix(name) + prefix
         state = self.root / name
         images = image_dir or self.shm / name
         state.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from .. import __version__
 from .. import shimctl, tls
 from ..network import workerns
-from ..capture import proctree, runtime
+from ..capture import caps, proctree, runtime
 from ..errors import Conflict, FailedPrecondition, PitstopError, TransferFailed
 from ..httpapi import install_error_handlers, require_token
 from ..transfer.stream import receive_into
@@ -60,6 +60,7 @@ class Agent:
         self.metrics = Metrics()
         self.source.on_finished = self._count_capture
         self.source.reconcile()
+        self.dest.adopt()
         self.started = time.time()
         self.data_port: int | None = None  # set by the server once transfer/dataport.py listens
 
@@ -96,7 +97,7 @@ class Agent:
         except PitstopError as e:
             criu = {"error": e.message}
         return {"name": self.s.name, "url": self.s.url, "spare": self.s.spare, "version": __version__,
-                "data_port": self.data_port,
+                "data_port": self.data_port, "cap_bnd": f"{caps.bounding_set():x}",
                 "criu": criu, "workers": len([w for w in self.state.workers.values()
                                               if w.state in LIVE_STATES])}
 
@@ -105,6 +106,11 @@ class Agent:
                 not proctree.exists(w.root_pid) or proctree.start_time(w.root_pid) != w.start_time):
             self.state.update_worker(w, state="exited" if w.exit_code is not None else "lost")
             self.drop_net(w)
+        if w.state == "running":
+            try:
+                w.caps = f"{caps.needs(w.root_pid):x}"
+            except OSError:
+                pass  # it is exiting; the next listing says so
         return w
 
     def drop_net(self, w: Worker) -> None:

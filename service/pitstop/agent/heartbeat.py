@@ -23,6 +23,7 @@ import structlog
 
 from .. import tls
 from ..coordinator.beats import ACK_OK, ACK_RESYNC, decode_ack, encode_beat
+from ..capture import caps
 from .api import Agent
 
 log = structlog.get_logger("pitstop.agent.heartbeat")
@@ -33,10 +34,11 @@ def payload(agent: Agent) -> dict:
     from ..gpu.inventory import inventory
 
     workers = [agent.refresh(w).model_dump(include={"id", "job", "rank", "state", "root_pid", "moved_to", "net",
-                                                      "exit_code"})
+                                                      "exit_code", "caps"})
                for w in list(agent.state.workers.values())]
     return {"name": agent.s.name, "url": agent.s.url, "spare": agent.s.spare, "workers": workers,
-            **inventory(), "gpu_health": readings()}
+            "cap_bnd": f"{caps.bounding_set():x}", **inventory(), "gpu_health": readings()}
+
 
 
 FULL, BEAT = "/v1/agents:heartbeat", "/v1/agents:beat"

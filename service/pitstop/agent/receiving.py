@@ -11,9 +11,10 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,15 @@ class Slot:
     state: str = "receiving"  # receiving | complete | verified | failed
     started: float = 0.0
     finished: float = 0.0
+    # A restore in progress from this slot; set `abort` to have CRIU and its partial tree
+    # killed (a rollback must never wait on, or compete with, a restore that hangs).
+    abort: threading.Event = field(default_factory=threading.Event)
+    idle: threading.Event = field(default_factory=lambda: _set(threading.Event()))
+
+
+def _set(e: threading.Event) -> threading.Event:
+    e.set()
+    return e
 
 
 class DestinationSide:
@@ -91,10 +101,15 @@ class DestinationSide:
             raise NotFound(f"no image {image_id!r} on this agent", action="send the images first")
         return s
 
-    def discard(self, image_id: str) -> None:
+    def discard(self, image_id: str, wait_s: float = 30.0) -> None:
+        """Drop a slot; a restore still running from it is killed first (the way back after a
+        coordinator gave up waiting on this agent)."""
         with self.lock:
             s = self.slots.pop(image_id, None)
         if s:
+            s.abort.set()
+            if not s.idle.wait(wait_s):
+                log.error("a restore did not stop after it was abandoned", image=image_id)
             s.receiver.close()
             shutil.rmtree(s.directory, ignore_errors=True)
 
@@ -134,10 +149,15 @@ class DestinationSide:
         wk = m.worker
         gpu_phases: dict[str, float] = {}
         fills: list[lazy_pages.LazyFill] = []
-        w = self.restore_dir(s.directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
-                             stdio=[p.model_dump() for p in m.stdio], replace=True,
-                             output_base=m.output_base, gpu=m.gpu, phases=gpu_phases, net=m.net,
-                             keep_peers=m.keep_peers, lazy_fill=fills if self.s.lazy_restore else None)
+        s.idle.clear()
+        try:
+            w = self.restore_dir(s.directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
+                                 stdio=[p.model_dump() for p in m.stdio], replace=True,
+                                 output_base=m.output_base, gpu=m.gpu, phases=gpu_phases, net=m.net,
+                                 keep_peers=m.keep_peers, lazy_fill=fills if self.s.lazy_restore else None,
+                                 abort=s.abort)
+        finally:
+            s.idle.set()
         phases = {"verify": t1 - t0, "restore": time.monotonic() - t1, **gpu_phases}
         if fills and faults.value("restore:kill_fill"):
             fills[0].proc.kill()
@@ -171,7 +191,8 @@ class DestinationSide:
                     output_base: dict[str, int] | None = None, gpu: dict[str, Any] | None = None,
                     phases: dict[str, float] | None = None, net: dict[str, str] | None = None,
                     keep_peers: list[str] | None = None,
-                    lazy_fill: list[lazy_pages.LazyFill] | None = None) -> Worker:
+                    lazy_fill: list[lazy_pages.LazyFill] | None = None,
+                    abort: threading.Event | None = None) -> Worker:
         """Restore images in `directory`; register the result as a worker of this agent.
 
         lazy_fill: restore post-copy, memory filled by a lazy-pages daemon after the worker
@@ -207,7 +228,8 @@ class DestinationSide:
                 net_fd = os.open(wn.path, os.O_RDONLY)
             fill = lazy_pages.start(directory) if lazy_fill is not None else None
             try:
-                pid, _secs = criu_ops.restore(directory, inherit, net_fd=net_fd, lazy=fill is not None)
+                pid, _secs = criu_ops.restore(directory, inherit, net_fd=net_fd, lazy=fill is not None,
+                                              timeout_s=self.s.restore_timeout_s, abort=abort)
             except PitstopError:
                 if fill:
                     fill.kill()
@@ -242,40 +264,24 @@ class DestinationSide:
             workerns.announce(wn)
             workerns.unlock(wn, nft)
             log.info("worker address up here", worker=worker_id, address=wn.address, reset_connections=reset)
-        scope.place(worker_id, pid)  # its own cgroup where systemd runs the host (agent/scope.py)
+        for stream in ("stdout", "stderr"):  # a fresh file: offsets are relative to output_base
+            (self.outputs / f"{worker_id}.{stream}").unlink(missing_ok=True)
+        pumps = [_start_pump(fd, self.outputs / f"{worker_id}.{stream}") for fd, stream, _ in ours]
+        # its own cgroup where systemd runs the host, pumps included (agent/scope.py)
+        scope.place(worker_id, pid, more=tuple(p.pid for p in pumps))
         if fill:  # the worker's memory depends on it: an agent restart must not take it down
             scope.place(worker_id + "-fill", fill.pid)
             lazy_fill.append(fill)  # type: ignore[union-attr]
         w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
                    restored=True, output_base=output_base or {}, net=net)
-        for stream in ("stdout", "stderr"):  # a fresh file: offsets are relative to output_base
-            (self.outputs / f"{worker_id}.{stream}").unlink(missing_ok=True)
         with self.state.lock:
             self.state.workers[worker_id] = w
             self.state.save()
-        pumps = []
-        for fd, stream, _ in ours:
-            t = threading.Thread(target=self._pump, args=(fd, self.outputs / f"{worker_id}.{stream}"),
-                                 daemon=True, name=f"pump-{worker_id}-{stream}")
-            t.start()
-            pumps.append(t)
         threading.Thread(target=self._reap, args=(w, pumps), daemon=True, name=f"reap-{worker_id}").start()
         log.info("restored", worker=worker_id, pid=pid)
         return w
 
-    def _pump(self, fd: int, path: Path) -> None:
-        with open(path, "ab", buffering=0) as out:
-            while True:
-                try:
-                    data = os.read(fd, 65536)
-                except OSError:
-                    break
-                if not data:
-                    break
-                out.write(data)
-        os.close(fd)
-
-    def _reap(self, w: Worker, pumps: list[threading.Thread]) -> None:
+    def _reap(self, w: Worker, pumps: list[subprocess.Popen]) -> None:
         try:
             _, status = os.waitpid(w.root_pid, 0)
             code = os.waitstatus_to_exitcode(status)
@@ -284,14 +290,37 @@ class DestinationSide:
             while proctree.exists(w.root_pid):
                 time.sleep(0.2)
             code = None
-        for t in pumps:
-            t.join(10)
+        for p in pumps:  # its last output is in the files before anyone hears it exited
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                log.warning("an output pump outlived its worker", worker=w.id, pump=p.pid)
+        self._ended(w, code)
+
+    def _ended(self, w: Worker, code: int | None, reason: str | None = None) -> None:
         if w.state in ("running",):
-            self.state.update_worker(w, state="exited", exit_code=code)
+            self.state.update_worker(w, state="exited", exit_code=code, reason=reason)
             wn = workerns.from_dict(w.net)
             if wn:
                 workerns.destroy(wn)
         log.info("restored worker exited", worker=w.id, code=code, state=w.state)
+
+    def adopt(self) -> None:
+        """After this agent restarted: watch the workers an earlier run of it restored.
+
+        They outlived it (their own scope, KillMode=process, output pumps of their own), but
+        they are no longer its children, so their exit status cannot be collected: they are
+        reported as exited with the status unknown."""
+        for w in list(self.state.workers.values()):
+            if w.restored and w.state == "running":
+                threading.Thread(target=self._watch_adopted, args=(w,), daemon=True,
+                                 name=f"adopted-{w.id}").start()
+
+    def _watch_adopted(self, w: Worker) -> None:
+        while proctree.exists(w.root_pid) and proctree.start_time(w.root_pid) == w.start_time:
+            time.sleep(0.2)
+        time.sleep(0.5)  # its pumps drain the last output
+        self._ended(w, None, reason="it ended while its agent was restarting: its exit status is unknown")
 
     def read_output(self, worker_id: str, stream: str, offset: int, limit: int = 1 << 20) -> bytes:
         p = self.outputs / f"{worker_id}.{stream}"
@@ -302,6 +331,20 @@ class DestinationSide:
         with open(p, "rb") as f:
             f.seek(offset - base)
             return f.read(limit)
+
+
+def _start_pump(fd: int, path: Path) -> subprocess.Popen:
+    """Copy one stdio pipe of a restored worker into its output file, in a process of its own.
+
+    Why not a thread of the agent: the agent would hold the pipe's read end, and when the agent
+    restarts the worker's next write would fail (EPIPE; a Python job dies of the
+    BrokenPipeError).  `cat` ends when the worker closes the pipe, and lives in the worker's
+    scope, not the agent's."""
+    with open(path, "ab") as out:
+        p = subprocess.Popen(["cat"], stdin=fd, stdout=out, stderr=subprocess.DEVNULL, close_fds=True,
+                             start_new_session=True)
+    os.close(fd)
+    return p
 
 
 def _flip_a_byte(directory: Path) -> None:

@@ -29,22 +29,23 @@ def scope_name(worker_id: str, pid: int) -> str:
     return f"pitstop-worker-{re.sub(r'[^A-Za-z0-9_.-]', '-', worker_id)}-{pid}.scope"
 
 
-def busctl_args(worker_id: str, pid: int) -> list[str]:
+def busctl_args(worker_id: str, pid: int, more: tuple[int, ...] = ()) -> list[str]:
     return ["busctl", "call", "--timeout=10", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
             "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))",
             scope_name(worker_id, pid), "fail", "3",
-            "PIDs", "au", "1", str(pid),
+            "PIDs", "au", str(1 + len(more)), str(pid), *map(str, more),
             "Description", "s", f"pitstop worker {worker_id} (restored)",
             "CollectMode", "s", "inactive-or-failed", "0"]
 
 
-def place(worker_id: str, pid: int, *, present: Callable[[], bool] = systemd_running,
+def place(worker_id: str, pid: int, *, more: tuple[int, ...] = (), present: Callable[[], bool] = systemd_running,
           run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> str | None:
-    """Move a restored root into its own scope; return the scope's name, or None (and why, logged)."""
+    """Move a restored root (and `more`: its output pumps) into its own scope; return the
+    scope's name, or None (and why, logged)."""
     if not present():
         return None
     try:
-        p = run(busctl_args(worker_id, pid), capture_output=True, text=True, timeout=15)
+        p = run(busctl_args(worker_id, pid, more), capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired) as e:
         log.warning("cannot place restored worker in a scope", worker=worker_id, error=str(e))
         return None

@@ -11,7 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class AgentSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PITSTOP_AGENT_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="PITSTOP_AGENT_", extra="ignore", populate_by_name=True)
 
     name: str = Field(default_factory=socket.gethostname)
     listen: str = "127.0.0.1:7070"

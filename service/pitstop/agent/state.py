@@ -36,6 +36,9 @@ class Worker(BaseModel):
     reason: str | None = None             # why it is lost, where pitstop knows
     output_base: dict[str, int] = Field(default_factory=dict)  # output seen before it arrived here
     net: dict[str, str] | None = None     # network.workerns.WorkerNet: an address that moves with it
+    # What a restore must grant it (capture/caps.py, hex), as of the last listing: the coordinator
+    # refuses, before anything pauses, a destination whose agent could not.
+    caps: str | None = None
     registered_at: float = Field(default_factory=time.time)
 
 

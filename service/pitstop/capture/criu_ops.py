@@ -17,13 +17,15 @@ Each call writes CRIU's log next to the images; failures quote its Error lines.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import CaptureFailed, RestoreFailed
-from . import criulog, runtime
+from . import criulog, proctree, runtime
 
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
@@ -94,14 +96,59 @@ def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | N
                       run_id=inv.get("dump_criu_run_id", ""), stats=stats)
 
 
+class _Deadline:
+    """Cut a CRIU restore short: when it overruns `timeout_s`, or as soon as `abort` is set.
+
+    Why: a restore can wait forever (a restorer that hits a BUG leaves CRIU on a futex,
+    seen under a too-narrow capability set), and while it waits it holds the worker's
+    restored sockets on this host, so the rollback on the source could not bind them again.
+    Killing CRIU and everything it has forked so far is safe before the commit: that copy is
+    not the job's copy of record.  Killing is sticky: a CRIU that starts after the deadline
+    passed is killed too."""
+
+    def __init__(self, c: Any, timeout_s: float, abort: threading.Event | None) -> None:
+        self.c, self.timeout_s, self.abort = c, timeout_s, abort
+        self.done = threading.Event()
+        self.why: str | None = None
+        self._t = threading.Thread(target=self._watch, name="criu-deadline", daemon=True)
+
+    def __enter__(self) -> "_Deadline":
+        self._t.start()
+        return self
+
+    def __exit__(self, *a: object) -> None:
+        self.done.set()
+        self._t.join(5)
+
+    def _watch(self) -> None:
+        end = time.monotonic() + self.timeout_s
+        while not self.done.wait(0.05):
+            if self.why is None:
+                if self.abort is not None and self.abort.is_set():
+                    self.why = "the restore was abandoned (the move is being rolled back)"
+                elif time.monotonic() > end:
+                    self.why = f"CRIU did not finish restoring within {self.timeout_s:g} s"
+            if self.why is not None:
+                swrk = getattr(getattr(self.c, "_comm", None), "swrk", None)
+                if swrk:
+                    for pid in proctree.tree(swrk):
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+
+
 def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None, lazy: bool = False,
-            rt: runtime.CriuRuntime | None = None) -> tuple[int, float]:
+            rt: runtime.CriuRuntime | None = None, timeout_s: float = 120.0,
+            abort: threading.Event | None = None) -> tuple[int, float]:
     """Restore a tree detached from us; return (host pid of its root, seconds).
 
     `inherit` maps CRIU external ids ("pipe:[ino]") to fds of ours that take
     their place.  The caller should be a child subreaper so that the restored
     root becomes its child once CRIU exits.  lazy: the tree's anonymous memory
     is left to a lazy-pages daemon the caller started (capture/lazy_pages.py).
+    timeout_s, abort: CRIU and the partial tree are killed past the deadline or once
+    `abort` is set (_Deadline), and RestoreFailed says which.
     """
     rt = rt or runtime.locate()
     pycriu, c = _criu(rt)
@@ -124,12 +171,18 @@ def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None,
             i.key = key
             i.fd = fd
         t0 = time.monotonic()
+        deadline = _Deadline(c, timeout_s, abort)
         try:
-            resp = c.restore()
+            with deadline:
+                resp = c.restore()
+            if deadline.why:  # it finished as the deadline passed: that copy must not run either
+                proctree.kill_and_wait(resp.pid)
+                raise RuntimeError("cut short")
         except Exception as e:
             lines = criulog.error_lines(images / RESTORE_LOG)
+            cause = deadline.why or f"CRIU could not restore: {e}"
             raise RestoreFailed(
-                f"CRIU could not restore: {e}" + (": " + " | ".join(lines) if lines else ""),
+                cause + (": " + " | ".join(lines) if lines else ""),
                 action=f"the images are kept for a retry or rollback; see {images / RESTORE_LOG}",
                 details={"criu_errors": lines, "log": str(images / RESTORE_LOG)}) from None
         return resp.pid, time.monotonic() - t0

@@ -41,6 +41,8 @@ class WorkerReport(BaseModel):
     job: str = Field(min_length=1, max_length=128)
     rank: int = Field(ge=0, le=10_000_000)
     state: str = Field(min_length=1, max_length=32)
+    caps: str | None = Field(None, pattern=r"^[0-9a-f]{1,16}$",
+                             description="capabilities a restore must grant it (hex; capture/caps.py)")
 
 
 class Heartbeat(BaseModel):
@@ -54,6 +56,9 @@ class Heartbeat(BaseModel):
     gpu_count: int = Field(0, ge=0, le=4096)
     gpu_note: str = ""
     driver: str | None = None
+    cap_bnd: str | None = Field(None, pattern=r"^[0-9a-f]{1,16}$",
+                                description="the agent's capability bounding set (hex): what it can give a "
+                                            "restored worker")
     gpu_health: list[dict[str, Any]] = Field(default_factory=list, description="NVML readings, one per GPU")
     generation: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
                                    description="names this report; later beats that carry it mean 'nothing "

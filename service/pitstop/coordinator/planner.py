@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..capture import caps
 from ..errors import Conflict, FailedPrecondition, InvalidRequest, NotFound
 from .store import LIVE, Store
 
@@ -40,6 +41,19 @@ def gpu_mismatch(src: dict[str, Any], dst: dict[str, Any], leaving: list[dict[st
     return None
 
 
+def caps_mismatch(dst: dict[str, Any], leaving: list[dict[str, Any]]) -> str | None:
+    """Why dst's agent could not give the leaving workers their capabilities back (capture/caps.py)."""
+    if not dst.get("cap_bnd"):
+        return None  # an agent that does not report its set: CRIU's own error, if any, will say
+    have = int(dst["cap_bnd"], 16)
+    for w in leaving:
+        lack = caps.missing(int(w.get("caps") or "0", 16), have)
+        if lack:
+            return (f"its agent cannot grant {', '.join(lack)}, which worker {w['id']} holds "
+                    "(the agent unit's CapabilityBoundingSet)")
+    return None
+
+
 def plan(store: Store, node: str, to: str | None, busy_hosts: dict[str, str], heartbeat_timeout_s: float) -> Plan:
     src = store.host(node)
     if src is None:
@@ -63,7 +77,10 @@ def plan(store: Store, node: str, to: str | None, busy_hosts: dict[str, str], he
         why = _unusable(dst, src, leaving, busy_hosts, heartbeat_timeout_s)
         if why:
             raise FailedPrecondition(f"cannot move {node}'s workers to {to}: {why}", code="no_compatible_spare",
-                                     action="pick another host, or omit 'to' to let pitstop choose a spare")
+                                     action="pick another host, or omit 'to' to let pitstop choose a spare"
+                                            + ("; or widen that agent's CapabilityBoundingSet (systemd/pitstop-agent"
+                                               ".service), or launch the job without those capabilities"
+                                               if "cannot grant" in why else ""))
         return Plan(src, dst, leaving, peers, jobs)
     reasons = []
     for h in store.hosts():
@@ -90,4 +107,4 @@ def _unusable(h: dict[str, Any], src: dict[str, Any], leaving: list[dict[str, An
         return f"busy with operation {busy[h['name']]}"
     if h.get("health", {}).get("degraded"):
         return "degraded: " + ", ".join(h["health"].get("reasons", []))
-    return gpu_mismatch(src, h, leaving)
+    return gpu_mismatch(src, h, leaving) or caps_mismatch(h, leaving)

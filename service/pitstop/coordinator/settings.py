@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 class CoordinatorSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PITSTOP_COORDINATOR_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="PITSTOP_COORDINATOR_", extra="ignore", populate_by_name=True)
 
     listen: str = "127.0.0.1:7000"
     db: Path = Path("/var/lib/pitstop/coordinator.db")

@@ -186,7 +186,8 @@ class Store:
             q += " AND job=?"
             a.append(job)
         return [{"id": r["id"], "job": r["job"], "rank": r["rank"], "host": r["host"], "state": r["state"],
-                 "updated": r["updated"], "address": (json.loads(r["info"]).get("net") or {}).get("address")}
+                 "updated": r["updated"], "address": (json.loads(r["info"]).get("net") or {}).get("address"),
+                 "caps": json.loads(r["info"]).get("caps")}
                 for r in self._x(q + " ORDER BY job, rank", tuple(a))]
 
     def set_worker_host(self, wid: str, host: str, state: str = "running") -> None:

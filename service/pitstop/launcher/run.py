@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 
 from ..agent.client import AgentClient
-from ..capture import proctree
+from ..capture import caps, proctree
 from .. import tls
 from ..errors import PitstopError
 from .seccomp import deny_io_uring
@@ -151,6 +151,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         print(f"pitstop run: {e}", file=sys.stderr)
         return 125
     client = agent_client(agent_url)
+    _limit_caps(client)
     prefix: list[str] = []
     if address:  # its own network namespace and address, made by the agent (network/workerns.py)
         try:
@@ -213,6 +214,17 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     return shell_code(_follow(client, wid))
 
 
+def _limit_caps(client: AgentClient) -> None:
+    """The worker may hold only what its agent can give back on a restore (capture/caps.py)."""
+    try:
+        bnd = (_safe(client.info) or {}).get("cap_bnd")
+        if bnd:
+            caps.limit_bounding_set(int(bnd, 16))
+    except (OSError, ValueError) as e:
+        print(f"pitstop run: warning: could not limit the worker's capabilities to its agent's ({e}); "
+              "a move may be refused", file=sys.stderr)
+
+
 def shell_code(code: int) -> int:
     """A worker killed by signal N exits, as a shell reports it, with 128+N."""
     return 128 - code if code < 0 else code
@@ -242,6 +254,10 @@ def _follow(client: AgentClient, wid: str) -> int:
                 code = int(h["x-pitstop-exit-code"])
         if code is not None and not got:
             return code
+        if state == "exited" and code is None and not got:
+            print(f"pitstop run: worker {wid} ended, but its exit status is unknown (its agent restarted "
+                  "while it ran, and only a parent can collect a status)", file=sys.stderr)
+            return 255
         if state in ("lost",):
             print(f"pitstop run: worker {wid} was lost (its process is gone with no exit status)",
                   file=sys.stderr)

@@ -1,0 +1,196 @@
+"""The units of systemd/ under a real systemd: the coordinator and a spare agent run as
+services (Type=notify, watchdog, sandbox, capabilities as shipped), a rank is evacuated onto
+that agent, lands in a scope of its own, and survives both a restart of the agent's unit and
+a watchdog kill of a hung agent; its final state is bitwise that of an uninterrupted run.
+
+The units are installed as shipped; a drop-in per unit says only what differs on a test
+host: the command line (this checkout's interpreter, free ports), an environment file, a
+log file, and a short watchdog so that a hung agent is caught within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pitstop.agent.client import AgentClient
+from pitstop.capture import runtime
+from pitstop.coordinator.client import CoordinatorClient
+from pitstop.devcluster import free_port, wait_http
+from pitstop.errors import PitstopError
+
+from . import systemd_host
+from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, reference_hashes, wait_for_step
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420),
+              pytest.mark.skipif(systemd_host.unavailable() is not None,
+                                 reason=f"no systemd to boot: {systemd_host.unavailable()}")]
+WATCHDOG_S = 3
+SLEEPER = [sys.executable, str(WORKLOADS / "sleeper.py"), "120"]
+
+
+def _dropin(root: Path, name: str, cmd: list[str], env: dict[str, str], extra: str = "") -> str:
+    envfile = root / f"{name}.env"
+    envfile.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    envfile.chmod(0o600)
+    return ("[Service]\nEnvironmentFile=\nEnvironmentFile=" + str(envfile) + "\n"
+            "ExecStart=\nExecStart=" + " ".join(cmd) + "\n"
+            f"StandardOutput=append:{root / (name + '.log')}\nStandardError=inherit\n" + extra)
+
+
+def _home_bound(path: str) -> bool:
+    return any(Path(path).resolve().is_relative_to(h) for h in (Path("/root"), Path("/home")))
+
+
+def _units(root: Path, cport: int, aport: int, token: str, op_token: str) -> dict[str, str]:
+    exe = str(Path(sys.executable).with_name("pitstop"))
+    base = {"PITSTOP_CLUSTER_TOKEN": token, "PITSTOP_TOKEN": op_token, "PYTHONUNBUFFERED": "1"}
+    coord_extra = ""
+    if _home_bound(sys.executable) or _home_bound(str(ROOT)):
+        # The shipped unit runs /usr/local/bin/pitstop as a dynamic user with /root and /home
+        # hidden; this checkout's interpreter lives under one of them, so only here the
+        # coordinator runs as root with them read-only.  Every other hardening line applies.
+        coord_extra = "DynamicUser=no\nProtectHome=read-only\n"
+    rt = runtime.locate()
+    agent_env = {**base, "PITSTOP_AGENT_DATA_LISTEN": "127.0.0.1:0"}
+    if rt.source == "prefix":
+        agent_env["PITSTOP_CRIU_PREFIX"] = str(runtime.default_prefix())
+    elif rt.source == "env":
+        agent_env.update({k: v for k, v in os.environ.items() if k in ("PITSTOP_CRIU", "PITSTOP_PYCRIU", "PITSTOP_NFT")})
+    return {
+        "pitstop-coordinator.service": (ROOT / "systemd" / "pitstop-coordinator.service").read_text(),
+        "pitstop-agent.service": (ROOT / "systemd" / "pitstop-agent.service").read_text(),
+        "pitstop-coordinator.service.d/test.conf": _dropin(
+            root, "coordinator", [exe, "coordinator", "--listen", f"127.0.0.1:{cport}",
+                                  "--db", "/var/lib/pitstop/coordinator/coordinator.db", "--log-json"],
+            base, coord_extra),
+        "pitstop-agent.service.d/test.conf": _dropin(
+            root, "agent", [exe, "agent", "--name", "spare-sd", "--listen", f"127.0.0.1:{aport}", "--spare",
+                            "--coordinator", f"http://127.0.0.1:{cport}",
+                            "--state-dir", "/var/lib/pitstop/agent", "--log-json"],
+            agent_env, f"WatchdogSec={WATCHDOG_S}s\nTimeoutAbortSec=2s\n"),
+    }
+
+
+def _unit_bounding_set() -> list[str]:
+    """`setpriv --bounding-set` for the agent unit's CapabilityBoundingSet: the source host's agent
+    runs with the same set, as every agent of a cluster would."""
+    line = next(ln for ln in (ROOT / "systemd" / "pitstop-agent.service").read_text().splitlines()
+                if ln.startswith("CapabilityBoundingSet="))
+    keep = [c.lower().removeprefix("cap_") for c in line.split("=", 1)[1].split()]
+    return ["setpriv", "--bounding-set", "-all," + ",".join("+" + c for c in keep), "--"]
+
+
+def _scopes(sd: systemd_host.SystemdHost) -> list[str]:
+    out = sd.ctl("list-units", "--type=scope", "--state=active", "--plain", "--no-legend", "pitstop-worker-*").stdout
+    return [ln.split()[0] for ln in out.splitlines() if ln.strip()]
+
+
+def _wait(pred, timeout_s: float, what: str):  # noqa: ANN001, ANN202
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise TimeoutError(what)
+
+
+def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
+    cport, aport = free_port(), free_port()
+    cluster.token, cluster.operator_token = secrets.token_hex(16), secrets.token_hex(16)
+    sdroot = tmp_path / "systemd"
+    sdroot.mkdir()
+    sd = systemd_host.SystemdHost(sdroot, _units(sdroot, cport, aport, cluster.token, cluster.operator_token))
+    try:
+        sd.start()
+        sd.ctl("start", "pitstop-coordinator.service")
+        sd.ctl("start", "pitstop-agent.service")
+        # Type=notify: active means READY=1 came, after the service could answer.
+        c = sd.wait_active("pitstop-coordinator.service")
+        a = sd.wait_active("pitstop-agent.service")
+        assert c["NRestarts"] == a["NRestarts"] == "0"
+        cluster.coordinator_url = f"http://127.0.0.1:{cport}"
+        wait_http(cluster.coordinator_url + "/healthz", timeout_s=10)
+        wait_http(f"http://127.0.0.1:{aport}/healthz", timeout_s=10)
+        # The hardened coordinator (no capabilities, syscall filter, read-only system) keeps its
+        # database where StateDirectory= put it.
+        sd.enter("test", "-s", "/var/lib/pitstop/coordinator/coordinator.db")
+        assert sd.enter("stat", "-c", "%a", "/var/lib/pitstop/agent").stdout.strip() == "700"
+
+        cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+        # A worker holding capabilities the unit's agent cannot grant is refused before anything
+        # pauses, by name (host-b's agent and its launcher keep every capability).
+        cluster.start_agent("host-b")
+        greedy = cluster.start_job("greedy", SLEEPER, 1, {0: "host-b"})
+        _wait(lambda: any(w["job"] == "greedy" and w.get("caps") for j in cc.jobs() for w in j["workers"]),
+              30, "the greedy worker was never reported")
+        with pytest.raises(PitstopError) as refused:
+            cc.evacuate("host-b", to="spare-sd")
+        assert refused.value.http_status == 412 and "cannot grant cap_" in refused.value.message, refused.value
+        assert "cap_sys_module" in refused.value.message and "CapabilityBoundingSet" in refused.value.action
+        assert greedy[0].proc.poll() is None and not cc.ops()
+
+        cluster.start_agent("host-a", wrap=_unit_bounding_set())
+        out = tmp_path / "out"
+        ranks = cluster.start_job("train", ddp_cmd(out, steps=150, state_mb=64), 1, {0: "host-a"})
+        wait_for_step(ranks[0].log, 10)
+        op = cc.evacuate("host-a", to="spare-sd")
+        op = _wait(lambda: (o := cc.op(op["name"]))["done"] and o, 240, "evacuation did not finish")
+        assert op["metadata"]["result"] == "succeeded", json.dumps(op, indent=1)
+
+        # The restored rank sits in a scope of its own, not in the agent's cgroup.
+        scopes = _wait(lambda: _scopes(sd), 20, "no pitstop-worker scope appeared")
+        assert len(scopes) == 1 and scopes[0].startswith("pitstop-worker-train.0-"), scopes
+        tasks = sd.enter("systemctl", "show", scopes[0], "--property=ControlGroup").stdout.strip().split("=", 1)[1]
+        agent_cg = sd.show("pitstop-agent.service", "ControlGroup")["ControlGroup"]
+        assert tasks != agent_cg and tasks.endswith(scopes[0]), (tasks, agent_cg)
+
+        def steps_now() -> int:
+            return sum(1 for ln in ranks[0].log.read_text(errors="replace").splitlines() if ln.startswith("step "))
+
+        # Restarting the agent's unit never touches the worker (scope + KillMode=process).
+        before = sd.show("pitstop-agent.service", "MainPID")["MainPID"]
+        sd.ctl("restart", "pitstop-agent.service")
+        after = sd.wait_active("pitstop-agent.service")
+        assert after["MainPID"] != before
+        assert _scopes(sd) == scopes
+        n = steps_now()
+        _wait(lambda: steps_now() > n + 3, 30, "the worker stopped stepping after the agent restarted")
+
+        # A hung agent (SIGSTOP: it stops feeding the watchdog) is killed and restarted by
+        # systemd within WatchdogSec + TimeoutAbortSec; the worker keeps running through it.
+        restarts = int(after["NRestarts"])
+        sd.enter("kill", "-STOP", after["MainPID"])
+        back = sd.wait_active("pitstop-agent.service", timeout_s=WATCHDOG_S + 20, since_restarts=restarts)
+        assert back["MainPID"] != after["MainPID"]
+        assert int(back["NRestarts"]) == restarts + 1, back  # nothing but the watchdog restarts a stopped agent
+        assert _scopes(sd) == scopes
+        n = steps_now()
+        _wait(lambda: steps_now() > n + 3, 30, "the worker stopped stepping after the watchdog restart")
+
+        # The agent, restarted twice, still knows the worker it restored.
+        ws = AgentClient(f"http://127.0.0.1:{aport}", cluster.token).workers()
+        assert any(w["id"] == "train.0" and w["state"] == "running" for w in ws), ws
+        # Its output reached `pitstop run` to the end; only its exit status could not be collected:
+        # the agent that was its parent is gone (a restarted agent cannot wait() for it).
+        assert ranks[0].proc.wait(240) == 255
+        log = ranks[0].log.read_text(errors="replace")
+        assert "exit status is unknown" in log and "done rank=0 steps=150" in log, log[-2000:]
+        assert_same_as_reference(out, reference_hashes(tmp_path, 1, steps=150, state_mb=64))
+    except BaseException:
+        print("--- systemd and its services ---\n" + sd.log_tail())
+        for f in ("agent.log", "coordinator.log"):
+            p = sdroot / f
+            if p.exists():
+                print(f"--- {f} ---\n" + p.read_text(errors="replace")[-4000:])
+        raise
+    finally:
+        sd.close()
