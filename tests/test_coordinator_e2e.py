@@ -16,7 +16,7 @@ from pitstop.coordinator.client import CoordinatorClient
 from pitstop.devcluster import pitstop_cmd
 from pitstop.errors import PitstopError
 
-from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, reference_hashes, wait_for_step
+from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, reference_hashes, step_times, wait_for_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SLEEPER = [sys.executable, str(WORKLOADS / "sleeper.py"), "120"]
@@ -210,3 +210,30 @@ def test_coordinator_killed_after_the_commit_point_finishes_on_restart(cluster, 
     assert [r.proc.wait(240) for r in ranks] == [0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150))
     assert cluster.agents["spare-1"].client().worker("train.1")["exit_code"] == 0
+
+
+def test_a_restored_worker_outlives_a_restart_of_its_agent(cluster, tmp_path):
+    """Its stdio goes through pumps of its own (not the agent's threads, whose pipe ends died with
+    the agent: the job's next print failed with EPIPE); the restarted agent adopts it."""
+    cc = _cluster(cluster)
+    out = tmp_path / "out"
+    ranks = cluster.start_job("train", ddp_cmd(out, steps=120), 1, {0: "host-b"})
+    _wait_jobs(cc, "train", 1)
+    wait_for_step(ranks[0].log, 10)
+    op = _wait_op(cc, cc.evacuate("host-b")["name"])
+    assert op["metadata"]["result"] == "succeeded", op
+    spare = cluster.agents["spare-1"]
+    port = int(spare.url.rsplit(":", 1)[1])
+    cluster.stop_agent("spare-1")
+    steps = len(step_times(ranks[0].log))
+    time.sleep(1.0)
+    cluster.start_agent("spare-1", spare=True, port=port)
+    w = next(w for w in spare.client().workers() if w["id"] == "train.0")
+    assert w["state"] == "running" and w["restored"], w
+    assert ranks[0].proc.wait(180) == 255  # its parent is gone: the status cannot be collected
+    log = ranks[0].log.read_text(errors="replace")
+    assert len(step_times(ranks[0].log)) == 120 > steps and "done rank=0 steps=120" in log, log[-1500:]
+    assert "exit status is unknown" in log
+    assert_same_as_reference(out, reference_hashes(tmp_path, 1, steps=120))
+    w = next(w for w in cluster.agents["spare-1"].client().workers() if w["id"] == "train.0")
+    assert w["state"] == "exited" and w["exit_code"] is None and "restarting" in w["reason"], w

@@ -1,0 +1,102 @@
+"""Capabilities a restore must grant (capture/caps.py, coordinator/planner.py) and the restore
+deadline (capture/criu_ops.py): logic with real processes, no mocks of the kernel."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pitstop.capture import caps, criu_ops, proctree, runtime
+from pitstop.coordinator import planner
+from pitstop.errors import FailedPrecondition, RestoreFailed
+
+pytestmark = pytest.mark.timeout(60)
+UNIT_SET = (1 << 40) | (1 << 21) | (1 << 19) | (1 << 8)  # checkpoint_restore, sys_admin, sys_ptrace, setpcap
+
+
+def test_names_and_missing():
+    assert caps.names(1 << 21 | 1 << 40) == ["cap_sys_admin", "cap_checkpoint_restore"]
+    assert caps.missing(1 << 16 | 1 << 21, 1 << 21) == ["cap_sys_module"]
+    assert caps.missing(0, 0) == []  # a worker without capabilities moves anywhere
+    assert caps.names(1 << 63) == ["cap_63"]  # a kernel newer than this table
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_a_launcher_limits_what_its_workers_can_hold():
+    code = ("import subprocess, sys; from pitstop.capture import caps; "
+            f"dropped = caps.limit_bounding_set({UNIT_SET}); "
+            "child = subprocess.run(['sleep', '0'], check=True); "
+            "p = subprocess.Popen(['sleep', '5']); "
+            "print(len(dropped), hex(caps.bounding_set()), hex(caps.needs(p.pid))); p.kill()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
+    n, bnd, need = out.stdout.split()
+    assert int(n) > 0 and int(bnd, 16) == UNIT_SET & caps.bounding_set()
+    assert caps.missing(int(need, 16), UNIT_SET) == []  # a child of root: holds no more than the set
+
+
+class _Store:
+    def __init__(self, dst_bnd: str | None, need: str | None) -> None:
+        self.dst_bnd, self.need = dst_bnd, need
+
+    def host(self, n: str) -> dict:
+        h = {"name": n, "last_seen": time.time(), "age_s": 0.0, "role": "spare"}
+        if n == "dst" and self.dst_bnd is not None:
+            h["cap_bnd"] = self.dst_bnd
+        return h
+
+    def workers(self, host: str | None = None, job: str | None = None) -> list[dict]:
+        return [{"id": "j.0", "job": "j", "rank": 0, "host": "src", "state": "running", "caps": self.need}]
+
+
+def test_the_planner_refuses_a_destination_that_cannot_grant_a_workers_capabilities():
+    with pytest.raises(FailedPrecondition) as e:
+        planner.plan(_Store(f"{UNIT_SET:x}", f"{UNIT_SET | 1 << 16:x}"), "src", "dst", {}, 5.0)
+    assert "cannot grant cap_sys_module, which worker j.0 holds" in e.value.message
+    assert "CapabilityBoundingSet" in e.value.action and e.value.code == "no_compatible_spare"
+    assert planner.plan(_Store(f"{UNIT_SET:x}", f"{UNIT_SET:x}"), "src", "dst", {}, 5.0).dest["name"] == "dst"
+    assert planner.plan(_Store(f"{UNIT_SET:x}", None), "src", "dst", {}, 5.0)  # nothing held, nothing needed
+    assert planner.plan(_Store(None, f"{UNIT_SET | 1 << 16:x}"), "src", "dst", {}, 5.0)  # an agent not saying
+
+
+def _hanging_criu(tmp_path: Path) -> runtime.CriuRuntime:
+    """A `criu` that answers nothing and forks a child: CRIU stuck in a restore, as a restorer
+    BUG leaves it.  pycriu and the RPC are the real ones."""
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\nsleep 300 &\nwait\n")
+    fake.chmod(0o755)
+    real = runtime.locate()
+    return runtime.CriuRuntime(str(fake), (4, 2), real.pycriu_path, None, "env")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CRIU)")
+@pytest.mark.parametrize("how", ["deadline", "abort"])
+def test_a_restore_that_hangs_is_killed_with_what_it_forked(tmp_path, how):
+    images = tmp_path / "images"
+    images.mkdir()
+    rt = _hanging_criu(tmp_path)
+    abort = threading.Event()
+    if how == "abort":
+        threading.Timer(0.5, abort.set).start()
+    t0 = time.monotonic()
+    before = set(proctree.children(os.getpid()))
+    with pytest.raises(RestoreFailed) as e:
+        criu_ops.restore(images, {}, rt=rt, timeout_s=1.0 if how == "deadline" else 60.0, abort=abort)
+    took = time.monotonic() - t0
+    assert took < 10, took
+    assert ("did not finish restoring within 1 s" if how == "deadline" else "abandoned") in e.value.message
+    assert "images are kept" in e.value.action
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # the fake criu and its sleep are gone (reaped by pycriu or us)
+        left = [p for p in set(proctree.children(os.getpid())) - before if proctree.state(p) not in (None, "Z")]
+        if not left:
+            break
+        time.sleep(0.05)
+    assert not left
+    out = subprocess.run(["pgrep", "-f", str(tmp_path / "criu")], capture_output=True, text=True)
+    assert out.stdout.strip() == ""
