@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import shutil
@@ -56,6 +57,12 @@ def evacuate_and_wait(cc: "object", node: str, label: str = "evacuation") -> dic
     if md["result"] != "succeeded":
         raise SystemExit(f"{label}: evacuation failed: {op.get('error')}")
     return md
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of a process and of its children it has reaped (an agent and its CRIU runs)."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def job_pause(log: Path, since: float = 0.0) -> tuple[float, float]:

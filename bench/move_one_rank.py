@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import job_pause, machine, raw_tcp_bandwidth  # noqa: E402
+from bench.common import cpu_seconds, job_pause, machine, raw_tcp_bandwidth  # noqa: E402
 from pitstop.devcluster import LocalCluster, wait_for_step  # noqa: E402
 from pitstop.migration.move import move_worker  # noqa: E402
 
@@ -63,7 +63,10 @@ def main() -> None:
             time.sleep(1.0)
         src, dst = hosts[args.warmup % 2]
         mark = time.time()
+        cpu0 = {n: cpu_seconds(x.proc.pid) for n, x in (("source", src), ("destination", dst))}
         rep = move_worker(src.client(), dst.client(), "bench.1", dest_name=dst.name, peers=[(a.client(), "bench.0")])
+        time.sleep(0.3)  # CRIU's processes are reaped, their time counted in their agent's
+        cpu = {n: round(cpu_seconds(x.proc.pid) - cpu0[n], 3) for n, x in (("source", src), ("destination", dst))}
         cap = next(x for x in src.client().captures() if x["id"] == rep.capture_id)
         codes = [r.proc.wait(300) for r in ranks]
         pause, step = job_pause(ranks[0].log, since=mark)
@@ -86,6 +89,7 @@ def main() -> None:
         "floor_s": round(floor, 4),
         "downtime_over_floor": round(rep.downtime_s / floor, 2),
         "exit_codes": codes,
+        "cpu_s": cpu,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
@@ -99,6 +103,8 @@ def main() -> None:
     print(f"{'pause seen by the job':<22}{pause:>10.3f}   (a normal step: {step:.3f} s)")
     print(f"raw TCP bandwidth      {bw / 1e9:.2f} GB/s   floor = bytes / bandwidth = {floor:.3f} s")
     print(f"downtime / floor       {rep.downtime_s / floor:.2f}")
+    print(f"CPU of each side       {', '.join(f'{k} {v:.2f} s' for k, v in cpu.items())} "
+          "(agent, CRIU and pumps; the job's own excluded)")
     print(f"job exit codes         {codes}")
 
 
