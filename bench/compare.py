@@ -44,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (evacuate_and_wait, first_divergent_step, keep_logs, machine,  # noqa: E402
-                          moved_after_step, raw_tcp_bandwidth)
+                          moved_after_step, prewarm, raw_tcp_bandwidth)
 from pitstop.coordinator.client import CoordinatorClient  # noqa: E402
 from pitstop.devcluster import LocalCluster, free_port, step_gaps, step_times, wait_for_step  # noqa: E402
 from tests.helpers import ddp_cmd  # noqa: E402
@@ -54,24 +54,6 @@ OUT = Path(__file__).resolve().parent / "out"
 
 def _final_hashes(out: Path, world: int) -> list[str]:
     return [(out / f"rank{r}.sha256").read_text().strip() for r in range(world)]
-
-
-def prewarm(gib: float) -> float:
-    """Touch `gib` of tmpfs and free it at once; seconds taken.  This VM backs guest memory lazily
-    and takes freed memory back (free page reporting), so the first write to memory costs up to
-    ten times a later one.  Every method pays it; pre-warming shows the steady state instead."""
-    if gib <= 0:
-        return 0.0
-    t0 = time.perf_counter()
-    path = Path("/dev/shm") / f"pitstop-prewarm-{os.getpid()}"
-    block = b"\x5a" * (16 << 20)
-    try:
-        with open(path, "wb") as f:
-            for _ in range(int(gib * 64)):
-                f.write(block)
-    finally:
-        path.unlink(missing_ok=True)
-    return time.perf_counter() - t0
 
 
 def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agent_env: dict | None = None,

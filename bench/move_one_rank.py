@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import cpu_seconds, job_pause, machine, raw_tcp_bandwidth  # noqa: E402
+from bench.common import cpu_seconds, job_pause, machine, prewarm, raw_tcp_bandwidth  # noqa: E402
 from pitstop.devcluster import LocalCluster, wait_for_step  # noqa: E402
 from pitstop.migration.move import move_worker  # noqa: E402
 
@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--agent-env", action="append", default=[], metavar="NAME=VALUE",
                     help="agent setting for both agents, e.g. PITSTOP_AGENT_LAZY_RESTORE=1 or "
                          "PITSTOP_AGENT_DEDUP_PAGES=0 (repeatable)")
+    ap.add_argument("--prewarm-gib", type=float, default=0.0,
+                    help="touch and free this much tmpfs right before the measured move (bench/common.py prewarm)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "move_one_rank.json"))
     args = ap.parse_args()
 
@@ -62,11 +64,13 @@ def main() -> None:
                                     peers=[(a.client(), "bench.0")]).downtime_s)
             time.sleep(1.0)
         src, dst = hosts[args.warmup % 2]
+        prewarm(args.prewarm_gib)
         mark = time.time()
         cpu0 = {n: cpu_seconds(x.proc.pid) for n, x in (("source", src), ("destination", dst))}
         rep = move_worker(src.client(), dst.client(), "bench.1", dest_name=dst.name, peers=[(a.client(), "bench.0")])
         time.sleep(0.3)  # CRIU's processes are reaped, their time counted in their agent's
-        cpu = {n: round(cpu_seconds(x.proc.pid) - cpu0[n], 3) for n, x in (("source", src), ("destination", dst))}
+        cpu = {f"{n} {what}": round(cpu_seconds(x.proc.pid)[i] - cpu0[n][i], 3)
+               for n, x in (("source", src), ("destination", dst)) for i, what in enumerate(("agent", "CRIU"))}
         cap = next(x for x in src.client().captures() if x["id"] == rep.capture_id)
         codes = [r.proc.wait(300) for r in ranks]
         pause, step = job_pause(ranks[0].log, since=mark)
@@ -75,6 +79,7 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "state_mb": args.state_mb,
+        "prewarm_gib": args.prewarm_gib,
         "tls": args.tls,
         "workers": args.workers,
         "agent_env": env,
@@ -103,8 +108,8 @@ def main() -> None:
     print(f"{'pause seen by the job':<22}{pause:>10.3f}   (a normal step: {step:.3f} s)")
     print(f"raw TCP bandwidth      {bw / 1e9:.2f} GB/s   floor = bytes / bandwidth = {floor:.3f} s")
     print(f"downtime / floor       {rep.downtime_s / floor:.2f}")
-    print(f"CPU of each side       {', '.join(f'{k} {v:.2f} s' for k, v in cpu.items())} "
-          "(agent, CRIU and pumps; the job's own excluded)")
+    print(f"CPU                    {', '.join(f'{k} {v:.2f} s' for k, v in cpu.items())} "
+          "(the job's own excluded)")
     print(f"job exit codes         {codes}")
 
 

@@ -33,7 +33,7 @@ class AgentClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         transport = httpx.HTTPTransport(uds=uds) if uds else None
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
-                                 verify=True if uds else tls.client_context())
+                                 verify=tls.client_context())
 
     def close(self) -> None:
         self.http.close()

@@ -172,11 +172,10 @@ class DataPort:
 def send(pieces: Iterable[bytes | memoryview], host: str, port: int, image_id: str, token: str | None,
          timeout_s: float, connect_timeout_s: float = 10.0) -> dict[str, Any]:
     """Stream `pieces` to a data port; the destination's final answer, or TransferFailed."""
-    ctx = tls.client_context()
     sock = socket.create_connection((host, port), timeout=connect_timeout_s)
     try:
-        if isinstance(ctx, ssl.SSLContext):
-            sock = ctx.wrap_socket(sock, server_hostname=host)
+        if tls.enabled():
+            sock = tls.client_context().wrap_socket(sock, server_hostname=host)
         sock.settimeout(timeout_s)
         sock.sendall(_line({"image_id": image_id, "token": token or ""}))
         _answer(sock, f"{host}:{port}")
