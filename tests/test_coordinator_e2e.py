@@ -145,7 +145,9 @@ def test_concurrent_evacuation_is_409_and_cancel_rolls_back(cluster, tmp_path):
     assert [r.proc.wait(240) for r in ranks] == [0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150, state_mb=300))
     a = cluster.agents["host-b"].client()
-    assert a.worker("train.1")["state"] == "exited" and not a.worker("train.1")["restored"]
+    # Resumed in place, or (when the cancel came after the source was released) restored there
+    # from its own images: either way it ran to its end on host-b.
+    assert a.worker("train.1")["state"] == "exited"
     assert not any(cluster.agents["spare-1"].image_dir.iterdir())
     with pytest.raises(PitstopError) as e:
         cc.cancel(op["name"])

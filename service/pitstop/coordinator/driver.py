@@ -272,10 +272,15 @@ class OpRun:
         faults.hit("after_commit_point")
         src = self.agent(node)
         dst_url = self.d.store.host(dest)["url"]
-        for wid, w in self.md["workers"].items():
-            src.commit(w["capture_id"], {"agent": dest, "url": dst_url})
-            w["state"] = "committed"
+
+        def commit(wid: str) -> None:  # in parallel: each one frees its images and its network lock
+            w = self.md["workers"][wid]
+            if w.get("state") != "committed":
+                src.commit(w["capture_id"], {"agent": dest, "url": dst_url})
+                w["state"] = "committed"
             self.d.store.set_worker_host(wid, dest)
+
+        self.each(commit)
         self.d.store.set_role(dest, "active")
         self.d.store.set_role(node, "drained")
         self.save()
@@ -283,10 +288,10 @@ class OpRun:
         self.condition("Committed", True, "MembershipRecorded", f"{dest} now runs the workers; {node} is drained")
         self.enter("resume")
         self._resume_peers()
-        self._check_replacements(dest)
         self.leave("resume")
         self.md["last_resume"] = time.time()
         self.md["downtime_s"] = round(self.md["last_resume"] - self.md["first_pause"], 4)
+        self._check_replacements(dest)  # after the last resume: nobody waits for this look
         self.condition("Succeeded", True, "Evacuated", f"downtime {self.md['downtime_s']} s")
         self.save(phase="done", done=True, result="succeeded",
                   response={"@type": "type.pitstop.dev/EvacuateResponse", "node": node, "destination": dest,
