@@ -120,8 +120,10 @@ def moved_after_step(log: Path, since: float) -> int | None:
 
 
 def keep_logs(root: Path, dest: Path) -> Path:
-    """Copy every log under a cluster's root to `dest` (same layout) before the cluster is removed."""
-    for f in list(root.rglob("*.log")):  # listed first: dest may lie under root
+    """Copy every log under a cluster's root, and the ranks' step-1 traces (ddp_train
+    --trace-params: parameters and gradients after the first update), to `dest` (same layout)
+    before the cluster is removed."""
+    for f in list(root.rglob("*.log")) + list(root.rglob("trace-rank*-step1.pt")):  # listed first: dest may lie under root
         (dest / f.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(f, dest / f.relative_to(root))
     return dest
