@@ -1,5 +1,6 @@
-"""Capabilities a restore must grant (capture/caps.py, coordinator/planner.py) and the restore
-deadline (capture/criu_ops.py): logic with real processes, no mocks of the kernel."""
+"""Capabilities a restore must grant (capture/caps.py, coordinator/planner.py), the restore
+deadline (capture/criu_ops.py) and what an agent cleans up at start: logic with real processes,
+no mocks of the kernel."""
 
 from __future__ import annotations
 
@@ -100,3 +101,25 @@ def test_a_restore_that_hangs_is_killed_with_what_it_forked(tmp_path, how):
     assert not left
     out = subprocess.run(["pgrep", "-f", str(tmp_path / "criu")], capture_output=True, text=True)
     assert out.stdout.strip() == ""
+
+
+def test_an_agent_removes_images_of_moves_that_died_with_it(tmp_path):
+    """Slots live in memory: at start every in-* directory is a dead move's, unless something
+    still works in it (a lazy-pages daemon filling a worker restored before the restart)."""
+    from pitstop.agent.receiving import DestinationSide
+    from pitstop.agent.settings import AgentSettings
+    from pitstop.agent.state import AgentState
+
+    s = AgentSettings(name="t", state_dir=tmp_path / "state", image_dir=tmp_path / "images")
+    s.state_dir.mkdir()
+    for name in ("in-dead", "in-filling", "cap-keep"):
+        (s.images / name).mkdir(parents=True)
+        (s.images / name / "pages-1.img").write_bytes(b"x" * 4096)
+    holder = subprocess.Popen(["sleep", "30"], cwd=s.images / "in-filling")
+    try:
+        gone = DestinationSide(s, AgentState(s.state_dir)).remove_stale_slots()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert gone == ["in-dead"]
+    assert sorted(p.name for p in s.images.iterdir()) == ["cap-keep", "in-filling"]

@@ -60,6 +60,7 @@ class Agent:
         self.metrics = Metrics()
         self.source.on_finished = self._count_capture
         self.source.reconcile()
+        self.dest.remove_stale_slots()
         self.dest.adopt()
         self.started = time.time()
         self.data_port: int | None = None  # set by the server once transfer/dataport.py listens

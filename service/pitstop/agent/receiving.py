@@ -305,6 +305,22 @@ class DestinationSide:
                 workerns.destroy(wn)
         log.info("restored worker exited", worker=w.id, code=code, state=w.state)
 
+    def remove_stale_slots(self) -> list[str]:
+        """At start: images an earlier run of this agent was receiving or restoring from.
+
+        Slots live in memory, so every `in-*` directory found now belongs to a move that died
+        with that process; its operation has failed and rolled back on the source.  One still
+        in use (a lazy-pages daemon filling a worker it restored works in it) is kept."""
+        busy = _dirs_in_use(self.s.images)
+        gone = []
+        for d in self.s.images.glob("in-*"):
+            if d.is_dir() and d not in busy:
+                shutil.rmtree(d, ignore_errors=True)
+                gone.append(d.name)
+        if gone:
+            log.info("removed images of moves that died with the previous agent", slots=gone)
+        return gone
+
     def adopt(self) -> None:
         """After this agent restarted: watch the workers an earlier run of it restored.
 
@@ -331,6 +347,24 @@ class DestinationSide:
         with open(p, "rb") as f:
             f.seek(offset - base)
             return f.read(limit)
+
+
+def _dirs_in_use(root: Path) -> set[Path]:
+    """Directories directly under `root` that some process works in or holds a file of."""
+    out: set[Path] = set()
+    top = str(root.resolve()) + "/"
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            links = [os.readlink(f"/proc/{pid}/cwd")] + [os.readlink(f"/proc/{pid}/fd/{fd}")
+                                                         for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        for ln in links:
+            if ln.startswith(top):
+                out.add(root / ln[len(top):].split("/", 1)[0])
+    return out
 
 
 def _start_pump(fd: int, path: Path) -> subprocess.Popen:

@@ -354,7 +354,8 @@ class OpRun:
         log.warning("rolling back", op=self.id, reason=err.message)
         self.enter("rollback")
         node, dest = self.md["node"], self.md["destination"]
-        problems: list[str] = []
+        problems: list[str] = []   # the job may not be whole where it was: the operator must act
+        leftovers: list[str] = []  # the job is whole; the destination may hold a copy to clean up
         try:
             src, dst = self.agent(node), self.agent(dest)
         except PitstopError as e:
@@ -368,7 +369,7 @@ class OpRun:
                         dst.discard_worker(wid)
                 except PitstopError as e:
                     if e.http_status != 404:
-                        problems.append(f"{wid} on {dest}: {e.message}")
+                        leftovers.append(f"{wid} on {dest}: {e.message}")
                 try:
                     dst.discard(self.image_id(wid))
                 except PitstopError:
@@ -402,12 +403,18 @@ class OpRun:
         msg = err.message
         if problems:
             msg += "; ROLLBACK INCOMPLETE: " + "; ".join(problems)
+        elif leftovers:
+            msg += f"; rolled back, but {dest} could not be cleaned up: " + "; ".join(leftovers)
         self.condition("RolledBack", not problems, "Cancelled" if cancelled else "Failed", msg)
         out = PitstopError(msg, code=err.code, http_status=err.http_status,
                            action=(err.action + "; " if err.action else "") +
                            (f"the job keeps running on {node}" if not problems else
-                            "some workers may still be stopped: see the problems listed and the agents' logs"),
-                           details={**err.details, "rollback_problems": problems})
+                            "some workers may still be stopped: see the problems listed and the agents' logs")
+                           + (f"; on {dest}, check that no copy of {', '.join(sorted(self.md['workers']))} "
+                              f"runs there; {dest}'s agent removes the images of this move when it starts again"
+                              if leftovers and not problems else ""),
+                           details={**err.details, "rollback_problems": problems,
+                                    "destination_leftovers": leftovers})
         self.save(phase="done", done=True, result="cancelled" if cancelled else "failed", error=_op_error(out))
         self.d.count("cancelled" if cancelled else "failed", 0)
 
