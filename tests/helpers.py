@@ -16,6 +16,17 @@ WORKLOADS = Path(__file__).parent / "workloads"
 DDP = str(WORKLOADS / "ddp_train.py")
 
 
+def until(pred, timeout: float = 30.0, what: str = "condition", every: float = 0.1):  # noqa: ANN001, ANN201
+    """Poll `pred` until it returns something true (returned), or raise TimeoutError(what)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    raise TimeoutError(f"{what} (waited {timeout:g} s)")
+
+
 def ddp_cmd(out: Path, steps: int = 100, workers: int = 0, state_mb: float = 0.0,
             step_sleep: float = 0.05) -> list[str]:
     return [sys.executable, DDP, "--steps", str(steps), "--out", str(out), "--workers", str(workers),

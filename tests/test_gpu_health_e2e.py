@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from pitstop.coordinator.client import CoordinatorClient
 
-from .helpers import assert_same_as_reference, ddp_cmd, reference_hashes, wait_for_step
+from .helpers import assert_same_as_reference, ddp_cmd, reference_hashes, until, wait_for_step
 from .test_coordinator_e2e import _cli, _wait_jobs, _wait_op
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -36,16 +35,6 @@ def _host(cc, name):
     return {h["name"]: h for h in cc.hosts()}[name]
 
 
-def _until(fn, timeout=30.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise TimeoutError(what)
-
-
 def test_degraded_gpu_host_is_evacuated_by_the_coordinator_itself(cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")  # the human table, unwrapped
     cluster.start_coordinator(env={"PITSTOP_COORDINATOR_HEALTH_RETRY_S": "1"})
@@ -60,7 +49,7 @@ def test_degraded_gpu_host_is_evacuated_by_the_coordinator_itself(cluster, tmp_p
     ranks = cluster.start_job("train", ddp_cmd(out, steps=150), 2, {0: "host-a", 1: "host-b"})
     _wait_jobs(cc, "train", 2)
     wait_for_step(ranks[1].log, 10)
-    hb = _until(lambda: _host(cc, "host-b").get("gpu_health") and _host(cc, "host-b"), what="GPU readings")
+    hb = until(lambda: _host(cc, "host-b").get("gpu_health") and _host(cc, "host-b"), what="GPU readings")
     assert hb["gpu_model"] == h200 and hb["gpu_count"] == 1 and hb["health"] == {"degraded": False, "reasons": []}
     assert hb["gpu_health"][0]["temperature_c"] == 45 and hb["gpu_health"][0]["ecc_uncorrected_volatile"] == 0
     p = _cli(cluster, "hosts")
@@ -69,7 +58,7 @@ def test_degraded_gpu_host_is_evacuated_by_the_coordinator_itself(cluster, tmp_p
     # The GPU overheats.  The only spare has other GPUs: the coordinator must not move the job
     # there, must say why, and must leave it running where it is.
     _gpu_file(b, h200, "GPU-0000000b-0000-0000-0000-000000000000", temperature_c=95, throttle_mask=0x40)
-    blocked = _until(lambda: (_host(cc, "host-b").get("auto_evacuation") or {}).get("state") == "blocked"
+    blocked = until(lambda: (_host(cc, "host-b").get("auto_evacuation") or {}).get("state") == "blocked"
                      and _host(cc, "host-b"), what="a blocked automatic evacuation")
     assert blocked["health"]["degraded"] is True
     assert blocked["health"]["reasons"] == ["GPU 0 temperature 95 C > 90 C", "GPU 0 throttled: hw_thermal_slowdown"]
@@ -83,7 +72,7 @@ def test_degraded_gpu_host_is_evacuated_by_the_coordinator_itself(cluster, tmp_p
     # A matching spare arrives: the next retry evacuates host-b to it, with the reason on record.
     _agent(cluster, "spare-2", _gpu_file(tmp_path / "s2.json", h200, "GPU-00000052-0000-0000-0000-000000000000"),
            spare=True)
-    ops = _until(lambda: cc.ops(), timeout=60, what="an automatic evacuation")
+    ops = until(lambda: cc.ops(), timeout=60, what="an automatic evacuation")
     assert len(ops) == 1
     op = _wait_op(cc, ops[0]["name"])
     md = op["metadata"]

@@ -7,23 +7,15 @@ place, the worker is stopped (never left to read zeros) and says why.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
 from pitstop.capture import proctree
 from pitstop.migration.move import move_worker
 
-from .helpers import assert_same_as_reference, ddp_cmd, reference_hashes, step_times, wait_for_step
+from .helpers import assert_same_as_reference, ddp_cmd, reference_hashes, step_times, until, wait_for_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
-
-
-def _wait(cond, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["one process", "with DataLoader children"])
@@ -40,8 +32,8 @@ def test_lazy_restore_moves_rank_bitwise_equal(cluster, tmp_path, workers):
     rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     assert len(proctree.tree(rep.restored_pid)) == len(before)
     # The fill ends by itself, and then the images go.
-    _wait(lambda: "memory filled" in b.log.read_text(errors="replace"))
-    _wait(lambda: not any(b.image_dir.iterdir()))
+    until(lambda: "memory filled" in b.log.read_text(errors="replace"))
+    until(lambda: not any(b.image_dir.iterdir()))
     codes = [r.proc.wait(120) for r in ranks]
     assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
     assert [s for s, _ in step_times(ranks[1].log)][-1] == 80
@@ -59,11 +51,11 @@ def test_fill_daemon_dies_worker_is_stopped_and_says_why(cluster, tmp_path):
         cluster.wait_registered("a", f"j.{r}")
     wait_for_step(ranks[1].log, 5)
     rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
-    _wait(lambda: b.client().worker("j.1")["state"] == "lost")
+    until(lambda: b.client().worker("j.1")["state"] == "lost")
     w = b.client().worker("j.1")
     assert "lazy-pages daemon stopped with signal 9" in w["reason"], w
     assert not proctree.exists(rep.restored_pid)
-    _wait(lambda: not any(b.image_dir.iterdir()))
+    until(lambda: not any(b.image_dir.iterdir()))
     for r in ranks:  # the job's own recovery would take over; here the test ends it
         r.proc.kill()
         r.proc.wait(30)

@@ -26,7 +26,7 @@ from pitstop.devcluster import free_port, wait_http
 from pitstop.errors import PitstopError
 
 from . import systemd_host
-from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, reference_hashes, wait_for_step
+from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, reference_hashes, until, wait_for_step
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420),
@@ -93,16 +93,6 @@ def _scopes(sd: systemd_host.SystemdHost) -> list[str]:
     return [ln.split()[0] for ln in out.splitlines() if ln.strip()]
 
 
-def _wait(pred, timeout_s: float, what: str):  # noqa: ANN001, ANN202
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise TimeoutError(what)
-
-
 def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
     cport, aport = free_port(), free_port()
     cluster.token, cluster.operator_token = secrets.token_hex(16), secrets.token_hex(16)
@@ -130,7 +120,7 @@ def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
         # pauses, by name (host-b's agent and its launcher keep every capability).
         cluster.start_agent("host-b")
         greedy = cluster.start_job("greedy", SLEEPER, 1, {0: "host-b"})
-        _wait(lambda: any(w["job"] == "greedy" and w.get("caps") for j in cc.jobs() for w in j["workers"]),
+        until(lambda: any(w["job"] == "greedy" and w.get("caps") for j in cc.jobs() for w in j["workers"]),
               30, "the greedy worker was never reported")
         with pytest.raises(PitstopError) as refused:
             cc.evacuate("host-b", to="spare-sd")
@@ -143,11 +133,11 @@ def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
         ranks = cluster.start_job("train", ddp_cmd(out, steps=150, state_mb=64), 1, {0: "host-a"})
         wait_for_step(ranks[0].log, 10)
         op = cc.evacuate("host-a", to="spare-sd")
-        op = _wait(lambda: (o := cc.op(op["name"]))["done"] and o, 240, "evacuation did not finish")
+        op = until(lambda: (o := cc.op(op["name"]))["done"] and o, 240, "evacuation did not finish")
         assert op["metadata"]["result"] == "succeeded", json.dumps(op, indent=1)
 
         # The restored rank sits in a scope of its own, not in the agent's cgroup.
-        scopes = _wait(lambda: _scopes(sd), 20, "no pitstop-worker scope appeared")
+        scopes = until(lambda: _scopes(sd), 20, "no pitstop-worker scope appeared")
         assert len(scopes) == 1 and scopes[0].startswith("pitstop-worker-train.0-"), scopes
         tasks = sd.enter("systemctl", "show", scopes[0], "--property=ControlGroup").stdout.strip().split("=", 1)[1]
         agent_cg = sd.show("pitstop-agent.service", "ControlGroup")["ControlGroup"]
@@ -163,7 +153,7 @@ def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
         assert after["MainPID"] != before
         assert _scopes(sd) == scopes
         n = steps_now()
-        _wait(lambda: steps_now() > n + 3, 30, "the worker stopped stepping after the agent restarted")
+        until(lambda: steps_now() > n + 3, 30, "the worker stopped stepping after the agent restarted")
 
         # A hung agent (SIGSTOP: it stops feeding the watchdog) is killed and restarted by
         # systemd within WatchdogSec + TimeoutAbortSec; the worker keeps running through it.
@@ -174,7 +164,7 @@ def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
         assert int(back["NRestarts"]) == restarts + 1, back  # nothing but the watchdog restarts a stopped agent
         assert _scopes(sd) == scopes
         n = steps_now()
-        _wait(lambda: steps_now() > n + 3, 30, "the worker stopped stepping after the watchdog restart")
+        until(lambda: steps_now() > n + 3, 30, "the worker stopped stepping after the watchdog restart")
 
         # The agent, restarted twice, still knows the worker it restored.
         ws = AgentClient(f"http://127.0.0.1:{aport}", cluster.token).workers()

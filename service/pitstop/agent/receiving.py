@@ -22,7 +22,7 @@ import structlog
 
 from ..capture import criu_ops, lazy_pages, proctree
 from ..capture.manifest import Manifest
-from ..errors import Conflict, InvalidRequest, NotFound, PitstopError, TransferFailed
+from ..errors import Conflict, InvalidRequest, NotFound, PitstopError
 from .. import faults
 from ..capture import runtime
 from ..gpu.checkpoint import GpuCheckpointer
