@@ -45,19 +45,21 @@ def _dropin(root: Path, name: str, cmd: list[str], env: dict[str, str], extra: s
             f"StandardOutput=append:{root / (name + '.log')}\nStandardError=inherit\n" + extra)
 
 
-def _home_bound(path: str) -> bool:
-    return any(Path(path).resolve().is_relative_to(h) for h in (Path("/root"), Path("/home")))
+def _under(path: str, *tops: str) -> bool:
+    return any(Path(path).resolve().is_relative_to(t) or Path(path).absolute().is_relative_to(t) for t in tops)
 
 
 def _units(root: Path, cport: int, aport: int, token: str, op_token: str) -> dict[str, str]:
     exe = str(Path(sys.executable).with_name("pitstop"))
     base = {"PITSTOP_CLUSTER_TOKEN": token, "PITSTOP_TOKEN": op_token, "PYTHONUNBUFFERED": "1"}
     coord_extra = ""
-    if _home_bound(sys.executable) or _home_bound(str(ROOT)):
+    if _under(sys.executable, "/root", "/home") or _under(str(ROOT), "/root", "/home"):
         # The shipped unit runs /usr/local/bin/pitstop as a dynamic user with /root and /home
         # hidden; this checkout's interpreter lives under one of them, so only here the
         # coordinator runs as root with them read-only.  Every other hardening line applies.
-        coord_extra = "DynamicUser=no\nProtectHome=read-only\n"
+        coord_extra += "DynamicUser=no\nProtectHome=read-only\n"
+    if _under(sys.executable, "/tmp", "/var/tmp") or _under(str(ROOT), "/tmp", "/var/tmp"):
+        coord_extra += "PrivateTmp=no\n"  # a checkout under /tmp (CI clones) would be hidden
     rt = runtime.locate()
     agent_env = {**base, "PITSTOP_AGENT_DATA_LISTEN": "127.0.0.1:0"}
     if rt.source == "prefix":
