@@ -13,6 +13,8 @@ damage what it handles, as CRIU's zdtm does with its own hooks.  Points:
   restore:before_criu   destination agent, before CRIU restores
   restore:kill_fill     destination agent, value = 1: kill the lazy-pages daemon as soon as the
                         lazy restore returns (the worker must then be stopped, not run on zeros)
+  postcopy:stop_after_pages  source agent, value = N: its page server hangs up after N pages
+                        (post-copy over the network; the moved worker must then be stopped)
 """
 
 from __future__ import annotations

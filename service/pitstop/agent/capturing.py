@@ -30,17 +30,28 @@ import httpx
 import structlog
 
 from .. import faults, tls
-from ..capture import criu_ops, netlock, proctree, runtime
+from ..capture import criu_ops, netlock, postcopy, proctree, runtime
 from ..capture.manifest import Manifest
-from ..errors import CaptureFailed, Conflict, FailedPrecondition, PitstopError, TransferFailed
+from ..errors import CaptureFailed, Conflict, FailedPrecondition, NotFound, PitstopError, TransferFailed
 from ..gpu.checkpoint import GpuCheckpointer  # noqa: F401 - the type of self.gpu
 from ..network import workerns
-from ..transfer import dataport
+from ..transfer import dataport, page_server
 from ..transfer.stream import DirectoryTail
 from .settings import AgentSettings
 from .state import AgentState, Capture, Worker
 
 log = structlog.get_logger("pitstop.agent.capture")
+
+VIEW = "post-copy-view"  # inside a capture's images: what travels before the restore (capture/postcopy.py)
+
+
+class PageSource:
+    """A capture whose lazy pages this agent serves until the destination's fill has ended."""
+
+    def __init__(self, cap: Capture, split: postcopy.LazySplit) -> None:
+        self.cap, self.split = cap, split
+        self.done = threading.Event()
+        self.busy = threading.Lock()  # one daemon at a time per capture
 
 
 class SourceSide:
@@ -53,6 +64,8 @@ class SourceSide:
         self.on_finished: Callable[[Capture], None] | None = None  # metrics, once per capture
         self._cwd_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        self.data_port: int | None = None  # this agent's data port, where it serves lazy pages
+        self.page_sources: dict[str, PageSource] = {}  # by image id
 
     # -- capture -----------------------------------------------------------------------------
     def start(self, worker_id: str, dest_url: str | None, image_id: str | None,
@@ -80,6 +93,63 @@ class SourceSide:
             raise FailedPrecondition(f"worker {w.id} (pid {w.root_pid}) is no longer running",
                                      code="worker_gone", action="nothing to capture; the worker exited")
 
+    def _remote_post_copy(self, cap: Capture) -> bool:
+        if not (self.s.remote_post_copy and cap.dest_url):
+            return False
+        if tls.enabled() or not self.s.data_stream or not self.data_port:
+            log.warning("post-copy over the network needs a plain data port; the images travel whole",
+                        capture=cap.id, tls=tls.enabled())
+            return False
+        return True
+
+    def _split(self, cap: Capture, images: Path) -> dict:
+        """Split the dump (capture/postcopy.py) and offer its lazy pages on the data port."""
+        t0 = time.monotonic()
+        try:
+            sp = postcopy.split(images, images / VIEW)
+        except OSError as e:
+            raise CaptureFailed(f"could not split the dump for post-copy: {e}",
+                                action="the source is restored from its dump; move it without "
+                                       "PITSTOP_AGENT_REMOTE_POST_COPY") from None
+        self.page_sources[cap.image_id] = PageSource(cap, sp)  # type: ignore[index]
+        self.state.update_capture(cap, post_copy={**postcopy.describe(sp), "pages_served": 0},
+                                  phases={**cap.phases, "split": time.monotonic() - t0})
+        return {"url": self.s.url, "data_port": self.data_port, "image_id": cap.image_id,
+                "lazy_bytes": sp.lazy_bytes}
+
+    def pages_for(self, image_id: str) -> Callable[["object"], None]:
+        """For the data port: who answers a lazy-pages daemon asking for `image_id`'s pages."""
+        src = self.page_sources.get(image_id)
+        if src is None or src.cap.state not in ("sent", "released", "committed"):
+            raise NotFound(f"no lazy pages of image {image_id!r} are served here",
+                           action="the move was rolled back or its fill has ended; nothing to fetch")
+
+        def serve(conn: "object") -> None:
+            if not src.busy.acquire(blocking=False):
+                raise Conflict(f"the lazy pages of {image_id} are already being fetched", action="none")
+            cap = src.cap
+            try:
+                served = page_server.serve(
+                    conn, src.split, idle_timeout_s=min(self.s.lazy_fill_timeout_s, 60.0),  # type: ignore[arg-type]
+                    stop_after=int(faults.value("postcopy:stop_after_pages") or 0) or None,
+                    on_progress=lambda s: cap.post_copy.__setitem__("pages_served", s.pages) if cap.post_copy else None)
+                log.info("lazy pages served", capture=cap.id, pages=served.pages, requests=served.requests,
+                         seconds=round(served.seconds, 3))
+            finally:
+                src.busy.release()
+                if cap.post_copy is not None:
+                    self.state.update_capture(cap, post_copy=dict(cap.post_copy))
+            src.done.set()  # only a daemon that said it had everything ends the serving
+            if cap.state == "committed":
+                self._drop_page_source(image_id)
+
+        return serve
+
+    def _drop_page_source(self, image_id: str | None) -> None:
+        src = self.page_sources.pop(image_id or "", None)
+        if src is not None:
+            shutil.rmtree(src.cap.image_dir, ignore_errors=True)
+
     def _run_and_report(self, cap: Capture, w: Worker) -> None:
         try:
             self._run(cap, w)
@@ -94,8 +164,9 @@ class SourceSide:
         pids = proctree.tree(w.root_pid)
         stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
         self.state.update_capture(cap, stdio=stdio)
-        tail = DirectoryTail(images, on_progress=lambda n: setattr(cap, "bytes_sent", n),
-                             dedup=dedup_pages(self.s.dedup_pages, len(pids), tls.enabled()))
+        remote = self._remote_post_copy(cap)
+        tail = DirectoryTail(images / VIEW if remote else images, on_progress=lambda n: setattr(cap, "bytes_sent", n),
+                             dedup=dedup_pages(self.s.dedup_pages, len(pids), tls.enabled()) and not remote)
         sender: threading.Thread | None = None
         send_error: list[BaseException] = []
         t0 = time.monotonic()
@@ -103,7 +174,7 @@ class SourceSide:
         if cap.dest_url:
             sender = threading.Thread(target=self._send, args=(cap, tail, send_error, send_done),
                                       name=f"send-{cap.id}", daemon=True)
-            if self.s.stream_while_dumping:
+            if self.s.stream_while_dumping and not remote:
                 sender.start()
         net = workerns.from_dict(w.net)
         nft = runtime.locate().nft if net else None
@@ -144,12 +215,21 @@ class SourceSide:
             "freeze": res.stats.get("freezing_time", 0) / 1e6, "dump": res.seconds,
             "frozen": res.frozen_s, "memdump": res.memdump_s})
         self.state.update_worker(w, state="stopped")
+        pages_from = None
+        if remote:
+            try:
+                pages_from = self._split(cap, images)
+            except PitstopError as e:  # the source is stopped and whole: restore it from its own dump
+                tail.failure = e
+                self._rollback_stopped(cap, w)
+                self._fail(cap, w, e, resumed_by="pitstop")
+                return
         tail.manifest_base = Manifest(capture_id=cap.id, stdio=stdio, criu_version=runtime.locate().version_str,
                                       output_base=self._output_end(w),
                                       worker={"id": w.id, "job": w.job, "rank": w.rank}, gpu=cap.gpu,
-                                      net=w.net, keep_peers=cap.keep_peers)
+                                      net=w.net, keep_peers=cap.keep_peers, pages_from=pages_from)
         tail.finished.set()
-        if sender is not None and not self.s.stream_while_dumping:
+        if sender is not None and (remote or not self.s.stream_while_dumping):
             sender.start()
         if sender is None:
             total = sum(f.stat().st_size for f in images.iterdir() if not f.name.endswith(".log"))
@@ -277,6 +357,7 @@ class SourceSide:
     def _fail(self, cap: Capture, w: Worker, e: BaseException, resumed_by: str) -> None:
         err = e.to_dict() if isinstance(e, PitstopError) else {"code": "internal", "message": repr(e)}
         err["details"] = {**err.get("details", {}), "source_resumed_by": resumed_by}
+        self.page_sources.pop(cap.image_id or "", None)
         self.state.update_capture(cap, state="failed", error=err)
         w = self.state.workers.get(w.id, w)
         state = "running" if proctree.exists(w.root_pid) else "lost"
@@ -340,11 +421,23 @@ class SourceSide:
             proctree.kill_and_wait(w.root_pid)
             self._drop_net(w)
         netlock.release(cap.run_id)
-        shutil.rmtree(cap.image_dir, ignore_errors=True)
+        src = self.page_sources.get(cap.image_id or "")
+        if src is None or src.done.is_set():
+            self._drop_page_source(cap.image_id)
+            shutil.rmtree(cap.image_dir, ignore_errors=True)
+        else:  # the moved worker's memory is still being fetched from here: keep the dump until then
+            threading.Thread(target=self._expire_page_source, args=(src,), daemon=True,
+                             name=f"pages-{cid}").start()
         self.state.update_capture(cap, state="committed")
         self.state.update_worker(w, state="moved", moved_to=moved_to)
         log.info("committed", capture=cid, worker=w.id, moved_to=moved_to)
         return cap
+
+    def _expire_page_source(self, src: PageSource) -> None:
+        if not src.done.wait(self.s.lazy_fill_timeout_s):
+            log.error("the destination's fill did not end in time; its dump is deleted here",
+                      capture=src.cap.id, timeout_s=self.s.lazy_fill_timeout_s)
+        self._drop_page_source(src.cap.image_id)
 
     def rollback(self, cid: str) -> Capture:
         cap = self.state.capture(cid)
@@ -365,6 +458,7 @@ class SourceSide:
                                                  gpu=cap.gpu, net=w.net)
             netlock.release(cap.run_id)
             how = f"restored here as pid {restored.root_pid}"
+        self.page_sources.pop(cap.image_id or "", None)
         shutil.rmtree(cap.image_dir, ignore_errors=True)
         self.state.update_capture(cap, state="rolled_back", phases={**cap.phases, "rollback": time.monotonic() - t0})
         log.info("rolled back", capture=cid, worker=w.id, how=how)

@@ -18,15 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import structlog
 
 from ..capture import criu_ops, lazy_pages, proctree
 from ..capture.manifest import Manifest
-from ..errors import Conflict, InvalidRequest, NotFound, PitstopError
+from ..errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed
 from .. import faults
 from ..capture import runtime
 from ..gpu.checkpoint import GpuCheckpointer
 from ..network import workerns
+from ..transfer import dataport
 from ..transfer.stream import StreamReceiver, file_stats, verify_directory
 from . import scope
 from .settings import AgentSettings
@@ -154,8 +156,9 @@ class DestinationSide:
             w = self.restore_dir(s.directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
                                  stdio=[p.model_dump() for p in m.stdio], replace=True,
                                  output_base=m.output_base, gpu=m.gpu, phases=gpu_phases, net=m.net,
-                                 keep_peers=m.keep_peers, lazy_fill=fills if self.s.lazy_restore else None,
-                                 abort=s.abort)
+                                 keep_peers=m.keep_peers,
+                                 lazy_fill=fills if self.s.lazy_restore or m.pages_from else None,
+                                 abort=s.abort, pages_from=m.pages_from)
         finally:
             s.idle.set()
         phases = {"verify": t1 - t0, "restore": time.monotonic() - t1, **gpu_phases}
@@ -192,11 +195,13 @@ class DestinationSide:
                     phases: dict[str, float] | None = None, net: dict[str, str] | None = None,
                     keep_peers: list[str] | None = None,
                     lazy_fill: list[lazy_pages.LazyFill] | None = None,
-                    abort: threading.Event | None = None) -> Worker:
+                    abort: threading.Event | None = None, pages_from: dict[str, Any] | None = None) -> Worker:
         """Restore images in `directory`; register the result as a worker of this agent.
 
         lazy_fill: restore post-copy, memory filled by a lazy-pages daemon after the worker
         runs again; the running daemon is appended to the list for the caller to watch.
+        pages_from: the lazy pages are on the source (post-copy over the network): the daemon
+        fetches them from there.
         """
         with self.state.lock:
             old = self.state.workers.get(worker_id)
@@ -226,7 +231,7 @@ class DestinationSide:
                     workerns.create(wn, self.s.worker_link, locked=True, nft=nft)
                     created = True
                 net_fd = os.open(wn.path, os.O_RDONLY)
-            fill = lazy_pages.start(directory) if lazy_fill is not None else None
+            fill = self._start_fill(directory, pages_from) if lazy_fill is not None else None
             try:
                 pid, _secs = criu_ops.restore(directory, inherit, net_fd=net_fd, lazy=fill is not None,
                                               timeout_s=self.s.restore_timeout_s, abort=abort)
@@ -280,6 +285,24 @@ class DestinationSide:
         threading.Thread(target=self._reap, args=(w, pumps), daemon=True, name=f"reap-{worker_id}").start()
         log.info("restored", worker=worker_id, pid=pid)
         return w
+
+    def _start_fill(self, directory: Path, pages_from: dict[str, Any] | None) -> lazy_pages.LazyFill:
+        if not pages_from:
+            return lazy_pages.start(directory)
+        try:
+            host = httpx.URL(str(pages_from["url"])).host
+            sock = dataport.open_pages(host, int(pages_from["data_port"]), str(pages_from["image_id"]),
+                                       self.s.cluster_token)
+        except (KeyError, ValueError, OSError, PitstopError) as e:
+            raise RestoreFailed(f"cannot reach the source that serves this worker's memory "
+                                f"({pages_from.get('url')}, data port {pages_from.get('data_port')}): "
+                                f"{getattr(e, 'message', None) or e!r}",
+                                action="the move rolls back; check the source agent's data port, or move "
+                                       "without PITSTOP_AGENT_REMOTE_POST_COPY") from None
+        try:
+            return lazy_pages.start(directory, page_socket=sock)
+        finally:
+            sock.close()  # the daemon holds its own copy
 
     def _reap(self, w: Worker, pumps: list[subprocess.Popen]) -> None:
         try:

@@ -74,8 +74,8 @@ def serve(s: AgentSettings) -> None:
     data_host, data_port = s.data_host_port()
     port_ = DataPort(data_host, data_port, token=s.cluster_token, open_slot=agent.dest.open_slot,
                      fail_slot=agent.dest.fail_slot, finished=agent.finish_slot, on_error=agent.storage_error,
-                     idle_timeout_s=min(s.transfer_timeout_s, 60.0)).start()
-    agent.data_port = s.data_advertise_port or port_.port
+                     idle_timeout_s=min(s.transfer_timeout_s, 60.0), pages_for=agent.source.pages_for).start()
+    agent.data_port = agent.source.data_port = s.data_advertise_port or port_.port
     extra = []
     if s.coordinator:
         from .heartbeat import heartbeat_loop

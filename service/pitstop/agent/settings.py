@@ -43,6 +43,12 @@ class AgentSettings(BaseSettings):
     # memory is all in place; a lazy-pages daemon fills it.  Shorter downtime; after the commit
     # the worker depends on that daemon until the fill ends (it is stopped if the daemon fails).
     lazy_restore: bool = False
+    # Post-copy over the network (capture/postcopy.py), a setting of the *source*: only the pages
+    # a restore must place travel before it; the destination's lazy-pages daemon fetches the rest
+    # from this agent after the job resumes.  Shortest downtime; after the commit the moved worker
+    # depends on this host until the fill ends (it is stopped, with the reason, if the fill fails).
+    # Needs a plain data port: with TLS the images travel whole.
+    remote_post_copy: bool = False
     lazy_fill_timeout_s: float = 600.0
     # A tree's copy-on-write pages go once (transfer/dedup.py).  auto: where the stream is TLS,
     # whose per-byte cost makes that pay; on: also for plain links slower than about 2 GB/s per

@@ -58,6 +58,8 @@ class Capture(BaseModel):
     stdio: list[dict[str, Any]] = Field(default_factory=list)
     gpu: dict[str, Any] = Field(default_factory=dict)  # gpu.checkpoint.Suspended.record(); empty: no CUDA
     keep_peers: list[str] | None = None  # addresses whose connections survive the move; None: all
+    # post-copy over the network: the split (eager/lazy bytes) and what the fill has fetched so far
+    post_copy: dict[str, Any] | None = None
     created: float = Field(default_factory=time.time)
     updated: float = Field(default_factory=time.time)
 

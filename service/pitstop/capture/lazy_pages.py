@@ -21,6 +21,7 @@ stays the default.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -68,13 +69,23 @@ class LazyFill:
         return time.monotonic() - self.started
 
 
-def start(images: Path, *, ready_timeout_s: float = 10.0, rt: runtime.CriuRuntime | None = None) -> LazyFill:
-    """Start the daemon for `images` and wait until it listens for the restore."""
+def start(images: Path, *, ready_timeout_s: float = 10.0, rt: runtime.CriuRuntime | None = None,
+          page_socket: socket.socket | None = None) -> LazyFill:
+    """Start the daemon for `images` and wait until it listens for the restore.
+
+    page_socket: post-copy over the network (capture/postcopy.py): the lazy pages are not in
+    `images`; the daemon asks the source for them on this socket (CRIU's page-server protocol,
+    transfer/page_server.py).  The daemon gets its own copy; the caller closes theirs."""
     rt = rt or runtime.locate()
     sock = images / SOCKET
     sock.unlink(missing_ok=True)
-    proc = subprocess.Popen([rt.binary, "lazy-pages", "-D", str(images), "-W", str(images), "-o", LOG, "-v4"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    argv = [rt.binary, "lazy-pages", "-D", str(images), "-W", str(images), "-o", LOG, "-v4"]
+    fds: tuple[int, ...] = ()
+    if page_socket is not None:
+        fds = (page_socket.fileno(),)
+        argv += ["--page-server", "--ps-socket", str(fds[0])]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            pass_fds=fds,
                             start_new_session=True)  # not in the agent's process group: its signals are not ours
     fill = LazyFill(proc, images)
     deadline = time.monotonic() + ready_timeout_s

@@ -54,6 +54,9 @@ class Manifest(BaseModel):
     gpu: dict[str, Any] = Field(default_factory=dict)  # GPU model, UUIDs, driver, CUDA, CUDA processes
     net: dict[str, str] | None = None  # the worker's own address (network/workerns.py)
     keep_peers: list[str] | None = None  # connections to other addresses are reset at the destination
+    # Post-copy over the network (capture/postcopy.py): the lazy pages are not in these files; the
+    # source serves them ({"url", "data_port", "image_id", "lazy_bytes"}) until the fill ends.
+    pages_from: dict[str, Any] | None = None
 
     @property
     def total_bytes(self) -> int:

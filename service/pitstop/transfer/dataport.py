@@ -13,6 +13,11 @@ same CA and the same role check as the HTTP API):
   client: the frames, up to and including the manifest
   server: {"ok": true, "bytes": N, "files": F, "seconds": S}\\n  or {"error": {...}, "status": 507}\\n
 Every wait has a deadline (connect, hello, each receive, the final answer).
+
+Post-copy over the network uses the same port the other way round: the destination asks
+  client: {"image_id": ..., "token": ..., "want": "pages"}\\n   server: {"ok": true}\\n
+and from then on the socket belongs to CRIU's page-server protocol (transfer/page_server.py),
+spoken by the destination's `criu lazy-pages` daemon, to which the destination hands it.
 """
 
 from __future__ import annotations
@@ -60,8 +65,10 @@ class DataPort:
 
     def __init__(self, host: str, port: int, *, token: str | None, open_slot: Callable[[str], Any],
                  fail_slot: Callable[[Any], None], finished: Callable[[Any], dict],
-                 on_error: Callable[[Any, OSError], PitstopError], idle_timeout_s: float = 60.0) -> None:
+                 on_error: Callable[[Any, OSError], PitstopError], idle_timeout_s: float = 60.0,
+                 pages_for: Callable[[str], Callable[[socket.socket], None]] | None = None) -> None:
         self._token = token.encode() if token else None
+        self._pages_for = pages_for  # image id -> who serves its lazy pages (raises if nobody)
         self._open_slot, self._fail_slot, self._finished, self._on_error = open_slot, fail_slot, finished, on_error
         self.idle_timeout_s = idle_timeout_s
         self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
@@ -127,6 +134,18 @@ class DataPort:
             except OSError as e:
                 raise self._on_error(slot, e) from None
 
+    def _serve_pages(self, conn: socket.socket, image_id: str) -> None:
+        if self._ssl is not None or self._pages_for is None:
+            raise PitstopError("this agent does not serve lazy pages on its data port", code="failed_precondition",
+                               http_status=412, action="post-copy over the network needs a plain data port "
+                                                       "(no PITSTOP_TLS_*) on the source")
+        serve = self._pages_for(image_id)  # NotFound: answered as an error line, like any refusal
+        conn.sendall(_line({"ok": True}))
+        try:  # from here on the socket speaks CRIU's protocol: no line of ours may follow
+            serve(conn)
+        except Exception as e:  # noqa: BLE001 - the daemon sees the connection end and fails
+            log.warning("serving lazy pages failed", image=image_id, error=repr(e))
+
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         slot = None
         try:
@@ -139,6 +158,9 @@ class DataPort:
             if self._token is not None and not hmac.compare_digest(got, self._token):
                 raise PitstopError("missing or wrong cluster token on the data port", code="unauthenticated",
                                    http_status=401, action="send the value of PITSTOP_CLUSTER_TOKEN")
+            if hello.get("want") == "pages":
+                self._serve_pages(conn, str(hello.get("image_id", "")))
+                return
             slot = self._open_slot(str(hello.get("image_id", "")))
             conn.sendall(_line({"ok": True}))
             buf = self._take_buffer()
@@ -191,6 +213,19 @@ def send(pieces: Iterable[bytes | memoryview], host: str, port: int, image_id: s
         return reply
     finally:
         sock.close()
+
+
+def open_pages(host: str, port: int, image_id: str, token: str | None, timeout_s: float = 10.0) -> socket.socket:
+    """A socket on which the source serves `image_id`'s lazy pages (for `criu lazy-pages --ps-socket`)."""
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+        sock.sendall(_line({"image_id": image_id, "token": token or "", "want": "pages"}))
+        _answer(sock, f"{host}:{port}")
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)  # CRIU owns it from here; the daemon has its own waits, ours is the fill deadline
+    return sock
 
 
 def _answer(sock: socket.socket, where: str) -> dict[str, Any]:

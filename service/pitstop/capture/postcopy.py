@@ -1,0 +1,120 @@
+"""Post-copy over the network: split a dump into what the restore needs and what may follow it.
+
+CRIU's own network post-copy (`dump --lazy-pages`) fails on this kernel: its page server keeps
+the pages in pipes and tee(2)s them ("page-pipe: tee: Operation not permitted").  The dump
+pitstop already makes works as the source instead: CRIU marks every page of anonymous private
+memory outside the stack PE_LAZY in the pagemap, even in a plain dump.  So the source agent
+
+- writes a *view* of the dump: every image file as it is, except that each task's pagemap has
+  its lazy entries turned into "lazy, not present" and its pages file keeps only the pages the
+  restore itself must place (file-backed private memory, stacks, vDSO): what CRIU's
+  `dump --lazy-pages` would have written.  The view is what travels before the restore;
+- serves the lazy pages from the full, local dump to the destination's `criu lazy-pages`
+  daemon on request (transfer/page_server.py), after the job has resumed.
+
+The full dump stays on the source until the fill has ended: a rollback still restores from it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CaptureFailed
+from . import runtime
+
+PAGE = 4096
+PE_LAZY = 1 << 1
+PE_PRESENT = 1 << 2
+TASK_PAGEMAP = re.compile(r"pagemap-(\d+)\.img")
+
+
+@dataclass
+class TaskPages:
+    """Where a task's lazy pages lie in its full pages file: sorted (vaddr, nr_pages, offset)."""
+
+    pages_file: Path
+    entries: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def locate(self, vaddr: int, nr_pages: int) -> tuple[int, int] | None:
+        """(file offset, pages available from vaddr, at most nr_pages) or None if not lazy here."""
+        i = bisect.bisect_right(self.entries, (vaddr, 1 << 63, 0)) - 1
+        if i < 0:
+            return None
+        start, n, off = self.entries[i]
+        if not start <= vaddr < start + n * PAGE or vaddr % PAGE:
+            return None
+        return off + (vaddr - start), min(nr_pages, (start + n * PAGE - vaddr) // PAGE)
+
+
+@dataclass
+class LazySplit:
+    view: Path
+    tasks: dict[int, TaskPages]
+    eager_bytes: int = 0
+    lazy_bytes: int = 0
+
+
+def split(images: Path, view: Path, rt: runtime.CriuRuntime | None = None) -> LazySplit:
+    """Write the view of the dump in `images` into `view` (hard links where nothing changes)."""
+    pycriu = (rt or runtime.locate()).import_pycriu()
+    view.mkdir(mode=0o700, exist_ok=True)
+    rewritten: dict[str, TaskPages] = {}
+    out = LazySplit(view=view, tasks={})
+    for pm in sorted(images.iterdir()):
+        m = TASK_PAGEMAP.fullmatch(pm.name)
+        if not m:
+            continue
+        with open(pm, "rb") as f:
+            img = pycriu.images.load(f, pretty=False)
+        head, entries = img["entries"][0], img["entries"][1:]
+        pages_name = f"pages-{head['pages_id']}.img"
+        task = TaskPages(pages_file=images / pages_name)
+        src = os.open(images / pages_name, os.O_RDONLY)
+        dst = os.open(view / pages_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            off = 0
+            for e in entries:
+                flags, n = int(e["flags"]), int(e["nr_pages"])
+                if not flags & PE_PRESENT:
+                    continue
+                if flags & PE_LAZY:
+                    task.entries.append((int(e["vaddr"]), n, off))
+                    e["flags"] = flags & ~PE_PRESENT
+                    out.lazy_bytes += n * PAGE
+                else:
+                    _copy_range(src, dst, off, n * PAGE)
+                    out.eager_bytes += n * PAGE
+                off += n * PAGE
+            if off != os.fstat(src).st_size:
+                raise CaptureFailed(f"{pm.name} describes {off} bytes of pages, {pages_name} holds "
+                                    f"{os.fstat(src).st_size}", action="report it: the dump is inconsistent")
+        finally:
+            os.close(src)
+            os.close(dst)
+        with open(view / pm.name, "wb") as f:
+            pycriu.images.dump(img, f)
+        task.entries.sort()
+        out.tasks[int(m.group(1))] = task
+        rewritten[pm.name] = rewritten[pages_name] = task
+    for f in images.iterdir():
+        if f.is_file() and f.name not in rewritten and not f.name.endswith(".log"):
+            os.link(f, view / f.name)
+    return out
+
+
+def _copy_range(src: int, dst: int, off: int, n: int) -> None:
+    while n:
+        k = os.copy_file_range(src, dst, n, off)
+        if k == 0:
+            raise CaptureFailed("a pages file ended early while splitting a dump", action="report it")
+        off += k
+        n -= k
+
+
+def describe(s: LazySplit) -> dict[str, Any]:
+    return {"eager_bytes": s.eager_bytes, "lazy_bytes": s.lazy_bytes, "tasks": len(s.tasks)}

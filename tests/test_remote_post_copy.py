@@ -1,0 +1,227 @@
+"""Post-copy over the network (capture/postcopy.py, transfer/page_server.py), real and end to end.
+
+Invariants: the moved job ends bit for bit as an uninterrupted run while only the pages a
+restore must place travel before it; if the source stops serving mid-fill, the moved worker is
+stopped (never left to read zeros) and says why; a failure before the commit restores the
+source from its full dump; the source's dump goes once the fill has ended.  Plus the protocol
+itself, against the split of a real CRIU dump.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from pitstop.capture import criu_ops, netlock, postcopy, proctree
+from pitstop.errors import PitstopError
+from pitstop.migration.move import move_worker
+from pitstop.transfer import page_server
+
+from .helpers import assert_same_as_reference, ddp_cmd, reference_hashes, step_times, until, wait_for_step
+
+REMOTE = {"PITSTOP_AGENT_REMOTE_POST_COPY": "1"}
+
+
+def _job(cluster, tmp_path, steps: int, workers: int = 0, src_env: dict | None = None,
+         dst_env: dict | None = None):  # noqa: ANN202
+    a = cluster.start_agent("a", env={**REMOTE, **(src_env or {})})
+    b = cluster.start_agent("b", spare=True, env=dst_env or {})
+    out = tmp_path / "out"
+    kw = dict(steps=steps, state_mb=64, workers=workers)
+    ranks = cluster.start_job("j", ddp_cmd(out, **kw), 2, {0: "a", 1: "a"})
+    for r in range(2):
+        cluster.wait_registered("a", f"j.{r}")
+    wait_for_step(ranks[1].log, 8)
+    return a, b, out, kw, ranks
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("workers", [0, 2], ids=["one process", "with DataLoader children"])
+def test_moves_rank_bitwise_equal_sending_only_eager_pages(cluster, tmp_path, workers):
+    a, b, out, kw, ranks = _job(cluster, tmp_path, 80, workers)
+    before = proctree.tree(a.client().worker("j.1")["root_pid"])
+    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
+    assert len(proctree.tree(rep.restored_pid)) == len(before)
+    cap = a.client().get_capture(rep.capture_id)
+    pc = cap["post_copy"]
+    assert pc["tasks"] == len(before) and pc["lazy_bytes"] > 64 << 20, pc
+    assert rep.bytes < pc["lazy_bytes"] / 4, (rep.bytes, pc)  # the bulk did not travel before the restore
+    until(lambda: "memory filled" in b.log.read_text(errors="replace"))
+    until(lambda: "lazy pages served" in a.log.read_text(errors="replace"))
+    until(lambda: not any(a.image_dir.iterdir()), what="the source's dump deleted after the fill")
+    until(lambda: not any(b.image_dir.iterdir()))
+    codes = [r.proc.wait(120) for r in ranks]
+    assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
+    assert [s for s, _ in step_times(ranks[1].log)][-1] == 80
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_source_stops_serving_mid_fill_worker_is_stopped_and_says_why(cluster, tmp_path):
+    a, b, out, kw, ranks = _job(cluster, tmp_path, 400, src_env={
+        "PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:stop_after_pages=2000",
+        "PITSTOP_AGENT_LAZY_FILL_TIMEOUT_S": "5"})
+    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
+    until(lambda: b.client().worker("j.1")["state"] == "lost")
+    w = b.client().worker("j.1")
+    assert "lazy-pages daemon stopped" in w["reason"], w
+    assert not proctree.exists(rep.restored_pid)
+    until(lambda: not any(b.image_dir.iterdir()))
+    until(lambda: not any(a.image_dir.iterdir()), what="the source's dump deleted at the fill deadline")
+    for r in ranks:  # the job's own recovery would take over; here the test ends it
+        r.proc.kill()
+        r.proc.wait(30)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_failed_restore_rolls_back_from_the_full_dump(cluster, tmp_path):
+    a, b, out, kw, ranks = _job(cluster, tmp_path, 80, dst_env={
+        "PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "restore:before_criu=fail"})
+    with pytest.raises(PitstopError, match="injected fault"):
+        move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
+    assert a.client().worker("j.1")["state"] == "running"
+    codes = [r.proc.wait(120) for r in ranks]
+    assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))
+    assert not any(a.image_dir.iterdir()) and not any(b.image_dir.iterdir())
+
+
+# -- the split and the protocol, against a real dump ------------------------------------------
+
+HOLDER = r"""
+import mmap, os, sys, time
+m = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+for i in range(0, len(m), 4096):
+    m[i:i + 8] = i.to_bytes(8, "little")
+print(id(m), flush=True)
+sys.stdout.close()
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.fixture
+def dumped(tmp_path):
+    """A real CRIU dump of a process holding 8 MiB of anonymous memory, each page numbered."""
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", HOLDER],
+                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_id = ""
+    try:
+        p.stdout.readline()
+        root = proctree.children(p.pid)[0]  # unshare's child: pid 1 of the new namespace, the Python
+        images = tmp_path / "images"
+        run_id = criu_ops.dump(root, images).run_id
+        yield images
+    finally:
+        if run_id:
+            netlock.release(run_id)
+        for pid in reversed(proctree.tree(p.pid)):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        p.wait(10)
+
+
+@pytest.mark.timeout(120)
+def test_split_keeps_eager_pages_and_indexes_lazy_ones(dumped, tmp_path):
+    sp = postcopy.split(dumped, tmp_path / "view")
+    assert sp.lazy_bytes >= 8 << 20 and sp.eager_bytes > 0
+    (pid, task), = sp.tasks.items()
+    view_pages = tmp_path / "view" / task.pages_file.name
+    assert view_pages.stat().st_size == sp.eager_bytes
+    assert task.pages_file.stat().st_size == sp.eager_bytes + sp.lazy_bytes
+    # every lazy entry points at its own bytes of the full pages file
+    with open(task.pages_file, "rb") as f:
+        data = f.read()
+    numbered = 0
+    for vaddr, n, off in task.entries:
+        for k in range(n):
+            page = data[off + k * 4096: off + (k + 1) * 4096]
+            if page[8:4096] == bytes(4088) and page[:8] != bytes(8):
+                numbered += 1
+    assert numbered >= (8 << 20) // 4096 - 1
+    # unchanged files are links to the dump's own, and the dump's logs stay out of the view
+    assert os.path.samefile(dumped / "pstree.img", tmp_path / "view" / "pstree.img")
+    assert not (tmp_path / "view" / criu_ops.DUMP_LOG).exists()
+
+
+def _get(sock: socket.socket, pid: int, vaddr: int, n: int) -> tuple[int, int, bytes]:
+    sock.sendall(page_server.PSI.pack(page_server.PS_IOV_GET, n, vaddr, pid))
+    head = page_server._recv_exact(sock, page_server.PSI.size)
+    cmd, got, va, dst = page_server.PSI.unpack(head)
+    assert (va, dst) == (vaddr, pid) and cmd & page_server.PS_CMD_MASK == page_server.PS_IOV_ADD_F
+    return cmd, got, page_server._recv_exact(sock, got * 4096)
+
+
+@pytest.mark.timeout(120)
+def test_page_server_answers_gets_and_ends_on_close(dumped, tmp_path):
+    sp = postcopy.split(dumped, tmp_path / "view")
+    (pid, task), = sp.tasks.items()
+    big = max(task.entries, key=lambda e: e[1])
+    vaddr, n, off = big
+    with open(task.pages_file, "rb") as f:
+        f.seek(off)
+        want = f.read(n * 4096)
+    ours, theirs = socket.socketpair()
+    served: list = []
+    t = threading.Thread(target=lambda: served.append(page_server.serve(ours, sp, idle_timeout_s=10)))
+    t.start()
+    try:
+        _, got, data = _get(theirs, pid, vaddr, 1)
+        assert got == 1 and data == want[:4096]
+        # asking past the entry's end: the rest of the entry only (the protocol allows fewer)
+        _, got, data = _get(theirs, pid, vaddr + 4096, n + 50)
+        assert got == n - 1 and data == want[4096:]
+        theirs.sendall(page_server.PSI.pack(page_server.PS_IOV_FORCE_CLOSE, 0, 0, 0))
+        assert struct.unpack("<i", page_server._recv_exact(theirs, 4)) == (0,)
+        t.join(10)
+        assert served[0].closed_cleanly and served[0].pages == n and served[0].requests == 2
+    finally:
+        theirs.close()
+        ours.close()
+        t.join(10)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("request_", ["not lazy", "unknown task", "unknown command", "hang-up"])
+def test_page_server_refuses_what_the_dump_does_not_hold(dumped, tmp_path, request_):
+    sp = postcopy.split(dumped, tmp_path / "view")
+    (pid, task), = sp.tasks.items()
+    ours, theirs = socket.socketpair()
+    errors: list = []
+
+    def run() -> None:
+        try:
+            page_server.serve(ours, sp, idle_timeout_s=10)
+        except page_server.ProtocolError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        if request_ == "not lazy":
+            theirs.sendall(page_server.PSI.pack(page_server.PS_IOV_GET, 1, 4096, pid))
+        elif request_ == "unknown task":
+            theirs.sendall(page_server.PSI.pack(page_server.PS_IOV_GET, 1, task.entries[0][0], pid + 999))
+        elif request_ == "unknown command":
+            theirs.sendall(page_server.PSI.pack(1, 1, task.entries[0][0], pid))
+        else:
+            theirs.shutdown(socket.SHUT_WR)
+        t.join(10)
+        want = {"not lazy": "does not hold", "unknown task": "does not hold", "unknown command": "unexpected",
+                "hang-up": "hung up"}[request_]
+        assert len(errors) == 1 and want in errors[0], errors
+    finally:
+        theirs.close()
+        ours.close()
+        t.join(10)
