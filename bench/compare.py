@@ -15,6 +15,10 @@ ranks 0-1, host-b: ranks 2-3).  Methods, each on a fresh local cluster:
 - pitstop, post-copy: the same evacuation with the spare restoring lazily
   (PITSTOP_AGENT_LAZY_RESTORE=1, capture/lazy_pages.py): the job resumes while CRIU's
   lazy-pages daemon fills the restored ranks' memory from the received images.
+- pitstop, network post-copy: the sources split their dumps (PITSTOP_AGENT_REMOTE_POST_COPY=1,
+  capture/postcopy.py): only the pages a restore must place travel before it; the spare's
+  lazy-pages daemon fetches the rest from the sources after the job resumes.  Its fill time
+  and rate are reported next to the downtime.
 - naive CRIU: the same evacuation with agents that dump whole to disk, then copy, then
   restore (PITSTOP_AGENT_STREAM_WHILE_DUMPING=0); the copy uses pitstop's own transport,
   so naive CRIU here is faster than with scp or rsync.
@@ -23,7 +27,7 @@ ranks 0-1, host-b: ranks 2-3).  Methods, each on a fresh local cluster:
   continues; its pause runs from the last step before the save to the first after the load.
   No scheduler delay and no fsync are counted: the most favourable case for it.
 - scaling: pitstop with 2, 4 and 8 ranks in the job and the same leaving part (one rank
-  on host-b), the others on host-a.
+  on host-b), the others on host-a; eagerly, and with network post-copy.
 
 Writes bench/out/compare.json and bench/out/compare.png (downtime by phase).
 """
@@ -50,6 +54,7 @@ from pitstop.devcluster import LocalCluster, free_port, step_gaps, step_times, w
 from tests.helpers import ddp_cmd  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
+NETWORK_POST_COPY = {"PITSTOP_AGENT_REMOTE_POST_COPY": "1"}
 
 
 def _final_hashes(out: Path, world: int) -> list[str]:
@@ -87,11 +92,16 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
                                            f"{int(time.time())}")
             print(f"{label}: ranks disagree from step {diverged} on; logs kept in {keep}", flush=True)
         caps = [w.get("capture_phases", {}) for w in md["workers"].values()]
+        later = md.get("bytes_after_resume") or 0
+        fills = [float(x) for x in re.findall(r"memory filled\s+seconds=([0-9.]+)",
+                                               c.agents["spare-1"].log.read_text(errors="replace"))]
         dump = max((cp.get("dump", 0.0) for cp in caps), default=0.0)
         phases = dict(md["phases"])
         return {"method": label, "world": world, "leaving_ranks": leaving, "state_mb": state_mb,
                 "downtime_s": md["downtime_s"], "job_pause_s": round(pause, 4), "median_step_s": round(normal, 4),
-                "bytes": md["bytes_total"], "phases": phases, "dump_s": round(dump, 4),
+                "bytes": md["bytes_total"] + later, "bytes_before_resume": md["bytes_total"],
+                "bytes_after_resume": later, "fill_s": max(fills, default=None),
+                "phases": phases, "dump_s": round(dump, 4),
                 "capture_phases": caps, "prewarm_s": round(warm_s, 2), "final": _final_hashes(out, world),
                 "first_divergent_step": diverged, "moved_after_step": moved_after_step(ranks[0].log, t0)}
 
@@ -214,6 +224,9 @@ def main() -> None:
     if not a.skip_post_copy:
         runs.append(evacuation(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_LAZY_RESTORE": "1"},
                                label="pitstop, post-copy", prewarm_gib=a.prewarm_gib))
+    if not a.skip_post_copy:
+        runs.append(evacuation(4, [2, 3], a.state_mb, a.steps, NETWORK_POST_COPY,
+                               label="pitstop, network post-copy", prewarm_gib=a.prewarm_gib))
     if not a.skip_naive:
         runs.append(evacuation(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_STREAM_WHILE_DUMPING": "0"},
                                label="naive CRIU", prewarm_gib=a.prewarm_gib))
@@ -222,6 +235,10 @@ def main() -> None:
     scaling = [evacuation(int(w), [int(w) - 1], a.state_mb, a.steps, label="pitstop, 1 rank leaving",
                           prewarm_gib=a.prewarm_gib)
                for w in a.worlds.split(",") if w]
+    if not a.skip_post_copy:
+        scaling += [evacuation(int(w), [int(w) - 1], a.state_mb, a.steps, NETWORK_POST_COPY,
+                               label="network post-copy, 1 rank leaving", prewarm_gib=a.prewarm_gib)
+                    for w in a.worlds.split(",") if w]
     ref = runs[0]
     floor = ref["bytes"] / bw
     after_bw = raw_tcp_bandwidth()
@@ -240,9 +257,20 @@ def main() -> None:
         for r in runs:
             if r["method"] in ("naive CRIU", "checkpoint-restart"):
                 summary[f"{r['method']} / post-copy (job pause)"] = r["job_pause_s"] / post["job_pause_s"]
-    if scaling:
-        d = [s["downtime_s"] for s in scaling]
-        summary["scaling_downtime_spread"] = (max(d) - min(d)) / min(d)
+    net = next((r for r in runs if r["method"] == "pitstop, network post-copy"), None)
+    if net:
+        summary["network post-copy: downtime_over_floor"] = net["downtime_s"] / floor
+        summary["network post-copy: vs_target"] = net["downtime_s"] / (1.5 * floor + 0.5)
+        for r in runs:
+            if r["method"] in ("naive CRIU", "checkpoint-restart"):
+                summary[f"{r['method']} / network post-copy (job pause)"] = r["job_pause_s"] / net["job_pause_s"]
+        if net.get("fill_s"):
+            summary["network post-copy: fill_s"] = net["fill_s"]
+            summary["network post-copy: fill_bytes_per_s"] = net["bytes_after_resume"] / net["fill_s"]
+            summary["network post-copy: fill_vs_raw_tcp"] = net["bytes_after_resume"] / net["fill_s"] / bw
+    for label in sorted({s["method"] for s in scaling}):
+        d = [s["downtime_s"] for s in scaling if s["method"] == label]
+        summary[f"scaling_downtime_spread ({label})"] = (max(d) - min(d)) / min(d)
     transfer = [cp.get("transfer", 0.0) for cp in ref["capture_phases"]]
     if transfer and max(transfer) > 0:
         summary["stream_bytes_per_s"] = ref["bytes"] / max(transfer)

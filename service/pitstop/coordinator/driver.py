@@ -214,13 +214,18 @@ class OpRun:
                 w["bytes_done"] = w["bytes_total"] or w["bytes_done"]
                 w["capture_phases"] = cap.get("phases", {})
                 w["bytes_deduplicated"] = cap.get("bytes_deduplicated", 0)
+                if cap.get("post_copy"):  # network post-copy: these follow after the resume
+                    w["bytes_after_resume"] = cap["post_copy"].get("lazy_bytes", 0)
                 self.md["bytes_done"] = sum(x["bytes_done"] for x in self.md["workers"].values())
                 self.md["bytes_total"] = sum(x["bytes_total"] or 0 for x in self.md["workers"].values())
+                self.md["bytes_after_resume"] = sum(x.get("bytes_after_resume", 0) for x in self.md["workers"].values())
                 self.save()
 
         self.each(capture)
         self.leave("capture")
-        self.condition("Transferred", True, "ImagesStreamed", f"{self.md['bytes_total']} bytes")
+        later = self.md.get("bytes_after_resume") or 0
+        self.condition("Transferred", True, "ImagesStreamed", f"{self.md['bytes_total']} bytes"
+                       + (f"; {later} bytes of memory follow after the resume (network post-copy)" if later else ""))
         self.check()
 
         self.enter("verify")
