@@ -95,6 +95,40 @@ def test_failed_restore_rolls_back_from_the_full_dump(cluster, tmp_path):
     assert not any(a.image_dir.iterdir()) and not any(b.image_dir.iterdir())
 
 
+# -- dumps of ranks sharing a directory overlap after CRIU's /proc mount point is gone ---------
+
+def test_dump_start_window_releases_when_proc_mount_point_is_removed(tmp_path):
+    from pitstop.capture.procwindow import NAME, DumpStartWindow
+
+    lock = threading.Lock()
+    second_in = threading.Event()
+
+    def second() -> None:
+        with DumpStartWindow(lock, str(tmp_path)):
+            second_in.set()
+
+    with DumpStartWindow(lock, str(tmp_path)):
+        t = threading.Thread(target=second)
+        t.start()
+        (tmp_path / "other").mkdir()
+        (tmp_path / "other").rmdir()
+        assert not second_in.wait(0.3)  # another directory's removal releases nothing
+        (tmp_path / NAME.decode()).mkdir()  # what the parasite does
+        (tmp_path / NAME.decode()).rmdir()
+        assert second_in.wait(5)  # the second dump starts while the first still runs
+        t.join(5)
+    assert not lock.locked()
+
+
+def test_dump_start_window_without_a_watchable_directory_holds_the_whole_block(tmp_path):
+    from pitstop.capture.procwindow import DumpStartWindow
+
+    lock = threading.Lock()
+    with DumpStartWindow(lock, str(tmp_path / "gone")):
+        assert lock.locked()
+    assert not lock.locked()
+
+
 # -- the split and the protocol, against a real dump ------------------------------------------
 
 HOLDER = r"""
@@ -150,6 +184,18 @@ def test_split_keeps_eager_pages_and_indexes_lazy_ones(dumped, tmp_path):
             if page[8:4096] == bytes(4088) and page[:8] != bytes(8):
                 numbered += 1
     assert numbered >= (8 << 20) // 4096 - 1
+    # contiguous lazy entries are merged (fewer, larger requests), in the view and in the index
+    from pitstop.capture import runtime
+    pycriu = runtime.locate().import_pycriu()
+    with open(dumped / f"pagemap-{pid}.img", "rb") as f:
+        before = [e for e in pycriu.images.load(f, pretty=False)["entries"][1:] if e["flags"] & postcopy.PE_LAZY]
+    with open(tmp_path / "view" / f"pagemap-{pid}.img", "rb") as f:
+        after = pycriu.images.load(f, pretty=False)["entries"][1:]
+    lazy_after = [e for e in after if e["flags"] & postcopy.PE_LAZY]
+    assert all(not e["flags"] & postcopy.PE_PRESENT for e in lazy_after)
+    assert len(lazy_after) == len(task.entries) < len(before)
+    assert sum(e["nr_pages"] for e in lazy_after) * 4096 == sp.lazy_bytes
+    assert max(n for _, n, _ in task.entries) >= (8 << 20) // 4096  # the 8 MiB mapping: one entry
     # unchanged files are links to the dump's own, and the dump's logs stay out of the view
     assert os.path.samefile(dumped / "pstree.img", tmp_path / "view" / "pstree.img")
     assert not (tmp_path / "view" / criu_ops.DUMP_LOG).exists()
@@ -225,3 +271,36 @@ def test_page_server_refuses_what_the_dump_does_not_hold(dumped, tmp_path, reque
         theirs.close()
         ours.close()
         t.join(10)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_evacuating_a_host_with_two_ranks_through_the_coordinator(cluster, tmp_path):
+    """Two ranks of one job, one working directory: their dumps overlap (procwindow.py), each
+    serves its own lazy pages, and the operation says what follows after the resume."""
+    from pitstop.coordinator.client import CoordinatorClient
+
+    cluster.start_coordinator()
+    cluster.start_agent("host-a")
+    cluster.start_agent("host-b", env=REMOTE)
+    cluster.start_agent("spare-1", spare=True)
+    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+    out = tmp_path / "out"
+    kw = dict(steps=100, state_mb=64)
+    ranks = cluster.start_job("j", ddp_cmd(out, **kw), 4, {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"})
+    for r in ranks:
+        wait_for_step(r.log, 8)
+    op = cc.evacuate("host-b")
+    until(lambda: cc.op(op["name"])["done"], timeout=240)
+    op = cc.op(op["name"])
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op
+    assert md["bytes_after_resume"] > 2 * (64 << 20) > md["bytes_total"], md
+    transferred = next(c for c in md["conditions"] if c["type"] == "Transferred")
+    assert "follow after the resume" in transferred["message"], transferred
+    spare = cluster.agents["spare-1"]
+    until(lambda: spare.log.read_text(errors="replace").count("memory filled") == 2)
+    until(lambda: not any(cluster.agents["host-b"].image_dir.iterdir()))
+    codes = [r.proc.wait(180) for r in ranks]
+    assert codes == [0] * 4, [r.log.read_text()[-1500:] for r in ranks]
+    assert_same_as_reference(out, reference_hashes(tmp_path, 4, **kw))

@@ -30,7 +30,7 @@ import httpx
 import structlog
 
 from .. import faults, tls
-from ..capture import criu_ops, netlock, postcopy, proctree, runtime
+from ..capture import criu_ops, netlock, postcopy, proctree, procwindow, runtime
 from ..capture.manifest import Manifest
 from ..errors import CaptureFailed, Conflict, FailedPrecondition, NotFound, PitstopError, TransferFailed
 from ..gpu.checkpoint import GpuCheckpointer  # noqa: F401 - the type of self.gpu
@@ -196,7 +196,7 @@ class SourceSide:
         faults.hit("capture:before_dump")
         t_dump = time.monotonic()
         try:
-            with self._cwd_lock(w.root_pid):
+            with procwindow.DumpStartWindow(*self._cwd_lock(w.root_pid)):
                 res = criu_ops.dump(w.root_pid, images, timeout_s=self.s.dump_timeout_s,
                                     own_netns=workerns.netns_inode(w.root_pid) if net else None)
         except PitstopError as e:
@@ -263,6 +263,10 @@ class SourceSide:
         would.  A dump that never completed (CRIU unfreezes on failure, or never started)
         leaves a process that only needs its network, GPU and SIGSTOP state undone."""
         notes = []
+        for cap in self.state.captures.values():  # a dump kept to serve lazy pages died with its server
+            if cap.state == "committed" and Path(cap.image_dir).exists():
+                shutil.rmtree(cap.image_dir, ignore_errors=True)
+                notes.append(f"{cap.id}: its dump, kept for a post-copy fill, removed")
         for cap in [c for c in self.state.captures.values() if c.state == "dumping"]:
             w = self.state.workers.get(cap.worker_id)
             how = "worker unknown"
@@ -293,8 +297,8 @@ class SourceSide:
             log.warning("capture interrupted by an agent restart", capture=cap.id, outcome=how)
         return notes
 
-    def _cwd_lock(self, pid: int) -> threading.Lock:
-        """One dump at a time per working directory.
+    def _cwd_lock(self, pid: int) -> tuple[threading.Lock, str]:
+        """One dump at a time per working directory *starts* (capture/procwindow.py).
 
         A worker is not in the host's PID namespace, so CRIU's parasite mounts a private
         /proc at a fixed name ("proc.crtools") in the task's working directory; two
@@ -305,7 +309,7 @@ class SourceSide:
         except OSError:
             cwd = ""
         with self._locks_guard:
-            return self._cwd_locks.setdefault(cwd, threading.Lock())
+            return self._cwd_locks.setdefault(cwd, threading.Lock()), cwd
 
     def _output_end(self, w: Worker) -> dict[str, int]:
         """Where this host's copy of the worker's output ends: the next host continues from there."""

@@ -76,17 +76,30 @@ def split(images: Path, view: Path, rt: runtime.CriuRuntime | None = None) -> La
         task = TaskPages(pages_file=images / pages_name)
         src = os.open(images / pages_name, os.O_RDONLY)
         dst = os.open(view / pages_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        kept: list[dict[str, Any]] = []
         try:
             off = 0
             for e in entries:
                 flags, n = int(e["flags"]), int(e["nr_pages"])
                 if not flags & PE_PRESENT:
+                    kept.append(e)
                     continue
                 if flags & PE_LAZY:
-                    task.entries.append((int(e["vaddr"]), n, off))
-                    e["flags"] = flags & ~PE_PRESENT
+                    vaddr, last = int(e["vaddr"]), kept[-1] if kept else None
+                    if (last is not None and last.get("_lazy") and task.entries
+                            and int(last["vaddr"]) + int(last["nr_pages"]) * PAGE == vaddr):
+                        # Contiguous with the lazy run before it, in memory and in the pages file
+                        # (nothing lies between them): one entry, so the daemon asks in 4 MiB
+                        # requests instead of CRIU's 1 MiB entries (half the round trips).
+                        last["nr_pages"] = int(last["nr_pages"]) + n
+                        v0, n0, o0 = task.entries[-1]
+                        task.entries[-1] = (v0, n0 + n, o0)
+                    else:
+                        kept.append({**e, "flags": flags & ~PE_PRESENT, "_lazy": True})
+                        task.entries.append((vaddr, n, off))
                     out.lazy_bytes += n * PAGE
                 else:
+                    kept.append(e)
                     _copy_range(src, dst, off, n * PAGE)
                     out.eager_bytes += n * PAGE
                 off += n * PAGE
@@ -96,6 +109,9 @@ def split(images: Path, view: Path, rt: runtime.CriuRuntime | None = None) -> La
         finally:
             os.close(src)
             os.close(dst)
+        for e in kept:
+            e.pop("_lazy", None)
+        img["entries"] = [head, *kept]
         with open(view / pm.name, "wb") as f:
             pycriu.images.dump(img, f)
         task.entries.sort()
