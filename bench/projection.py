@@ -24,6 +24,12 @@ checkpoint-restart of the same planned evacuation (cost follows the whole job):
 Asymmetry worth knowing: a checkpoint holds parameters and optimizer state only, a shard
 per GPU, while pitstop moves all device memory in use (activations and caches included),
 but only the leaving host's.
+
+Post-copy applies to host memory only.  cuda-checkpoint parks device memory in the process's
+host memory and copies it back to the device before the rank can run, which would fault
+every page of it in first: device memory stays on the critical path in every variant, and
+only host_state_gb is restored (local post-copy) or moved (network post-copy) after the job
+resumes.
 """
 
 from __future__ import annotations
@@ -103,12 +109,18 @@ def project(m: dict, gpus: int) -> dict:
         "load": shards / a["storage_read_gbps"],
     }
     tp, tc = sum(pit.values()), sum(ck.values())
+    device = GPUS_PER_HOST * a["device_in_use_gb"] * gb
+    nic = a["nic_gbps"] * gb
+    at_nic = tp - pit["data"] + leaving / nic
+    host_share = 1 - device / leaving  # of the restore, what post-copy can take off the path
+    local_pc = at_nic - pit["restore"] * host_share * (1 - m.get("post_copy_restore_ratio", 1.0))
+    # network post-copy: host memory neither crosses the NIC nor is restored before the resume
+    network_pc = at_nic - (leaving - device) / nic - pit["restore"] * host_share
     return {"gpus": gpus, "pitstop_s": tp, "checkpoint_restart_s": tc, "pitstop": pit, "checkpoint_restart": ck,
             "pitstop_dominant": max(pit, key=pit.get), "restart_dominant": max(ck, key=ck.get),
             "gpu_hours_pitstop": gpus * tp / 3600, "gpu_hours_restart": gpus * tc / 3600,
-            "pitstop_at_nic_speed_s": tp - pit["data"] + leaving / (a["nic_gbps"] * gb),
-            "pitstop_at_nic_speed_post_copy_s": tp - pit["data"] + leaving / (a["nic_gbps"] * gb)
-            - pit["restore"] * (1 - m.get("post_copy_restore_ratio", 1.0))}
+            "pitstop_at_nic_speed_s": at_nic, "pitstop_at_nic_speed_post_copy_s": local_pc,
+            "pitstop_at_nic_speed_network_post_copy_s": network_pc}
 
 
 def markdown(m: dict, rows: list[dict]) -> str:
@@ -118,13 +130,14 @@ def markdown(m: dict, rows: list[dict]) -> str:
            f"{m['restore_Bps'] / 1e9:.2f} GB/s; a control round (pause, commit or resume) {m['round_s']:.2f} s.", "",
            f"A post-copy restore left {m.get('post_copy_restore_ratio', 1.0):.0%} of the eager restore on the "
            "critical path in the same run.", "",
-           "| GPUs | pitstop (s) | its largest term | pitstop with a NIC-speed stream (s) | ... and post-copy "
-           "restore (s) | checkpoint-restart (s) | its largest term | GPU-hours per evacuation: pitstop / restart |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| GPUs | pitstop (s) | its largest term | pitstop with a NIC-speed stream (s) | ... and local post-copy "
+           "(s) | ... or network post-copy (s) | checkpoint-restart (s) | its largest term | "
+           "GPU-hours per evacuation: pitstop / restart |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['gpus']:,} | {r['pitstop_s']:.0f} | {r['pitstop_dominant']} "
                    f"({r['pitstop'][r['pitstop_dominant']]:.0f} s) | {r['pitstop_at_nic_speed_s']:.0f} | "
-                   f"{r['pitstop_at_nic_speed_post_copy_s']:.0f} | "
+                   f"{r['pitstop_at_nic_speed_post_copy_s']:.0f} | {r['pitstop_at_nic_speed_network_post_copy_s']:.0f} | "
                    f"{r['checkpoint_restart_s']:.0f} | "
                    f"{r['restart_dominant']} ({r['checkpoint_restart'][r['restart_dominant']]:.0f} s) | "
                    f"{r['gpu_hours_pitstop']:.1f} / {r['gpu_hours_restart']:.1f} |")

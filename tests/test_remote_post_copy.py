@@ -129,6 +129,23 @@ def test_dump_start_window_without_a_watchable_directory_holds_the_whole_block(t
     assert not lock.locked()
 
 
+def test_a_collided_dump_is_recognised_and_its_directory_emptied_for_the_next_attempt(tmp_path):
+    from pitstop.capture import procwindow
+
+    assert procwindow.collided({"criu_errors": [
+        "pie: 1: Error (criu/pie/parasite.c:634): Can't create a directory (-17)", "Dumping FAILED."]})
+    assert not procwindow.collided({"criu_errors": ["Error (criu/cr-dump.c:1975): Dumping FAILED."]})
+    assert not procwindow.collided({})
+    (tmp_path / "pages-1.img").write_bytes(b"x")
+    (tmp_path / "dump.log").write_text("attempt 1")
+    (tmp_path / "sub").mkdir()
+    procwindow.clear_for_retry(tmp_path, 1)
+    (tmp_path / "dump.log").write_text("attempt 2")
+    procwindow.clear_for_retry(tmp_path, 2)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["dump-attempt1.log", "dump-attempt2.log"]
+    assert (tmp_path / "dump-attempt1.log").read_text() == "attempt 1"
+
+
 # -- the split and the protocol, against a real dump ------------------------------------------
 
 HOLDER = r"""

@@ -196,9 +196,10 @@ class SourceSide:
         faults.hit("capture:before_dump")
         t_dump = time.monotonic()
         try:
-            with procwindow.DumpStartWindow(*self._cwd_lock(w.root_pid)):
-                res = criu_ops.dump(w.root_pid, images, timeout_s=self.s.dump_timeout_s,
-                                    own_netns=workerns.netns_inode(w.root_pid) if net else None)
+            # Overlap with other dumps in its directory only where nothing streams while it
+            # dumps: a dump that collides is redone from scratch (capture/procwindow.py).
+            overlap = remote or not (sender is not None and self.s.stream_while_dumping)
+            res = self._dump(cap, w, images, net is not None, overlap)
         except PitstopError as e:
             tail.failure = e
             if sender and sender.is_alive():
@@ -296,6 +297,24 @@ class SourceSide:
             notes.append(f"{cap.id}: {how}")
             log.warning("capture interrupted by an agent restart", capture=cap.id, outcome=how)
         return notes
+
+    def _dump(self, cap: Capture, w: Worker, images: Path, own_net: bool, overlap: bool) -> criu_ops.DumpResult:
+        for attempt in range(1, procwindow.ATTEMPTS + 1):
+            lock, cwd = self._cwd_lock(w.root_pid)
+            try:
+                with procwindow.DumpStartWindow(lock, cwd if overlap else ""):
+                    res = criu_ops.dump(w.root_pid, images, timeout_s=self.s.dump_timeout_s,
+                                        own_netns=workerns.netns_inode(w.root_pid) if own_net else None)
+                if attempt > 1:
+                    self.state.update_capture(cap, phases={**cap.phases, "dump_attempts": attempt})
+                return res
+            except CaptureFailed as e:
+                if not (overlap and attempt < procwindow.ATTEMPTS and procwindow.collided(e.details)):
+                    raise
+                log.info("the dump met another dump's /proc mount point; dumping again", capture=cap.id,
+                         worker=w.id, attempt=attempt)
+                procwindow.clear_for_retry(images, attempt)
+        raise AssertionError("unreachable")
 
     def _cwd_lock(self, pid: int) -> tuple[threading.Lock, str]:
         """One dump at a time per working directory *starts* (capture/procwindow.py).

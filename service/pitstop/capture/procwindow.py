@@ -3,12 +3,17 @@
 A worker runs in a PID namespace of its own but sees the host's /proc, so when CRIU dumps it,
 the parasite inside the worker's root task mounts a private /proc at a fixed name,
 "proc.crtools", relative to the task's working directory, and removes it at once
-(criu/pie/parasite.c, get_proc_fd; once per dump, for the root task only).  Two dumps of ranks
-sharing a directory race on that mkdir (EEXIST), so dumps there must not *start* together.
-They may run together after that moment: a dump holds its directory's lock only until
-inotify reports that "proc.crtools" has been removed again (or the dump ends, whichever is
-first).  Measured on two 770 MB ranks of one job: the second dump no longer waits for the
-whole of the first (docs/benchmarks.md).
+(criu/pie/parasite.c, get_proc_fd).  Two dumps of ranks sharing a directory race on that
+mkdir (EEXIST).  It happens at the start of a dump (once) and again after its memory is
+dumped (once for the root task, once per other thread of it: the cgroup of each), with
+nothing to say when from outside.
+
+So: a dump holds its directory's lock until inotify reports that the first "proc.crtools" is
+gone again, and the next dump starts then; their memory dumps overlap.  The later bursts can
+still collide (first seen in the compare bench, 2026-11-29): the dump that meets EEXIST fails
+cleanly (CRIU lets the tree run again) and is redone, at most ATTEMPTS times.  Only dumps that
+nothing streams from while they run overlap (network post-copy, dump-then-copy): a dump being
+streamed cannot be redone, so it keeps the lock to its end.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from __future__ import annotations
 import ctypes
 import os
 import select
+import shutil
 import struct
 import threading
+from pathlib import Path
 from types import TracebackType
 
 NAME = b"proc.crtools"
@@ -27,6 +34,24 @@ IN_CLOEXEC = 0o2000000
 _EVENT = struct.Struct("iIII")
 
 _libc = ctypes.CDLL(None, use_errno=True)
+ATTEMPTS = 3
+COLLISION = "Can't create a directory (-17)"
+
+
+def collided(details: dict) -> bool:
+    """Did the dump fail on another dump's /proc mount point (CRIU's own words, quoted back)?"""
+    return any(COLLISION in line for line in details.get("criu_errors", []))
+
+
+def clear_for_retry(images: Path, attempt: int) -> None:
+    """Empty the image directory for the next attempt; keep the failed attempt's log beside it."""
+    for f in images.iterdir():
+        if f.name == "dump.log":
+            f.rename(images / f"dump-attempt{attempt}.log")
+        elif f.is_dir():
+            shutil.rmtree(f)
+        elif not f.name.startswith("dump-attempt"):
+            f.unlink()
 
 
 class DumpStartWindow:
