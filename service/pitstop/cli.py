@@ -238,6 +238,8 @@ def _print_op(o: dict) -> None:
         t.add_row("[bold]downtime (first pause -> last resume)[/]", f"[bold]{m['downtime_s']:.3f}[/]")
     if m.get("bytes_total"):
         t.add_row("bytes moved", f"{m['bytes_total']:,}")
+        if m.get("bytes_after_resume"):
+            t.add_row("bytes fetched after the resume (network post-copy)", f"{m['bytes_after_resume']:,}")
     out.print(t)
     if o.get("error"):
         err.print(f"[bold red]failed:[/] {o['error']['message']}")
