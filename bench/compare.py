@@ -250,24 +250,21 @@ def main() -> None:
     }
     for r in runs[1:]:
         summary[f"{r['method']} / pitstop (job pause)"] = r["job_pause_s"] / ref["job_pause_s"]
-    post = next((r for r in runs if r["method"] == "pitstop, post-copy"), None)
-    if post:
-        summary["post-copy: downtime_over_floor"] = post["downtime_s"] / floor
-        summary["post-copy: vs_target"] = post["downtime_s"] / (1.5 * floor + 0.5)
+    for method, name in (("pitstop, post-copy", "post-copy"), ("pitstop, network post-copy", "network post-copy")):
+        v = next((r for r in runs if r["method"] == method), None)
+        if v is None:
+            continue
+        summary[f"{name}: downtime_over_floor"] = v["downtime_s"] / floor
+        summary[f"{name}: vs_target"] = v["downtime_s"] / (1.5 * floor + 0.5)
         for r in runs:
             if r["method"] in ("naive CRIU", "checkpoint-restart"):
-                summary[f"{r['method']} / post-copy (job pause)"] = r["job_pause_s"] / post["job_pause_s"]
+                summary[f"{r['method']} / {name} (job pause)"] = r["job_pause_s"] / v["job_pause_s"]
+                summary[f"{r['method']} / {name} (downtime)"] = r["downtime_s"] / v["downtime_s"]
     net = next((r for r in runs if r["method"] == "pitstop, network post-copy"), None)
-    if net:
-        summary["network post-copy: downtime_over_floor"] = net["downtime_s"] / floor
-        summary["network post-copy: vs_target"] = net["downtime_s"] / (1.5 * floor + 0.5)
-        for r in runs:
-            if r["method"] in ("naive CRIU", "checkpoint-restart"):
-                summary[f"{r['method']} / network post-copy (job pause)"] = r["job_pause_s"] / net["job_pause_s"]
-        if net.get("fill_s"):
-            summary["network post-copy: fill_s"] = net["fill_s"]
-            summary["network post-copy: fill_bytes_per_s"] = net["bytes_after_resume"] / net["fill_s"]
-            summary["network post-copy: fill_vs_raw_tcp"] = net["bytes_after_resume"] / net["fill_s"] / bw
+    if net and net.get("fill_s"):
+        summary["network post-copy: fill_s"] = net["fill_s"]
+        summary["network post-copy: fill_bytes_per_s"] = net["bytes_after_resume"] / net["fill_s"]
+        summary["network post-copy: fill_vs_raw_tcp"] = net["bytes_after_resume"] / net["fill_s"] / bw
     for label in sorted({s["method"] for s in scaling}):
         d = [s["downtime_s"] for s in scaling if s["method"] == label]
         summary[f"scaling_downtime_spread ({label})"] = (max(d) - min(d)) / min(d)
