@@ -50,8 +50,14 @@ class PageSource:
 
     def __init__(self, cap: Capture, split: postcopy.LazySplit) -> None:
         self.cap, self.split = cap, split
+        # Serving is over, the fill complete or its daemon gone (it never reconnects): after the
+        # commit nothing needs the dump any more; before it, a rollback still restores from it.
         self.done = threading.Event()
         self.busy = threading.Lock()  # one daemon at a time per capture
+
+    def progress(self, served: page_server.Served) -> None:
+        if self.cap.post_copy is not None:
+            self.cap.post_copy["pages_served"] = served.pages
 
 
 class SourceSide:
@@ -132,16 +138,16 @@ class SourceSide:
                 served = page_server.serve(
                     conn, src.split, idle_timeout_s=min(self.s.lazy_fill_timeout_s, 60.0),  # type: ignore[arg-type]
                     stop_after=int(faults.value("postcopy:stop_after_pages") or 0) or None,
-                    on_progress=lambda s: cap.post_copy.__setitem__("pages_served", s.pages) if cap.post_copy else None)
+                    on_progress=src.progress)
                 log.info("lazy pages served", capture=cap.id, pages=served.pages, requests=served.requests,
                          seconds=round(served.seconds, 3))
             finally:
                 src.busy.release()
                 if cap.post_copy is not None:
                     self.state.update_capture(cap, post_copy=dict(cap.post_copy))
-            src.done.set()  # only a daemon that said it had everything ends the serving
-            if cap.state == "committed":
-                self._drop_page_source(image_id)
+                src.done.set()
+                if cap.state == "committed":
+                    self._drop_page_source(image_id)
 
         return serve
 
