@@ -305,7 +305,9 @@ class SourceSide:
         return notes
 
     def _dump(self, cap: Capture, w: Worker, images: Path, own_net: bool, overlap: bool) -> criu_ops.DumpResult:
-        for attempt in range(1, procwindow.ATTEMPTS + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             lock, cwd = self._cwd_lock(w.root_pid)
             try:
                 with procwindow.DumpStartWindow(lock, cwd if overlap else ""):
@@ -320,7 +322,6 @@ class SourceSide:
                 log.info("the dump met another dump's /proc mount point; dumping again", capture=cap.id,
                          worker=w.id, attempt=attempt)
                 procwindow.clear_for_retry(images, attempt)
-        raise AssertionError("unreachable")
 
     def _cwd_lock(self, pid: int) -> tuple[threading.Lock, str]:
         """One dump at a time per working directory *starts* (capture/procwindow.py).

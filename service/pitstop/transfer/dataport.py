@@ -199,8 +199,7 @@ def send(pieces: Iterable[bytes | memoryview], host: str, port: int, image_id: s
         if tls.enabled():
             sock = tls.client_context().wrap_socket(sock, server_hostname=host)
         sock.settimeout(timeout_s)
-        sock.sendall(_line({"image_id": image_id, "token": token or ""}))
-        _answer(sock, f"{host}:{port}")
+        _hello(sock, {"image_id": image_id, "token": token or ""}, f"{host}:{port}")
         t0 = time.monotonic()
         try:
             for piece in pieces:
@@ -219,13 +218,18 @@ def open_pages(host: str, port: int, image_id: str, token: str | None, timeout_s
     """A socket on which the source serves `image_id`'s lazy pages (for `criu lazy-pages --ps-socket`)."""
     sock = socket.create_connection((host, port), timeout=timeout_s)
     try:
-        sock.sendall(_line({"image_id": image_id, "token": token or "", "want": "pages"}))
-        _answer(sock, f"{host}:{port}")
+        _hello(sock, {"image_id": image_id, "token": token or "", "want": "pages"}, f"{host}:{port}")
     except BaseException:
         sock.close()
         raise
     sock.settimeout(None)  # CRIU owns it from here; the daemon has its own waits, ours is the fill deadline
     return sock
+
+
+def _hello(sock: socket.socket, hello: dict[str, Any], where: str) -> dict[str, Any]:
+    """Say who we are and what we want; the destination's first answer, or TransferFailed."""
+    sock.sendall(_line(hello))
+    return _answer(sock, where)
 
 
 def _answer(sock: socket.socket, where: str) -> dict[str, Any]:
