@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import sys
 import time
 from datetime import datetime, timezone
@@ -39,6 +41,7 @@ def main() -> None:
                          "PITSTOP_AGENT_DEDUP_PAGES=0 (repeatable)")
     ap.add_argument("--prewarm-gib", type=float, default=0.0,
                     help="touch and free this much tmpfs right before the measured move (bench/common.py prewarm)")
+    ap.add_argument("--keep-logs", metavar="DIR", help="copy the agents' and ranks' logs here before the cluster goes")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "move_one_rank.json"))
     args = ap.parse_args()
 
@@ -60,9 +63,14 @@ def main() -> None:
         hosts = [(a, b), (b, a)]
         for i in range(args.warmup):
             src, dst = hosts[i % 2]
+            filled = dst.log.read_text(errors="replace").count("memory filled")
             warm.append(move_worker(src.client(), dst.client(), "bench.1", dest_name=dst.name,
                                     peers=[(a.client(), "bench.0")]).downtime_s)
             time.sleep(1.0)
+            if "PITSTOP_AGENT_REMOTE_POST_COPY" in env or "PITSTOP_AGENT_LAZY_RESTORE" in env:
+                end = time.monotonic() + 120  # the next move would wait for this fill: not what it measures
+                while dst.log.read_text(errors="replace").count("memory filled") == filled and time.monotonic() < end:
+                    time.sleep(0.1)
         src, dst = hosts[args.warmup % 2]
         prewarm(args.prewarm_gib)
         mark = time.time()
@@ -73,6 +81,16 @@ def main() -> None:
                for n, x in (("source", src), ("destination", dst)) for i, what in enumerate(("agent", "CRIU"))}
         cap = next(x for x in src.client().captures() if x["id"] == rep.capture_id)
         codes = [r.proc.wait(300) for r in ranks]
+        # post-copy: the fill after the resume (the last "memory filled" line is the measured move's)
+        fills = re.findall(r"memory filled\s+seconds=([0-9.]+)", dst.log.read_text(errors="replace"))
+        fill_s = float(fills[-1]) if fills and (cap.get("post_copy") or env.get("PITSTOP_AGENT_LAZY_RESTORE")) else None
+        lazy_bytes = (cap.get("post_copy") or {}).get("lazy_bytes")
+        if args.keep_logs:
+            for f in c.root.rglob("*"):
+                if f.is_file() and f.suffix in (".log", ".stdout", ".stderr"):
+                    dest = Path(args.keep_logs) / f.relative_to(c.root)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(f, dest)
         pause, step = job_pause(ranks[0].log, since=mark)
     floor = rep.bytes / bw
     res = {
@@ -95,6 +113,8 @@ def main() -> None:
         "downtime_over_floor": round(rep.downtime_s / floor, 2),
         "exit_codes": codes,
         "cpu_s": cpu,
+        "fill_s": fill_s,
+        "bytes_after_resume": lazy_bytes,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
@@ -110,6 +130,9 @@ def main() -> None:
     print(f"downtime / floor       {rep.downtime_s / floor:.2f}")
     print(f"CPU                    {', '.join(f'{k} {v:.2f} s' for k, v in cpu.items())} "
           "(the job's own excluded)")
+    if fill_s is not None:
+        rate = f", {lazy_bytes / fill_s / 1e9:.2f} GB/s = {lazy_bytes / fill_s / bw:.0%} of raw TCP" if lazy_bytes else ""
+        print(f"fill after the resume  {fill_s:.3f} s{rate}")
     print(f"job exit codes         {codes}")
 
 

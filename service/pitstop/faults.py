@@ -15,6 +15,9 @@ damage what it handles, as CRIU's zdtm does with its own hooks.  Points:
                         lazy restore returns (the worker must then be stopped, not run on zeros)
   postcopy:stop_after_pages  source agent, value = N: its page server hangs up after N pages
                         (post-copy over the network; the moved worker must then be stopped)
+  postcopy:after_reply  source agent, after each reply of its page server (sleep:S slows the fill)
+  postcopy:stall_after_pages source agent, value = N: its page server stops answering after N pages
+                        (a hung source: the destination's relay must stop the worker at its deadline)
 """
 
 from __future__ import annotations

@@ -134,11 +134,17 @@ class SourceSide:
             if not src.busy.acquire(blocking=False):
                 raise Conflict(f"the lazy pages of {image_id} are already being fetched", action="none")
             cap = src.cap
+
+            def progress(served: page_server.Served) -> None:
+                src.progress(served)
+                faults.hit("postcopy:after_reply")
+
             try:
                 served = page_server.serve(
                     conn, src.split, idle_timeout_s=min(self.s.lazy_fill_timeout_s, 60.0),  # type: ignore[arg-type]
                     stop_after=int(faults.value("postcopy:stop_after_pages") or 0) or None,
-                    on_progress=src.progress)
+                    stall_after=int(faults.value("postcopy:stall_after_pages") or 0) or None,
+                    on_progress=progress)
                 log.info("lazy pages served", capture=cap.id, pages=served.pages, requests=served.requests,
                          seconds=round(served.seconds, 3))
             finally:
@@ -163,7 +169,33 @@ class SourceSide:
             if self.on_finished:
                 self.on_finished(cap)
 
+    def _wait_for_fill(self, cap: Capture, w: Worker) -> None:
+        """A worker restored post-copy is dumped only once its memory is all in place."""
+        if not w.restored:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + self.s.capture_fill_wait_s
+        while pending := proctree.filling(proctree.tree(w.root_pid)):
+            if time.monotonic() >= deadline:
+                raise CaptureFailed(
+                    f"worker {w.id}'s memory is still being filled after its last post-copy move "
+                    f"(pids {pending} have memory a lazy-pages daemon has not filled yet, after "
+                    f"{self.s.capture_fill_wait_s:g} s); a dump now would lose those pages",
+                    code="worker_filling", http_status=409,
+                    action="retry when the fill has ended (the destination agent logs 'memory filled'), "
+                           "or raise PITSTOP_AGENT_CAPTURE_FILL_WAIT_S")
+            time.sleep(0.02)
+        if time.monotonic() - t0 > 0.001:
+            log.info("waited for the worker's post-copy fill before dumping it", capture=cap.id, worker=w.id,
+                     seconds=round(time.monotonic() - t0, 3))
+            self.state.update_capture(cap, phases={**cap.phases, "wait_fill": time.monotonic() - t0})
+
     def _run(self, cap: Capture, w: Worker) -> None:
+        try:
+            self._wait_for_fill(cap, w)
+        except PitstopError as e:
+            self._fail(cap, w, e, resumed_by="nobody (it was never stopped)")
+            return
         images = Path(cap.image_dir)
         images.mkdir(parents=True, exist_ok=True)
         images.chmod(0o700)

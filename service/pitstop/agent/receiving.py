@@ -176,17 +176,29 @@ class DestinationSide:
         """Until every page is in place the worker depends on the daemon: if it fails, stop the worker.
 
         A dead daemon's userfaultfd is dropped by the kernel and the pages it never filled would
-        read as zeros: a rank computing on zeros is worse than a rank that is gone.
+        read as zeros: a rank computing on zeros is worse than a rank that is gone.  So the
+        worker goes first, then the daemon.  A worker that ended while its fill failed (killed
+        by the page relay, or crashed on a page that read as zero) is lost for the same reason.
         """
         ok, why = fill.wait(self.s.lazy_fill_timeout_s)
         if ok:
             log.info("memory filled", worker=w.id, seconds=round(fill.seconds, 3))
-        elif w.state in LIVE_STATES and proctree.exists(w.root_pid):
-            proctree.kill_and_wait(w.root_pid)
-            self.state.update_worker(w, state="lost", reason="its memory could not be filled after a lazy restore: " + why)
-            log.error("restored worker stopped: its memory could not be filled", worker=w.id, reason=why,
+            self.discard(image_id)
+            return
+        live = w.state in LIVE_STATES and proctree.exists(w.root_pid)
+        if live:
+            proctree.kill_tree(w.root_pid)
+        fill.kill()
+        if live or w.state in LIVE_STATES or (w.state == "exited" and w.exit_code != 0):
+            code = "" if w.exit_code is None else f", exit code {w.exit_code}"
+            ended = "" if live or w.state != "exited" else f" (it had already ended{code})"
+            self.state.update_worker(w, state="lost",
+                                     reason="its memory could not be filled after a lazy restore: " + why + ended)
+            log.error("restored worker stopped: its memory could not be filled", worker=w.id, reason=why + ended,
                       action="the move had committed; the job's own recovery takes over from here "
                              f"(see {fill.images / lazy_pages.LOG} before the images go)")
+        else:
+            log.warning("the lazy fill failed after the worker had ended on its own", worker=w.id, reason=why)
         self.discard(image_id)
 
     def restore_dir(self, directory: Path, *, worker_id: str, job: str, rank: int,
@@ -235,6 +247,12 @@ class DestinationSide:
             try:
                 pid, _secs = criu_ops.restore(directory, inherit, net_fd=net_fd, lazy=fill is not None,
                                               timeout_s=self.s.restore_timeout_s, abort=abort)
+                gone = fill.guard(pid) if fill else None
+                if gone:  # the source stopped serving while the tree was restored: it must not run
+                    proctree.kill_tree(pid)
+                    raise RestoreFailed(f"the source stopped serving this worker's memory during its restore: {gone}",
+                                        action="the move rolls back and the worker runs on from the source's "
+                                               "full dump; check the source agent and the link, then retry")
             except PitstopError:
                 if fill:
                     fill.kill()
@@ -254,7 +272,7 @@ class DestinationSide:
             try:
                 timings = self.gpu.resume_restored(pid, gpu)
             except PitstopError:
-                proctree.kill_and_wait(pid)  # a copy without its GPU memory must never run
+                proctree.kill_tree(pid)  # a copy without its GPU memory must never run
                 if fill:
                     fill.kill()
                 for fd, _, _ in ours:
@@ -275,7 +293,7 @@ class DestinationSide:
         # its own cgroup where systemd runs the host, pumps included (agent/scope.py)
         scope.place(worker_id, pid, more=tuple(p.pid for p in pumps))
         if fill:  # the worker's memory depends on it: an agent restart must not take it down
-            scope.place(worker_id + "-fill", fill.pid)
+            scope.place(worker_id + "-fill", fill.pid, more=fill.pids[1:])
             lazy_fill.append(fill)  # type: ignore[union-attr]
         w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
                    restored=True, output_base=output_base or {}, net=net)
@@ -300,7 +318,7 @@ class DestinationSide:
                                 action="the move rolls back; check the source agent's data port, or move "
                                        "without PITSTOP_AGENT_REMOTE_POST_COPY") from None
         try:
-            return lazy_pages.start(directory, page_socket=sock)
+            return lazy_pages.start(directory, page_socket=sock, page_idle_timeout_s=self.s.lazy_page_idle_timeout_s)
         finally:
             sock.close()  # the daemon holds its own copy
 

@@ -50,6 +50,12 @@ class AgentSettings(BaseSettings):
     # Needs a plain data port: with TLS the images travel whole.
     remote_post_copy: bool = False
     lazy_fill_timeout_s: float = 600.0
+    # A source's page server silent this long while the destination waits on a page: the moved
+    # worker is stopped (transfer/page_relay.py) rather than left hanging or reading zeros.
+    lazy_page_idle_timeout_s: float = Field(default=60.0, gt=0)
+    # A capture of a worker whose post-copy fill has not ended yet waits this long for it (a dump
+    # before then would lose the pages not yet filled), then fails and leaves the worker running.
+    capture_fill_wait_s: float = Field(default=60.0, ge=0)
     # A tree's copy-on-write pages go once (transfer/dedup.py).  auto: where the stream is TLS,
     # whose per-byte cost makes that pay; on: also for plain links slower than about 2 GB/s per
     # stream (on this testbed's loopback it costs more CPU than it saves); off: never.

@@ -13,16 +13,23 @@ arrived and been verified before the source is released, so the commit point is 
 
 The risk, stated plainly: after the move commits, the restored worker depends on the
 daemon until the fill ends.  If the daemon dies, the kernel drops the userfaultfd and
-untouched pages would read as zeros.  `LazyFill.watch` therefore kills the worker the
-moment the daemon fails: a dead rank the job's own recovery sees, never a silently
-corrupted one.  Operators choose this mode (PITSTOP_AGENT_LAZY_RESTORE); the eager restore
-stays the default.
+untouched pages would read as zeros.  The agent therefore kills the worker the moment the
+daemon fails (agent/receiving.py, _watch_fill): a dead rank the job's own recovery sees.
+That is after the fact: a daemon that dies on its own leaves a few milliseconds in which the
+worker may read zeros.  Where the pages come from the source, the likelier failure (the
+source or the link going) is caught before the daemon sees it, by a relay that kills the
+worker first (transfer/page_relay.py).  Operators choose this mode
+(PITSTOP_AGENT_LAZY_RESTORE); the eager restore stays the default.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import select
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,38 +38,98 @@ from ..errors import RestoreFailed
 from . import criulog, runtime
 
 LOG = "lazy-pages.log"
+RELAY_END_S = 15.0  # how long the relay may take to report once the daemon has exited
 SOCKET = "lazy-pages.socket"  # CRIU's name for it, in the work directory (the images here)
 
 
 @dataclass
 class LazyFill:
-    """A running `criu lazy-pages` daemon serving one restore's memory."""
+    """A running `criu lazy-pages` daemon serving one restore's memory (and, when the pages come
+    from the source, the relay between them: transfer/page_relay.py)."""
 
     proc: subprocess.Popen[bytes]
     images: Path
+    relay: subprocess.Popen[bytes] | None = None
     started: float = field(default_factory=time.monotonic)
+    _relay_out: bytes = b""
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return (self.proc.pid,) + ((self.relay.pid,) if self.relay else ())
+
+    def guard(self, root_pid: int, timeout_s: float = 10.0) -> str | None:
+        """Hand the relay the restored tree to kill should the source stop serving; None, or why
+        the tree must not run (the source went while it was being restored: the relay killed it)."""
+        if self.relay is None:
+            return None
+        try:
+            assert self.relay.stdin is not None
+            self.relay.stdin.write(f"guard {root_pid}\n".encode())
+            self.relay.stdin.flush()
+        except OSError:
+            return "the page relay is gone (its exit status is in the agent log)"
+        line = self._relay_line(timeout_s)
+        if line == "ok":
+            return None
+        return line.removeprefix("failed ") if line else f"the page relay did not answer within {timeout_s:g} s"
+
+    def _relay_line(self, timeout_s: float) -> str | None:
+        assert self.relay is not None and self.relay.stdout is not None
+        fd = self.relay.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._relay_out:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return None
+            self._relay_out += chunk
+        line, self._relay_out = self._relay_out.split(b"\n", 1)
+        return line.decode(errors="replace").strip()
+
     def wait(self, timeout_s: float) -> tuple[bool, str]:
-        """Wait for every page to be in place; (ok, what went wrong in CRIU's own words)."""
+        """Wait for every page to be in place; (ok, what went wrong in CRIU's or the relay's words).
+
+        On a deadline nothing is killed here: the caller stops the worker first, then the daemon
+        (`kill`), so that no page is ever read as zero."""
         try:
             rc = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            self.kill()
             return False, f"the page fill did not finish within {timeout_s:.0f} s"
+        relayed = self._relay_result()
+        if relayed is not None and not relayed.get("ok"):
+            return False, str(relayed.get("reason"))  # the root cause; the daemon only saw its socket close
         if rc == 0:
             return True, ""
         lines = criulog.error_lines(self.images / LOG)
         how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
         return False, f"CRIU's lazy-pages daemon stopped with {how}" + (": " + " | ".join(lines) if lines else "")
 
+    def _relay_result(self) -> dict[str, object] | None:
+        if self.relay is None:
+            return None
+        line = self._relay_line(RELAY_END_S)
+        try:
+            self.relay.wait(RELAY_END_S)
+        except subprocess.TimeoutExpired:
+            self.relay.kill()
+            self.relay.wait(10)
+        try:
+            return json.loads(line) if line else None
+        except ValueError:
+            return None
+
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        """Stop the daemon (and relay).  The worker must already be stopped: see LazyFill.wait."""
+        for p in (self.proc, self.relay):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
 
     @property
     def seconds(self) -> float:
@@ -70,24 +137,45 @@ class LazyFill:
 
 
 def start(images: Path, *, ready_timeout_s: float = 10.0, rt: runtime.CriuRuntime | None = None,
-          page_socket: socket.socket | None = None) -> LazyFill:
+          page_socket: socket.socket | None = None, page_idle_timeout_s: float = 60.0) -> LazyFill:
     """Start the daemon for `images` and wait until it listens for the restore.
 
     page_socket: post-copy over the network (capture/postcopy.py): the lazy pages are not in
-    `images`; the daemon asks the source for them on this socket (CRIU's page-server protocol,
-    transfer/page_server.py).  The daemon gets its own copy; the caller closes theirs."""
+    `images`; they come from the source over this socket (CRIU's page-server protocol,
+    transfer/page_server.py).  The daemon does not get it: a relay process holds it and hands
+    the daemon one end of a socketpair (transfer/page_relay.py says why).  The relay gets its
+    own copy of the socket; the caller closes theirs."""
     rt = rt or runtime.locate()
     sock = images / SOCKET
     sock.unlink(missing_ok=True)
     argv = [rt.binary, "lazy-pages", "-D", str(images), "-W", str(images), "-o", LOG, "-v4"]
     fds: tuple[int, ...] = ()
+    relay = None
     if page_socket is not None:
-        fds = (page_socket.fileno(),)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            relay = subprocess.Popen(
+                [sys.executable, "-m", "pitstop.transfer.page_relay", "--upstream-fd", str(page_socket.fileno()),
+                 "--daemon-fd", str(ours.fileno()), "--idle-timeout", str(page_idle_timeout_s)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                pass_fds=(page_socket.fileno(), ours.fileno()), start_new_session=True)
+        finally:
+            ours.close()
+        fds = (theirs.fileno(),)
         argv += ["--page-server", "--ps-socket", str(fds[0])]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            pass_fds=fds,
-                            start_new_session=True)  # not in the agent's process group: its signals are not ours
-    fill = LazyFill(proc, images)
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, pass_fds=fds,
+                                start_new_session=True)  # not in the agent's process group: its signals are not ours
+    except OSError:
+        if relay is not None:
+            relay.kill()
+            relay.wait(10)
+        raise
+    finally:
+        if page_socket is not None:
+            theirs.close()
+    fill = LazyFill(proc, images, relay)
     deadline = time.monotonic() + ready_timeout_s
     while not sock.exists():
         if proc.poll() is not None or time.monotonic() > deadline:

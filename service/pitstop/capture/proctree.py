@@ -7,6 +7,7 @@ recycled pid can never be captured in its place.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -138,3 +139,41 @@ def kill_and_wait(root: int, timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def kill_tree(root: int, timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL root and every descendant, then wait until none runs; the pids killed.
+
+    Killing the root alone would leave its children (DataLoader workers) running a while on
+    their own; where that is wrong (memory about to read as zeros), every one goes at once."""
+    pids = tree(root) if exists(root) else []
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while any(exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return pids
+
+
+_UFFD_MISSING = re.compile(rb"^VmFlags:.*\bum\b", re.M)
+
+
+def filling(pids: list[int]) -> list[int]:
+    """The pids with memory still registered with a userfaultfd ("um" in smaps' VmFlags).
+
+    After a post-copy restore a lazy-pages daemon owns that memory until the fill ends; the
+    kernel clears the flag when the daemon lets go.  A dump taken before that would find the
+    unfilled pages absent and save them as nothing: the copy would read zeros.  The flag is
+    the kernel's own record, so it holds across an agent restart."""
+    out = []
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/smaps", "rb") as f:
+                if _UFFD_MISSING.search(f.read()):
+                    out.append(p)
+        except OSError:
+            continue
+    return out

@@ -64,11 +64,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 
 def serve(sock: socket.socket, split: LazySplit, *, idle_timeout_s: float,
-          stop_after: int | None = None, on_progress: Callable[[Served], None] | None = None) -> Served:
+          stop_after: int | None = None, stall_after: int | None = None,
+          on_progress: Callable[[Served], None] | None = None) -> Served:
     """Answer one daemon until it says it is done.  Raises ProtocolError, OSError or TimeoutError.
 
     idle_timeout_s bounds each wait for the next request (the daemon asks continuously while it
-    fills).  stop_after: a fault hook, drop the connection after that many pages."""
+    fills).  Fault hooks: stop_after, drop the connection after that many pages; stall_after,
+    stop answering then (a hung host) until the other side gives up."""
     sock.settimeout(idle_timeout_s)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -97,6 +99,10 @@ def serve(sock: socket.socket, split: LazySplit, *, idle_timeout_s: float,
             off, n = where
             if stop_after is not None and out.pages + n > stop_after:
                 raise ProtocolError(f"injected fault: page server stopped after {out.pages} pages")
+            if stall_after is not None and out.pages + n > stall_after:
+                while sock.recv(1 << 16):  # until the destination hangs up (or the idle timeout)
+                    pass
+                raise ProtocolError(f"injected fault: page server stalled after {out.pages} pages")
             fd = fds.get(dst)
             if fd is None:
                 fd = fds[dst] = os.open(task.pages_file, os.O_RDONLY)  # type: ignore[union-attr]
