@@ -124,18 +124,19 @@ def test_moving_again_while_the_fill_runs_waits_for_it_and_loses_no_page(cluster
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_capture_refuses_while_the_fill_outlasts_its_wait_and_the_worker_runs_on(cluster, tmp_path):
-    slow = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:after_reply=sleep:0.05"}
+    slow = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:after_reply=sleep:0.01"}
     a, b, out, kw, ranks = _job(cluster, tmp_path, 400, src_env=slow,
-                                dst_env={"PITSTOP_AGENT_CAPTURE_FILL_WAIT_S": "0.5"})
+                                dst_env={"PITSTOP_AGENT_CAPTURE_FILL_WAIT_S": "0.2"})
     move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     with pytest.raises(PitstopError, match="still being filled") as e:
         move_worker(b.client(), a.client(), "j.1", dest_name="a", peers=[(a.client(), "j.0")])
     assert "PITSTOP_AGENT_CAPTURE_FILL_WAIT_S" in e.value.action
     assert b.client().worker("j.1")["state"] == "running"
+    until(lambda: "memory filled" in b.log.read_text(errors="replace"), timeout=90)
     n = step_times(ranks[1].log)[-1][0]
-    wait_for_step(ranks[1].log, n + 3)  # it trains on
+    wait_for_step(ranks[1].log, n + 3)  # it trains on, its memory whole
     for r in ranks:
         r.proc.kill()
         r.proc.wait(30)

@@ -250,7 +250,7 @@ class SourceSide:
         dump_end = time.monotonic()
         gpu_phases = {"gpu_lock": suspended.lock_s, "gpu_checkpoint": suspended.checkpoint_s} if suspended else {}
         self.state.update_capture(cap, run_id=res.run_id, phases={
-            **gpu_phases, "before_dump": t_dump - t0,
+            **cap.phases, **gpu_phases, "before_dump": t_dump - t0,
             "freeze": res.stats.get("freezing_time", 0) / 1e6, "dump": res.seconds,
             "frozen": res.frozen_s, "memdump": res.memdump_s})
         self.state.update_worker(w, state="stopped")
