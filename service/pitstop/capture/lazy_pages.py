@@ -38,6 +38,7 @@ from ..errors import RestoreFailed
 from . import criulog, runtime
 
 LOG = "lazy-pages.log"
+RELAY_LOG = "page-relay.log"  # the relay's stderr: empty unless it crashed
 RELAY_END_S = 15.0  # how long the relay may take to report once the daemon has exited
 SOCKET = "lazy-pages.socket"  # CRIU's name for it, in the work directory (the images here)
 
@@ -106,6 +107,10 @@ class LazyFill:
             return False, str(relayed.get("reason"))  # the root cause; the daemon only saw its socket close
         if rc == 0:
             return True, ""
+        if self.relay is not None and relayed is None:  # the relay itself failed: say how
+            tail = _tail(self.images / RELAY_LOG)
+            if tail:
+                return False, f"the page relay failed: {tail}"
         lines = criulog.error_lines(self.images / LOG)
         how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
         return False, f"CRIU's lazy-pages daemon stopped with {how}" + (": " + " | ".join(lines) if lines else "")
@@ -154,11 +159,12 @@ def start(images: Path, *, ready_timeout_s: float = 10.0, rt: runtime.CriuRuntim
     if page_socket is not None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            relay = subprocess.Popen(
-                [sys.executable, "-m", "pitstop.transfer.page_relay", "--upstream-fd", str(page_socket.fileno()),
-                 "--daemon-fd", str(ours.fileno()), "--idle-timeout", str(page_idle_timeout_s)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                pass_fds=(page_socket.fileno(), ours.fileno()), start_new_session=True)
+            with open(images / RELAY_LOG, "wb") as err:
+                relay = subprocess.Popen(
+                    [sys.executable, "-m", "pitstop.transfer.page_relay", "--upstream-fd", str(page_socket.fileno()),
+                     "--daemon-fd", str(ours.fileno()), "--idle-timeout", str(page_idle_timeout_s)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                    pass_fds=(page_socket.fileno(), ours.fileno()), start_new_session=True)
         finally:
             ours.close()
         fds = (theirs.fileno(),)
@@ -189,6 +195,14 @@ def start(images: Path, *, ready_timeout_s: float = 10.0, rt: runtime.CriuRuntim
                 details={"criu_errors": lines, "log": str(images / LOG)})
         time.sleep(0.005)
     return fill
+
+
+def _tail(path: Path, limit: int = 400) -> str:
+    try:
+        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return " | ".join(lines[-3:])[-limit:]
 
 
 def supported(rt: runtime.CriuRuntime | None = None) -> tuple[bool, str]:
