@@ -54,6 +54,9 @@ class _Store:
             h["cap_bnd"] = self.dst_bnd
         return h
 
+    def hosts(self) -> list[dict]:
+        return [self.host("src"), self.host("dst")]
+
     def workers(self, host: str | None = None, job: str | None = None) -> list[dict]:
         return [{"id": "j.0", "job": "j", "rank": 0, "host": "src", "state": "running", "caps": self.need}]
 
@@ -66,6 +69,10 @@ def test_the_planner_refuses_a_destination_that_cannot_grant_a_workers_capabilit
     assert planner.plan(_Store(f"{UNIT_SET:x}", f"{UNIT_SET:x}"), "src", "dst", {}, 5.0).dest["name"] == "dst"
     assert planner.plan(_Store(f"{UNIT_SET:x}", None), "src", "dst", {}, 5.0)  # nothing held, nothing needed
     assert planner.plan(_Store(None, f"{UNIT_SET | 1 << 16:x}"), "src", "dst", {}, 5.0)  # an agent not saying
+    with pytest.raises(FailedPrecondition) as e:  # the same, when pitstop picks the spare: the remedy is said too
+        planner.plan(_Store(f"{UNIT_SET:x}", f"{UNIT_SET | 1 << 16:x}"), "src", None, {}, 5.0)
+    assert "dst: its agent cannot grant cap_sys_module" in e.value.message
+    assert "CapabilityBoundingSet" in e.value.action
 
 
 def _hanging_criu(tmp_path: Path) -> runtime.CriuRuntime:

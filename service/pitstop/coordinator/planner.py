@@ -24,24 +24,35 @@ class Plan:
     jobs: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Unfit:
+    """Why a host cannot take the leaving workers, and what, beyond picking another, would fix it."""
+
+    reason: str
+    remedy: str = ""
+
+    def __str__(self) -> str:
+        return self.reason
+
+
 def healthy(h: dict[str, Any], timeout_s: float) -> bool:
     return time.time() - h["last_seen"] <= timeout_s
 
 
-def gpu_mismatch(src: dict[str, Any], dst: dict[str, Any], leaving: list[dict[str, Any]]) -> str | None:
+def gpu_mismatch(src: dict[str, Any], dst: dict[str, Any], leaving: list[dict[str, Any]]) -> Unfit | None:
     """Why dst cannot host src's workers, GPU-wise; None when it can."""
     sm, sn = src.get("gpu_model"), int(src.get("gpu_count") or 0)
     dm, dn = dst.get("gpu_model"), int(dst.get("gpu_count") or 0)
     if not sn:
         return None  # CPU-only workers go anywhere
     if dm != sm:
-        return f"GPU model {dm or 'none'} differs from {src['name']}'s {sm}"
+        return Unfit(f"GPU model {dm or 'none'} differs from {src['name']}'s {sm}")
     if dn < sn:
-        return f"{dn} GPUs, {src['name']} has {sn}"
+        return Unfit(f"{dn} GPUs, {src['name']} has {sn}")
     return None
 
 
-def caps_mismatch(dst: dict[str, Any], leaving: list[dict[str, Any]]) -> str | None:
+def caps_mismatch(dst: dict[str, Any], leaving: list[dict[str, Any]]) -> Unfit | None:
     """Why dst's agent could not give the leaving workers their capabilities back (capture/caps.py)."""
     if not dst.get("cap_bnd"):
         return None  # an agent that does not report its set: CRIU's own error, if any, will say
@@ -49,8 +60,10 @@ def caps_mismatch(dst: dict[str, Any], leaving: list[dict[str, Any]]) -> str | N
     for w in leaving:
         lack = caps.missing(int(w.get("caps") or "0", 16), have)
         if lack:
-            return (f"its agent cannot grant {', '.join(lack)}, which worker {w['id']} holds "
-                    "(the agent unit's CapabilityBoundingSet)")
+            return Unfit(f"its agent cannot grant {', '.join(lack)}, which worker {w['id']} holds "
+                         "(the agent unit's CapabilityBoundingSet)",
+                         remedy="widen that agent's CapabilityBoundingSet (systemd/pitstop-agent.service), "
+                                "or launch the job without those capabilities")
     return None
 
 
@@ -78,11 +91,9 @@ def plan(store: Store, node: str, to: str | None, busy_hosts: dict[str, str], he
         if why:
             raise FailedPrecondition(f"cannot move {node}'s workers to {to}: {why}", code="no_compatible_spare",
                                      action="pick another host, or omit 'to' to let pitstop choose a spare"
-                                            + ("; or widen that agent's CapabilityBoundingSet (systemd/pitstop-agent"
-                                               ".service), or launch the job without those capabilities"
-                                               if "cannot grant" in why else ""))
+                                            + (f"; or {why.remedy}" if why.remedy else ""))
         return Plan(src, dst, leaving, peers, jobs)
-    reasons = []
+    reasons, remedies = [], []
     for h in store.hosts():
         if h["name"] == node:
             continue
@@ -92,19 +103,22 @@ def plan(store: Store, node: str, to: str | None, busy_hosts: dict[str, str], he
         if why is None:
             return Plan(src, h, leaving, peers, jobs)
         reasons.append(f"{h['name']}: {why}")
+        if why.remedy and why.remedy not in remedies:
+            remedies.append(why.remedy)
     raise FailedPrecondition(
         f"no compatible spare for {node}" + (f" ({'; '.join(reasons)})" if reasons else ": no host is a spare"),
         code="no_compatible_spare",
-        action="start an agent with --spare on a host matching this one, or name a host with 'to'",
+        action="start an agent with --spare on a host matching this one, or name a host with 'to'"
+               + "".join(f"; or {r}" for r in remedies),
         details={"candidates": reasons})
 
 
 def _unusable(h: dict[str, Any], src: dict[str, Any], leaving: list[dict[str, Any]], busy: dict[str, str],
-              timeout_s: float) -> str | None:
+              timeout_s: float) -> Unfit | None:
     if not healthy(h, timeout_s):
-        return f"no heartbeat for {h['age_s']:.0f} s"
+        return Unfit(f"no heartbeat for {h['age_s']:.0f} s")
     if h["name"] in busy:
-        return f"busy with operation {busy[h['name']]}"
+        return Unfit(f"busy with operation {busy[h['name']]}")
     if h.get("health", {}).get("degraded"):
-        return "degraded: " + ", ".join(h["health"].get("reasons", []))
+        return Unfit("degraded: " + ", ".join(h["health"].get("reasons", [])))
     return gpu_mismatch(src, h, leaving) or caps_mismatch(h, leaving)
