@@ -150,23 +150,21 @@ class DestinationSide:
         faults.hit("restore:before_criu")
         wk = m.worker
         gpu_phases: dict[str, float] = {}
-        fills: list[lazy_pages.LazyFill] = []
         s.idle.clear()
         try:
-            w = self.restore_dir(s.directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
-                                 stdio=[p.model_dump() for p in m.stdio], replace=True,
-                                 output_base=m.output_base, gpu=m.gpu, phases=gpu_phases, net=m.net,
-                                 keep_peers=m.keep_peers,
-                                 lazy_fill=fills if self.s.lazy_restore or m.pages_from else None,
-                                 abort=s.abort, pages_from=m.pages_from)
+            w, fill = self._restore(s.directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
+                                    stdio=[p.model_dump() for p in m.stdio], replace=True,
+                                    output_base=m.output_base, gpu=m.gpu, phases=gpu_phases, net=m.net,
+                                    keep_peers=m.keep_peers, lazy=bool(self.s.lazy_restore or m.pages_from),
+                                    abort=s.abort, pages_from=m.pages_from)
         finally:
             s.idle.set()
         phases = {"verify": t1 - t0, "restore": time.monotonic() - t1, **gpu_phases}
-        if fills and faults.value("restore:kill_fill"):
-            fills[0].proc.kill()
-        if fills:  # the images serve the fill: they go when it ends (_watch_fill)
+        if fill and faults.value("restore:kill_fill"):
+            fill.proc.kill()
+        if fill:  # the images serve the fill: they go when it ends (_watch_fill)
             s.state = "filling"
-            threading.Thread(target=self._watch_fill, args=(w, fills[0], image_id), daemon=True,
+            threading.Thread(target=self._watch_fill, args=(w, fill, image_id), daemon=True,
                              name=f"fill-{w.id}").start()
         else:
             self.discard(image_id)
@@ -204,16 +202,23 @@ class DestinationSide:
     def restore_dir(self, directory: Path, *, worker_id: str, job: str, rank: int,
                     stdio: list[dict[str, Any]], replace: bool = False,
                     output_base: dict[str, int] | None = None, gpu: dict[str, Any] | None = None,
-                    phases: dict[str, float] | None = None, net: dict[str, str] | None = None,
-                    keep_peers: list[str] | None = None,
-                    lazy_fill: list[lazy_pages.LazyFill] | None = None,
-                    abort: threading.Event | None = None, pages_from: dict[str, Any] | None = None) -> Worker:
+                    net: dict[str, str] | None = None) -> Worker:
+        """Restore whole images in `directory` (a rollback on the source); register the worker."""
+        return self._restore(directory, worker_id=worker_id, job=job, rank=rank, stdio=stdio, replace=replace,
+                             output_base=output_base, gpu=gpu, net=net)[0]
+
+    def _restore(self, directory: Path, *, worker_id: str, job: str, rank: int,
+                 stdio: list[dict[str, Any]], replace: bool = False,
+                 output_base: dict[str, int] | None = None, gpu: dict[str, Any] | None = None,
+                 phases: dict[str, float] | None = None, net: dict[str, str] | None = None,
+                 keep_peers: list[str] | None = None, lazy: bool = False,
+                 abort: threading.Event | None = None,
+                 pages_from: dict[str, Any] | None = None) -> tuple[Worker, lazy_pages.LazyFill | None]:
         """Restore images in `directory`; register the result as a worker of this agent.
 
-        lazy_fill: restore post-copy, memory filled by a lazy-pages daemon after the worker
-        runs again; the running daemon is appended to the list for the caller to watch.
-        pages_from: the lazy pages are on the source (post-copy over the network): the daemon
-        fetches them from there.
+        lazy: restore post-copy, memory filled by a lazy-pages daemon after the worker runs
+        again; the running daemon is returned for the caller to watch.  pages_from: the lazy
+        pages are on the source (post-copy over the network): the daemon fetches them there.
         """
         with self.state.lock:
             old = self.state.workers.get(worker_id)
@@ -243,7 +248,7 @@ class DestinationSide:
                     workerns.create(wn, self.s.worker_link, locked=True, nft=nft)
                     created = True
                 net_fd = os.open(wn.path, os.O_RDONLY)
-            fill = self._start_fill(directory, pages_from) if lazy_fill is not None else None
+            fill = self._start_fill(directory, pages_from) if lazy else None
             try:
                 pid, _secs = criu_ops.restore(directory, inherit, net_fd=net_fd, lazy=fill is not None,
                                               timeout_s=self.s.restore_timeout_s, abort=abort)
@@ -294,7 +299,6 @@ class DestinationSide:
         scope.place(worker_id, pid, more=tuple(p.pid for p in pumps))
         if fill:  # the worker's memory depends on it: an agent restart must not take it down
             scope.place(worker_id + "-fill", fill.pid, more=fill.pids[1:])
-            lazy_fill.append(fill)  # type: ignore[union-attr]
         w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
                    restored=True, output_base=output_base or {}, net=net)
         with self.state.lock:
@@ -302,7 +306,7 @@ class DestinationSide:
             self.state.save()
         threading.Thread(target=self._reap, args=(w, pumps), daemon=True, name=f"reap-{worker_id}").start()
         log.info("restored", worker=worker_id, pid=pid)
-        return w
+        return w, fill
 
     def _start_fill(self, directory: Path, pages_from: dict[str, Any] | None) -> lazy_pages.LazyFill:
         if not pages_from:
