@@ -138,10 +138,7 @@ class OpRun:
 
     def each(self, fn: Callable[[str], Any]) -> None:
         """Run fn for every leaving worker in parallel; raise the first failure."""
-        ws = list(self.md["workers"])
-        with ThreadPoolExecutor(max_workers=max(1, len(ws))) as ex:
-            for f in [ex.submit(fn, w) for w in ws]:
-                f.result()
+        _in_parallel(fn, list(self.md["workers"]))
 
     # -- the forward path ---------------------------------------------------------------------
     def run(self) -> None:
@@ -181,11 +178,14 @@ class OpRun:
                            f"{len(cut.workers)} worker(s) parked at a consistent cut after {res.rounds} round(s); "
                            "NCCL communicators destroyed")
         else:
-            for wid, host in self.md["peers"].items():
-                self.agent(host).pause(wid)
-                with self.lock:
-                    self.md["paused"].append(wid)
-                    self.save()
+            # In parallel: one round trip, not one per peer (0.15 s of the pause at 8 ranks, on 2
+            # cores, when they went one by one).  Resuming is idempotent and resumes every peer,
+            # so a restart between here and the save below leaves nothing stopped.
+            peers = list(self.md["peers"].items())
+            _in_parallel(lambda p: self.agent(p[1]).pause(p[0]), peers)
+            with self.lock:
+                self.md["paused"].extend(wid for wid, _ in peers)
+                self.save()
             self.leave("pause")
             self.condition("Quiesced", True, "PeersPaused", f"{len(self.md['paused'])} peer(s) paused (SIGSTOP)")
         self.check()
@@ -345,13 +345,15 @@ class OpRun:
                                              "lock may need cleaning up")))
 
     def _resume_peers(self) -> list[str]:
-        problems = []
-        for wid in list(self.md["peers"]):
+        """Resume every peer, all at once; what went wrong for which, not the first failure only."""
+        def resume(item: tuple[str, str]) -> str | None:
             try:
-                self.agent(self.md["peers"][wid]).resume(wid)
+                self.agent(item[1]).resume(item[0])
             except PitstopError as e:
-                problems.append(f"{wid}: {e.message}")
-        return problems
+                return f"{item[0]}: {e.message}"
+            return None
+
+        return [p for p in _in_parallel(resume, list(self.md["peers"].items())) if p]
 
     # -- the way back -------------------------------------------------------------------------
     def rollback(self, err: PitstopError) -> None:
@@ -427,6 +429,16 @@ class OpRun:
 _GRPC = {"invalid_request": (3, "INVALID_ARGUMENT"), "not_found": (5, "NOT_FOUND"), "conflict": (10, "ABORTED"),
          "cancelled": (1, "CANCELLED"), "deadline_exceeded": (4, "DEADLINE_EXCEEDED"),
          "unavailable": (14, "UNAVAILABLE"), "image_integrity": (15, "DATA_LOSS")}
+
+
+def _in_parallel(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """fn over items at once (each a network call with its own timeout); results in order,
+    the first exception raised once all have ended."""
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(len(items), 32)) as ex:
+        futures = [ex.submit(fn, x) for x in items]
+        return [f.result() for f in futures]
 
 
 def _op_error(e: PitstopError) -> dict[str, Any]:
