@@ -50,6 +50,11 @@ class Rig:
         self.t = threading.Thread(target=lambda: self.result.update(self.relay.run()), daemon=True)
         self.t.start()
 
+    def ask(self, nr: int) -> bytes:
+        """The daemon asks for nr pages; the request as the source receives it."""
+        self.daemon.sendall(_get(nr))
+        return _recv_all(self.source, PSI.size)
+
     def guard(self, pid: int) -> str:
         os.write(self.ctl_w, f"guard {pid}\n".encode())
         return self.out.readline().strip()
@@ -62,6 +67,19 @@ class Rig:
         os.close(self.ctl_r)
         self.relay.ctl_out.close()
         self.out.close()
+
+
+@pytest.fixture
+def make_rig():
+    rigs: list[Rig] = []
+
+    def make(**kw: float) -> Rig:
+        rigs.append(Rig(**kw))
+        return rigs[-1]
+
+    yield make
+    for r in rigs:
+        r.close()
 
 
 @pytest.fixture
@@ -110,76 +128,60 @@ def test_frames_refuse_what_no_request_asked_for():
         _Frames().from_daemon(PSI.pack(0x99, 0, 0, 0))
 
 
-def test_clean_fill_passes_pages_through_and_kills_nothing(victim):
+def test_clean_fill_passes_pages_through_and_kills_nothing(victim, make_rig):
     p, child = victim
-    rig = Rig()
-    try:
-        assert rig.guard(p.pid) == "ok"
-        rig.daemon.sendall(_get(2))
-        assert _recv_all(rig.source, PSI.size) == _get(2)
-        rig.source.sendall(_reply(2))
-        assert _recv_all(rig.daemon, PSI.size + 2 * PAGE) == _reply(2)
-        rig.daemon.sendall(PSI.pack(PS_IOV_FORCE_CLOSE, 0, 0, 0))
-        _recv_all(rig.source, PSI.size)
-        rig.source.sendall(b"\0\0\0\0")
-        rig.source.shutdown(socket.SHUT_WR)
-        assert _recv_all(rig.daemon, 4) == b"\0\0\0\0"
-        rig.t.join(10)
-        assert rig.result["ok"] and rig.result["pages"] == 2 and rig.result["killed"] == []
-        assert proctree.exists(p.pid) and proctree.exists(child)
-    finally:
-        rig.close()
+    rig = make_rig()
+    assert rig.guard(p.pid) == "ok"
+    assert rig.ask(2) == _get(2)
+    rig.source.sendall(_reply(2))
+    assert _recv_all(rig.daemon, PSI.size + 2 * PAGE) == _reply(2)
+    rig.daemon.sendall(PSI.pack(PS_IOV_FORCE_CLOSE, 0, 0, 0))
+    _recv_all(rig.source, PSI.size)
+    rig.source.sendall(b"\0\0\0\0")
+    rig.source.shutdown(socket.SHUT_WR)
+    assert _recv_all(rig.daemon, 4) == b"\0\0\0\0"
+    rig.t.join(10)
+    assert rig.result["ok"] and rig.result["pages"] == 2 and rig.result["killed"] == []
+    assert proctree.exists(p.pid) and proctree.exists(child)
 
 
-def test_source_hangup_kills_the_tree_before_the_daemon_sees_it(victim):
+def test_source_hangup_kills_the_tree_before_the_daemon_sees_it(victim, make_rig):
     p, child = victim
-    rig = Rig()
-    try:
-        assert rig.guard(p.pid) == "ok"
-        rig.daemon.sendall(_get(4))
-        _recv_all(rig.source, PSI.size)
-        rig.source.sendall(_reply(4)[:PSI.size + PAGE])  # one page of four, then the host is gone
-        rig.source.close()
-        _recv_all(rig.daemon, PSI.size + PAGE)
-        assert rig.daemon.recv(1) == b""  # the daemon's side closes ...
-        assert not proctree.exists(p.pid) and not proctree.exists(child)  # ... after the whole tree went
-        rig.t.join(10)
-        assert not rig.result["ok"] and "hung up after 4 pages" in rig.result["reason"]
-        assert sorted(rig.result["killed"]) == sorted([p.pid, child])
-    finally:
-        rig.close()
+    rig = make_rig()
+    assert rig.guard(p.pid) == "ok"
+    rig.ask(4)
+    rig.source.sendall(_reply(4)[:PSI.size + PAGE])  # one page of four, then the host is gone
+    rig.source.close()
+    _recv_all(rig.daemon, PSI.size + PAGE)
+    assert rig.daemon.recv(1) == b""  # the daemon's side closes ...
+    assert not proctree.exists(p.pid) and not proctree.exists(child)  # ... after the whole tree went
+    rig.t.join(10)
+    assert not rig.result["ok"] and "hung up after 4 pages" in rig.result["reason"]
+    assert sorted(rig.result["killed"]) == sorted([p.pid, child])
 
 
-def test_source_gone_during_the_restore_refuses_the_tree_it_is_then_given(victim):
+def test_source_gone_during_the_restore_refuses_the_tree_it_is_then_given(victim, make_rig):
     p, child = victim
-    rig = Rig()
-    try:
-        rig.daemon.sendall(_get(1))
-        _recv_all(rig.source, PSI.size)
-        rig.source.close()
-        until(lambda: rig.relay.failure, timeout=10)
-        assert not select.select([rig.daemon], [], [], 0.3)[0]  # held open while the restore runs
-        answer = rig.guard(p.pid)  # the restore returns: its tree must not run
-        assert answer.startswith("failed the source's page server hung up"), answer
-        assert not proctree.exists(p.pid) and not proctree.exists(child)
-        assert rig.daemon.recv(1) == b""
-    finally:
-        rig.close()
+    rig = make_rig()
+    rig.ask(1)
+    rig.source.close()
+    until(lambda: rig.relay.failure, timeout=10)
+    assert not select.select([rig.daemon], [], [], 0.3)[0]  # held open while the restore runs
+    answer = rig.guard(p.pid)  # the restore returns: its tree must not run
+    assert answer.startswith("failed the source's page server hung up"), answer
+    assert not proctree.exists(p.pid) and not proctree.exists(child)
+    assert rig.daemon.recv(1) == b""
 
 
-def test_silent_source_is_given_up_at_the_idle_deadline(victim):
+def test_silent_source_is_given_up_at_the_idle_deadline(victim, make_rig):
     p, child = victim
-    rig = Rig(idle_timeout_s=0.5)
-    try:
-        assert rig.guard(p.pid) == "ok"
-        rig.daemon.sendall(_get(1))
-        _recv_all(rig.source, PSI.size)  # ... and never answers
-        assert rig.daemon.recv(1) == b""
-        assert not proctree.exists(p.pid)
-        rig.t.join(10)
-        assert "sent nothing for 0.5 s while a request was outstanding" in rig.result["reason"]
-    finally:
-        rig.close()
+    rig = make_rig(idle_timeout_s=0.5)
+    assert rig.guard(p.pid) == "ok"
+    rig.ask(1)  # ... and the source never answers
+    assert rig.daemon.recv(1) == b""
+    assert not proctree.exists(p.pid)
+    rig.t.join(10)
+    assert "sent nothing for 0.5 s while a request was outstanding" in rig.result["reason"]
 
 
 def test_relay_process_reports_its_end_as_one_json_line(tmp_path):
