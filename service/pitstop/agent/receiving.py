@@ -359,12 +359,26 @@ class DestinationSide:
         busy = _dirs_in_use(self.s.images)
         gone = []
         for d in self.s.images.glob("in-*"):
-            if d.is_dir() and d not in busy:
-                shutil.rmtree(d, ignore_errors=True)
-                gone.append(d.name)
+            if not d.is_dir():
+                continue
+            if d in busy:  # a fill that outlived the previous agent: its images go when it ends
+                threading.Thread(target=self._remove_when_unused, args=(d,), daemon=True,
+                                 name=f"fill-images-{d.name}").start()
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d.name)
         if gone:
             log.info("removed images of moves that died with the previous agent", slots=gone)
         return gone
+
+    def _remove_when_unused(self, d: Path, every_s: float = 2.0) -> None:
+        """Nobody watches a fill the previous agent started: its daemon (and page relay) end on
+        their own, the relay stopping the worker if the source fails; then the images go."""
+        log.info("a lazy fill outlived the previous agent; its images go when it ends", slot=d.name)
+        while d.exists() and d in _dirs_in_use(self.s.images):
+            time.sleep(every_s)
+        shutil.rmtree(d, ignore_errors=True)
+        log.info("removed the images of a fill that outlived the previous agent", slot=d.name)
 
     def adopt(self) -> None:
         """After this agent restarted: watch the workers an earlier run of it restored.
