@@ -185,10 +185,11 @@ class SourceSide:
                     action="retry when the fill has ended (the destination agent logs 'memory filled'), "
                            "or raise PITSTOP_AGENT_CAPTURE_FILL_WAIT_S")
             time.sleep(0.02)
-        if time.monotonic() - t0 > 0.001:
+        waited = time.monotonic() - t0
+        if waited > 0.001:
             log.info("waited for the worker's post-copy fill before dumping it", capture=cap.id, worker=w.id,
-                     seconds=round(time.monotonic() - t0, 3))
-            self.state.update_capture(cap, phases={**cap.phases, "wait_fill": time.monotonic() - t0})
+                     seconds=round(waited, 3))
+            self.state.update_capture(cap, phases={**cap.phases, "wait_fill": waited})
 
     def _run(self, cap: Capture, w: Worker) -> None:
         try:

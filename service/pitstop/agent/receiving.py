@@ -187,7 +187,7 @@ class DestinationSide:
         if live:
             proctree.kill_tree(w.root_pid)
         fill.kill()
-        if live or w.state in LIVE_STATES or (w.state == "exited" and w.exit_code != 0):
+        if w.state in LIVE_STATES or (w.state == "exited" and w.exit_code != 0):
             code = "" if w.exit_code is None else f", exit code {w.exit_code}"
             ended = "" if live or w.state != "exited" else f" (it had already ended{code})"
             self.state.update_worker(w, state="lost",

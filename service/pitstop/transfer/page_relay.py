@@ -52,8 +52,7 @@ class _Frames:
     requests: bytearray = field(default_factory=bytearray)  # a partial request from the daemon
     expect: deque[str] = field(default_factory=deque)        # replies owed: "pages" or "close"
     header: bytearray = field(default_factory=bytearray)     # a partial reply header
-    payload_left: int = 0                                     # page bytes still to come for a reply
-    close_left: int = 0
+    body_left: int = 0                                        # bytes still to come of the reply under way
     closed: bool = False                                      # the close reply has arrived whole
     pages: int = 0
 
@@ -73,25 +72,17 @@ class _Frames:
     def from_source(self, data: memoryview) -> None:
         i = 0
         while i < len(data):
-            if self.payload_left:
-                k = min(self.payload_left, len(data) - i)
-                self.payload_left -= k
+            if self.body_left:  # the pages of a reply, or the status of a close
+                k = min(self.body_left, len(data) - i)
+                self.body_left -= k
                 i += k
-                if not self.payload_left:
-                    self.expect.popleft()
-                continue
-            if self.close_left:
-                k = min(self.close_left, len(data) - i)
-                self.close_left -= k
-                i += k
-                if not self.close_left:
-                    self.expect.popleft()
-                    self.closed = True
+                if not self.body_left:
+                    self._reply_done()
                 continue
             if not self.expect:
                 raise ValueError("the source sent bytes no request asked for")
             if self.expect[0] == "close":
-                self.close_left = CLOSE_REPLY
+                self.body_left = CLOSE_REPLY
                 continue
             k = min(PSI.size - len(self.header), len(data) - i)
             self.header += data[i:i + k]
@@ -100,9 +91,12 @@ class _Frames:
                 _cmd, nr, _vaddr, _dst = PSI.unpack(self.header)
                 self.header.clear()
                 self.pages += nr
-                self.payload_left = nr * PAGE
-                if not self.payload_left:
-                    self.expect.popleft()
+                self.body_left = nr * PAGE
+                if not self.body_left:
+                    self._reply_done()
+
+    def _reply_done(self) -> None:
+        self.closed = self.expect.popleft() == "close" or self.closed
 
     @property
     def outstanding(self) -> bool:
