@@ -97,10 +97,12 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
                                                c.agents["spare-1"].log.read_text(errors="replace"))]
         dump = max((cp.get("dump", 0.0) for cp in caps), default=0.0)
         phases = dict(md["phases"])
+        after = phases.pop("fill", None)  # after the resume: not part of the downtime the bars show
         return {"method": label, "world": world, "leaving_ranks": leaving, "state_mb": state_mb,
                 "downtime_s": md["downtime_s"], "job_pause_s": round(pause, 4), "median_step_s": round(normal, 4),
                 "bytes": md["bytes_total"] + later, "bytes_before_resume": md["bytes_total"],
                 "bytes_after_resume": later, "fill_s": max(fills, default=None),
+                "node_free_after_resume_s": md.get("fill_s") if after is not None else 0.0,
                 "phases": phases, "dump_s": round(dump, 4),
                 "capture_phases": caps, "prewarm_s": round(warm_s, 2), "final": _final_hashes(out, world),
                 "first_divergent_step": diverged, "moved_after_step": moved_after_step(ranks[0].log, t0)}

@@ -207,3 +207,50 @@ def test_relay_process_reports_its_end_as_one_json_line(tmp_path):
             r.kill()
             r.wait(10)
         daemon.close()
+
+
+def test_the_relay_process_leaves_its_verdict_for_an_agent_that_restarted(tmp_path):
+    """The agent that started the relay may be gone when the fill ends (its pipe with it): the
+    verdict is also written where the restarted agent looks (lazy_pages.ended_unwatched)."""
+    from pitstop.capture import lazy_pages
+
+    source, up = socket.socketpair()
+    daemon, dn = socket.socketpair()
+    result = tmp_path / lazy_pages.RELAY_RESULT
+    p = subprocess.Popen([sys.executable, "-m", "pitstop.transfer.page_relay", "--upstream-fd", str(up.fileno()),
+                          "--daemon-fd", str(dn.fileno()), "--result-file", str(result)],
+                         pass_fds=(up.fileno(), dn.fileno()), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        up.close()
+        dn.close()
+        p.stdin.close()  # as when the agent died: nobody on the control pipe
+        daemon.sendall(_get(2))
+        _recv_all(source, PSI.size)
+        source.close()  # the source goes with a request outstanding
+        assert p.wait(20) == 1
+        verdict = json.loads(result.read_text())
+        assert verdict["ok"] is False and "hung up" in verdict["reason"], verdict
+        ok, why = lazy_pages.ended_unwatched(tmp_path, worker_alive=False)
+        assert ok is False and "hung up" in why
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        daemon.close()
+
+
+@pytest.mark.parametrize("relay,daemon_log,alive,expect", [
+    ({"ok": True}, "", False, True),             # the relay saw the daemon's close: filled, whatever came after
+    (None, "", True, True),                     # a local fill, no error logged, the worker runs on
+    (None, "(00.5) Error (criu/uffd.c:1): uffd: bad\n", True, False),  # the daemon said it failed
+    (None, "", False, None),                    # nothing on record and the worker is gone
+], ids=["relay ok", "local, worker alive", "daemon error", "nothing known"])
+def test_an_unwatched_fill_is_judged_by_what_it_left(tmp_path, relay, daemon_log, alive, expect):
+    from pitstop.capture import lazy_pages
+
+    if relay is not None:
+        (tmp_path / lazy_pages.RELAY_RESULT).write_text(json.dumps(relay))
+    (tmp_path / lazy_pages.LOG).write_text(daemon_log)
+    ok, why = lazy_pages.ended_unwatched(tmp_path, worker_alive=alive)
+    assert ok is expect, why
+    assert bool(why) == (ok is not True)

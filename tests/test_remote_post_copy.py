@@ -126,6 +126,8 @@ def test_fill_outlives_a_destination_agent_restart_and_its_images_go_after(clust
     assert [d.name for d in b.image_dir.glob("in-*")], "a running fill's images were removed"
     until(lambda: not proctree.filling(proctree.tree(first.restored_pid)), timeout=180, what="the fill to end")
     until(lambda: not any(b.image_dir.iterdir()), what="the fill's images removed by the restarted agent")
+    fill = b.client().worker("j.1")["fill"]  # the restarted agent learnt how the fill ended
+    assert fill["state"] == "filled" and fill["source"] == a.url, fill
     codes = [r.proc.wait(120) for r in ranks]
     assert codes[0] == 0, ranks[0].log.read_text()[-1500:]
     # After an agent restart a restored worker's exit status cannot be collected (README): its
@@ -362,34 +364,158 @@ def test_page_server_refuses_what_the_dump_does_not_hold(dumped, tmp_path, reque
         t.join(10)
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(300)
-def test_evacuating_a_host_with_two_ranks_through_the_coordinator(cluster, tmp_path):
-    """Two ranks of one job, one working directory: their dumps overlap (procwindow.py), each
-    serves its own lazy pages, and the operation says what follows after the resume."""
+def _coordinated(cluster, tmp_path, ranks_on_b: int, steps: int, b_env: dict | None = None,
+                 coordinator_env: dict | None = None):  # noqa: ANN202
+    """host-a runs rank 0; host-b the rest; spare-1 waits.  host-b's agent has post-copy off
+    by default: the evacuation asks for it."""
     from pitstop.coordinator.client import CoordinatorClient
 
-    cluster.start_coordinator()
+    cluster.start_coordinator(env=coordinator_env)
     cluster.start_agent("host-a")
-    cluster.start_agent("host-b", env=REMOTE)
+    cluster.start_agent("host-b", env=b_env)
     cluster.start_agent("spare-1", spare=True)
     cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
     out = tmp_path / "out"
-    kw = dict(steps=100, state_mb=64)
-    ranks = cluster.start_job("j", ddp_cmd(out, **kw), 4, {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"})
+    kw = dict(steps=steps, state_mb=64)
+    n = 1 + ranks_on_b
+    ranks = cluster.start_job("j", ddp_cmd(out, **kw), n, {r: "host-a" if r == 0 else "host-b" for r in range(n)})
     for r in ranks:
         wait_for_step(r.log, 8)
-    op = cc.evacuate("host-b")
-    until(lambda: cc.op(op["name"])["done"], timeout=240)
-    op = cc.op(op["name"])
+    return cc, out, kw, ranks
+
+
+def _follow(cc, name: str, timeout: float = 240):  # noqa: ANN202
+    """The operation to its end, and every (phase, host-b's role) pair seen on the way."""
+    seen = set()
+    def done() -> bool:
+        o = cc.op(name)
+        seen.add((o["metadata"]["phase"], next(h["role"] for h in cc.hosts() if h["name"] == "host-b")))
+        return o["done"]
+    until(done, timeout=timeout, every=0.05)
+    return cc.op(name), seen
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_evacuation_asking_for_post_copy_stays_open_until_the_node_may_leave(cluster, tmp_path):
+    """Two ranks of one job, one working directory: their dumps overlap (procwindow.py), each
+    serves its own lazy pages.  The source agent's default is whole images; the request asks
+    for post-copy.  The operation is done only once every fill has ended: an operator who
+    powers the node off then must not take a rank with it."""
+    slow = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:after_reply=sleep:0.002"}
+    cc, out, kw, ranks = _coordinated(cluster, tmp_path, 2, 100, b_env=slow)
+    op, seen = _follow(cc, cc.evacuate("host-b", post_copy=True)["name"])
     md = op["metadata"]
     assert md["result"] == "succeeded", op
+    assert md["post_copy"] is True
     assert md["bytes_after_resume"] > 2 * (64 << 20) > md["bytes_total"], md
     transferred = next(c for c in md["conditions"] if c["type"] == "Transferred")
     assert "follow after the resume" in transferred["message"], transferred
+    # done means filled: both fills had ended, and the node was draining until then
     spare = cluster.agents["spare-1"]
-    until(lambda: spare.log.read_text(errors="replace").count("memory filled") == 2)
+    assert spare.log.read_text(errors="replace").count("memory filled") == 2
+    assert {w["fill"]["state"] for w in md["workers"].values()} == {"filled"}, md["workers"]
+    assert md["fill_s"] > 0 and md["phases"]["fill"] > 0, md
+    filled = next(c for c in md["conditions"] if c["type"] == "MemoryFilled")
+    assert filled["status"] == "True" and "host-b may leave" in filled["message"], filled
+    assert ("fill", "draining") in seen, seen
+    assert next(h for h in cc.hosts() if h["name"] == "host-b")["role"] == "drained"
+    assert op["response"]["fill_s"] == md["fill_s"]
     until(lambda: not any(cluster.agents["host-b"].image_dir.iterdir()))
     codes = [r.proc.wait(180) for r in ranks]
-    assert codes == [0] * 4, [r.log.read_text()[-1500:] for r in ranks]
-    assert_same_as_reference(out, reference_hashes(tmp_path, 4, **kw))
+    assert codes == [0] * 3, [r.log.read_text()[-1500:] for r in ranks]
+    assert_same_as_reference(out, reference_hashes(tmp_path, 3, **kw))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_coordinator_restarted_during_the_fill_waits_for_it_again(cluster, tmp_path):
+    import signal
+
+    slow = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:after_reply=sleep:0.01"}
+    cc, out, kw, ranks = _coordinated(cluster, tmp_path, 1, 100, b_env=slow)
+    name = cc.evacuate("host-b", post_copy=True)["name"]
+    until(lambda: cc.op(name)["metadata"]["phase"] == "fill", timeout=120, every=0.05)
+    downtime = cc.op(name)["metadata"]["downtime_s"]
+    port = int(cluster.coordinator_url.rsplit(":", 1)[1])
+    os.killpg(cluster.coordinator_proc.pid, signal.SIGKILL)
+    cluster.coordinator_proc.wait(10)
+    assert cluster.agents["spare-1"].client().worker("j.1")["fill"]["state"] == "filling"
+    cluster.start_coordinator(port=port)
+    op, seen = _follow(cc, name)
+    md = op["metadata"]
+    assert md["result"] == "succeeded" and md["workers"]["j.1"]["fill"]["state"] == "filled", op
+    assert md["downtime_s"] == downtime  # the job's pause, not the coordinator's restart
+    assert next(h for h in cc.hosts() if h["name"] == "host-b")["role"] == "drained"
+    codes = [r.proc.wait(180) for r in ranks]
+    assert codes == [0] * 2, [r.log.read_text()[-1500:] for r in ranks]
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_evacuation_whose_fill_fails_ends_failed_and_says_why(cluster, tmp_path):
+    """Past the commit point nothing rolls back: the operation says the rank was stopped, and
+    why, instead of reporting success."""
+    cc, out, kw, ranks = _coordinated(cluster, tmp_path, 1, 400, b_env={
+        "PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:stop_after_pages=2000"})
+    op, _ = _follow(cc, cc.evacuate("host-b", post_copy=True)["name"])
+    md = op["metadata"]
+    assert md["result"] == "failed" and md["committed"], op
+    assert op["error"]["details"][0]["reason"] == "fill_failed", op["error"]
+    assert "page server hung up after" in op["error"]["message"], op["error"]
+    assert "restart the job from its last checkpoint" in op["error"]["details"][0]["action"]
+    assert md["downtime_s"] is not None
+    assert next(h for h in cc.hosts() if h["name"] == "host-b")["role"] == "drained"  # not needed any more
+    assert cluster.agents["spare-1"].client().worker("j.1")["state"] == "lost"
+    for r in ranks:
+        r.proc.kill()
+        r.proc.wait(30)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_fill_past_the_coordinators_deadline_keeps_the_node_draining(cluster, tmp_path):
+    slow = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:after_reply=sleep:0.01"}
+    cc, out, kw, ranks = _coordinated(cluster, tmp_path, 1, 100, b_env=slow,
+                                      coordinator_env={"PITSTOP_COORDINATOR_FILL_DEADLINE_S": "0.5"})
+    op, _ = _follow(cc, cc.evacuate("host-b", post_copy=True)["name"])
+    assert op["error"]["details"][0]["reason"] == "fill_unconfirmed", op
+    assert "keep host-b up" in op["error"]["details"][0]["action"]
+    assert next(h for h in cc.hosts() if h["name"] == "host-b")["role"] == "draining"
+    spare = cluster.agents["spare-1"].client()
+    until(lambda: spare.worker("j.1")["fill"]["state"] == "filled", timeout=120)
+    codes = [r.proc.wait(180) for r in ranks]
+    assert codes == [0] * 2, [r.log.read_text()[-1500:] for r in ranks]
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_post_copy_a_source_cannot_serve_is_refused_before_anything_pauses(cluster, tmp_path):
+    from pitstop.errors import PitstopError as E
+
+    cc, out, kw, ranks = _coordinated(cluster, tmp_path, 1, 400, b_env={"PITSTOP_AGENT_DATA_STREAM": "0"})
+    with pytest.raises(E) as e:
+        cc.evacuate("host-b", post_copy=True)
+    assert e.value.code == "post_copy_unavailable" and e.value.http_status == 412, e.value
+    assert "no plain data port" in e.value.message and "without post-copy" in e.value.action
+    assert cc.ops() == []
+    n = step_times(ranks[1].log)[-1][0]
+    wait_for_step(ranks[1].log, n + 3)  # never paused
+    for r in ranks:
+        r.proc.kill()
+        r.proc.wait(30)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_move_can_turn_the_agents_post_copy_off(cluster, tmp_path):
+    a, b, out, kw, ranks = _job(cluster, tmp_path, 60)
+    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")], post_copy=False)
+    assert a.client().get_capture(rep.capture_id)["post_copy"] is None
+    assert b.client().worker("j.1")["fill"] is None
+    assert rep.bytes > 64 << 20  # the whole image travelled
+    codes = [r.proc.wait(120) for r in ranks]
+    assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))

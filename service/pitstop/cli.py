@@ -240,6 +240,9 @@ def _print_op(o: dict) -> None:
         t.add_row("bytes moved", f"{m['bytes_total']:,}")
         if m.get("bytes_after_resume"):
             t.add_row("bytes fetched after the resume (network post-copy)", f"{m['bytes_after_resume']:,}")
+            if m.get("fill_s") is not None:
+                t.add_row(f"memory all on {m['destination']} (after the resume; {m['node']} may leave)",
+                          f"{m['fill_s']:.3f}")
     out.print(t)
     if o.get("error"):
         err.print(f"[bold red]failed:[/] {o['error']['message']}")
@@ -256,15 +259,23 @@ def evacuate(
     as_json: bool = typer.Option(False, "--json", help="print the (final) Operation as JSON"),
     idempotency_key: Optional[str] = typer.Option(None, "--idempotency-key", help="retry-safe request key"),
     timeout: float = typer.Option(900.0, help="seconds to wait with --wait"),
+    post_copy: Optional[bool] = typer.Option(
+        None, "--post-copy/--no-post-copy",
+        help="network post-copy: the job resumes before most of the moved memory has travelled; it follows "
+             "from NODE, which must stay up until the operation is done.  Default: the source agent's "
+             "PITSTOP_AGENT_REMOTE_POST_COPY"),
 ) -> None:
-    """Move every worker off NODE to a spare while its jobs keep training."""
+    """Move every worker off NODE to a spare while its jobs keep training.
+
+    The operation is done when NODE may leave: with post-copy, that is after the job resumed,
+    once the moved workers' memory has all arrived."""
     import time
 
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
     c = _client()
     try:
-        o = c.evacuate(node, to, idempotency_key)
+        o = c.evacuate(node, to, idempotency_key, post_copy=post_copy)
     except PitstopError as e:
         _fail(e, as_json)
     if not wait:

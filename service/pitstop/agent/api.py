@@ -99,6 +99,7 @@ class Agent:
             criu = {"error": e.message}
         return {"name": self.s.name, "url": self.s.url, "spare": self.s.spare, "version": __version__,
                 "data_port": self.data_port, "cap_bnd": f"{caps.bounding_set():x}",
+                "post_copy": self.source.post_copy_support(),
                 "criu": criu, "workers": len([w for w in self.state.workers.values()
                                               if w.state in LIVE_STATES])}
 
@@ -127,6 +128,9 @@ class CaptureRequest(BaseModel):
     image_id: str | None = None
     keep_peers: list[str] | None = Field(None, description="addresses of the job's workers: the worker's "
                                          "connections to any other address are reset at the destination")
+    post_copy: bool | None = Field(None, description="send only the pages a restore must place; the "
+                                   "destination fetches the rest after the job resumes.  Default: this "
+                                   "agent's PITSTOP_AGENT_REMOTE_POST_COPY")
 
 
 class ShimOp(BaseModel):
@@ -247,7 +251,8 @@ def peer_app(agent: Agent) -> FastAPI:
 
     @r.post("/captures", status_code=202)
     def capture(req: CaptureRequest) -> dict:
-        return agent.source.start(req.worker_id, req.dest_url, req.image_id, req.keep_peers).model_dump()
+        return agent.source.start(req.worker_id, req.dest_url, req.image_id, req.keep_peers,
+                                  post_copy=req.post_copy).model_dump()
 
     @r.get("/captures")
     def captures() -> list[dict]:

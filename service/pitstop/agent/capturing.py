@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import structlog
@@ -75,14 +76,20 @@ class SourceSide:
 
     # -- capture -----------------------------------------------------------------------------
     def start(self, worker_id: str, dest_url: str | None, image_id: str | None,
-              keep_peers: list[str] | None = None) -> Capture:
+              keep_peers: list[str] | None = None, post_copy: bool | None = None) -> Capture:
+        if post_copy and dest_url:
+            why = self.post_copy_support()["unavailable"]
+            if why:
+                raise FailedPrecondition(f"post-copy over the network was asked for, but {why}",
+                                         code="post_copy_unavailable",
+                                         action="evacuate without post-copy (the images travel whole)")
         with self.state.lock:
             w = self.state.worker(worker_id)
             self._check_capturable(w)
             cid = "cap-" + uuid.uuid4().hex[:12]
             cap = Capture(id=cid, worker_id=w.id, image_dir=str(self.s.images / cid),
                           dest_url=dest_url, image_id=image_id or (cid if dest_url else None),
-                          keep_peers=keep_peers)
+                          keep_peers=keep_peers, want_post_copy=post_copy)
             self.state.captures[cid] = cap
             self.state.update_worker(w, state="capturing")
         t = threading.Thread(target=self._run_and_report, args=(cap, w), name=f"capture-{cid}", daemon=True)
@@ -99,12 +106,24 @@ class SourceSide:
             raise FailedPrecondition(f"worker {w.id} (pid {w.root_pid}) is no longer running",
                                      code="worker_gone", action="nothing to capture; the worker exited")
 
+    def post_copy_support(self) -> dict[str, Any]:
+        """Whether this agent can serve a capture's pages after the resume, and its default;
+        the coordinator asks before anything pauses when an evacuation asks for post-copy."""
+        why = None
+        if tls.enabled():
+            why = "this agent's data port uses TLS, which the page protocol does not carry"
+        elif not self.s.data_stream or not self.data_port:
+            why = "this agent has no plain data port (PITSTOP_AGENT_DATA_STREAM=0)"
+        return {"default": self.s.remote_post_copy, "unavailable": why}
+
     def _remote_post_copy(self, cap: Capture) -> bool:
-        if not (self.s.remote_post_copy and cap.dest_url):
+        wanted = self.s.remote_post_copy if cap.want_post_copy is None else cap.want_post_copy
+        if not (wanted and cap.dest_url):
             return False
-        if tls.enabled() or not self.s.data_stream or not self.data_port:
-            log.warning("post-copy over the network needs a plain data port; the images travel whole",
-                        capture=cap.id, tls=tls.enabled())
+        why = self.post_copy_support()["unavailable"]
+        if why:  # only the agent's default gets here (an explicit request was refused at start)
+            log.warning("post-copy over the network is unavailable; the images travel whole",
+                        capture=cap.id, reason=why)
             return False
         return True
 
@@ -116,7 +135,8 @@ class SourceSide:
         except OSError as e:
             raise CaptureFailed(f"could not split the dump for post-copy: {e}",
                                 action="the source is restored from its dump; move it without "
-                                       "PITSTOP_AGENT_REMOTE_POST_COPY") from None
+                                       "post-copy (PITSTOP_AGENT_REMOTE_POST_COPY=0, or "
+                                       "`pitstop evacuate --no-post-copy`)") from None
         self.page_sources[cap.image_id] = PageSource(cap, sp)  # type: ignore[index]
         self.state.update_capture(cap, post_copy={**postcopy.describe(sp), "pages_served": 0},
                                   phases={**cap.phases, "split": time.monotonic() - t0})

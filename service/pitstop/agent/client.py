@@ -107,9 +107,10 @@ class AgentClient:
 
     # the leaving side
     def capture(self, worker_id: str, dest_url: str | None = None, image_id: str | None = None,
-                keep_peers: list[str] | None = None) -> dict:
+                keep_peers: list[str] | None = None, post_copy: bool | None = None) -> dict:
         return self._req("POST", "/v1/captures", json={"worker_id": worker_id, "dest_url": dest_url,
-                                                       "image_id": image_id, "keep_peers": keep_peers})
+                                                       "image_id": image_id, "keep_peers": keep_peers,
+                                                       "post_copy": post_copy})
 
     def get_capture(self, cid: str, wait: float = 0.0) -> dict:
         return self._req("GET", f"/v1/captures/{cid}", params={"wait": wait} if wait else None,

@@ -32,7 +32,7 @@ from ..transfer import dataport
 from ..transfer.stream import StreamReceiver, file_stats, verify_directory
 from . import scope
 from .settings import AgentSettings
-from .state import LIVE_STATES, AgentState, Worker
+from .state import Fill, LIVE_STATES, AgentState, Worker
 
 log = structlog.get_logger("pitstop.agent.restore")
 
@@ -181,6 +181,7 @@ class DestinationSide:
         ok, why = fill.wait(self.s.lazy_fill_timeout_s)
         if ok:
             log.info("memory filled", worker=w.id, seconds=round(fill.seconds, 3))
+            self._fill_ended(w, "filled", seconds=fill.seconds)
             self.discard(image_id)
             return
         live = w.state in LIVE_STATES and proctree.exists(w.root_pid)
@@ -197,7 +198,14 @@ class DestinationSide:
                              f"(see {fill.images / lazy_pages.LOG} before the images go)")
         else:
             log.warning("the lazy fill failed after the worker had ended on its own", worker=w.id, reason=why)
+        self._fill_ended(w, "failed", seconds=fill.seconds, reason=why)
         self.discard(image_id)
+
+    def _fill_ended(self, w: Worker, state: str, seconds: float | None = None, reason: str | None = None) -> None:
+        if w.fill is not None:
+            self.state.update_worker(w, fill=w.fill.model_copy(update={
+                "state": state, "reason": reason,
+                "seconds": round(seconds if seconds is not None else time.time() - w.fill.started, 3)}))
 
     def restore_dir(self, directory: Path, *, worker_id: str, job: str, rank: int,
                     stdio: list[dict[str, Any]], replace: bool = False,
@@ -300,7 +308,8 @@ class DestinationSide:
         if fill:  # the worker's memory depends on it: an agent restart must not take it down
             scope.place(worker_id + "-fill", fill.pid, more=fill.pids[1:])
         w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
-                   restored=True, output_base=output_base or {}, net=net)
+                   restored=True, output_base=output_base or {}, net=net,
+                   fill=Fill(source=(pages_from or {}).get("url"), images=str(directory)) if fill else None)
         with self.state.lock:
             self.state.workers[worker_id] = w
             self.state.save()
@@ -320,7 +329,7 @@ class DestinationSide:
                                 f"({pages_from.get('url')}, data port {pages_from.get('data_port')}): "
                                 f"{getattr(e, 'message', None) or e!r}",
                                 action="the move rolls back; check the source agent's data port, or move "
-                                       "without PITSTOP_AGENT_REMOTE_POST_COPY") from None
+                                       "without post-copy (`pitstop evacuate --no-post-copy`)") from None
         try:
             return lazy_pages.start(directory, page_socket=sock, page_idle_timeout_s=self.s.lazy_page_idle_timeout_s)
         finally:
@@ -365,11 +374,33 @@ class DestinationSide:
                 threading.Thread(target=self._remove_when_unused, args=(d,), daemon=True,
                                  name=f"fill-images-{d.name}").start()
                 continue
+            self._settle_fills(d)
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d.name)
+        for w in list(self.state.workers.values()):  # a fill whose images are gone ended too
+            if w.fill and w.fill.state == "filling" and not Path(w.fill.images).exists():
+                self._settle_fills(Path(w.fill.images))
         if gone:
             log.info("removed images of moves that died with the previous agent", slots=gone)
         return gone
+
+    def _settle_fills(self, d: Path) -> None:
+        """Record how the fills that worked in `d` ended, which nobody watched: the previous
+        agent started them and the restart lost their daemons' exit status (lazy_pages.ended_unwatched)."""
+        for w in list(self.state.workers.values()):
+            if not (w.fill and w.fill.state == "filling" and Path(w.fill.images) == d):
+                continue
+            alive = proctree.exists(w.root_pid) and proctree.start_time(w.root_pid) == w.start_time
+            ok, why = lazy_pages.ended_unwatched(d, alive)
+            if ok is False and w.state in ("running", "exited"):  # the relay stopped it, or it read zeros
+                if alive:
+                    proctree.kill_tree(w.root_pid)
+                self.state.update_worker(w, state="lost", reason="its memory could not be filled after a lazy "
+                                                                 "restore: " + why)
+            self._fill_ended(w, {True: "filled", False: "failed", None: "unknown"}[ok],
+                             reason=why or "it ended while the agent was restarting")
+            log.info("a fill that outlived the previous agent has ended", worker=w.id, state=w.fill.state,
+                     reason=w.fill.reason)
 
     def _remove_when_unused(self, d: Path, every_s: float = 2.0) -> None:
         """Nobody watches a fill the previous agent started: its daemon (and page relay) end on
@@ -377,6 +408,7 @@ class DestinationSide:
         log.info("a lazy fill outlived the previous agent; its images go when it ends", slot=d.name)
         while d.exists() and d in _dirs_in_use(self.s.images):
             time.sleep(every_s)
+        self._settle_fills(d)
         shutil.rmtree(d, ignore_errors=True)
         log.info("removed the images of a fill that outlived the previous agent", slot=d.name)
 

@@ -21,6 +21,20 @@ from ..errors import NotFound
 WorkerState = Literal["running", "paused", "capturing", "stopped", "released", "moved", "exited", "lost"]
 LIVE_STATES = ("running", "paused", "capturing", "stopped")  # a process exists for these
 CaptureState = Literal["dumping", "dumped", "sent", "released", "committed", "rolled_back", "failed"]
+FillState = Literal["filling", "filled", "failed", "unknown"]
+
+
+class Fill(BaseModel):
+    """A post-copy restore's memory fill.  Until it ends the worker's memory is not all here,
+    and with network post-copy its source host must stay up: the coordinator holds the
+    evacuation open (and the node `draining`) until every fill has ended."""
+
+    state: FillState = "filling"
+    source: str | None = None   # the agent that serves the pages (network post-copy); None: local
+    images: str                 # the directory the lazy-pages daemon works in
+    started: float = Field(default_factory=time.time)
+    seconds: float | None = None
+    reason: str | None = None   # why it failed, or how its end was learnt
 
 
 class Worker(BaseModel):
@@ -39,6 +53,7 @@ class Worker(BaseModel):
     # What a restore must grant it (capture/caps.py, hex), as of the last listing: the coordinator
     # refuses, before anything pauses, a destination whose agent could not.
     caps: str | None = None
+    fill: Fill | None = None              # a post-copy restore's fill, while and after it runs
     registered_at: float = Field(default_factory=time.time)
 
 
@@ -60,6 +75,7 @@ class Capture(BaseModel):
     keep_peers: list[str] | None = None  # addresses whose connections survive the move; None: all
     # post-copy over the network: the split (eager/lazy bytes) and what the fill has fetched so far
     post_copy: dict[str, Any] | None = None
+    want_post_copy: bool | None = None  # what the request asked; None: the agent's setting
     created: float = Field(default_factory=time.time)
     updated: float = Field(default_factory=time.time)
 

@@ -39,6 +39,7 @@ from . import criulog, runtime
 
 LOG = "lazy-pages.log"
 RELAY_LOG = "page-relay.log"  # the relay's stderr: empty unless it crashed
+RELAY_RESULT = "page-relay.result"  # its outcome, for an agent that restarted while the fill ran
 RELAY_END_S = 15.0  # how long the relay may take to report once the daemon has exited
 SOCKET = "lazy-pages.socket"  # CRIU's name for it, in the work directory (the images here)
 
@@ -162,7 +163,8 @@ def start(images: Path, *, ready_timeout_s: float = 10.0, rt: runtime.CriuRuntim
             with open(images / RELAY_LOG, "wb") as err:
                 relay = subprocess.Popen(
                     [sys.executable, "-m", "pitstop.transfer.page_relay", "--upstream-fd", str(page_socket.fileno()),
-                     "--daemon-fd", str(ours.fileno()), "--idle-timeout", str(page_idle_timeout_s)],
+                     "--daemon-fd", str(ours.fileno()), "--idle-timeout", str(page_idle_timeout_s),
+                     "--result-file", str(images / RELAY_RESULT)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                     pass_fds=(page_socket.fileno(), ours.fileno()), start_new_session=True)
         finally:
@@ -195,6 +197,27 @@ def start(images: Path, *, ready_timeout_s: float = 10.0, rt: runtime.CriuRuntim
                 details={"criu_errors": lines, "log": str(images / LOG)})
         time.sleep(0.005)
     return fill
+
+
+def ended_unwatched(images: Path, worker_alive: bool) -> tuple[bool | None, str]:
+    """How a fill ended that nobody watched (the agent restarted while it ran): True, filled;
+    False, failed, and why; None, not known.
+
+    The relay leaves its verdict in RELAY_RESULT; CRIU's daemon, run locally, leaves only its
+    log, whose error lines say it failed.  A worker still alive with no error on record was
+    filled: a failed remote fill kills it, and a failed local one logs why."""
+    try:
+        relayed = json.loads((images / RELAY_RESULT).read_text())
+    except (OSError, ValueError):
+        relayed = None
+    if isinstance(relayed, dict) and not relayed.get("ok"):
+        return False, str(relayed.get("reason") or "the page relay reported a failure")
+    lines = criulog.error_lines(images / LOG)
+    if lines:
+        return False, "CRIU's lazy-pages daemon: " + " | ".join(lines)
+    if isinstance(relayed, dict) or worker_alive:
+        return True, ""
+    return None, "the worker and its fill both ended while the agent was restarting"
 
 
 def _tail(path: Path, limit: int = 400) -> str:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import __version__, tls
 from ..agent.client import AgentClient
 from .beats import BeatFastPath
-from ..errors import Conflict, Forbidden, NotFound, PitstopError, Unprocessable
+from ..errors import Conflict, FailedPrecondition, Forbidden, NotFound, PitstopError, Unprocessable
 from ..httpapi import install_error_handlers, require_token, token_matches
 from .driver import Driver
 from .health_policy import AutoEvacuator
@@ -31,6 +31,11 @@ from .store import LIVE, Store
 class EvacuateRequest(BaseModel):
     to: str | None = Field(None, description="host to move the workers to; default: a compatible spare")
     reason: str = Field("operator request", max_length=500)
+    post_copy: bool | None = Field(
+        None, description="network post-copy: only the pages a restore must place travel before the job "
+        "resumes; the rest follow from the node afterwards, and the operation (and the node, `draining`) "
+        "stays open until they have.  Shortest pause; the node must stay up until the operation is done. "
+        "Default: each source agent's PITSTOP_AGENT_REMOTE_POST_COPY")
 
 
 class WorkerReport(BaseModel):
@@ -133,10 +138,31 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
     policy = settings.health_policy()
 
     def start_evacuation(node: str, to: str | None, reason: str,
-                         idempotency: tuple[str, str] | None = None) -> str:
+                         idempotency: tuple[str, str] | None = None, post_copy: bool | None = None) -> str:
         sync_workers(store, settings, node)
         p = plan(store, node, to, driver.busy_hosts(), settings.heartbeat_timeout_s)
-        return driver.start(p, reason, idempotency)
+        if post_copy:
+            check_post_copy(p.node)
+        return driver.start(p, reason, idempotency, post_copy=post_copy)
+
+    def check_post_copy(host: dict[str, Any]) -> None:
+        """Refuse post-copy the source cannot serve before anything pauses, not mid-move."""
+        try:
+            with AgentClient(host["url"], settings.cluster_token, timeout=5.0) as a:
+                support = a.info().get("post_copy") or {}
+        except (PitstopError, httpx.HTTPError, ValueError) as e:
+            raise FailedPrecondition(f"cannot ask {host['name']}'s agent whether it can serve post-copy: "
+                                     f"{getattr(e, 'message', None) or e}", code="post_copy_unconfirmed",
+                                     action="check that the agent runs and is reachable, or evacuate "
+                                            "without post-copy") from None
+        if "unavailable" not in support:
+            raise FailedPrecondition(f"{host['name']}'s agent is too old to serve post-copy",
+                                     code="post_copy_unavailable",
+                                     action="upgrade it, or evacuate without post-copy")
+        if support["unavailable"]:
+            raise FailedPrecondition(f"{host['name']} cannot serve post-copy: {support['unavailable']}",
+                                     code="post_copy_unavailable",
+                                     action="evacuate without post-copy (the images travel whole)")
 
     auto = AutoEvacuator(start=lambda node, reason: start_evacuation(node, None, reason),
                          busy=driver.busy_hosts,
@@ -231,7 +257,10 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
     def evacuate(node: str, body: EvacuateRequest | None = None,
                  idempotency_key: str | None = Header(None, max_length=200)) -> JSONResponse:
         body = body or EvacuateRequest()
-        digest = hashlib.sha256(json.dumps({"node": node, **body.model_dump()}, sort_keys=True).encode()).hexdigest()
+        fields = body.model_dump()
+        if fields["post_copy"] is None:  # as before the field existed: a retry across an upgrade still matches
+            del fields["post_copy"]
+        digest = hashlib.sha256(json.dumps({"node": node, **fields}, sort_keys=True).encode()).hexdigest()
         if idempotency_key:
             seen = store.idempotent(idempotency_key)
             if seen:
@@ -240,7 +269,8 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
                                         code="idempotency_key_reused",
                                         action="use a new key for a new request", details={"operation": seen[1]})
                 return JSONResponse(operation_view(store.op(seen[1])), status_code=202)
-        op_id = start_evacuation(node, body.to, body.reason, (idempotency_key, digest) if idempotency_key else None)
+        op_id = start_evacuation(node, body.to, body.reason, (idempotency_key, digest) if idempotency_key else None,
+                                 post_copy=body.post_copy)
         return JSONResponse(operation_view(store.op(op_id)), status_code=202)
 
     @ops.post("/operations/{op_id}:cancel")

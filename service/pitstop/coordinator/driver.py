@@ -8,7 +8,9 @@ Phases, each written to the store before it starts:
   release  the stopped sources are killed; their images stay on the node
   restore  the spare restores every worker
   commit   <- the commit point, recorded before the first commit call
-  resume   peers continue
+  resume   peers continue (the downtime ends here)
+  fill     network post-copy only: until every moved worker's memory is in place the node
+           serves it, so the operation stays open and the node `draining`
 Before the commit point any failure, cancel, deadline or coordinator restart
 rolls back: copies on the spare are discarded, sources are resumed in place
 (or restored from their own images once released), peers resumed.  After it,
@@ -40,10 +42,11 @@ class Cancelled(PitstopError):
     code = "cancelled"
 
 
-def new_metadata(plan: Any, reason: str) -> dict[str, Any]:
+def new_metadata(plan: Any, reason: str, post_copy: bool | None = None) -> dict[str, Any]:
     return {
         "@type": "type.pitstop.dev/EvacuateMetadata",
         "node": plan.node["name"], "destination": plan.dest["name"], "reason": reason,
+        "post_copy": post_copy,  # as asked; None: each source agent's setting
         "jobs": plan.jobs,
         "workers": {w["id"]: {"job": w["job"], "rank": w["rank"], "state": "pending", "capture_id": None,
                               "bytes_done": 0, "bytes_total": None} for w in plan.leaving},
@@ -195,7 +198,7 @@ class OpRun:
         def capture(wid: str) -> None:
             w = self.md["workers"][wid]
             cap = src.capture(wid, dest_url=dst.url, image_id=self.image_id(wid),
-                              keep_peers=self.md.get("keep_peers"))
+                              keep_peers=self.md.get("keep_peers"), post_copy=self.md.get("post_copy"))
             with self.lock:
                 w["capture_id"], w["state"] = cap["id"], "capturing"
                 self.save()
@@ -287,24 +290,89 @@ class OpRun:
 
         self.each(commit)
         self.d.store.set_role(dest, "active")
-        self.d.store.set_role(node, "drained")
+        filling = bool(self.md.get("bytes_after_resume"))
+        self.d.store.set_role(node, "draining" if filling else "drained")
         self.save()
         self.leave("commit")
         self.condition("Committed", True, "MembershipRecorded", f"{dest} now runs the workers; {node} is drained")
         self.enter("resume")
         self._resume_peers()
         self.leave("resume")
-        self.md["last_resume"] = time.time()
-        self.md["downtime_s"] = round(self.md["last_resume"] - self.md["first_pause"], 4)
+        if self.md.get("last_resume") is None:  # a restarted coordinator finishing this op keeps the first
+            self.md["last_resume"] = time.time()
+            self.md["downtime_s"] = round(self.md["last_resume"] - self.md["first_pause"], 4)
         self._check_replacements(dest)  # after the last resume: nobody waits for this look
+        failed = self._await_fills(node, dest) if filling else None
+        response = {"@type": "type.pitstop.dev/EvacuateResponse", "node": node, "destination": dest,
+                    "workers": sorted(self.md["workers"]), "downtime_s": self.md["downtime_s"],
+                    "bytes": self.md["bytes_total"]}
+        if filling:
+            response.update(bytes_after_resume=self.md["bytes_after_resume"], fill_s=self.md.get("fill_s"))
+        if failed:
+            self.condition("Succeeded", False, failed.code, failed.message)
+            self.save(phase="done", done=True, result="failed", error=_op_error(failed), response=response)
+            self.d.count("failed", self.md["bytes_total"] or 0)
+            log.error("evacuated, but not every fill ended well", op=self.id, node=node, reason=failed.message)
+            return
         self.condition("Succeeded", True, "Evacuated", f"downtime {self.md['downtime_s']} s")
-        self.save(phase="done", done=True, result="succeeded",
-                  response={"@type": "type.pitstop.dev/EvacuateResponse", "node": node, "destination": dest,
-                            "workers": sorted(self.md["workers"]), "downtime_s": self.md["downtime_s"],
-                            "bytes": self.md["bytes_total"]})
+        self.save(phase="done", done=True, result="succeeded", response=response)
         self.d.count("succeeded", self.md["bytes_total"] or 0)
         log.info("evacuated", op=self.id, node=node, dest=dest, downtime_s=self.md["downtime_s"],
                  **self.md["phases"])
+
+    def _await_fills(self, node: str, dest: str) -> PitstopError | None:
+        """Network post-copy: after the resume the moved workers' memory still comes from `node`.
+
+        The operation stays open, and the node `draining`, until every fill has ended: an
+        operator who powers the node off once the operation is done must not take a rank with
+        it.  Asks the destination's agent, which watches each fill (agent/receiving.py), with a
+        short timeout per call; never raises (the commit is behind us); says what went wrong."""
+        self.enter("fill")
+        url = self.d.store.host(dest)["url"]
+        waiting = [wid for wid, w in self.md["workers"].items() if w.get("bytes_after_resume")]
+        ended: dict[str, dict[str, Any]] = {}
+        last_error = ""
+        deadline = time.monotonic() + self.d.s.fill_deadline_s
+        with AgentClient(url, self.d.s.cluster_token, timeout=10.0) as a:
+            while waiting and time.monotonic() < deadline:
+                for wid in list(waiting):
+                    try:
+                        f = a.worker(wid).get("fill")
+                    except PitstopError as e:
+                        last_error = e.message
+                        continue  # asked again next round, until the deadline
+                    if not f or f.get("state") != "filling":
+                        ended[wid] = f or {"state": "unknown", "reason": f"{dest} has no fill on record for it"}
+                        waiting.remove(wid)
+                        with self.lock:
+                            self.md["workers"][wid]["fill"] = ended[wid]
+                            self.save()
+                if waiting:
+                    time.sleep(self.d.s.fill_poll_s)
+        self.leave("fill")
+        with self.lock:
+            self.md["fill_s"] = round(time.time() - self.md["last_resume"], 4)
+            self.save()
+        if waiting:
+            why = (f"{', '.join(waiting)} still filling after {self.d.s.fill_deadline_s:.0f} s"
+                   + (f" (last error asking {dest}: {last_error})" if last_error else ""))
+            self.condition("MemoryFilled", False, "FillUnconfirmed", why)
+            return PitstopError(f"the workers run on {dest}, but their memory may still come from {node}: {why}",
+                                code="fill_unconfirmed",
+                                action=f"keep {node} up until `GET /v1/workers` on {dest} shows no fill "
+                                       f"'filling'; then it may leave (it stays 'draining' until then)")
+        self.d.store.set_role(node, "drained")
+        bad = {wid: f for wid, f in ended.items() if f.get("state") != "filled"}
+        if bad:
+            why = "; ".join(f"{wid}: {f.get('state')} ({f.get('reason') or 'no reason given'})" for wid, f in bad.items())
+            self.condition("MemoryFilled", False, "FillFailed", why)
+            return PitstopError(f"after the commit point the memory of some moved workers could not be filled "
+                                f"from {node}: {why}", code="fill_failed",
+                                action="the job's state was moved, but those workers were stopped rather than run "
+                                       f"on missing memory: restart the job from its last checkpoint; {node} may leave")
+        self.condition("MemoryFilled", True, "Filled", f"every moved worker's memory is on {dest} "
+                       f"{self.md['fill_s']} s after the resume; {node} may leave")
+        return None
 
     def _check_replacements(self, dest: str) -> None:
         """Say plainly if a moved worker did not survive its first moments at the destination.
@@ -475,9 +543,10 @@ class Driver:
                 out[op["dest"]] = op["id"]
         return out
 
-    def start(self, plan: Any, reason: str, idem: tuple[str, str] | None) -> str:
+    def start(self, plan: Any, reason: str, idem: tuple[str, str] | None, post_copy: bool | None = None) -> str:
         op_id = "op-" + uuid.uuid4().hex[:12]
-        self.store.create_op(op_id, plan.node["name"], plan.dest["name"], new_metadata(plan, reason), idem)
+        self.store.create_op(op_id, plan.node["name"], plan.dest["name"], new_metadata(plan, reason, post_copy),
+                             idem)
         self._spawn(op_id, lambda r: r.run())
         return op_id
 

@@ -28,6 +28,11 @@ class CoordinatorSettings(BaseSettings):
     step_timeout_s: float = 180.0         # any other single agent call
     operation_deadline_s: float = 900.0   # the whole evacuation, before commit
     cut_deadline_s: float = 30.0          # every rank of an NCCL job reaches the consistent cut
+    # Network post-copy: after the resume, how long the operation waits for the moved workers'
+    # fills (their memory still comes from the node).  Past it the operation ends saying so and
+    # the node stays `draining`: powering it off could still take a rank with it.
+    fill_deadline_s: float = 900.0
+    fill_poll_s: float = 0.25
     # GPU health policy (health_policy.py): a host past any of these is degraded.
     auto_evacuate: bool = True            # start an evacuation of a degraded host by itself
     health_max_temperature_c: float = 90.0

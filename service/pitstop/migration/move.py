@@ -45,8 +45,10 @@ def move_worker(src: AgentClient, dst: AgentClient, worker_id: str, *, dest_name
                 capture_deadline_s: float = 300.0,
                 on_progress: Callable[[dict[str, Any]], None] | None = None,
                 fault: Callable[[str], None] | None = None,
-                peers: list[tuple[AgentClient, str]] = ()) -> MoveReport:
+                peers: list[tuple[AgentClient, str]] = (), post_copy: bool | None = None) -> MoveReport:
     """Run the whole move; raise PitstopError (worker still running somewhere) on failure.
+
+    post_copy: network post-copy for this move (None: the source agent's setting).
 
     peers: the job's other workers (agent, worker id), paused (SIGSTOP) for the duration, as
     the coordinator does: nothing is sent into the worker's connections while it is dumped.
@@ -54,7 +56,7 @@ def move_worker(src: AgentClient, dst: AgentClient, worker_id: str, *, dest_name
     for a, wid in peers:
         a.pause(wid)
     try:
-        return _move(src, dst, worker_id, dest_name, capture_deadline_s, on_progress, fault)
+        return _move(src, dst, worker_id, dest_name, capture_deadline_s, on_progress, fault, post_copy)
     finally:
         for a, wid in peers:
             _quiet(a.resume, wid)
@@ -62,10 +64,10 @@ def move_worker(src: AgentClient, dst: AgentClient, worker_id: str, *, dest_name
 
 def _move(src: AgentClient, dst: AgentClient, worker_id: str, dest_name: str, capture_deadline_s: float,
           on_progress: Callable[[dict[str, Any]], None] | None,
-          fault: Callable[[str], None] | None) -> MoveReport:
+          fault: Callable[[str], None] | None, post_copy: bool | None = None) -> MoveReport:
     image_id = "img-" + uuid.uuid4().hex[:12]
     t0 = time.monotonic()
-    cap = src.capture(worker_id, dest_url=dst.url, image_id=image_id)
+    cap = src.capture(worker_id, dest_url=dst.url, image_id=image_id, post_copy=post_copy)
     cap = src.wait_capture(cap["id"], capture_deadline_s, on_progress)
     if cap["state"] == "failed":
         _quiet(dst.discard, image_id)

@@ -37,6 +37,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..capture import proctree
 from ..capture.postcopy import PAGE
@@ -216,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--daemon-fd", type=int, required=True, help="our end of the daemon's socketpair")
     ap.add_argument("--idle-timeout", type=float, default=60.0)
     ap.add_argument("--guard-timeout", type=float, default=60.0, help="how long to wait for the pid to guard")
+    ap.add_argument("--result-file", type=Path, help="also write the result here, for an agent that restarted "
+                                                     "while the fill ran (its pipe to us is gone)")
     a = ap.parse_args(argv)
     up = socket.socket(fileno=a.upstream_fd)
     dn = socket.socket(fileno=a.daemon_fd)
@@ -226,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     relay = Relay(up, dn, sys.stdin.fileno(), sys.stdout, idle_timeout_s=a.idle_timeout,
                   guard_timeout_s=a.guard_timeout)
     result = relay.run()
+    if a.result_file is not None:
+        try:
+            tmp = a.result_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(result))
+            os.replace(tmp, a.result_file)
+        except OSError as e:
+            print(f"could not write {a.result_file}: {e}", file=sys.stderr)
     try:
         print(json.dumps(result), flush=True)
     except OSError:
