@@ -27,7 +27,8 @@ ranks 0-1, host-b: ranks 2-3).  Methods, each on a fresh local cluster:
   continues; its pause runs from the last step before the save to the first after the load.
   No scheduler delay and no fsync are counted: the most favourable case for it.
 - scaling: pitstop with 2, 4 and 8 ranks in the job and the same leaving part (one rank
-  on host-b), the others on host-a; eagerly, and with network post-copy.
+  on host-b), the others on host-a; eagerly, and with network post-copy; --scaling-repeats
+  runs of each size, interleaved, judged by the sizes' medians (every run is in the JSON).
 
 Writes bench/out/compare.json and bench/out/compare.png (downtime by phase).
 """
@@ -165,6 +166,15 @@ CHART_PHASES = {  # method phase -> chart segment
 }
 
 
+def median_runs(runs: list[dict]) -> list[dict]:
+    """Per (method, job size), the run whose downtime is the median (the lower middle of an
+    even count), in the order the sizes were first run."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["method"], r["world"]), []).append(r)
+    return [sorted(g, key=lambda r: r["downtime_s"])[(len(g) - 1) // 2] for g in groups.values()]
+
+
 def chart(runs: list[dict], path: Path, floor_s: float) -> None:
     import matplotlib
 
@@ -207,6 +217,9 @@ def main() -> None:
     ap.add_argument("--state-mb", type=float, default=512.0, help="extra state per rank (MiB), up to about 2048")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--worlds", default="2,4,8", help="job sizes for the scaling runs (one leaving rank)")
+    ap.add_argument("--scaling-repeats", type=int, default=3,
+                    help="runs per job size, interleaved (2,4,8,2,4,8,...); the spread is taken between "
+                         "the sizes' medians: one run of each varied by as much as the target allows")
     ap.add_argument("--restart-worlds", default="4", help="job sizes for checkpoint-restart")
     ap.add_argument("--skip-naive", action="store_true")
     ap.add_argument("--skip-post-copy", action="store_true")
@@ -217,7 +230,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.chart_only:
         d = json.loads(Path(a.chart_only).read_text())
-        chart(d["runs"] + d["scaling"], Path(a.chart_only).with_suffix(".png"), d["summary"]["floor_s"])
+        chart(d["runs"] + median_runs(d["scaling"]), Path(a.chart_only).with_suffix(".png"), d["summary"]["floor_s"])
         return
     OUT.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -234,13 +247,16 @@ def main() -> None:
                                label="naive CRIU", prewarm_gib=a.prewarm_gib))
     runs += [checkpoint_restart(int(w), a.state_mb, a.steps, prewarm_gib=a.prewarm_gib)
              for w in a.restart_worlds.split(",") if w]
-    scaling = [evacuation(int(w), [int(w) - 1], a.state_mb, a.steps, label="pitstop, 1 rank leaving",
-                          prewarm_gib=a.prewarm_gib)
-               for w in a.worlds.split(",") if w]
-    if not a.skip_post_copy:
-        scaling += [evacuation(int(w), [int(w) - 1], a.state_mb, a.steps, NETWORK_POST_COPY,
-                               label="network post-copy, 1 rank leaving", prewarm_gib=a.prewarm_gib)
-                    for w in a.worlds.split(",") if w]
+    scaling = []
+    for rep in range(max(1, a.scaling_repeats)):
+        for w in (int(x) for x in a.worlds.split(",") if x):
+            scaling.append({**evacuation(w, [w - 1], a.state_mb, a.steps, label="pitstop, 1 rank leaving",
+                                         prewarm_gib=a.prewarm_gib), "repeat": rep})
+            if not a.skip_post_copy:
+                scaling.append({**evacuation(w, [w - 1], a.state_mb, a.steps, NETWORK_POST_COPY,
+                                             label="network post-copy, 1 rank leaving",
+                                             prewarm_gib=a.prewarm_gib), "repeat": rep})
+    medians = median_runs(scaling)
     ref = runs[0]
     floor = ref["bytes"] / bw
     after_bw = raw_tcp_bandwidth()
@@ -268,8 +284,12 @@ def main() -> None:
         summary["network post-copy: fill_bytes_per_s"] = net["bytes_after_resume"] / net["fill_s"]
         summary["network post-copy: fill_vs_raw_tcp"] = net["bytes_after_resume"] / net["fill_s"] / bw
     for label in sorted({s["method"] for s in scaling}):
-        d = [s["downtime_s"] for s in scaling if s["method"] == label]
-        summary[f"scaling_downtime_spread ({label})"] = (max(d) - min(d)) / min(d)
+        d = [s["downtime_s"] for s in medians if s["method"] == label]
+        summary[f"scaling_downtime_spread ({label}, medians)"] = (max(d) - min(d)) / min(d)
+        every = [s["downtime_s"] for s in scaling if s["method"] == label]
+        summary[f"scaling_downtime_range ({label}, every run)"] = [min(every), max(every)]
+        summary[f"scaling_median_downtime_s ({label})"] = {str(s["world"]): s["downtime_s"]
+                                                           for s in medians if s["method"] == label}
     transfer = [cp.get("transfer", 0.0) for cp in ref["capture_phases"]]
     if transfer and max(transfer) > 0:
         summary["stream_bytes_per_s"] = ref["bytes"] / max(transfer)
@@ -287,7 +307,7 @@ def main() -> None:
            "wall_s": round(time.time() - started, 1), "summary": summary, "runs": runs, "scaling": scaling}
     Path(a.out).write_text(json.dumps(doc, indent=1))
     png = Path(a.out).with_suffix(".png")
-    chart(runs + scaling, png, floor)
+    chart(runs + medians, png, floor)
     print(f"{machine()}; raw TCP {bw / 1e9:.2f} GB/s; floor {floor:.3f} s for {ref['bytes'] / 1e6:.0f} MB")
     print(f"{'method':<28}{'ranks':>6}{'downtime s':>11}{'job pause s':>12}{'MB':>7}  phases")
     for r in runs + scaling:
@@ -295,7 +315,7 @@ def main() -> None:
         print(f"{r['method']:<28}{r['world']:>6}{r['downtime_s']:>11.2f}{r['job_pause_s']:>12.2f}{mb / 1e6:>7.0f}  "
               + " ".join(f"{k}={v:.2f}" for k, v in r["phases"].items()))
     for k, v in summary.items():
-        print(f"  {k}: {v if isinstance(v, (bool, list)) else round(v, 3)}")
+        print(f"  {k}: {v if isinstance(v, (bool, list, dict)) else round(v, 3)}")
     print(f"wrote {a.out} and {png}")
 
 

@@ -432,7 +432,7 @@ def test_evacuation_asking_for_post_copy_stays_open_until_the_node_may_leave(clu
 def test_coordinator_restarted_during_the_fill_waits_for_it_again(cluster, tmp_path):
     import signal
 
-    slow = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:after_reply=sleep:0.01"}
+    slow = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:after_reply=sleep:0.003"}
     cc, out, kw, ranks = _coordinated(cluster, tmp_path, 1, 100, b_env=slow)
     name = cc.evacuate("host-b", post_copy=True)["name"]
     until(lambda: cc.op(name)["metadata"]["phase"] == "fill", timeout=120, every=0.05)
@@ -476,9 +476,9 @@ def test_evacuation_whose_fill_fails_ends_failed_and_says_why(cluster, tmp_path)
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_fill_past_the_coordinators_deadline_keeps_the_node_draining(cluster, tmp_path):
-    slow = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:after_reply=sleep:0.01"}
+    slow = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:after_reply=sleep:0.003"}
     cc, out, kw, ranks = _coordinated(cluster, tmp_path, 1, 100, b_env=slow,
-                                      coordinator_env={"PITSTOP_COORDINATOR_FILL_DEADLINE_S": "0.5"})
+                                      coordinator_env={"PITSTOP_COORDINATOR_FILL_DEADLINE_S": "0.3"})
     op, _ = _follow(cc, cc.evacuate("host-b", post_copy=True)["name"])
     assert op["error"]["details"][0]["reason"] == "fill_unconfirmed", op
     assert "keep host-b up" in op["error"]["details"][0]["action"]
