@@ -40,6 +40,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -217,6 +218,9 @@ def main() -> None:
     ap.add_argument("--state-mb", type=float, default=512.0, help="extra state per rank (MiB), up to about 2048")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--worlds", default="2,4,8", help="job sizes for the scaling runs (one leaving rank)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each 4-rank method, interleaved; the table and ratios use each method's "
+                         "medians (downtime and job pause separately)")
     ap.add_argument("--scaling-repeats", type=int, default=3,
                     help="runs per job size, interleaved (2,4,8,2,4,8,...); the spread is taken between "
                          "the sizes' medians: one run of each varied by as much as the target allows")
@@ -235,18 +239,25 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     started = time.time()
     bw = raw_tcp_bandwidth()
-    runs = [evacuation(4, [2, 3], a.state_mb, a.steps, prewarm_gib=a.prewarm_gib)]
-    if not a.skip_post_copy:
-        runs.append(evacuation(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_LAZY_RESTORE": "1"},
-                               label="pitstop, post-copy", prewarm_gib=a.prewarm_gib))
-    if not a.skip_post_copy:
-        runs.append(evacuation(4, [2, 3], a.state_mb, a.steps, NETWORK_POST_COPY,
-                               label="pitstop, network post-copy", prewarm_gib=a.prewarm_gib))
-    if not a.skip_naive:
-        runs.append(evacuation(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_STREAM_WHILE_DUMPING": "0"},
-                               label="naive CRIU", prewarm_gib=a.prewarm_gib))
-    runs += [checkpoint_restart(int(w), a.state_mb, a.steps, prewarm_gib=a.prewarm_gib)
-             for w in a.restart_worlds.split(",") if w]
+    every_run: list[dict] = []
+    for rep in range(max(1, a.repeats)):  # interleaved: a slow spell of the VM hits every method
+        first = len(every_run)
+        every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, prewarm_gib=a.prewarm_gib))
+        if not a.skip_post_copy:
+            every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_LAZY_RESTORE": "1"},
+                                        label="pitstop, post-copy", prewarm_gib=a.prewarm_gib))
+            every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, NETWORK_POST_COPY,
+                                        label="pitstop, network post-copy", prewarm_gib=a.prewarm_gib))
+        if not a.skip_naive:
+            every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_STREAM_WHILE_DUMPING": "0"},
+                                        label="naive CRIU", prewarm_gib=a.prewarm_gib))
+        every_run += [checkpoint_restart(int(w), a.state_mb, a.steps, prewarm_gib=a.prewarm_gib)
+                      for w in a.restart_worlds.split(",") if w]
+        for r in every_run[first:]:
+            r["repeat"] = rep
+    runs = median_runs(every_run)  # per method: the run of median downtime; ratios use medians (below)
+    pause = {m: statistics.median(r["job_pause_s"] for r in every_run if r["method"] == m)
+             for m in {r["method"] for r in every_run}}
     scaling = []
     for rep in range(max(1, a.scaling_repeats)):
         for w in (int(x) for x in a.worlds.split(",") if x):
@@ -267,7 +278,7 @@ def main() -> None:
         "downtime_over_floor": ref["downtime_s"] / floor,
     }
     for r in runs[1:]:
-        summary[f"{r['method']} / pitstop (job pause)"] = r["job_pause_s"] / ref["job_pause_s"]
+        summary[f"{r['method']} / pitstop (job pause)"] = pause[r["method"]] / pause[ref["method"]]
     for method, name in (("pitstop, post-copy", "post-copy"), ("pitstop, network post-copy", "network post-copy")):
         v = next((r for r in runs if r["method"] == method), None)
         if v is None:
@@ -276,7 +287,7 @@ def main() -> None:
         summary[f"{name}: vs_target"] = v["downtime_s"] / (1.5 * floor + 0.5)
         for r in runs:
             if r["method"] in ("naive CRIU", "checkpoint-restart"):
-                summary[f"{r['method']} / {name} (job pause)"] = r["job_pause_s"] / v["job_pause_s"]
+                summary[f"{r['method']} / {name} (job pause)"] = pause[r["method"]] / pause[v["method"]]
                 summary[f"{r['method']} / {name} (downtime)"] = r["downtime_s"] / v["downtime_s"]
     net = next((r for r in runs if r["method"] == "pitstop, network post-copy"), None)
     if net and net.get("fill_s"):
@@ -294,23 +305,24 @@ def main() -> None:
     if transfer and max(transfer) > 0:
         summary["stream_bytes_per_s"] = ref["bytes"] / max(transfer)
         summary["stream_vs_raw_tcp"] = summary["stream_bytes_per_s"] / bw
-    exact = {tuple(r["final"]) for r in runs + scaling if r["world"] == 4 and r["method"] != "checkpoint-restart"}
+    exact = {tuple(r["final"]) for r in every_run + scaling if r["world"] == 4 and r["method"] != "checkpoint-restart"}
     summary["pitstop_and_naive_identical"] = len(exact) == 1
     summary["runs_whose_ranks_disagree"] = [f"{r['method']} ({r['world']} ranks): from step {r['first_divergent_step']},"
                                             f" moved after step {r['moved_after_step']}"
-                                            for r in runs + scaling if r.get("first_divergent_step") is not None]
+                                            for r in every_run + scaling if r.get("first_divergent_step") is not None]
     # DDP rebuilds its gradient buckets after a relaunch, which changes the order in which a
     # 4-rank allreduce sums (last-bit rounding): checkpoint-restart is not bit-exact here.
     summary["checkpoint_restart_identical_to_pitstop"] = all(
-        tuple(r["final"]) in exact for r in runs if r["method"] == "checkpoint-restart")
+        tuple(r["final"]) in exact for r in every_run if r["method"] == "checkpoint-restart")
     doc = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(sys.argv),
-           "wall_s": round(time.time() - started, 1), "summary": summary, "runs": runs, "scaling": scaling}
+           "wall_s": round(time.time() - started, 1), "summary": summary, "runs": runs, "every_run": every_run,
+           "median_job_pause_s": pause, "scaling": scaling}
     Path(a.out).write_text(json.dumps(doc, indent=1))
     png = Path(a.out).with_suffix(".png")
     chart(runs + medians, png, floor)
     print(f"{machine()}; raw TCP {bw / 1e9:.2f} GB/s; floor {floor:.3f} s for {ref['bytes'] / 1e6:.0f} MB")
     print(f"{'method':<28}{'ranks':>6}{'downtime s':>11}{'job pause s':>12}{'MB':>7}  phases")
-    for r in runs + scaling:
+    for r in every_run + scaling:
         mb = r.get("bytes") or r.get("checkpoint_bytes", 0)
         print(f"{r['method']:<28}{r['world']:>6}{r['downtime_s']:>11.2f}{r['job_pause_s']:>12.2f}{mb / 1e6:>7.0f}  "
               + " ".join(f"{k}={v:.2f}" for k, v in r["phases"].items()))

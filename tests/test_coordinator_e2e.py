@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from pitstop.coordinator.client import CoordinatorClient
+from pitstop.capture import proctree
 from pitstop.devcluster import pitstop_cmd
 from pitstop.errors import PitstopError
 
@@ -239,3 +240,27 @@ def test_a_restored_worker_outlives_a_restart_of_its_agent(cluster, tmp_path):
     assert_same_as_reference(out, reference_hashes(tmp_path, 1, steps=120))
     w = next(w for w in cluster.agents["spare-1"].client().workers() if w["id"] == "train.0")
     assert w["state"] == "exited" and w["exit_code"] is None and "restarting" in w["reason"], w
+
+
+def test_a_restore_that_outlives_its_call_is_stopped_by_the_rollback(cluster, tmp_path):
+    """The coordinator gave up on a restore (its call's deadline) and rolled back: the source
+    runs rank 1 again.  The destination's restore had not registered its worker when the
+    rollback looked, and did so just after: the rollback's discard must stop that copy, or the
+    rank runs twice."""
+    cluster.start_coordinator(env={"PITSTOP_COORDINATOR_STEP_TIMEOUT_S": "3"})
+    cluster.start_agent("host-a")
+    cluster.start_agent("host-b")
+    spare = cluster.start_agent("spare-1", spare=True, env={"PITSTOP_ENABLE_FAULTS": "1",
+                                                            "PITSTOP_FAULTS": "restore:before_register=sleep:6"})
+    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+    out = tmp_path / "out"
+    ranks = cluster.start_job("train", ddp_cmd(out, steps=150), 2, {0: "host-a", 1: "host-b"})
+    _wait_jobs(cc, "train", 2)
+    wait_for_step(ranks[1].log, 5)
+    op = _wait_op(cc, cc.evacuate("host-b")["name"])
+    assert op["metadata"]["result"] == "failed", op
+    w = spare.client().worker("train.1")  # registered after the rollback looked ...
+    assert w["state"] == "lost" and "rolled back" in w["reason"], w
+    assert not proctree.exists(w["root_pid"])  # ... and stopped by its discard
+    assert [r.proc.wait(240) for r in ranks] == [0, 0]
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150))

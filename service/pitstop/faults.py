@@ -11,6 +11,8 @@ damage what it handles, as CRIU's zdtm does with its own hooks.  Points:
   transfer:cut_after    source agent, value = bytes after which the image stream breaks
   image:corrupt         destination agent, value = 1: flip one byte of the received pages
   restore:before_criu   destination agent, before CRIU restores
+  restore:before_register destination agent, after CRIU restored the worker, before it is
+                        registered (a rollback that looks for it meanwhile finds nothing)
   restore:kill_fill     destination agent, value = 1: kill the lazy-pages daemon as soon as the
                         lazy restore returns (the worker must then be stopped, not run on zeros)
   postcopy:stop_after_pages  source agent, value = N: its page server hangs up after N pages

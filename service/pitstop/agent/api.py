@@ -222,8 +222,9 @@ def peer_app(agent: Agent) -> FastAPI:
             raise Conflict(f"worker {wid} was launched here, not restored; refusing to kill it",
                            action="only restored copies can be discarded")
         if w.state in ("running", "paused", "capturing", "stopped"):
-            agent.state.update_worker(w, state="lost")
-            proctree.kill_and_wait(w.root_pid)
+            agent.state.update_worker(w, state="lost", reason="its move was rolled back; this copy was stopped "
+                                                              "(the source runs the rank)")
+            proctree.discard_copy(w.root_pid)
         return w
 
     @r.get("/workers/{wid}/shim")

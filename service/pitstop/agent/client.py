@@ -147,5 +147,7 @@ class AgentClient:
     def restore(self, image_id: str, timeout: float = 180.0) -> dict:
         return self._req("POST", f"/v1/images/{image_id}:restore", timeout=timeout)
 
-    def discard(self, image_id: str) -> dict:
-        return self._req("DELETE", f"/v1/images/{image_id}")
+    def discard(self, image_id: str, timeout: float = 60.0) -> dict:
+        """Longer than the agent's wait for an abandoned restore to stop (30 s): the caller
+        must not go on (resume the source) while that copy may still come up."""
+        return self._req("DELETE", f"/v1/images/{image_id}", timeout=timeout)

@@ -58,6 +58,7 @@ class Slot:
     # killed (a rollback must never wait on, or compete with, a restore that hangs).
     abort: threading.Event = field(default_factory=threading.Event)
     idle: threading.Event = field(default_factory=lambda: _set(threading.Event()))
+    restored: str | None = None  # the worker a restore from this slot registered
 
 
 def _set(e: threading.Event) -> threading.Event:
@@ -103,17 +104,31 @@ class DestinationSide:
             raise NotFound(f"no image {image_id!r} on this agent", action="send the images first")
         return s
 
-    def discard(self, image_id: str, wait_s: float = 30.0) -> None:
-        """Drop a slot; a restore still running from it is killed first (the way back after a
-        coordinator gave up waiting on this agent)."""
-        with self.lock:
+    def discard(self, image_id: str, wait_s: float = 30.0, abandon: bool = True) -> None:
+        """Drop a slot.  abandon (a rollback: the coordinator gave up on this move): a restore
+        still running from it is killed first, and a worker it already registered is stopped,
+        even one registered after the rollback looked for it: otherwise the rank would run
+        here and on its source.  Not abandon: this agent is done with the images."""
+        with self.lock:  # abort is set under the lock that restore_image reads it under
             s = self.slots.pop(image_id, None)
+            if s and abandon:
+                s.abort.set()
         if s:
-            s.abort.set()
-            if not s.idle.wait(wait_s):
+            if abandon and not s.idle.wait(wait_s):
                 log.error("a restore did not stop after it was abandoned", image=image_id)
+            if abandon and s.restored:
+                self.stop_abandoned(s.restored, "its move was rolled back after this agent restored it")
             s.receiver.close()
             shutil.rmtree(s.directory, ignore_errors=True)
+
+    def stop_abandoned(self, worker_id: str, why: str) -> None:
+        """Stop a copy this agent restored for a move that did not commit."""
+        w = self.state.workers.get(worker_id)
+        if w is None or not w.restored or w.state not in LIVE_STATES:
+            return
+        self.state.update_worker(w, state="lost", reason=why + "; this copy was stopped (the source runs the rank)")
+        proctree.discard_copy(w.root_pid)
+        log.warning("stopped a restored copy whose move was rolled back", worker=worker_id, reason=why)
 
     # -- restoring -----------------------------------------------------------------------------
     def verify_image(self, image_id: str) -> tuple[Manifest, float]:
@@ -157,6 +172,15 @@ class DestinationSide:
                                     output_base=m.output_base, gpu=m.gpu, phases=gpu_phases, net=m.net,
                                     keep_peers=m.keep_peers, lazy=bool(self.s.lazy_restore or m.pages_from),
                                     abort=s.abort, pages_from=m.pages_from)
+            with self.lock:
+                s.restored = w.id
+                abandoned = s.abort.is_set()  # discard() sets it under this lock
+            if abandoned:  # a rollback discarded this move while CRIU restored it
+                if fill:
+                    fill.kill()
+                self.stop_abandoned(w.id, "its move was rolled back while it was being restored")
+                raise RestoreFailed(f"the restore of {image_id} was abandoned (its move was rolled back)",
+                                    action="nothing to do: the source runs the worker")
         finally:
             s.idle.set()
         phases = {"verify": t1 - t0, "restore": time.monotonic() - t1, **gpu_phases}
@@ -167,7 +191,7 @@ class DestinationSide:
             threading.Thread(target=self._watch_fill, args=(w, fill, image_id), daemon=True,
                              name=f"fill-{w.id}").start()
         else:
-            self.discard(image_id)
+            self.discard(image_id, abandon=False)
         return w, phases
 
     def _watch_fill(self, w: Worker, fill: lazy_pages.LazyFill, image_id: str) -> None:
@@ -182,7 +206,7 @@ class DestinationSide:
         if ok:
             log.info("memory filled", worker=w.id, seconds=round(fill.seconds, 3))
             self._fill_ended(w, "filled", seconds=fill.seconds)
-            self.discard(image_id)
+            self.discard(image_id, abandon=False)
             return
         live = w.state in LIVE_STATES and proctree.exists(w.root_pid)
         if live:
@@ -199,7 +223,7 @@ class DestinationSide:
         else:
             log.warning("the lazy fill failed after the worker had ended on its own", worker=w.id, reason=why)
         self._fill_ended(w, "failed", seconds=fill.seconds, reason=why)
-        self.discard(image_id)
+        self.discard(image_id, abandon=False)
 
     def _fill_ended(self, w: Worker, state: str, seconds: float | None = None, reason: str | None = None) -> None:
         if w.fill is not None:
@@ -285,7 +309,7 @@ class DestinationSide:
             try:
                 timings = self.gpu.resume_restored(pid, gpu)
             except PitstopError:
-                proctree.kill_tree(pid)  # a copy without its GPU memory must never run
+                proctree.discard_copy(pid)  # a copy without its GPU memory must never run
                 if fill:
                     fill.kill()
                 for fd, _, _ in ours:
@@ -307,6 +331,7 @@ class DestinationSide:
         scope.place(worker_id, pid, more=tuple(p.pid for p in pumps))
         if fill:  # the worker's memory depends on it: an agent restart must not take it down
             scope.place(worker_id + "-fill", fill.pid, more=fill.pids[1:])
+        faults.hit("restore:before_register")  # the worker runs; a rollback may look for it meanwhile
         w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
                    restored=True, output_base=output_base or {}, net=net,
                    fill=Fill(source=(pages_from or {}).get("url"), images=str(directory)) if fill else None)

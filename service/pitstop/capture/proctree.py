@@ -6,9 +6,11 @@ recycled pid can never be captured in its place.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +158,65 @@ def kill_tree(root: int, timeout_s: float = 10.0) -> list[int]:
     while any(exists(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.002)
     return pids
+
+
+TCP_REPAIR = 19          # linux/tcp.h
+_SYS_PIDFD_GETFD = 438   # the same number on x86-64 and arm64
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def silence_tcp(pids: list[int]) -> int:
+    """Put every TCP socket these processes hold into repair mode; how many.
+
+    A socket in repair mode closes without a FIN or RST (the kernel just drops it), which is
+    how CRIU lets go of a dumped tree.  The processes should be stopped first, or they could
+    still send in between."""
+    n = 0
+    for p in pids:
+        try:
+            pidfd = os.pidfd_open(p)
+            fds = os.listdir(f"/proc/{p}/fd")
+        except OSError:
+            continue
+        try:
+            for fd in fds:
+                try:
+                    if not os.readlink(f"/proc/{p}/fd/{fd}").startswith("socket:"):
+                        continue
+                except OSError:
+                    continue
+                dup = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, int(fd), 0)
+                if dup < 0:
+                    continue
+                try:
+                    s = socket.socket(fileno=dup)
+                except OSError:
+                    os.close(dup)
+                    continue
+                try:
+                    if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
+                        s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, 1)
+                        n += 1
+                except OSError:
+                    pass
+                finally:
+                    s.close()  # our duplicate only: the process still holds the socket
+        finally:
+            os.close(pidfd)
+    return n
+
+
+def discard_copy(root: int, timeout_s: float = 10.0) -> list[int]:
+    """Kill a restored copy whose move did not commit, without a word on its connections.
+
+    It holds the same TCP connections as the source it was copied from, which the rollback
+    restores.  Killed plainly, its kernel would close them (FIN, retransmitted after the
+    process is gone) and the job's other ranks would see their peer hang up.  Stopped, its
+    sockets put in repair mode, then killed, it leaves them as they were."""
+    pids = tree(root) if exists(root) else []
+    stop(pids)
+    silence_tcp(pids)
+    return kill_tree(root, timeout_s)
 
 
 _UFFD_MISSING = re.compile(rb"^VmFlags:.*\bum\b", re.M)

@@ -445,10 +445,10 @@ class OpRun:
                 except PitstopError as e:
                     if e.http_status != 404:
                         leftovers.append(f"{wid} on {dest}: {e.message}")
-                try:
+                try:  # also stops a copy a restore registered after the look above
                     dst.discard(self.image_id(wid))
-                except PitstopError:
-                    pass
+                except PitstopError as e:
+                    leftovers.append(f"{wid}'s images on {dest}: {e.message}")
             if src is None:
                 continue
             try:
