@@ -267,8 +267,7 @@ def evacuate(
 ) -> None:
     """Move every worker off NODE to a spare while its jobs keep training.
 
-    The operation is done when NODE may leave: with post-copy, that is after the job resumed,
-    once the moved workers' memory has all arrived."""
+    Done when NODE may leave: with post-copy, once the moved memory has all arrived."""
     import time
 
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn

@@ -31,10 +31,10 @@ def _faults(spec: str) -> dict[str, str]:
 
 class World:
     def __init__(self, cluster, tmp_path, *, coord: str = "", agents: dict[str, str] | None = None,
-                 spare: bool = True, spare_images=None) -> None:
+                 spare: bool = True, spare_images=None, coord_env: dict[str, str] | None = None) -> None:
         self.c, self.tmp = cluster, tmp_path
         self.port = None
-        cluster.start_coordinator(env=_faults(coord) if coord else None)
+        cluster.start_coordinator(env={**(_faults(coord) if coord else {}), **(coord_env or {})} or None)
         self.port = int(cluster.coordinator_url.rsplit(":", 1)[1])
         agents = agents or {}
         for name in ("host-a", "host-b", *(["spare-1"] if spare else [])):
@@ -104,6 +104,33 @@ def test_destination_agent_killed_mid_restore(cluster, tmp_path, record):
     assert "removes the images of this move when it starts" in op["error"]["details"][0]["action"], op["error"]
     record("destination agent killed mid-restore", "rolled back; " + w.finished_intact(),
            msg + " ... " + op["error"]["message"].split("; rolled back, ")[-1][:120])
+
+
+def test_restore_finishing_after_the_coordinator_gave_up(cluster, tmp_path, record):
+    w = World(cluster, tmp_path, agents={"spare-1": "restore:before_register=sleep:6"},
+              coord_env={"PITSTOP_COORDINATOR_STEP_TIMEOUT_S": "3"})
+    op = _wait_op(w.cc, w.evacuate()["name"])
+    msg = _failed(op)
+    copy = cluster.agents["spare-1"].client().worker("train.1")
+    assert copy["state"] == "lost" and not proctree.exists(copy["root_pid"]), copy
+    record("a restore finishing after the coordinator gave up on it (registered after the rollback looked)",
+           "its copy stopped silently by the rollback's discard; " + w.finished_intact(),
+           msg + " ... copy: " + copy["reason"][:100])
+
+
+def test_source_stops_serving_mid_fill(cluster, tmp_path, record):
+    w = World(cluster, tmp_path, agents={"host-b": "postcopy:stop_after_pages=2000"})
+    op = _wait_op(w.cc, w.evacuate(post_copy=True)["name"])
+    assert op["metadata"]["result"] == "failed" and op["metadata"]["committed"], op
+    assert op["error"]["details"][0]["reason"] == "fill_failed", op["error"]
+    copy = cluster.agents["spare-1"].client().worker("train.1")
+    assert copy["state"] == "lost" and not proctree.exists(copy["root_pid"]), copy
+    log = cluster.agents["spare-1"].log.read_text(errors="replace")
+    assert "code=-11" not in log and "code=-7" not in log  # killed, never ran on zeros
+    w.ranks[0].proc.terminate()  # the job's own recovery from here
+    record("network post-copy: the source stops serving mid-fill (after the commit)",
+           "op failed (fill_failed) after the commit; the moved rank killed before any page read as zero; "
+           "the job's own recovery takes over", op["error"]["message"][:200])
 
 
 def test_corrupt_image_at_destination(cluster, tmp_path, record):
