@@ -41,6 +41,12 @@ def _job(cluster, tmp_path, steps: int, workers: int = 0, src_env: dict | None =
     return a, b, out, kw, ranks
 
 
+def _stop_job(ranks) -> None:  # noqa: ANN001
+    for r in ranks:
+        r.proc.kill()
+        r.proc.wait(30)
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("workers", [0, 2], ids=["one process", "with DataLoader children"])
@@ -88,9 +94,7 @@ def test_source_failing_mid_fill_stops_the_worker_before_it_reads_zeros(cluster,
     assert "code=-11" not in log and "code=-7" not in log, log[-2000:]
     until(lambda: not any(b.image_dir.iterdir()))
     until(lambda: not any(a.image_dir.iterdir()), what="the source's dump deleted once its fill failed")
-    for r in ranks:  # the job's own recovery would take over; here the test ends it
-        r.proc.kill()
-        r.proc.wait(30)
+    _stop_job(ranks)  # the job's own recovery would take over; here the test ends it
 
 
 @pytest.mark.e2e
@@ -150,9 +154,7 @@ def test_capture_refuses_while_the_fill_outlasts_its_wait_and_the_worker_runs_on
     until(lambda: "memory filled" in b.log.read_text(errors="replace"), timeout=90)
     n = step_times(ranks[1].log)[-1][0]
     wait_for_step(ranks[1].log, n + 3)  # it trains on, its memory whole
-    for r in ranks:
-        r.proc.kill()
-        r.proc.wait(30)
+    _stop_job(ranks)
 
 
 @pytest.mark.e2e
@@ -364,6 +366,16 @@ def test_page_server_refuses_what_the_dump_does_not_hold(dumped, tmp_path, reque
         t.join(10)
 
 
+def _role(cc, host: str) -> str:  # noqa: ANN001
+    return next(h for h in cc.hosts() if h["name"] == host)["role"]
+
+
+def _ends_bitwise_equal(ranks, out, tmp_path, kw: dict) -> None:  # noqa: ANN001
+    codes = [r.proc.wait(180) for r in ranks]
+    assert codes == [0] * len(ranks), [r.log.read_text()[-1500:] for r in ranks]
+    assert_same_as_reference(out, reference_hashes(tmp_path, len(ranks), **kw))
+
+
 def _coordinated(cluster, tmp_path, ranks_on_b: int, steps: int, b_env: dict | None = None,
                  coordinator_env: dict | None = None):  # noqa: ANN202
     """host-a runs rank 0; host-b the rest; spare-1 waits.  host-b's agent has post-copy off
@@ -419,12 +431,10 @@ def test_evacuation_asking_for_post_copy_stays_open_until_the_node_may_leave(clu
     filled = next(c for c in md["conditions"] if c["type"] == "MemoryFilled")
     assert filled["status"] == "True" and "host-b may leave" in filled["message"], filled
     assert ("fill", "draining") in seen, seen
-    assert next(h for h in cc.hosts() if h["name"] == "host-b")["role"] == "drained"
+    assert _role(cc, "host-b") == "drained"
     assert op["response"]["fill_s"] == md["fill_s"]
     until(lambda: not any(cluster.agents["host-b"].image_dir.iterdir()))
-    codes = [r.proc.wait(180) for r in ranks]
-    assert codes == [0] * 3, [r.log.read_text()[-1500:] for r in ranks]
-    assert_same_as_reference(out, reference_hashes(tmp_path, 3, **kw))
+    _ends_bitwise_equal(ranks, out, tmp_path, kw)
 
 
 @pytest.mark.e2e
@@ -446,10 +456,8 @@ def test_coordinator_restarted_during_the_fill_waits_for_it_again(cluster, tmp_p
     md = op["metadata"]
     assert md["result"] == "succeeded" and md["workers"]["j.1"]["fill"]["state"] == "filled", op
     assert md["downtime_s"] == downtime  # the job's pause, not the coordinator's restart
-    assert next(h for h in cc.hosts() if h["name"] == "host-b")["role"] == "drained"
-    codes = [r.proc.wait(180) for r in ranks]
-    assert codes == [0] * 2, [r.log.read_text()[-1500:] for r in ranks]
-    assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))
+    assert _role(cc, "host-b") == "drained"
+    _ends_bitwise_equal(ranks, out, tmp_path, kw)
 
 
 @pytest.mark.e2e
@@ -466,11 +474,9 @@ def test_evacuation_whose_fill_fails_ends_failed_and_says_why(cluster, tmp_path)
     assert "page server hung up after" in op["error"]["message"], op["error"]
     assert "restart the job from its last checkpoint" in op["error"]["details"][0]["action"]
     assert md["downtime_s"] is not None
-    assert next(h for h in cc.hosts() if h["name"] == "host-b")["role"] == "drained"  # not needed any more
+    assert _role(cc, "host-b") == "drained"  # not needed any more
     assert cluster.agents["spare-1"].client().worker("j.1")["state"] == "lost"
-    for r in ranks:
-        r.proc.kill()
-        r.proc.wait(30)
+    _stop_job(ranks)
 
 
 @pytest.mark.e2e
@@ -482,12 +488,10 @@ def test_fill_past_the_coordinators_deadline_keeps_the_node_draining(cluster, tm
     op, _ = _follow(cc, cc.evacuate("host-b", post_copy=True)["name"])
     assert op["error"]["details"][0]["reason"] == "fill_unconfirmed", op
     assert "keep host-b up" in op["error"]["details"][0]["action"]
-    assert next(h for h in cc.hosts() if h["name"] == "host-b")["role"] == "draining"
+    assert _role(cc, "host-b") == "draining"
     spare = cluster.agents["spare-1"].client()
     until(lambda: spare.worker("j.1")["fill"]["state"] == "filled", timeout=120)
-    codes = [r.proc.wait(180) for r in ranks]
-    assert codes == [0] * 2, [r.log.read_text()[-1500:] for r in ranks]
-    assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))
+    _ends_bitwise_equal(ranks, out, tmp_path, kw)
 
 
 @pytest.mark.e2e
@@ -503,9 +507,7 @@ def test_post_copy_a_source_cannot_serve_is_refused_before_anything_pauses(clust
     assert cc.ops() == []
     n = step_times(ranks[1].log)[-1][0]
     wait_for_step(ranks[1].log, n + 3)  # never paused
-    for r in ranks:
-        r.proc.kill()
-        r.proc.wait(30)
+    _stop_job(ranks)
 
 
 @pytest.mark.e2e
