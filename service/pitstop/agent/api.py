@@ -105,7 +105,7 @@ class Agent:
 
     def refresh(self, w: Worker) -> Worker:
         if w.state == "running" and not w.restored and (
-                not proctree.exists(w.root_pid) or proctree.start_time(w.root_pid) != w.start_time):
+                not proctree.is_running(w.root_pid, w.start_time)):
             self.state.update_worker(w, state="exited" if w.exit_code is not None else "lost")
             self.drop_net(w)
         if w.state == "running":

@@ -101,7 +101,7 @@ class SourceSide:
         if w.state != "running":
             raise Conflict(f"worker {w.id} is {w.state}, not running", code="worker_not_running",
                            action="wait for the operation that holds it to finish")
-        if not proctree.exists(w.root_pid) or proctree.start_time(w.root_pid) != w.start_time:
+        if not proctree.is_running(w.root_pid, w.start_time):
             self.state.update_worker(w, state="lost")
             raise FailedPrecondition(f"worker {w.id} (pid {w.root_pid}) is no longer running",
                                      code="worker_gone", action="nothing to capture; the worker exited")
@@ -331,7 +331,7 @@ class SourceSide:
             w = self.state.workers.get(cap.worker_id)
             how = "worker unknown"
             try:
-                if w and proctree.exists(w.root_pid) and proctree.start_time(w.root_pid) == w.start_time:
+                if w and proctree.is_running(w.root_pid, w.start_time):
                     images = Path(cap.image_dir)
                     if proctree.state(w.root_pid) == "T" and (images / "stats-dump").exists():
                         how = self._rollback_stopped(cap, w)

@@ -35,6 +35,7 @@ from .settings import AgentSettings
 from .state import Fill, LIVE_STATES, AgentState, Worker
 
 log = structlog.get_logger("pitstop.agent.restore")
+UNFILLED = "its memory could not be filled after a lazy restore: "  # a lost worker's reason
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -176,9 +177,9 @@ class DestinationSide:
                 s.restored = w.id
                 abandoned = s.abort.is_set()  # discard() sets it under this lock
             if abandoned:  # a rollback discarded this move while CRIU restored it
-                if fill:
-                    fill.kill()
                 self.stop_abandoned(w.id, "its move was rolled back while it was being restored")
+                if fill:  # only once the copy is gone: its unfilled pages would read as zeros
+                    fill.kill()
                 raise RestoreFailed(f"the restore of {image_id} was abandoned (its move was rolled back)",
                                     action="nothing to do: the source runs the worker")
         finally:
@@ -216,7 +217,7 @@ class DestinationSide:
             code = "" if w.exit_code is None else f", exit code {w.exit_code}"
             ended = "" if live or w.state != "exited" else f" (it had already ended{code})"
             self.state.update_worker(w, state="lost",
-                                     reason="its memory could not be filled after a lazy restore: " + why + ended)
+                                     reason=UNFILLED + why + ended)
             log.error("restored worker stopped: its memory could not be filled", worker=w.id, reason=why + ended,
                       action="the move had committed; the job's own recovery takes over from here "
                              f"(see {fill.images / lazy_pages.LOG} before the images go)")
@@ -415,13 +416,12 @@ class DestinationSide:
         for w in list(self.state.workers.values()):
             if not (w.fill and w.fill.state == "filling" and Path(w.fill.images) == d):
                 continue
-            alive = proctree.exists(w.root_pid) and proctree.start_time(w.root_pid) == w.start_time
+            alive = proctree.is_running(w.root_pid, w.start_time)
             ok, why = lazy_pages.ended_unwatched(d, alive)
             if ok is False and w.state in ("running", "exited"):  # the relay stopped it, or it read zeros
                 if alive:
                     proctree.kill_tree(w.root_pid)
-                self.state.update_worker(w, state="lost", reason="its memory could not be filled after a lazy "
-                                                                 "restore: " + why)
+                self.state.update_worker(w, state="lost", reason=UNFILLED + why)
             self._fill_ended(w, {True: "filled", False: "failed", None: "unknown"}[ok],
                              reason=why or "it ended while the agent was restarting")
             log.info("a fill that outlived the previous agent has ended", worker=w.id, state=w.fill.state,
@@ -449,7 +449,7 @@ class DestinationSide:
                                  name=f"adopted-{w.id}").start()
 
     def _watch_adopted(self, w: Worker) -> None:
-        while proctree.exists(w.root_pid) and proctree.start_time(w.root_pid) == w.start_time:
+        while proctree.is_running(w.root_pid, w.start_time):
             time.sleep(0.2)
         time.sleep(0.5)  # its pumps drain the last output
         self._ended(w, None, reason="it ended while its agent was restarting: its exit status is unknown")

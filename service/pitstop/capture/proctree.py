@@ -42,6 +42,11 @@ def start_time(pid: int) -> int | None:
     return int(f[19]) if f else None
 
 
+def is_running(pid: int, started: int | None) -> bool:
+    """Whether `pid` is still the process that started at `started` (not a recycled pid)."""
+    return exists(pid) and start_time(pid) == started
+
+
 def session_id(pid: int) -> int | None:
     f = _stat_fields(pid)
     return int(f[3]) if f else None
@@ -137,7 +142,7 @@ def kill_and_wait(root: int, timeout_s: float = 10.0) -> bool:
         return True
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not exists(root) or start_time(root) != st:
+        if not is_running(root, st):
             return True
         time.sleep(0.01)
     return False
