@@ -47,9 +47,9 @@ def raw_tcp_bandwidth(nbytes: int = 1 << 30) -> float:
     return sent / dt
 
 
-def evacuate_and_wait(cc: "object", node: str, label: str = "evacuation") -> dict:
+def evacuate_and_wait(cc: "object", node: str, label: str = "evacuation", pre_copy: bool | None = None) -> dict:
     """Evacuate `node` through the coordinator and wait for the operation; its metadata."""
-    op = cc.evacuate(node)  # type: ignore[attr-defined]
+    op = cc.evacuate(node, pre_copy=pre_copy)  # type: ignore[attr-defined]
     while not op["done"]:
         time.sleep(0.05)
         op = cc.op(op["name"])  # type: ignore[attr-defined]

@@ -7,12 +7,16 @@ The reference job is tests/workloads/ddp_train.py: torch gloo DDP, every rank ho
 --state-mb of extra state, launched through `pitstop run`, 4 ranks on 2 hosts (host-a:
 ranks 0-1, host-b: ranks 2-3).  Methods, each on a fresh local cluster:
 
-- pitstop: host-b evacuated to a spare through the coordinator; downtime (first rank
-  paused to last rank resumed), every phase, and the pause the job saw (the longest gap
-  between two consecutive steps of any rank).
+- pitstop: host-b evacuated to a spare through the coordinator, as it does by default: the
+  leaving ranks' memory is pre-copied while the job trains (capture/precopy.py) and only
+  what changed travels during the pause; downtime (first rank paused to last rank resumed),
+  every phase, and the pause the job saw (the longest gap between two consecutive steps of
+  any rank).  The pre-copy's own time (before anything pauses) is reported beside it.
+- pitstop, stop-and-copy: the same without pre-copy (`pre_copy: false`): every byte travels
+  during the pause, streamed while CRIU dumps.  Its stream rate is the transfer figure.
 - floor: the leaving ranks' image bytes / raw TCP bandwidth between two processes,
   measured in this run (hosts here share one kernel: the link is loopback).
-- pitstop, post-copy: the same evacuation with the spare restoring lazily
+- pitstop, post-copy: the stop-and-copy evacuation with the spare restoring lazily
   (PITSTOP_AGENT_LAZY_RESTORE=1, capture/lazy_pages.py): the job resumes while CRIU's
   lazy-pages daemon fills the restored ranks' memory from the received images.
 - pitstop, network post-copy: the sources split their dumps (PITSTOP_AGENT_REMOTE_POST_COPY=1,
@@ -64,7 +68,7 @@ def _final_hashes(out: Path, world: int) -> list[str]:
 
 
 def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agent_env: dict | None = None,
-               label: str = "pitstop", prewarm_gib: float = 0.0) -> dict:
+               label: str = "pitstop", prewarm_gib: float = 0.0, pre_copy: bool | None = None) -> dict:
     """Run the job through `pitstop run` and evacuate host-b (which holds `leaving`) to a spare."""
     with LocalCluster(root=Path(tempfile.mkdtemp(prefix="pitstop-bench-"))) as c:
         c.start_coordinator()
@@ -79,7 +83,7 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
             wait_for_step(rk.log, 20, timeout_s=300)
         warm_s = prewarm(prewarm_gib)
         t0 = time.time()
-        md = evacuate_and_wait(cc, "host-b", label)
+        md = evacuate_and_wait(cc, "host-b", label, pre_copy=pre_copy)
         codes = [r.proc.wait(600) for r in ranks]
         if codes != [0] * world:
             raise SystemExit(f"{label}: job exit codes {codes}")
@@ -100,9 +104,12 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
         dump = max((cp.get("dump", 0.0) for cp in caps), default=0.0)
         phases = dict(md["phases"])
         after = phases.pop("fill", None)  # after the resume: not part of the downtime the bars show
+        ahead = phases.pop("precopy", None)  # before the pause: likewise
+        pre = sum(w.get("bytes_pre_copied", 0) for w in md["workers"].values())
         return {"method": label, "world": world, "leaving_ranks": leaving, "state_mb": state_mb,
                 "downtime_s": md["downtime_s"], "job_pause_s": round(pause, 4), "median_step_s": round(normal, 4),
-                "bytes": md["bytes_total"] + later, "bytes_before_resume": md["bytes_total"],
+                "bytes": md["bytes_total"] + later + pre, "bytes_before_resume": md["bytes_total"],
+                "bytes_pre_copied": pre, "precopy_s": ahead, "pre_copy_sent_bytes": md.get("pre_copy_bytes", 0),
                 "bytes_after_resume": later, "fill_s": max(fills, default=None),
                 "node_free_after_resume_s": md.get("fill_s") if after is not None else 0.0,
                 "phases": phases, "dump_s": round(dump, 4),
@@ -187,8 +194,12 @@ def chart(runs: list[dict], path: Path, floor_s: float) -> None:
         seg: dict[str, float] = {}  # in the order the phases happen
         for k, v in r["phases"].items():
             if k == "capture":
-                seg["dump (CRIU)"] = min(r["dump_s"], v)
-                seg["transfer after dump"] = v - seg["dump (CRIU)"]
+                dump = min(r["dump_s"], v)
+                delta = min(max((cp.get("delta", 0.0) for cp in r.get("capture_phases", [])), default=0.0), v - dump)
+                seg["dump (CRIU)"] = dump
+                if delta:
+                    seg["delta against the pre-copy"] = delta
+                seg["transfer after dump"] = v - dump - delta
                 continue
             name = CHART_PHASES.get(k, k)
             seg[name] = seg.get(name, 0.0) + v
@@ -243,14 +254,16 @@ def main() -> None:
     for rep in range(max(1, a.repeats)):  # interleaved: a slow spell of the VM hits every method
         first = len(every_run)
         every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, prewarm_gib=a.prewarm_gib))
+        every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, label="pitstop, stop-and-copy",
+                                    prewarm_gib=a.prewarm_gib, pre_copy=False))
         if not a.skip_post_copy:
             every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_LAZY_RESTORE": "1"},
-                                        label="pitstop, post-copy", prewarm_gib=a.prewarm_gib))
+                                        label="pitstop, post-copy", prewarm_gib=a.prewarm_gib, pre_copy=False))
             every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, NETWORK_POST_COPY,
                                         label="pitstop, network post-copy", prewarm_gib=a.prewarm_gib))
         if not a.skip_naive:
             every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_STREAM_WHILE_DUMPING": "0"},
-                                        label="naive CRIU", prewarm_gib=a.prewarm_gib))
+                                        label="naive CRIU", prewarm_gib=a.prewarm_gib, pre_copy=False))
         every_run += [checkpoint_restart(int(w), a.state_mb, a.steps, prewarm_gib=a.prewarm_gib)
                       for w in a.restart_worlds.split(",") if w]
         for r in every_run[first:]:
@@ -301,10 +314,21 @@ def main() -> None:
         summary[f"scaling_downtime_range ({label}, every run)"] = [min(every), max(every)]
         summary[f"scaling_median_downtime_s ({label})"] = {str(s["world"]): s["downtime_s"]
                                                            for s in medians if s["method"] == label}
-    transfer = [cp.get("transfer", 0.0) for cp in ref["capture_phases"]]
+    whole = next((r for r in runs if r["method"] == "pitstop, stop-and-copy"), ref)
+    transfer = [cp.get("transfer", 0.0) for cp in whole["capture_phases"]]
     if transfer and max(transfer) > 0:
-        summary["stream_bytes_per_s"] = ref["bytes"] / max(transfer)
+        summary["stream_bytes_per_s"] = whole["bytes"] / max(transfer)
         summary["stream_vs_raw_tcp"] = summary["stream_bytes_per_s"] / bw
+    if ref.get("precopy_s"):  # the pre-copy: live memory read and sent while the job trains
+        summary["pre_copy_s"] = ref["precopy_s"]
+        summary["pre_copy_bytes_per_s"] = ref["pre_copy_sent_bytes"] / ref["precopy_s"]
+        summary["pre_copy_vs_raw_tcp"] = summary["pre_copy_bytes_per_s"] / bw
+        summary["bytes_sent_during_pause / image bytes"] = ref["bytes_before_resume"] / ref["bytes"]
+        if whole is not ref:
+            summary["pitstop, stop-and-copy / pitstop (downtime)"] = whole["downtime_s"] / ref["downtime_s"]
+    for r in runs:
+        if r["method"] in ("naive CRIU", "checkpoint-restart"):
+            summary[f"{r['method']} / pitstop (downtime)"] = r["downtime_s"] / ref["downtime_s"]
     exact = {tuple(r["final"]) for r in every_run + scaling if r["world"] == 4 and r["method"] != "checkpoint-restart"}
     summary["pitstop_and_naive_identical"] = len(exact) == 1
     summary["runs_whose_ranks_disagree"] = [f"{r['method']} ({r['world']} ranks): from step {r['first_divergent_step']},"

@@ -264,6 +264,10 @@ def evacuate(
         help="network post-copy: the job resumes before most of the moved memory has travelled; it follows "
              "from NODE, which must stay up until the operation is done.  Default: the source agent's "
              "PITSTOP_AGENT_REMOTE_POST_COPY"),
+    pre_copy: Optional[bool] = typer.Option(
+        None, "--pre-copy/--no-pre-copy",
+        help="send the leaving workers' memory while the job still runs, then only what changed during the "
+             "pause.  Default: the coordinator's PITSTOP_COORDINATOR_PRE_COPY"),
 ) -> None:
     """Move every worker off NODE to a spare while its jobs keep training.
 
@@ -274,7 +278,7 @@ def evacuate(
 
     c = _client()
     try:
-        o = c.evacuate(node, to, idempotency_key, post_copy=post_copy)
+        o = c.evacuate(node, to, idempotency_key, post_copy=post_copy, pre_copy=pre_copy)
     except PitstopError as e:
         _fail(e, as_json)
     if not wait:

@@ -68,8 +68,9 @@ def run_checks() -> list[Check]:
     checks.append(Check("CONFIG_CHECKPOINT_RESTORE", None if cr is None else cr == "y",
                         cr or "kernel config not readable", required=cr is not None))
     sd = _kconfig("CONFIG_MEM_SOFT_DIRTY")
-    checks.append(Check("soft-dirty (pre-copy)", None, "available" if sd == "y" else
-                        "not available: no iterative pre-dump; full stop-and-copy is used", required=False))
+    checks.append(Check("soft-dirty", None, ("available" if sd == "y" else "not available")
+                        + " (not needed: pitstop's pre-copy compares page digests, capture/precopy.py)",
+                        required=False))
     unshare = shutil.which("unshare")
     if unshare:
         p = subprocess.run([unshare, "--pid", "--fork", "--kill-child", "true"], capture_output=True, text=True)

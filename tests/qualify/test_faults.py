@@ -183,7 +183,7 @@ def test_worker_dies_during_the_freeze(cluster, tmp_path, record):
            f"op failed: {op['error']['message'][:160]}")
 
 
-@pytest.mark.parametrize("phase", ["pause", "capture", "verify", "release", "restore", "commit", "resume"])
+@pytest.mark.parametrize("phase", ["precopy", "pause", "capture", "verify", "release", "restore", "commit", "resume"])
 def test_coordinator_restarted_in_each_phase(cluster, tmp_path, record, phase):
     w = World(cluster, tmp_path, coord=f"phase:{phase}=sleep:6")
     op = w.until_phase(w.evacuate(), phase)
@@ -209,6 +209,22 @@ def test_source_agent_restarted_during_capture(cluster, tmp_path, record):
     record("source agent restarted during the capture (the host comes back mid-move)",
            "op failed, worker resumed by the restarted agent; " + w.finished_intact(),
            f"op: {op['error']['message'][:100]}; agent: {caps[-1]['error']['message'][:100]}")
+
+
+def test_source_agent_restarted_during_the_pre_copy(cluster, tmp_path, record):
+    """The pre-copy's call breaks with the agent, which is still starting when the coordinator
+    checks on it: the operation ends before anything pauses."""
+    w = World(cluster, tmp_path, agents={"host-b": "precopy:before_read=sleep:6"})
+    op = w.until_phase(w.evacuate(), "precopy")
+    time.sleep(1)
+    w.restart_agent("host-b")
+    op = _wait_op(w.cc, op["name"])
+    msg = _failed(op)
+    assert "nothing was paused" in op["error"]["message"] and not op["metadata"]["paused"]
+    spare = cluster.agents["spare-1"]
+    assert not any(p.name.startswith("in-") for p in spare.image_dir.iterdir())
+    record("source agent restarted during the pre-copy", "op failed before the pause; " + w.finished_intact(),
+           msg)
 
 
 def test_replacement_dies_right_after_commit(cluster, tmp_path, record):

@@ -133,6 +133,14 @@ class CaptureRequest(BaseModel):
                                    "agent's PITSTOP_AGENT_REMOTE_POST_COPY")
 
 
+class PreCopyRequest(BaseModel):
+    worker_id: str
+    dest_url: str = Field(..., description="the peer agent the move will go to")
+    image_id: str = Field(..., description="the image id the move's capture will use")
+    post_copy: bool | None = Field(None, description="what the move will ask; with network post-copy "
+                                   "nothing is pre-copied")
+
+
 class ShimOp(BaseModel):
     op: Literal["quiesce", "targets", "command"]
     gen: int = Field(0, ge=0, le=2**31 - 1)
@@ -249,6 +257,11 @@ def peer_app(agent: Agent) -> FastAPI:
             elif req.op == "command":
                 shimctl.command(b, req.command, req.ids)
         return {"blocks": len(bs)}
+
+    @r.post("/precopies")
+    def precopy(req: PreCopyRequest) -> dict:
+        """Blocking: it returns when the worker's memory is at the destination (or why not)."""
+        return agent.source.precopy(req.worker_id, req.dest_url, req.image_id, post_copy=req.post_copy)
 
     @r.post("/captures", status_code=202)
     def capture(req: CaptureRequest) -> dict:

@@ -31,9 +31,10 @@ import httpx
 import structlog
 
 from .. import faults, tls
-from ..capture import criu_ops, netlock, postcopy, proctree, procwindow, runtime
+from ..capture import criu_ops, netlock, postcopy, precopy, proctree, procwindow, runtime
 from ..capture.manifest import Manifest
-from ..errors import CaptureFailed, Conflict, FailedPrecondition, NotFound, PitstopError, TransferFailed
+from ..errors import (CaptureFailed, Conflict, DeadlineExceeded, FailedPrecondition, InvalidRequest, NotFound, PitstopError,
+                      TransferFailed)
 from ..gpu.checkpoint import GpuCheckpointer  # noqa: F401 - the type of self.gpu
 from ..network import workerns
 from ..transfer import dataport, page_server
@@ -44,6 +45,8 @@ from .state import AgentState, Capture, Worker
 log = structlog.get_logger("pitstop.agent.capture")
 
 VIEW = "post-copy-view"  # inside a capture's images: what travels before the restore (capture/postcopy.py)
+DELTA = "pre-copy-delta"  # inside a capture's images: what travels after a pre-copy (capture/precopy.py)
+MAX_BASES = 64  # pre-copies whose capture has not come yet (an operation that died): the oldest go
 
 
 class PageSource:
@@ -73,6 +76,7 @@ class SourceSide:
         self._locks_guard = threading.Lock()
         self.data_port: int | None = None  # this agent's data port, where it serves lazy pages
         self.page_sources: dict[str, PageSource] = {}  # by image id
+        self.bases: dict[str, precopy.Basis] = {}  # pre-copies sent, by the image id of the move they serve
 
     # -- capture -----------------------------------------------------------------------------
     def start(self, worker_id: str, dest_url: str | None, image_id: str | None,
@@ -116,6 +120,71 @@ class SourceSide:
             why = "this agent has no plain data port (PITSTOP_AGENT_DATA_STREAM=0)"
         return {"default": self.s.remote_post_copy, "unavailable": why}
 
+    def precopy(self, worker_id: str, dest_url: str, image_id: str, post_copy: bool | None = None) -> dict[str, Any]:
+        """Send the running worker's memory to the destination ahead of its move (capture/precopy.py).
+
+        Nothing pauses: the worker runs while its pages are read.  The capture of the move that
+        follows (same image id) then sends only the pages that changed.  Skipped, not refused,
+        where it would not help: a move with network post-copy sends no memory before the resume."""
+        wanted_remote = self.s.remote_post_copy if post_copy is None else post_copy
+        if wanted_remote and not self.post_copy_support()["unavailable"]:
+            return {"image_id": image_id, "skipped": "the move uses network post-copy: no memory travels before "
+                                                     "the resume"}
+        if not image_id.replace("-", "").replace("_", "").isalnum():
+            raise InvalidRequest(f"bad image id {image_id!r}", action="use letters, digits, '-' and '_'")
+        with self.state.lock:
+            w = self.state.worker(worker_id)
+            self._check_capturable(w)
+        if w.restored and proctree.filling(proctree.tree(w.root_pid)):
+            return {"image_id": image_id, "skipped": "the worker's memory is still being filled after its last move"}
+        pre_id = image_id + precopy.PRE_SUFFIX
+        d = self.s.images / ("pre-" + image_id)
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True, mode=0o700)
+        tail = DirectoryTail(d)
+        errors: list[BaseException] = []
+        done = [time.monotonic()]
+        sender = threading.Thread(target=self._send_to, args=(dest_url, pre_id, tail, errors, done),
+                                  name=f"precopy-{image_id}", daemon=True)
+        t0 = time.monotonic()
+        sender.start()
+        try:
+            try:
+                faults.hit("precopy:before_read")
+                basis = precopy.snapshot(w.id, proctree.tree(w.root_pid), d)
+            except BaseException as e:
+                tail.failure = e if isinstance(e, Exception) else Exception(repr(e))
+                raise
+            tail.manifest_base = Manifest(capture_id="pre-" + image_id, criu_version=runtime.locate().version_str,
+                                          worker={"id": w.id, "job": w.job, "rank": w.rank}, pre_copy_of=image_id)
+            tail.finished.set()
+            sender.join(self.s.transfer_timeout_s)
+            if sender.is_alive() or errors:
+                err = errors[0] if errors else TransferFailed(
+                    f"the pre-copy to {dest_url} did not finish within {self.s.transfer_timeout_s:.0f} s",
+                    action="the move can go on without it; check the destination and the network")
+                raise err
+        finally:
+            if sender.is_alive():
+                tail.failure = tail.failure or TransferFailed("pre-copy abandoned", action="none")
+                sender.join(10)
+            shutil.rmtree(d, ignore_errors=True)
+        with self.state.lock:
+            late = any(c.image_id == image_id for c in self.state.captures.values())
+            if not late:
+                self.bases[image_id] = basis
+                while len(self.bases) > MAX_BASES:
+                    self.bases.pop(next(iter(self.bases)))
+        if late:  # its caller gave up waiting and the move went on without it: nobody will use it
+            self._discard_at(dest_url, pre_id)
+            raise DeadlineExceeded(f"the pre-copy for {image_id} ended after its move had started",
+                                   action="none: the move sent everything; raise "
+                                          "PITSTOP_COORDINATOR_PRECOPY_DEADLINE_S if this repeats")
+        out = {"image_id": image_id, "parent_image_id": pre_id, **precopy.describe_basis(basis),
+               "seconds": round(time.monotonic() - t0, 4)}
+        log.info("pre-copied", worker=w.id, dest=dest_url, **out)
+        return out
+
     def _remote_post_copy(self, cap: Capture) -> bool:
         wanted = self.s.remote_post_copy if cap.want_post_copy is None else cap.want_post_copy
         if not (wanted and cap.dest_url):
@@ -126,6 +195,23 @@ class SourceSide:
                         capture=cap.id, reason=why)
             return False
         return True
+
+    def _basis_for(self, cap: Capture, w: Worker) -> precopy.Basis | None:
+        with self.state.lock:
+            b = self.bases.pop(cap.image_id or "", None)
+        return b if b is not None and b.worker_id == w.id else None
+
+    def _delta(self, cap: Capture, images: Path, basis: precopy.Basis) -> None:
+        """Write the delta against the pre-copy (capture/precopy.py): what travels instead of the dump."""
+        try:
+            faults.hit("precopy:before_delta")
+            d = precopy.rewrite(images, images / DELTA, basis)
+        except OSError as e:
+            raise CaptureFailed(f"could not write the delta against the pre-copy: {e}",
+                                action="the source is restored from its dump; evacuate again "
+                                       "(`--no-pre-copy` sends the images whole)") from None
+        self.state.update_capture(cap, pre_copy={**precopy.describe_delta(d), "pre_copied_bytes": basis.bytes},
+                                  phases={**cap.phases, "delta": d.seconds})
 
     def _split(self, cap: Capture, images: Path) -> dict:
         """Split the dump (capture/postcopy.py) and offer its lazy pages on the data port."""
@@ -224,8 +310,11 @@ class SourceSide:
         stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
         self.state.update_capture(cap, stdio=stdio)
         remote = self._remote_post_copy(cap)
-        tail = DirectoryTail(images / VIEW if remote else images, on_progress=lambda n: setattr(cap, "bytes_sent", n),
-                             dedup=dedup_pages(self.s.dedup_pages, len(pids), tls.enabled()) and not remote)
+        basis = None if remote or not cap.dest_url else self._basis_for(cap, w)
+        whole = not (remote or basis)  # the dump itself travels (else a view of it, written after it)
+        tail = DirectoryTail(images / VIEW if remote else images / DELTA if basis else images,
+                             on_progress=lambda n: setattr(cap, "bytes_sent", n),
+                             dedup=dedup_pages(self.s.dedup_pages, len(pids), tls.enabled()) and whole)
         sender: threading.Thread | None = None
         send_error: list[BaseException] = []
         t0 = time.monotonic()
@@ -233,7 +322,7 @@ class SourceSide:
         if cap.dest_url:
             sender = threading.Thread(target=self._send, args=(cap, tail, send_error, send_done),
                                       name=f"send-{cap.id}", daemon=True)
-            if self.s.stream_while_dumping and not remote:
+            if self.s.stream_while_dumping and whole:
                 sender.start()
         net = workerns.from_dict(w.net)
         nft = runtime.locate().nft if net else None
@@ -257,7 +346,7 @@ class SourceSide:
         try:
             # Overlap with other dumps in its directory only where nothing streams while it
             # dumps: a dump that collides is redone from scratch (capture/procwindow.py).
-            overlap = remote or not (sender is not None and self.s.stream_while_dumping)
+            overlap = not whole or not (sender is not None and self.s.stream_while_dumping)
             res = self._dump(cap, w, images, net is not None, overlap)
         except PitstopError as e:
             tail.failure = e
@@ -275,7 +364,16 @@ class SourceSide:
             "freeze": res.stats.get("freezing_time", 0) / 1e6, "dump": res.seconds,
             "frozen": res.frozen_s, "memdump": res.memdump_s})
         self.state.update_worker(w, state="stopped")
-        pages_from = None
+        pages_from, parent = None, None
+        if basis:
+            try:
+                self._delta(cap, images, basis)
+                parent = cap.image_id + precopy.PRE_SUFFIX  # type: ignore[operator]
+            except PitstopError as e:  # the source is stopped and whole: restore it from its own dump
+                tail.failure = e
+                self._rollback_stopped(cap, w)
+                self._fail(cap, w, e, resumed_by="pitstop")
+                return
         if remote:
             try:
                 pages_from = self._split(cap, images)
@@ -287,9 +385,9 @@ class SourceSide:
         tail.manifest_base = Manifest(capture_id=cap.id, stdio=stdio, criu_version=runtime.locate().version_str,
                                       output_base=self._output_end(w),
                                       worker={"id": w.id, "job": w.job, "rank": w.rank}, gpu=cap.gpu,
-                                      net=w.net, keep_peers=cap.keep_peers, pages_from=pages_from)
+                                      net=w.net, keep_peers=cap.keep_peers, pages_from=pages_from, parent=parent)
         tail.finished.set()
-        if sender is not None and (remote or not self.s.stream_while_dumping):
+        if sender is not None and (not whole or not self.s.stream_while_dumping):
             sender.start()
         if sender is None:
             total = sum(f.stat().st_size for f in images.iterdir() if not f.name.endswith(".log"))
@@ -401,15 +499,19 @@ class SourceSide:
         return out
 
     def _send(self, cap: Capture, tail: DirectoryTail, errors: list[BaseException], done: list[float]) -> None:
+        self._send_to(cap.dest_url, cap.image_id, tail, errors, done)  # type: ignore[arg-type]
+
+    def _send_to(self, dest_url: str, image_id: str, tail: DirectoryTail, errors: list[BaseException],
+                 done: list[float]) -> None:
         headers = {"Authorization": f"Bearer {self.s.cluster_token}"} if self.s.cluster_token else {}
-        url = f"{cap.dest_url.rstrip('/')}/v1/images/{cap.image_id}"
+        url = f"{dest_url.rstrip('/')}/v1/images/{image_id}"
         try:
             with httpx.Client(timeout=httpx.Timeout(self.s.transfer_timeout_s, connect=10),
                               verify=tls.client_context()) as c:
-                port = self._data_port(c, cap.dest_url, headers) if self.s.data_stream else None
+                port = self._data_port(c, dest_url, headers) if self.s.data_stream else None
                 if port:  # the fast path: a socket of its own (transfer/dataport.py)
                     dataport.send(_cut(iter(tail), faults.value("transfer:cut_after")), httpx.URL(url).host, port,
-                                  cap.image_id, self.s.cluster_token, timeout_s=self.s.transfer_timeout_s)
+                                  image_id, self.s.cluster_token, timeout_s=self.s.transfer_timeout_s)
                     return
                 r = c.put(url, content=_cut(iter(tail), faults.value("transfer:cut_after")), headers=headers)
             if r.status_code >= 300:
@@ -423,10 +525,18 @@ class SourceSide:
         except PitstopError as e:
             errors.append(e)
         except OSError as e:  # the data port: refused, reset, timed out
-            errors.append(TransferFailed(f"transfer to {cap.dest_url} failed: {e!r}",
+            errors.append(TransferFailed(f"transfer to {dest_url} failed: {e!r}",
                                          action="the source was resumed; check the destination agent"))
         finally:
             done[0] = time.monotonic()
+
+    def _discard_at(self, dest_url: str, image_id: str) -> None:
+        headers = {"Authorization": f"Bearer {self.s.cluster_token}"} if self.s.cluster_token else {}
+        try:
+            with httpx.Client(timeout=10, verify=tls.client_context()) as c:
+                c.delete(f"{dest_url.rstrip('/')}/v1/images/{image_id}", headers=headers)
+        except httpx.HTTPError as e:
+            log.warning("could not discard a pre-copy nobody will use", dest=dest_url, image=image_id, error=repr(e))
 
     @staticmethod
     def _data_port(c: httpx.Client, dest_url: str, headers: dict[str, str]) -> int | None:

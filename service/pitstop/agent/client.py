@@ -56,8 +56,8 @@ class AgentClient:
         return raise_for(r)
 
     # reading
-    def info(self) -> dict:
-        return self._req("GET", "/v1/info")
+    def info(self, timeout: float | None = None) -> dict:
+        return self._req("GET", "/v1/info", **({"timeout": timeout} if timeout else {}))
 
     def workers(self) -> list[dict]:
         return self._req("GET", "/v1/workers")
@@ -111,6 +111,11 @@ class AgentClient:
         return self._req("POST", "/v1/captures", json={"worker_id": worker_id, "dest_url": dest_url,
                                                        "image_id": image_id, "keep_peers": keep_peers,
                                                        "post_copy": post_copy})
+
+    def precopy(self, worker_id: str, dest_url: str, image_id: str, post_copy: bool | None = None,
+                timeout: float = 120.0) -> dict:
+        body = {"worker_id": worker_id, "dest_url": dest_url, "image_id": image_id, "post_copy": post_copy}
+        return self._req("POST", "/v1/precopies", json=body, timeout=timeout)
 
     def get_capture(self, cid: str, wait: float = 0.0) -> dict:
         return self._req("GET", f"/v1/captures/{cid}", params={"wait": wait} if wait else None,

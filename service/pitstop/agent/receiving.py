@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import structlog
 
-from ..capture import criu_ops, lazy_pages, proctree
+from ..capture import criu_ops, lazy_pages, precopy, proctree
 from ..capture.manifest import Manifest
 from ..errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed
 from .. import faults
@@ -121,6 +121,12 @@ class DestinationSide:
                 self.stop_abandoned(s.restored, "its move was rolled back after this agent restored it")
             s.receiver.close()
             shutil.rmtree(s.directory, ignore_errors=True)
+        if not image_id.endswith(precopy.PRE_SUFFIX):  # the pre-copy it was a delta against goes with it
+            with self.lock:
+                pre = self.slots.pop(image_id + precopy.PRE_SUFFIX, None)
+            if pre:
+                pre.receiver.close()
+                shutil.rmtree(pre.directory, ignore_errors=True)
 
     def stop_abandoned(self, worker_id: str, why: str) -> None:
         """Stop a copy this agent restored for a move that did not commit."""
@@ -162,6 +168,11 @@ class DestinationSide:
         s = self.slot(image_id)
         t0 = time.monotonic()
         m, _ = self.verify_image(image_id)  # cheap unless a file changed since it arrived
+        if m.pre_copy_of:
+            raise InvalidRequest(f"image {image_id} is a pre-copy, not a capture: it is restored as the parent "
+                                 f"of image {m.pre_copy_of}", action=f"restore {m.pre_copy_of} instead")
+        if m.parent:
+            self._link_parent(s, m.parent)
         t1 = time.monotonic()
         faults.hit("restore:before_criu")
         wk = m.worker
@@ -171,7 +182,8 @@ class DestinationSide:
             w, fill = self._restore(s.directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
                                     stdio=[p.model_dump() for p in m.stdio], replace=True,
                                     output_base=m.output_base, gpu=m.gpu, phases=gpu_phases, net=m.net,
-                                    keep_peers=m.keep_peers, lazy=bool(self.s.lazy_restore or m.pages_from),
+                                    keep_peers=m.keep_peers,
+                                    lazy=bool(m.pages_from or (self.s.lazy_restore and not m.parent)),
                                     abort=s.abort, pages_from=m.pages_from)
             with self.lock:
                 s.restored = w.id
@@ -194,6 +206,19 @@ class DestinationSide:
         else:
             self.discard(image_id, abandon=False)
         return w, phases
+
+    def _link_parent(self, s: Slot, parent_id: str) -> None:
+        """A delta's PE_PARENT pages are read from its pre-copy: CRIU follows `parent` in the images."""
+        ps = self.slots.get(parent_id)
+        if ps is None or ps.state not in ("complete", "verified"):
+            raise RestoreFailed(f"image {s.image_id} is a delta against pre-copy {parent_id}, which is "
+                                + ("not on this agent" if ps is None else f"{ps.state} here"),
+                                action="the move rolls back; evacuate again (the pre-copy is sent again, "
+                                       "or use `--no-pre-copy`)")
+        self.verify_image(parent_id)
+        link = s.directory / "parent"
+        if not link.is_symlink():
+            link.symlink_to(os.path.relpath(ps.directory, s.directory))
 
     def _watch_fill(self, w: Worker, fill: lazy_pages.LazyFill, image_id: str) -> None:
         """Until every page is in place the worker depends on the daemon: if it fails, stop the worker.

@@ -76,6 +76,7 @@ class Capture(BaseModel):
     # post-copy over the network: the split (eager/lazy bytes) and what the fill has fetched so far
     post_copy: dict[str, Any] | None = None
     want_post_copy: bool | None = None  # what the request asked; None: the agent's setting
+    pre_copy: dict[str, Any] | None = None  # the delta against a pre-copy: bytes left in it, bytes sent now
     created: float = Field(default_factory=time.time)
     updated: float = Field(default_factory=time.time)
 

@@ -57,6 +57,10 @@ class Manifest(BaseModel):
     # Post-copy over the network (capture/postcopy.py): the lazy pages are not in these files; the
     # source serves them ({"url", "data_port", "image_id", "lazy_bytes"}) until the fill ends.
     pages_from: dict[str, Any] | None = None
+    # Pre-copy (capture/precopy.py): the image id of the pre-copy these pages files are a delta
+    # against (restored as their `parent`); or, in a pre-copy's own manifest, the move it serves.
+    parent: str | None = None
+    pre_copy_of: str | None = None
 
     @property
     def total_bytes(self) -> int:

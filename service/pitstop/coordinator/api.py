@@ -36,6 +36,10 @@ class EvacuateRequest(BaseModel):
         "resumes; the rest follow from the node afterwards, and the operation (and the node, `draining`) "
         "stays open until they have.  Shortest pause; the node must stay up until the operation is done. "
         "Default: each source agent's PITSTOP_AGENT_REMOTE_POST_COPY")
+    pre_copy: bool | None = Field(
+        None, description="pre-copy: the leaving workers' memory is sent while the job still runs, and only "
+        "what changed travels during the pause.  Skipped for a move with network post-copy; a pre-copy "
+        "that fails only makes the move send everything.  Default: PITSTOP_COORDINATOR_PRE_COPY")
 
 
 class WorkerReport(BaseModel):
@@ -138,12 +142,13 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
     policy = settings.health_policy()
 
     def start_evacuation(node: str, to: str | None, reason: str,
-                         idempotency: tuple[str, str] | None = None, post_copy: bool | None = None) -> str:
+                         idempotency: tuple[str, str] | None = None, post_copy: bool | None = None,
+                         pre_copy: bool | None = None) -> str:
         sync_workers(store, settings, node)
         p = plan(store, node, to, driver.busy_hosts(), settings.heartbeat_timeout_s)
         if post_copy:
             check_post_copy(p.node)
-        return driver.start(p, reason, idempotency, post_copy=post_copy)
+        return driver.start(p, reason, idempotency, post_copy=post_copy, pre_copy=pre_copy)
 
     def check_post_copy(host: dict[str, Any]) -> None:
         """Refuse post-copy the source cannot serve before anything pauses, not mid-move."""
@@ -258,8 +263,9 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
                  idempotency_key: str | None = Header(None, max_length=200)) -> JSONResponse:
         body = body or EvacuateRequest()
         fields = body.model_dump()
-        if fields["post_copy"] is None:  # as before the field existed: a retry across an upgrade still matches
-            del fields["post_copy"]
+        for f in ("post_copy", "pre_copy"):  # unset as before the field existed: a retry across an upgrade matches
+            if fields[f] is None:
+                del fields[f]
         digest = hashlib.sha256(json.dumps({"node": node, **fields}, sort_keys=True).encode()).hexdigest()
         if idempotency_key:
             seen = store.idempotent(idempotency_key)
@@ -270,7 +276,7 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
                                         action="use a new key for a new request", details={"operation": seen[1]})
                 return JSONResponse(operation_view(store.op(seen[1])), status_code=202)
         op_id = start_evacuation(node, body.to, body.reason, (idempotency_key, digest) if idempotency_key else None,
-                                 post_copy=body.post_copy)
+                                 post_copy=body.post_copy, pre_copy=body.pre_copy)
         return JSONResponse(operation_view(store.op(op_id)), status_code=202)
 
     @ops.post("/operations/{op_id}:cancel")

@@ -44,8 +44,10 @@ class CoordinatorClient:
         return self._req("GET", f"/v1/operations/{op_id.removeprefix('operations/')}")
 
     def evacuate(self, node: str, to: str | None = None, idempotency_key: str | None = None,
-                 reason: str | None = None, post_copy: bool | None = None) -> dict:
+                 reason: str | None = None, post_copy: bool | None = None, pre_copy: bool | None = None) -> dict:
         body: dict[str, Any] = {}
+        if pre_copy is not None:
+            body["pre_copy"] = pre_copy
         if post_copy is not None:
             body["post_copy"] = post_copy
         if to:

@@ -30,7 +30,7 @@ import structlog
 
 from .. import faults
 from ..agent.client import AgentClient
-from ..errors import DeadlineExceeded, PitstopError
+from ..errors import DeadlineExceeded, PitstopError, Unavailable
 from .cut import Cut
 from .settings import CoordinatorSettings
 from .store import Store
@@ -42,11 +42,13 @@ class Cancelled(PitstopError):
     code = "cancelled"
 
 
-def new_metadata(plan: Any, reason: str, post_copy: bool | None = None) -> dict[str, Any]:
+def new_metadata(plan: Any, reason: str, post_copy: bool | None = None,
+                 pre_copy: bool | None = None) -> dict[str, Any]:
     return {
         "@type": "type.pitstop.dev/EvacuateMetadata",
         "node": plan.node["name"], "destination": plan.dest["name"], "reason": reason,
         "post_copy": post_copy,  # as asked; None: each source agent's setting
+        "pre_copy": pre_copy,  # as asked; None: the coordinator's setting
         "jobs": plan.jobs,
         "workers": {w["id"]: {"job": w["job"], "rank": w["rank"], "state": "pending", "capture_id": None,
                               "bytes_done": 0, "bytes_total": None} for w in plan.leaving},
@@ -55,7 +57,8 @@ def new_metadata(plan: Any, reason: str, post_copy: bool | None = None) -> dict[
         # connection of a moved worker is reset at the destination (network/workerns.py).
         "keep_peers": sorted({w["address"].split("/")[0] for w in plan.leaving + plan.peers if w.get("address")})
         or None,
-        "paused": [], "committed": False, "phases": {}, "bytes_done": 0, "bytes_total": None,
+        "paused": [], "committed": False, "capture_begun": False, "phases": {}, "bytes_done": 0,
+        "bytes_total": None,
         "conditions": [], "downtime_s": None,
     }
 
@@ -160,6 +163,7 @@ class OpRun:
         src, dst = self.agent(node), self.agent(dest)
         self.condition("Planned", True, "SpareSelected", f"{len(self.md['workers'])} worker(s) of "
                        f"{', '.join(self.md['jobs'])} move from {node} to {dest}")
+        self._pre_copy(src, dst)
         # pause: persisted intent first, so a restart knows whom to resume.
         self.enter("pause")
         self.md["first_pause"] = time.time()
@@ -194,6 +198,9 @@ class OpRun:
         self.check()
 
         self.enter("capture")
+        with self.lock:  # from here a rollback must look for captures on the node, even unrecorded ones
+            self.md["capture_begun"] = True
+            self.save()
 
         def capture(wid: str) -> None:
             w = self.md["workers"][wid]
@@ -217,6 +224,8 @@ class OpRun:
                 w["bytes_done"] = w["bytes_total"] or w["bytes_done"]
                 w["capture_phases"] = cap.get("phases", {})
                 w["bytes_deduplicated"] = cap.get("bytes_deduplicated", 0)
+                if cap.get("pre_copy"):  # sent ahead, while the job ran; not again now
+                    w["bytes_pre_copied"] = cap["pre_copy"].get("parent_bytes", 0)
                 if cap.get("post_copy"):  # network post-copy: these follow after the resume
                     w["bytes_after_resume"] = cap["post_copy"].get("lazy_bytes", 0)
                 self.md["bytes_done"] = sum(x["bytes_done"] for x in self.md["workers"].values())
@@ -270,6 +279,49 @@ class OpRun:
                            f"{len(ids)} communicator(s) re-created with new unique ids")
         self.check()
         self._commit()
+
+    def _pre_copy(self, src: AgentClient, dst: AgentClient) -> None:
+        """Send the leaving workers' memory while the job still runs (capture/precopy.py).
+
+        Best effort by design: a pre-copy only shortens the pause that follows, so one that
+        fails, or passes its deadline, is reported and the move sends everything instead."""
+        wanted = self.md.get("pre_copy")
+        if not (self.d.s.pre_copy if wanted is None else wanted):
+            return
+        self.enter("precopy")
+        results: dict[str, Any] = {}
+
+        def one(wid: str) -> None:
+            try:
+                results[wid] = src.precopy(wid, dst.url, self.image_id(wid), post_copy=self.md.get("post_copy"),
+                                           timeout=self.d.s.precopy_deadline_s)
+            except PitstopError as e:
+                results[wid] = {"error": e.message}
+                log.warning("pre-copy failed; the move sends everything", op=self.id, worker=wid, error=e.message)
+
+        _in_parallel(one, list(self.md["workers"]))
+        sent = sum(r.get("bytes", 0) for r in results.values())
+        failed = {w: r["error"] for w, r in results.items() if "error" in r}
+        if failed:  # a source that stopped answering would fail the move after the pause: stop before it
+            try:
+                src.info(timeout=10)
+            except PitstopError as e:
+                raise Unavailable(f"the agent on {self.md['node']} stopped answering during the pre-copy "
+                                  f"({e.message}); nothing was paused", code="source_unavailable",
+                                  action=f"check the agent on {self.md['node']}, then evacuate again") from None
+        skipped = {r["skipped"] for r in results.values() if "skipped" in r}
+        with self.lock:
+            self.md["pre_copy_bytes"] = sent
+            self.save()
+        self.leave("precopy")
+        if failed:
+            self.condition("PreCopied", False, "PreCopyFailed", "; ".join(f"{w}: {m}" for w, m in failed.items())
+                           + " (those workers' memory travels whole during the pause)")
+        elif skipped:
+            self.condition("PreCopied", False, "PreCopySkipped", "; ".join(sorted(skipped)))
+        else:
+            self.condition("PreCopied", True, "MemorySentAhead", f"{sent} bytes sent while the job ran")
+        self.check()
 
     def _commit(self) -> None:
         node, dest = self.md["node"], self.md["destination"]
@@ -451,6 +503,9 @@ class OpRun:
                     leftovers.append(f"{wid}'s images on {dest}: {e.message}")
             if src is None:
                 continue
+            if not (w.get("capture_id") or self.md.get("capture_begun", True)):  # (absent: an older op)
+                w["state"] = "rolled_back"  # never asked to capture: nothing to undo on the node
+                continue
             try:
                 cid = w.get("capture_id") or next((c["id"] for c in src.captures()
                                                    if c.get("image_id") == self.image_id(wid)), None)
@@ -543,10 +598,11 @@ class Driver:
                 out[op["dest"]] = op["id"]
         return out
 
-    def start(self, plan: Any, reason: str, idem: tuple[str, str] | None, post_copy: bool | None = None) -> str:
+    def start(self, plan: Any, reason: str, idem: tuple[str, str] | None, post_copy: bool | None = None,
+              pre_copy: bool | None = None) -> str:
         op_id = "op-" + uuid.uuid4().hex[:12]
-        self.store.create_op(op_id, plan.node["name"], plan.dest["name"], new_metadata(plan, reason, post_copy),
-                             idem)
+        self.store.create_op(op_id, plan.node["name"], plan.dest["name"],
+                             new_metadata(plan, reason, post_copy, pre_copy), idem)
         self._spawn(op_id, lambda r: r.run())
         return op_id
 

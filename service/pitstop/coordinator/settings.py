@@ -33,6 +33,11 @@ class CoordinatorSettings(BaseSettings):
     # the node stays `draining`: powering it off could still take a rank with it.
     fill_deadline_s: float = 900.0
     fill_poll_s: float = 0.25
+    # Pre-copy (capture/precopy.py): before anything pauses, the leaving workers' memory is sent
+    # while the job runs; the pause then sends only what changed.  A pre-copy that fails or
+    # passes its deadline is dropped and the move sends everything, as without it.
+    pre_copy: bool = True
+    precopy_deadline_s: float = 120.0
     # GPU health policy (health_policy.py): a host past any of these is degraded.
     auto_evacuate: bool = True            # start an evacuation of a degraded host by itself
     health_max_temperature_c: float = 90.0

@@ -1,0 +1,368 @@
+"""Pre-copy: send a running worker's memory ahead, then only what changed once it is paused.
+
+The classic way to shorten a stop-and-copy is CRIU's iterative pre-dump, which asks the
+kernel which pages were written since the last pass (soft-dirty bits).  This kernel has no
+soft-dirty (CONFIG_MEM_SOFT_DIRTY is off), so pitstop compares contents instead:
+
+1. *Before anything pauses* (`snapshot`), the source agent reads every private anonymous page
+   of the running tree through /proc/<pid>/mem and writes it as a CRIU image set of its own:
+   `pagemap-<pid>.img` (every entry "present") and `pages-<pid>.img`.  That set travels to the
+   destination, where it becomes the parent image directory of the real dump.  The agent keeps
+   only digests of what it sent: xxh3-128 per aligned 64 KiB block, per page at a run's edges.
+   A page read while the worker writes it may be torn; that is fine, the digest is of the bytes
+   that were sent, and a torn page differs from the final one.
+2. *After the pause* (`rewrite`), CRIU dumps the stopped tree as always (the source keeps that
+   full dump: a rollback restores from it).  The agent digests each page of the dump at the
+   same addresses and writes a *delta view*: every image file as it is, except that each
+   task's pagemap marks the unchanged runs PE_PARENT (CRIU's own "this page is in the parent
+   image", as a pre-dump chain writes it) and its pages file keeps only the changed pages.
+3. The destination links the pre-copy as `parent` in the delta's directory, and CRIU's restore
+   reads the PE_PARENT runs from there (criu/pagemap.c, read_parent_page).  The restore is
+   eager: CRIU's local lazy-pages daemon hangs on the first page it must read from a parent
+   (2026-11-30, CRIU 4.2: "pr1-2 Read from parent", then nothing until the restorer gives up),
+   so a delta is never restored lazily.
+
+A digest match is the only evidence that a page is unchanged, so the digest is 128 bits:
+a collision between a page's old and new contents (about 2^-128 per page) is the one way a
+wrong page could be restored.  A tenant can only forge one against its own memory.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..errors import CaptureFailed
+from . import runtime
+
+PAGE = 4096
+BLOCK_PAGES = 16
+BLOCK = PAGE * BLOCK_PAGES
+PE_PARENT = 1 << 0
+PE_LAZY = 1 << 1
+PE_PRESENT = 1 << 2
+TASK_PAGEMAP = re.compile(r"pagemap-(\d+)\.img")
+READ_CHUNK = 4 << 20
+GROUP_BYTES = 64 << 20
+PAGEMAP_CHUNK = 1 << 16  # pagemap entries read at a time (512 KiB)
+PRE_SUFFIX = "-pre"  # a pre-copy's image id at the destination: its move's image id plus this
+SKIPPED_VMAS = ("[vvar]", "[vvar_vclock]", "[vsyscall]", "[vdso]")
+_digest = xxhash.xxh3_128_intdigest
+
+
+@dataclass
+class TaskDigests:
+    """What the destination holds of one process: digests by address."""
+
+    blocks: dict[int, int] = field(default_factory=dict)  # aligned 64 KiB block -> digest
+    pages: dict[int, int] = field(default_factory=dict)  # page outside a whole block -> digest
+
+
+@dataclass
+class Basis:
+    """What a pre-copy sent, by the process ids the dump will use (the worker's own namespace)."""
+
+    worker_id: str
+    tasks: dict[int, TaskDigests]
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Delta:
+    parent_bytes: int = 0  # left in the parent: not sent again
+    changed_bytes: int = 0  # pages that changed or were not pre-copied: in the delta's pages files
+    seconds: float = 0.0
+
+
+# -- before the pause ------------------------------------------------------------------------------
+def ns_pid(pid: int) -> int:
+    """The id CRIU names the process's images by: its pid in the innermost pid namespace."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    return pid
+
+
+def _private_vmas(pid: int) -> list[tuple[int, int]]:
+    out = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            perms = parts[1]
+            name = parts[5].strip() if len(parts) > 5 else ""
+            if perms[0] != "r" or perms[3] != "p" or name in SKIPPED_VMAS:
+                continue
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            out.append((start, end))
+    return out
+
+
+def _anon_runs(pagemap_fd: int, start: int, end: int) -> list[tuple[int, int]]:
+    """Runs (vaddr, pages) of anonymous pages in memory or swap: what CRIU dumps of a private VMA."""
+    runs: list[tuple[int, int]] = []
+    first = start // PAGE
+    total = (end - start) // PAGE
+    done = 0
+    while done < total:
+        n = min(PAGEMAP_CHUNK, total - done)
+        raw = os.pread(pagemap_fd, n * 8, (first + done) * 8)
+        if len(raw) < n * 8:
+            n = len(raw) // 8
+            if n == 0:
+                break
+        e = np.frombuffer(raw, dtype=np.uint64, count=n)
+        keep = (((e >> np.uint64(63)) | (e >> np.uint64(62))) & np.uint64(1)).astype(bool)
+        keep &= ~((e >> np.uint64(61)) & np.uint64(1)).astype(bool)  # a page of the file: not dumped
+        if keep.any():
+            edges = np.flatnonzero(np.diff(np.concatenate(([0], keep.view(np.int8), [0]))))
+            for a, b in zip(edges[::2], edges[1::2]):
+                va = start + (done + int(a)) * PAGE
+                if runs and runs[-1][0] + runs[-1][1] * PAGE == va:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + int(b - a))
+                else:
+                    runs.append((va, int(b - a)))
+        done += n
+    return runs
+
+
+def _digest_run(d: TaskDigests, vaddr: int, data: memoryview) -> None:
+    """Digests of one contiguous run: whole aligned blocks as blocks, the edges page by page."""
+    end = vaddr + len(data)
+    p = vaddr
+    while p < end:
+        if p % BLOCK == 0 and p + BLOCK <= end:
+            d.blocks[p] = _digest(data[p - vaddr:p - vaddr + BLOCK])
+            p += BLOCK
+        else:
+            d.pages[p] = _digest(data[p - vaddr:p - vaddr + PAGE])
+            p += PAGE
+
+
+def snapshot(worker_id: str, pids: list[int], out: Path, rt: runtime.CriuRuntime | None = None) -> Basis:
+    """Write the running tree's anonymous memory into `out` as a parent image set; return its digests.
+
+    Pages files are written before their pagemaps, so a reader tailing `out` sees the pagemap
+    only once its pages are complete."""
+    pycriu = (rt or runtime.locate()).import_pycriu()
+    t0 = time.monotonic()
+    basis = Basis(worker_id=worker_id, tasks={})
+    for pid in pids:
+        try:
+            vpid, digests, n = _snapshot_one(pycriu, pid, out)
+        except OSError as e:  # it ended, or its memory went away, while being read (a partial
+            # pages file without its pagemap may be left: CRIU reads pages only through a pagemap)
+            if pid == pids[0]:
+                raise CaptureFailed(f"the pre-copy of worker {worker_id} could not read its memory "
+                                    f"(pid {pid}): {e}", code="worker_gone",
+                                    action="the move goes on without a pre-copy") from None
+            continue  # a child that exited (a DataLoader worker between epochs): its pages go at the pause
+        basis.tasks[vpid] = digests
+        basis.bytes += n * PAGE
+    basis.seconds = time.monotonic() - t0
+    return basis
+
+
+def _snapshot_one(pycriu: Any, pid: int, out: Path) -> tuple[int, TaskDigests, int]:
+    """One process's anonymous memory into pages-<vpid>.img and pagemap-<vpid>.img: (vpid, digests, pages)."""
+    vpid = ns_pid(pid)
+    vmas = _private_vmas(pid)
+    digests = TaskDigests()
+    entries: list[dict[str, Any]] = [{"pages_id": vpid}]
+    pages = 0
+    buf = bytearray(READ_CHUNK)  # reused: fresh memory for every read costs more than the copy here
+    pm = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
+    try:
+        mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+        try:
+            with open(out / f"pages-{vpid}.img", "wb", buffering=0) as pf:
+                for start, end in vmas:
+                    for va, n in _anon_runs(pm, start, end):
+                        got = _copy_run(mem, pf, digests, va, n, buf)
+                        if got:
+                            entries.append({"vaddr": va, "compat_nr_pages": 0, "nr_pages": got, "flags": PE_PRESENT})
+                            pages += got
+        finally:
+            os.close(mem)
+    finally:
+        os.close(pm)
+    with open(out / f"pagemap-{vpid}.img", "wb") as f:
+        pycriu.images.dump({"magic": "PAGEMAP", "entries": entries}, f)
+    return vpid, digests, pages
+
+
+def _copy_run(mem: int, pf: Any, d: TaskDigests, vaddr: int, n: int, buf: bytearray) -> int:
+    """Copy n pages from vaddr into the pages file; the pages copied (a VMA may vanish mid-way)."""
+    copied = 0
+    whole = memoryview(buf)
+    while copied < n:
+        k = min(n - copied, len(buf) // PAGE)
+        va = vaddr + copied * PAGE
+        try:
+            got = os.preadv(mem, [whole[:k * PAGE]], va)
+        except OSError:  # unmapped since the pagemap was read: the run ends here
+            break
+        k = got // PAGE
+        if k == 0:
+            break
+        view = whole[:k * PAGE]
+        pf.write(view)
+        _digest_run(d, va, view)
+        copied += k
+        if k * PAGE < got or got < PAGE:
+            break
+    return copied
+
+
+# -- after the pause -------------------------------------------------------------------------------
+def rewrite(images: Path, view: Path, basis: Basis, rt: runtime.CriuRuntime | None = None) -> Delta:
+    """Write the delta view of the dump in `images` into `view` (hard links where nothing changes)."""
+    pycriu = (rt or runtime.locate()).import_pycriu()
+    t0 = time.monotonic()
+    view.mkdir(mode=0o700, exist_ok=True)
+    out = Delta()
+    rewritten: set[str] = set()
+    for pm in sorted(images.iterdir()):
+        m = TASK_PAGEMAP.fullmatch(pm.name)
+        if not m:
+            continue
+        with open(pm, "rb") as f:
+            img = pycriu.images.load(f, pretty=False)
+        head, entries = img["entries"][0], img["entries"][1:]
+        pages_name = f"pages-{head['pages_id']}.img"
+        digests = basis.tasks.get(int(m.group(1)))
+        new_entries: list[dict[str, Any]] = []
+        with open(images / pages_name, "rb", buffering=0) as src, \
+                open(view / pages_name, "wb", buffering=0) as dst, _mapped(src.fileno()) as pages:
+            size = len(pages)
+            off = 0
+            for group in _groups(entries):
+                if isinstance(group, dict):  # not in this pages file: as it was
+                    new_entries.append(group)
+                    continue
+                va, n, flags = group
+                if off + n * PAGE > size:
+                    raise CaptureFailed(f"{pm.name} describes more pages than {pages_name} holds",
+                                        action="report it: the dump is inconsistent")
+                with pages[off:off + n * PAGE] as data:
+                    off += n * PAGE
+                    _write_runs(digests, va, flags, data, dst, new_entries, out)
+            if off != size:
+                raise CaptureFailed(f"{pm.name} describes {off} bytes of pages, {pages_name} holds {size}",
+                                    action="report it: the dump is inconsistent")
+        with open(view / pm.name, "wb") as f:
+            pycriu.images.dump({**img, "entries": [head, *new_entries]}, f)
+        rewritten |= {pm.name, pages_name}
+    for f in images.iterdir():
+        if f.is_file() and f.name not in rewritten and not f.name.endswith(".log"):
+            os.link(f, view / f.name)
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+def _write_runs(digests: TaskDigests | None, va: int, flags: int, data: memoryview, dst: Any,
+                new_entries: list[dict[str, Any]], out: Delta) -> None:
+    """One group of the dump: unchanged runs become PE_PARENT entries, the rest is copied."""
+    for run_va, run_n, same in _runs(digests, va, data):
+        if same:
+            new_entries.append({"vaddr": run_va, "compat_nr_pages": 0, "nr_pages": run_n,
+                                "flags": PE_PARENT | (flags & PE_LAZY)})
+            out.parent_bytes += run_n * PAGE
+        else:
+            a = run_va - va
+            dst.write(data[a:a + run_n * PAGE])
+            new_entries.append({"vaddr": run_va, "compat_nr_pages": 0, "nr_pages": run_n, "flags": flags})
+            out.changed_bytes += run_n * PAGE
+
+
+class _mapped:
+    """A read-only, pre-faulted mapping of a pages file (tmpfs: its page cache, no copy): reading
+    into fresh buffers cost five times as much here (fresh memory is dear on this VM)."""
+
+    def __init__(self, fd: int) -> None:
+        size = os.fstat(fd).st_size
+        self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) \
+            if size else None
+        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def __enter__(self) -> memoryview:
+        return self.view
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.view.release()
+            if self._map is not None:
+                self._map.close()
+        except BufferError:  # a slice still held by an exception's frame: unmapped when that goes
+            pass
+
+
+def _groups(entries: list[dict[str, Any]]) -> list[Any]:
+    """Present entries joined where they touch and agree in flags, as (vaddr, pages, flags): CRIU
+    cuts its entries where it likes (1 MiB for lazy ones), and a cut inside a 64 KiB block would
+    otherwise cost the block its digest.  A group ends at a block boundary once it is 64 MiB,
+    so no more than that is held in memory.  Entries without pages pass through as they are."""
+    out: list[Any] = []
+    cur: list[int] | None = None
+    for e in entries:
+        flags, n, va = int(e["flags"]), int(e["nr_pages"]), int(e["vaddr"])
+        if not flags & PE_PRESENT:
+            if cur:
+                out.append(tuple(cur))
+                cur = None
+            out.append(e)
+            continue
+        full = cur is not None and cur[1] * PAGE >= GROUP_BYTES and (cur[0] + cur[1] * PAGE) % BLOCK == 0
+        if cur and cur[2] == flags and cur[0] + cur[1] * PAGE == va and not full:
+            cur[1] += n
+        else:
+            if cur:
+                out.append(tuple(cur))
+            cur = [va, n, flags]
+    if cur:
+        out.append(tuple(cur))
+    return out
+
+
+def _runs(d: TaskDigests | None, vaddr: int, data: memoryview) -> list[tuple[int, int, bool]]:
+    """Cut one dumped entry into runs (vaddr, pages, unchanged since the pre-copy)."""
+    n = len(data) // PAGE
+    if d is None:
+        return [(vaddr, n, False)]
+    runs: list[tuple[int, int, bool]] = []
+
+    def add(va: int, k: int, same: bool) -> None:
+        if runs and runs[-1][2] == same and runs[-1][0] + runs[-1][1] * PAGE == va:
+            runs[-1] = (runs[-1][0], runs[-1][1] + k, same)
+        else:
+            runs.append((va, k, same))
+
+    end = vaddr + n * PAGE
+    p = vaddr
+    while p < end:
+        i = p - vaddr
+        if p % BLOCK == 0 and p + BLOCK <= end and p in d.blocks:
+            add(p, BLOCK_PAGES, _digest(data[i:i + BLOCK]) == d.blocks[p])
+            p += BLOCK
+            continue
+        had = d.pages.get(p)
+        add(p, 1, had is not None and _digest(data[i:i + PAGE]) == had)
+        p += PAGE
+    return runs
+
+
+def describe_basis(b: Basis) -> dict[str, Any]:
+    return {"bytes": b.bytes, "seconds": round(b.seconds, 4), "tasks": len(b.tasks)}
+
+
+def describe_delta(d: Delta) -> dict[str, Any]:
+    return {"parent_bytes": d.parent_bytes, "changed_bytes": d.changed_bytes, "seconds": round(d.seconds, 4)}

@@ -1,0 +1,142 @@
+"""Pre-copy (capture/precopy.py) against real CRIU: copy a running process's memory ahead, dump it
+once paused, send only what changed, restore from the delta with the pre-copy as its parent.
+
+Each case is a tiny process with an invariant (zdtm's way): it holds 64 MiB of numbered pages
+and reports a digest of all its memory on SIGUSR2; the restored copy must report the same
+digest as the original did just before its dump, whether memory changed after the pre-copy
+or not.  (Only eager restores read a parent: CRIU's local lazy-pages daemon hangs on its first
+page from one, see precopy.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pitstop.capture import criu_ops, netlock, precopy, proctree
+
+HOLDER = r"""
+import hashlib, mmap, os, signal, sys, time
+out = sys.argv[1]
+MB = 1 << 20
+m = mmap.mmap(-1, 64 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+for i in range(0, len(m), 4096):
+    m[i:i + 8] = i.to_bytes(8, "little")
+extra = []
+todo = []
+signal.signal(signal.SIGUSR1, lambda *a: todo.append("change"))
+signal.signal(signal.SIGUSR2, lambda *a: todo.append("report"))
+n = 0
+print("ready", flush=True)
+sys.stdout.close()
+while True:
+    while todo:
+        what = todo.pop(0)
+        n += 1
+        if what == "change":  # 1 MiB rewritten in place, 2 MiB of new memory, one page at 40 MiB
+            m[MB:2 * MB] = os.urandom(MB)
+            m[40 * MB + 100:40 * MB + 108] = b"changed!"
+            e = mmap.mmap(-1, 2 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            e[:] = os.urandom(2 * MB)
+            extra.append(e)
+        h = hashlib.sha256(m)
+        for e in extra:
+            h.update(e)
+        with open(f"{out}.{n}", "w") as f:
+            f.write(h.hexdigest())
+    time.sleep(0.01)
+"""
+
+
+def _wait_file(p: Path, timeout_s: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if p.exists() and p.stat().st_size == 64:
+            return p.read_text()
+        time.sleep(0.02)
+    raise AssertionError(f"{p} never appeared")
+
+
+def _kill_tree(pid: int) -> None:
+    for p in reversed(proctree.tree(pid)):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("change", [False, True], ids=["unchanged", "changed"])
+def test_restore_from_a_delta_and_its_pre_copy_is_the_process_as_dumped(tmp_path: Path, change: bool) -> None:
+    report = tmp_path / "digest"
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", HOLDER, str(report)],
+                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_id, restored = "", None
+    try:
+        assert p.stdout.readline().strip() == b"ready"
+        root = proctree.children(p.pid)[0]
+        pre, images, view = tmp_path / "pre", tmp_path / "images", tmp_path / "view"
+        pre.mkdir()
+        basis = precopy.snapshot("w", proctree.tree(root), pre)
+        assert basis.bytes >= 64 << 20 and set(basis.tasks) == {1}  # named as in its own namespace
+        os.kill(root, signal.SIGUSR1 if change else signal.SIGUSR2)
+        before = _wait_file(Path(f"{report}.1"))
+        run_id = criu_ops.dump(root, images).run_id
+        delta = precopy.rewrite(images, view, basis)
+        if change:  # 1 MiB rewritten, a page (its 64 KiB block) changed, 2 MiB new; Python's own heap moves too
+            assert 3 << 20 <= delta.changed_bytes < 12 << 20, precopy.describe_delta(delta)
+        else:
+            assert delta.changed_bytes < 4 << 20, precopy.describe_delta(delta)
+        assert delta.parent_bytes >= 60 << 20
+        full = sum(f.stat().st_size for f in images.glob("pages-*.img"))
+        assert sum(f.stat().st_size for f in view.glob("pages-*.img")) == delta.changed_bytes
+        assert full == delta.changed_bytes + delta.parent_bytes
+        _kill_tree(p.pid)
+        p.wait(10)
+        netlock.release(run_id)
+        run_id = ""
+        (view / "parent").symlink_to(Path("..") / "pre")
+        restored, _ = criu_ops.restore(view, {})
+        os.kill(restored, signal.SIGUSR2)
+        after = _wait_file(Path(f"{report}.2"))
+        assert after == before
+    finally:
+        if restored:
+            _kill_tree(restored)
+        if run_id:
+            netlock.release(run_id)
+        _kill_tree(p.pid)
+        p.wait(10)
+
+
+@pytest.mark.timeout(60)
+def test_a_page_not_pre_copied_or_changed_travels_in_the_delta() -> None:
+    """The cut itself, without CRIU: whole blocks go by block digest, the rest page by page."""
+    d = precopy.TaskDigests()
+    data = bytearray(os.urandom(precopy.BLOCK * 3))
+    base = 0x7F0000000000
+    precopy._digest_run(d, base + precopy.PAGE, memoryview(bytes(data[precopy.PAGE:])))  # first page not copied
+    assert set(d.blocks) == {base + precopy.BLOCK, base + 2 * precopy.BLOCK}
+    assert len(d.pages) == precopy.BLOCK_PAGES - 1
+    data[precopy.BLOCK + 5] ^= 1  # a byte in the second block
+    data[3 * precopy.PAGE] ^= 1  # a byte in a page of the first (partial) block
+    runs = precopy._runs(d, base, memoryview(bytes(data)))
+    assert runs == [(base, 1, False), (base + precopy.PAGE, 2, True), (base + 3 * precopy.PAGE, 1, False),
+                    (base + 4 * precopy.PAGE, 12, True), (base + precopy.BLOCK, 16, False),
+                    (base + 2 * precopy.BLOCK, 16, True)]
+    assert precopy._runs(None, base, memoryview(bytes(data))) == [(base, 48, False)]
+
+
+def test_entries_join_where_they_touch_and_agree() -> None:
+    P, L = precopy.PE_PRESENT, precopy.PE_LAZY
+    hole = {"vaddr": 0x30000, "nr_pages": 4, "flags": L}
+    es = [{"vaddr": 0x10000, "nr_pages": 4, "flags": P}, {"vaddr": 0x14000, "nr_pages": 4, "flags": P},
+          {"vaddr": 0x18000, "nr_pages": 2, "flags": P | L}, hole, {"vaddr": 0x40000, "nr_pages": 1, "flags": P},
+          {"vaddr": 0x50000, "nr_pages": 1, "flags": P}]
+    assert precopy._groups(es) == [(0x10000, 8, P), (0x18000, 2, P | L), hole, (0x40000, 1, P), (0x50000, 1, P)]
+

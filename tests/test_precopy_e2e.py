@@ -1,0 +1,131 @@
+"""Pre-copy end to end: a real training job evacuated through the coordinator, its leaving ranks'
+memory sent while it trains, and only what changed sent during the pause (capture/precopy.py).
+
+The invariant is the job's own: every rank ends with the parameters of an uninterrupted run.
+The faults are the ways a pre-copy can go wrong; none may fail the move or lose the job."""
+
+from __future__ import annotations
+
+import pytest
+
+from pitstop.capture import proctree
+from pitstop.coordinator.client import CoordinatorClient
+
+from .helpers import assert_same_as_reference, ddp_cmd, reference_hashes, until, wait_for_step
+from .test_coordinator_e2e import _wait_jobs, _wait_op
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+FAULTY = {"PITSTOP_ENABLE_FAULTS": "1"}
+
+
+def _evacuate(cluster, tmp_path, *, src_env=None, dst_env=None, coord_env=None, steps=150, workers=0,
+              **evacuate):  # noqa: ANN001, ANN003, ANN202
+    cluster.start_coordinator(env=coord_env or {})
+    cluster.start_agent("host-a")
+    cluster.start_agent("host-b", env=src_env or {})
+    spare = cluster.start_agent("spare-1", spare=True, env=dst_env or {})
+    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+    out = tmp_path / "out"
+    kw = dict(steps=steps, state_mb=64, workers=workers)
+    ranks = cluster.start_job("train", ddp_cmd(out, **kw), 2, {0: "host-a", 1: "host-b"})
+    _wait_jobs(cc, "train", 2)
+    wait_for_step(ranks[1].log, 8)
+    op = _wait_op(cc, cc.evacuate("host-b", **evacuate)["name"])
+    return cc, spare, op, out, kw, ranks
+
+
+def _finish(tmp_path, out, kw, ranks) -> None:  # noqa: ANN001
+    assert [r.proc.wait(240) for r in ranks] == [0, 0]
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))
+
+
+def _condition(op: dict, type_: str) -> dict:
+    return next(c for c in op["metadata"]["conditions"] if c["type"] == type_)
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["one process", "with DataLoader children"])
+def test_only_what_changed_travels_during_the_pause(cluster, tmp_path, workers):
+    cc, spare, op, out, kw, ranks = _evacuate(cluster, tmp_path, workers=workers)
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op
+    assert _condition(op, "PreCopied")["status"] == "True"
+    assert "precopy" in md["phases"]
+    w = md["workers"]["train.1"]
+    pre, during = w["bytes_pre_copied"], md["bytes_total"]
+    assert md["pre_copy_bytes"] >= 64 << 20 and pre >= 64 << 20
+    assert during < pre / 3, (during, pre)  # the ballast does not change; the model and Python's heap do
+    assert not any(p.name.startswith(("in-", "pre-")) for p in spare.image_dir.iterdir())  # parent gone too
+    _finish(tmp_path, out, kw, ranks)
+
+
+def test_without_pre_copy_everything_travels_during_the_pause(cluster, tmp_path):
+    cc, spare, op, out, kw, ranks = _evacuate(cluster, tmp_path, pre_copy=False)
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op
+    assert "precopy" not in md["phases"] and not any(c["type"] == "PreCopied" for c in md["conditions"])
+    assert md["bytes_total"] >= 64 << 20
+    _finish(tmp_path, out, kw, ranks)
+
+
+def test_a_failed_pre_copy_only_makes_the_move_send_everything(cluster, tmp_path):
+    cc, spare, op, out, kw, ranks = _evacuate(
+        cluster, tmp_path, src_env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_read=fail"})
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op
+    c = _condition(op, "PreCopied")
+    assert c["status"] == "False" and c["reason"] == "PreCopyFailed" and "injected fault" in c["message"]
+    assert md["bytes_total"] >= 64 << 20
+    _finish(tmp_path, out, kw, ranks)
+
+
+def test_a_pre_copy_past_its_deadline_is_dropped_and_cleaned_up(cluster, tmp_path):
+    """The coordinator stops waiting; the pre-copy ends later, after its move has started: the
+    move sends everything and the late pre-copy is discarded at the destination."""
+    cc, spare, op, out, kw, ranks = _evacuate(
+        cluster, tmp_path, coord_env={"PITSTOP_COORDINATOR_PRECOPY_DEADLINE_S": "1"},
+        src_env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_read=sleep:4"})
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op
+    c = _condition(op, "PreCopied")
+    assert c["status"] == "False" and "timed out" in c["message"]
+    assert md["bytes_total"] >= 64 << 20
+    _finish(tmp_path, out, kw, ranks)
+    until(lambda: not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()), 30)
+
+
+def test_a_failure_after_the_pre_copy_rolls_back_and_leaves_nothing(cluster, tmp_path):
+    """The delta cannot be written: the source is restored from its own dump, the job trains on
+    where it was, and the pre-copy at the destination is discarded with the move."""
+    cc, spare, op, out, kw, ranks = _evacuate(
+        cluster, tmp_path, src_env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_delta=fail"})
+    md = op["metadata"]
+    assert md["result"] == "failed" and "injected fault" in op["error"]["message"], op
+    assert _condition(op, "PreCopied")["status"] == "True"
+    assert not any(p.name.startswith("in-") for p in spare.image_dir.iterdir())
+    assert not any(w["state"] == "running" for w in spare.client().workers())
+    _finish(tmp_path, out, kw, ranks)
+
+
+def test_a_pre_copy_is_not_restored_by_itself(cluster, tmp_path):
+    """Asking the destination to restore a pre-copy as if it were a capture is refused, and changes nothing."""
+    cluster.start_agent("host-b")
+    spare = cluster.start_agent("spare-1", spare=True)
+    out = tmp_path / "out"
+    ranks = cluster.start_job("train", ddp_cmd(out, steps=400, state_mb=16), 1, {0: "host-b"})
+    cluster.wait_registered("host-b", "train.0")
+    wait_for_step(ranks[0].log, 3)
+    src = cluster.agents["host-b"].client()
+    try:
+        r = src.precopy("train.0", spare.url, "img-x")
+        assert r["bytes"] >= 16 << 20 and r["parent_image_id"] == "img-x-pre"
+        from pitstop.errors import PitstopError
+        with pytest.raises(PitstopError) as e:
+            spare.client().restore("img-x-pre")
+        assert e.value.http_status == 400 and "is a pre-copy" in e.value.message
+        assert proctree.exists(src.worker("train.0")["root_pid"])
+        spare.client().discard("img-x")  # the move's discard takes its pre-copy with it
+        assert not any(p.name.startswith("in-") for p in spare.image_dir.iterdir())
+    finally:
+        for r in ranks:
+            r.proc.kill()
+            r.proc.wait(30)
