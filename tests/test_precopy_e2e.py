@@ -6,6 +6,8 @@ The faults are the ways a pre-copy can go wrong; none may fail the move or lose 
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from pitstop.capture import proctree
@@ -129,3 +131,28 @@ def test_a_pre_copy_is_not_restored_by_itself(cluster, tmp_path):
         for r in ranks:
             r.proc.kill()
             r.proc.wait(30)
+
+
+def test_a_pre_copy_that_would_not_fit_is_skipped(cluster, tmp_path):
+    """The pre-copy's pages wait in the source's image directory until sent: where they would
+    not fit, with room to spare, it is skipped (saying why), not started and failed half-way."""
+    small = tmp_path / "small-images"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m,mode=0700", "tmpfs", str(small)], check=True)
+    ranks = []
+    try:
+        cluster.start_agent("host-b", image_dir=small)
+        spare = cluster.start_agent("spare-1", spare=True)
+        ranks = cluster.start_job("train", ddp_cmd(tmp_path / "out", steps=400, state_mb=16), 1, {0: "host-b"})
+        cluster.wait_registered("host-b", "train.0")
+        wait_for_step(ranks[0].log, 3)
+        r = cluster.agents["host-b"].client().precopy("train.0", spare.url, "img-y")
+        assert "MiB free" in r["skipped"] and "bytes" not in r, r
+        assert not any(small.iterdir()) and not any(p.name.startswith("in-") for p in spare.image_dir.iterdir())
+    finally:
+        for rk in ranks:
+            rk.proc.kill()
+            rk.proc.wait(30)
+        if "host-b" in cluster.agents:
+            cluster.stop_agent("host-b")
+        subprocess.run(["umount", "-l", str(small)], check=False)

@@ -137,6 +137,11 @@ class SourceSide:
             self._check_capturable(w)
         if w.restored and proctree.filling(proctree.tree(w.root_pid)):
             return {"image_id": image_id, "skipped": "the worker's memory is still being filled after its last move"}
+        pids = proctree.tree(w.root_pid)
+        need, free = precopy.anon_bytes(pids), shutil.disk_usage(self.s.images).free
+        if need * 1.1 + (256 << 20) > free:  # held here until sent: leave room, with a margin, for dumps
+            return {"image_id": image_id, "skipped": f"the pre-copy would hold about {need >> 20} MiB in "
+                                                     f"{self.s.images}, which has {free >> 20} MiB free"}
         pre_id = image_id + precopy.PRE_SUFFIX
         d = self.s.images / ("pre-" + image_id)
         shutil.rmtree(d, ignore_errors=True)
@@ -151,7 +156,7 @@ class SourceSide:
         try:
             try:
                 faults.hit("precopy:before_read")
-                basis = precopy.snapshot(w.id, proctree.tree(w.root_pid), d)
+                basis = precopy.snapshot(w.id, pids, d)
             except BaseException as e:
                 tail.failure = e if isinstance(e, Exception) else Exception(repr(e))
                 raise

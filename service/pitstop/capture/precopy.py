@@ -93,6 +93,20 @@ def ns_pid(pid: int) -> int:
     return pid
 
 
+def anon_bytes(pids: list[int]) -> int:
+    """About what a pre-copy of these processes writes (their resident anonymous memory)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith(("RssAnon:", "VmSwap:")):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
 def _private_vmas(pid: int) -> list[tuple[int, int]]:
     out = []
     with open(f"/proc/{pid}/maps") as f:
