@@ -69,14 +69,24 @@ def _load(measured: Path) -> dict:
     solo = min(d.get("scaling") or [p], key=lambda r: r["world"])
     caps = solo["capture_phases"]
     per_rank = solo["bytes"] / len(caps)
-    out = {"date": d["date"], "machine": d["machine"], "rates_from": f"{solo['method']}, {solo['world']} ranks",
+    # The stream's rate from a run whose bytes all travelled in the pause: since pre-copy is the
+    # default, that is the 4-rank stop-and-copy run, whose two leaving ranks streamed together
+    # on the 2 cores: their aggregate rate stands for one rank's (a solo rank also had both
+    # cores: its sender and its receiver each take one), as it did before pre-copy (1.20 GB/s).
+    whole = (runs.get("pitstop, stop-and-copy") if solo.get("bytes_pre_copied") else None) or solo
+    out = {"date": d["date"], "machine": d["machine"], "rates_from": f"{solo['method']}, {solo['world']} ranks"
+           + (f"; the stream's from {whole['method']}, {whole['world']} ranks" if whole is not solo else ""),
            "dump_Bps": per_rank / max(c["dump"] for c in caps),
-           "stream_Bps": per_rank / max(c["transfer"] for c in caps),
+           "stream_Bps": (whole["bytes"] if whole is not solo else per_rank)
+           / max(c["transfer"] for c in whole["capture_phases"]),
            "restore_Bps": per_rank / solo["phases"]["restore"],
            "round_s": (p["phases"]["pause"] + p["phases"]["commit"] + p["phases"]["resume"]) / 3,
            "pitstop_downtime_s": p["downtime_s"], "moved_bytes": p["bytes"]}
     post = runs.get("pitstop, post-copy")
     # What is left of the restore on the critical path when the memory fill runs after it
+    deltas = [c["delta"] for c in caps if c.get("delta")]
+    if deltas:  # pre-copy: the dump's pages digested against the pre-copy, per rank
+        out["digest_Bps"] = per_rank / max(deltas)
     out["post_copy_restore_ratio"] = post["phases"]["restore"] / p["phases"]["restore"] if post else 1.0
     ck = runs.get("checkpoint-restart")
     if ck:
@@ -116,29 +126,36 @@ def project(m: dict, gpus: int) -> dict:
     local_pc = at_nic - pit["restore"] * host_share * (1 - m.get("post_copy_restore_ratio", 1.0))
     # network post-copy: host memory neither crosses the NIC nor is restored before the resume
     network_pc = at_nic - (leaving - device) / nic - pit["restore"] * host_share
+    # pre-copy: host memory crossed the NIC before the pause; during it, it is digested instead.
+    # Device memory gains nothing: cuda-checkpoint writes it into the process at the pause.
+    host = leaving - device
+    pre = at_nic - host / nic + host / (m["digest_Bps"] * GPUS_PER_HOST) if m.get("digest_Bps") else None
     return {"gpus": gpus, "pitstop_s": tp, "checkpoint_restart_s": tc, "pitstop": pit, "checkpoint_restart": ck,
             "pitstop_dominant": max(pit, key=pit.get), "restart_dominant": max(ck, key=ck.get),
             "gpu_hours_pitstop": gpus * tp / 3600, "gpu_hours_restart": gpus * tc / 3600,
             "pitstop_at_nic_speed_s": at_nic, "pitstop_at_nic_speed_post_copy_s": local_pc,
-            "pitstop_at_nic_speed_network_post_copy_s": network_pc}
+            "pitstop_at_nic_speed_network_post_copy_s": network_pc, "pitstop_at_nic_speed_pre_copy_s": pre}
 
 
 def markdown(m: dict, rows: list[dict]) -> str:
     out = [f"Measured inputs ({m['date']}, {m['machine']}, bench/compare.py, rates from the run "
            f"'{m['rates_from']}'): per leaving rank, CRIU dump "
            f"{m['dump_Bps'] / 1e9:.2f} GB/s, pitstop stream {m['stream_Bps'] / 1e9:.2f} GB/s, CRIU restore "
-           f"{m['restore_Bps'] / 1e9:.2f} GB/s; a control round (pause, commit or resume) {m['round_s']:.2f} s.", "",
+           f"{m['restore_Bps'] / 1e9:.2f} GB/s"
+           + (f", pre-copy digest {m['digest_Bps'] / 1e9:.2f} GB/s" if m.get("digest_Bps") else "")
+           + f"; a control round (pause, commit or resume) {m['round_s']:.2f} s.", "",
            f"A post-copy restore left {m.get('post_copy_restore_ratio', 1.0):.0%} of the eager restore on the "
            "critical path in the same run.", "",
            "| GPUs | pitstop (s) | its largest term | pitstop with a NIC-speed stream (s) | ... and local post-copy "
-           "(s) | ... or network post-copy (s) | checkpoint-restart (s) | its largest term | "
+           "(s) | ... or network post-copy (s) | ... or pre-copy (s) | checkpoint-restart (s) | its largest term | "
            "GPU-hours per evacuation: pitstop / restart |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['gpus']:,} | {r['pitstop_s']:.0f} | {r['pitstop_dominant']} "
                    f"({r['pitstop'][r['pitstop_dominant']]:.0f} s) | {r['pitstop_at_nic_speed_s']:.0f} | "
                    f"{r['pitstop_at_nic_speed_post_copy_s']:.0f} | {r['pitstop_at_nic_speed_network_post_copy_s']:.0f} | "
-                   f"{r['checkpoint_restart_s']:.0f} | "
+                   + (f"{r['pitstop_at_nic_speed_pre_copy_s']:.0f} | " if r["pitstop_at_nic_speed_pre_copy_s"] else "- | ")
+                   + f"{r['checkpoint_restart_s']:.0f} | "
                    f"{r['restart_dominant']} ({r['checkpoint_restart'][r['restart_dominant']]:.0f} s) | "
                    f"{r['gpu_hours_pitstop']:.1f} / {r['gpu_hours_restart']:.1f} |")
     out += ["", "Assumed (not measured here):", ""]

@@ -33,8 +33,8 @@ import structlog
 from .. import faults, tls
 from ..capture import criu_ops, netlock, postcopy, precopy, proctree, procwindow, runtime
 from ..capture.manifest import Manifest
-from ..errors import (CaptureFailed, Conflict, DeadlineExceeded, FailedPrecondition, InvalidRequest, NotFound, PitstopError,
-                      TransferFailed)
+from ..errors import (CaptureFailed, Conflict, DeadlineExceeded, FailedPrecondition, InvalidRequest, NotFound,
+                      PitstopError, TransferFailed)
 from ..gpu.checkpoint import GpuCheckpointer  # noqa: F401 - the type of self.gpu
 from ..network import workerns
 from ..transfer import dataport, page_server
@@ -143,37 +143,8 @@ class SourceSide:
             return {"image_id": image_id, "skipped": f"the pre-copy would hold about {need >> 20} MiB in "
                                                      f"{self.s.images}, which has {free >> 20} MiB free"}
         pre_id = image_id + precopy.PRE_SUFFIX
-        d = self.s.images / ("pre-" + image_id)
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True, mode=0o700)
-        tail = DirectoryTail(d)
-        errors: list[BaseException] = []
-        done = [time.monotonic()]
-        sender = threading.Thread(target=self._send_to, args=(dest_url, pre_id, tail, errors, done),
-                                  name=f"precopy-{image_id}", daemon=True)
         t0 = time.monotonic()
-        sender.start()
-        try:
-            try:
-                faults.hit("precopy:before_read")
-                basis = precopy.snapshot(w.id, pids, d)
-            except BaseException as e:
-                tail.failure = e if isinstance(e, Exception) else Exception(repr(e))
-                raise
-            tail.manifest_base = Manifest(capture_id="pre-" + image_id, criu_version=runtime.locate().version_str,
-                                          worker={"id": w.id, "job": w.job, "rank": w.rank}, pre_copy_of=image_id)
-            tail.finished.set()
-            sender.join(self.s.transfer_timeout_s)
-            if sender.is_alive() or errors:
-                err = errors[0] if errors else TransferFailed(
-                    f"the pre-copy to {dest_url} did not finish within {self.s.transfer_timeout_s:.0f} s",
-                    action="the move can go on without it; check the destination and the network")
-                raise err
-        finally:
-            if sender.is_alive():
-                tail.failure = tail.failure or TransferFailed("pre-copy abandoned", action="none")
-                sender.join(10)
-            shutil.rmtree(d, ignore_errors=True)
+        basis = self._send_pre_copy(w, pids, dest_url, image_id, pre_id)
         with self.state.lock:
             late = any(c.image_id == image_id for c in self.state.captures.values())
             if not late:
@@ -189,6 +160,40 @@ class SourceSide:
                "seconds": round(time.monotonic() - t0, 4)}
         log.info("pre-copied", worker=w.id, dest=dest_url, **out)
         return out
+
+    def _send_pre_copy(self, w: Worker, pids: list[int], dest_url: str, image_id: str,
+                       pre_id: str) -> precopy.Basis:
+        """Write the pre-copy here while streaming it to the destination as image `pre_id`; the
+        local copy goes once sent (its pages wait in this agent's image directory until then)."""
+        d = self.s.images / ("pre-" + image_id)
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True, mode=0o700)
+        tail = DirectoryTail(d)
+        errors: list[BaseException] = []
+        sender = threading.Thread(target=self._send_to, args=(dest_url, pre_id, tail, errors, [0.0]),
+                                  name=f"precopy-{image_id}", daemon=True)
+        sender.start()
+        try:
+            try:
+                faults.hit("precopy:before_read")
+                basis = precopy.snapshot(w.id, pids, d)
+            except BaseException as e:
+                tail.failure = e if isinstance(e, Exception) else Exception(repr(e))
+                raise
+            tail.manifest_base = Manifest(capture_id="pre-" + image_id, criu_version=runtime.locate().version_str,
+                                          worker={"id": w.id, "job": w.job, "rank": w.rank}, pre_copy_of=image_id)
+            tail.finished.set()
+            sender.join(self.s.transfer_timeout_s)
+            if sender.is_alive() or errors:
+                raise errors[0] if errors else TransferFailed(
+                    f"the pre-copy to {dest_url} did not finish within {self.s.transfer_timeout_s:.0f} s",
+                    action="the move can go on without it; check the destination and the network")
+            return basis
+        finally:
+            if sender.is_alive():
+                tail.failure = tail.failure or TransferFailed("pre-copy abandoned", action="none")
+                sender.join(10)
+            shutil.rmtree(d, ignore_errors=True)
 
     def _remote_post_copy(self, cap: Capture) -> bool:
         wanted = self.s.remote_post_copy if cap.want_post_copy is None else cap.want_post_copy
