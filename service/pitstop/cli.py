@@ -236,8 +236,12 @@ def _print_op(o: dict) -> None:
         t.add_row(k, f"{v:.3f}")
     if m.get("downtime_s") is not None:
         t.add_row("[bold]downtime (first pause -> last resume)[/]", f"[bold]{m['downtime_s']:.3f}[/]")
+    if m.get("pre_copy_bytes"):
+        t.add_row("bytes sent ahead, while the job ran (pre-copy; phase precopy, before the pause)",
+                  f"{m['pre_copy_bytes']:,}")
     if m.get("bytes_total"):
-        t.add_row("bytes moved", f"{m['bytes_total']:,}")
+        t.add_row("bytes moved during the pause" if m.get("pre_copy_bytes") else "bytes moved",
+                  f"{m['bytes_total']:,}")
         if m.get("bytes_after_resume"):
             t.add_row("bytes fetched after the resume (network post-copy)", f"{m['bytes_after_resume']:,}")
             if m.get("fill_s") is not None:

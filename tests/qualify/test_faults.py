@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from bench.common import first_divergent_step
 from pitstop.capture import proctree
 from pitstop.coordinator.client import CoordinatorClient
 from pitstop.errors import PitstopError
@@ -43,7 +44,10 @@ class World:
                                 image_dir=spare_images if name == "spare-1" else None)
         self.cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
         self.out = tmp_path / "out"
-        self.ranks = cluster.start_job("train", ddp_cmd(self.out, steps=STEPS), 2, {0: "host-a", 1: "host-b"})
+        # --trace-params: a digest of the parameters after every step, so that a wrong final state
+        # says at which step the ranks parted (the README's open correctness issue)
+        self.ranks = cluster.start_job("train", ddp_cmd(self.out, steps=STEPS) + ["--trace-params"], 2,
+                                       {0: "host-a", 1: "host-b"})
         _wait_jobs(self.cc, "train", 2)
         wait_for_step(self.ranks[1].log, 10)
 
@@ -70,7 +74,12 @@ class World:
     def finished_intact(self) -> str:
         codes = [r.proc.wait(240) for r in self.ranks]
         assert codes == [0, 0], {r.rank: r.log.read_text(errors="replace")[-1200:] for r in self.ranks}
-        assert_same_as_reference(self.out, reference_hashes(self.tmp, 2, steps=STEPS))
+        try:
+            assert_same_as_reference(self.out, reference_hashes(self.tmp, 2, steps=STEPS))
+        except AssertionError as e:
+            step = first_divergent_step([r.log for r in self.ranks])
+            raise AssertionError(f"{e}; the ranks' parameters first differ after step {step} "
+                                 f"(None: never during the run)") from None
         job = next(j for j in self.cc.jobs() if j["job"] == "train")
         hosts = {w["rank"]: w["host"] for w in job["workers"]}
         return f"job finished bitwise equal, rank 1 on {hosts[1]}"
