@@ -19,18 +19,13 @@ from __future__ import annotations
 
 import bisect
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import CaptureFailed
 from . import runtime
-
-PAGE = 4096
-PE_LAZY = 1 << 1
-PE_PRESENT = 1 << 2
-TASK_PAGEMAP = re.compile(r"pagemap-(\d+)\.img")
+from .dumpview import PAGE, PE_LAZY, PE_PRESENT, link_the_rest, task_images
 
 
 @dataclass
@@ -64,14 +59,8 @@ def split(images: Path, view: Path, rt: runtime.CriuRuntime | None = None) -> La
     view.mkdir(mode=0o700, exist_ok=True)
     rewritten: set[str] = set()
     out = LazySplit(tasks={})
-    for pm in sorted(images.iterdir()):
-        m = TASK_PAGEMAP.fullmatch(pm.name)
-        if not m:
-            continue
-        with open(pm, "rb") as f:
-            img = pycriu.images.load(f, pretty=False)
-        head, entries = img["entries"][0], img["entries"][1:]
-        pages_name = f"pages-{head['pages_id']}.img"
+    for t in task_images(images, pycriu):
+        pm, img, entries, pages_name = t.pagemap, t.image, t.entries, t.pages_name
         task = TaskPages(pages_file=images / pages_name)
         src = os.open(images / pages_name, os.O_RDONLY)
         dst = os.open(view / pages_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -101,11 +90,9 @@ def split(images: Path, view: Path, rt: runtime.CriuRuntime | None = None) -> La
         with open(view / pm.name, "wb") as f:
             pycriu.images.dump(img, f)
         task.entries.sort()
-        out.tasks[int(m.group(1))] = task
+        out.tasks[t.pid] = task
         rewritten |= {pm.name, pages_name}
-    for f in images.iterdir():
-        if f.is_file() and f.name not in rewritten and not f.name.endswith(".log"):
-            os.link(f, view / f.name)
+    link_the_rest(images, view, rewritten)
     return out
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,14 +41,10 @@ import xxhash
 
 from ..errors import CaptureFailed
 from . import runtime
+from .dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, link_the_rest, task_images
 
-PAGE = 4096
 BLOCK_PAGES = 16
 BLOCK = PAGE * BLOCK_PAGES
-PE_PARENT = 1 << 0
-PE_LAZY = 1 << 1
-PE_PRESENT = 1 << 2
-TASK_PAGEMAP = re.compile(r"pagemap-(\d+)\.img")
 READ_CHUNK = 4 << 20
 GROUP_BYTES = 64 << 20
 PAGEMAP_CHUNK = 1 << 16  # pagemap entries read at a time (512 KiB)
@@ -245,15 +240,9 @@ def rewrite(images: Path, view: Path, basis: Basis, rt: runtime.CriuRuntime | No
     view.mkdir(mode=0o700, exist_ok=True)
     out = Delta()
     rewritten: set[str] = set()
-    for pm in sorted(images.iterdir()):
-        m = TASK_PAGEMAP.fullmatch(pm.name)
-        if not m:
-            continue
-        with open(pm, "rb") as f:
-            img = pycriu.images.load(f, pretty=False)
-        head, entries = img["entries"][0], img["entries"][1:]
-        pages_name = f"pages-{head['pages_id']}.img"
-        digests = basis.tasks.get(int(m.group(1)))
+    for t in task_images(images, pycriu):
+        pm, img, head, entries, pages_name = t.pagemap, t.image, t.head, t.entries, t.pages_name
+        digests = basis.tasks.get(t.pid)
         new_entries: list[dict[str, Any]] = []
         with open(images / pages_name, "rb", buffering=0) as src, \
                 open(view / pages_name, "wb", buffering=0) as dst, _mapped(src.fileno()) as pages:
@@ -276,9 +265,7 @@ def rewrite(images: Path, view: Path, basis: Basis, rt: runtime.CriuRuntime | No
         with open(view / pm.name, "wb") as f:
             pycriu.images.dump({**img, "entries": [head, *new_entries]}, f)
         rewritten |= {pm.name, pages_name}
-    for f in images.iterdir():
-        if f.is_file() and f.name not in rewritten and not f.name.endswith(".log"):
-            os.link(f, view / f.name)
+    link_the_rest(images, view, rewritten)
     out.seconds = time.monotonic() - t0
     return out
 
