@@ -254,3 +254,48 @@ def test_an_unwatched_fill_is_judged_by_what_it_left(tmp_path, relay, daemon_log
     ok, why = lazy_pages.ended_unwatched(tmp_path, worker_alive=alive)
     assert ok is expect, why
     assert bool(why) == (ok is not True)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("source_says", ["goodbye", "nothing"], ids=["fill over", "source gone"])
+def test_a_relay_that_ended_before_the_restore_returned_is_judged_by_its_verdict(tmp_path, source_says):
+    """A dump can have no lazy pages at all (seen once: 301 MB placed eagerly, likely a thread's
+    stack merged into the anonymous memory CRIU would otherwise mark lazy): the daemon is done
+    before the restore returns and the relay has ended.  Its verdict, not a missing "ok", decides: a fill that ended well leaves
+    nothing to guard (CI failure of 2026-11-30: such a move was rolled back as if the source
+    had gone), one whose source hung up refuses the tree."""
+    from pitstop.capture import lazy_pages
+
+    source, up = socket.socketpair()
+    daemon, dn = socket.socketpair()
+    r = subprocess.Popen([sys.executable, "-m", "pitstop.transfer.page_relay", "--upstream-fd", str(up.fileno()),
+                          "--daemon-fd", str(dn.fileno()), "--guard-timeout", "0.5"],
+                         pass_fds=(up.fileno(), dn.fileno()), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    fill = lazy_pages.LazyFill(proc=r, images=tmp_path, relay=r)
+    up.close()
+    dn.close()
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        if source_says == "goodbye":  # the daemon closes at once: nothing to fetch
+            daemon.sendall(PSI.pack(PS_IOV_FORCE_CLOSE, 0, 0, 0))
+            _recv_all(source, PSI.size)
+            source.sendall(b"\0\0\0\0")
+            source.close()
+        else:  # the source goes with a request outstanding
+            daemon.sendall(_get(2))
+            _recv_all(source, PSI.size)
+            source.close()
+        r.wait(20)  # ended before the guard: what the agent meets when the restore returns
+        why = fill.guard(victim.pid, timeout_s=5)
+        if source_says == "goodbye":
+            assert why is None and victim.poll() is None
+            assert fill._relay_result()["ok"] is True  # still there for wait()
+        else:
+            assert why and "hung up" in why, why
+    finally:
+        victim.kill()
+        victim.wait(10)
+        if r.poll() is None:
+            r.kill()
+            r.wait(10)
+        daemon.close()

@@ -72,12 +72,28 @@ class LazyFill:
             assert self.relay.stdin is not None
             self.relay.stdin.write(f"guard {root_pid}\n".encode())
             self.relay.stdin.flush()
-        except OSError:
-            return "the page relay is gone (its exit status is in the agent log)"
+        except OSError:  # it has ended: its verdict may be in the pipe still (below)
+            pass
         line = self._relay_line(timeout_s)
         if line == "ok":
             return None
-        return line.removeprefix("failed ") if line else f"the page relay did not answer within {timeout_s:g} s"
+        if line and line.startswith("{"):
+            # The relay ended before the restore returned, so this is its verdict, not an answer:
+            # put back for wait().  Ended well, the fill was over already and there is nothing
+            # to guard: a dump in which CRIU marked nothing lazy (seen once, 2026-11-30: 301 MB
+            # placed eagerly; CRIU places a thread's stack VMA eagerly, and one merged with the
+            # rest of anonymous memory would do that, not confirmed).
+            self._relay_out = line.encode() + b"\n" + self._relay_out
+            try:
+                verdict = json.loads(line)
+            except ValueError:
+                return f"the page relay ended saying {line!r}"
+            return None if verdict.get("ok") else str(verdict.get("reason") or line)
+        if line:
+            return line.removeprefix("failed ")
+        if self.relay.poll() is not None:
+            return f"the page relay is gone (exit status {self.relay.returncode}; see {self.images / RELAY_LOG})"
+        return f"the page relay did not answer within {timeout_s:g} s"
 
     def _relay_line(self, timeout_s: float) -> str | None:
         assert self.relay is not None and self.relay.stdout is not None
