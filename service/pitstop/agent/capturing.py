@@ -32,9 +32,9 @@ import structlog
 
 from .. import faults, tls
 from ..capture import criu_ops, netlock, postcopy, precopy, proctree, procwindow, runtime
-from ..capture.manifest import Manifest
-from ..errors import (CaptureFailed, Conflict, DeadlineExceeded, FailedPrecondition, InvalidRequest, NotFound,
-                      PitstopError, TransferFailed)
+from ..capture.manifest import Manifest, check_image_id
+from ..errors import (CaptureFailed, Conflict, DeadlineExceeded, FailedPrecondition, NotFound, PitstopError,
+                      TransferFailed)
 from ..gpu.checkpoint import GpuCheckpointer  # noqa: F401 - the type of self.gpu
 from ..network import workerns
 from ..transfer import dataport, page_server
@@ -130,8 +130,7 @@ class SourceSide:
         if wanted_remote and not self.post_copy_support()["unavailable"]:
             return {"image_id": image_id, "skipped": "the move uses network post-copy: no memory travels before "
                                                      "the resume"}
-        if not image_id.replace("-", "").replace("_", "").isalnum():
-            raise InvalidRequest(f"bad image id {image_id!r}", action="use letters, digits, '-' and '_'")
+        check_image_id(image_id)
         with self.state.lock:
             w = self.state.worker(worker_id)
             self._check_capturable(w)

@@ -22,7 +22,7 @@ import httpx
 import structlog
 
 from ..capture import criu_ops, lazy_pages, precopy, proctree
-from ..capture.manifest import Manifest
+from ..capture.manifest import Manifest, check_image_id
 from ..errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed
 from .. import faults
 from ..capture import runtime
@@ -79,8 +79,7 @@ class DestinationSide:
 
     # -- receiving -----------------------------------------------------------------------------
     def open_slot(self, image_id: str) -> Slot:
-        if not image_id.replace("-", "").replace("_", "").isalnum():
-            raise InvalidRequest(f"bad image id {image_id!r}", action="use letters, digits, '-' and '_'")
+        check_image_id(image_id)
         with self.lock:
             old = self.slots.get(image_id)
             if old and old.state in ("receiving", "complete"):
@@ -122,11 +121,7 @@ class DestinationSide:
             s.receiver.close()
             shutil.rmtree(s.directory, ignore_errors=True)
         if not image_id.endswith(precopy.PRE_SUFFIX):  # the pre-copy it was a delta against goes with it
-            with self.lock:
-                pre = self.slots.pop(image_id + precopy.PRE_SUFFIX, None)
-            if pre:
-                pre.receiver.close()
-                shutil.rmtree(pre.directory, ignore_errors=True)
+            self.discard(image_id + precopy.PRE_SUFFIX, abandon=False)
 
     def stop_abandoned(self, worker_id: str, why: str) -> None:
         """Stop a copy this agent restored for a move that did not commit."""

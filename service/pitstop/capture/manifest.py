@@ -16,7 +16,7 @@ from typing import Any
 import xxhash
 from pydantic import BaseModel, Field
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, InvalidRequest
 
 MANIFEST = "pitstop-manifest.json"
 DIGEST = "xxh3_128"
@@ -76,6 +76,12 @@ class Manifest(BaseModel):
         except FileNotFoundError:
             raise IntegrityError(f"no manifest in {directory}: the transfer did not finish",
                                  action="send the images again") from None
+
+
+def check_image_id(image_id: str) -> None:
+    """Image ids name directories on both agents: letters, digits, '-' and '_' only."""
+    if not image_id.replace("-", "").replace("_", "").isalnum():
+        raise InvalidRequest(f"bad image id {image_id!r}", action="use letters, digits, '-' and '_'")
 
 
 def digest_file(path: Path, bufsize: int = 4 << 20) -> str:
