@@ -19,7 +19,7 @@ import pytest
 
 from pitstop.capture import proctree
 from pitstop.capture.postcopy import PAGE
-from pitstop.transfer.page_relay import Relay, _Frames
+from pitstop.transfer.page_relay import Guardian, Relay, _Frames
 from pitstop.transfer.page_server import PS_IOV_ADD_F, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PSI
 
 from .helpers import until
@@ -44,8 +44,8 @@ class Rig:
         self.ctl_r, self.ctl_w = os.pipe()
         out_r, out_w = os.pipe()
         self.out = os.fdopen(out_r, "r")
-        self.relay = Relay(up, dn, self.ctl_r, os.fdopen(out_w, "w"), idle_timeout_s=idle_timeout_s,
-                           guard_timeout_s=guard_timeout_s)
+        self.relay = Relay(up, dn, Guardian(self.ctl_r, os.fdopen(out_w, "w"), guard_timeout_s),
+                           idle_timeout_s=idle_timeout_s)
         self.result: dict = {}
         self.t = threading.Thread(target=lambda: self.result.update(self.relay.run()), daemon=True)
         self.t.start()
@@ -65,7 +65,7 @@ class Rig:
             s.close()
         os.close(self.ctl_w)
         os.close(self.ctl_r)
-        self.relay.ctl_out.close()
+        self.relay.g.ctl_out.close()
         self.out.close()
 
 
@@ -165,7 +165,7 @@ def test_source_gone_during_the_restore_refuses_the_tree_it_is_then_given(victim
     rig = make_rig()
     rig.ask(1)
     rig.source.close()
-    until(lambda: rig.relay.failure, timeout=10)
+    until(lambda: rig.relay.g.failure, timeout=10)
     assert not select.select([rig.daemon], [], [], 0.3)[0]  # held open while the restore runs
     answer = rig.guard(p.pid)  # the restore returns: its tree must not run
     assert answer.startswith("failed the source's page server hung up"), answer

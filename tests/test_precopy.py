@@ -4,11 +4,12 @@ once paused, send only what changed, restore from the delta with the pre-copy as
 Each case is a tiny process with an invariant (zdtm's way): it holds 64 MiB of numbered pages
 and reports a digest of all its memory on SIGUSR2; the restored copy must report the same
 digest as the original did just before its dump, whether memory changed after the pre-copy
-or not.  (Only eager restores read a parent: CRIU's local lazy-pages daemon hangs on its first
-page from one, see precopy.py.)"""
+or not, restored eagerly (CRIU reads the parent) or lazily (pitstop's local page server answers
+CRIU's daemon from both files, capture/lazydelta.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.capture import criu_ops, netlock, precopy, proctree
+from pitstop.capture import criu_ops, lazy_pages, lazydelta, netlock, precopy, proctree
 
 HOLDER = r"""
 import hashlib, mmap, os, signal, sys, time
@@ -71,12 +72,14 @@ def _kill_tree(pid: int) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("change", [False, True], ids=["unchanged", "changed"])
-def test_restore_from_a_delta_and_its_pre_copy_is_the_process_as_dumped(tmp_path: Path, change: bool) -> None:
+@pytest.mark.parametrize("change,lazy", [(False, False), (True, False), (True, True)],
+                         ids=["unchanged", "changed", "changed-lazy"])
+def test_restore_from_a_delta_and_its_pre_copy_is_the_process_as_dumped(tmp_path: Path, change: bool,
+                                                                        lazy: bool) -> None:
     report = tmp_path / "digest"
     p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", HOLDER, str(report)],
                          stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    run_id, restored = "", None
+    run_id, restored, fill = "", None, None
     try:
         assert p.stdout.readline().strip() == b"ready"
         root = proctree.children(p.pid)[0]
@@ -101,13 +104,30 @@ def test_restore_from_a_delta_and_its_pre_copy_is_the_process_as_dumped(tmp_path
         netlock.release(run_id)
         run_id = ""
         (view / "parent").symlink_to(Path("..") / "pre")
-        restored, _ = criu_ops.restore(view, {})
+        if lazy:  # no parent for CRIU's daemon: pitstop's local page server answers it from both files
+            lv = tmp_path / "lazy"
+            split = lazydelta.view(view, pre, lv)
+            assert split.lazy_bytes >= 60 << 20
+            assert {fi for t in split.tasks.values() for *_, fi in t.entries} == {lazydelta.DELTA, lazydelta.PARENT}
+            assert not (lv / "parent").exists()
+            fill = lazy_pages.start(lv, local_index=lv / lazydelta.INDEX)
+            restored, _ = criu_ops.restore(lv, {}, lazy=True)
+            assert fill.guard(restored) is None
+        else:
+            restored, _ = criu_ops.restore(view, {})
         os.kill(restored, signal.SIGUSR2)
         after = _wait_file(Path(f"{report}.2"))
         assert after == before
+        if fill:
+            ok, why = fill.wait(60)
+            assert ok, why
+            verdict = json.loads((lv / lazy_pages.RELAY_RESULT).read_text())
+            assert verdict["ok"] and verdict["bytes"] >= 60 << 20, verdict
     finally:
         if restored:
             _kill_tree(restored)
+        if fill:
+            fill.kill()
         if run_id:
             netlock.release(run_id)
         _kill_tree(p.pid)

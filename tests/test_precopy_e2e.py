@@ -60,6 +60,39 @@ def test_only_what_changed_travels_during_the_pause(cluster, tmp_path, workers):
     _finish(tmp_path, out, kw, ranks)
 
 
+LAZY = {"PITSTOP_AGENT_LAZY_RESTORE": "1"}
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["one process", "with DataLoader children"])
+def test_a_delta_restored_lazily_is_filled_from_its_pre_copy_here(cluster, tmp_path, workers):
+    """CRIU's lazy-pages daemon cannot read a parent image: pitstop's local page server answers
+    it from the delta and the pre-copy (capture/lazydelta.py); the job ends bitwise equal."""
+    cc, spare, op, out, kw, ranks = _evacuate(cluster, tmp_path, dst_env=LAZY, workers=workers)
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op
+    assert _condition(op, "PreCopied")["status"] == "True"
+    assert md["bytes_total"] < md["pre_copy_bytes"] / 3
+    until(lambda: (spare.client().worker("train.1").get("fill") or {}).get("state") == "filled", timeout=60)
+    assert spare.client().worker("train.1")["fill"]["source"] is None  # served here, not by the source
+    until(lambda: not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()))  # both slots go
+    _finish(tmp_path, out, kw, ranks)
+
+
+def test_a_local_page_server_that_dies_stops_its_worker(cluster, tmp_path):
+    """After the commit the worker depends on the page server until its fill ends: if that dies,
+    the worker is stopped and says why (the job's own recovery sees a lost rank, not zeros)."""
+    cc, spare, op, out, kw, ranks = _evacuate(cluster, tmp_path, steps=400,
+                                              dst_env={**LAZY, **FAULTY, "PITSTOP_FAULTS": "restore:kill_page_server=1"})
+    assert op["metadata"]["result"] == "succeeded", op
+    until(lambda: spare.client().worker("train.1")["state"] == "lost", timeout=60)
+    w = spare.client().worker("train.1")
+    assert w["reason"].startswith("its memory could not be filled") and w["fill"]["state"] == "failed", w
+    until(lambda: not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()))
+    for r in ranks:  # the job's own recovery would take over; here the test ends it
+        r.proc.kill()
+        r.proc.wait(30)
+
+
 def test_without_pre_copy_everything_travels_during_the_pause(cluster, tmp_path):
     cc, spare, op, out, kw, ranks = _evacuate(cluster, tmp_path, pre_copy=False)
     md = op["metadata"]

@@ -264,14 +264,15 @@ def test_split_keeps_eager_pages_and_indexes_lazy_ones(dumped, tmp_path):
     sp = postcopy.split(dumped, tmp_path / "view")
     assert sp.lazy_bytes >= 8 << 20 and sp.eager_bytes > 0
     (pid, task), = sp.tasks.items()
-    view_pages = tmp_path / "view" / task.pages_file.name
+    (full,) = task.files
+    view_pages = tmp_path / "view" / full.name
     assert view_pages.stat().st_size == sp.eager_bytes
-    assert task.pages_file.stat().st_size == sp.eager_bytes + sp.lazy_bytes
+    assert full.stat().st_size == sp.eager_bytes + sp.lazy_bytes
     # every lazy entry points at its own bytes of the full pages file
-    with open(task.pages_file, "rb") as f:
+    with open(full, "rb") as f:
         data = f.read()
     numbered = 0
-    for vaddr, n, off in task.entries:
+    for vaddr, n, off, _ in task.entries:
         for k in range(n):
             page = data[off + k * 4096: off + (k + 1) * 4096]
             if page[8:4096] == bytes(4088) and page[:8] != bytes(8):
@@ -287,7 +288,7 @@ def test_split_keeps_eager_pages_and_indexes_lazy_ones(dumped, tmp_path):
     lazy_after = [e for e in after if e["flags"] & postcopy.PE_LAZY]
     assert all(not e["flags"] & postcopy.PE_PRESENT for e in lazy_after)
     assert len(lazy_after) == len(task.entries) == len([e for e in before if e["flags"] & postcopy.PE_PRESENT])
-    assert [(e["vaddr"], e["nr_pages"]) for e in lazy_after] == [(v, n) for v, n, _ in task.entries]
+    assert [(e["vaddr"], e["nr_pages"]) for e in lazy_after] == [(v, n) for v, n, _, _ in task.entries]
     assert sum(e["nr_pages"] for e in lazy_after) * 4096 == sp.lazy_bytes
     # unchanged files are links to the dump's own, and the dump's logs stay out of the view
     assert os.path.samefile(dumped / "pstree.img", tmp_path / "view" / "pstree.img")
@@ -307,8 +308,8 @@ def test_page_server_answers_gets_and_ends_on_close(dumped, tmp_path):
     sp = postcopy.split(dumped, tmp_path / "view")
     (pid, task), = sp.tasks.items()
     big = max(task.entries, key=lambda e: e[1])
-    vaddr, n, off = big
-    with open(task.pages_file, "rb") as f:
+    vaddr, n, off, _ = big
+    with open(task.files[0], "rb") as f:
         f.seek(off)
         want = f.read(n * 4096)
     ours, theirs = socket.socketpair()

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import structlog
 
-from ..capture import criu_ops, lazy_pages, precopy, proctree
+from ..capture import criu_ops, lazy_pages, lazydelta, precopy, proctree
 from ..capture.manifest import Manifest, check_image_id
 from ..errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed
 from .. import faults
@@ -35,6 +35,7 @@ from .settings import AgentSettings
 from .state import Fill, LIVE_STATES, AgentState, Worker
 
 log = structlog.get_logger("pitstop.agent.restore")
+LAZY_VIEW = "lazy"  # in a delta's slot: what a lazy restore of it reads (capture/lazydelta.py)
 UNFILLED = "its memory could not be filled after a lazy restore: "  # a lost worker's reason
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -166,20 +167,23 @@ class DestinationSide:
         if m.pre_copy_of:
             raise InvalidRequest(f"image {image_id} is a pre-copy, not a capture: it is restored as the parent "
                                  f"of image {m.pre_copy_of}", action=f"restore {m.pre_copy_of} instead")
+        lazy = bool(m.pages_from or self.s.lazy_restore)
+        directory, index = s.directory, None
         if m.parent:
-            self._link_parent(s, m.parent)
+            parent = self._link_parent(s, m.parent)
+            if lazy and not m.pages_from:
+                directory, index = self._lazy_view(s, parent)
         t1 = time.monotonic()
         faults.hit("restore:before_criu")
         wk = m.worker
         gpu_phases: dict[str, float] = {}
         s.idle.clear()
         try:
-            w, fill = self._restore(s.directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
+            w, fill = self._restore(directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
                                     stdio=[p.model_dump() for p in m.stdio], replace=True,
                                     output_base=m.output_base, gpu=m.gpu, phases=gpu_phases, net=m.net,
                                     keep_peers=m.keep_peers,
-                                    lazy=bool(m.pages_from or (self.s.lazy_restore and not m.parent)),
-                                    abort=s.abort, pages_from=m.pages_from)
+                                    lazy=lazy, abort=s.abort, pages_from=m.pages_from, local_index=index)
             with self.lock:
                 s.restored = w.id
                 abandoned = s.abort.is_set()  # discard() sets it under this lock
@@ -194,6 +198,8 @@ class DestinationSide:
         phases = {"verify": t1 - t0, "restore": time.monotonic() - t1, **gpu_phases}
         if fill and faults.value("restore:kill_fill"):
             fill.proc.kill()
+        if fill and fill.relay and faults.value("restore:kill_page_server"):
+            fill.relay.kill()
         if fill:  # the images serve the fill: they go when it ends (_watch_fill)
             s.state = "filling"
             threading.Thread(target=self._watch_fill, args=(w, fill, image_id), daemon=True,
@@ -202,8 +208,9 @@ class DestinationSide:
             self.discard(image_id, abandon=False)
         return w, phases
 
-    def _link_parent(self, s: Slot, parent_id: str) -> None:
-        """A delta's PE_PARENT pages are read from its pre-copy: CRIU follows `parent` in the images."""
+    def _link_parent(self, s: Slot, parent_id: str) -> Path:
+        """A delta's PE_PARENT pages are read from its pre-copy: CRIU follows `parent` in the images.
+        The pre-copy's directory."""
         ps = self.slots.get(parent_id)
         if ps is None or ps.state not in ("complete", "verified"):
             raise RestoreFailed(f"image {s.image_id} is a delta against pre-copy {parent_id}, which is "
@@ -214,6 +221,20 @@ class DestinationSide:
         link = s.directory / "parent"
         if not link.is_symlink():
             link.symlink_to(os.path.relpath(ps.directory, s.directory))
+        return ps.directory
+
+    def _lazy_view(self, s: Slot, parent: Path) -> tuple[Path, Path]:
+        """A delta restored lazily: CRIU's daemon cannot read its parent, so a local page server
+        answers it (capture/lazydelta.py).  The view to restore from, and the server's index."""
+        view = s.directory / LAZY_VIEW
+        shutil.rmtree(view, ignore_errors=True)  # a restore tried before
+        try:
+            lazydelta.view(s.directory, parent, view)
+        except OSError as e:
+            raise RestoreFailed(f"cannot write the lazy view of image {s.image_id}: {e}",
+                                action="the move rolls back; free space in the agent's image directory, or "
+                                       "restore eagerly (PITSTOP_AGENT_LAZY_RESTORE=0)") from None
+        return view, view / lazydelta.INDEX
 
     def _watch_fill(self, w: Worker, fill: lazy_pages.LazyFill, image_id: str) -> None:
         """Until every page is in place the worker depends on the daemon: if it fails, stop the worker.
@@ -266,12 +287,14 @@ class DestinationSide:
                  phases: dict[str, float] | None = None, net: dict[str, str] | None = None,
                  keep_peers: list[str] | None = None, lazy: bool = False,
                  abort: threading.Event | None = None,
-                 pages_from: dict[str, Any] | None = None) -> tuple[Worker, lazy_pages.LazyFill | None]:
+                 pages_from: dict[str, Any] | None = None,
+                 local_index: Path | None = None) -> tuple[Worker, lazy_pages.LazyFill | None]:
         """Restore images in `directory`; register the result as a worker of this agent.
 
         lazy: restore post-copy, memory filled by a lazy-pages daemon after the worker runs
         again; the running daemon is returned for the caller to watch.  pages_from: the lazy
         pages are on the source (post-copy over the network): the daemon fetches them there.
+        local_index: a delta and its pre-copy here, served to the daemon by a local page server.
         """
         with self.state.lock:
             old = self.state.workers.get(worker_id)
@@ -301,7 +324,7 @@ class DestinationSide:
                     workerns.create(wn, self.s.worker_link, locked=True, nft=nft)
                     created = True
                 net_fd = os.open(wn.path, os.O_RDONLY)
-            fill = self._start_fill(directory, pages_from) if lazy else None
+            fill = self._start_fill(directory, pages_from, local_index) if lazy else None
             try:
                 pid, _secs = criu_ops.restore(directory, inherit, net_fd=net_fd, lazy=fill is not None,
                                               timeout_s=self.s.restore_timeout_s, abort=abort)
@@ -363,9 +386,11 @@ class DestinationSide:
         log.info("restored", worker=worker_id, pid=pid)
         return w, fill
 
-    def _start_fill(self, directory: Path, pages_from: dict[str, Any] | None) -> lazy_pages.LazyFill:
+    def _start_fill(self, directory: Path, pages_from: dict[str, Any] | None,
+                    local_index: Path | None = None) -> lazy_pages.LazyFill:
         if not pages_from:
-            return lazy_pages.start(directory)
+            return lazy_pages.start(directory, local_index=local_index,
+                                    page_idle_timeout_s=self.s.lazy_page_idle_timeout_s)
         try:
             host = httpx.URL(str(pages_from["url"])).host
             sock = dataport.open_pages(host, int(pages_from["data_port"]), str(pages_from["image_id"]),
@@ -434,10 +459,10 @@ class DestinationSide:
         """Record how the fills that worked in `d` ended, which nobody watched: the previous
         agent started them and the restart lost their daemons' exit status (lazy_pages.ended_unwatched)."""
         for w in list(self.state.workers.values()):
-            if not (w.fill and w.fill.state == "filling" and Path(w.fill.images) == d):
-                continue
+            if not (w.fill and w.fill.state == "filling" and d in (Path(w.fill.images), Path(w.fill.images).parent)):
+                continue  # a delta's fill works in its slot's lazy view (_lazy_view)
             alive = proctree.is_running(w.root_pid, w.start_time)
-            ok, why = lazy_pages.ended_unwatched(d, alive)
+            ok, why = lazy_pages.ended_unwatched(Path(w.fill.images), alive)
             if ok is False and w.state in ("running", "exited"):  # the relay stopped it, or it read zeros
                 if alive:
                     proctree.kill_tree(w.root_pid)

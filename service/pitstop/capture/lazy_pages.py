@@ -159,30 +159,39 @@ class LazyFill:
 
 
 def start(images: Path, *, ready_timeout_s: float = 10.0, rt: runtime.CriuRuntime | None = None,
-          page_socket: socket.socket | None = None, page_idle_timeout_s: float = 60.0) -> LazyFill:
+          page_socket: socket.socket | None = None, page_idle_timeout_s: float = 60.0,
+          local_index: Path | None = None) -> LazyFill:
     """Start the daemon for `images` and wait until it listens for the restore.
 
     page_socket: post-copy over the network (capture/postcopy.py): the lazy pages are not in
     `images`; they come from the source over this socket (CRIU's page-server protocol,
     transfer/page_server.py).  The daemon does not get it: a relay process holds it and hands
     the daemon one end of a socketpair (transfer/page_relay.py says why).  The relay gets its
-    own copy of the socket; the caller closes theirs."""
+    own copy of the socket; the caller closes theirs.
+    local_index: a delta restored lazily (capture/lazydelta.py): a local page server process
+    (transfer/local_pages.py) answers the daemon from the files the index names, in the
+    relay's place and on the relay's terms."""
     rt = rt or runtime.locate()
     sock = images / SOCKET
     sock.unlink(missing_ok=True)
     argv = [rt.binary, "lazy-pages", "-D", str(images), "-W", str(images), "-o", LOG, "-v4"]
     fds: tuple[int, ...] = ()
     relay = None
-    if page_socket is not None:
+    if page_socket is not None or local_index is not None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        if page_socket is not None:
+            server = ["pitstop.transfer.page_relay", "--upstream-fd", str(page_socket.fileno())]
+            keep: tuple[int, ...] = (page_socket.fileno(), ours.fileno())
+        else:
+            server = ["pitstop.transfer.local_pages", "--index", str(local_index)]
+            keep = (ours.fileno(),)
         try:
             with open(images / RELAY_LOG, "wb") as err:
                 relay = subprocess.Popen(
-                    [sys.executable, "-m", "pitstop.transfer.page_relay", "--upstream-fd", str(page_socket.fileno()),
-                     "--daemon-fd", str(ours.fileno()), "--idle-timeout", str(page_idle_timeout_s),
-                     "--result-file", str(images / RELAY_RESULT)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                    pass_fds=(page_socket.fileno(), ours.fileno()), start_new_session=True)
+                    [sys.executable, "-m", *server, "--daemon-fd", str(ours.fileno()),
+                     "--idle-timeout", str(page_idle_timeout_s), "--result-file", str(images / RELAY_RESULT)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, pass_fds=keep,
+                    start_new_session=True)
         finally:
             ours.close()
         fds = (theirs.fileno(),)
@@ -197,7 +206,7 @@ def start(images: Path, *, ready_timeout_s: float = 10.0, rt: runtime.CriuRuntim
             relay.wait(10)
         raise
     finally:
-        if page_socket is not None:
+        if fds:
             theirs.close()
     fill = LazyFill(proc, images, relay)
     deadline = time.monotonic() + ready_timeout_s

@@ -30,20 +30,31 @@ from .dumpview import PAGE, PE_LAZY, PE_PRESENT, link_the_rest, task_images
 
 @dataclass
 class TaskPages:
-    """Where a task's lazy pages lie in its full pages file: sorted (vaddr, nr_pages, offset)."""
+    """Where a task's lazy pages lie: sorted (vaddr, nr_pages, offset, file index) over `files`.
 
-    pages_file: Path
-    entries: list[tuple[int, int, int]] = field(default_factory=list)
+    One file where the source serves from its full dump; two where a destination serves a
+    delta and its pre-copy (lazydelta.py)."""
 
-    def locate(self, vaddr: int, nr_pages: int) -> tuple[int, int] | None:
-        """(file offset, pages available from vaddr, at most nr_pages) or None if not lazy here."""
-        i = bisect.bisect_right(self.entries, (vaddr, 1 << 63, 0)) - 1
+    files: list[Path]
+    entries: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+    def locate(self, vaddr: int, nr_pages: int) -> tuple[int, int, int] | None:
+        """(file index, file offset, pages available from vaddr, at most nr_pages), or None if
+        the page is not lazy here."""
+        i = bisect.bisect_right(self.entries, (vaddr, 1 << 63, 0, 0)) - 1
         if i < 0:
             return None
-        start, n, off = self.entries[i]
+        start, n, off, fi = self.entries[i]
         if not start <= vaddr < start + n * PAGE or vaddr % PAGE:
             return None
-        return off + (vaddr - start), min(nr_pages, (start + n * PAGE - vaddr) // PAGE)
+        return fi, off + (vaddr - start), min(nr_pages, (start + n * PAGE - vaddr) // PAGE)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"files": [str(f) for f in self.files], "entries": self.entries}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "TaskPages":
+        return cls(files=[Path(f) for f in d["files"]], entries=sorted(tuple(e) for e in d["entries"]))
 
 
 @dataclass
@@ -61,7 +72,7 @@ def split(images: Path, view: Path, rt: runtime.CriuRuntime | None = None) -> La
     out = LazySplit(tasks={})
     for t in task_images(images, pycriu):
         pm, img, entries, pages_name = t.pagemap, t.image, t.entries, t.pages_name
-        task = TaskPages(pages_file=images / pages_name)
+        task = TaskPages(files=[images / pages_name])
         src = os.open(images / pages_name, os.O_RDONLY)
         dst = os.open(view / pages_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -75,10 +86,10 @@ def split(images: Path, view: Path, rt: runtime.CriuRuntime | None = None) -> La
                     # asks in 4 MiB requests, was not faster: a 1.08 GB fill took 1.32-1.34 s merged,
                     # 0.76-1.28 s not (2026-11-29, 2 runs against 5)
                     e["flags"] = flags & ~PE_PRESENT
-                    task.entries.append((int(e["vaddr"]), n, off))
+                    task.entries.append((int(e["vaddr"]), n, off, 0))
                     out.lazy_bytes += n * PAGE
                 else:
-                    _copy_range(src, dst, off, n * PAGE)
+                    copy_range(src, dst, off, n * PAGE)
                     out.eager_bytes += n * PAGE
                 off += n * PAGE
             if off != os.fstat(src).st_size:
@@ -96,7 +107,7 @@ def split(images: Path, view: Path, rt: runtime.CriuRuntime | None = None) -> La
     return out
 
 
-def _copy_range(src: int, dst: int, off: int, n: int) -> None:
+def copy_range(src: int, dst: int, off: int, n: int) -> None:
     while n:
         k = os.copy_file_range(src, dst, n, off)
         if k == 0:

@@ -104,53 +104,79 @@ class _Frames:
         return bool(self.expect)
 
 
-class Relay:
-    def __init__(self, upstream: socket.socket, daemon: socket.socket, ctl_in: int, ctl_out, *,  # noqa: ANN001
-                 idle_timeout_s: float, guard_timeout_s: float) -> None:
-        self.up, self.dn, self.ctl_in, self.ctl_out = upstream, daemon, ctl_in, ctl_out
-        self.idle_timeout_s, self.guard_timeout_s = idle_timeout_s, guard_timeout_s
-        self.frames = _Frames()
+class Guardian:
+    """The control pipe from the agent, and the rule that the worker goes before the daemon does.
+
+    The agent names the restored tree once the restore has returned (`guard <pid>`); it is told
+    `ok`, or `failed <why>` when the pages had already stopped coming (the tree is killed).  When
+    serving fails later, `settle` kills the tree, waiting for its pid if the restore still runs,
+    and only then may the daemon's socket close.  Shared by the relay and the local page server
+    (transfer/local_pages.py)."""
+
+    def __init__(self, ctl_in: int, ctl_out, guard_timeout_s: float) -> None:  # noqa: ANN001
+        self.ctl_in, self.ctl_out, self.guard_timeout_s = ctl_in, ctl_out, guard_timeout_s
         self.guard: int | None = None
         self.failure: str | None = None
-        self.bytes = 0
-        self._ctl_buf = b""
+        self.ctl_open = True
+        self._buf = b""
 
-    def _say(self, line: str) -> None:
+    def say(self, line: str) -> None:
         try:
             self.ctl_out.write(line + "\n")
             self.ctl_out.flush()
         except OSError:
-            pass  # the agent went away (restarted): the relay goes on guarding on its own
+            pass  # the agent went away (restarted): guarding goes on without it
 
-    def _read_ctl(self) -> bool:
-        """One read of the agent's control pipe; False once it is closed."""
+    def read_ctl(self) -> None:
+        """One read of the agent's control pipe (it is readable)."""
         data = os.read(self.ctl_in, 256)
         if not data:
-            return False
-        self._ctl_buf += data
-        while b"\n" in self._ctl_buf:
-            line, self._ctl_buf = self._ctl_buf.split(b"\n", 1)
+            self.ctl_open = False
+            return
+        self._buf += data
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
             word, _, arg = line.decode().partition(" ")
             if word == "guard" and arg.strip().isdigit():
                 self.guard = int(arg)
-                if self.failure:  # the source went while the restore ran: this tree must not run
+                if self.failure:  # the pages stopped while the restore ran: this tree must not run
                     proctree.kill_tree(self.guard)
-                    self._say(f"failed {self.failure}")
+                    self.say(f"failed {self.failure}")
                 else:
-                    self._say("ok")
-        return True
+                    self.say("ok")
+
+    def settle(self) -> list[int]:
+        """After a failure: the pids killed (none if the restore never named its tree in time)."""
+        if not self.failure:
+            return []
+        if self.guard is None and self.ctl_open:  # the restore is still running: wait for its pid
+            deadline = time.monotonic() + self.guard_timeout_s
+            while self.guard is None and self.ctl_open and time.monotonic() < deadline:
+                if select.select([self.ctl_in], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    self.read_ctl()
+            return []  # read_ctl killed it if it came
+        return proctree.kill_tree(self.guard) if self.guard is not None else []
+
+
+class Relay:
+    def __init__(self, upstream: socket.socket, daemon: socket.socket, guardian: Guardian, *,
+                 idle_timeout_s: float) -> None:
+        self.up, self.dn, self.g = upstream, daemon, guardian
+        self.idle_timeout_s = idle_timeout_s
+        self.frames = _Frames()
+        self.bytes = 0
 
     def run(self) -> dict[str, object]:
         buf = bytearray(1 << 20)
         mv = memoryview(buf)
-        ctl_open = True
+        g = self.g
         last_up = time.monotonic()
-        while self.failure is None:
-            watch: list[object] = [self.up, self.dn] + ([self.ctl_in] if ctl_open else [])
+        while g.failure is None:
+            watch: list[object] = [self.up, self.dn] + ([g.ctl_in] if g.ctl_open else [])
             ready = select.select(watch, [], [], min(1.0, self.idle_timeout_s))[0]
             now = time.monotonic()
-            if self.ctl_in in ready:
-                ctl_open = self._read_ctl()
+            if g.ctl_in in ready:
+                g.read_ctl()
             if self.dn in ready:
                 data = self.dn.recv(1 << 16)
                 if not data:  # the daemon is done (or died: then the kernel has its uffd, nothing left to guard)
@@ -159,33 +185,33 @@ class Relay:
                 try:
                     self.frames.from_daemon(data)
                 except ValueError as e:
-                    self.failure = str(e)
+                    g.failure = str(e)
                     break
                 if not was_waiting:
                     last_up = now  # the wait for a reply starts now
                 try:
                     self.up.sendall(data)
                 except OSError as e:
-                    self.failure = f"the source's page server cannot be reached any more: {e}"
+                    g.failure = f"the source's page server cannot be reached any more: {e}"
                     break
             if self.up in ready:
                 try:
                     n = self.up.recv_into(mv)
                 except OSError as e:
-                    self.failure = (f"the source's page server hung up after {self.frames.pages} pages, "
+                    g.failure = (f"the source's page server hung up after {self.frames.pages} pages, "
                                     f"before the fill was done ({e.strerror or e})")
                     break
                 if n == 0:
                     if self.frames.closed and not self.frames.outstanding:
                         break  # the source said goodbye after the daemon's close: a clean end
-                    self.failure = (f"the source's page server hung up after {self.frames.pages} pages, "
+                    g.failure = (f"the source's page server hung up after {self.frames.pages} pages, "
                                     "before the fill was done")
                     break
                 last_up = now
                 try:
                     self.frames.from_source(mv[:n])
                 except ValueError as e:
-                    self.failure = str(e)
+                    g.failure = str(e)
                     break
                 self.bytes += n
                 try:
@@ -193,21 +219,13 @@ class Relay:
                 except OSError:
                     break  # the daemon is gone; its exit status tells the agent why
             if self.frames.outstanding and now - last_up > self.idle_timeout_s:
-                self.failure = (f"the source's page server sent nothing for {self.idle_timeout_s:g} s while "
+                g.failure = (f"the source's page server sent nothing for {self.idle_timeout_s:g} s while "
                                 f"a request was outstanding ({self.frames.pages} pages had arrived)")
         mv.release()
-        killed: list[int] = []
-        if self.failure:
-            if self.guard is None and ctl_open:  # the restore is still running: wait for its pid
-                deadline = time.monotonic() + self.guard_timeout_s
-                while self.guard is None and ctl_open and time.monotonic() < deadline:
-                    if select.select([self.ctl_in], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                        ctl_open = self._read_ctl()
-            elif self.guard is not None:
-                killed = proctree.kill_tree(self.guard)
+        killed = g.settle()
         self.dn.close()  # only now may the daemon go, and the kernel drop the userfaultfd
         self.up.close()
-        return {"ok": self.failure is None, "reason": self.failure or "", "bytes": self.bytes,
+        return {"ok": g.failure is None, "reason": g.failure or "", "bytes": self.bytes,
                 "pages": self.frames.pages, "killed": killed}
 
 
@@ -226,16 +244,19 @@ def main(argv: list[str] | None = None) -> int:
     dn.setblocking(True)
     if up.family in (socket.AF_INET, socket.AF_INET6):
         up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the daemon waits on each request
-    relay = Relay(up, dn, sys.stdin.fileno(), sys.stdout, idle_timeout_s=a.idle_timeout,
-                  guard_timeout_s=a.guard_timeout)
-    result = relay.run()
-    if a.result_file is not None:
+    relay = Relay(up, dn, Guardian(sys.stdin.fileno(), sys.stdout, a.guard_timeout), idle_timeout_s=a.idle_timeout)
+    return report(relay.run(), a.result_file)
+
+
+def report(result: dict[str, object], result_file: Path | None) -> int:
+    """The verdict: one JSON line to the agent, and to `result_file` for an agent that restarted."""
+    if result_file is not None:
         try:
-            tmp = a.result_file.with_suffix(".tmp")
+            tmp = result_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(result))
-            os.replace(tmp, a.result_file)
+            os.replace(tmp, result_file)
         except OSError as e:
-            print(f"could not write {a.result_file}: {e}", file=sys.stderr)
+            print(f"could not write {result_file}: {e}", file=sys.stderr)
     try:
         print(json.dumps(result), flush=True)
     except OSError:

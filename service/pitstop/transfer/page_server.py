@@ -74,7 +74,7 @@ def serve(sock: socket.socket, split: LazySplit, *, idle_timeout_s: float,
     sock.settimeout(idle_timeout_s)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    fds: dict[int, int] = {}
+    fds: dict[tuple[int, int], int] = {}
     out = Served()
     t0 = time.monotonic()
     try:
@@ -96,16 +96,16 @@ def serve(sock: socket.socket, split: LazySplit, *, idle_timeout_s: float,
             if where is None or nr == 0:
                 raise ProtocolError(f"task {dst} asked for {nr} pages at {vaddr:#x}, which the dump does not "
                                     "hold as lazy pages")
-            off, n = where
+            fi, off, n = where
             if stop_after is not None and out.pages + n > stop_after:
                 raise ProtocolError(f"injected fault: page server stopped after {out.pages} pages")
             if stall_after is not None and out.pages + n > stall_after:
                 while sock.recv(1 << 16):  # until the destination hangs up (or the idle timeout)
                     pass
                 raise ProtocolError(f"injected fault: page server stalled after {out.pages} pages")
-            fd = fds.get(dst)
+            fd = fds.get((dst, fi))
             if fd is None:
-                fd = fds[dst] = os.open(task.pages_file, os.O_RDONLY)  # type: ignore[union-attr]
+                fd = fds[(dst, fi)] = os.open(task.files[fi], os.O_RDONLY)  # type: ignore[union-attr]
             sock.sendall(PSI.pack((PE_PRESENT << PS_CMD_BITS) | PS_IOV_ADD_F, n, vaddr, dst))
             _send_range(sock, fd, off, n * PAGE, idle_timeout_s)
             out.pages += n
