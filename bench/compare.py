@@ -19,6 +19,9 @@ ranks 0-1, host-b: ranks 2-3).  Methods, each on a fresh local cluster:
 - pitstop, post-copy: the stop-and-copy evacuation with the spare restoring lazily
   (PITSTOP_AGENT_LAZY_RESTORE=1, capture/lazy_pages.py): the job resumes while CRIU's
   lazy-pages daemon fills the restored ranks' memory from the received images.
+- pitstop, pre-copy + post-copy: the default's pre-copy with the spare restoring lazily: CRIU's
+  daemon cannot read the pre-copy as a parent image, so a local page server answers it from the
+  delta and the pre-copy (capture/lazydelta.py).  Nothing depends on the source after the commit.
 - pitstop, network post-copy: the sources split their dumps (PITSTOP_AGENT_REMOTE_POST_COPY=1,
   capture/postcopy.py): only the pages a restore must place travel before it; the spare's
   lazy-pages daemon fetches the rest from the sources after the job resumes.  Its fill time
@@ -61,6 +64,7 @@ from tests.helpers import ddp_cmd  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 NETWORK_POST_COPY = {"PITSTOP_AGENT_REMOTE_POST_COPY": "1"}
+LOCAL_POST_COPY = {"PITSTOP_AGENT_LAZY_RESTORE": "1"}  # from the copy on the destination
 
 
 def _final_hashes(out: Path, world: int) -> list[str]:
@@ -257,8 +261,10 @@ def main() -> None:
         every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, label="pitstop, stop-and-copy",
                                     prewarm_gib=a.prewarm_gib, pre_copy=False))
         if not a.skip_post_copy:
-            every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_LAZY_RESTORE": "1"},
+            every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, LOCAL_POST_COPY,
                                         label="pitstop, post-copy", prewarm_gib=a.prewarm_gib, pre_copy=False))
+            every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, LOCAL_POST_COPY,
+                                        label="pitstop, pre-copy + post-copy", prewarm_gib=a.prewarm_gib))
             every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, NETWORK_POST_COPY,
                                         label="pitstop, network post-copy", prewarm_gib=a.prewarm_gib))
         if not a.skip_naive:
@@ -292,7 +298,8 @@ def main() -> None:
     }
     for r in runs[1:]:
         summary[f"{r['method']} / pitstop (job pause)"] = pause[r["method"]] / pause[ref["method"]]
-    for method, name in (("pitstop, post-copy", "post-copy"), ("pitstop, network post-copy", "network post-copy")):
+    for method, name in (("pitstop, post-copy", "post-copy"), ("pitstop, pre-copy + post-copy", "pre-copy + post-copy"),
+                         ("pitstop, network post-copy", "network post-copy")):
         v = next((r for r in runs if r["method"] == method), None)
         if v is None:
             continue

@@ -28,6 +28,7 @@ from ..capture import caps, proctree, runtime
 from ..errors import Conflict, FailedPrecondition, PitstopError, TransferFailed
 from ..httpapi import install_error_handlers, require_token
 from ..transfer.stream import receive_into
+from . import reclaim
 from .capturing import SourceSide
 from .receiving import DestinationSide, Slot
 from .settings import AgentSettings
@@ -59,6 +60,7 @@ class Agent:
         self.source = SourceSide(settings, self.state, self.dest)
         self.metrics = Metrics()
         self.source.on_finished = self._count_capture
+        reclaim.sweep(settings.images)
         self.source.reconcile()
         self.dest.remove_stale_slots()
         self.dest.adopt()

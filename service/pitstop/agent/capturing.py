@@ -39,6 +39,7 @@ from ..gpu.checkpoint import GpuCheckpointer  # noqa: F401 - the type of self.gp
 from ..network import workerns
 from ..transfer import dataport, page_server
 from ..transfer.stream import DirectoryTail
+from . import reclaim
 from .settings import AgentSettings
 from .state import AgentState, Capture, Worker
 
@@ -626,7 +627,7 @@ class SourceSide:
         src = self.page_sources.get(cap.image_id or "")
         if src is None or src.done.is_set():
             self._drop_page_source(cap.image_id)
-            shutil.rmtree(cap.image_dir, ignore_errors=True)
+            reclaim.later(Path(cap.image_dir))  # the job waits for this commit: delete after it
         else:  # the moved worker's memory is still being fetched from here: keep the dump until then
             threading.Thread(target=self._expire_page_source, args=(src,), daemon=True,
                              name=f"pages-{cid}").start()

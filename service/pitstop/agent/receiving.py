@@ -30,7 +30,7 @@ from ..gpu.checkpoint import GpuCheckpointer
 from ..network import workerns
 from ..transfer import dataport
 from ..transfer.stream import StreamReceiver, file_stats, verify_directory
-from . import scope
+from . import reclaim, scope
 from .settings import AgentSettings
 from .state import Fill, LIVE_STATES, AgentState, Worker
 
@@ -120,7 +120,10 @@ class DestinationSide:
             if abandon and s.restored:
                 self.stop_abandoned(s.restored, "its move was rolled back after this agent restored it")
             s.receiver.close()
-            shutil.rmtree(s.directory, ignore_errors=True)
+            if abandon:
+                shutil.rmtree(s.directory, ignore_errors=True)
+            else:  # done with: often while the job waits for this restore to return
+                reclaim.later(s.directory)
         if not image_id.endswith(precopy.PRE_SUFFIX):  # the pre-copy it was a delta against goes with it
             self.discard(image_id + precopy.PRE_SUFFIX, abandon=False)
 
