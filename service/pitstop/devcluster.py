@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from .agent import imagefs
 from .agent.client import AgentClient
 from .capture import proctree
 from .netns import NetHosts
@@ -111,7 +112,7 @@ class LocalCluster:
     coordinator_url: str | None = None
     coordinator_db: Path | None = None
     coordinator_proc: subprocess.Popen | None = None
-    shm: Path = field(default_factory=lambda: Path("/dev/shm") / f"pitstop-{secrets.token_hex(4)}")
+    shm: Path = field(default_factory=lambda: Path(os.environ.get("PITSTOP_DEV_SHM", "/dev/shm")) / f"pitstop-{secrets.token_hex(4)}")
     net: NetHosts | None = None  # set: every agent is a host in its own network namespace
     tls_dir: Path | None = None  # set: mutual TLS from a CA made here, a certificate per process
 
@@ -251,6 +252,8 @@ class LocalCluster:
             _stop(p, signal.SIGTERM)
         if self.net:
             self.net.close()
+        if self.shm.exists():
+            imagefs.unmount_under(self.shm)  # an agent killed mid-way leaves its image mount
         shutil.rmtree(self.shm, ignore_errors=True)
         shutil.rmtree(self.root, ignore_errors=True)
 

@@ -82,8 +82,23 @@ def run_checks() -> list[Check]:
     checks.append(Check("image tmpfs", shm.is_dir() and os.access(shm, os.W_OK),
                         f"/dev/shm, {shutil.disk_usage(shm).free / 2**30:.1f} GiB free" if shm.is_dir() else "missing",
                         required=False))
+    checks.append(_huge_tmpfs())
     checks += gpu_checks()
     return checks
+
+
+def _huge_tmpfs() -> Check:
+    """Whether the agent's image mount can have huge pages (agent/imagefs.py)."""
+    try:
+        knob = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    except OSError:
+        return Check("huge-page image tmpfs", False, "this kernel has no transparent huge pages for tmpfs: "
+                     "images stay in 4 KiB pages (slower dumps and restores)", required=False)
+    if "[deny]" in knob:
+        return Check("huge-page image tmpfs", False, "shmem_enabled is `deny`: tmpfs mounts get no huge pages "
+                     "(echo never > /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them)", required=False)
+    return Check("huge-page image tmpfs", True, "available: the agent mounts its image directory with "
+                 "huge=within_size (PITSTOP_AGENT_IMAGE_MOUNT=off to keep it as it is)", required=False)
 
 
 def gpu_checks() -> list[Check]:

@@ -28,7 +28,7 @@ from ..capture import caps, proctree, runtime
 from ..errors import Conflict, FailedPrecondition, PitstopError, TransferFailed
 from ..httpapi import install_error_handlers, require_token
 from ..transfer.stream import receive_into
-from . import reclaim
+from . import imagefs, reclaim
 from .capturing import SourceSide
 from .receiving import DestinationSide, Slot
 from .settings import AgentSettings
@@ -63,6 +63,7 @@ class Agent:
         reclaim.sweep(settings.images)
         self.source.reconcile()
         self.dest.remove_stale_slots()
+        self.image_fs = imagefs.prepare(settings.images, enabled=settings.image_mount, size=settings.image_mount_size)
         self.dest.adopt()
         self.started = time.time()
         self.data_port: int | None = None  # set by the server once transfer/dataport.py listens
@@ -101,7 +102,7 @@ class Agent:
             criu = {"error": e.message}
         return {"name": self.s.name, "url": self.s.url, "spare": self.s.spare, "version": __version__,
                 "data_port": self.data_port, "cap_bnd": f"{caps.bounding_set():x}",
-                "post_copy": self.source.post_copy_support(),
+                "post_copy": self.source.post_copy_support(), "image_fs": self.image_fs.describe(),
                 "criu": criu, "workers": len([w for w in self.state.workers.values()
                                               if w.state in LIVE_STATES])}
 

@@ -15,7 +15,7 @@ from ..transfer.dataport import DataPort
 from ..capture import lazy_pages, runtime
 from ..errors import FailedPrecondition
 from ..sdnotify import notify, watchdog_loop
-from . import reclaim
+from . import imagefs, reclaim
 from .api import Agent, local_app, peer_app
 from .peercred import checked
 from .receiving import become_subreaper
@@ -106,3 +106,4 @@ def serve(s: AgentSettings) -> None:
     uvloop.run(main())  # libuv's loop: 0.45 instead of 0.49 cores at 3,000 HTTP beats/s (bench/heartbeat_load.py)
     if not reclaim.drain(30):
         log.warning("image deletions still running at shutdown; the next start finishes them")
+    imagefs.release(agent.image_fs)

@@ -20,6 +20,10 @@ class AgentSettings(BaseSettings):
         "PITSTOP_AGENT_COORDINATOR", "PITSTOP_COORDINATOR"))
     state_dir: Path = Path("/var/lib/pitstop/agent")
     image_dir: Path | None = None      # default: /dev/shm/pitstop/<name> (tmpfs)
+    # A tmpfs of the agent's own with huge pages at the image directory (agent/imagefs.py):
+    # dumps, deltas and restores read and write every byte there while the job waits.
+    image_mount: bool = True
+    image_mount_size: str | None = Field(default=None, pattern=r"^\d+[kKmMgG%]?$")  # tmpfs's default: half of RAM
     socket_path: Path | None = None    # default: <state_dir>/agent.sock
     cluster_token: str | None = Field(default=None, validation_alias=AliasChoices(
         "PITSTOP_CLUSTER_TOKEN", "PITSTOP_AGENT_CLUSTER_TOKEN"))

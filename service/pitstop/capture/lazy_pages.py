@@ -18,7 +18,9 @@ daemon fails (agent/receiving.py, _watch_fill): a dead rank the job's own recove
 That is after the fact: a daemon that dies on its own leaves a few milliseconds in which the
 worker may read zeros.  Where the pages come from the source, the likelier failure (the
 source or the link going) is caught before the daemon sees it, by a relay that kills the
-worker first (transfer/page_relay.py).  Operators choose this mode
+worker first (transfer/page_relay.py).  A delta against a pre-copy is served the same way,
+by a local page server, since this daemon cannot read a parent image (lazydelta.py).
+Operators choose this mode
 (PITSTOP_AGENT_LAZY_RESTORE); the eager restore stays the default.
 """
 

@@ -17,10 +17,9 @@ soft-dirty (CONFIG_MEM_SOFT_DIRTY is off), so pitstop compares contents instead:
    task's pagemap marks the unchanged runs PE_PARENT (CRIU's own "this page is in the parent
    image", as a pre-dump chain writes it) and its pages file keeps only the changed pages.
 3. The destination links the pre-copy as `parent` in the delta's directory, and CRIU's restore
-   reads the PE_PARENT runs from there (criu/pagemap.c, read_parent_page).  The restore is
-   eager: CRIU's local lazy-pages daemon hangs on the first page it must read from a parent
-   (2026-11-30, CRIU 4.2: "pr1-2 Read from parent", then nothing until the restorer gives up),
-   so a delta is never restored lazily.
+   reads the PE_PARENT runs from there (criu/pagemap.c, read_parent_page).  CRIU's lazy-pages
+   daemon cannot read a parent, so a lazy restore of a delta goes through a parentless view
+   and a local page server instead (lazydelta.py).
 
 A digest match is the only evidence that a page is unchanged, so the digest is 128 bits:
 a collision between a page's old and new contents (about 2^-128 per page) is the one way a
