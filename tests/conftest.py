@@ -104,3 +104,17 @@ def _no_criu_lock_tables_left():
     for t in left:
         subprocess.run([runtime.locate().nft, "delete", "table", "inet", t], capture_output=True)
     assert not left, f"CRIU network-lock tables left behind: {left}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_mounts_left():
+    """Agents mount their image directories (agent/imagefs.py): none may outlive the suite."""
+    def points() -> set[str]:
+        with open("/proc/self/mountinfo") as f:
+            return {line.split()[4] for line in f}
+    before = points()
+    yield
+    left = points() - before
+    for p in sorted(left, key=len, reverse=True):
+        subprocess.run(["umount", "-l", p], capture_output=True)
+    assert not left, f"mounts left behind: {sorted(left)}"

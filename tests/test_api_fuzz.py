@@ -27,7 +27,8 @@ def _coordinator(tmp):
 
 
 def _agent(tmp):
-    s = AgentSettings(name="fuzz", state_dir=tmp / "agent", image_dir=tmp / "images", cluster_token=CLUSTER)
+    s = AgentSettings(name="fuzz", state_dir=tmp / "agent", image_dir=tmp / "images", cluster_token=CLUSTER,
+                      image_mount=False)  # an in-process agent: nothing would unmount it
     return peer_app(Agent(s))
 
 
