@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 
 from ..capture import lazydelta
-from .page_relay import Guardian, report
+from .page_relay import Guardian, daemon_side_args, report
 from .page_server import ProtocolError, Served, serve
 
 
@@ -61,12 +61,8 @@ def run(daemon: socket.socket, index: Path, guardian: Guardian, *, idle_timeout_
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pitstop.transfer.local_pages", description=__doc__.split("\n")[0])
-    ap.add_argument("--daemon-fd", type=int, required=True, help="our end of the daemon's socketpair")
     ap.add_argument("--index", type=Path, required=True, help="where each lazy page lies (capture/lazydelta.py)")
-    ap.add_argument("--idle-timeout", type=float, default=60.0)
-    ap.add_argument("--guard-timeout", type=float, default=60.0, help="how long to wait for the pid to guard")
-    ap.add_argument("--result-file", type=Path)
-    a = ap.parse_args(argv)
+    a = daemon_side_args(ap).parse_args(argv)
     dn = socket.socket(fileno=a.daemon_fd)
     dn.setblocking(True)
     result = run(dn, a.index, Guardian(sys.stdin.fileno(), sys.stdout, a.guard_timeout),

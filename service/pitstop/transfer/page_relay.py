@@ -232,12 +232,7 @@ class Relay:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pitstop.transfer.page_relay", description=__doc__.split("\n")[0])
     ap.add_argument("--upstream-fd", type=int, required=True, help="connected socket to the source's page server")
-    ap.add_argument("--daemon-fd", type=int, required=True, help="our end of the daemon's socketpair")
-    ap.add_argument("--idle-timeout", type=float, default=60.0)
-    ap.add_argument("--guard-timeout", type=float, default=60.0, help="how long to wait for the pid to guard")
-    ap.add_argument("--result-file", type=Path, help="also write the result here, for an agent that restarted "
-                                                     "while the fill ran (its pipe to us is gone)")
-    a = ap.parse_args(argv)
+    a = daemon_side_args(ap).parse_args(argv)
     up = socket.socket(fileno=a.upstream_fd)
     dn = socket.socket(fileno=a.daemon_fd)
     up.setblocking(True)
@@ -246,6 +241,16 @@ def main(argv: list[str] | None = None) -> int:
         up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the daemon waits on each request
     relay = Relay(up, dn, Guardian(sys.stdin.fileno(), sys.stdout, a.guard_timeout), idle_timeout_s=a.idle_timeout)
     return report(relay.run(), a.result_file)
+
+
+def daemon_side_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The arguments of whoever answers the daemon (this relay, or transfer/local_pages.py)."""
+    ap.add_argument("--daemon-fd", type=int, required=True, help="our end of the daemon's socketpair")
+    ap.add_argument("--idle-timeout", type=float, default=60.0)
+    ap.add_argument("--guard-timeout", type=float, default=60.0, help="how long to wait for the pid to guard")
+    ap.add_argument("--result-file", type=Path, help="also write the result here, for an agent that restarted "
+                                                     "while the fill ran (its pipe to us is gone)")
+    return ap
 
 
 def report(result: dict[str, object], result_file: Path | None) -> int:
