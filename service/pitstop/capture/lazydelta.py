@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import RestoreFailed
 from . import runtime
 from .dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, link_the_rest, task_images
-from .postcopy import LazySplit, TaskPages, copy_range
+from .postcopy import LazySplit, TaskPages, copy_range, split_present
 
 INDEX = "lazy-pages-index.json"
 DELTA, PARENT = 0, 1  # file indices in each task's TaskPages
@@ -97,15 +97,8 @@ def view(delta: Path, parent: Path, out: Path, rt: runtime.CriuRuntime | None = 
                             copy_range(psrc, dst, o, k * PAGE)
                         split.eager_bytes += n * PAGE
                         e["flags"] = PE_PRESENT
-                elif flags & PE_PRESENT:
-                    if flags & PE_LAZY:
-                        task.entries.append((va, n, off, DELTA))
-                        split.lazy_bytes += n * PAGE
-                        e["flags"] = PE_LAZY
-                    else:
-                        copy_range(src, dst, off, n * PAGE)
-                        split.eager_bytes += n * PAGE
-                    off += n * PAGE
+                elif flags & PE_PRESENT:  # changed since the pre-copy: in the delta, as postcopy splits it
+                    off = split_present(e, off, src, dst, task, split, DELTA)
             if off != os.fstat(src).st_size:
                 raise RestoreFailed(f"{t.pagemap.name} describes {off} bytes of pages, {t.pages_name} holds "
                                     f"{os.fstat(src).st_size}", action="the move rolls back; report it")
