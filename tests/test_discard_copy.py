@@ -21,7 +21,8 @@ HOLDER = """
 import socket, sys, time
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
 child = __import__("os").fork()   # a child holds it too, as a DataLoader worker would
-print("ready", flush=True)
+if child:                           # one line from the parent only: two writers could interleave
+    print("ready", flush=True)
 time.sleep(60)
 """
 
