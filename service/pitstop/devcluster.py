@@ -278,6 +278,12 @@ def _kill_restored(a: AgentProc) -> None:
                 os.kill(w["root_pid"], signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        k = w.get("keeper")  # agent/exitkeeper.py: outlives the agent by design
+        if k and proctree.start_time(k["pid"]) == k.get("start_time"):
+            try:
+                os.kill(k["pid"], signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _stop(p: subprocess.Popen, sig: int, timeout: float = 10.0) -> None:

@@ -30,7 +30,7 @@ from ..gpu.checkpoint import GpuCheckpointer
 from ..network import workerns
 from ..transfer import dataport
 from ..transfer.stream import StreamReceiver, file_stats, verify_directory
-from . import reclaim, scope
+from . import exitkeeper, reclaim, scope
 from .settings import AgentSettings
 from .state import Fill, LIVE_STATES, AgentState, Worker
 
@@ -172,14 +172,15 @@ class DestinationSide:
                                  f"of image {m.pre_copy_of}", action=f"restore {m.pre_copy_of} instead")
         lazy = bool(m.pages_from or self.s.lazy_restore)
         directory, index = s.directory, None
+        t_view = time.monotonic()
         if m.parent:
             parent = self._link_parent(s, m.parent)
             if lazy and not m.pages_from:
                 directory, index = self._lazy_view(s, parent)
         t1 = time.monotonic()
+        gpu_phases: dict[str, float] = {"lazy_view": t1 - t_view} if index else {}
         faults.hit("restore:before_criu")
         wk = m.worker
-        gpu_phases: dict[str, float] = {}
         s.idle.clear()
         try:
             w, fill = self._restore(directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
@@ -327,10 +328,15 @@ class DestinationSide:
                     workerns.create(wn, self.s.worker_link, locked=True, nft=nft)
                     created = True
                 net_fd = os.open(wn.path, os.O_RDONLY)
+            t_fill = time.monotonic()
             fill = self._start_fill(directory, pages_from, local_index) if lazy else None
+            if fill and phases is not None:
+                phases["fill_start"] = time.monotonic() - t_fill
             try:
-                pid, _secs = criu_ops.restore(directory, inherit, net_fd=net_fd, lazy=fill is not None,
+                pid, secs = criu_ops.restore(directory, inherit, net_fd=net_fd, lazy=fill is not None,
                                               timeout_s=self.s.restore_timeout_s, abort=abort)
+                if phases is not None:
+                    phases["criu_restore"] = secs
                 gone = fill.guard(pid) if fill else None
                 if gone:  # the source stopped serving while the tree was restored: it must not run
                     proctree.kill_tree(pid)
@@ -374,13 +380,16 @@ class DestinationSide:
         for stream in ("stdout", "stderr"):  # a fresh file: offsets are relative to output_base
             (self.outputs / f"{worker_id}.{stream}").unlink(missing_ok=True)
         pumps = [_start_pump(fd, self.outputs / f"{worker_id}.{stream}") for fd, stream, _ in ours]
-        # its own cgroup where systemd runs the host, pumps included (agent/scope.py)
-        scope.place(worker_id, pid, more=tuple(p.pid for p in pumps))
+        started = proctree.start_time(pid) or 0
+        keeper = exitkeeper.start(worker_id, pid, started, owner=str(self.s.state_dir))  # its exit status, should this agent restart
+        # its own cgroup where systemd runs the host, pumps and keeper included (agent/scope.py)
+        scope.place(worker_id, pid, more=tuple(p.pid for p in pumps) + ((keeper.pid,) if keeper else ()))
         if fill:  # the worker's memory depends on it: an agent restart must not take it down
             scope.place(worker_id + "-fill", fill.pid, more=fill.pids[1:])
         faults.hit("restore:before_register")  # the worker runs; a rollback may look for it meanwhile
-        w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
+        w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=started,
                    restored=True, output_base=output_base or {}, net=net,
+                   keeper=keeper.to_dict() if keeper else None,
                    fill=Fill(source=(pages_from or {}).get("url"), images=str(directory)) if fill else None)
         with self.state.lock:
             self.state.workers[worker_id] = w
@@ -417,7 +426,7 @@ class DestinationSide:
             # Not our child (restore raced with CRIU's exit): poll until it is gone.
             while proctree.exists(w.root_pid):
                 time.sleep(0.2)
-            code = None
+            code = self._kept_status(w)
         for p in pumps:  # its last output is in the files before anyone hears it exited
             try:
                 p.wait(10)
@@ -431,7 +440,13 @@ class DestinationSide:
             wn = workerns.from_dict(w.net)
             if wn:
                 workerns.destroy(wn)
+        exitkeeper.stop(exitkeeper.Keeper.from_dict(w.keeper))
         log.info("restored worker exited", worker=w.id, code=code, state=w.state)
+
+    @staticmethod
+    def _kept_status(w: Worker) -> int | None:
+        k = exitkeeper.Keeper.from_dict(w.keeper)
+        return exitkeeper.exit_status(k) if k else None
 
     def remove_stale_slots(self) -> list[str]:
         """At start: images an earlier run of this agent was receiving or restoring from.
@@ -489,8 +504,10 @@ class DestinationSide:
         """After this agent restarted: watch the workers an earlier run of it restored.
 
         They outlived it (their own scope, KillMode=process, output pumps of their own), but
-        they are no longer its children, so their exit status cannot be collected: they are
-        reported as exited with the status unknown."""
+        they are no longer its children: their exit status is read through the pidfd their
+        keeper holds (agent/exitkeeper.py), also for one that ended while no agent ran.  Where
+        the kernel cannot do that (before Linux 6.15) they are reported as exited with the
+        status unknown."""
         for w in list(self.state.workers.values()):
             if w.restored and w.state == "running":
                 threading.Thread(target=self._watch_adopted, args=(w,), daemon=True,
@@ -499,8 +516,12 @@ class DestinationSide:
     def _watch_adopted(self, w: Worker) -> None:
         while proctree.is_running(w.root_pid, w.start_time):
             time.sleep(0.2)
+        code = self._kept_status(w)
         time.sleep(0.5)  # its pumps drain the last output
-        self._ended(w, None, reason="it ended while its agent was restarting: its exit status is unknown")
+        if code is not None:
+            self._ended(w, code)
+        else:
+            self._ended(w, None, reason="it ended while its agent was restarting: its exit status is unknown")
 
     def read_output(self, worker_id: str, stream: str, offset: int, limit: int = 1 << 20) -> bytes:
         p = self.outputs / f"{worker_id}.{stream}"

@@ -54,6 +54,7 @@ class Worker(BaseModel):
     # refuses, before anything pauses, a destination whose agent could not.
     caps: str | None = None
     fill: Fill | None = None              # a post-copy restore's fill, while and after it runs
+    keeper: dict[str, int] | None = None  # holds its pidfd for an agent that restarts (agent/exitkeeper.py)
     registered_at: float = Field(default_factory=time.time)
 
 

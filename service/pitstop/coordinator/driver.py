@@ -263,6 +263,7 @@ class OpRun:
             with self.lock:
                 self.md["workers"][wid]["state"] = "restored"
                 self.md["workers"][wid]["restored_pid"] = r["worker"]["root_pid"]
+                self.md["workers"][wid]["restore_phases"] = r.get("phases", {})
                 self.save()
 
         self.each(restore)
