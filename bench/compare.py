@@ -57,7 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (evacuate_and_wait, first_divergent_step, keep_logs, machine,  # noqa: E402
-                          moved_after_step, prewarm, raw_tcp_bandwidth)
+                          moved_after_step, prewarm, raw_tcp_bandwidth, host_reclaimed_kib)
 from pitstop.coordinator.client import CoordinatorClient  # noqa: E402
 from pitstop.devcluster import LocalCluster, free_port, step_gaps, step_times, wait_for_step  # noqa: E402
 from tests.helpers import ddp_cmd  # noqa: E402
@@ -87,7 +87,9 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
             wait_for_step(rk.log, 20, timeout_s=300)
         warm_s = prewarm(prewarm_gib)
         t0 = time.time()
+        reported0 = host_reclaimed_kib()
         md = evacuate_and_wait(cc, "host-b", label, pre_copy=pre_copy)
+        reported1 = host_reclaimed_kib()
         codes = [r.proc.wait(600) for r in ranks]
         if codes != [0] * world:
             raise SystemExit(f"{label}: job exit codes {codes}")
@@ -118,7 +120,8 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
                 "node_free_after_resume_s": md.get("fill_s") if after is not None else 0.0,
                 "phases": phases, "dump_s": round(dump, 4),
                 "capture_phases": caps, "restore_phases": [w.get("restore_phases", {}) for w in md["workers"].values()], "prewarm_s": round(warm_s, 2), "final": _final_hashes(out, world),
-                "first_divergent_step": diverged, "moved_after_step": moved_after_step(ranks[0].log, t0)}
+                "first_divergent_step": diverged, "moved_after_step": moved_after_step(ranks[0].log, t0),
+                "host_reclaimed_mib": None if reported0 is None or reported1 is None else (reported1 - reported0) >> 10}
 
 
 def _phase_times(log: Path) -> dict[str, float]:

@@ -83,6 +83,7 @@ def run_checks() -> list[Check]:
                         f"/dev/shm, {shutil.disk_usage(shm).free / 2**30:.1f} GiB free" if shm.is_dir() else "missing",
                         required=False))
     checks.append(_huge_tmpfs())
+    checks.append(_exit_status_kept())
     checks += gpu_checks()
     return checks
 
@@ -99,6 +100,18 @@ def _huge_tmpfs() -> Check:
                      "(echo never > /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them)", required=False)
     return Check("huge-page image tmpfs", True, "available: the agent mounts its image directory with "
                  "huge=within_size (PITSTOP_AGENT_IMAGE_MOUNT=off to keep it as it is)", required=False)
+
+
+def _exit_status_kept() -> Check:
+    """Whether a restored worker's exit status survives a restart of its agent (agent/exitkeeper.py)."""
+    from .agent import exitkeeper
+
+    if exitkeeper.supported():
+        return Check("exit status after an agent restart", True, "kept: a pidfd tells a non-parent "
+                     "(PIDFD_INFO_EXIT)", required=False)
+    return Check("exit status after an agent restart", False, "lost: this kernel cannot tell a non-parent "
+                 "(PIDFD_INFO_EXIT needs Linux 6.15); a worker restored here that ends after its agent "
+                 "restarted is reported with its status unknown", required=False)
 
 
 def gpu_checks() -> list[Check]:

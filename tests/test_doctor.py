@@ -1,0 +1,32 @@
+"""`pitstop doctor`: the real command on this host, and how its verdict follows the checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pitstop.agent import exitkeeper
+from pitstop.doctor import Check, ready
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_doctor_on_this_host_says_ready_and_why():
+    p = subprocess.run([sys.executable, "-m", "pitstop.cli", "doctor", "--json"], capture_output=True, text=True)
+    got = json.loads(p.stdout)
+    checks = {c["name"]: c for c in got["checks"]}
+    assert got["ready"] and p.returncode == 0 and not got["reasons"], got
+    for name in ("privileges", "criu", "criu check", "pycriu", "network lock"):
+        assert checks[name]["ok"] is True, checks[name]
+    kept = checks["exit status after an agent restart"]
+    assert kept["ok"] is exitkeeper.supported() and not kept["required"], kept
+
+
+def test_only_a_failed_required_check_blocks_and_is_named():
+    checks = [Check("criu", True, "4.2"), Check("huge-page image tmpfs", False, "no", required=False),
+              Check("privileges", False, "uid 1000: CRIU needs root")]
+    assert ready(checks) == (False, ["privileges: uid 1000: CRIU needs root"])
+    assert ready(checks[:2]) == (True, [])
