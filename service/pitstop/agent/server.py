@@ -16,6 +16,7 @@ from ..capture import lazy_pages, runtime
 from ..errors import FailedPrecondition
 from ..sdnotify import notify, watchdog_loop
 from . import imagefs, reclaim
+from .. import priority
 from .api import Agent, local_app, peer_app
 from .peercred import checked
 from .receiving import become_subreaper
@@ -58,6 +59,7 @@ def _preload() -> None:
 
 
 def serve(s: AgentSettings) -> None:
+    priority.apply(s.nice, "agent")  # first: every thread started later inherits it
     check_security(s)
     check_lazy_restore(s)
     _preload()

@@ -14,6 +14,8 @@ class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PITSTOP_AGENT_", extra="ignore", populate_by_name=True)
 
     name: str = Field(default_factory=socket.gethostname)
+    # CPU priority of the agent among the job's busy processes (pitstop/priority.py)
+    nice: int = Field(default=-10, ge=-20, le=19)
     listen: str = "127.0.0.1:7070"
     advertise_url: str | None = None  # what peers and the coordinator use; default http://<listen>
     coordinator: str | None = Field(default=None, validation_alias=AliasChoices(

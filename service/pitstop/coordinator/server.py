@@ -8,7 +8,7 @@ import structlog
 import uvicorn
 import uvloop
 
-from .. import tls
+from .. import priority, tls
 
 from ..errors import FailedPrecondition
 from ..sdnotify import notify, watchdog_loop
@@ -30,6 +30,7 @@ async def flush_loop(store: Store, every_s: float) -> None:
 
 
 def serve(s: CoordinatorSettings) -> None:
+    priority.apply(s.nice, "coordinator")  # first: every thread started later inherits it
     if not s.insecure and not (s.operator_token and s.cluster_token):
         missing = [n for n, v in (("PITSTOP_TOKEN", s.operator_token), ("PITSTOP_CLUSTER_TOKEN", s.cluster_token))
                    if not v]
