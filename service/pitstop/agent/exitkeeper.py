@@ -74,7 +74,7 @@ def supported() -> bool:
     if not hasattr(os, "pidfd_open") or not shutil.which("sleep"):
         return False
     try:
-        p = subprocess.Popen(["true"])
+        p = subprocess.Popen([shutil.which("sleep") or "sleep", "0"])
         fd = os.pidfd_open(p.pid)
     except OSError:
         return False
