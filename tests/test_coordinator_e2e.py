@@ -219,6 +219,18 @@ def test_coordinator_killed_after_the_commit_point_finishes_on_restart(cluster, 
 def test_a_restored_worker_outlives_a_restart_of_its_agent(cluster, tmp_path):
     """Its stdio goes through pumps of its own (not the agent's threads, whose pipe ends died with
     the agent: the job's next print failed with EPIPE); the restarted agent adopts it."""
+    ranks, out, spare, port = _one_rank_moved_to_the_spare(cluster, tmp_path)
+    cluster.stop_agent("spare-1")
+    steps = len(step_times(ranks[0].log))
+    time.sleep(1.0)
+    cluster.start_agent("spare-1", spare=True, port=port)
+    w = next(w for w in spare.client().workers() if w["id"] == "train.0")
+    assert w["state"] == "running" and w["restored"], w
+    _ends_with_its_status(cluster, ranks[0], out, tmp_path, steps)
+
+
+def _one_rank_moved_to_the_spare(cluster, tmp_path):
+    """A 1-rank job of 120 steps on host-b, evacuated to spare-1: (ranks, out, spare, its port)."""
     cc = _cluster(cluster)
     out = tmp_path / "out"
     ranks = cluster.start_job("train", ddp_cmd(out, steps=120), 1, {0: "host-b"})
@@ -227,14 +239,7 @@ def test_a_restored_worker_outlives_a_restart_of_its_agent(cluster, tmp_path):
     op = _wait_op(cc, cc.evacuate("host-b")["name"])
     assert op["metadata"]["result"] == "succeeded", op
     spare = cluster.agents["spare-1"]
-    port = int(spare.url.rsplit(":", 1)[1])
-    cluster.stop_agent("spare-1")
-    steps = len(step_times(ranks[0].log))
-    time.sleep(1.0)
-    cluster.start_agent("spare-1", spare=True, port=port)
-    w = next(w for w in spare.client().workers() if w["id"] == "train.0")
-    assert w["state"] == "running" and w["restored"], w
-    _ends_with_its_status(cluster, ranks[0], out, tmp_path, steps)
+    return ranks, out, spare, int(spare.url.rsplit(":", 1)[1])
 
 
 def _ends_with_its_status(cluster, rank, out, tmp_path, steps_before: int) -> None:
@@ -256,16 +261,8 @@ def _ends_with_its_status(cluster, rank, out, tmp_path, steps_before: int) -> No
 
 def test_a_restored_worker_that_ends_while_no_agent_runs_keeps_its_status(cluster, tmp_path):
     """Its agent is down from before the worker ends until after: only the keeper held its pidfd."""
-    cc = _cluster(cluster)
-    out = tmp_path / "out"
-    ranks = cluster.start_job("train", ddp_cmd(out, steps=120), 1, {0: "host-b"})
-    _wait_jobs(cc, "train", 1)
-    wait_for_step(ranks[0].log, 10)
-    op = _wait_op(cc, cc.evacuate("host-b")["name"])
-    assert op["metadata"]["result"] == "succeeded", op
-    spare = cluster.agents["spare-1"]
+    ranks, out, spare, port = _one_rank_moved_to_the_spare(cluster, tmp_path)
     w = next(w for w in spare.client().workers() if w["id"] == "train.0")
-    port = int(spare.url.rsplit(":", 1)[1])
     cluster.stop_agent("spare-1")
     steps = len(step_times(ranks[0].log))
     deadline = time.monotonic() + 180
