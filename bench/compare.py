@@ -119,7 +119,8 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
                 "bytes_after_resume": later, "fill_s": max(fills, default=None),
                 "node_free_after_resume_s": md.get("fill_s") if after is not None else 0.0,
                 "phases": phases, "dump_s": round(dump, 4),
-                "capture_phases": caps, "restore_phases": [w.get("restore_phases", {}) for w in md["workers"].values()], "prewarm_s": round(warm_s, 2), "final": _final_hashes(out, world),
+                "capture_phases": caps, "restore_phases": [w.get("restore_phases", {}) for w in md["workers"].values()],
+                "prewarm_s": round(warm_s, 2), "final": _final_hashes(out, world),
                 "first_divergent_step": diverged, "moved_after_step": moved_after_step(ranks[0].log, t0),
                 "host_reclaimed_mib": None if reported0 is None or reported1 is None else (reported1 - reported0) >> 10}
 

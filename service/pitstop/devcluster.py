@@ -272,18 +272,10 @@ def _kill_restored(a: AgentProc) -> None:
     except (OSError, ValueError):
         return
     for w in st.get("workers", {}).values():
-        if w.get("state") in ("running", "paused", "capturing", "stopped") and \
-                proctree.start_time(w["root_pid"]) == w.get("start_time"):
-            try:
-                os.kill(w["root_pid"], signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        k = w.get("keeper")  # agent/exitkeeper.py: outlives the agent by design
-        if k and proctree.start_time(k["pid"]) == k.get("start_time"):
-            try:
-                os.kill(k["pid"], signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        if w.get("state") in ("running", "paused", "capturing", "stopped"):
+            proctree.kill_if_same(w["root_pid"], w.get("start_time"))
+        if k := w.get("keeper"):  # agent/exitkeeper.py: outlives the agent by design
+            proctree.kill_if_same(k["pid"], k.get("start_time"))
 
 
 def _stop(p: subprocess.Popen, sig: int, timeout: float = 10.0) -> None:

@@ -26,7 +26,6 @@ import functools
 import os
 import select
 import shutil
-import signal
 import struct
 import subprocess
 import time
@@ -71,10 +70,11 @@ def _exit_info(pidfd: int) -> int | None:
 @functools.cache
 def supported() -> bool:
     """Whether this kernel reports a reaped process's exit status through a pidfd (6.15+)."""
-    if not hasattr(os, "pidfd_open") or not shutil.which("sleep"):
+    sleep = shutil.which("sleep")
+    if not hasattr(os, "pidfd_open") or not sleep:
         return False
     try:
-        p = subprocess.Popen([shutil.which("sleep") or "sleep", "0"])
+        p = subprocess.Popen([sleep, "0"])
         fd = os.pidfd_open(p.pid)
     except OSError:
         return False
@@ -85,6 +85,9 @@ def supported() -> bool:
         return False
     finally:
         os.close(fd)
+
+
+_children: dict[int, subprocess.Popen] = {}  # keepers this agent started: it reaps them
 
 
 def start(worker_id: str, pid: int, start_time: int, owner: str = "") -> Keeper | None:
@@ -100,8 +103,8 @@ def start(worker_id: str, pid: int, start_time: int, owner: str = "") -> Keeper 
     try:
         if proctree.start_time(pid) != start_time:  # the pid was reused: not our worker
             return None
-        p = subprocess.Popen([f"{KEEPER_NAME} {worker_id} {owner}".rstrip(), str(KEEP_S)], executable=shutil.which("sleep"),
-                             pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        p = subprocess.Popen([f"{KEEPER_NAME} {worker_id} {owner}".rstrip(), str(KEEP_S)],
+                             executable=shutil.which("sleep"), pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
     except OSError:
         return None
@@ -111,18 +114,12 @@ def start(worker_id: str, pid: int, start_time: int, owner: str = "") -> Keeper 
     return Keeper(p.pid, proctree.start_time(p.pid) or 0, fd)
 
 
-_children: dict[int, subprocess.Popen] = {}  # keepers this agent started: it reaps them
-
-
-def _keeper_alive(k: Keeper) -> bool:
-    return proctree.start_time(k.pid) == k.start_time
-
 
 def exit_status(k: Keeper, wait_s: float = 5.0) -> int | None:
     """The worker's exit status (as os.waitstatus_to_exitcode gives it) once it has ended, read
     through its keeper; None if that cannot be known (keeper gone, old kernel, not reaped within
     `wait_s`: whoever is its parent now has not collected it)."""
-    if not _keeper_alive(k):
+    if not proctree.is_running(k.pid, k.start_time):
         return None
     try:
         kfd = os.pidfd_open(k.pid)
@@ -130,7 +127,7 @@ def exit_status(k: Keeper, wait_s: float = 5.0) -> int | None:
         return None
     try:
         fd = _libc.syscall(_SYS_PIDFD_GETFD, kfd, k.fd, 0)
-        if fd < 0 or not _keeper_alive(k):  # a keeper that ended meanwhile: its pid may be another's
+        if fd < 0 or not proctree.is_running(k.pid, k.start_time):  # a keeper that ended meanwhile: its pid may be another's
             if fd >= 0:
                 os.close(fd)
             return None
@@ -162,8 +159,5 @@ def stop(k: Keeper | None) -> None:
     if p is not None:
         p.kill()
         p.wait()
-    elif _keeper_alive(k):  # an earlier agent's: init or the subreaper above reaps it
-        try:
-            os.kill(k.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    else:  # an earlier agent's: init or the subreaper above reaps it
+        proctree.kill_if_same(k.pid, k.start_time)

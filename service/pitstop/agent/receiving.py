@@ -178,14 +178,14 @@ class DestinationSide:
             if lazy and not m.pages_from:
                 directory, index = self._lazy_view(s, parent)
         t1 = time.monotonic()
-        gpu_phases: dict[str, float] = {"lazy_view": t1 - t_view} if index else {}
+        sub_phases: dict[str, float] = {"lazy_view": t1 - t_view} if index else {}
         faults.hit("restore:before_criu")
         wk = m.worker
         s.idle.clear()
         try:
             w, fill = self._restore(directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
                                     stdio=[p.model_dump() for p in m.stdio], replace=True,
-                                    output_base=m.output_base, gpu=m.gpu, phases=gpu_phases, net=m.net,
+                                    output_base=m.output_base, gpu=m.gpu, phases=sub_phases, net=m.net,
                                     keep_peers=m.keep_peers,
                                     lazy=lazy, abort=s.abort, pages_from=m.pages_from, local_index=index)
             with self.lock:
@@ -199,7 +199,7 @@ class DestinationSide:
                                     action="nothing to do: the source runs the worker")
         finally:
             s.idle.set()
-        phases = {"verify": t1 - t0, "restore": time.monotonic() - t1, **gpu_phases}
+        phases = {"verify": t1 - t0, "restore": time.monotonic() - t1, **sub_phases}
         if fill and faults.value("restore:kill_fill"):
             fill.proc.kill()
         if fill and fill.relay and faults.value("restore:kill_page_server"):
@@ -381,7 +381,8 @@ class DestinationSide:
             (self.outputs / f"{worker_id}.{stream}").unlink(missing_ok=True)
         pumps = [_start_pump(fd, self.outputs / f"{worker_id}.{stream}") for fd, stream, _ in ours]
         started = proctree.start_time(pid) or 0
-        keeper = exitkeeper.start(worker_id, pid, started, owner=str(self.s.state_dir))  # its exit status, should this agent restart
+        # its exit status, should this agent restart (agent/exitkeeper.py)
+        keeper = exitkeeper.start(worker_id, pid, started, owner=str(self.s.state_dir))
         # its own cgroup where systemd runs the host, pumps and keeper included (agent/scope.py)
         scope.place(worker_id, pid, more=tuple(p.pid for p in pumps) + ((keeper.pid,) if keeper else ()))
         if fill:  # the worker's memory depends on it: an agent restart must not take it down

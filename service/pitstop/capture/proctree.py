@@ -68,6 +68,16 @@ def is_running(pid: int, started: int | None) -> bool:
     return exists(pid) and start_time(pid) == started
 
 
+def kill_if_same(pid: int, started: int | None) -> None:
+    """SIGKILL `pid` only while it is the process that started at `started`: a process recorded
+    earlier (by another run of the agent) whose pid may since belong to someone else."""
+    if started is not None and is_running(pid, started):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def session_id(pid: int) -> int | None:
     f = _stat_fields(pid)
     return int(f[3]) if f else None
