@@ -56,6 +56,8 @@ def test_only_what_changed_travels_during_the_pause(cluster, tmp_path, workers):
     pre, during = w["bytes_pre_copied"], md["bytes_total"]
     assert md["pre_copy_bytes"] >= 64 << 20 and pre >= 64 << 20
     assert during < pre / 3, (during, pre)  # the ballast does not change; the model and Python's heap do
+    rp = w["restore_phases"]  # the spare's own account of the restore, kept in the operation
+    assert rp["criu_restore"] > 0 and "lazy_view" not in rp and "fill_start" not in rp, rp
     assert not any(p.name.startswith(("in-", "pre-")) for p in spare.image_dir.iterdir())  # parent gone too
     _finish(tmp_path, out, kw, ranks)
 
@@ -72,6 +74,8 @@ def test_a_delta_restored_lazily_is_filled_from_its_pre_copy_here(cluster, tmp_p
     assert md["result"] == "succeeded", op
     assert _condition(op, "PreCopied")["status"] == "True"
     assert md["bytes_total"] < md["pre_copy_bytes"] / 3
+    rp = md["workers"]["train.1"]["restore_phases"]
+    assert rp["lazy_view"] > 0 and rp["fill_start"] > 0 and rp["criu_restore"] > 0, rp
     until(lambda: (spare.client().worker("train.1").get("fill") or {}).get("state") == "filled", timeout=60)
     assert spare.client().worker("train.1")["fill"]["source"] is None  # served here, not by the source
     until(lambda: not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()))  # both slots go
