@@ -1,8 +1,9 @@
 """Generate the shim's NCCL wrappers from the prototypes in native/nccl.h.
 
 Each prototype between "BEGIN API" and "END API" becomes:
-  - a pointer real_<name> to the next definition (dlsym(RTLD_NEXT), resolved lazily,
-    since the application may dlopen libnccl after the shim is loaded);
+  - a pointer real_<name> to the real definition (pitstop_sym in shim.c: the next one in
+    the global scope, else the loaded libnccl's own), resolved lazily, since the application
+    may dlopen libnccl after the shim is loaded;
   - an exported <name> that, by category,
       lifecycle   hands over to shim.c (init, split, destroy, groups),
       operation   (takes a cudaStream_t) translates the virtual handle, passes the
@@ -78,13 +79,14 @@ def generate(funcs: list[dict]) -> tuple[str, str]:
     c += ["", "/* Resolve every real_ pointer; 0 when some NCCL lies behind the shim. */",
           "int pitstop_resolve(void) {", "  static int done;", "  if (done) return 0;"]
     for f in funcs:
-        c.append(f"  real_{f['name']} = ({f['ret']} (*)({f['raw']}))dlsym(RTLD_NEXT, \"{f['name']}\");")
+        c.append(f"  real_{f['name']} = ({f['ret']} (*)({f['raw']}))pitstop_sym(\"{f['name']}\");")
     c += ["  if (!real_ncclCommInitRank) {",
-          "    fprintf(stderr, \"pitstop shim: no NCCL library found behind the shim (libnccl.so.2 not loaded?)\\n\");",
+          "    pitstop_no_nccl();",
           "    return -1;", "  }", "  done = 1;", "  return 0;", "}", ""]
     for f in funcs:
         args = ", ".join(n for _, n in f["params"])
-        fail = "NULL" if "char" in f["ret"] else "ncclSystemError"
+        # A string function never returns NULL: callers (PyTorch) build std::string from it.
+        fail = "PITSTOP_NO_NCCL_MSG" if "char" in f["ret"] else "ncclSystemError"
         body = [f"  if (pitstop_resolve() != 0) return {fail};"]
         cat = category(f)
         if cat == "lifecycle":

@@ -44,6 +44,11 @@ static inline void pitstop_count(struct vcomm *v, int op, int peer) {
 void pitstop_group_start(void);
 void pitstop_group_end(void);
 
-/* real_<name>: the next definition of each NCCL function (dlsym RTLD_NEXT), from wrappers.c */
+/* resolve.c: the real definition of an NCCL function, or NULL; said once when none. */
+void *pitstop_sym(const char *name);
+void pitstop_no_nccl(void);
+#define PITSTOP_NO_NCCL_MSG "pitstop shim: no NCCL library found behind the shim (set PITSTOP_NCCL_LIBRARY)"
+
+/* real_<name>: the real definition of each NCCL function (pitstop_sym), from wrappers.c */
 #include "real.h" /* generated into build/ */
 #endif

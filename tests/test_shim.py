@@ -58,6 +58,43 @@ def test_transparent_same_results_with_and_without_the_shim(script):
     assert outs[0] == outs[1]
 
 
+def test_finds_an_nccl_loaded_in_a_local_scope_as_pytorch_loads_it():
+    """libtorch_cuda.so brings libnccl.so.2 into a local scope, out of dlsym(RTLD_NEXT)'s reach
+    (seen on a GPU host: every call failed).  The shim finds the loaded library itself."""
+    outs = []
+    for scope, preload in (("global", ""), ("local", str(SHIM))):
+        with tempfile.TemporaryDirectory() as d:
+            rdv, out = Path(d) / "r", Path(d) / "o"
+            rdv.mkdir()
+            env = dict(os.environ, LD_LIBRARY_PATH=str(ROOT / "native" / "build"), PYTHONPATH=str(WORKLOADS),
+                       HOSTNCCL_ADDR="127.0.0.1", WORLD_SIZE="2", LD_PRELOAD=preload, NCCLPY_SCOPE=scope)
+            ps = [subprocess.Popen([sys.executable, str(WORKLOADS / "nccl_dp.py"), "--steps", "10", "--step-sleep",
+                                    "0", "--rendezvous", str(rdv), "--out", str(out)], env=dict(env, RANK=str(r)),
+                                   stderr=subprocess.PIPE, text=True)
+                  for r in range(2)]
+            errs = [p.communicate(timeout=100)[1] for p in ps]
+            assert [p.returncode for p in ps] == [0, 0], errs
+            assert not any("no NCCL library" in e for e in errs), errs
+            outs.append([(out / f"rank{r}.sha256").read_text() for r in range(2)])
+    assert outs[0] == outs[1]
+
+
+def test_without_any_nccl_calls_fail_with_a_message_never_a_null_string(tmp_path):
+    """No libnccl at all: every call returns an error, a string call returns the reason
+    (PyTorch builds std::string from it; NULL aborted the job on a GPU host), said once."""
+    prog = ("import ctypes; api = ctypes.CDLL(None); api.ncclGetErrorString.restype = ctypes.c_char_p; "
+            "api.ncclGetLastError.restype = ctypes.c_char_p; v = ctypes.c_int(); "
+            "print(api.ncclGetVersion(ctypes.byref(v)), api.ncclGetVersion(ctypes.byref(v))); "
+            "print(api.ncclGetErrorString(0).decode()); print(api.ncclGetLastError(None).decode())")
+    p = subprocess.run([sys.executable, "-c", prog], env=dict(os.environ, LD_PRELOAD=str(SHIM)),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == "2 2"  # ncclSystemError, both times
+    assert all("no NCCL library found" in ln and "PITSTOP_NCCL_LIBRARY" in ln for ln in lines[1:])
+    assert p.stderr.count("no NCCL library found") == 1 and "PITSTOP_NCCL_LIBRARY" in p.stderr
+
+
 def test_config_smaller_than_ours_is_never_read_past_its_size():
     """An older, smaller ncclConfig_t (NVIDIA/nccl#2347): 16 bytes that end at a guard page."""
     env = dict(os.environ, LD_LIBRARY_PATH=str(ROOT / "native" / "build"), PYTHONPATH=str(WORKLOADS),

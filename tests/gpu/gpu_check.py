@@ -55,6 +55,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300, help="training steps of the (a)-(c) workload")
     p.add_argument("--budget-s", type=float, default=450.0, help="no check starts after this many seconds")
     p.add_argument("--work-dir", type=Path, default=None, help="scratch directory (default: a fresh tmp dir)")
+    p.add_argument("--b-plain", action="store_true",
+                   help="(b) starts the workload as a plain child, not in a pid namespace of its own "
+                        "(the CRIU restore then takes back its freed pid)")
     p.add_argument("--cpu-dry-run", action="store_true",
                    help="no GPU here: run check (b)'s CRIU half on the CPU to exercise the harness")
     a = p.parse_args(argv)
@@ -238,12 +241,12 @@ def check_b(a: argparse.Namespace, work: Path, ref: str) -> dict:
     become_subreaper()
     gpu = GpuCheckpointer(lock_timeout_s=10)
     dev = ["--device", "cpu"] if a.cpu_dry_run else []
-    p = Proc([sys.executable, str(TRAIN), "--steps", str(a.steps), *dev], work / "b.out", pidns=True)
+    p = Proc([sys.executable, str(TRAIN), "--steps", str(a.steps), *dev], work / "b.out", pidns=not a.b_plain)
     images = work / "b-images"
     restored = None
     try:
         p.wait_for(r"^step 50 ", 120)
-        root = proctree.children(p.pid)[0]
+        root = p.pid if a.b_plain else proctree.children(p.pid)[0]
         pids = proctree.tree(root)
         s = gpu.suspend(pids)
         if s is None and not a.cpu_dry_run:
@@ -251,7 +254,10 @@ def check_b(a: argparse.Namespace, work: Path, ref: str) -> dict:
         record = s.record() if s else {}
         dump = criu_ops.dump(root, images, timeout_s=60)
         image_bytes = sum(f.stat().st_size for f in images.iterdir())
-        proctree.kill_and_wait(root)
+        if a.b_plain:
+            os.kill(root, signal.SIGKILL)  # our child: reaping it frees its pid for the restore
+        else:
+            proctree.kill_and_wait(root)
         p.p.wait(10)
         t0 = time.monotonic()
         restored, _ = criu_ops.restore(images, {})
@@ -270,7 +276,7 @@ def check_b(a: argparse.Namespace, work: Path, ref: str) -> dict:
             proctree.kill_and_wait(restored)
         p.close()
     res = {"gpu_lock_s": s.lock_s if s else None, "gpu_checkpoint_s": s.checkpoint_s if s else None,
-           "cpu_dry_run": a.cpu_dry_run, "criu_dump_s": dump.seconds,
+           "cpu_dry_run": a.cpu_dry_run, "launch": "plain" if a.b_plain else "pid namespace", "criu_dump_s": dump.seconds,
            "criu_restore_s": t1 - t0, **timings, "image_bytes": image_bytes, "sha256": got,
            "reference_sha256": ref}
     if got != ref:

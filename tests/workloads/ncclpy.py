@@ -14,7 +14,11 @@ import time
 
 import numpy as np
 
-lib = ctypes.CDLL("libnccl.so.2", mode=ctypes.RTLD_GLOBAL)
+# NCCLPY_SCOPE=local loads libnccl as PyTorch ends up with it: in a local scope (the
+# dependency of a library Python dlopened RTLD_LOCAL), reachable only through a preloaded
+# shim in the global scope.
+_local = os.environ.get("NCCLPY_SCOPE") == "local"
+lib = ctypes.CDLL("libnccl.so.2", mode=ctypes.RTLD_LOCAL if _local else ctypes.RTLD_GLOBAL)
 api = ctypes.CDLL(None)
 
 FLOAT32, FLOAT64, INT32 = 7, 8, 2
