@@ -28,6 +28,7 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -49,6 +50,7 @@ struct ncclComm {
   uint64_t nonce;
   uint64_t splits;      /* splits made from this comm, for child nonces */
   ncclResult_t asyncErr;
+  int pending;          /* a nonblocking communicator: GetAsyncError says ncclInProgress this often */
 };
 
 static __thread char lastError[512];
@@ -266,10 +268,20 @@ ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int
   return initRank(comm, nranks, id, rank);
 }
 
+/* config.blocking == 0 asks for a nonblocking communicator.  Host NCCL does the work at
+ * once but answers as NCCL does: ncclInProgress, then ncclCommGetAsyncError reports
+ * ncclInProgress twice before ncclSuccess, so callers must poll as they would on a GPU.
+ * Only the bytes the caller's `size` covers are read. */
+static ncclResult_t nonblocking(struct ncclComm *c, const ncclConfig_t *config) {
+  if (!c || !config || config->size < offsetof(ncclConfig_t, blocking) + sizeof(int) || config->blocking != 0)
+    return ncclSuccess;
+  c->pending = 2;
+  return ncclInProgress;
+}
+
 ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config) {
-  /* Nothing in the config changes host NCCL's behaviour; its size is not even read. */
-  (void)config;
-  return initRank(comm, nranks, id, rank);
+  ncclResult_t r = initRank(comm, nranks, id, rank);
+  return r == ncclSuccess ? nonblocking(*comm, config) : r;
 }
 
 /* ---- the exchange: all of one rank's sends and receives, progressed together ---- */
@@ -588,7 +600,6 @@ ncclResult_t ncclRecv(void *rb, size_t count, ncclDataType_t t, int peer, ncclCo
 }
 
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config) {
-  (void)config;
   if (!comm || !newcomm) return fail(ncclInvalidArgument, "ncclCommSplit: NULL argument");
   struct entry { int32_t color, key; struct endpoint ep; } me = {color, key, {0}}, *all = calloc(comm->nranks, sizeof *all);
   struct endpoint ep;
@@ -615,7 +626,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newc
   close(lfd); free(table); free(members); free(all);
   if (r != ncclSuccess) { freeComm(c); return r; }
   *newcomm = c;
-  return ncclSuccess;
+  return nonblocking(c, config);
 }
 
 ncclResult_t ncclCommFinalize(ncclComm_t comm) { return comm ? ncclSuccess : ncclInvalidArgument; }
@@ -624,4 +635,9 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) { if (!comm) return ncclInvalidArgum
 ncclResult_t ncclCommCount(const ncclComm_t comm, int *count) { if (!comm || !count) return ncclInvalidArgument; *count = comm->nranks; return ncclSuccess; }
 ncclResult_t ncclCommUserRank(const ncclComm_t comm, int *rank) { if (!comm || !rank) return ncclInvalidArgument; *rank = comm->rank; return ncclSuccess; }
 ncclResult_t ncclCommCuDevice(const ncclComm_t comm, int *device) { if (!comm || !device) return ncclInvalidArgument; *device = 0; return ncclSuccess; }
-ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *e) { if (!comm || !e) return ncclInvalidArgument; *e = comm->asyncErr; return ncclSuccess; }
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *e) {
+  if (!comm || !e) return ncclInvalidArgument;
+  if (comm->pending > 0) { comm->pending--; *e = ncclInProgress; return ncclSuccess; }
+  *e = comm->asyncErr;
+  return ncclSuccess;
+}

@@ -30,6 +30,7 @@ LIFECYCLE = {
     "ncclGroupEnd": "if (pitstop_ctl) pitstop_ctl->in_call = 1;\n  ncclResult_t r = real_ncclGroupEnd();\n"
                     "  if (pitstop_ctl) pitstop_ctl->in_call = 0;\n  pitstop_group_end();\n  return r;",
     "ncclGetLastError": "struct vcomm *v = pitstop_v(comm);\n  return real_ncclGetLastError(v ? v->real : NULL);",
+    "ncclCommGetAsyncError": "return pitstop_async_error(comm, asyncError);",
 }
 
 PROTO = re.compile(r"^(?P<ret>[\w\s\*]+?)\s*\b(?P<name>nccl\w+)\((?P<params>.*)\);$")
@@ -97,7 +98,7 @@ def generate(funcs: list[dict]) -> tuple[str, str]:
             op, peer = ("OP_COLL", "-1")
             if "peer" in names:  # point to point: counted per peer, in its direction
                 op, peer = ("OP_SEND" if f["name"].endswith("Send") else "OP_RECV"), "peer"
-            body += ["  struct vcomm *v = pitstop_v(comm);", "  if (!v) return ncclInvalidArgument;",
+            body += ["  struct vcomm *v = pitstop_v(comm);", f"  if (!v) return pitstop_foreign(\"{f['name']}\");",
                      f"  ncclResult_t q = pitstop_enter(v, {op}, {peer});", "  if (q != ncclSuccess) return q;",
                      "  if (!v->real) return ncclInvalidUsage;",
                      f"  pitstop_count(v, {op}, {peer});",
@@ -107,8 +108,10 @@ def generate(funcs: list[dict]) -> tuple[str, str]:
                      "  return r;"]
         elif cat == "query":
             real_args = ", ".join("v->real" if n == "comm" else n for _, n in f["params"])
-            body += ["  struct vcomm *v = pitstop_v(comm);", "  if (!v || !v->real) return ncclInvalidArgument;",
-                     f"  return real_{f['name']}({real_args});"]
+            body += ["  struct vcomm *v = pitstop_v(comm);", f"  if (!v) return pitstop_foreign(\"{f['name']}\");",
+                     "  pthread_mutex_lock(&pitstop_real_lock);",
+                     f"  ncclResult_t r = v->real ? real_{f['name']}({real_args}) : ncclInvalidArgument;",
+                     "  pthread_mutex_unlock(&pitstop_real_lock);", "  return r;"]
         else:
             body.append(f"  return real_{f['name']}({args});")
         c += [f"/* {cat} */", f"{f['ret']} {f['name']}({f['raw']}) {{", *body, "}", ""]

@@ -27,6 +27,7 @@
 
 struct pitstop_ctl *pitstop_ctl;
 uint32_t pitstop_seen;               /* the quiesce generation this rank has finished with */
+pthread_mutex_t pitstop_real_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct vcomm *vcomms[PITSTOP_MAX_COMMS];
 static int nvcomms;
 static __thread int groupDepth, groupChecked;
@@ -70,11 +71,14 @@ static struct vcomm *newVcomm(int kind, int nranks, int rank, uint64_t key, int 
   struct vcomm *v = calloc(1, sizeof *v);
   v->magic = VCOMM_MAGIC;
   v->idx = nvcomms;
-  if (config) { /* never read past the caller's struct (NVIDIA/nccl#2347) */
-    size_t n = config->size < sizeof v->config ? config->size : sizeof v->config;
-    memcpy(&v->config, config, n);
-    v->config.size = n;
-    v->hasConfig = 1;
+  if (config) { /* never read past the caller's struct (NVIDIA/nccl#2347), and keep all of it */
+    size_t n = config->size < PITSTOP_MAX_CONFIG ? config->size : PITSTOP_MAX_CONFIG;
+    if (n >= sizeof(size_t) && (v->config = malloc(n))) {
+      memcpy(v->config, config, n);
+      v->config->size = n;
+      v->hasConfig = 1;
+      v->nonblocking = n >= offsetof(ncclConfig_t, blocking) + sizeof(int) && config->blocking == 0;
+    }
   }
   struct pitstop_comm_ctl *cc = &c->comms[v->idx];
   memset(cc, 0, sizeof *cc);
@@ -91,7 +95,9 @@ ncclResult_t pitstop_init(ncclComm_t *comm, int nranks, ncclUniqueId id, int ran
   ncclComm_t real = NULL;
   ncclResult_t r = withConfig ? real_ncclCommInitRankConfig(&real, nranks, id, rank, config)
                               : real_ncclCommInitRank(&real, nranks, id, rank);
-  if (r != ncclSuccess) return r;
+  /* A nonblocking communicator answers ncclInProgress with a valid handle: the
+   * application polls ncclCommGetAsyncError on our handle until it is ready. */
+  if (r != ncclSuccess && r != ncclInProgress) return r;
   uint64_t key = 0x1ull;
   for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++) key = mix(key, (uint8_t)id.internal[i]);
   struct vcomm *v = newVcomm(KIND_INIT, nranks, rank, key, -1, 0, 0, withConfig ? config : NULL);
@@ -99,15 +105,15 @@ ncclResult_t pitstop_init(ncclComm_t *comm, int nranks, ncclUniqueId id, int ran
   v->real = real;
   events[nevents++] = (struct event){KIND_INIT, v->idx, -1, 0, 0};
   *comm = (ncclComm_t)v;
-  return ncclSuccess;
+  return r;
 }
 
 ncclResult_t pitstop_split(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config) {
   struct vcomm *p = pitstop_v(comm);
-  if (!p) return ncclInvalidArgument;
+  if (!p) return pitstop_foreign("ncclCommSplit");
   ncclComm_t real = NULL;
   ncclResult_t r = real_ncclCommSplit(p->real, color, key, &real, config);
-  if (r != ncclSuccess) return r;
+  if (r != ncclSuccess && r != ncclInProgress) return r;
   p->splits++;
   if (nevents >= (int)(sizeof events / sizeof *events)) return ncclInternalError;
   if (!real) { /* NCCL_SPLIT_NOCOLOR: no communicator, but the split is replayed too */
@@ -116,24 +122,54 @@ ncclResult_t pitstop_split(ncclComm_t comm, int color, int key, ncclComm_t *newc
     return ncclSuccess;
   }
   int nranks = 0, rank = 0;
-  real_ncclCommCount(real, &nranks);
-  real_ncclCommUserRank(real, &rank);
+  if (r == ncclSuccess) { real_ncclCommCount(real, &nranks); real_ncclCommUserRank(real, &rank); }
   uint64_t k = mix(mix(mix(pitstop_ctl->comms[p->idx].key, p->splits), (uint64_t)(uint32_t)color), 0x5b);
   struct vcomm *v = newVcomm(KIND_SPLIT, nranks, rank, k, p->idx, color, key, config);
   if (!v) { real_ncclCommDestroy(real); return ncclInternalError; }
   v->real = real;
+  v->pendingInfo = r == ncclInProgress; /* size and rank are filled in once it is ready */
   events[nevents++] = (struct event){KIND_SPLIT, v->idx, p->idx, color, key};
   *newcomm = (ncclComm_t)v;
-  return ncclSuccess;
+  return r;
+}
+
+ncclResult_t pitstop_async_error(ncclComm_t comm, ncclResult_t *asyncError) {
+  struct vcomm *v = pitstop_v(comm);
+  if (!v) return pitstop_foreign("ncclCommGetAsyncError");
+  pthread_mutex_lock(&pitstop_real_lock);
+  ncclResult_t r = ncclSuccess;
+  if (!v->real) *asyncError = ncclSuccess; /* between destroy and rebuild: parked, not failed */
+  else r = real_ncclCommGetAsyncError(v->real, asyncError);
+  if (r == ncclSuccess && *asyncError == ncclSuccess && v->pendingInfo) {
+    struct pitstop_comm_ctl *cc = &pitstop_ctl->comms[v->idx];
+    int n = 0, me = 0;
+    if (real_ncclCommCount(v->real, &n) == ncclSuccess && real_ncclCommUserRank(v->real, &me) == ncclSuccess) {
+      cc->nranks = n; cc->rank = me; v->pendingInfo = 0;
+    }
+  }
+  pthread_mutex_unlock(&pitstop_real_lock);
+  return r;
+}
+
+ncclResult_t pitstop_foreign(const char *call) {
+  static char said[64][48];
+  static int nsaid;
+  for (int i = 0; i < nsaid; i++) if (!strcmp(said[i], call)) return ncclInvalidArgument;
+  if (nsaid < 64) snprintf(said[nsaid++], sizeof said[0], "%s", call);
+  fprintf(stderr, "pitstop shim: %s was given a communicator the shim did not create (made by an NCCL "
+                  "function the shim does not wrap?); returning ncclInvalidArgument\n", call);
+  return ncclInvalidArgument;
 }
 
 ncclResult_t pitstop_destroy(ncclComm_t comm, int how) {
   struct vcomm *v = pitstop_v(comm);
-  if (!v) return ncclInvalidArgument;
+  if (!v) return pitstop_foreign(how == 2 ? "ncclCommFinalize" : how == 1 ? "ncclCommAbort" : "ncclCommDestroy");
   ncclResult_t r = ncclSuccess;
   if (how == 2) return v->real ? real_ncclCommFinalize(v->real) : ncclSuccess;
+  pthread_mutex_lock(&pitstop_real_lock);
   if (v->real) r = how == 1 ? real_ncclCommAbort(v->real) : real_ncclCommDestroy(v->real);
   v->real = NULL;
+  pthread_mutex_unlock(&pitstop_real_lock);
   v->appDestroyed = 1;
   pitstop_ctl->comms[v->idx].alive = 0;
   return r;
@@ -141,8 +177,26 @@ ncclResult_t pitstop_destroy(ncclComm_t comm, int how) {
 
 /* ---- the consistent cut --------------------------------------------------------------- */
 static void destroyAll(void) {
+  pthread_mutex_lock(&pitstop_real_lock);
   for (int i = 0; i < nvcomms; i++)
     if (vcomms[i]->real) { real_ncclCommDestroy(vcomms[i]->real); vcomms[i]->real = NULL; }
+  pthread_mutex_unlock(&pitstop_real_lock);
+}
+
+/* A nonblocking communicator being re-created: wait until NCCL says it is ready (the
+ * next one may be split from it), within the shim's deadline. */
+static ncclResult_t ready(ncclComm_t c) {
+  double end = now() + deadlineS();
+  ncclResult_t st = ncclInProgress;
+  while (now() < end) {
+    ncclResult_t r = real_ncclCommGetAsyncError(c, &st);
+    if (r != ncclSuccess) return r;
+    if (st != ncclInProgress) return st;
+    struct timespec ms = {0, 1000000};
+    nanosleep(&ms, NULL);
+  }
+  note("a re-created communicator was not ready within %s (%ld s)", "the deadline", (long)deadlineS());
+  return ncclRemoteError;
 }
 
 static ncclResult_t rebuildAll(void) {
@@ -156,12 +210,14 @@ static ncclResult_t rebuildAll(void) {
       struct pitstop_comm_ctl *cc = &c->comms[ev.idx];
       ncclUniqueId id;
       memcpy(id.internal, cc->newid, sizeof id.internal);
-      r = v->hasConfig ? real_ncclCommInitRankConfig(&tmp[ev.idx], cc->nranks, id, cc->rank, &v->config)
+      r = v->hasConfig ? real_ncclCommInitRankConfig(&tmp[ev.idx], cc->nranks, id, cc->rank, v->config)
                        : real_ncclCommInitRank(&tmp[ev.idx], cc->nranks, id, cc->rank);
+      if (r == ncclInProgress) r = ready(tmp[ev.idx]);
     } else {
       ncclComm_t out = NULL;
       r = real_ncclCommSplit(tmp[ev.parent], ev.color, ev.key, &out,
-                             ev.idx >= 0 && vcomms[ev.idx]->hasConfig ? &vcomms[ev.idx]->config : NULL);
+                             ev.idx >= 0 && vcomms[ev.idx]->hasConfig ? vcomms[ev.idx]->config : NULL);
+      if (r == ncclInProgress) r = out ? ready(out) : ncclSuccess;
       if (ev.idx >= 0) tmp[ev.idx] = out;
       else if (out) real_ncclCommDestroy(out);
     }
@@ -170,10 +226,12 @@ static ncclResult_t rebuildAll(void) {
       return r;
     }
   }
+  pthread_mutex_lock(&pitstop_real_lock);
   for (int i = 0; i < nvcomms; i++) {
     if (vcomms[i]->appDestroyed) { if (tmp[i]) real_ncclCommDestroy(tmp[i]); continue; }
     vcomms[i]->real = tmp[i]; /* the application's handle now points at the new communicator */
   }
+  pthread_mutex_unlock(&pitstop_real_lock);
   return ncclSuccess;
 }
 

@@ -4,24 +4,35 @@
 #include "../native/nccl.h"
 #include "ctl.h"
 
+#include <pthread.h>
+#include <stddef.h>
+
 #define VCOMM_MAGIC 0x70697473u /* "pits" */
+#define PITSTOP_MAX_CONFIG 4096 /* bytes of a caller's ncclConfig_t kept for replay */
 
 struct vcomm {
   uint32_t magic;
   int idx;
   ncclComm_t real;
-  ncclConfig_t config;   /* a copy of the caller's config, at most its own size */
+  ncclConfig_t *config;  /* the caller's config, copied byte for byte up to its own size, for replay */
   int hasConfig;
+  int nonblocking;       /* config.blocking == 0: init and split may answer ncclInProgress */
+  int pendingInfo;       /* a nonblocking split still in progress: its size and rank are not known yet */
   int appDestroyed;
   uint64_t splits;
 };
 
 extern struct pitstop_ctl *pitstop_ctl;
+/* Held while real communicators are destroyed or swapped, and by calls that may come from
+ * another thread (PyTorch's watchdog polls ncclCommGetAsyncError): none sees a freed one. */
+extern pthread_mutex_t pitstop_real_lock;
 extern uint32_t pitstop_seen;
 
 ncclResult_t pitstop_init(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config, int withConfig);
 ncclResult_t pitstop_split(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config);
 ncclResult_t pitstop_destroy(ncclComm_t comm, int how); /* 0 destroy, 1 abort, 2 finalize */
+ncclResult_t pitstop_async_error(ncclComm_t comm, ncclResult_t *asyncError);
+ncclResult_t pitstop_foreign(const char *call); /* a handle the shim did not make: said once per call */
 ncclResult_t pitstop_enter_slow(struct vcomm *v, int op, int peer);
 ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer);
 

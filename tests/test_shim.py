@@ -41,15 +41,18 @@ def test_control_block_layout_matches_the_c_compiler(tmp_path):
                    L.COMM_OFF_NEWID_SET, L.COMM_OFF_NEWID, L.COMM_OFF_SENT, L.COMM_OFF_RECV_TARGET]
 
 
-@pytest.mark.parametrize("script", ["nccl_dp.py", "nccl_tp_dp.py", "nccl_pipeline.py"])
-def test_transparent_same_results_with_and_without_the_shim(script):
+@pytest.mark.parametrize("script,nonblocking", [("nccl_dp.py", "0"), ("nccl_tp_dp.py", "0"), ("nccl_pipeline.py", "0"),
+                                                ("nccl_tp_dp.py", "1")])
+def test_transparent_same_results_with_and_without_the_shim(script, nonblocking):
+    """nonblocking=1: communicators made with config.blocking = 0 (init and split answer
+    ncclInProgress and are polled through ncclCommGetAsyncError), as PyTorch can make them."""
     outs = []
     for preload in ("", str(SHIM)):
         with tempfile.TemporaryDirectory() as d:
             rdv, out = Path(d) / "r", Path(d) / "o"
             rdv.mkdir()
             env = dict(os.environ, LD_LIBRARY_PATH=str(ROOT / "native" / "build"), PYTHONPATH=str(WORKLOADS),
-                       HOSTNCCL_ADDR="127.0.0.1", WORLD_SIZE="4", LD_PRELOAD=preload)
+                       HOSTNCCL_ADDR="127.0.0.1", WORLD_SIZE="4", LD_PRELOAD=preload, NCCLPY_NONBLOCKING=nonblocking)
             ps = [subprocess.Popen([sys.executable, str(WORKLOADS / script), "--steps", "20", "--step-sleep", "0",
                                     "--rendezvous", str(rdv), "--out", str(out)], env=dict(env, RANK=str(r)))
                   for r in range(4)]
@@ -93,6 +96,26 @@ def test_without_any_nccl_calls_fail_with_a_message_never_a_null_string(tmp_path
     assert lines[0] == "2 2"  # ncclSystemError, both times
     assert all("no NCCL library found" in ln and "PITSTOP_NCCL_LIBRARY" in ln for ln in lines[1:])
     assert p.stderr.count("no NCCL library found") == 1 and "PITSTOP_NCCL_LIBRARY" in p.stderr
+
+
+def test_a_communicator_the_shim_did_not_make_is_refused_with_a_reason():
+    """A handle from an NCCL function the shim does not wrap must not reach the real NCCL
+    as if it were ours: the call fails with ncclInvalidArgument and says why, once per call."""
+    # The real library's own handle: a communicator made behind the shim's back.
+    prog = ("import ctypes, ncclpy; real = ncclpy.lib; uid = ncclpy.UniqueId(); "
+            "real.ncclGetUniqueId(ctypes.byref(uid)); c = ctypes.c_void_p(); "
+            "real.ncclCommInitRank.argtypes = [ctypes.c_void_p, ctypes.c_int, ncclpy.UniqueId, ctypes.c_int]; "
+            "assert real.ncclCommInitRank(ctypes.byref(c), 1, uid, 0) == 0; n = ctypes.c_int(); e = ctypes.c_int(); "
+            "api = ncclpy.api; api.ncclCommCount.argtypes = [ctypes.c_void_p, ctypes.c_void_p]; "
+            "print(api.ncclCommCount(c, ctypes.byref(n)), api.ncclCommCount(c, ctypes.byref(n)), "
+            "api.ncclCommGetAsyncError(c, ctypes.byref(e)))")
+    p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, LD_PRELOAD=str(SHIM), LD_LIBRARY_PATH=str(ROOT / "native" / "build"),
+                                PYTHONPATH=str(WORKLOADS), HOSTNCCL_ADDR="127.0.0.1"))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["4", "4", "4"]  # ncclInvalidArgument
+    assert p.stderr.count("ncclCommCount was given a communicator the shim did not create") == 1
+    assert p.stderr.count("ncclCommGetAsyncError was given a communicator the shim did not create") == 1
 
 
 def test_config_smaller_than_ours_is_never_read_past_its_size():

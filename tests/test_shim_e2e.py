@@ -47,7 +47,7 @@ def reference(script: str, steps: int = STEPS) -> list[str]:
     return _REF[key]
 
 
-def _start(cluster, tmp_path, script, spares=1, steps=STEPS, extra=(), coord_env=None):
+def _start(cluster, tmp_path, script, spares=1, steps=STEPS, extra=(), coord_env=None, job_env=None):
     cluster.net = NetHosts()
     if coord_env:
         os.environ.update(coord_env)
@@ -64,7 +64,7 @@ def _start(cluster, tmp_path, script, spares=1, steps=STEPS, extra=(), coord_env
     rdv.mkdir()
     ranks = cluster.start_job("nccl", _cmd(script, rdv, out, steps, extra), 4,
                               {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"},
-                              env={"PYTHONPATH": str(WORKLOADS)}, run_args=["--host-nccl"])
+                              env={"PYTHONPATH": str(WORKLOADS), **(job_env or {})}, run_args=["--host-nccl"])
     return CoordinatorClient(cluster.coordinator_url, cluster.operator_token), ranks, out
 
 
@@ -98,6 +98,19 @@ def test_evacuate_nccl_job_across_addresses(cluster, tmp_path, script):
     assert "consistent cut reached" in log and "communicators re-created with new unique ids" in log
     # nothing in the application knew: no pitstop name in its output
     assert all("pitstop" not in r.log.read_text().replace(str(cluster.root), "") for r in ranks)
+
+
+def test_evacuate_a_job_whose_communicators_are_nonblocking(cluster, tmp_path):
+    """config.blocking = 0 (PyTorch's nonblocking mode): init and split answer ncclInProgress;
+    the shim keeps the caller's whole config and, re-creating them, waits until each is ready
+    before splitting the next from it."""
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_tp_dp.py", job_env={"NCCLPY_NONBLOCKING": "1"})
+    wait_for_step(ranks[3].log, 20)
+    op = _evacuate(cc, "host-b")
+    assert op["metadata"]["result"] == "succeeded", op.get("error")
+    assert op["metadata"]["cut"]["rewired"]
+    assert [r.proc.wait(180) for r in ranks] == [0] * 4
+    assert_same_as_reference(out, reference("nccl_tp_dp.py"))
 
 
 def test_three_evacuations_in_a_row_one_back_to_its_first_host(cluster, tmp_path):

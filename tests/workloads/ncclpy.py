@@ -48,6 +48,7 @@ for _f in ("ncclSend", "ncclRecv"):
 api.ncclReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                            ctypes.c_void_p, ctypes.c_void_p]
 api.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+api.ncclCommGetAsyncError.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
 
 
 def check(r: int, what: str) -> None:
@@ -73,15 +74,54 @@ def share_id(path: str, rank: int) -> UniqueId:
     return uid
 
 
+class Config(ctypes.Structure):
+    """ncclConfig_t as NCCL 2.17 laid it out (NCCL_CONFIG_INITIALIZER, then blocking)."""
+    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
+                ("blocking", ctypes.c_int), ("cgaClusterSize", ctypes.c_int), ("minCTAs", ctypes.c_int),
+                ("maxCTAs", ctypes.c_int), ("netName", ctypes.c_char_p), ("splitShare", ctypes.c_int)]
+
+
+INT_MIN = -2147483648  # NCCL_CONFIG_UNDEF_INT
+# NCCLPY_NONBLOCKING=1: communicators are made nonblocking (config.blocking = 0), as
+# PyTorch makes them when asked; init and split then answer ncclInProgress and are polled.
+NONBLOCKING = os.environ.get("NCCLPY_NONBLOCKING") == "1"
+
+
+def _config() -> Config | None:
+    if not NONBLOCKING:
+        return None
+    return Config(ctypes.sizeof(Config), 0xCAFEBEEF, 21700, 0, INT_MIN, INT_MIN, INT_MIN, None, INT_MIN)
+
+
+def _wait_ready(comm: ctypes.c_void_p, r: int, what: str) -> None:
+    if r == 7:  # ncclInProgress
+        st = ctypes.c_int(7)
+        end = time.monotonic() + 60
+        while st.value == 7 and time.monotonic() < end:
+            check(api.ncclCommGetAsyncError(comm, ctypes.byref(st)), "ncclCommGetAsyncError")
+            time.sleep(0.001)
+        r = st.value
+    check(r, what)
+
+
 def init(nranks: int, uid: UniqueId, rank: int) -> ctypes.c_void_p:
     comm = ctypes.c_void_p()
-    check(api.ncclCommInitRank(ctypes.byref(comm), nranks, uid, rank), "ncclCommInitRank")
+    cfg = _config()
+    if cfg is None:
+        check(api.ncclCommInitRank(ctypes.byref(comm), nranks, uid, rank), "ncclCommInitRank")
+        return comm
+    api.ncclCommInitRankConfig.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, UniqueId, ctypes.c_int,
+                                           ctypes.POINTER(Config)]
+    _wait_ready(comm, api.ncclCommInitRankConfig(ctypes.byref(comm), nranks, uid, rank, ctypes.byref(cfg)),
+                "ncclCommInitRankConfig")
     return comm
 
 
 def split(comm: ctypes.c_void_p, color: int, key: int) -> ctypes.c_void_p:
     new = ctypes.c_void_p()
-    check(api.ncclCommSplit(comm, color, key, ctypes.byref(new), None), "ncclCommSplit")
+    cfg = _config()
+    r = api.ncclCommSplit(comm, color, key, ctypes.byref(new), ctypes.byref(cfg) if cfg else None)
+    _wait_ready(new, r, "ncclCommSplit")
     return new
 
 
