@@ -21,6 +21,10 @@ extern "C" {
 typedef struct ncclComm *ncclComm_t;
 typedef struct { char internal[NCCL_UNIQUE_ID_BYTES]; } ncclUniqueId;
 typedef void *cudaStream_t; /* host NCCL ignores streams: every call completes before it returns */
+typedef struct ncclWindow *ncclWindow_t;                      /* opaque here: only passed along */
+typedef struct ncclDevCommRequirements ncclDevCommRequirements_t;
+typedef struct ncclDevComm ncclDevComm_t;
+typedef enum { ncclScalarDevice = 0, ncclScalarHostImmediate = 1 } ncclScalarResidence_t;
 
 typedef enum {
   ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3,
@@ -73,6 +77,22 @@ ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatyp
 ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclGroupStart(void);
 ncclResult_t ncclGroupEnd(void);
+/* Newer calls that take or make a communicator (NCCL 2.19-2.28; PyTorch 2.11 references
+ * them all).  Host NCCL implements none: the shim answers ncclInvalidUsage for a missing one. */
+ncclResult_t ncclCommInitRankScalable(ncclComm_t *newcomm, int nranks, int myrank, int nId, ncclUniqueId *commIds, ncclConfig_t *config);
+ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeRanksCount, ncclComm_t *newcomm, ncclConfig_t *config, int shrinkFlags);
+ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream);
+ncclResult_t ncclAlltoAll(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream);
+ncclResult_t ncclCommRegister(const ncclComm_t comm, void *buff, size_t size, void **handle);
+ncclResult_t ncclCommDeregister(const ncclComm_t comm, void *handle);
+ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void *buff, size_t size, ncclWindow_t *win, int winFlags);
+ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win);
+ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t *op, void *scalar, ncclDataType_t datatype, ncclScalarResidence_t residence, ncclComm_t comm);
+ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm);
+ncclResult_t ncclDevCommCreate(ncclComm_t comm, const ncclDevCommRequirements_t *reqs, ncclDevComm_t *outDevComm);
+ncclResult_t ncclDevCommDestroy(ncclComm_t comm, const ncclDevComm_t *devComm);
+ncclResult_t ncclMemAlloc(void **ptr, size_t size);
+ncclResult_t ncclMemFree(void *ptr);
 /* END API */
 
 #ifdef __cplusplus

@@ -57,7 +57,7 @@ struct pitstop_ctl {
   volatile int32_t parked_peer;     /* S: its peer, for send and receive */
   uint64_t token;                   /* S: random, stable across restore: names this process */
   volatile int32_t in_call;         /* S: 1 while inside a real NCCL call (blocked there, perhaps) */
-  int32_t pad;
+  volatile int32_t foreign;         /* S: calls seen on communicators the shim did not make */
   char note[176];                   /* S: last thing the shim did, for logs */
   struct pitstop_comm_ctl comms[PITSTOP_MAX_COMMS];
 };

@@ -29,9 +29,17 @@ LIFECYCLE = {
     "ncclGroupStart": "pitstop_group_start();\n  return real_ncclGroupStart();",
     "ncclGroupEnd": "if (pitstop_ctl) pitstop_ctl->in_call = 1;\n  ncclResult_t r = real_ncclGroupEnd();\n"
                     "  if (pitstop_ctl) pitstop_ctl->in_call = 0;\n  pitstop_group_end();\n  return r;",
-    "ncclGetLastError": "struct vcomm *v = pitstop_v(comm);\n  return real_ncclGetLastError(v ? v->real : NULL);",
+    "ncclGetLastError": "struct vcomm *v = pitstop_v(comm);\n  return real_ncclGetLastError(v ? v->real : comm);",
     "ncclCommGetAsyncError": "return pitstop_async_error(comm, asyncError);",
+    "ncclCommInitRankScalable": "return pitstop_init_scalable(newcomm, nranks, myrank, nId, commIds, config);",
 }
+
+# Present in every NCCL the shim supports (2.17+); every other real_ pointer may be NULL.
+REQUIRED = {"ncclGetVersion", "ncclGetUniqueId", "ncclGetErrorString", "ncclGetLastError", "ncclCommInitRank",
+            "ncclCommInitRankConfig", "ncclCommSplit", "ncclCommFinalize", "ncclCommDestroy", "ncclCommAbort",
+            "ncclCommCount", "ncclCommUserRank", "ncclCommCuDevice", "ncclCommGetAsyncError", "ncclAllReduce",
+            "ncclBroadcast", "ncclReduce", "ncclAllGather", "ncclReduceScatter", "ncclSend", "ncclRecv",
+            "ncclGroupStart", "ncclGroupEnd"}
 
 PROTO = re.compile(r"^(?P<ret>[\w\s\*]+?)\s*\b(?P<name>nccl\w+)\((?P<params>.*)\);$")
 
@@ -89,6 +97,8 @@ def generate(funcs: list[dict]) -> tuple[str, str]:
         # A string function never returns NULL: callers (PyTorch) build std::string from it.
         fail = "PITSTOP_NO_NCCL_MSG" if "char" in f["ret"] else "ncclSystemError"
         body = [f"  if (pitstop_resolve() != 0) return {fail};"]
+        if f["name"] not in REQUIRED:  # newer calls: the NCCL behind the shim may predate them
+            body.append(f"  if (!real_{f['name']}) return pitstop_missing(\"{f['name']}\");")
         cat = category(f)
         if cat == "lifecycle":
             body.append("  " + LIFECYCLE[f["name"]])
@@ -98,7 +108,8 @@ def generate(funcs: list[dict]) -> tuple[str, str]:
             op, peer = ("OP_COLL", "-1")
             if "peer" in names:  # point to point: counted per peer, in its direction
                 op, peer = ("OP_SEND" if f["name"].endswith("Send") else "OP_RECV"), "peer"
-            body += ["  struct vcomm *v = pitstop_v(comm);", f"  if (!v) return pitstop_foreign(\"{f['name']}\");",
+            body += ["  struct vcomm *v = pitstop_v(comm);",
+                     f"  if (!v) {{ pitstop_foreign(\"{f['name']}\"); return real_{f['name']}({args}); }}",
                      f"  ncclResult_t q = pitstop_enter(v, {op}, {peer});", "  if (q != ncclSuccess) return q;",
                      "  if (!v->real) return ncclInvalidUsage;",
                      f"  pitstop_count(v, {op}, {peer});",
@@ -108,7 +119,8 @@ def generate(funcs: list[dict]) -> tuple[str, str]:
                      "  return r;"]
         elif cat == "query":
             real_args = ", ".join("v->real" if n == "comm" else n for _, n in f["params"])
-            body += ["  struct vcomm *v = pitstop_v(comm);", f"  if (!v) return pitstop_foreign(\"{f['name']}\");",
+            body += ["  struct vcomm *v = pitstop_v(comm);",
+                     f"  if (!v) {{ pitstop_foreign(\"{f['name']}\"); return real_{f['name']}({args}); }}",
                      "  pthread_mutex_lock(&pitstop_real_lock);",
                      f"  ncclResult_t r = v->real ? real_{f['name']}({real_args}) : ncclInvalidArgument;",
                      "  pthread_mutex_unlock(&pitstop_real_lock);", "  return r;"]

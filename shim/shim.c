@@ -108,9 +108,29 @@ ncclResult_t pitstop_init(ncclComm_t *comm, int nranks, ncclUniqueId id, int ran
   return r;
 }
 
+/* ncclCommInitRankScalable: the same communicator as InitRankConfig, bootstrapped from
+ * nId roots.  Re-created with one fresh id (nId = 1): the members and config are what
+ * define it; the roots only spread the bootstrap's load. */
+ncclResult_t pitstop_init_scalable(ncclComm_t *comm, int nranks, int rank, int nId, ncclUniqueId *ids,
+                                   ncclConfig_t *config) {
+  ncclComm_t real = NULL;
+  ncclResult_t r = real_ncclCommInitRankScalable(&real, nranks, rank, nId, ids, config);
+  if (r != ncclSuccess && r != ncclInProgress) return r;
+  uint64_t key = 0x2ull;
+  for (int j = 0; j < nId; j++)
+    for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++) key = mix(key, (uint8_t)ids[j].internal[i]);
+  struct vcomm *v = newVcomm(KIND_INIT, nranks, rank, key, -1, 0, 0, config);
+  if (!v) { real_ncclCommDestroy(real); return ncclInternalError; }
+  v->real = real;
+  v->scalable = 1;
+  events[nevents++] = (struct event){KIND_INIT, v->idx, -1, 0, 0};
+  *comm = (ncclComm_t)v;
+  return r;
+}
+
 ncclResult_t pitstop_split(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config) {
   struct vcomm *p = pitstop_v(comm);
-  if (!p) return pitstop_foreign("ncclCommSplit");
+  if (!p) { pitstop_foreign("ncclCommSplit"); return real_ncclCommSplit(comm, color, key, newcomm, config); }
   ncclComm_t real = NULL;
   ncclResult_t r = real_ncclCommSplit(p->real, color, key, &real, config);
   if (r != ncclSuccess && r != ncclInProgress) return r;
@@ -135,7 +155,7 @@ ncclResult_t pitstop_split(ncclComm_t comm, int color, int key, ncclComm_t *newc
 
 ncclResult_t pitstop_async_error(ncclComm_t comm, ncclResult_t *asyncError) {
   struct vcomm *v = pitstop_v(comm);
-  if (!v) return pitstop_foreign("ncclCommGetAsyncError");
+  if (!v) { pitstop_foreign("ncclCommGetAsyncError"); return real_ncclCommGetAsyncError(comm, asyncError); }
   pthread_mutex_lock(&pitstop_real_lock);
   ncclResult_t r = ncclSuccess;
   if (!v->real) *asyncError = ncclSuccess; /* between destroy and rebuild: parked, not failed */
@@ -151,19 +171,40 @@ ncclResult_t pitstop_async_error(ncclComm_t comm, ncclResult_t *asyncError) {
   return r;
 }
 
-ncclResult_t pitstop_foreign(const char *call) {
+/* Said once per call name (the application's stderr is the operator's only view here). */
+static int firstTime(const char *call) {
   static char said[64][48];
   static int nsaid;
-  for (int i = 0; i < nsaid; i++) if (!strcmp(said[i], call)) return ncclInvalidArgument;
+  for (int i = 0; i < nsaid; i++) if (!strcmp(said[i], call)) return 0;
   if (nsaid < 64) snprintf(said[nsaid++], sizeof said[0], "%s", call);
-  fprintf(stderr, "pitstop shim: %s was given a communicator the shim did not create (made by an NCCL "
-                  "function the shim does not wrap?); returning ncclInvalidArgument\n", call);
-  return ncclInvalidArgument;
+  return 1;
+}
+
+/* A communicator the shim did not make (an NCCL call it does not wrap made it): the call
+ * goes to NCCL unchanged, so the job runs as it would without the shim, and the control
+ * block counts it, so that a cut refuses to move a job whose communicators it cannot
+ * re-create. */
+void pitstop_foreign(const char *call) {
+  struct pitstop_ctl *c = ctl();
+  if (c) __atomic_add_fetch(&c->foreign, 1, __ATOMIC_RELAXED);
+  if (firstTime(call))
+    fprintf(stderr, "pitstop shim: %s was given a communicator the shim did not create; passing it to NCCL "
+                    "unchanged (the job runs, but pitstop cannot move it)\n", call);
+}
+
+ncclResult_t pitstop_missing(const char *call) {
+  if (firstTime(call))
+    fprintf(stderr, "pitstop shim: the NCCL library behind the shim has no %s (older than the caller expects); "
+                    "returning ncclInvalidUsage\n", call);
+  return ncclInvalidUsage;
 }
 
 ncclResult_t pitstop_destroy(ncclComm_t comm, int how) {
   struct vcomm *v = pitstop_v(comm);
-  if (!v) return pitstop_foreign(how == 2 ? "ncclCommFinalize" : how == 1 ? "ncclCommAbort" : "ncclCommDestroy");
+  if (!v) {
+    pitstop_foreign(how == 2 ? "ncclCommFinalize" : how == 1 ? "ncclCommAbort" : "ncclCommDestroy");
+    return how == 2 ? real_ncclCommFinalize(comm) : how == 1 ? real_ncclCommAbort(comm) : real_ncclCommDestroy(comm);
+  }
   ncclResult_t r = ncclSuccess;
   if (how == 2) return v->real ? real_ncclCommFinalize(v->real) : ncclSuccess;
   pthread_mutex_lock(&pitstop_real_lock);
@@ -210,7 +251,8 @@ static ncclResult_t rebuildAll(void) {
       struct pitstop_comm_ctl *cc = &c->comms[ev.idx];
       ncclUniqueId id;
       memcpy(id.internal, cc->newid, sizeof id.internal);
-      r = v->hasConfig ? real_ncclCommInitRankConfig(&tmp[ev.idx], cc->nranks, id, cc->rank, v->config)
+      r = v->scalable ? real_ncclCommInitRankScalable(&tmp[ev.idx], cc->nranks, cc->rank, 1, &id, v->config)
+        : v->hasConfig ? real_ncclCommInitRankConfig(&tmp[ev.idx], cc->nranks, id, cc->rank, v->config)
                        : real_ncclCommInitRank(&tmp[ev.idx], cc->nranks, id, cc->rank);
       if (r == ncclInProgress) r = ready(tmp[ev.idx]);
     } else {

@@ -17,6 +17,7 @@ struct vcomm {
   ncclConfig_t *config;  /* the caller's config, copied byte for byte up to its own size, for replay */
   int hasConfig;
   int nonblocking;       /* config.blocking == 0: init and split may answer ncclInProgress */
+  int scalable;          /* made by ncclCommInitRankScalable */
   int pendingInfo;       /* a nonblocking split still in progress: its size and rank are not known yet */
   int appDestroyed;
   uint64_t splits;
@@ -32,7 +33,10 @@ ncclResult_t pitstop_init(ncclComm_t *comm, int nranks, ncclUniqueId id, int ran
 ncclResult_t pitstop_split(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config);
 ncclResult_t pitstop_destroy(ncclComm_t comm, int how); /* 0 destroy, 1 abort, 2 finalize */
 ncclResult_t pitstop_async_error(ncclComm_t comm, ncclResult_t *asyncError);
-ncclResult_t pitstop_foreign(const char *call); /* a handle the shim did not make: said once per call */
+ncclResult_t pitstop_init_scalable(ncclComm_t *comm, int nranks, int rank, int nId, ncclUniqueId *ids,
+                                   ncclConfig_t *config);
+void pitstop_foreign(const char *call);       /* a handle the shim did not make: counted, said once */
+ncclResult_t pitstop_missing(const char *call); /* a call the NCCL behind the shim lacks */
 ncclResult_t pitstop_enter_slow(struct vcomm *v, int op, int peer);
 ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer);
 

@@ -98,24 +98,40 @@ def test_without_any_nccl_calls_fail_with_a_message_never_a_null_string(tmp_path
     assert p.stderr.count("no NCCL library found") == 1 and "PITSTOP_NCCL_LIBRARY" in p.stderr
 
 
-def test_a_communicator_the_shim_did_not_make_is_refused_with_a_reason():
-    """A handle from an NCCL function the shim does not wrap must not reach the real NCCL
-    as if it were ours: the call fails with ncclInvalidArgument and says why, once per call."""
+def test_a_communicator_the_shim_did_not_make_passes_through_and_is_counted():
+    """A handle from an NCCL function the shim does not wrap goes to NCCL unchanged (the job
+    runs as without the shim), is counted in the control block (a cut then refuses to move
+    the job) and is named once per call on stderr."""
     # The real library's own handle: a communicator made behind the shim's back.
-    prog = ("import ctypes, ncclpy; real = ncclpy.lib; uid = ncclpy.UniqueId(); "
+    prog = ("import ctypes, ncclpy; from pitstop.shimctl import blocks; real = ncclpy.lib; uid = ncclpy.UniqueId(); "
             "real.ncclGetUniqueId(ctypes.byref(uid)); c = ctypes.c_void_p(); "
             "real.ncclCommInitRank.argtypes = [ctypes.c_void_p, ctypes.c_int, ncclpy.UniqueId, ctypes.c_int]; "
             "assert real.ncclCommInitRank(ctypes.byref(c), 1, uid, 0) == 0; n = ctypes.c_int(); e = ctypes.c_int(); "
             "api = ncclpy.api; api.ncclCommCount.argtypes = [ctypes.c_void_p, ctypes.c_void_p]; "
-            "print(api.ncclCommCount(c, ctypes.byref(n)), api.ncclCommCount(c, ctypes.byref(n)), "
-            "api.ncclCommGetAsyncError(c, ctypes.byref(e)))")
+            "print(api.ncclCommCount(c, ctypes.byref(n)), api.ncclCommCount(c, ctypes.byref(n)), n.value, "
+            "api.ncclCommGetAsyncError(c, ctypes.byref(e))); import os; "
+            "print(blocks(os.getpid())[0].view()['foreign'])")
+    p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, LD_PRELOAD=str(SHIM), LD_LIBRARY_PATH=str(ROOT / "native" / "build"),
+                                PYTHONPATH=f"{WORKLOADS}:{ROOT / 'service'}", HOSTNCCL_ADDR="127.0.0.1"))
+    assert p.returncode == 0, p.stderr
+    first, second = p.stdout.splitlines()
+    assert first.split() == ["0", "0", "1", "0"]  # answered by NCCL itself
+    assert second == "3"
+    assert p.stderr.count("ncclCommCount was given a communicator the shim did not create") == 1
+    assert p.stderr.count("ncclCommGetAsyncError was given a communicator the shim did not create") == 1
+
+
+def test_a_call_the_nccl_behind_lacks_fails_with_a_reason():
+    """Host NCCL has no ncclAlltoAll: the wrapper answers ncclInvalidUsage and says so, not a crash."""
+    prog = ("import ctypes, ncclpy; api = ncclpy.api; api.ncclAlltoAll.argtypes = [ctypes.c_void_p] * 6; "
+            "print(api.ncclAlltoAll(None, None, 0, 0, None, None))")
     p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, LD_PRELOAD=str(SHIM), LD_LIBRARY_PATH=str(ROOT / "native" / "build"),
                                 PYTHONPATH=str(WORKLOADS), HOSTNCCL_ADDR="127.0.0.1"))
     assert p.returncode == 0, p.stderr
-    assert p.stdout.split() == ["4", "4", "4"]  # ncclInvalidArgument
-    assert p.stderr.count("ncclCommCount was given a communicator the shim did not create") == 1
-    assert p.stderr.count("ncclCommGetAsyncError was given a communicator the shim did not create") == 1
+    assert p.stdout.split() == ["5"]  # ncclInvalidUsage
+    assert "has no ncclAlltoAll" in p.stderr
 
 
 def test_config_smaller_than_ours_is_never_read_past_its_size():

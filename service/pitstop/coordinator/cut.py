@@ -124,6 +124,14 @@ class Cut:
                 if c["alive"]:
                     seen[c["key"]].add(c["rank"])
                     size[c["key"]] = c["nranks"]
+        foreign = sorted({w for w, b in blocks if b.get("foreign")})
+        if foreign:
+            raise CutFailed("the job uses NCCL communicators that pitstop's shim did not create (made by an NCCL "
+                            f"call the shim does not wrap), on {', '.join(foreign[:8])}: they could not be "
+                            "re-created after the move",
+                            action="the job keeps running where it is; see the worker's stderr for the line "
+                                   "'pitstop shim: ... did not create', which names the call, and report it",
+                            details={"workers": foreign})
         missing = {k: sorted(set(range(size[k])) - ranks) for k, ranks in seen.items() if len(ranks) < size[k]}
         if missing:
             raise CutFailed("some ranks of the job are unknown to pitstop: "

@@ -28,7 +28,7 @@ class Block:
         return {"pid": self.pid, "token": f"{h['token']:016x}", "state": L.STATES.get(h["state"], str(h["state"])),
                 "request": h["request"], "ack": h["ack"], "parked_comm": h["parked_comm"],
                 "parked_op": L.OPS.get(h["parked_op"], "?"), "parked_peer": h["parked_peer"],
-                "in_call": bool(h["in_call"]),
+                "in_call": bool(h["in_call"]), "foreign": h["foreign"],
                 "command_seq": h["command_seq"], "done_seq": h["done_seq"], "error": h["error"],
                 "note": h["note"].split(b"\0", 1)[0].decode(errors="replace"),
                 "comms": [{"idx": i, "key": f"{c['key']:016x}", "issued": c["issued"],

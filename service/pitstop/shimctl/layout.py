@@ -12,7 +12,7 @@ MAX_PEERS = 32
 HEADER = struct.Struct("<16sIIIIIIIIiiiiQii176s")
 COMM = struct.Struct(f"<QQQiiiiiiii128sii128s{MAX_PEERS}Q{MAX_PEERS}Q{MAX_PEERS}Q{MAX_PEERS}Q")
 HEADER_FIELDS = ("magic", "version", "ncomms", "request", "ack", "state", "command", "command_seq", "done_seq",
-                 "parked_comm", "error", "parked_op", "parked_peer", "token", "in_call", "pad", "note")
+                 "parked_comm", "error", "parked_op", "parked_peer", "token", "in_call", "foreign", "note")
 COMM_FIELDS = ("key", "issued", "target", "nranks", "rank", "kind", "parent", "color", "key_arg", "alive",
                "newid_set", "newid", "myid_set", "pad", "myid")
 COMM_OFF_SENT = 320
