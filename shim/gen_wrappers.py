@@ -109,7 +109,7 @@ def generate(funcs: list[dict]) -> tuple[str, str]:
             if "peer" in names:  # point to point: counted per peer, in its direction
                 op, peer = ("OP_SEND" if f["name"].endswith("Send") else "OP_RECV"), "peer"
             body += ["  struct vcomm *v = pitstop_v(comm);",
-                     f"  if (!v) {{ pitstop_foreign(\"{f['name']}\"); return real_{f['name']}({args}); }}",
+                     f"  if (!v) {{ pitstop_foreign(\"{f['name']}\", comm); return real_{f['name']}({args}); }}",
                      f"  ncclResult_t q = pitstop_enter(v, {op}, {peer});", "  if (q != ncclSuccess) return q;",
                      "  if (!v->real) return ncclInvalidUsage;",
                      f"  pitstop_count(v, {op}, {peer});",
@@ -120,7 +120,7 @@ def generate(funcs: list[dict]) -> tuple[str, str]:
         elif cat == "query":
             real_args = ", ".join("v->real" if n == "comm" else n for _, n in f["params"])
             body += ["  struct vcomm *v = pitstop_v(comm);",
-                     f"  if (!v) {{ pitstop_foreign(\"{f['name']}\"); return real_{f['name']}({args}); }}",
+                     f"  if (!v) {{ pitstop_foreign(\"{f['name']}\", comm); return real_{f['name']}({args}); }}",
                      "  pthread_mutex_lock(&pitstop_real_lock);",
                      f"  ncclResult_t r = v->real ? real_{f['name']}({real_args}) : ncclInvalidArgument;",
                      "  pthread_mutex_unlock(&pitstop_real_lock);", "  return r;"]

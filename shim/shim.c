@@ -130,7 +130,7 @@ ncclResult_t pitstop_init_scalable(ncclComm_t *comm, int nranks, int rank, int n
 
 ncclResult_t pitstop_split(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config) {
   struct vcomm *p = pitstop_v(comm);
-  if (!p) { pitstop_foreign("ncclCommSplit"); return real_ncclCommSplit(comm, color, key, newcomm, config); }
+  if (!p) { pitstop_foreign("ncclCommSplit", comm); return real_ncclCommSplit(comm, color, key, newcomm, config); }
   ncclComm_t real = NULL;
   ncclResult_t r = real_ncclCommSplit(p->real, color, key, &real, config);
   if (r != ncclSuccess && r != ncclInProgress) return r;
@@ -155,7 +155,7 @@ ncclResult_t pitstop_split(ncclComm_t comm, int color, int key, ncclComm_t *newc
 
 ncclResult_t pitstop_async_error(ncclComm_t comm, ncclResult_t *asyncError) {
   struct vcomm *v = pitstop_v(comm);
-  if (!v) { pitstop_foreign("ncclCommGetAsyncError"); return real_ncclCommGetAsyncError(comm, asyncError); }
+  if (!v) { pitstop_foreign("ncclCommGetAsyncError", comm); return real_ncclCommGetAsyncError(comm, asyncError); }
   pthread_mutex_lock(&pitstop_real_lock);
   ncclResult_t r = ncclSuccess;
   if (!v->real) *asyncError = ncclSuccess; /* between destroy and rebuild: parked, not failed */
@@ -184,12 +184,13 @@ static int firstTime(const char *call) {
  * goes to NCCL unchanged, so the job runs as it would without the shim, and the control
  * block counts it, so that a cut refuses to move a job whose communicators it cannot
  * re-create. */
-void pitstop_foreign(const char *call) {
+void pitstop_foreign(const char *call, const void *comm) {
+  if (!comm) return; /* NULL is no communicator: NCCL answers it as it would without the shim */
   struct pitstop_ctl *c = ctl();
   if (c) __atomic_add_fetch(&c->foreign, 1, __ATOMIC_RELAXED);
   if (firstTime(call))
-    fprintf(stderr, "pitstop shim: %s was given a communicator the shim did not create; passing it to NCCL "
-                    "unchanged (the job runs, but pitstop cannot move it)\n", call);
+    fprintf(stderr, "pitstop shim: %s was given a communicator the shim did not create (%p); passing it to NCCL "
+                    "unchanged (the job runs, but pitstop cannot move it)\n", call, comm);
 }
 
 ncclResult_t pitstop_missing(const char *call) {
@@ -202,7 +203,7 @@ ncclResult_t pitstop_missing(const char *call) {
 ncclResult_t pitstop_destroy(ncclComm_t comm, int how) {
   struct vcomm *v = pitstop_v(comm);
   if (!v) {
-    pitstop_foreign(how == 2 ? "ncclCommFinalize" : how == 1 ? "ncclCommAbort" : "ncclCommDestroy");
+    pitstop_foreign(how == 2 ? "ncclCommFinalize" : how == 1 ? "ncclCommAbort" : "ncclCommDestroy", comm);
     return how == 2 ? real_ncclCommFinalize(comm) : how == 1 ? real_ncclCommAbort(comm) : real_ncclCommDestroy(comm);
   }
   ncclResult_t r = ncclSuccess;

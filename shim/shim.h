@@ -35,7 +35,7 @@ ncclResult_t pitstop_destroy(ncclComm_t comm, int how); /* 0 destroy, 1 abort, 2
 ncclResult_t pitstop_async_error(ncclComm_t comm, ncclResult_t *asyncError);
 ncclResult_t pitstop_init_scalable(ncclComm_t *comm, int nranks, int rank, int nId, ncclUniqueId *ids,
                                    ncclConfig_t *config);
-void pitstop_foreign(const char *call);       /* a handle the shim did not make: counted, said once */
+void pitstop_foreign(const char *call, const void *comm); /* a handle the shim did not make: counted, said once */
 ncclResult_t pitstop_missing(const char *call); /* a call the NCCL behind the shim lacks */
 ncclResult_t pitstop_enter_slow(struct vcomm *v, int op, int peer);
 ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer);
