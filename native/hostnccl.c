@@ -264,19 +264,25 @@ done:
   return ncclSuccess;
 }
 
-ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
-  return initRank(comm, nranks, id, rank);
-}
-
 /* config.blocking == 0 asks for a nonblocking communicator.  Host NCCL does the work at
  * once but answers as NCCL does: ncclInProgress, then ncclCommGetAsyncError reports
  * ncclInProgress twice before ncclSuccess, so callers must poll as they would on a GPU.
  * Only the bytes the caller's `size` covers are read. */
 static ncclResult_t nonblocking(struct ncclComm *c, const ncclConfig_t *config) {
-  if (!c || !config || config->size < offsetof(ncclConfig_t, blocking) + sizeof(int) || config->blocking != 0)
-    return ncclSuccess;
+  if (!c || !config || config->size < offsetof(ncclConfig_t, blocking) + sizeof(int) || config->blocking != 0) {
+    /* As NCCL does at the end of a blocking init: ask its own public API, through the
+     * PLT, whether the communicator is ready; a preloaded shim sees this call first. */
+    ncclResult_t e = ncclSuccess;
+    ncclResult_t r = c ? ncclCommGetAsyncError(c, &e) : ncclSuccess;
+    return r != ncclSuccess ? r : e;
+  }
   c->pending = 2;
   return ncclInProgress;
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
+  ncclResult_t r = initRank(comm, nranks, id, rank);
+  return r == ncclSuccess ? nonblocking(*comm, NULL) : r;
 }
 
 ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config) {

@@ -96,9 +96,10 @@ def generate(funcs: list[dict]) -> tuple[str, str]:
         args = ", ".join(n for _, n in f["params"])
         # A string function never returns NULL: callers (PyTorch) build std::string from it.
         fail = "PITSTOP_NO_NCCL_MSG" if "char" in f["ret"] else "ncclSystemError"
-        body = [f"  if (pitstop_resolve() != 0) return {fail};"]
+        entry = [f"  if (pitstop_resolve() != 0) return {fail};"]
         if f["name"] not in REQUIRED:  # newer calls: the NCCL behind the shim may predate them
-            body.append(f"  if (!real_{f['name']}) return pitstop_missing(\"{f['name']}\");")
+            entry.append(f"  if (!real_{f['name']}) return pitstop_missing(\"{f['name']}\");")
+        body = []
         cat = category(f)
         if cat == "lifecycle":
             body.append("  " + LIFECYCLE[f["name"]])
@@ -124,9 +125,18 @@ def generate(funcs: list[dict]) -> tuple[str, str]:
                      "  pthread_mutex_lock(&pitstop_real_lock);",
                      f"  ncclResult_t r = v->real ? real_{f['name']}({real_args}) : ncclInvalidArgument;",
                      "  pthread_mutex_unlock(&pitstop_real_lock);", "  return r;"]
-        else:
-            body.append(f"  return real_{f['name']}({args});")
-        c += [f"/* {cat} */", f"{f['ret']} {f['name']}({f['raw']}) {{", *body, "}", ""]
+        if cat == "other":
+            c += [f"/* {cat} */", f"{f['ret']} {f['name']}({f['raw']}) {{", *entry,
+                  f"  return real_{f['name']}({args});", "}", ""]
+            continue
+        # NCCL calls its own public API through the PLT (blocking init polls
+        # ncclCommGetAsyncError, for one), and the preloaded shim is first in line: such
+        # a call, made while this thread is inside the shim, goes straight to NCCL.
+        c += [f"/* {cat} */", f"static {f['ret']} shim_{f['name']}({f['raw']}) {{", *body, "}",
+              f"{f['ret']} {f['name']}({f['raw']}) {{", *entry,
+              f"  if (pitstop_reentry) return real_{f['name']}({args});",
+              "  pitstop_reentry++;", f"  {f['ret']} r = shim_{f['name']}({args});", "  pitstop_reentry--;",
+              "  return r;", "}", ""]
     return "\n".join(real_h), "\n".join(c)
 
 

@@ -28,6 +28,7 @@
 struct pitstop_ctl *pitstop_ctl;
 uint32_t pitstop_seen;               /* the quiesce generation this rank has finished with */
 pthread_mutex_t pitstop_real_lock = PTHREAD_MUTEX_INITIALIZER;
+__thread int pitstop_reentry;
 static struct vcomm *vcomms[PITSTOP_MAX_COMMS];
 static int nvcomms;
 static __thread int groupDepth, groupChecked;
@@ -186,6 +187,8 @@ static int firstTime(const char *call) {
  * re-create. */
 void pitstop_foreign(const char *call, const void *comm) {
   if (!comm) return; /* NULL is no communicator: NCCL answers it as it would without the shim */
+  for (int i = 0; i < nvcomms; i++) /* one of ours, seen from a thread of NCCL's own */
+    if (vcomms[i]->real == (ncclComm_t)comm) return;
   struct pitstop_ctl *c = ctl();
   if (c) __atomic_add_fetch(&c->foreign, 1, __ATOMIC_RELAXED);
   if (firstTime(call))

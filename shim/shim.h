@@ -27,6 +27,8 @@ extern struct pitstop_ctl *pitstop_ctl;
 /* Held while real communicators are destroyed or swapped, and by calls that may come from
  * another thread (PyTorch's watchdog polls ncclCommGetAsyncError): none sees a freed one. */
 extern pthread_mutex_t pitstop_real_lock;
+/* > 0 while this thread is inside the shim: NCCL's calls to its own API then pass through. */
+extern __thread int pitstop_reentry;
 extern uint32_t pitstop_seen;
 
 ncclResult_t pitstop_init(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config, int withConfig);
