@@ -19,7 +19,7 @@ def test_doctor_on_this_host_says_ready_and_why():
     got = json.loads(p.stdout)
     checks = {c["name"]: c for c in got["checks"]}
     assert got["ready"] and p.returncode == 0 and not got["reasons"], got
-    for name in ("privileges", "criu", "criu check", "pycriu", "network lock"):
+    for name in ("privileges", "criu", "criu check", "pycriu", "network lock", "worker /proc fix-up"):
         assert checks[name]["ok"] is True, checks[name]
     kept = checks["exit status after an agent restart"]
     assert kept["ok"] is exitkeeper.supported() and not kept["required"], kept
@@ -30,3 +30,11 @@ def test_only_a_failed_required_check_blocks_and_is_named():
               Check("privileges", False, "uid 1000: CRIU needs root")]
     assert ready(checks) == (False, ["privileges: uid 1000: CRIU needs root"])
     assert ready(checks[:2]) == (True, [])
+
+
+def test_a_missing_proc_fix_up_is_named_with_its_remedy(monkeypatch, tmp_path):
+    monkeypatch.setenv("PITSTOP_PROCSELF", str(tmp_path / "absent.so"))
+    from pitstop.doctor import _procself
+
+    c = _procself("/usr/bin/unshare")
+    assert c.ok is False and c.required and "error 304" in c.detail and "make native" in c.detail

@@ -78,6 +78,7 @@ def run_checks() -> list[Check]:
                             "unshare --pid works" if p.returncode == 0 else p.stderr.strip()))
     else:
         checks.append(Check("pid namespaces", False, "unshare (util-linux) not found"))
+    checks.append(_procself(unshare))
     shm = Path("/dev/shm")
     checks.append(Check("image tmpfs", shm.is_dir() and os.access(shm, os.W_OK),
                         f"/dev/shm, {shutil.disk_usage(shm).free / 2**30:.1f} GiB free" if shm.is_dir() else "missing",
@@ -86,6 +87,27 @@ def run_checks() -> list[Check]:
     checks.append(_exit_status_kept())
     checks += gpu_checks()
     return checks
+
+
+def _procself(unshare: str | None) -> Check:
+    """A worker is init of its own pid namespace under the host's /proc; CUDA needs the
+    preloaded fix-up (native/procself.c) to find /proc/self/task/<its tid>."""
+    from .launcher.run import procself_path
+
+    name = "worker /proc fix-up"
+    lib = procself_path()
+    if lib is None:
+        return Check(name, False, "native/build/libpitstop_procself.so is missing: CUDA cannot initialise in "
+                                  "a worker (error 304); run `make native`")
+    if not unshare:
+        return Check(name, None, f"{lib} (not tried: no unshare)", required=False)
+    # In the namespace, cat is pid 1: /proc/1/comm must name cat, not the host's init.
+    p = subprocess.run([unshare, "--pid", "--fork", "--kill-child", "env", f"LD_PRELOAD={lib}", "cat",
+                        "/proc/1/comm"], capture_output=True, text=True, timeout=30)
+    ok = p.returncode == 0 and p.stdout.strip() == "cat"
+    return Check(name, ok, f"{lib}: a worker finds its own /proc entries" if ok else
+                 f"{lib} does not take effect (read {p.stdout.strip() or p.stderr.strip()!r} for /proc/1/comm); "
+                 "rebuild with `make native`")
 
 
 def _huge_tmpfs() -> Check:

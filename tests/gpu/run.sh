@@ -52,6 +52,7 @@ fi
 # The shim: build it here when a compiler exists, else use the one carried along.
 if command -v cc >/dev/null && [[ -f "$ROOT/shim/Makefile" ]]; then
   make -s -C "$ROOT/shim" >/dev/null 2>&1 || echo "note: building the shim failed; using a carried build if any"
+  make -s -C "$ROOT/native" >/dev/null 2>&1 || echo "note: building native/ failed; using a carried build if any"
 fi
 echo "pitstop GPU check: $($PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -1)"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true

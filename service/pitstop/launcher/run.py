@@ -23,6 +23,9 @@ another host:
 - The NCCL shim is preloaded (when built): communicators get virtual handles and
   the job can be brought to a consistent cut and rewired (shim/).  --host-nccl makes
   the host NCCL (native/) the process's libnccl.so.2, for CPU jobs and tests.
+- The worker keeps the host's mount namespace, so its /proc is the parent pid
+  namespace's: native/procself.c (preloaded) rewrites the /proc paths a program
+  builds from its own pid or tid (CUDA's cuInit needs /proc/self/task/<tid>).
 - Exit status: CMD's, also when CMD finished on another host.
 """
 
@@ -113,6 +116,23 @@ def host_nccl_dir() -> Path | None:
     return p if (p / "libnccl.so.2").exists() else None
 
 
+def procself_path() -> Path | None:
+    p = Path(os.environ.get("PITSTOP_PROCSELF", REPO / "native" / "build" / "libpitstop_procself.so"))
+    return p if p.exists() else None
+
+
+def procself_env(env: dict[str, str]) -> tuple[dict[str, str], str | None]:
+    """Preload native/procself.c's fix-up: the worker is init of its own pid namespace but sees
+    the host's /proc, where a path built from its own pid or tid names nobody (CUDA's cuInit
+    fails with error 304 on exactly that).  Returns the env and a warning when it is missing."""
+    p = procself_path()
+    if p is None:
+        return env, ("native/build/libpitstop_procself.so is not built: CUDA cannot initialise in this worker "
+                     "(error 304); run `make native`")
+    env["LD_PRELOAD"] = ":".join(x for x in (env.get("LD_PRELOAD", ""), str(p)) if x)
+    return env, None
+
+
 def nccl_env(env: dict[str, str], *, shim: bool, host_nccl: bool) -> dict[str, str]:
     """Preload the NCCL shim (first, so its NCCL symbols win); optionally make host NCCL the libnccl."""
     if host_nccl:
@@ -147,6 +167,9 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     env.update(extra_env or {})
     try:
         env = nccl_env(env, shim=shim and (host_nccl or shim_path() is not None), host_nccl=host_nccl)
+        env, missing = procself_env(env)
+        if missing:
+            print(f"pitstop run: warning: {missing}", file=sys.stderr)
     except PitstopError as e:
         print(f"pitstop run: {e}", file=sys.stderr)
         return 125
