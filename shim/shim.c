@@ -28,7 +28,7 @@
 struct pitstop_ctl *pitstop_ctl;
 uint32_t pitstop_seen;               /* the quiesce generation this rank has finished with */
 pthread_mutex_t pitstop_real_lock = PTHREAD_MUTEX_INITIALIZER;
-__thread int pitstop_reentry;
+__thread int pitstop_reentry __attribute__((tls_model("initial-exec")));
 static struct vcomm *vcomms[PITSTOP_MAX_COMMS];
 static int nvcomms;
 static __thread int groupDepth, groupChecked;

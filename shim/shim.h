@@ -28,7 +28,7 @@ extern struct pitstop_ctl *pitstop_ctl;
  * another thread (PyTorch's watchdog polls ncclCommGetAsyncError): none sees a freed one. */
 extern pthread_mutex_t pitstop_real_lock;
 /* > 0 while this thread is inside the shim: NCCL's calls to its own API then pass through. */
-extern __thread int pitstop_reentry;
+extern __thread int pitstop_reentry __attribute__((tls_model("initial-exec"))); /* preloaded: static TLS */
 extern uint32_t pitstop_seen;
 
 ncclResult_t pitstop_init(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config, int withConfig);
