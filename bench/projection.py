@@ -1,18 +1,20 @@
 """A projection, not a measurement: pitstop vs checkpoint-restart for one host leaving a job of
 64, 1,024 and 16,384 GPUs.
 
-    .venv/bin/python bench/projection.py [--measured bench/out/compare-warm.json] [--markdown]
+    .venv/bin/python bench/projection.py [--measured bench/out/compare-warm.json]
+        [--gpu-report docs/img/gpu-2026-11-30-h200.json] [--markdown]
 
 The model is made of the components bench/compare.py measures on this machine (rates of
 CRIU's dump and restore, pitstop's stream, torch.save/torch.load, a relaunch's start-up,
-the coordinator's cost per host contacted) and of GPU-cluster inputs that nobody has
-measured here yet (no GPU run so far; each is named in ASSUMED with where it comes from).
+the coordinator's cost per host contacted), of the CUDA checkpoint rates measured on a GPU
+(--gpu-report: tests/gpu's check (d); else an assumed PCIe rate) and of GPU-cluster inputs
+that nobody has measured here (each is named in ASSUMED with where it comes from).
 Every GPU of the job waits while either method runs, so the cost of an evacuation is its
 pause times the job's GPUs.
 
 pitstop, one host of 8 GPUs leaving (cost follows the leaving host; only control grows):
     control   = 3 rounds (pause, commit, resume) x (measured round latency + hosts x RPC CPU)
-    gpu       = device memory in use / cuda-checkpoint rate, out and back in
+    gpu       = device memory in use / checkpoint rate (out) + / restore rate (back in)
     data      = leaving bytes (device + host memory) / min(8 x stream rate per rank, NIC)
     restore   = leaving bytes / (8 x CRIU restore rate per rank)
     rewire    = NCCL communicator re-creation at the job's size
@@ -47,7 +49,9 @@ ASSUMED = {
     "host_state_gb": (20.0, "GB per GPU", "host memory per rank (pinned buffers, loaders, Python)"),
     "checkpoint_shard_gb": (10.0, "GB per GPU", "parameters + Adam state (16 B/param), sharded across the job"),
     "cuda_checkpoint_gbps": (20.0, "GB/s per GPU",
-                             "device-to-host over PCIe Gen5; not measured (tests/gpu/run.sh measures it)"),
+                             "device-to-host over PCIe Gen5, bare metal; used when no --gpu-report is given"),
+    "cuda_restore_gbps": (20.0, "GB/s per GPU",
+                          "host-to-device over PCIe Gen5, bare metal; used when no --gpu-report is given"),
     "nic_gbps": (50.0, "GB/s per host", "one 400 Gb/s front-end NIC; pitstop's stream is TCP, not RDMA"),
     "storage_write_gbps": (1000.0, "GB/s aggregate", "a large parallel file system"),
     "storage_read_gbps": (2000.0, "GB/s aggregate", "a large parallel file system"),
@@ -95,8 +99,26 @@ def _load(measured: Path) -> dict:
     return out
 
 
-def project(m: dict, gpus: int) -> dict:
+def load_gpu(report: Path) -> dict:
+    """The CUDA checkpoint and restore rates of the largest size tests/gpu's check (d) moved."""
+    d = json.loads(report.read_text())
+    runs = d.get("runs", [d])
+    for r in runs:
+        thr = r.get("checks", {}).get("d_checkpoint_throughput", {})
+        sizes = [(float(k.removesuffix("GiB")), v) for k, v in thr.items()
+                 if k.endswith("GiB") and isinstance(v, dict) and "checkpoint_GBps" in v]
+        if sizes:
+            gib, v = max(sizes, key=lambda kv: kv[0])
+            m = r.get("machine", {})
+            return {"checkpoint_GBps": v["checkpoint_GBps"], "restore_GBps": v["restore_GBps"], "at_gib": gib,
+                    "source": f"{m.get('gpu', 'GPU')}, driver {m.get('driver', '?')}, {r.get('date', '?')}"}
+    raise SystemExit(f"{report}: no passed checkpoint-throughput check (d) in it; run tests/gpu/run.sh --only d")
+
+
+def project(m: dict, gpus: int, gpu: dict | None = None) -> dict:
     a = {k: v[0] for k, v in ASSUMED.items()}
+    if gpu:
+        a["cuda_checkpoint_gbps"], a["cuda_restore_gbps"] = gpu["checkpoint_GBps"], gpu["restore_GBps"]
     hosts = gpus // GPUS_PER_HOST
     gb = 1e9
     leaving = GPUS_PER_HOST * (a["device_in_use_gb"] + a["host_state_gb"]) * gb
@@ -106,7 +128,7 @@ def project(m: dict, gpus: int) -> dict:
     log2 = max(1.0, gpus.bit_length() - 1)
     pit = {
         "control": 3 * (m["round_s"] + hosts * a["rpc_cpu_s"]),
-        "gpu": 2 * a["device_in_use_gb"] / a["cuda_checkpoint_gbps"],
+        "gpu": a["device_in_use_gb"] / a["cuda_checkpoint_gbps"] + a["device_in_use_gb"] / a["cuda_restore_gbps"],
         "data": leaving / stream,
         "restore": leaving / (m["restore_Bps"] * GPUS_PER_HOST),
         "rewire": a["nccl_init_s_per_log2"] * log2,
@@ -137,8 +159,12 @@ def project(m: dict, gpus: int) -> dict:
             "pitstop_at_nic_speed_network_post_copy_s": network_pc, "pitstop_at_nic_speed_pre_copy_s": pre}
 
 
-def markdown(m: dict, rows: list[dict]) -> str:
-    out = [f"Measured inputs ({m['date']}, {m['machine']}, bench/compare.py, rates from the run "
+def markdown(m: dict, rows: list[dict], gpu: dict | None = None) -> str:
+    rates = (f"CUDA checkpoint {gpu['checkpoint_GBps']:.2f} GB/s out and {gpu['restore_GBps']:.2f} GB/s back in, "
+             f"measured with {gpu['at_gib']:g} GiB ({gpu['source']})" if gpu else
+             f"CUDA checkpoint {ASSUMED['cuda_checkpoint_gbps'][0]:g} GB/s out and "
+             f"{ASSUMED['cuda_restore_gbps'][0]:g} GB/s back in, assumed (PCIe Gen5, bare metal)")
+    out = [f"GPU rates: {rates}.", "",f"Measured inputs ({m['date']}, {m['machine']}, bench/compare.py, rates from the run "
            f"'{m['rates_from']}'): per leaving rank, CRIU dump "
            f"{m['dump_Bps'] / 1e9:.2f} GB/s, pitstop stream {m['stream_Bps'] / 1e9:.2f} GB/s, CRIU restore "
            f"{m['restore_Bps'] / 1e9:.2f} GB/s"
@@ -166,14 +192,18 @@ def markdown(m: dict, rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--measured", default=str(Path(__file__).resolve().parent / "out" / "compare-warm.json"))
+    ap.add_argument("--gpu-report", type=Path, default=None,
+                    help="a tests/gpu report (or a file of several under 'runs') whose check (d) gives the "
+                         "CUDA checkpoint and restore rates; without it they are assumed")
     ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args()
     m = _load(Path(a.measured))
-    rows = [project(m, n) for n in SIZES]
+    gpu = load_gpu(a.gpu_report) if a.gpu_report else None
+    rows = [project(m, n, gpu) for n in SIZES]
     if a.markdown:
-        print(markdown(m, rows))
+        print(markdown(m, rows, gpu))
         return
-    print(json.dumps({"measured": m, "assumed": ASSUMED, "projection": rows}, indent=1))
+    print(json.dumps({"measured": m, "gpu": gpu, "assumed": ASSUMED, "projection": rows}, indent=1))
 
 
 if __name__ == "__main__":
