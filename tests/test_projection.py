@@ -1,0 +1,32 @@
+"""bench/projection.py's GPU inputs: the rates come from a tests/gpu report's check (d), its
+largest size, and a report without one is refused with the command that makes one."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import projection  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_rates_come_from_the_largest_size_of_check_d():
+    g = projection.load_gpu(ROOT / "docs" / "img" / "gpu-2026-11-30-h200.json")
+    assert g["at_gib"] == 32 and 0.5 < g["checkpoint_GBps"] < 0.53 and 1.5 < g["restore_GBps"] < 1.7
+    assert "H200" in g["source"]
+    m = {"stream_Bps": 1e9, "restore_Bps": 1.5e9, "round_s": 0.02}
+    slow, fast = projection.project(m, 64, g), projection.project(m, 64)
+    assert slow["pitstop"]["gpu"] == pytest.approx(100 / g["checkpoint_GBps"] + 100 / g["restore_GBps"])
+    assert fast["pitstop"]["gpu"] == pytest.approx(10.0)  # 100 GB out and in at the assumed 20 GB/s
+
+
+def test_a_report_without_check_d_is_refused(tmp_path):
+    r = tmp_path / "r.json"
+    r.write_text(json.dumps({"checks": {"a_cuda_checkpoint_roundtrip": {"status": "passed"}}}))
+    with pytest.raises(SystemExit, match="run tests/gpu/run.sh --only d"):
+        projection.load_gpu(r)
