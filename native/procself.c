@@ -86,30 +86,18 @@ static long outerTid(long inner) {
 /* `path`, or `buf` holding the path that names what the caller meant. */
 static const char *fix(const char *path, char *buf) {
   const char *rest, *p;
-  long id, self;
+  long id, self, outer;
+  int task;
   if (!path || strncmp(path, "/proc/", 6) != 0) return path;
   p = path + 6;
-  if (strncmp(p, "self/task/", 10) == 0) {
-    if ((id = numberAt(p + 10, &rest)) < 0) return path;
-    if ((self = procSelf()) < 0 || self == getpid()) return path;
-    if (id == syscall(SYS_gettid)) {
-      snprintf(buf, PROC_PATH_MAX, "/proc/thread-self%s", rest);
-      return buf;
-    }
-    long outer = outerTid(id);
-    if (outer < 0) return path;
-    snprintf(buf, PROC_PATH_MAX, "/proc/self/task/%ld%s", outer, rest);
-    return buf;
-  }
-  if ((id = numberAt(p, &rest)) < 0) return path;
+  task = strncmp(p, "self/task/", 10) == 0;
+  if ((id = numberAt(task ? p + 10 : p, &rest)) < 0) return path;
   if ((self = procSelf()) < 0 || self == getpid()) return path;
-  if (id == getpid()) {
-    snprintf(buf, PROC_PATH_MAX, "/proc/self%s", rest);
-    return buf;
-  }
-  long outer = outerTid(id);
-  if (outer < 0) return path;
-  snprintf(buf, PROC_PATH_MAX, "/proc/%ld%s", outer, rest);
+  if (task && id == syscall(SYS_gettid)) snprintf(buf, PROC_PATH_MAX, "/proc/thread-self%s", rest);
+  else if (!task && id == getpid()) snprintf(buf, PROC_PATH_MAX, "/proc/self%s", rest);
+  else if ((outer = outerTid(id)) < 0) return path;
+  else if (task) snprintf(buf, PROC_PATH_MAX, "/proc/self/task/%ld%s", outer, rest);
+  else snprintf(buf, PROC_PATH_MAX, "/proc/%ld%s", outer, rest);
   return buf;
 }
 
