@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
 # Pack what tests/gpu/run.sh needs on a GPU host that cannot reach a package registry:
-# CRIU (private prefix, from provision-criu.sh), and wheels for CPython 3.10-3.13.
+# CRIU (private prefix, from provision-criu.sh), and wheels for CPython 3.10-3.13 (or PITSTOP_GPU_PYTHONS).
 # Output: .gpu-bundle/ (ignored by git; carried to the GPU machine).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 B="$ROOT/.gpu-bundle"
 PIP="${PIP:-$ROOT/.venv/bin/python -m pip}"
 PREFIX="${PITSTOP_CRIU_PREFIX:-${XDG_CACHE_HOME:-$HOME/.cache}/pitstop/criu-4.2}"
+# PITSTOP_GPU_PYTHONS: the interpreters to pack for (a GPU host's python3 is one of them);
+# one version keeps the bundle under 40 MB.
+PYVERS="${PITSTOP_GPU_PYTHONS:-3.10 3.11 3.12 3.13}"
 rm -rf "$B" && mkdir -p "$B/wheels"
-for v in 3.10 3.11 3.12 3.13; do
+for v in $PYVERS; do
   $PIP download -q --no-deps --only-binary=:all: --python-version "$v" --platform manylinux_2_28_x86_64 \
     -d "$B/wheels" "cuda-bindings>=12.8,<14" 2>&1 | grep -v "is ignored" || true
 done
 $PIP download -q --no-deps --only-binary=:all: -d "$B/wheels" cuda-pathfinder structlog nvidia-ml-py \
   "protobuf>=4.25" 2>&1 | grep -v "is ignored" || true
+# The service itself (check (e) runs a coordinator and agents there), with its dependencies
+# resolved for each interpreter; run.sh unpacks only those the host cannot import already.
+for v in $PYVERS; do
+  $PIP download -q --only-binary=:all: --python-version "$v" --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$B/wheels" \
+    fastapi "uvicorn>=0.29" "pydantic>=2.6" "pydantic-settings>=2.2" "structlog>=24.1" "cryptography>=42" \
+    "sniffio>=1.3" "typer>=0.12" "xxhash>=3.4" "uvloop>=0.19" "prometheus-client>=0.20" 2>&1 \
+    | grep -v "is ignored" || true
+done
 [[ -x "$PREFIX/bin/criu" ]] || "$ROOT/scripts/provision-criu.sh" >/dev/null
 tar -C "$(dirname "$PREFIX")" --exclude='criu-4.2/bin' -cJf "$B/criu.tar.xz" "$(basename "$PREFIX")"
 du -sh "$B" "$B"/wheels/* "$B/criu.tar.xz"

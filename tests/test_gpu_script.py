@@ -23,7 +23,7 @@ def _cuda() -> bool:
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--only", "x"], "--only takes letters from a,b,c,d"),
+    (["--only", "x"], "--only takes letters from a,b,c,d,e"),
     (["--sizes-gib", "1,lots"], "--sizes-gib takes numbers"),
     (["--sizes-gib", "0"], "between 0 and 1024"),
     (["--steps", "10"], "--steps must be at least 100"),
@@ -44,7 +44,7 @@ def test_run_sh_without_a_gpu_skips_every_check_with_its_reason(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads((tmp_path / "gpu-report.json").read_text())
     assert set(r["checks"]) == {"a_cuda_checkpoint_roundtrip", "b_criu_with_cuda", "c_shim_under_processgroupnccl",
-                                "d_checkpoint_throughput"}
+                                "d_checkpoint_throughput", "e_evacuation_through_agents"}
     for c in r["checks"].values():
         assert c["status"] == "skipped" and c["reason"].startswith("no CUDA device"), c
     assert r["machine"]["torch"] and r["date"] and "criu" in r["machine"]
@@ -61,3 +61,14 @@ def test_check_b_harness_dumps_and_restores_a_torch_worker_bitwise(tmp_path):
     assert b["status"] == "passed" and b["cpu_dry_run"] is True and b["sha256"] == b["reference_sha256"]
     assert b["criu_dump_s"] > 0 and b["image_bytes"] > 10_000_000
     assert r["checks"]["a_cuda_checkpoint_roundtrip"]["status"] == "skipped"
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(_cuda(), reason="a GPU is present: the real check (e) runs in tests/gpu")
+def test_check_e_harness_evacuates_a_torch_job_through_agents_bitwise(tmp_path):
+    p = subprocess.run([sys.executable, str(CHECK), "--cpu-dry-run", "--only", "e",
+                        "--report", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=220)
+    assert p.returncode == 0, p.stdout + p.stderr
+    e = json.loads((tmp_path / "r.json").read_text())["checks"]["e_evacuation_through_agents"]
+    assert e["status"] == "passed" and e["cpu_dry_run"] is True and e["sha256"] == e["reference_sha256"]
+    assert e["worker_host"] == "gpu-spare" and e["result"] == "succeeded" and e["downtime_s"] > 0

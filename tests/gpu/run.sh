@@ -23,12 +23,15 @@ if [[ -d "$BUNDLE" ]]; then
     case "$(basename "$w")" in
       *-cp3*-cp3*) [[ "$(basename "$w")" == *"-cp$PYV-"* ]] || continue ;;
     esac
-    mod="$(basename "$w" | cut -d- -f1)"
-    # Keep what the host already has (e.g. cuda-bindings shipped with its torch).
-    case "$mod" in
-      cuda_bindings) $PY -c 'import cuda.bindings.driver' 2>/dev/null && continue ;;
-      nvidia_ml_py)  $PY -c 'import pynvml' 2>/dev/null && continue ;;
-    esac
+    # Keep what the host already has (cuda-bindings shipped with its torch, say): a wheel is
+    # unpacked only when none of its top-level modules imports here.
+    $PY - "$w" <<'HAS' && continue
+import importlib.util, sys, zipfile
+names = {n.split("/")[0].removesuffix(".py") for n in zipfile.ZipFile(sys.argv[1]).namelist()
+         if not n.split("/")[0].endswith((".dist-info", ".data")) and not n.startswith("_")}
+names.discard("")
+sys.exit(0 if names and all(importlib.util.find_spec(n) for n in names) else 1)
+HAS
     $PY -m zipfile -e "$w" "$SITE" >/dev/null
   done
   export PYTHONPATH="$PYTHONPATH:$SITE"
