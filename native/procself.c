@@ -17,7 +17,7 @@
  * namespace, and with live numbers after a restore on another host):
  *   /proc/self/task/<tid>/...   -> /proc/thread-self/... (the caller's own thread) or
  *                                  /proc/self/task/<outer tid>/... (another thread of it)
- *   /proc/<getpid()>/...        -> /proc/self/...
+ *   /proc/<getpid()>/...        -> /proc/self/... (and its task/<tid> as above)
  *   /proc/<tid>/... (a thread)  -> /proc/<outer tid>/...
  * Every other path passes unchanged.  Interposed: the open family, fopen, access,
  * readlink, opendir, stat and lstat; a call made by a raw system call is not seen. */
@@ -94,7 +94,14 @@ static const char *fix(const char *path, char *buf) {
   if ((id = numberAt(task ? p + 10 : p, &rest)) < 0) return path;
   if ((self = procSelf()) < 0 || self == getpid()) return path;
   if (task && id == syscall(SYS_gettid)) snprintf(buf, PROC_PATH_MAX, "/proc/thread-self%s", rest);
-  else if (!task && id == getpid()) snprintf(buf, PROC_PATH_MAX, "/proc/self%s", rest);
+  else if (!task && id == getpid()) {
+    snprintf(buf, PROC_PATH_MAX, "/proc/self%s", rest);
+    if (strncmp(rest, "/task/", 6) == 0) { /* /proc/<pid>/task/<tid>: the thread by its own id too */
+      char inner[PROC_PATH_MAX];
+      const char *t = fix(buf, inner);
+      if (t == inner) snprintf(buf, PROC_PATH_MAX, "%s", inner);
+    }
+  }
   else if ((outer = outerTid(id)) < 0) return path;
   else if (task) snprintf(buf, PROC_PATH_MAX, "/proc/self/task/%ld%s", outer, rest);
   else snprintf(buf, PROC_PATH_MAX, "/proc/%ld%s", outer, rest);

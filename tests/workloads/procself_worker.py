@@ -24,6 +24,7 @@ ready.wait()
 for step in range(1, steps + 1):
     tid = threading.get_native_id()
     pairs = [(f"/proc/self/task/{tid}/comm", "/proc/thread-self/comm"),
+             (f"/proc/{os.getpid()}/task/{tid}/comm", "/proc/thread-self/comm"),
              (f"/proc/{os.getpid()}/stat", "/proc/self/stat"),
              (f"/proc/self/task/{box['tid']}/comm", None)]
     for built, truth in pairs:
