@@ -50,25 +50,27 @@ def test_run_sh_without_a_gpu_skips_every_check_with_its_reason(tmp_path):
     assert r["machine"]["torch"] and r["date"] and "criu" in r["machine"]
 
 
+def _dry_run(tmp_path, only: str, timeout: float) -> dict:
+    """gpu_check.py --cpu-dry-run: the checks that need no GPU, on the CPU; its report."""
+    p = subprocess.run([sys.executable, str(CHECK), "--cpu-dry-run", "--only", only,
+                        "--report", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads((tmp_path / "r.json").read_text())["checks"]
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(_cuda(), reason="a GPU is present: the real check (b) runs in tests/gpu")
 def test_check_b_harness_dumps_and_restores_a_torch_worker_bitwise(tmp_path):
-    p = subprocess.run([sys.executable, str(CHECK), "--cpu-dry-run", "--only", "a,b",
-                        "--report", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=200)
-    assert p.returncode == 0, p.stdout + p.stderr
-    r = json.loads((tmp_path / "r.json").read_text())
-    b = r["checks"]["b_criu_with_cuda"]
+    checks = _dry_run(tmp_path, "a,b", 200)
+    b = checks["b_criu_with_cuda"]
     assert b["status"] == "passed" and b["cpu_dry_run"] is True and b["sha256"] == b["reference_sha256"]
     assert b["criu_dump_s"] > 0 and b["image_bytes"] > 10_000_000
-    assert r["checks"]["a_cuda_checkpoint_roundtrip"]["status"] == "skipped"
+    assert checks["a_cuda_checkpoint_roundtrip"]["status"] == "skipped"
 
 
 @pytest.mark.e2e
 @pytest.mark.skipif(_cuda(), reason="a GPU is present: the real check (e) runs in tests/gpu")
 def test_check_e_harness_evacuates_a_torch_job_through_agents_bitwise(tmp_path):
-    p = subprocess.run([sys.executable, str(CHECK), "--cpu-dry-run", "--only", "e",
-                        "--report", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=220)
-    assert p.returncode == 0, p.stdout + p.stderr
-    e = json.loads((tmp_path / "r.json").read_text())["checks"]["e_evacuation_through_agents"]
+    e = _dry_run(tmp_path, "e", 220)["e_evacuation_through_agents"]
     assert e["status"] == "passed" and e["cpu_dry_run"] is True and e["sha256"] == e["reference_sha256"]
     assert e["worker_host"] == "gpu-spare" and e["result"] == "succeeded" and e["downtime_s"] > 0
