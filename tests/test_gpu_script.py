@@ -38,6 +38,7 @@ def test_bad_arguments_say_what_is_wrong(args, msg, tmp_path):
 
 @pytest.mark.skipif(_cuda(), reason="a GPU is present: run tests/gpu/run.sh for the real checks")
 def test_run_sh_without_a_gpu_skips_every_check_with_its_reason(tmp_path):
+    scratch = set(Path("/tmp").glob("pitstop-gpu-run.*"))
     env = dict(os.environ, PYTHON=sys.executable)
     p = subprocess.run(["bash", str(ROOT / "tests" / "gpu" / "run.sh"), "--out", str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=120)
@@ -48,6 +49,7 @@ def test_run_sh_without_a_gpu_skips_every_check_with_its_reason(tmp_path):
     for c in r["checks"].values():
         assert c["status"] == "skipped" and c["reason"].startswith("no CUDA device"), c
     assert r["machine"]["torch"] and r["date"] and "criu" in r["machine"]
+    assert set(Path("/tmp").glob("pitstop-gpu-run.*")) == scratch  # its scratch directory is gone
 
 
 def _dry_run(tmp_path, only: str, timeout: float) -> dict:

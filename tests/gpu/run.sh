@@ -59,4 +59,8 @@ if command -v cc >/dev/null && [[ -f "$ROOT/shim/Makefile" ]]; then
 fi
 echo "pitstop GPU check: $($PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -1)"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-exec timeout --kill-after=10 480 $PY "$ROOT/tests/gpu/gpu_check.py" --report "$OUT/gpu-report.json" "$@"
+# Not exec: the EXIT trap must still remove the scratch directory (an exec'd run left one
+# behind every time).
+rc=0
+timeout --kill-after=10 480 $PY "$ROOT/tests/gpu/gpu_check.py" --report "$OUT/gpu-report.json" "$@" || rc=$?
+exit $rc
