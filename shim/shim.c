@@ -78,7 +78,6 @@ static struct vcomm *newVcomm(int kind, int nranks, int rank, uint64_t key, int 
       memcpy(v->config, config, n);
       v->config->size = n;
       v->hasConfig = 1;
-      v->nonblocking = n >= offsetof(ncclConfig_t, blocking) + sizeof(int) && config->blocking == 0;
     }
   }
   struct pitstop_comm_ctl *cc = &c->comms[v->idx];
@@ -92,21 +91,29 @@ static struct vcomm *newVcomm(int kind, int nranks, int rank, uint64_t key, int 
 }
 
 /* ---- lifecycle ---------------------------------------------------------------------- */
+/* A top-level communicator NCCL made (r: ncclSuccess, or ncclInProgress for a nonblocking
+ * one, whose handle is already valid: the application polls ncclCommGetAsyncError on ours),
+ * behind a handle of ours keyed on its unique ids. */
+static ncclResult_t adoptInit(ncclComm_t *comm, ncclComm_t real, ncclResult_t r, int nranks, int rank,
+                              const ncclUniqueId *ids, int nId, ncclConfig_t *config, int scalable) {
+  if (r != ncclSuccess && r != ncclInProgress) return r;
+  uint64_t key = scalable ? 0x2ull : 0x1ull;
+  for (int j = 0; j < nId; j++)
+    for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++) key = mix(key, (uint8_t)ids[j].internal[i]);
+  struct vcomm *v = newVcomm(KIND_INIT, nranks, rank, key, -1, 0, 0, config);
+  if (!v) { real_ncclCommDestroy(real); return ncclInternalError; }
+  v->real = real;
+  v->scalable = scalable;
+  events[nevents++] = (struct event){KIND_INIT, v->idx, -1, 0, 0};
+  *comm = (ncclComm_t)v;
+  return r;
+}
+
 ncclResult_t pitstop_init(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config, int withConfig) {
   ncclComm_t real = NULL;
   ncclResult_t r = withConfig ? real_ncclCommInitRankConfig(&real, nranks, id, rank, config)
                               : real_ncclCommInitRank(&real, nranks, id, rank);
-  /* A nonblocking communicator answers ncclInProgress with a valid handle: the
-   * application polls ncclCommGetAsyncError on our handle until it is ready. */
-  if (r != ncclSuccess && r != ncclInProgress) return r;
-  uint64_t key = 0x1ull;
-  for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++) key = mix(key, (uint8_t)id.internal[i]);
-  struct vcomm *v = newVcomm(KIND_INIT, nranks, rank, key, -1, 0, 0, withConfig ? config : NULL);
-  if (!v) { real_ncclCommDestroy(real); return ncclInternalError; }
-  v->real = real;
-  events[nevents++] = (struct event){KIND_INIT, v->idx, -1, 0, 0};
-  *comm = (ncclComm_t)v;
-  return r;
+  return adoptInit(comm, real, r, nranks, rank, &id, 1, withConfig ? config : NULL, 0);
 }
 
 /* ncclCommInitRankScalable: the same communicator as InitRankConfig, bootstrapped from
@@ -116,17 +123,7 @@ ncclResult_t pitstop_init_scalable(ncclComm_t *comm, int nranks, int rank, int n
                                    ncclConfig_t *config) {
   ncclComm_t real = NULL;
   ncclResult_t r = real_ncclCommInitRankScalable(&real, nranks, rank, nId, ids, config);
-  if (r != ncclSuccess && r != ncclInProgress) return r;
-  uint64_t key = 0x2ull;
-  for (int j = 0; j < nId; j++)
-    for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++) key = mix(key, (uint8_t)ids[j].internal[i]);
-  struct vcomm *v = newVcomm(KIND_INIT, nranks, rank, key, -1, 0, 0, config);
-  if (!v) { real_ncclCommDestroy(real); return ncclInternalError; }
-  v->real = real;
-  v->scalable = 1;
-  events[nevents++] = (struct event){KIND_INIT, v->idx, -1, 0, 0};
-  *comm = (ncclComm_t)v;
-  return r;
+  return adoptInit(comm, real, r, nranks, rank, ids, nId, config, 1);
 }
 
 ncclResult_t pitstop_split(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config) {

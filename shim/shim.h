@@ -16,7 +16,6 @@ struct vcomm {
   ncclComm_t real;
   ncclConfig_t *config;  /* the caller's config, copied byte for byte up to its own size, for replay */
   int hasConfig;
-  int nonblocking;       /* config.blocking == 0: init and split may answer ncclInProgress */
   int scalable;          /* made by ncclCommInitRankScalable */
   int pendingInfo;       /* a nonblocking split still in progress: its size and rank are not known yet */
   int appDestroyed;

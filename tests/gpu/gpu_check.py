@@ -92,9 +92,10 @@ class Proc:
         env = dict(env or {})
         if pidns:  # as `pitstop run` starts workers: init of its own pid namespace and session,
             # with native/procself.c preloaded (CUDA's cuInit fails there without it: error 304)
-            lib = ROOT / "native" / "build" / "libpitstop_procself.so"
-            if lib.exists():
-                env["LD_PRELOAD"] = ":".join(x for x in (env.get("LD_PRELOAD", os.environ.get("LD_PRELOAD", "")), str(lib)) if x)
+            from pitstop.launcher.run import procself_env
+
+            env.setdefault("LD_PRELOAD", os.environ.get("LD_PRELOAD", ""))
+            env, _ = procself_env(env)
             # The worker writes the file itself: unshare's own messages (it reports its child's
             # death) must not change a file whose size CRIU recorded.
             cmd = ["unshare", "--pid", "--fork", "setsid", "sh", "-c", f'exec "$0" "$@" >"{out}" 2>&1', *cmd]
