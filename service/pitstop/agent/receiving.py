@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import shutil
 import subprocess
 import threading
@@ -337,6 +338,8 @@ class DestinationSide:
                                               timeout_s=self.s.restore_timeout_s, abort=abort)
                 if phases is not None:
                     phases["criu_restore"] = secs
+                if fill and faults.value("restore:kill_fill"):  # held, so that it cannot finish first
+                    os.kill(fill.pid, signal.SIGSTOP)
                 gone = fill.guard(pid) if fill else None
                 if gone:  # the source stopped serving while the tree was restored: it must not run
                     proctree.kill_tree(pid)
