@@ -232,6 +232,39 @@ def chart(runs: list[dict], path: Path, floor_s: float) -> None:
     fig.savefig(path, dpi=110)
 
 
+def scaling_summary(scaling: list[dict], medians: list[dict]) -> dict:
+    """The spread of the sizes' median downtimes, per method, and what each size's pause round took."""
+    out: dict = {}
+    for label in sorted({s["method"] for s in scaling}):
+        d = [s["downtime_s"] for s in medians if s["method"] == label]
+        out[f"scaling_downtime_spread ({label}, medians)"] = (max(d) - min(d)) / min(d)
+        every = [s["downtime_s"] for s in scaling if s["method"] == label]
+        out[f"scaling_downtime_range ({label}, every run)"] = [min(every), max(every)]
+        out[f"scaling_median_downtime_s ({label})"] = {str(s["world"]): s["downtime_s"]
+                                                       for s in medians if s["method"] == label}
+        for phase in ("pause", "resume"):
+            out[f"scaling_{phase}_s ({label}, every run)"] = {
+                str(w): [round(s["phases"].get(phase, 0.0), 3) for s in scaling
+                         if s["method"] == label and s["world"] == w]
+                for w in sorted({s["world"] for s in scaling if s["method"] == label})}
+    return out
+
+
+def _report_scaling(a: argparse.Namespace, started: float, bw: float, scaling: list[dict],
+                    medians: list[dict]) -> None:
+    summary = {"raw_tcp_bytes_per_s": bw, **scaling_summary(scaling, medians)}
+    doc = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(sys.argv),
+           "wall_s": round(time.time() - started, 1), "summary": summary, "scaling": scaling}
+    Path(a.out).write_text(json.dumps(doc, indent=1))
+    print(f"{machine()}; scaling only")
+    for r in scaling:
+        print(f"{r['method']:<34}{r['world']:>3} ranks  downtime {r['downtime_s']:.2f} s  job pause "
+              f"{r['job_pause_s']:.2f} s  " + " ".join(f"{k}={v:.2f}" for k, v in r["phases"].items()))
+    for k, v in summary.items():
+        print(f"  {k}: {v if isinstance(v, (bool, list, dict)) else round(v, 3)}")
+    print(f"wrote {a.out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--state-mb", type=float, default=512.0, help="extra state per rank (MiB), up to about 2048")
@@ -244,6 +277,8 @@ def main() -> None:
                     help="runs per job size, interleaved (2,4,8,2,4,8,...); the spread is taken between "
                          "the sizes' medians: one run of each varied by as much as the target allows")
     ap.add_argument("--restart-worlds", default="4", help="job sizes for checkpoint-restart")
+    ap.add_argument("--scaling-only", action="store_true",
+                    help="only the scaling runs (2/4/8 ranks, one leaving): the spread, without the 4-rank methods")
     ap.add_argument("--skip-naive", action="store_true")
     ap.add_argument("--skip-post-copy", action="store_true")
     ap.add_argument("--prewarm-gib", type=float, default=0.0,
@@ -259,7 +294,7 @@ def main() -> None:
     started = time.time()
     bw = raw_tcp_bandwidth()
     every_run: list[dict] = []
-    for rep in range(max(1, a.repeats)):  # interleaved: a slow spell of the VM hits every method
+    for rep in range(0 if a.scaling_only else max(1, a.repeats)):  # interleaved: a slow spell hits every method
         first = len(every_run)
         every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, prewarm_gib=a.prewarm_gib))
         every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, label="pitstop, stop-and-copy",
@@ -291,6 +326,8 @@ def main() -> None:
                                              label="network post-copy, 1 rank leaving",
                                              prewarm_gib=a.prewarm_gib), "repeat": rep})
     medians = median_runs(scaling)
+    if a.scaling_only:
+        return _report_scaling(a, started, bw, scaling, medians)
     ref = runs[0]
     floor = ref["bytes"] / bw
     after_bw = raw_tcp_bandwidth()
@@ -318,13 +355,7 @@ def main() -> None:
         summary["network post-copy: fill_s"] = net["fill_s"]
         summary["network post-copy: fill_bytes_per_s"] = net["bytes_after_resume"] / net["fill_s"]
         summary["network post-copy: fill_vs_raw_tcp"] = net["bytes_after_resume"] / net["fill_s"] / bw
-    for label in sorted({s["method"] for s in scaling}):
-        d = [s["downtime_s"] for s in medians if s["method"] == label]
-        summary[f"scaling_downtime_spread ({label}, medians)"] = (max(d) - min(d)) / min(d)
-        every = [s["downtime_s"] for s in scaling if s["method"] == label]
-        summary[f"scaling_downtime_range ({label}, every run)"] = [min(every), max(every)]
-        summary[f"scaling_median_downtime_s ({label})"] = {str(s["world"]): s["downtime_s"]
-                                                           for s in medians if s["method"] == label}
+    summary.update(scaling_summary(scaling, medians))
     whole = next((r for r in runs if r["method"] == "pitstop, stop-and-copy"), ref)
     transfer = [cp.get("transfer", 0.0) for cp in whole["capture_phases"]]
     if transfer and max(transfer) > 0:

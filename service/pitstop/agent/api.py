@@ -169,6 +169,10 @@ class NetworkRequest(BaseModel):
     address: str = Field(min_length=9, max_length=18, description="A.B.C.D/P inside the uplink's subnet")
 
 
+class WorkersRequest(BaseModel):
+    ids: list[str] = Field(min_length=1, max_length=4096, description="worker ids on this agent")
+
+
 class ExitedRequest(BaseModel):
     code: int
 
@@ -216,6 +220,37 @@ def peer_app(agent: Agent) -> FastAPI:
         proctree.stop(proctree.tree(w.root_pid))
         agent.state.update_worker(w, state="paused")
         return w
+
+    @r.post("/workers:batchPause")
+    def batch_pause(req: WorkersRequest) -> list[Worker]:
+        """Stop several workers' trees in one call, one state write: a coordinator pausing the
+        peers of an 8-rank job spent 0.09-0.17 s on 7 calls to one agent on 2 cores.
+        All or nothing: one worker that cannot be paused (unknown, not running) fails the call
+        before any is stopped."""
+        ws = [agent.refresh(agent.state.worker(wid)) for wid in dict.fromkeys(req.ids)]
+        bad = [f"{w.id} is {w.state}" for w in ws if w.state not in ("running", "paused")]
+        if bad:
+            raise Conflict("only running workers can be paused: " + "; ".join(bad) + "; nothing was paused",
+                           action="check the workers' states")
+        todo = [w for w in ws if w.state == "running"]
+        proctree.stop([p for w in todo for p in proctree.tree(w.root_pid)])
+        with agent.state.lock:
+            for w in todo:
+                w.state = "paused"
+            agent.state.save()
+        return ws
+
+    @r.post("/workers:batchResume")
+    def batch_resume(req: WorkersRequest) -> list[Worker]:
+        """Resume several workers; idempotent, and unknown ids fail the call before any resumes."""
+        ws = [agent.state.worker(wid) for wid in dict.fromkeys(req.ids)]
+        todo = [w for w in ws if w.state == "paused"]
+        proctree.resume([p for w in todo for p in proctree.tree(w.root_pid)])
+        with agent.state.lock:
+            for w in todo:
+                w.state = "running"
+            agent.state.save()
+        return ws
 
     @r.post("/workers/{wid}:resume")
     def resume(wid: str) -> Worker:
