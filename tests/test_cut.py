@@ -34,3 +34,27 @@ def test_a_rank_pitstop_cannot_see_is_named_before_any_pause():
     with pytest.raises(CutFailed) as e:
         cut.quiesce()
     assert posted == [] and "lacks rank(s) [2]" in e.value.message
+
+
+def test_every_rank_is_read_and_told_at_once_not_one_after_another():
+    """8 ranks: each read and each post waits until all 8 are in flight together, which a
+    loop over the ranks would never reach (the barrier would break after its timeout)."""
+    import threading
+
+    workers = [f"r{i}" for i in range(8)]
+    reads, posts = threading.Barrier(8, timeout=10), threading.Barrier(8, timeout=10)
+    got: list = []
+
+    def get(w: str) -> list[dict]:
+        reads.wait()
+        return [{"token": w, "state": "running", "comms": []}]
+
+    def post(w: str, body: dict) -> None:
+        posts.wait()
+        got.append((w, body["op"]))
+
+    cut = Cut(workers, get, post, deadline_s=1)
+    assert cut.uses_shim() is False
+    cut._post_all({"op": "quiesce"})
+    assert sorted(got) == [(w, "quiesce") for w in workers]
+    assert [w for w, _ in cut._all()] == workers  # results stay in the workers' order

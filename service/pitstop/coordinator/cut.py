@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,13 @@ class Cut:
         self.gen = int(time.time() * 1000) & 0x7FFFFFFF or 1
 
     def _all(self) -> list[tuple[str, dict[str, Any]]]:
-        return [(w, b) for w in self.workers for b in self.get(w)]
+        """Every worker's blocks, read at once: one round trip per round, not one per rank (a
+        gloo job's 8 ranks, read one by one to learn that none uses NCCL, took 0.07-0.13 s of
+        its pause on 2 cores)."""
+        return [(w, b) for w, bs in zip(self.workers, _fan_out(self.get, self.workers)) for b in bs]
+
+    def _post_all(self, body: dict[str, Any]) -> None:
+        _fan_out(lambda w: self.post(w, body), self.workers)
 
     def uses_shim(self) -> bool:
         return any(b["comms"] for _, b in self._all())
@@ -71,8 +78,7 @@ class Cut:
     def quiesce(self) -> CutResult:
         t0 = time.monotonic()
         self._check_membership(self._all())
-        for w in self.workers:
-            self.post(w, {"op": "quiesce", "gen": self.gen})
+        self._post_all({"op": "quiesce", "gen": self.gen})
         end = t0 + self.deadline_s
         rounds = 0
         last: dict[str, Any] = {}
@@ -88,8 +94,7 @@ class Cut:
                 # Confirm: write targets that let nobody move (an allowance from an earlier round
                 # may still be in flight), then read again; the shim publishes "leaving" before it
                 # trusts an allowance, so a rank on its way out shows here.
-                for w in self.workers:
-                    self.post(w, {"op": "targets", "targets": targets})
+                self._post_all({"op": "targets", "targets": targets})
                 last = targets
                 again = self._all()
                 snap2 = [(b["token"], b["state"], [(c["issued"], c["sent"], c["recvd"]) for c in b["comms"]])
@@ -102,8 +107,7 @@ class Cut:
                          communicators=len(targets))
                 return res
             if targets != last:
-                for w in self.workers:
-                    self.post(w, {"op": "targets", "targets": targets})
+                self._post_all({"op": "targets", "targets": targets})
                 last = targets
             if time.monotonic() > end:
                 self.release()
@@ -201,8 +205,7 @@ class Cut:
 
     def _command(self, name: str, want: set[str], ids: dict[str, str] | None = None,
                  deadline_s: float | None = None) -> list[tuple[str, dict[str, Any]]]:
-        for w in self.workers:
-            self.post(w, {"op": "command", "command": name, "ids": ids or {}})
+        self._post_all({"op": "command", "command": name, "ids": ids or {}})
         end = time.monotonic() + (deadline_s or self.deadline_s)
         while True:
             blocks = self._all()
@@ -250,3 +253,12 @@ class Cut:
                 self.post(w, {"op": "command", "command": "release", "ids": {}})
             except PitstopError as e:
                 log.warning("release failed", worker=w, error=e.message)
+
+
+def _fan_out(fn: Callable[[str], Any], workers: list[str]) -> list[Any]:
+    """fn for every worker at once (each call is a network call with its own timeout); results
+    in order, the first exception raised once all have ended."""
+    if len(workers) <= 1:
+        return [fn(w) for w in workers]
+    with ThreadPoolExecutor(max_workers=min(len(workers), 32)) as ex:
+        return [f.result() for f in [ex.submit(fn, w) for w in workers]]

@@ -166,10 +166,11 @@ class OpRun:
         self._pre_copy(src, dst)
         # pause: persisted intent first, so a restart knows whom to resume.
         self.enter("pause")
+        cut = self.cut()
+        shim = cut.uses_shim()  # asked while the job runs: the downtime starts at the first pause below
         self.md["first_pause"] = time.time()
         self.save()
-        cut = self.cut()
-        if cut.uses_shim():
+        if shim:
             # NCCL jobs: every rank parks at one consistent point between collectives, then the
             # real communicators are destroyed, so no NCCL socket crosses the capture.
             with self.lock:
