@@ -143,7 +143,7 @@ def test_fill_outlives_a_destination_agent_restart_and_its_images_go_after(clust
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_capture_refuses_while_the_fill_outlasts_its_wait_and_the_worker_runs_on(cluster, tmp_path):
-    slow = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:after_reply=sleep:0.01"}
+    slow = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:after_reply=sleep:0.002"}
     a, b, out, kw, ranks = _job(cluster, tmp_path, 400, src_env=slow,
                                 dst_env={"PITSTOP_AGENT_CAPTURE_FILL_WAIT_S": "0.2"})
     move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
@@ -152,6 +152,7 @@ def test_capture_refuses_while_the_fill_outlasts_its_wait_and_the_worker_runs_on
     assert "PITSTOP_AGENT_CAPTURE_FILL_WAIT_S" in e.value.action
     assert b.client().worker("j.1")["state"] == "running"
     until(lambda: "memory filled" in b.log.read_text(errors="replace"), timeout=90)
+    assert b.client().worker("j.1")["fill"]["seconds"] > 0.2  # the premise: the fill outlasted the wait (12 s seen)
     n = step_times(ranks[1].log)[-1][0]
     wait_for_step(ranks[1].log, n + 3)  # it trains on, its memory whole
     _stop_job(ranks)
