@@ -47,6 +47,14 @@ def test_batch_pause_is_all_or_nothing_and_resume_undoes_it(cluster):
         until(lambda: all(_stopped(roots[wid])), what=f"{wid} stopped")
     assert not any(_stopped(roots["idle.2"])) and c.worker("idle.2")["state"] == "running"
 
+    # The shim's blocks of several workers in one read; an unknown one fails the read.
+    blocks = c.shim_blocks_many(["idle.0", "idle.2"])
+    assert set(blocks) == {"idle.0", "idle.2"}
+    assert blocks["idle.2"] == c.shim_blocks("idle.2") and blocks["idle.0"] == c.shim_blocks("idle.0")
+    with pytest.raises(PitstopError) as e:
+        c.shim_blocks_many(["idle.0", "nope"])
+    assert e.value.http_status == 404 and "nope" in e.value.message
+
     # A worker that has ended cannot be paused: the call is refused and changes nothing.
     ranks[2].proc.kill()
     ranks[2].proc.wait(30)
@@ -71,10 +79,12 @@ def _fake_agent(batch_route: bool, calls: list[str]) -> AgentClient:
     def handle(req: httpx.Request) -> httpx.Response:
         calls.append(f"{req.method} {req.url.path}")
         path = req.url.path
-        if path.startswith("/v1/workers:batch"):
+        if path.startswith("/v1/workers:batch"):  # batchPause, batchResume, batchGetShim
             if not batch_route:  # how an older agent's router answers an unknown path
                 return httpx.Response(404, json={"error": {"code": "http_404", "message": "Not Found"}})
             return httpx.Response(404, json={"error": {"code": "not_found", "message": "no worker 'x'"}})
+        if path.endswith("/shim"):
+            return httpx.Response(200, json={"blocks": [{"token": path.split("/")[3]}]})
         wid = path.rsplit("/", 1)[1].split(":")[0]
         return httpx.Response(200, json={"id": wid, "state": "paused"})
 
@@ -95,3 +105,10 @@ def test_an_unknown_worker_is_not_mistaken_for_an_older_agent():
     with pytest.raises(PitstopError) as e:
         _fake_agent(True, calls).pause_many(["x", "j.1"])
     assert e.value.code == "not_found" and calls == ["POST /v1/workers:batchPause"]
+
+
+def test_shim_blocks_from_an_agent_without_the_batch_read_come_one_call_each():
+    calls: list[str] = []
+    got = _fake_agent(False, calls).shim_blocks_many(["j.0", "j.1"])
+    assert got == {"j.0": [{"token": "j.0"}], "j.1": [{"token": "j.1"}]}
+    assert calls == ["GET /v1/workers:batchGetShim", "GET /v1/workers/j.0/shim", "GET /v1/workers/j.1/shim"]

@@ -58,3 +58,17 @@ def test_every_rank_is_read_and_told_at_once_not_one_after_another():
     cut._post_all({"op": "quiesce"})
     assert sorted(got) == [(w, "quiesce") for w in workers]
     assert [w for w, _ in cut._all()] == workers  # results stay in the workers' order
+
+
+def test_a_transport_that_reads_every_rank_in_one_call_is_used_instead():
+    asked: list = []
+
+    def get_all(workers: list[str]) -> dict:
+        asked.append(list(workers))
+        return {w: [{"token": w, "state": "running", "comms": []}] for w in workers}
+
+    def get_one(w: str) -> list:
+        raise AssertionError("read one by one")
+
+    cut = Cut(["r0", "r1", "r2"], get_one, lambda w, body: None, deadline_s=1, get_all=get_all)
+    assert cut.uses_shim() is False and asked == [["r0", "r1", "r2"]]

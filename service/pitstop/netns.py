@@ -17,10 +17,23 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {p.stderr.strip()}")
 
 
+def _free_subnet() -> int:
+    """A 10.213.N.0/24 that no interface here has: a bridge another run left behind (a killed
+    run cannot clean up) would otherwise take the routes, and the hosts could not reach each
+    other.  Random among the free ones, so that two runs starting together rarely pick alike."""
+    p = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True)
+    taken = {int(x.split(".")[2]) for x in p.stdout.split() if x.startswith("10.213.") and x.count(".") == 3}
+    free = [n for n in range(20, 220) if n not in taken]
+    if not free:
+        raise RuntimeError("every 10.213.20-219.0/24 is in use here: remove the pst*br bridges "
+                           "that earlier runs left (`ip -br link | grep pst`)")
+    return secrets.choice(free)
+
+
 @dataclass
 class NetHosts:
     tag: str = field(default_factory=lambda: secrets.token_hex(2))
-    subnet: int = field(default_factory=lambda: 20 + secrets.randbelow(200))
+    subnet: int = field(default_factory=_free_subnet)
     hosts: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (netns, address)
     up: bool = False
 

@@ -14,7 +14,7 @@ import shutil
 import time
 
 import httpx
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from typing import Any, Literal
 
@@ -272,6 +272,14 @@ def peer_app(agent: Agent) -> FastAPI:
                                                               "(the source runs the rank)")
             proctree.discard_copy(w.root_pid)
         return w
+
+    @r.get("/workers:batchGetShim")
+    def batch_shim_blocks(ids: list[str] = Query(min_length=1, max_length=4096)) -> dict:
+        """The shim's control blocks of several workers in one call: the coordinator reads every
+        rank's before each pause, and 8 ranks read one by one cost 0.04-0.10 s of it."""
+        ws = {wid: agent.state.worker(wid) for wid in dict.fromkeys(ids)}  # an unknown id: 404, nothing read
+        return {"blocks": {wid: [b.view() for b in shimctl.blocks(w.root_pid)] if w.state in LIVE_STATES else []
+                           for wid, w in ws.items()}}
 
     @r.get("/workers/{wid}/shim")
     def shim_blocks(wid: str) -> dict:

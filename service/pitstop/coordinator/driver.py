@@ -136,8 +136,16 @@ class OpRun:
         hosts = dict(self.md["peers"])
         for wid in self.md["workers"]:
             hosts[wid] = self.md["destination"] if moved else self.md["node"]
+        def get_all(workers: list[str]) -> dict[str, list[dict[str, Any]]]:
+            groups = _by_agent([(w, hosts[w]) for w in workers])
+            out: dict[str, list[dict[str, Any]]] = {}
+            for got in _in_parallel(lambda g: self.agent(g[0]).shim_blocks_many(g[1]), groups):
+                out.update(got)
+            return out
+
         return Cut(sorted(hosts), lambda w: self.agent(hosts[w]).shim_blocks(w),
-                   lambda w, body: self.agent(hosts[w]).shim_op(w, body), deadline_s=self.d.s.cut_deadline_s)
+                   lambda w, body: self.agent(hosts[w]).shim_op(w, body), deadline_s=self.d.s.cut_deadline_s,
+                   get_all=get_all)
 
     def image_id(self, wid: str) -> str:
         return f"{self.id}-{wid}".replace(".", "_")
