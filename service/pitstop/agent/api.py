@@ -16,7 +16,7 @@ import time
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
@@ -123,6 +123,15 @@ class Agent:
         wn = workerns.from_dict(w.net)
         if wn and w.state in ("exited", "lost"):
             workerns.destroy(wn)
+
+
+def _signal_trees(agent: Agent, ws: list[Worker], signal: Callable[[list[int]], None], state: str) -> None:
+    """Signal every process of the workers' trees, then record their new state in one write."""
+    signal([p for w in ws for p in proctree.tree(w.root_pid)])
+    with agent.state.lock:
+        for w in ws:
+            w.state = state
+        agent.state.save()
 
 
 class CaptureRequest(BaseModel):
@@ -232,24 +241,14 @@ def peer_app(agent: Agent) -> FastAPI:
         if bad:
             raise Conflict("only running workers can be paused: " + "; ".join(bad) + "; nothing was paused",
                            action="check the workers' states")
-        todo = [w for w in ws if w.state == "running"]
-        proctree.stop([p for w in todo for p in proctree.tree(w.root_pid)])
-        with agent.state.lock:
-            for w in todo:
-                w.state = "paused"
-            agent.state.save()
+        _signal_trees(agent, [w for w in ws if w.state == "running"], proctree.stop, "paused")
         return ws
 
     @r.post("/workers:batchResume")
     def batch_resume(req: WorkersRequest) -> list[Worker]:
         """Resume several workers; idempotent, and unknown ids fail the call before any resumes."""
         ws = [agent.state.worker(wid) for wid in dict.fromkeys(req.ids)]
-        todo = [w for w in ws if w.state == "paused"]
-        proctree.resume([p for w in todo for p in proctree.tree(w.root_pid)])
-        with agent.state.lock:
-            for w in todo:
-                w.state = "running"
-            agent.state.save()
+        _signal_trees(agent, [w for w in ws if w.state == "paused"], proctree.resume, "running")
         return ws
 
     @r.post("/workers/{wid}:resume")
