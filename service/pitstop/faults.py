@@ -13,9 +13,10 @@ damage what it handles, as CRIU's zdtm does with its own hooks.  Points:
   restore:before_criu   destination agent, before CRIU restores
   restore:before_register destination agent, after CRIU restored the worker, before it is
                         registered (a rollback that looks for it meanwhile finds nothing)
-  restore:kill_fill     destination agent, value = 1: stop the lazy-pages daemon once it listens and
-                        kill it as soon as the lazy restore returns, so it can never have finished
-                        the fill first (the worker must then be stopped, not run on zeros)
+  restore:kill_fill     destination agent, value = 1: stop (SIGSTOP) the lazy-pages daemon the moment
+                        CRIU's restore returns, kill it once the lazy restore returns, so it can
+                        never have finished the fill first (the worker must then be stopped, not
+                        run on zeros; stopped any earlier, the restore itself hangs)
   postcopy:stop_after_pages  source agent, value = N: its page server hangs up after N pages
                         (post-copy over the network; the moved worker must then be stopped)
   postcopy:after_reply  source agent, after each reply of its page server (sleep:S slows the fill)

@@ -95,18 +95,23 @@ class AgentClient:
 
     def pause_many(self, ids: list[str]) -> list[dict]:
         """All of `ids` in one call; an agent older than the batch call gets one call each."""
-        return self._batch("batchPause", self.pause, ids)
+        return self._or_each(lambda: self._req("POST", "/v1/workers:batchPause", json={"ids": ids}),
+                             lambda: [self.pause(wid) for wid in ids])
 
     def resume_many(self, ids: list[str]) -> list[dict]:
-        return self._batch("batchResume", self.resume, ids)
+        return self._or_each(lambda: self._req("POST", "/v1/workers:batchResume", json={"ids": ids}),
+                             lambda: [self.resume(wid) for wid in ids])
 
-    def _batch(self, verb: str, one: Callable[[str], dict], ids: list[str]) -> list[dict]:
+    @staticmethod
+    def _or_each(batch: Callable[[], Any], each: Callable[[], Any]) -> Any:
+        """The batch call, or, where the agent predates it (its router has no such route, which
+        is not the same as an unknown worker), the same work one call at a time."""
         try:
-            return self._req("POST", f"/v1/workers:{verb}", json={"ids": ids})
+            return batch()
         except PitstopError as e:
-            if e.code not in ("http_404", "http_405"):  # the route is missing, not a worker
+            if e.code not in ("http_404", "http_405"):
                 raise
-        return [one(wid) for wid in ids]
+        return each()
 
     def discard_worker(self, wid: str) -> dict:
         return self._req("POST", f"/v1/workers/{wid}:discard")
@@ -116,12 +121,8 @@ class AgentClient:
 
     def shim_blocks_many(self, ids: list[str]) -> dict[str, list[dict]]:
         """Every worker's blocks in one call; an agent older than the batch call gets one call each."""
-        try:
-            return self._req("GET", "/v1/workers:batchGetShim", params={"ids": ids})["blocks"]
-        except PitstopError as e:
-            if e.code not in ("http_404", "http_405"):  # the route is missing, not a worker
-                raise
-        return {wid: self.shim_blocks(wid) for wid in ids}
+        return self._or_each(lambda: self._req("GET", "/v1/workers:batchGetShim", params={"ids": ids})["blocks"],
+                             lambda: {wid: self.shim_blocks(wid) for wid in ids})
 
     def shim_op(self, wid: str, body: dict) -> dict:
         return self._req("POST", f"/v1/workers/{wid}/shim", json=body)

@@ -22,6 +22,7 @@ from .beats import BeatFastPath
 from ..errors import Conflict, FailedPrecondition, Forbidden, NotFound, PitstopError, Unprocessable
 from ..httpapi import install_error_handlers, require_token, token_matches
 from .driver import Driver
+from .fanout import in_parallel
 from .health_policy import AutoEvacuator
 from .planner import plan
 from .settings import CoordinatorSettings
@@ -115,8 +116,6 @@ def sync_workers(store: Store, settings: CoordinatorSettings, node: str) -> None
     that has heartbeated recently is asked, in parallel, with a short deadline; an agent that
     does not answer is planned with what its heartbeats said.  (For very large fleets this
     should narrow to the hosts of the affected jobs.)"""
-    from concurrent.futures import ThreadPoolExecutor
-
     hosts = [h for h in store.hosts() if h["name"] == node or h["age_s"] <= settings.heartbeat_timeout_s]
 
     def one(h: dict) -> None:
@@ -126,8 +125,7 @@ def sync_workers(store: Store, settings: CoordinatorSettings, node: str) -> None
         except (PitstopError, httpx.HTTPError, httpx.InvalidURL, ValueError):
             pass  # planned with what its heartbeats said
 
-    with ThreadPoolExecutor(max_workers=min(32, max(1, len(hosts)))) as ex:
-        list(ex.map(one, hosts))
+    in_parallel(one, hosts)
 
 
 def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[BeatFastPath, Driver]:

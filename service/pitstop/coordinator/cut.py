@@ -25,13 +25,13 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from ..errors import DeadlineExceeded, PitstopError
+from .fanout import in_parallel
 
 log = structlog.get_logger("pitstop.cut")
 
@@ -71,10 +71,10 @@ class Cut:
         if self.get_all is not None:
             got = self.get_all(self.workers)
             return [(w, b) for w in self.workers for b in got[w]]
-        return [(w, b) for w, bs in zip(self.workers, _fan_out(self.get, self.workers)) for b in bs]
+        return [(w, b) for w, bs in zip(self.workers, in_parallel(self.get, self.workers)) for b in bs]
 
     def _post_all(self, body: dict[str, Any]) -> None:
-        _fan_out(lambda w: self.post(w, body), self.workers)
+        in_parallel(lambda w: self.post(w, body), self.workers)
 
     def uses_shim(self) -> bool:
         return any(b["comms"] for _, b in self._all())
@@ -259,11 +259,3 @@ class Cut:
             except PitstopError as e:
                 log.warning("release failed", worker=w, error=e.message)
 
-
-def _fan_out(fn: Callable[[str], Any], workers: list[str]) -> list[Any]:
-    """fn for every worker at once (each call is a network call with its own timeout); results
-    in order, the first exception raised once all have ended."""
-    if len(workers) <= 1:
-        return [fn(w) for w in workers]
-    with ThreadPoolExecutor(max_workers=min(len(workers), 32)) as ex:
-        return [f.result() for f in [ex.submit(fn, w) for w in workers]]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import structlog
@@ -32,6 +31,7 @@ from .. import faults
 from ..agent.client import AgentClient
 from ..errors import DeadlineExceeded, PitstopError, Unavailable
 from .cut import Cut
+from .fanout import in_parallel
 from .settings import CoordinatorSettings
 from .store import Store
 
@@ -139,7 +139,7 @@ class OpRun:
         def get_all(workers: list[str]) -> dict[str, list[dict[str, Any]]]:
             groups = _by_agent([(w, hosts[w]) for w in workers])
             out: dict[str, list[dict[str, Any]]] = {}
-            for got in _in_parallel(lambda g: self.agent(g[0]).shim_blocks_many(g[1]), groups):
+            for got in in_parallel(lambda g: self.agent(g[0]).shim_blocks_many(g[1]), groups):
                 out.update(got)
             return out
 
@@ -152,7 +152,7 @@ class OpRun:
 
     def each(self, fn: Callable[[str], Any]) -> None:
         """Run fn for every leaving worker in parallel; raise the first failure."""
-        _in_parallel(fn, list(self.md["workers"]))
+        in_parallel(fn, list(self.md["workers"]))
 
     # -- the forward path ---------------------------------------------------------------------
     def run(self) -> None:
@@ -199,7 +199,7 @@ class OpRun:
             # and resumes every peer, so a restart between here and the save below leaves nothing
             # stopped.
             peers = list(self.md["peers"].items())
-            _in_parallel(lambda g: self.agent(g[0]).pause_many(g[1]), _by_agent(peers))
+            in_parallel(lambda g: self.agent(g[0]).pause_many(g[1]), _by_agent(peers))
             with self.lock:
                 self.md["paused"].extend(wid for wid, _ in peers)
                 self.save()
@@ -310,7 +310,7 @@ class OpRun:
                 results[wid] = {"error": e.message}
                 log.warning("pre-copy failed; the move sends everything", op=self.id, worker=wid, error=e.message)
 
-        _in_parallel(one, list(self.md["workers"]))
+        in_parallel(one, list(self.md["workers"]))
         sent = sum(r.get("bytes", 0) for r in results.values())
         failed = {w: r["error"] for w, r in results.items() if "error" in r}
         if failed:  # a source that stopped answering would fail the move after the pause: stop before it
@@ -485,7 +485,7 @@ class OpRun:
                 return f"{', '.join(group[1])}: {e.message}"
             return None
 
-        return [p for p in _in_parallel(resume, _by_agent(list(self.md["peers"].items()))) if p]
+        return [p for p in in_parallel(resume, _by_agent(list(self.md["peers"].items()))) if p]
 
     # -- the way back -------------------------------------------------------------------------
     def rollback(self, err: PitstopError) -> None:
@@ -572,16 +572,6 @@ def _by_agent(peers: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
     for wid, node in peers:
         out.setdefault(node, []).append(wid)
     return list(out.items())
-
-
-def _in_parallel(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-    """fn over items at once (each a network call with its own timeout); results in order,
-    the first exception raised once all have ended."""
-    if len(items) <= 1:
-        return [fn(x) for x in items]
-    with ThreadPoolExecutor(max_workers=min(len(items), 32)) as ex:
-        futures = [ex.submit(fn, x) for x in items]
-        return [f.result() for f in futures]
 
 
 def _op_error(e: PitstopError) -> dict[str, Any]:
