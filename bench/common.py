@@ -84,7 +84,7 @@ MIN_FREE_MS = Path("/sys/module/page_reporting/parameters/min_free_ms")
 
 
 @contextlib.contextmanager
-def hold_freed_memory(ms: int = 300_000) -> Iterator[dict[str, object]]:
+def hold_freed_memory(ms: int = 600_000) -> Iterator[dict[str, object]]:
     """Keep freed guest memory in the guest for `ms` before the VM may hand it back to its host,
     for the length of a bench run; the setting as it was afterwards, whatever happens.
 
