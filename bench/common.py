@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import re
@@ -11,7 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from pitstop.devcluster import step_gaps, step_times
@@ -80,33 +78,6 @@ def prewarm(gib: float) -> float:
 
 
 REPORTED_KIB = Path("/sys/module/page_reporting/parameters/reported_kib")
-MIN_FREE_MS = Path("/sys/module/page_reporting/parameters/min_free_ms")
-
-
-@contextlib.contextmanager
-def hold_freed_memory(ms: int = 600_000) -> Iterator[dict[str, object]]:
-    """Keep freed guest memory in the guest for `ms` before the VM may hand it back to its host,
-    for the length of a bench run; the setting as it was afterwards, whatever happens.
-
-    Why: this VM's kernel reports memory free for `min_free_ms` (0 here) to the host, which
-    takes it back; touching it again costs up to ten times more (bench/vm_memory.py: 2 MiB pages
-    at 0.7-0.9 GB/s instead of 5-8).  Which runs meet such memory is chance, and it decides the
-    scaling spread more than the job's size does.  A GPU host's memory is pinned for its devices
-    and never handed back, so holding it is the representative setting.  Where the knob does not
-    exist (any other machine) this does nothing and says so in what it yields."""
-    state: dict[str, object] = {"min_free_ms": None, "was": None}
-    try:
-        was = MIN_FREE_MS.read_text().strip()
-        MIN_FREE_MS.write_text(str(ms))
-    except OSError as e:
-        state["unavailable"] = f"{MIN_FREE_MS}: {e.strerror or e}"
-        yield state
-        return
-    state.update(min_free_ms=ms, was=int(was))
-    try:
-        yield state
-    finally:
-        MIN_FREE_MS.write_text(was)
 
 
 def host_reclaimed_kib() -> int | None:

@@ -43,7 +43,6 @@ Writes bench/out/compare.json and bench/out/compare.png (downtime by phase).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -58,8 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (evacuate_and_wait, first_divergent_step, keep_logs, machine,  # noqa: E402
-                          moved_after_step, prewarm, raw_tcp_bandwidth, host_reclaimed_kib,
-                          hold_freed_memory)
+                          moved_after_step, prewarm, raw_tcp_bandwidth, host_reclaimed_kib)
 from pitstop.coordinator.client import CoordinatorClient  # noqa: E402
 from pitstop.devcluster import LocalCluster, free_port, step_gaps, step_times, wait_for_step  # noqa: E402
 from tests.helpers import ddp_cmd  # noqa: E402
@@ -253,11 +251,10 @@ def scaling_summary(scaling: list[dict], medians: list[dict]) -> dict:
 
 
 def _report_scaling(a: argparse.Namespace, started: float, bw: float, scaling: list[dict],
-                    medians: list[dict], held: dict) -> None:
+                    medians: list[dict]) -> None:
     summary = {"raw_tcp_bytes_per_s": bw, **scaling_summary(scaling, medians)}
     doc = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(sys.argv),
-           "freed_memory_held": held, "wall_s": round(time.time() - started, 1), "summary": summary,
-           "scaling": scaling}
+           "wall_s": round(time.time() - started, 1), "summary": summary, "scaling": scaling}
     Path(a.out).write_text(json.dumps(doc, indent=1))
     print(f"{machine()}; scaling only")
     for r in scaling:
@@ -286,10 +283,6 @@ def main() -> None:
     ap.add_argument("--skip-post-copy", action="store_true")
     ap.add_argument("--prewarm-gib", type=float, default=0.0,
                     help="touch and free this much tmpfs right before each evacuation (see prewarm())")
-    ap.add_argument("--hold-freed-memory", action="store_true",
-                    help="for the run, keep freed memory in this VM instead of handing it back to its host "
-                         "(page_reporting min_free_ms; set back afterwards; see bench/common.py "
-                         "hold_freed_memory): a GPU host's pinned memory is never handed back")
     ap.add_argument("--out", default=str(OUT / "compare.json"))
     ap.add_argument("--chart-only", metavar="JSON", help="redraw the chart of an earlier run's JSON")
     a = ap.parse_args()
@@ -298,13 +291,6 @@ def main() -> None:
         chart(d["runs"] + median_runs(d["scaling"]), Path(a.chart_only).with_suffix(".png"), d["summary"]["floor_s"])
         return
     OUT.mkdir(parents=True, exist_ok=True)
-    with hold_freed_memory() if a.hold_freed_memory else contextlib.nullcontext({"min_free_ms": None}) as held:
-        if held.get("unavailable"):
-            print(f"--hold-freed-memory: not on this machine ({held['unavailable']}); running without it")
-        _run(a, held)
-
-
-def _run(a: argparse.Namespace, held: dict) -> None:
     started = time.time()
     bw = raw_tcp_bandwidth()
     every_run: list[dict] = []
@@ -341,7 +327,7 @@ def _run(a: argparse.Namespace, held: dict) -> None:
                                              prewarm_gib=a.prewarm_gib), "repeat": rep})
     medians = median_runs(scaling)
     if a.scaling_only:
-        return _report_scaling(a, started, bw, scaling, medians, held)
+        return _report_scaling(a, started, bw, scaling, medians)
     ref = runs[0]
     floor = ref["bytes"] / bw
     after_bw = raw_tcp_bandwidth()
@@ -395,7 +381,7 @@ def _run(a: argparse.Namespace, held: dict) -> None:
     summary["checkpoint_restart_identical_to_pitstop"] = all(
         tuple(r["final"]) in exact for r in every_run if r["method"] == "checkpoint-restart")
     doc = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(sys.argv),
-           "freed_memory_held": held, "wall_s": round(time.time() - started, 1), "summary": summary, "runs": runs, "every_run": every_run,
+           "wall_s": round(time.time() - started, 1), "summary": summary, "runs": runs, "every_run": every_run,
            "median_job_pause_s": pause, "scaling": scaling}
     Path(a.out).write_text(json.dumps(doc, indent=1))
     png = Path(a.out).with_suffix(".png")
