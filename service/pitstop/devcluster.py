@@ -18,12 +18,14 @@ import ssl  # noqa: F401 - type names in annotations
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from . import devleases
 from .agent import imagefs
 from .agent.client import AgentClient
 from .capture import proctree
@@ -115,6 +117,17 @@ class LocalCluster:
     shm: Path = field(default_factory=lambda: Path(os.environ.get("PITSTOP_DEV_SHM", "/dev/shm")) / f"pitstop-{secrets.token_hex(4)}")
     net: NetHosts | None = None  # set: every agent is a host in its own network namespace
     tls_dir: Path | None = None  # set: mutual TLS from a CA made here, a certificate per process
+    lease: str = field(default_factory=lambda: "cluster-" + secrets.token_hex(6))
+
+    def __post_init__(self) -> None:
+        """Remove what killed runs left (devleases.py), then lease what this cluster will make."""
+        for line in devleases.sweep():
+            print(f"pitstop devcluster: {line}", file=sys.stderr, flush=True)
+        devleases.take(self.lease, marker=self.lease, paths=[str(self.shm), str(self.root)])
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            # SIGTERM (a CI timeout, `kill`) ends a run as Ctrl-C does, through its `with` blocks,
+            # `finally`s and pytest's teardowns, which stop and remove what it started
+            signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
 
     def tls_env(self, name: str, sans: list[str] | None = None) -> dict[str, str]:
         """PITSTOP_TLS_* for one process (`name`: a host, "coordinator" or "operator")."""
@@ -147,7 +160,7 @@ class LocalCluster:
 
     def env(self) -> dict[str, str]:
         e = dict(os.environ, PITSTOP_CLUSTER_TOKEN=self.token, PITSTOP_TOKEN=self.operator_token,
-                 PYTHONUNBUFFERED="1", **self.tls_env("operator"))
+                 PYTHONUNBUFFERED="1", **{devleases.MARKER: self.lease}, **self.tls_env("operator"))
         if self.coordinator_url:
             e["PITSTOP_COORDINATOR"] = self.coordinator_url
         return e
@@ -256,12 +269,17 @@ class LocalCluster:
             imagefs.unmount_under(self.shm)  # an agent killed mid-way leaves its image mount
         shutil.rmtree(self.shm, ignore_errors=True)
         shutil.rmtree(self.root, ignore_errors=True)
+        devleases.drop(self.lease)
 
     def __enter__(self) -> "LocalCluster":
         return self
 
     def __exit__(self, *a: object) -> None:
         self.close()
+
+
+def _interrupt_on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _kill_restored(a: AgentProc) -> None:

@@ -1,7 +1,8 @@
 """Hosts with their own addresses on one machine: a network namespace per host on a bridge.
 
 For tests, the demo and benches only.  Names are random per cluster so that runs
-never collide; close() removes every namespace and link it made.
+never collide; close() removes every namespace and link it made, and a lease
+(devleases.py) lets the next run remove them where this one was killed.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import secrets
 import subprocess
 from dataclasses import dataclass, field
+
+from . import devleases
 
 
 def _ip(*args: str) -> None:
@@ -48,6 +51,7 @@ class NetHosts:
     def setup(self) -> None:
         if self.up:
             return
+        devleases.take(f"net-{self.tag}", netns_prefix=f"pst-{self.tag}-", links=[self.bridge])
         _ip("link", "add", self.bridge, "type", "bridge")
         self.up = True
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
@@ -78,4 +82,5 @@ class NetHosts:
         self.hosts.clear()
         if self.up:
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+            devleases.drop(f"net-{self.tag}")
             self.up = False
