@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .agent import imagefs
+
 MARKER = "PITSTOP_DEV_CLUSTER"
 
 
@@ -126,8 +128,6 @@ def remove(lease: dict[str, Any]) -> list[str]:
             done.append(f"link {link}")
     for p in map(Path, lease.get("paths", [])):
         if p.exists():
-            from .agent import imagefs
-
             imagefs.unmount_under(p)
             shutil.rmtree(p, ignore_errors=True)
             done.append(str(p))
