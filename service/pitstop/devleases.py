@@ -17,14 +17,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from .agent import imagefs
+from .capture import proctree
 
 MARKER = "PITSTOP_DEV_CLUSTER"
 
@@ -39,21 +38,13 @@ def registry() -> Path:
     return Path(tempfile.gettempdir()) / f"pitstop-dev-{os.geteuid()}"
 
 
-def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot: with the pid, who it is (pids are reused)."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def take(name: str, **what: Any) -> Path:
     """Record that this process holds `what` (keys: paths, netns_prefix, links, marker)."""
     d = registry()
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = d / f"{name}.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid()), **what}))
+    tmp.write_text(json.dumps({"pid": os.getpid(), "start": proctree.start_time(os.getpid()), **what}))
     os.replace(tmp, path)
     return path
 
@@ -64,7 +55,7 @@ def drop(name: str) -> None:
 
 def _alive(lease: dict[str, Any]) -> bool:
     pid = lease.get("pid")
-    return isinstance(pid, int) and _start_time(pid) is not None and _start_time(pid) == lease.get("start")
+    return isinstance(pid, int) and proctree.is_running(pid, lease.get("start"))
 
 
 def _marked(value: str) -> list[int]:
@@ -91,24 +82,6 @@ def _netns_pids(prefix: str) -> tuple[list[str], list[int]]:
     return names, pids
 
 
-def _kill(pids: list[int], deadline_s: float = 5.0) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end and any(Path(f"/proc/{p}").exists() and _state(p) != "Z" for p in pids):
-        time.sleep(0.05)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
-
-
 def remove(lease: dict[str, Any]) -> list[str]:
     """Remove what `lease` names, processes first (they hold the mounts and namespaces); what was removed."""
     done: list[str] = []
@@ -118,7 +91,7 @@ def remove(lease: dict[str, Any]) -> list[str]:
         ns_names, ns_pids = _netns_pids(lease["netns_prefix"])
         pids += ns_pids
     if pids:
-        _kill(sorted(set(pids)))
+        proctree.kill_all(sorted(set(pids)), timeout_s=5.0)
         done.append(f"{len(set(pids))} processes")
     for n in ns_names:
         subprocess.run(["ip", "netns", "delete", n], capture_output=True, timeout=10)

@@ -185,6 +185,12 @@ def kill_tree(root: int, timeout_s: float = 10.0) -> list[int]:
     Killing the root alone would leave its children (DataLoader workers) running a while on
     their own; where that is wrong (memory about to read as zeros), every one goes at once."""
     pids = tree(root) if exists(root) else []
+    kill_all(pids, timeout_s)
+    return pids
+
+
+def kill_all(pids: list[int], timeout_s: float = 10.0) -> bool:
+    """SIGKILL every one of `pids` at once, then wait until none runs; whether none does."""
     for p in pids:
         try:
             os.kill(p, signal.SIGKILL)
@@ -193,7 +199,7 @@ def kill_tree(root: int, timeout_s: float = 10.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while any(exists(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.002)
-    return pids
+    return not any(exists(p) for p in pids)
 
 
 TCP_REPAIR = 19          # linux/tcp.h
