@@ -96,4 +96,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (devcluster turns it into this)
+        print("\ninterrupted: everything the demo started was stopped and removed", file=sys.stderr)
+        sys.exit(130)
