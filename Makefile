@@ -51,10 +51,11 @@ $(BENCH_STAMP): pyproject.toml | $(STAMP)
 bench: setup
 	$(BIN)/python bench/move_one_rank.py
 	$(BIN)/python bench/shim_bench.py
+	$(BIN)/python bench/stream_rate.py
 
 # pitstop vs its data floor, checkpoint-restart and naive CRIU, scaling 2/4/8 ranks, each size 3
 # times (about 18 min); writes bench/out/compare.json and compare.png.  BENCH_ARGS="--repeats 3"
-# for medians of the 4-rank methods too (about 26 min), "--state-mb 2048" for bigger ranks.
+# for medians of the 4-rank methods too (about 37 min), "--state-mb 2048" for bigger ranks.
 bench-compare: setup $(BENCH_STAMP)
 	$(BIN)/python bench/compare.py $(BENCH_ARGS)
 
