@@ -22,19 +22,8 @@ from pitstop.devcluster import LocalCluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
+# a run holding a cluster, an agent in a namespace and its image mount, until it is killed
 CHILD = r"""
-import time
-from pitstop.devcluster import LocalCluster
-from pitstop.netns import NetHosts
-c = LocalCluster()
-c.net = NetHosts()
-a = c.start_agent("host-a")
-print(c.root, c.shm, c.net.tag, a.proc.pid, flush=True)
-time.sleep(600)
-"""
-
-
-CHILD_WITH = r"""
 import time
 from pitstop.devcluster import LocalCluster
 from pitstop.netns import NetHosts
@@ -110,7 +99,8 @@ def test_sigterm_ends_a_run_through_its_cleanup(tmp_path, monkeypatch):
     """SIGTERM (a CI timeout, `kill`) unwinds the run like Ctrl-C: nothing is left for a sweep."""
     leases = tmp_path / "leases"
     monkeypatch.setenv("PITSTOP_DEV_LEASES", str(leases))
-    child = subprocess.Popen([sys.executable, "-c", CHILD_WITH], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
     try:
         root, shm, tag, agent_pid = child.stdout.readline().split()  # type: ignore[union-attr]
         child.terminate()

@@ -134,6 +134,11 @@ def _signal_trees(agent: Agent, ws: list[Worker], signal: Callable[[list[int]], 
         agent.state.save()
 
 
+def _shim_views(w: Worker) -> list[dict]:
+    """The NCCL shim's control blocks in the worker's processes; none once it no longer runs."""
+    return [b.view() for b in shimctl.blocks(w.root_pid)] if w.state in LIVE_STATES else []
+
+
 class CaptureRequest(BaseModel):
     worker_id: str
     dest_url: str | None = Field(None, description="peer agent to stream the images to, while dumping")
@@ -277,16 +282,12 @@ def peer_app(agent: Agent) -> FastAPI:
         """The shim's control blocks of several workers in one call: the coordinator reads every
         rank's before each pause, and 8 ranks read one by one cost 0.04-0.10 s of it."""
         ws = {wid: agent.state.worker(wid) for wid in dict.fromkeys(ids)}  # an unknown id: 404, nothing read
-        return {"blocks": {wid: [b.view() for b in shimctl.blocks(w.root_pid)] if w.state in LIVE_STATES else []
-                           for wid, w in ws.items()}}
+        return {"blocks": {wid: _shim_views(w) for wid, w in ws.items()}}
 
     @r.get("/workers/{wid}/shim")
     def shim_blocks(wid: str) -> dict:
         """The NCCL shim's control blocks in this worker's processes (empty: no NCCL)."""
-        w = agent.state.worker(wid)
-        if w.state not in LIVE_STATES:
-            return {"blocks": []}
-        return {"blocks": [b.view() for b in shimctl.blocks(w.root_pid)]}
+        return {"blocks": _shim_views(agent.state.worker(wid))}
 
     @r.post("/workers/{wid}/shim")
     def shim_op(wid: str, req: ShimOp) -> dict:

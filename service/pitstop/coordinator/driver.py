@@ -136,6 +136,7 @@ class OpRun:
         hosts = dict(self.md["peers"])
         for wid in self.md["workers"]:
             hosts[wid] = self.md["destination"] if moved else self.md["node"]
+
         def get_all(workers: list[str]) -> dict[str, list[dict[str, Any]]]:
             groups = _by_agent([(w, hosts[w]) for w in workers])
             out: dict[str, list[dict[str, Any]]] = {}
