@@ -45,6 +45,10 @@ def test_a_killed_process_has_let_go_of_its_addresses_when_the_kill_returns(kill
             getattr(proctree, kill)(p.pid)  # not reaped yet: its main thread is a zombie at best
             for port in ports:
                 with socket.socket() as s:
+                    # SO_REUSEADDR: an earlier connection's TIME_WAIT on the port (the child bound
+                    # it with SO_REUSEADDR too) must not read as held; a listening socket that any
+                    # thread still holds is refused all the same
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                     s.bind(("127.0.0.1", port))  # EADDRINUSE if any thread still held it
         finally:
             p.kill()
