@@ -21,7 +21,7 @@ FAULTY = {"PITSTOP_ENABLE_FAULTS": "1"}
 
 
 def _evacuate(cluster, tmp_path, *, src_env=None, dst_env=None, coord_env=None, steps=150, workers=0,
-              **evacuate):  # noqa: ANN001, ANN003, ANN202
+              until=lambda o: o["done"], **evacuate):  # noqa: ANN001, ANN003, ANN202
     cluster.start_coordinator(env=coord_env or {})
     cluster.start_agent("host-a")
     cluster.start_agent("host-b", env=src_env or {})
@@ -32,7 +32,7 @@ def _evacuate(cluster, tmp_path, *, src_env=None, dst_env=None, coord_env=None, 
     ranks = cluster.start_job("train", ddp_cmd(out, **kw), 2, {0: "host-a", 1: "host-b"})
     _wait_jobs(cc, "train", 2)
     wait_for_step(ranks[1].log, 8)
-    op = _wait_op(cc, cc.evacuate("host-b", **evacuate)["name"])
+    op = _wait_op(cc, cc.evacuate("host-b", **evacuate)["name"], until=until)
     return cc, spare, op, out, kw, ranks
 
 
@@ -95,6 +95,27 @@ def test_a_local_page_server_that_dies_stops_its_worker(cluster, tmp_path):
     for r in ranks:  # the job's own recovery would take over; here the test ends it
         r.proc.kill()
         r.proc.wait(30)
+
+
+def test_the_operation_shows_the_pre_copy_moving(cluster, tmp_path):
+    """On a big host the pre-copy is the longest phase: while it runs the operation says how
+    many bytes went of about how many (read from the source's GET /v1/precopies), and once it
+    is over, only what was sent."""
+    cc, spare, op, out, kw, ranks = _evacuate(
+        cluster, tmp_path, src_env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_finish=sleep:3"},
+        until=lambda o: o["metadata"].get("pre_copy_bytes", 0) > 0 or o["done"])
+    md = op["metadata"]
+    assert md["phase"] == "precopy" and not op["done"], op
+    assert md["pre_copy_bytes_total"] >= 64 << 20 and md["pre_copy_bytes"] > 0, md
+    src = cluster.agents["host-b"].client()
+    (p,) = src.precopies()  # still held by the fault: the agent's own view of it
+    assert p["worker_id"] == "train.1" and p["bytes_total"] == md["pre_copy_bytes_total"], p
+    op = _wait_op(cc, op["name"])
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op
+    assert md["pre_copy_bytes"] >= 64 << 20 and "pre_copy_bytes_total" not in md, md
+    assert src.precopies() == []
+    _finish(tmp_path, out, kw, ranks)
 
 
 def test_without_pre_copy_everything_travels_during_the_pause(cluster, tmp_path):

@@ -293,18 +293,21 @@ def evacuate(
     with Progress(TextColumn("[bold]{task.fields[phase]:<9}"), BarColumn(), DownloadColumn(),
                   TimeElapsedColumn(), console=err, disable=not show, transient=False) as prog:
         task = prog.add_task("evacuate", total=None, phase="pending")
-        last_phase = None
+        last: tuple[str, int] | None = None
+        last_line = 0.0
         while True:
             try:
                 o = c.op(o["name"])
             except PitstopError as e:
                 _fail(e, as_json)
             m = o["metadata"]
-            prog.update(task, phase=m["phase"], completed=m.get("bytes_done") or 0,
-                        total=m.get("bytes_total") or None)
-            if not show and not as_json and m["phase"] != last_phase:
-                err.print(f"phase: {m['phase']}  bytes: {m.get('bytes_done') or 0:,}")
-            last_phase = m["phase"]
+            done, total = _progress(m)
+            prog.update(task, phase=m["phase"], completed=done, total=total)
+            # without a terminal: a line per phase, and one every 10 s while the bytes move
+            if not show and not as_json and (last is None or m["phase"] != last[0]
+                                             or (done != last[1] and time.monotonic() - last_line >= 10)):
+                err.print(f"phase: {m['phase']}  bytes: {done:,}" + (f" of about {total:,}" if total else ""))
+                last, last_line = (m["phase"], done), time.monotonic()
             if o["done"] or time.monotonic() > end:
                 break
             time.sleep(0.2)
@@ -317,6 +320,14 @@ def evacuate(
         raise typer.Exit(2)
     if o.get("error"):
         raise typer.Exit(1)
+
+
+def _progress(m: dict) -> tuple[int, int | None]:
+    """Bytes done and expected in the operation's current phase: the pre-copy's own while it
+    runs (memory sent while the job trains), otherwise those moved during the pause."""
+    if m.get("phase") == "precopy":
+        return int(m.get("pre_copy_bytes") or 0), m.get("pre_copy_bytes_total") or None
+    return int(m.get("bytes_done") or 0), m.get("bytes_total") or None
 
 
 pki = typer.Typer(no_args_is_help=True, help="A private CA for mutual TLS between pitstop's services.")

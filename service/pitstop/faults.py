@@ -8,6 +8,10 @@ damage what it handles, as CRIU's zdtm does with its own hooks.  Points:
   phase:<name>          coordinator, as an evacuation enters a phase
   after_commit_point    coordinator, right after the commit point is recorded
   capture:before_dump   source agent, before CRIU dumps
+  precopy:before_read   source agent, before a pre-copy reads the running worker's memory
+  precopy:before_finish source agent, after the pre-copy's pages are read, before its manifest
+                        is sent (sleep:S holds the pre-copy in flight, to watch its progress)
+  precopy:before_delta  source agent, after the dump, before the delta against the pre-copy
   transfer:cut_after    source agent, value = bytes after which the image stream breaks
   image:corrupt         destination agent, value = 1: flip one byte of the received pages
   restore:before_criu   destination agent, before CRIU restores
@@ -17,6 +21,8 @@ damage what it handles, as CRIU's zdtm does with its own hooks.  Points:
                         CRIU's restore returns, kill it once the lazy restore returns, so it can
                         never have finished the fill first (the worker must then be stopped, not
                         run on zeros; stopped any earlier, the restore itself hangs)
+  restore:kill_page_server destination agent, value = 1: kill the local page relay that serves a lazy
+                        restore's pages once the restore returns (the worker must then be stopped)
   postcopy:stop_after_pages  source agent, value = N: its page server hangs up after N pages
                         (post-copy over the network; the moved worker must then be stopped)
   postcopy:after_reply  source agent, after each reply of its page server (sleep:S slows the fill)

@@ -309,6 +309,12 @@ def peer_app(agent: Agent) -> FastAPI:
         """Blocking: it returns when the worker's memory is at the destination (or why not)."""
         return agent.source.precopy(req.worker_id, req.dest_url, req.image_id, post_copy=req.post_copy)
 
+    @r.get("/precopies")
+    def precopies() -> dict:
+        """Pre-copies under way: bytes sent so far of about how many (the coordinator's progress)."""
+        with agent.state.lock:
+            return {"precopies": [dict(p) for p in agent.source.precopies.values()]}
+
     @r.post("/captures", status_code=202)
     def capture(req: CaptureRequest) -> dict:
         return agent.source.start(req.worker_id, req.dest_url, req.image_id, req.keep_peers,

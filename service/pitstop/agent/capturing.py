@@ -78,6 +78,7 @@ class SourceSide:
         self.data_port: int | None = None  # this agent's data port, where it serves lazy pages
         self.page_sources: dict[str, PageSource] = {}  # by image id
         self.bases: dict[str, precopy.Basis] = {}  # pre-copies sent, by the image id of the move they serve
+        self.precopies: dict[str, dict[str, Any]] = {}  # pre-copies under way, by image id: what was sent
 
     # -- capture -----------------------------------------------------------------------------
     def start(self, worker_id: str, dest_url: str | None, image_id: str | None,
@@ -144,7 +145,17 @@ class SourceSide:
                                                      f"{self.s.images}, which has {free >> 20} MiB free"}
         pre_id = image_id + precopy.PRE_SUFFIX
         t0 = time.monotonic()
-        basis = self._send_pre_copy(w, pids, dest_url, image_id, pre_id)
+        progress = {"image_id": image_id, "worker_id": w.id, "bytes_sent": 0, "bytes_total": need}
+        with self.state.lock:
+            if image_id in self.precopies:
+                raise Conflict(f"a pre-copy for {image_id} is already under way",
+                               action="wait for it (GET /v1/precopies shows its progress)")
+            self.precopies[image_id] = progress
+        try:
+            basis = self._send_pre_copy(w, pids, dest_url, image_id, pre_id, progress)
+        finally:
+            with self.state.lock:
+                self.precopies.pop(image_id, None)
         with self.state.lock:
             late = any(c.image_id == image_id for c in self.state.captures.values())
             if not late:
@@ -162,13 +173,15 @@ class SourceSide:
         return out
 
     def _send_pre_copy(self, w: Worker, pids: list[int], dest_url: str, image_id: str,
-                       pre_id: str) -> precopy.Basis:
+                       pre_id: str, progress: dict[str, Any]) -> precopy.Basis:
         """Write the pre-copy here while streaming it to the destination as image `pre_id`; the
-        local copy goes once sent (its pages wait in this agent's image directory until then)."""
+        local copy goes once sent (its pages wait in this agent's image directory until then).
+        `progress["bytes_sent"]` follows the stream: a host's memory can take minutes to send,
+        and the operator watching the evacuation should see it move."""
         d = self.s.images / ("pre-" + image_id)
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True, mode=0o700)
-        tail = DirectoryTail(d)
+        tail = DirectoryTail(d, on_progress=lambda n: progress.__setitem__("bytes_sent", n))
         errors: list[BaseException] = []
         sender = threading.Thread(target=self._send_to, args=(dest_url, pre_id, tail, errors, [0.0]),
                                   name=f"precopy-{image_id}", daemon=True)
@@ -182,6 +195,7 @@ class SourceSide:
                 raise
             tail.manifest_base = Manifest(capture_id="pre-" + image_id, criu_version=runtime.locate().version_str,
                                           worker={"id": w.id, "job": w.job, "rank": w.rank}, pre_copy_of=image_id)
+            faults.hit("precopy:before_finish")
             tail.finished.set()
             sender.join(self.s.transfer_timeout_s)
             if sender.is_alive() or errors:

@@ -142,6 +142,10 @@ class AgentClient:
         body = {"worker_id": worker_id, "dest_url": dest_url, "image_id": image_id, "post_copy": post_copy}
         return self._req("POST", "/v1/precopies", json=body, timeout=timeout)
 
+    def precopies(self, timeout: float = 5.0) -> list[dict]:
+        """The pre-copies under way on this agent, with their progress."""
+        return self._req("GET", "/v1/precopies", timeout=timeout)["precopies"]
+
     def get_capture(self, cid: str, wait: float = 0.0) -> dict:
         return self._req("GET", f"/v1/captures/{cid}", params={"wait": wait} if wait else None,
                          timeout=max(30.0, wait + 10))

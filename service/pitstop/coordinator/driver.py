@@ -20,9 +20,11 @@ running twice: see reconcile() for what a restarted coordinator does.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import structlog
@@ -36,6 +38,7 @@ from .settings import CoordinatorSettings
 from .store import Store
 
 log = structlog.get_logger("pitstop.coordinator.driver")
+PRECOPY_PROGRESS_EVERY_S = 1.0  # how often a pre-copy's progress is read from the source
 
 class Cancelled(PitstopError):
     http_status = 409
@@ -292,6 +295,35 @@ class OpRun:
         self.check()
         self._commit()
 
+    @contextlib.contextmanager
+    def _precopy_progress(self, src: AgentClient) -> Iterator[None]:
+        """Follow the source's pre-copies into the operation (`pre_copy_bytes` of about
+        `pre_copy_bytes_total`) while they run: a host's memory can take minutes to send, and
+        `pitstop evacuate --wait` should show it moving.  Best effort: a missed reading only
+        leaves the figure where it was."""
+        stop = threading.Event()
+        ours = {self.image_id(w) for w in self.md["workers"]}
+
+        def follow() -> None:
+            while not stop.wait(PRECOPY_PROGRESS_EVERY_S):
+                try:
+                    got = [p for p in src.precopies(timeout=PRECOPY_PROGRESS_EVERY_S) if p.get("image_id") in ours]
+                except PitstopError:
+                    continue
+                if got:
+                    with self.lock:
+                        self.md["pre_copy_bytes"] = sum(int(p.get("bytes_sent") or 0) for p in got)
+                        self.md["pre_copy_bytes_total"] = sum(int(p.get("bytes_total") or 0) for p in got)
+                        self.save()
+
+        t = threading.Thread(target=follow, name=f"precopy-progress-{self.id}", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join(PRECOPY_PROGRESS_EVERY_S + 1)
+
     def _pre_copy(self, src: AgentClient, dst: AgentClient) -> None:
         """Send the leaving workers' memory while the job still runs (capture/precopy.py).
 
@@ -311,7 +343,8 @@ class OpRun:
                 results[wid] = {"error": e.message}
                 log.warning("pre-copy failed; the move sends everything", op=self.id, worker=wid, error=e.message)
 
-        in_parallel(one, list(self.md["workers"]))
+        with self._precopy_progress(src):
+            in_parallel(one, list(self.md["workers"]))
         sent = sum(r.get("bytes", 0) for r in results.values())
         failed = {w: r["error"] for w, r in results.items() if "error" in r}
         if failed:  # a source that stopped answering would fail the move after the pause: stop before it
@@ -324,6 +357,7 @@ class OpRun:
         skipped = {r["skipped"] for r in results.values() if "skipped" in r}
         with self.lock:
             self.md["pre_copy_bytes"] = sent
+            self.md.pop("pre_copy_bytes_total", None)  # an estimate, for the progress while it ran
             self.save()
         self.leave("precopy")
         if failed:
