@@ -135,6 +135,30 @@ def test_restore_from_a_delta_and_its_pre_copy_is_the_process_as_dumped(tmp_path
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(60)
+def test_a_stopped_snapshot_ends_at_its_next_read_and_says_why(tmp_path: Path) -> None:
+    """`stop` is how a pre-copy nobody waits for any more is ended (DELETE /v1/precopies/{id}):
+    the snapshot must end at its next 4 MiB read, not after the whole memory."""
+    import threading
+
+    from pitstop.errors import CaptureFailed
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "digest")],
+                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert p.stdout.readline().strip() == b"ready"
+        stop = threading.Event()
+        stop.set()
+        with pytest.raises(CaptureFailed) as e:
+            precopy.snapshot("w", [p.pid], tmp_path, stop=stop)
+        assert e.value.code == "aborted" and e.value.http_status == 409, e.value.to_dict()
+        written = sum(f.stat().st_size for f in tmp_path.glob("pages-*.img"))
+        assert written < precopy.READ_CHUNK, written  # not one read past the stop
+        assert p.poll() is None  # the worker never noticed
+    finally:
+        p.kill()
+        p.wait(10)
+
+
 def test_a_page_not_pre_copied_or_changed_travels_in_the_delta() -> None:
     """The cut itself, without CRIU: whole blocks go by block digest, the rest page by page."""
     d = precopy.TaskDigests()

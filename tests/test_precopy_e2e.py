@@ -7,6 +7,7 @@ The faults are the ways a pre-copy can go wrong; none may fail the move or lose 
 from __future__ import annotations
 
 import subprocess
+import threading
 
 import pytest
 
@@ -138,19 +139,52 @@ def test_a_failed_pre_copy_only_makes_the_move_send_everything(cluster, tmp_path
     _finish(tmp_path, out, kw, ranks)
 
 
-def test_a_pre_copy_past_its_deadline_is_dropped_and_cleaned_up(cluster, tmp_path):
-    """The coordinator stops waiting; the pre-copy ends later, after its move has started: the
-    move sends everything and the late pre-copy is discarded at the destination."""
+def test_a_pre_copy_past_its_deadline_is_stopped_and_cleaned_up(cluster, tmp_path):
+    """The coordinator stops waiting and stops the pre-copy (DELETE /v1/precopies/{id}) before
+    anything pauses: the move sends everything and nothing of the pre-copy stays anywhere."""
     cc, spare, op, out, kw, ranks = _evacuate(
         cluster, tmp_path, coord_env={"PITSTOP_COORDINATOR_PRECOPY_DEADLINE_S": "1"},
         src_env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_read=sleep:4"})
     md = op["metadata"]
     assert md["result"] == "succeeded", op
     c = _condition(op, "PreCopied")
-    assert c["status"] == "False" and "timed out" in c["message"]
+    assert c["status"] == "False" and "timed out: not done within 1 s" in c["message"], c
     assert md["bytes_total"] >= 64 << 20
+    assert cluster.agents["host-b"].client().precopies() == []
     _finish(tmp_path, out, kw, ranks)
     until(lambda: not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()), 30)
+
+
+def test_a_stalled_pre_copy_is_stopped_before_the_pause(cluster, tmp_path):
+    """A pre-copy that stops moving is given up on after PITSTOP_COORDINATOR_PRECOPY_STALL_S,
+    long before its whole deadline, and stopped: the source's pre-copy has ended before the
+    job pauses, so it cannot compete with the move, and the move sends everything."""
+    cc, spare, op, out, kw, ranks = _evacuate(
+        cluster, tmp_path, coord_env={"PITSTOP_COORDINATOR_PRECOPY_STALL_S": "2"},
+        src_env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_finish=sleep:6"})
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op
+    c = _condition(op, "PreCopied")
+    assert c["status"] == "False" and "no bytes sent for 2 s" in c["message"], c
+    assert md["bytes_total"] >= 64 << 20  # everything travelled during the pause
+    assert md["phases"]["precopy"] < 60, md["phases"]  # not the 600 s deadline
+    assert cluster.agents["host-b"].client().precopies() == []
+    _finish(tmp_path, out, kw, ranks)
+    until(lambda: not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()), 30)
+
+
+def test_cancelling_during_the_pre_copy_stops_it_and_leaves_the_job_where_it_was(cluster, tmp_path):
+    cc, spare, op, out, kw, ranks = _evacuate(
+        cluster, tmp_path, src_env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_finish=sleep:5"},
+        until=lambda o: o["metadata"].get("pre_copy_bytes", 0) > 0 or o["done"])
+    assert op["metadata"]["phase"] == "precopy", op
+    cc.cancel(op["name"])
+    op = _wait_op(cc, op["name"])
+    assert op["metadata"]["result"] == "cancelled", op
+    src = cluster.agents["host-b"].client()
+    assert src.precopies() == [] and src.worker("train.1")["state"] == "running"
+    until(lambda: not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()), 30)
+    _finish(tmp_path, out, kw, ranks)
 
 
 def test_a_failure_after_the_pre_copy_rolls_back_and_leaves_nothing(cluster, tmp_path):
@@ -185,6 +219,45 @@ def test_a_pre_copy_is_not_restored_by_itself(cluster, tmp_path):
         assert proctree.exists(src.worker("train.0")["root_pid"])
         spare.client().discard("img-x")  # the move's discard takes its pre-copy with it
         assert not any(p.name.startswith("in-") for p in spare.image_dir.iterdir())
+    finally:
+        for r in ranks:
+            r.proc.kill()
+            r.proc.wait(30)
+
+
+def test_a_pre_copy_stopped_by_its_caller_ends_and_leaves_nothing(cluster, tmp_path):
+    """DELETE /v1/precopies/{id} while the pages are read: the pre-copy answers 409 `aborted`,
+    the destination drops its partial copy, and the worker never noticed."""
+    cluster.start_agent("host-b", env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_finish=sleep:2"})
+    spare = cluster.start_agent("spare-1", spare=True)
+    ranks = cluster.start_job("train", ddp_cmd(tmp_path / "out", steps=400, state_mb=16), 1, {0: "host-b"})
+    try:
+        cluster.wait_registered("host-b", "train.0")
+        wait_for_step(ranks[0].log, 3)
+        src = cluster.agents["host-b"].client()
+        from pitstop.errors import PitstopError
+        with pytest.raises(PitstopError) as e:
+            src.stop_precopy("img-z")
+        assert e.value.http_status == 404
+        got: dict = {}
+
+        def run() -> None:
+            try:
+                got["reply"] = src.precopy("train.0", spare.url, "img-z")
+            except PitstopError as err:
+                got["error"] = err
+
+        t = threading.Thread(target=run)
+        t.start()
+        (p,) = until(src.precopies, 30, "the pre-copy to be under way")
+        assert p["image_id"] == "img-z" and p["bytes_total"] >= 16 << 20, p
+        assert src.stop_precopy("img-z")["stopping"] is True
+        t.join(30)
+        assert "error" in got and got["error"].code == "aborted" and got["error"].http_status == 409, got
+        assert src.precopies() == []
+        until(lambda: not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()), 30)
+        assert not any(p.name.startswith("pre-") for p in cluster.agents["host-b"].image_dir.iterdir())
+        assert src.worker("train.0")["state"] == "running"
     finally:
         for r in ranks:
             r.proc.kill()

@@ -315,6 +315,12 @@ def peer_app(agent: Agent) -> FastAPI:
         with agent.state.lock:
             return {"precopies": [dict(p) for p in agent.source.precopies.values()]}
 
+    @r.delete("/precopies/{image_id}")
+    def stop_precopy(image_id: str) -> dict:
+        """Stop a pre-copy under way: the coordinator gave up waiting for it (stalled, past its
+        deadline, or the evacuation was cancelled), and it must not compete with the move."""
+        return agent.source.stop_precopy(image_id)
+
     @r.post("/captures", status_code=202)
     def capture(req: CaptureRequest) -> dict:
         return agent.source.start(req.worker_id, req.dest_url, req.image_id, req.keep_peers,

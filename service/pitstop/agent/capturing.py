@@ -79,6 +79,7 @@ class SourceSide:
         self.page_sources: dict[str, PageSource] = {}  # by image id
         self.bases: dict[str, precopy.Basis] = {}  # pre-copies sent, by the image id of the move they serve
         self.precopies: dict[str, dict[str, Any]] = {}  # pre-copies under way, by image id: what was sent
+        self._precopy_stops: dict[str, threading.Event] = {}  # by image id: set to stop that pre-copy
 
     # -- capture -----------------------------------------------------------------------------
     def start(self, worker_id: str, dest_url: str | None, image_id: str | None,
@@ -151,11 +152,13 @@ class SourceSide:
                 raise Conflict(f"a pre-copy for {image_id} is already under way",
                                action="wait for it (GET /v1/precopies shows its progress)")
             self.precopies[image_id] = progress
+            stop = self._precopy_stops[image_id] = threading.Event()
         try:
-            basis = self._send_pre_copy(w, pids, dest_url, image_id, pre_id, progress)
+            basis = self._send_pre_copy(w, pids, dest_url, image_id, pre_id, progress, stop)
         finally:
             with self.state.lock:
                 self.precopies.pop(image_id, None)
+                self._precopy_stops.pop(image_id, None)
         with self.state.lock:
             late = any(c.image_id == image_id for c in self.state.captures.values())
             if not late:
@@ -172,8 +175,19 @@ class SourceSide:
         log.info("pre-copied", worker=w.id, dest=dest_url, **out)
         return out
 
+    def stop_precopy(self, image_id: str) -> dict[str, Any]:
+        """Stop a pre-copy under way (its caller gave up on it): it ends within one 4 MiB read,
+        its partial copy is discarded at the destination, and its POST answers 409 `aborted`."""
+        with self.state.lock:
+            stop = self._precopy_stops.get(image_id)
+            if stop is None:
+                raise NotFound(f"no pre-copy for {image_id} is under way here",
+                               action="none: it has ended (GET /v1/precopies lists those under way)")
+            stop.set()
+            return dict(self.precopies[image_id], stopping=True)
+
     def _send_pre_copy(self, w: Worker, pids: list[int], dest_url: str, image_id: str,
-                       pre_id: str, progress: dict[str, Any]) -> precopy.Basis:
+                       pre_id: str, progress: dict[str, Any], stop: threading.Event) -> precopy.Basis:
         """Write the pre-copy here while streaming it to the destination as image `pre_id`; the
         local copy goes once sent (its pages wait in this agent's image directory until then).
         `progress["bytes_sent"]` follows the stream: a host's memory can take minutes to send,
@@ -189,13 +203,18 @@ class SourceSide:
         try:
             try:
                 faults.hit("precopy:before_read")
-                basis = precopy.snapshot(w.id, pids, d)
+                basis = precopy.snapshot(w.id, pids, d, stop=stop)
             except BaseException as e:
                 tail.failure = e if isinstance(e, Exception) else Exception(repr(e))
                 raise
             tail.manifest_base = Manifest(capture_id="pre-" + image_id, criu_version=runtime.locate().version_str,
                                           worker={"id": w.id, "job": w.job, "rank": w.rank}, pre_copy_of=image_id)
             faults.hit("precopy:before_finish")
+            if stop.is_set():  # given up on while its last pages went: the destination drops it
+                e = CaptureFailed(f"the pre-copy of worker {w.id} was stopped: its caller gave up on it",
+                                  code="aborted", http_status=409, action="none: the move goes on without it")
+                tail.failure = e
+                raise e
             tail.finished.set()
             sender.join(self.s.transfer_timeout_s)
             if sender.is_alive() or errors:

@@ -146,6 +146,9 @@ class AgentClient:
         """The pre-copies under way on this agent, with their progress."""
         return self._req("GET", "/v1/precopies", timeout=timeout)["precopies"]
 
+    def stop_precopy(self, image_id: str, timeout: float = 5.0) -> dict:
+        return self._req("DELETE", f"/v1/precopies/{image_id}", timeout=timeout)
+
     def get_capture(self, cid: str, wait: float = 0.0) -> dict:
         return self._req("GET", f"/v1/captures/{cid}", params={"wait": wait} if wait else None,
                          timeout=max(30.0, wait + 10))

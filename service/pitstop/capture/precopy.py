@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,17 +157,25 @@ def _digest_run(d: TaskDigests, vaddr: int, data: memoryview) -> None:
             p += PAGE
 
 
-def snapshot(worker_id: str, pids: list[int], out: Path, rt: runtime.CriuRuntime | None = None) -> Basis:
+def snapshot(worker_id: str, pids: list[int], out: Path, rt: runtime.CriuRuntime | None = None,
+             stop: threading.Event | None = None) -> Basis:
     """Write the running tree's anonymous memory into `out` as a parent image set; return its digests.
 
     Pages files are written before their pagemaps, so a reader tailing `out` sees the pagemap
-    only once its pages are complete."""
+    only once its pages are complete.  `stop` (set by whoever gave up on this pre-copy) ends
+    it within one read of 4 MiB: a pre-copy nobody waits for must not go on using the CPU and
+    the network the move that follows needs."""
     pycriu = (rt or runtime.locate()).import_pycriu()
     t0 = time.monotonic()
     basis = Basis(worker_id=worker_id, tasks={})
+    stop = stop or threading.Event()
     for pid in pids:
         try:
-            vpid, digests, n = _snapshot_one(pycriu, pid, out)
+            vpid, digests, n = _snapshot_one(pycriu, pid, out, stop)
+        except _Stopped:
+            raise CaptureFailed(f"the pre-copy of worker {worker_id} was stopped: its caller gave up on it",
+                                code="aborted", http_status=409,
+                                action="none: the move goes on without it") from None
         except OSError as e:  # it ended, or its memory went away, while being read (a partial
             # pages file without its pagemap may be left: CRIU reads pages only through a pagemap)
             if pid == pids[0]:
@@ -180,7 +189,11 @@ def snapshot(worker_id: str, pids: list[int], out: Path, rt: runtime.CriuRuntime
     return basis
 
 
-def _snapshot_one(pycriu: Any, pid: int, out: Path) -> tuple[int, TaskDigests, int]:
+class _Stopped(Exception):
+    """The pre-copy's `stop` was set."""
+
+
+def _snapshot_one(pycriu: Any, pid: int, out: Path, stop: threading.Event) -> tuple[int, TaskDigests, int]:
     """One process's anonymous memory into pages-<vpid>.img and pagemap-<vpid>.img: (vpid, digests, pages)."""
     vpid = ns_pid(pid)
     vmas = _private_vmas(pid)
@@ -195,7 +208,7 @@ def _snapshot_one(pycriu: Any, pid: int, out: Path) -> tuple[int, TaskDigests, i
             with open(out / f"pages-{vpid}.img", "wb", buffering=0) as pf:
                 for start, end in vmas:
                     for va, n in _anon_runs(pm, start, end):
-                        got = _copy_run(mem, pf, digests, va, n, buf)
+                        got = _copy_run(mem, pf, digests, va, n, buf, stop)
                         if got:
                             entries.append({"vaddr": va, "compat_nr_pages": 0, "nr_pages": got, "flags": PE_PRESENT})
                             pages += got
@@ -208,11 +221,13 @@ def _snapshot_one(pycriu: Any, pid: int, out: Path) -> tuple[int, TaskDigests, i
     return vpid, digests, pages
 
 
-def _copy_run(mem: int, pf: Any, d: TaskDigests, vaddr: int, n: int, buf: bytearray) -> int:
+def _copy_run(mem: int, pf: Any, d: TaskDigests, vaddr: int, n: int, buf: bytearray, stop: threading.Event) -> int:
     """Copy n pages from vaddr into the pages file; the pages copied (a VMA may vanish mid-way)."""
     copied = 0
     whole = memoryview(buf)
     while copied < n:
+        if stop.is_set():
+            raise _Stopped()
         k = min(n - copied, len(buf) // PAGE)
         va = vaddr + copied * PAGE
         try:

@@ -39,6 +39,7 @@ from .store import Store
 
 log = structlog.get_logger("pitstop.coordinator.driver")
 PRECOPY_PROGRESS_EVERY_S = 1.0  # how often a pre-copy's progress is read from the source
+PRECOPY_STOP_WAIT_S = 15.0  # how long a stopped pre-copy may take to end (it stops within a 4 MiB read)
 
 class Cancelled(PitstopError):
     http_status = 409
@@ -296,13 +297,15 @@ class OpRun:
         self._commit()
 
     @contextlib.contextmanager
-    def _precopy_progress(self, src: AgentClient) -> Iterator[None]:
+    def _precopy_progress(self, src: AgentClient) -> Iterator[Callable[[], float]]:
         """Follow the source's pre-copies into the operation (`pre_copy_bytes` of about
         `pre_copy_bytes_total`) while they run: a host's memory can take minutes to send, and
-        `pitstop evacuate --wait` should show it moving.  Best effort: a missed reading only
-        leaves the figure where it was."""
+        `pitstop evacuate --wait` should show it moving.  Yields when they last moved
+        (time.monotonic()): how the wait tells a slow pre-copy from a stalled one.  Best
+        effort: a missed reading only leaves the figures where they were."""
         stop = threading.Event()
         ours = {self.image_id(w) for w in self.md["workers"]}
+        moved = [time.monotonic(), -1]  # when, and the bytes then
 
         def follow() -> None:
             while not stop.wait(PRECOPY_PROGRESS_EVERY_S):
@@ -311,24 +314,61 @@ class OpRun:
                 except PitstopError:
                     continue
                 if got:
+                    sent = sum(int(p.get("bytes_sent") or 0) for p in got)
+                    if sent > moved[1]:
+                        moved[:] = [time.monotonic(), sent]
                     with self.lock:
-                        self.md["pre_copy_bytes"] = sum(int(p.get("bytes_sent") or 0) for p in got)
+                        self.md["pre_copy_bytes"] = sent
                         self.md["pre_copy_bytes_total"] = sum(int(p.get("bytes_total") or 0) for p in got)
                         self.save()
 
         t = threading.Thread(target=follow, name=f"precopy-progress-{self.id}", daemon=True)
         t.start()
         try:
-            yield
+            yield lambda: moved[0]
         finally:
             stop.set()
             t.join(PRECOPY_PROGRESS_EVERY_S + 1)
+
+    def _wait_for_precopies(self, running: dict[str, threading.Thread], last_moved: Callable[[], float]) -> str:
+        """'' once every pre-copy has ended; otherwise why the coordinator gives up on those
+        still running.  Two deadlines: a whole one, and one for a pre-copy that stopped moving
+        (a slow one on a big host is worth waiting for; a stalled one is not).  A cancel of the
+        evacuation is honoured here too (raised)."""
+        t0 = time.monotonic()
+        deadline, stall = self.d.s.precopy_deadline_s, self.d.s.precopy_stall_s
+        while True:
+            alive = [t for t in running.values() if t.is_alive()]
+            if not alive:
+                return ""
+            now = time.monotonic()
+            if now - t0 > deadline:
+                return f"timed out: not done within {deadline:g} s (PITSTOP_COORDINATOR_PRECOPY_DEADLINE_S)"
+            if now - last_moved() > stall:
+                return f"timed out: no bytes sent for {stall:g} s (PITSTOP_COORDINATOR_PRECOPY_STALL_S)"
+            self.check()
+            alive[0].join(0.2)
+
+    def _stop_precopies(self, src: AgentClient, running: dict[str, threading.Thread]) -> list[str]:
+        """Stop the pre-copies still running (DELETE /v1/precopies/{id}) and wait a little for
+        them to end; the workers whose pre-copy was stopped."""
+        stopped = [wid for wid, t in running.items() if t.is_alive()]
+        for wid in stopped:
+            try:
+                src.stop_precopy(self.image_id(wid))
+            except PitstopError as e:  # ended meanwhile, or the source is gone (checked after)
+                log.info("could not stop a pre-copy", op=self.id, worker=wid, error=e.message)
+        end = time.monotonic() + PRECOPY_STOP_WAIT_S
+        for wid in stopped:
+            running[wid].join(max(0.0, end - time.monotonic()))
+        return stopped
 
     def _pre_copy(self, src: AgentClient, dst: AgentClient) -> None:
         """Send the leaving workers' memory while the job still runs (capture/precopy.py).
 
         Best effort by design: a pre-copy only shortens the pause that follows, so one that
-        fails, or passes its deadline, is reported and the move sends everything instead."""
+        fails, passes its deadline or stalls is stopped, reported, and the move sends everything
+        instead."""
         wanted = self.md.get("pre_copy")
         if not (self.d.s.pre_copy if wanted is None else wanted):
             return
@@ -338,15 +378,30 @@ class OpRun:
         def one(wid: str) -> None:
             try:
                 results[wid] = src.precopy(wid, dst.url, self.image_id(wid), post_copy=self.md.get("post_copy"),
-                                           timeout=self.d.s.precopy_deadline_s)
+                                           timeout=self.d.s.precopy_deadline_s + 30)
             except PitstopError as e:
                 results[wid] = {"error": e.message}
                 log.warning("pre-copy failed; the move sends everything", op=self.id, worker=wid, error=e.message)
 
-        with self._precopy_progress(src):
-            in_parallel(one, list(self.md["workers"]))
-        sent = sum(r.get("bytes", 0) for r in results.values())
-        failed = {w: r["error"] for w, r in results.items() if "error" in r}
+        ids = list(self.md["workers"])
+        running = {wid: threading.Thread(target=one, args=(wid,), name=f"precopy-{wid}", daemon=True) for wid in ids}
+        for t in running.values():
+            t.start()
+        gave_up = ""
+        try:
+            with self._precopy_progress(src) as last_moved:
+                gave_up = self._wait_for_precopies(running, last_moved)
+        finally:  # given up on, or the evacuation cancelled: what still runs is stopped, not left to compete
+            stopped = self._stop_precopies(src, running)
+        final: dict[str, Any] = {}  # not `results`: a stopped pre-copy's thread may still write there
+        for wid in ids:
+            r = results.get(wid)
+            if wid in stopped and (r is None or "error" in r):  # one that ended well as it was stopped counts
+                r = {"error": gave_up}
+                log.warning("pre-copy given up on; the move sends everything", op=self.id, worker=wid, why=gave_up)
+            final[wid] = r or {"error": "no answer"}
+        sent = sum(r.get("bytes", 0) for r in final.values())
+        failed = {w: r["error"] for w, r in final.items() if "error" in r}
         if failed:  # a source that stopped answering would fail the move after the pause: stop before it
             try:
                 src.info(timeout=10)
@@ -354,7 +409,7 @@ class OpRun:
                 raise Unavailable(f"the agent on {self.md['node']} stopped answering during the pre-copy "
                                   f"({e.message}); nothing was paused", code="source_unavailable",
                                   action=f"check the agent on {self.md['node']}, then evacuate again") from None
-        skipped = {r["skipped"] for r in results.values() if "skipped" in r}
+        skipped = {r["skipped"] for r in final.values() if "skipped" in r}
         with self.lock:
             self.md["pre_copy_bytes"] = sent
             self.md.pop("pre_copy_bytes_total", None)  # an estimate, for the progress while it ran

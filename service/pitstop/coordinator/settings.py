@@ -35,10 +35,14 @@ class CoordinatorSettings(BaseSettings):
     fill_deadline_s: float = 900.0
     fill_poll_s: float = 0.25
     # Pre-copy (capture/precopy.py): before anything pauses, the leaving workers' memory is sent
-    # while the job runs; the pause then sends only what changed.  A pre-copy that fails or
-    # passes its deadline is dropped and the move sends everything, as without it.
+    # while the job runs; the pause then sends only what changed.  A pre-copy that fails, passes
+    # its deadline, or sends nothing for precopy_stall_s is stopped and the move sends
+    # everything, as without it.  The deadline is long because a GPU host's ranks can hold tens
+    # of GB each; the stall deadline is what catches a stuck one.  Both count against
+    # operation_deadline_s.
     pre_copy: bool = True
-    precopy_deadline_s: float = 120.0
+    precopy_deadline_s: float = 600.0
+    precopy_stall_s: float = 30.0
     # GPU health policy (health_policy.py): a host past any of these is degraded.
     auto_evacuate: bool = True            # start an evacuation of a degraded host by itself
     health_max_temperature_c: float = 90.0
