@@ -1,0 +1,29 @@
+"""The agent keeps files that explain something odd (a CRIU log) out of image directories that
+are deleted after the move, and only the newest few of them."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from pitstop.agent import capturing
+from pitstop.agent.capturing import SourceSide
+from pitstop.agent.settings import AgentSettings
+
+
+def test_a_kept_diagnostic_outlives_its_images_and_only_the_newest_stay(tmp_path: Path) -> None:
+    side = SourceSide(AgentSettings(state_dir=tmp_path / "state"), state=None, restorer=SimpleNamespace(gpu=None))
+    images = tmp_path / "images"
+    images.mkdir()
+    (tmp_path / "state").mkdir()
+    kept = []
+    for i in range(capturing.DIAGNOSTICS_KEPT + 3):
+        (images / "dump.log").write_text(f"dump {i}\n")
+        kept.append(side._keep_diagnostic(images / "dump.log", f"cap-{i}-dump.log"))
+        os.utime(kept[-1], (time.time() - 1000 + i,) * 2)  # distinct ages, whatever the clock's grain
+    left = sorted(p.name for p in (tmp_path / "state" / "diagnostics").iterdir())
+    assert left == sorted(f"cap-{i}-dump.log" for i in range(3, capturing.DIAGNOSTICS_KEPT + 3))
+    assert kept[-1].read_text() == f"dump {capturing.DIAGNOSTICS_KEPT + 2}\n"
+    assert side._keep_diagnostic(images / "missing.log", "x.log") is None  # says so in the log, raises nothing
