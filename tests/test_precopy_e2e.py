@@ -6,8 +6,11 @@ The faults are the ways a pre-copy can go wrong; none may fail the move or lose 
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -116,6 +119,27 @@ def test_the_operation_shows_the_pre_copy_moving(cluster, tmp_path):
     assert md["result"] == "succeeded", op
     assert md["pre_copy_bytes"] >= 64 << 20 and "pre_copy_bytes_total" not in md, md
     assert src.precopies() == []
+    _finish(tmp_path, out, kw, ranks)
+
+
+def test_a_coordinator_restarted_mid_pre_copy_stops_it_so_nothing_lands_after_the_rollback(cluster, tmp_path):
+    """The restarted coordinator rolls the operation back.  The pre-copy still sending on the
+    source is stopped first and waited for: one left to finish would land at the destination
+    after the rollback had discarded its images, a copy nobody would ever remove."""
+    cc, spare, op, out, kw, ranks = _evacuate(
+        cluster, tmp_path, src_env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_finish=sleep:4"},
+        until=lambda o: o["metadata"].get("pre_copy_bytes", 0) > 0 or o["done"])
+    assert op["metadata"]["phase"] == "precopy", op
+    port = int(cluster.coordinator_url.rsplit(":", 1)[1])
+    os.killpg(cluster.coordinator_proc.pid, signal.SIGKILL)
+    cluster.coordinator_proc.wait(10)
+    cluster.start_coordinator(port=port)
+    op = _wait_op(cc, op["name"])
+    assert op["metadata"]["result"] == "failed" and not op["metadata"]["paused"], op
+    src = cluster.agents["host-b"].client()
+    assert src.precopies() == [] and src.worker("train.1")["state"] == "running"
+    time.sleep(2)  # long enough for a pre-copy left running to have landed
+    assert not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()), list(spare.image_dir.iterdir())
     _finish(tmp_path, out, kw, ranks)
 
 

@@ -363,6 +363,30 @@ class OpRun:
             running[wid].join(max(0.0, end - time.monotonic()))
         return stopped
 
+    def _end_precopies(self, src: AgentClient | None) -> None:
+        """Stop this operation's pre-copies still running on the source and wait (a little)
+        for them to end, so that none lands at the destination after the rollback discarded
+        what was there.  Best effort: nothing running is the usual answer."""
+        if src is None:
+            return
+        ours = {self.image_id(w) for w in self.md["workers"]}
+        try:
+            running = {p["image_id"] for p in src.precopies() if p.get("image_id") in ours}
+        except PitstopError:
+            return  # the source is gone: so are its pre-copies
+        for image_id in running:
+            try:
+                src.stop_precopy(image_id)
+            except PitstopError:
+                pass  # it ended meanwhile
+        end = time.monotonic() + PRECOPY_STOP_WAIT_S
+        while running and time.monotonic() < end:
+            time.sleep(0.1)
+            try:
+                running = {p["image_id"] for p in src.precopies() if p.get("image_id") in ours}
+            except PitstopError:
+                return
+
     def _pre_copy(self, src: AgentClient, dst: AgentClient) -> None:
         """Send the leaving workers' memory while the job still runs (capture/precopy.py).
 
@@ -590,6 +614,7 @@ class OpRun:
         except PitstopError as e:
             src = dst = None
             problems.append(e.message)
+        self._end_precopies(src)  # one still sending (a coordinator restarted mid-way) would land after the discard
         for wid, w in self.md["workers"].items():
             if dst is not None:
                 try:  # a copy the spare already restored is discarded
