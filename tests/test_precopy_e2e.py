@@ -163,33 +163,21 @@ def test_a_failed_pre_copy_only_makes_the_move_send_everything(cluster, tmp_path
     _finish(tmp_path, out, kw, ranks)
 
 
-def test_a_pre_copy_past_its_deadline_is_stopped_and_cleaned_up(cluster, tmp_path):
-    """The coordinator stops waiting and stops the pre-copy (DELETE /v1/precopies/{id}) before
-    anything pauses: the move sends everything and nothing of the pre-copy stays anywhere."""
-    cc, spare, op, out, kw, ranks = _evacuate(
-        cluster, tmp_path, coord_env={"PITSTOP_COORDINATOR_PRECOPY_DEADLINE_S": "1"},
-        src_env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_read=sleep:4"})
+@pytest.mark.parametrize("coord_env,fault,why", [
+    ({"PITSTOP_COORDINATOR_PRECOPY_DEADLINE_S": "1"}, "precopy:before_read=sleep:4", "not done within 1 s"),
+    ({"PITSTOP_COORDINATOR_PRECOPY_STALL_S": "2"}, "precopy:before_finish=sleep:6", "no bytes sent for 2 s"),
+], ids=["past its deadline", "stalled"])
+def test_a_pre_copy_given_up_on_is_stopped_before_the_pause(cluster, tmp_path, coord_env, fault, why):
+    """Past its whole deadline, or sending nothing for PITSTOP_COORDINATOR_PRECOPY_STALL_S (long
+    before that deadline), the coordinator gives up on the pre-copy and stops it on the source
+    (DELETE /v1/precopies/{id}): it has ended before the job pauses, so it cannot compete with
+    the move, the move sends everything, and nothing of it stays anywhere."""
+    cc, spare, op, out, kw, ranks = _evacuate(cluster, tmp_path, coord_env=coord_env,
+                                              src_env={**FAULTY, "PITSTOP_FAULTS": fault})
     md = op["metadata"]
     assert md["result"] == "succeeded", op
     c = _condition(op, "PreCopied")
-    assert c["status"] == "False" and "timed out: not done within 1 s" in c["message"], c
-    assert md["bytes_total"] >= 64 << 20
-    assert cluster.agents["host-b"].client().precopies() == []
-    _finish(tmp_path, out, kw, ranks)
-    until(lambda: not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()), 30)
-
-
-def test_a_stalled_pre_copy_is_stopped_before_the_pause(cluster, tmp_path):
-    """A pre-copy that stops moving is given up on after PITSTOP_COORDINATOR_PRECOPY_STALL_S,
-    long before its whole deadline, and stopped: the source's pre-copy has ended before the
-    job pauses, so it cannot compete with the move, and the move sends everything."""
-    cc, spare, op, out, kw, ranks = _evacuate(
-        cluster, tmp_path, coord_env={"PITSTOP_COORDINATOR_PRECOPY_STALL_S": "2"},
-        src_env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_finish=sleep:6"})
-    md = op["metadata"]
-    assert md["result"] == "succeeded", op
-    c = _condition(op, "PreCopied")
-    assert c["status"] == "False" and "no bytes sent for 2 s" in c["message"], c
+    assert c["status"] == "False" and f"timed out: {why}" in c["message"], c
     assert md["bytes_total"] >= 64 << 20  # everything travelled during the pause
     assert md["phases"]["precopy"] < 60, md["phases"]  # not the 600 s deadline
     assert cluster.agents["host-b"].client().precopies() == []
