@@ -306,7 +306,8 @@ def evacuate(
             # without a terminal: a line per phase, and one every 10 s while the bytes move
             if not show and not as_json and (last is None or m["phase"] != last[0]
                                              or (done != last[1] and time.monotonic() - last_line >= 10)):
-                err.print(f"phase: {m['phase']}  bytes: {done:,}" + (f" of about {total:,}" if total else ""))
+                of = " of about" if m["phase"] == "precopy" else " of"  # a pre-copy's total is an estimate
+                err.print(f"phase: {m['phase']}  bytes: {done:,}" + (f"{of} {total:,}" if total else ""))
                 last, last_line = (m["phase"], done), time.monotonic()
             if o["done"] or time.monotonic() > end:
                 break
