@@ -53,6 +53,11 @@ def _cgroup_roots() -> list[Path]:
     return [p for p in (base / "unified", base / "systemd") if p.is_dir()]
 
 
+def _private_tmps() -> set[Path]:
+    """The PrivateTmp= directories of pitstop's units that exist now."""
+    return {d for top in ("/tmp", "/var/tmp") for d in Path(top).glob("systemd-private-*-pitstop-*.service-*")}
+
+
 class SystemdHost:
     """One booted systemd.  `units`: file name (or "name.d/drop-in.conf") -> text."""
 
@@ -100,6 +105,7 @@ class SystemdHost:
         return s
 
     def start(self) -> "SystemdHost":
+        self._private_before = _private_tmps()
         units = self._write_units()
         script = self._boot_script(units)
         join = "; ".join(f"mkdir -p {r}/{self.cgroup} && echo $$ > {r}/{self.cgroup}/cgroup.procs"
@@ -191,6 +197,10 @@ class SystemdHost:
                 if top.exists():
                     time.sleep(0.1)
             assert not top.exists(), f"cgroup {top} left behind"
+        # A unit with PrivateTmp=yes gets /tmp/systemd-private-*-<unit>-*; systemd removes it when
+        # the unit stops, but this systemd is killed, not stopped: remove what appeared meanwhile.
+        for d in _private_tmps() - getattr(self, "_private_before", _private_tmps()):
+            shutil.rmtree(d, ignore_errors=True)
 
     def __enter__(self) -> "SystemdHost":
         return self.start()
