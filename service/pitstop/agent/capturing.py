@@ -213,10 +213,8 @@ class SourceSide:
                                           worker={"id": w.id, "job": w.job, "rank": w.rank}, pre_copy_of=image_id)
             faults.hit("precopy:before_finish")
             if stop.is_set():  # given up on while its last pages went: the destination drops it
-                e = CaptureFailed(f"the pre-copy of worker {w.id} was stopped: its caller gave up on it",
-                                  code="aborted", http_status=409, action="none: the move goes on without it")
-                tail.failure = e
-                raise e
+                tail.failure = precopy.stopped_error(w.id)
+                raise tail.failure
             tail.finished.set()
             sender.join(self.s.transfer_timeout_s)
             if sender.is_alive() or errors:

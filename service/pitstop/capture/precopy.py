@@ -173,9 +173,7 @@ def snapshot(worker_id: str, pids: list[int], out: Path, rt: runtime.CriuRuntime
         try:
             vpid, digests, n = _snapshot_one(pycriu, pid, out, stop)
         except _Stopped:
-            raise CaptureFailed(f"the pre-copy of worker {worker_id} was stopped: its caller gave up on it",
-                                code="aborted", http_status=409,
-                                action="none: the move goes on without it") from None
+            raise stopped_error(worker_id) from None
         except OSError as e:  # it ended, or its memory went away, while being read (a partial
             # pages file without its pagemap may be left: CRIU reads pages only through a pagemap)
             if pid == pids[0]:
@@ -191,6 +189,12 @@ def snapshot(worker_id: str, pids: list[int], out: Path, rt: runtime.CriuRuntime
 
 class _Stopped(Exception):
     """The pre-copy's `stop` was set."""
+
+
+def stopped_error(worker_id: str) -> CaptureFailed:
+    """What a pre-copy stopped by its caller (DELETE /v1/precopies/{id}) answers."""
+    return CaptureFailed(f"the pre-copy of worker {worker_id} was stopped: its caller gave up on it",
+                         code="aborted", http_status=409, action="none: the move goes on without it")
 
 
 def _snapshot_one(pycriu: Any, pid: int, out: Path, stop: threading.Event) -> tuple[int, TaskDigests, int]:
