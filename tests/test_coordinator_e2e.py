@@ -91,6 +91,10 @@ def test_demo_scenario_through_the_cli(cluster, tmp_path):
     # Human output of the CLI, and Prometheus metrics on both kinds of service.
     p = _cli(cluster, "ops", op["name"])
     assert p.returncode == 0 and "downtime" in p.stdout and "capture" in p.stdout
+    env = {k: v for k, v in cluster.env().items() if k != "PITSTOP_COORDINATOR"}  # the URL as an option instead
+    p = subprocess.run([*pitstop_cmd(), "hosts", "--json", "--coordinator", cluster.coordinator_url], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and {h["name"] for h in json.loads(p.stdout)} >= {"host-a", "host-b", "spare-1"}
     m = httpx.get(cluster.coordinator_url + "/metrics").text
     assert 'pitstop_coordinator_operations_total{result="succeeded"} 1.0' in m
     assert "pitstop_coordinator_phase_duration_seconds_count{phase=\"capture\"} 1.0" in m

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -145,10 +145,19 @@ def coordinator(
         _fail(e)
 
 
-def _client():  # noqa: ANN202
+def _coordinator_option() -> Any:
+    return typer.Option(None, "--coordinator", envvar="PITSTOP_COORDINATOR", show_envvar=True,
+                        help="the coordinator's URL, http(s)://HOST:PORT")
+
+
+def _client(url: str | None, as_json: bool = False):  # noqa: ANN202
+    """The coordinator's client; a missing or malformed URL is said plainly, not raised."""
     from .coordinator.client import CoordinatorClient
 
-    return CoordinatorClient()
+    try:
+        return CoordinatorClient(url)
+    except PitstopError as e:
+        _fail(e, as_json)
 
 
 def _age(s: float) -> str:
@@ -156,10 +165,11 @@ def _age(s: float) -> str:
 
 
 @app.command()
-def hosts(as_json: bool = typer.Option(False, "--json")) -> None:
+def hosts(as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = _coordinator_option()) -> None:
     """List hosts: role, health, GPUs, last heartbeat."""
+    c = _client(coordinator, as_json)
     try:
-        hs = _client().hosts()
+        hs = c.hosts()
     except PitstopError as e:
         _fail(e, as_json)
     if as_json:
@@ -186,10 +196,11 @@ def hosts(as_json: bool = typer.Option(False, "--json")) -> None:
 
 
 @app.command()
-def jobs(as_json: bool = typer.Option(False, "--json")) -> None:
+def jobs(as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = _coordinator_option()) -> None:
     """List jobs and where their workers run."""
+    c = _client(coordinator, as_json)
     try:
-        js = _client().jobs()
+        js = c.jobs()
     except PitstopError as e:
         _fail(e, as_json)
     if as_json:
@@ -205,10 +216,11 @@ def jobs(as_json: bool = typer.Option(False, "--json")) -> None:
 
 @app.command()
 def ops(op_id: Optional[str] = typer.Argument(None, help="an operation id; omit to list all"),
-        as_json: bool = typer.Option(False, "--json")) -> None:
+        as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = _coordinator_option()) -> None:
     """List operations, or show one."""
+    c = _client(coordinator, as_json)
     try:
-        data = _client().op(op_id) if op_id else _client().ops()
+        data = c.op(op_id) if op_id else c.ops()
     except PitstopError as e:
         _fail(e, as_json)
     if as_json:
@@ -262,7 +274,7 @@ def evacuate(
     wait: bool = typer.Option(False, "--wait", help="wait for the operation to finish"),
     as_json: bool = typer.Option(False, "--json", help="print the (final) Operation as JSON"),
     idempotency_key: Optional[str] = typer.Option(None, "--idempotency-key", help="retry-safe request key"),
-    timeout: float = typer.Option(900.0, help="seconds to wait with --wait"),
+    timeout: float = typer.Option(900.0, min=0, help="seconds to wait with --wait"),
     post_copy: Optional[bool] = typer.Option(
         None, "--post-copy/--no-post-copy",
         help="network post-copy: the job resumes before most of the moved memory has travelled; it follows "
@@ -272,6 +284,7 @@ def evacuate(
         None, "--pre-copy/--no-pre-copy",
         help="send the leaving workers' memory while the job still runs, then only what changed during the "
              "pause.  Default: the coordinator's PITSTOP_COORDINATOR_PRE_COPY"),
+    coordinator: Optional[str] = _coordinator_option(),
 ) -> None:
     """Move every worker off NODE to a spare while its jobs keep training.
 
@@ -280,7 +293,7 @@ def evacuate(
 
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
-    c = _client()
+    c = _client(coordinator, as_json)
     try:
         o = c.evacuate(node, to, idempotency_key, post_copy=post_copy, pre_copy=pre_copy)
     except PitstopError as e:

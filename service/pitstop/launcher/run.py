@@ -76,18 +76,36 @@ def _handles(pid: int, sig: int) -> bool:
     return False
 
 
-def _find_ns_init(unshare_pid: int, timeout_s: float = 10.0) -> int:
+class EndedAtOnce(Exception):
+    """The command ended before it could be registered (a command that has nothing to do)."""
+
+
+def _find_ns_init(p: subprocess.Popen, timeout_s: float = 10.0) -> int:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        kids = proctree.children(unshare_pid)
+        kids = proctree.children(p.pid)
         # Registered only once `setsid` has run: CRIU needs the root to lead its session.
         if kids and proctree.session_id(kids[0]) == kids[0]:
             return kids[0]
-        if not proctree.exists(unshare_pid):
-            break
+        if p.poll() is not None:
+            raise EndedAtOnce()
         time.sleep(0.005)
     raise PitstopError("the command did not start in its own PID namespace",
                        action="check that `unshare --pid --fork` works here (pitstop doctor)")
+
+
+def bad_agent_url(agent_url: str) -> str | None:
+    """What is wrong with an --agent value, before anything is started (None: nothing)."""
+    if agent_url.startswith("unix:"):
+        return None if agent_url[len("unix:"):].startswith("/") else \
+            f"--agent {agent_url!r}: a local socket is given as unix:/ABSOLUTE/PATH"
+    try:
+        u = httpx.URL(agent_url)
+    except httpx.InvalidURL as e:
+        return f"--agent {agent_url!r} is not a URL ({e})"
+    if u.scheme not in ("http", "https") or not u.host:
+        return f"--agent {agent_url!r} is not http(s)://HOST:PORT or unix:/PATH (e.g. http://127.0.0.1:7070)"
+    return None
 
 
 def _pump(fd: int, out) -> None:  # noqa: ANN001
@@ -173,8 +191,17 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     except PitstopError as e:
         print(f"pitstop run: {e}", file=sys.stderr)
         return 125
+    bad = bad_agent_url(agent_url)
+    if bad:
+        print(f"pitstop run: {bad}", file=sys.stderr)
+        return 2
     client = agent_client(agent_url)
-    _limit_caps(client)
+    try:  # before the command starts: a worker its agent cannot take in is one nobody can move
+        info = client.info(timeout=10)
+    except PitstopError as e:
+        print(f"pitstop run: {e}; the command was not started", file=sys.stderr)
+        return 125
+    _limit_caps(info)
     prefix: list[str] = []
     if address:  # its own network namespace and address, made by the agent (network/workerns.py)
         try:
@@ -201,8 +228,16 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     for t in pumps:
         t.start()
     try:
-        root = _find_ns_init(p.pid)
+        root = _find_ns_init(p)
         w = client.register(job, rank, root, address)
+    except EndedAtOnce:
+        for t in pumps:
+            t.join(5)
+        print(f"pitstop run: {cmd[0]} ended before its agent could take it in (exit status "
+              f"{shell_code(p.returncode)}); nothing to move", file=sys.stderr)
+        if address:
+            _safe(client.drop_network, f"{job}.{rank}")
+        return shell_code(p.returncode)
     except PitstopError as e:
         print(f"pitstop run: could not register with the agent: {e}", file=sys.stderr)
         p.kill()
@@ -237,10 +272,10 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     return shell_code(_follow(client, wid))
 
 
-def _limit_caps(client: AgentClient) -> None:
+def _limit_caps(info: dict) -> None:
     """The worker may hold only what its agent can give back on a restore (capture/caps.py)."""
     try:
-        bnd = (_safe(client.info) or {}).get("cap_bnd")
+        bnd = info.get("cap_bnd")
         if bnd:
             caps.limit_bounding_set(int(bnd, 16))
     except (OSError, ValueError) as e:
