@@ -42,7 +42,7 @@ def _settings(cls, **kw):  # noqa: ANN001, ANN202 - a pydantic-settings class
         bad = "; ".join(f"{prefix}{'_'.join(map(str, x['loc'])).upper()}={x.get('input')!r}: {x['msg']}"
                         for x in e.errors())
         _fail(InvalidRequest(f"bad setting: {bad}",
-                             action="fix the value in the environment (or /etc/pitstop/*.env) and start again"))
+                             action="fix the flag or the variable (environment, /etc/pitstop/*.env) and start again"))
 
 
 @app.command()
@@ -357,6 +357,13 @@ def pki_init(directory: Path = typer.Argument(..., help="where the CA's ca.pem a
         print(tls.init_ca(directory))
     except PitstopError as e:
         _fail(e)
+    except OSError as e:
+        _fail(_cannot_write(directory, e))
+
+
+def _cannot_write(directory: Path, e: OSError) -> PitstopError:
+    return InvalidRequest(f"cannot write in {directory}: {e.strerror} ({e.filename})", code="pki_directory",
+                          action="give a directory on a writable file system, e.g. /etc/pitstop/ca")
 
 
 @pki.command("issue")
@@ -369,10 +376,21 @@ def pki_issue(directory: Path = typer.Argument(..., help="the CA's directory"),
     """Issue NAME.pem and NAME.key; point PITSTOP_TLS_CA/CERT/KEY at them on that host."""
     from . import tls
 
+    from pydantic import TypeAdapter, ValidationError
+
+    from .endpoints import HostName
+
+    try:
+        TypeAdapter(HostName).validate_python(name)
+    except ValidationError as e:
+        _fail(InvalidRequest(f"certificate name: {e.errors()[0]['msg'].removeprefix('Value error, ')}",
+                             action="it is also the file name NAME.pem: use the host's or the person's short name"))
     try:
         crt, key = tls.issue(directory, name, san, days, role=role)
     except PitstopError as e:
         _fail(e)
+    except OSError as e:
+        _fail(_cannot_write(directory, e))
     print(f"PITSTOP_TLS_CA={directory / 'ca.pem'}\nPITSTOP_TLS_CERT={crt}\nPITSTOP_TLS_KEY={key}")
 
 

@@ -9,16 +9,18 @@ from typing import Literal
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ..endpoints import DataListenAddress, HostName, ListenAddress, ServiceURL, split_host_port
+
 
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PITSTOP_AGENT_", extra="ignore", populate_by_name=True)
 
-    name: str = Field(default_factory=socket.gethostname)
+    name: HostName = Field(default_factory=socket.gethostname)
     # CPU priority of the agent among the job's busy processes (pitstop/priority.py)
     nice: int = Field(default=-10, ge=-20, le=19)
-    listen: str = "127.0.0.1:7070"
-    advertise_url: str | None = None  # what peers and the coordinator use; default http://<listen>
-    coordinator: str | None = Field(default=None, validation_alias=AliasChoices(
+    listen: ListenAddress = "127.0.0.1:7070"
+    advertise_url: ServiceURL | None = None  # what peers and the coordinator use; default http://<listen>
+    coordinator: ServiceURL | None = Field(default=None, validation_alias=AliasChoices(
         "PITSTOP_AGENT_COORDINATOR", "PITSTOP_COORDINATOR"))
     state_dir: Path = Path("/var/lib/pitstop/agent")
     image_dir: Path | None = None      # default: /dev/shm/pitstop/<name> (tmpfs)
@@ -44,7 +46,7 @@ class AgentSettings(BaseSettings):
     stream_while_dumping: bool = True
     # Image streams arrive on a plain socket of their own (transfer/dataport.py); port 0: any free
     # port, announced in /v1/info.  Set a fixed one (e.g. 0.0.0.0:7071) where firewalls need it.
-    data_listen: str | None = None     # default: the listen host, port 0
+    data_listen: DataListenAddress | None = None     # default: the listen host, port 0
     # Post-copy from the local copy (capture/lazy_pages.py): the restored worker runs before its
     # memory is all in place; a lazy-pages daemon fills it.  Shorter downtime; after the commit
     # the worker depends on that daemon until the fill ends (it is stopped if the daemon fails).
@@ -70,8 +72,7 @@ class AgentSettings(BaseSettings):
     data_advertise_port: int | None = Field(default=None, ge=1, le=65535)  # what peers connect to, behind NAT
 
     def data_host_port(self) -> tuple[str, int]:
-        host, _, port = (self.data_listen or f"{self.host_port()[0]}:0").rpartition(":")
-        return host.strip("[]") or "127.0.0.1", int(port)
+        return split_host_port(self.data_listen or f"{self.listen.rpartition(':')[0]}:0")
 
     @property
     def url(self) -> str:
@@ -88,5 +89,4 @@ class AgentSettings(BaseSettings):
         return self.socket_path or self.state_dir / "agent.sock"
 
     def host_port(self) -> tuple[str, int]:
-        host, _, port = self.listen.rpartition(":")
-        return host.strip("[]") or "127.0.0.1", int(port)
+        return split_host_port(self.listen)

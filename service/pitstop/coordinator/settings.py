@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ..endpoints import ListenAddress, split_host_port
+
 if TYPE_CHECKING:
     from .health_policy import HealthPolicy
 
@@ -15,7 +17,7 @@ if TYPE_CHECKING:
 class CoordinatorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PITSTOP_COORDINATOR_", extra="ignore", populate_by_name=True)
 
-    listen: str = "127.0.0.1:7000"
+    listen: ListenAddress = "127.0.0.1:7000"
     nice: int = Field(default=-10, ge=-20, le=19)  # CPU priority beside busy jobs (pitstop/priority.py)
     db: Path = Path("/var/lib/pitstop/coordinator.db")
     operator_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_TOKEN"))
@@ -63,5 +65,4 @@ class CoordinatorSettings(BaseSettings):
                                                    if r.strip()))
 
     def host_port(self) -> tuple[str, int]:
-        host, _, port = self.listen.rpartition(":")
-        return host.strip("[]") or "127.0.0.1", int(port)
+        return split_host_port(self.listen)

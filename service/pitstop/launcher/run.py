@@ -229,7 +229,13 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         t.start()
     try:
         root = _find_ns_init(p)
-        w = client.register(job, rank, root, address)
+        try:
+            w = client.register(job, rank, root, address)
+        except PitstopError:
+            if proctree.exists(root):
+                raise
+            p.wait(10)  # it ended while the agent looked at it: the refusal is only that
+            raise EndedAtOnce() from None
     except EndedAtOnce:
         for t in pumps:
             t.join(5)

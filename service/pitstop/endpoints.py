@@ -1,0 +1,68 @@
+"""What a listen address, a service URL and a host name must look like.
+
+Checked when settings load, so a typo stops the service at start with the setting's name and
+what was expected (cli._settings says it), instead of a traceback from deep in the server or,
+worse, a service that logs "up" while it listens nowhere (a port above 65535).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Annotated
+
+import httpx
+from pydantic import AfterValidator
+
+_HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,62})$")
+_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """HOST:PORT or [V6]:PORT into its parts (an empty host is loopback's)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{value!r} is not HOST:PORT (e.g. 0.0.0.0:7070 or [::]:7070)")
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise ValueError(f"{value!r}: an IPv6 host goes in brackets, [::1]:7070")
+        host = host[1:-1]
+        ipaddress.IPv6Address(host)  # ValueError names what is wrong
+    elif ":" in host:
+        raise ValueError(f"{value!r}: an IPv6 host goes in brackets, [::1]:7070")
+    elif host and not all(_LABEL.match(p) for p in host.split(".")):
+        raise ValueError(f"{value!r}: {host!r} is neither an address nor a host name")
+    return host or "127.0.0.1", int(port)
+
+
+def _listen(value: str, *, any_port: bool) -> str:
+    _, port = split_host_port(value)
+    low = 0 if any_port else 1
+    if not low <= port <= 65535:
+        raise ValueError(f"{value!r}: port {port} is outside {low}-65535")
+    return value
+
+
+def _url(value: str) -> str:
+    try:
+        u = httpx.URL(value)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"{value!r} is not a URL ({e})") from None
+    if u.scheme not in ("http", "https") or not u.host:
+        raise ValueError(f"{value!r} is not http(s)://HOST:PORT")
+    if u.port is not None and not 1 <= u.port <= 65535:
+        raise ValueError(f"{value!r}: port {u.port} is outside 1-65535")
+    return value
+
+
+def _host_name(value: str) -> str:
+    if not _HOST_NAME.match(value):
+        raise ValueError(f"{value!r} is not a host name: 1-63 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit")
+    return value
+
+
+ListenAddress = Annotated[str, AfterValidator(lambda v: _listen(v, any_port=False))]
+DataListenAddress = Annotated[str, AfterValidator(lambda v: _listen(v, any_port=True))]  # 0: any free port
+ServiceURL = Annotated[str, AfterValidator(_url)]
+HostName = Annotated[str, AfterValidator(_host_name)]
