@@ -156,3 +156,36 @@ def test_a_certificate_name_cannot_leave_the_ca_directory(tmp_path):
     p = _cli("pki", "issue", str(ca), "../evil", "--role", "agent")
     assert p.returncode == 1 and "is not a host name" in p.stderr
     assert sorted(x.name for x in tmp_path.rglob("*")) == ["ca", "ca.key", "ca.pem"]
+
+
+@pytest.mark.parametrize("command", ["agent", "coordinator"])
+def test_a_port_in_use_stops_a_service_before_it_touches_anything(tmp_path, command):
+    """Before: uvicorn's traceback, after the agent had created its directories (and mounted its
+    image tmpfs)."""
+    held = socket.create_server(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    state = tmp_path / "state"
+    state.mkdir()
+    args = {"agent": ["--name", "x", "--state-dir", str(state / "agent"), "--image-dir", str(state / "images")],
+            "coordinator": ["--db", str(state / "db" / "c.db")]}[command]
+    try:
+        p = subprocess.run([*pitstop_cmd(), command, "--insecure", "--listen", f"127.0.0.1:{port}", *args],
+                           capture_output=True, text=True, timeout=60)
+    finally:
+        held.close()
+    out = " ".join(p.stderr.split())
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"cannot listen on 127.0.0.1:{port} (tcp)" in out and "Address already in use" in out, out
+    assert f"ss -lnpt 'sport = :{port}'" in out
+    assert not any(state.iterdir())
+
+
+@pytest.mark.parametrize("command, args, says", [
+    ("agent", ["--name", "x", "--state-dir", "/proc/pitstop-nope"], "cannot prepare the agent's directories"),
+    ("coordinator", ["--db", "/proc/pitstop-nope/c.db"], "cannot open the database /proc/pitstop-nope/c.db"),
+])
+def test_an_unusable_state_directory_is_said_plainly(command, args, says):
+    p = subprocess.run([*pitstop_cmd(), command, "--insecure", "--listen", f"127.0.0.1:{_closed_port()}", *args],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PITSTOP_AGENT_IMAGE_MOUNT="off"))
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert says in " ".join(p.stderr.split())

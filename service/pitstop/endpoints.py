@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from typing import Annotated
 
 import httpx
 from pydantic import AfterValidator
+
+from .errors import FailedPrecondition
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,62})$")
 _LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
@@ -66,3 +69,28 @@ ListenAddress = Annotated[str, AfterValidator(lambda v: _listen(v, any_port=Fals
 DataListenAddress = Annotated[str, AfterValidator(lambda v: _listen(v, any_port=True))]  # 0: any free port
 ServiceURL = Annotated[str, AfterValidator(_url)]
 HostName = Annotated[str, AfterValidator(_host_name)]
+
+
+def listening_socket(host: str, port: int, what: str, *, datagram: bool = False) -> socket.socket:
+    """Bind (and listen) now, before anything else starts: a port another process holds, or an
+    address this host does not have, then stops the service at once with both named, instead of
+    a server framework's traceback after the service has mounted and adopted things."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        if not datagram:
+            return socket.create_server((host, port), family=family, backlog=2048)
+        s = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            s.bind((host, port))
+        except BaseException:
+            s.close()
+            raise
+        return s
+    except OSError as e:
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        proto = "udp" if datagram else "tcp"
+        why = (e.strerror or str(e)).split(" (while attempting")[0]  # create_server repeats the address
+        raise FailedPrecondition(f"cannot listen on {where} ({proto}) for {what}: {why}", code="cannot_listen",
+                                 action=f"another process may hold the port (`ss -lnp{proto[0]} 'sport = :{port}'`) "
+                                        "or the address is not on this host: stop it or choose another address"
+                                 ) from None

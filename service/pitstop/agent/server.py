@@ -11,6 +11,7 @@ import uvloop
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .. import tls
+from ..endpoints import listening_socket
 from ..transfer.dataport import DataPort
 from ..capture import lazy_pages, runtime
 from ..errors import FailedPrecondition
@@ -64,18 +65,31 @@ def serve(s: AgentSettings) -> None:
     check_lazy_restore(s)
     _preload()
     become_subreaper()
-    agent = Agent(s)
     host, port = s.host_port()
-    s.sock.parent.mkdir(parents=True, exist_ok=True)
-    if s.sock.exists():
-        s.sock.unlink()
+    data_host, data_port = s.data_host_port()
+    socks = [listening_socket(host, port, "the agent's API (--listen)")]  # first: a failure changes nothing
+    try:
+        socks.append(listening_socket(data_host, data_port, "image streams (PITSTOP_AGENT_DATA_LISTEN)"))
+        try:
+            agent = Agent(s)
+            s.sock.parent.mkdir(parents=True, exist_ok=True)
+            if s.sock.exists():
+                s.sock.unlink()
+        except OSError as e:
+            raise FailedPrecondition(f"cannot prepare the agent's directories: {e.strerror}: {e.filename}",
+                                     code="agent_directories",
+                                     action="give --state-dir and --image-dir on writable local file systems") from None
+    except BaseException:
+        for x in socks:
+            x.close()
+        raise
+    tcp_sock, data_sock = socks
     tcp = uvicorn.Server(uvicorn.Config(peer_app(agent), host=host, port=port, log_level="warning",
                                         http=tls.http_protocol(), lifespan="off", timeout_keep_alive=30,
                                         **tls.server_kwargs()))
     uds = uvicorn.Server(uvicorn.Config(local_app(agent), uds=str(s.sock), log_level="warning",
                                         http=checked(HttpToolsProtocol, s.local_group), lifespan="off"))
-    data_host, data_port = s.data_host_port()
-    port_ = DataPort(data_host, data_port, token=s.cluster_token, open_slot=agent.dest.open_slot,
+    port_ = DataPort(data_host, data_port, sock=data_sock, token=s.cluster_token, open_slot=agent.dest.open_slot,
                      fail_slot=agent.dest.fail_slot, finished=agent.finish_slot, on_error=agent.storage_error,
                      idle_timeout_s=min(s.transfer_timeout_s, 60.0), pages_for=agent.source.pages_for).start()
     agent.data_port = agent.source.data_port = s.data_advertise_port or port_.port
@@ -86,7 +100,7 @@ def serve(s: AgentSettings) -> None:
         extra.append(heartbeat_loop(agent))
 
     async def main() -> None:
-        tasks = [asyncio.create_task(tcp.serve()), asyncio.create_task(uds.serve())]
+        tasks = [asyncio.create_task(tcp.serve(sockets=[tcp_sock])), asyncio.create_task(uds.serve())]
         tasks += [asyncio.create_task(x) for x in extra]
         while not (tcp.started and uds.started):
             if any(t.done() for t in tasks[:2]):
@@ -105,7 +119,9 @@ def serve(s: AgentSettings) -> None:
             if t not in done:
                 t.cancel()
 
-    uvloop.run(main())  # libuv's loop: 0.45 instead of 0.49 cores at 3,000 HTTP beats/s (bench/heartbeat_load.py)
-    if not reclaim.drain(30):
-        log.warning("image deletions still running at shutdown; the next start finishes them")
-    imagefs.release(agent.image_fs)
+    try:
+        uvloop.run(main())  # libuv's loop: 0.45 instead of 0.49 cores at 3,000 HTTP beats/s (bench/heartbeat_load.py)
+    finally:  # also when a listener failed: the image mount must not outlive the agent
+        if not reclaim.drain(30):
+            log.warning("image deletions still running at shutdown; the next start finishes them")
+        imagefs.release(agent.image_fs)

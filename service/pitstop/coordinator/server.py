@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 
 import structlog
 import uvicorn
@@ -10,6 +11,7 @@ import uvloop
 
 from .. import priority, tls
 
+from ..endpoints import listening_socket
 from ..errors import FailedPrecondition
 from ..sdnotify import notify, watchdog_loop
 from .api import build
@@ -37,20 +39,35 @@ def serve(s: CoordinatorSettings) -> None:
         raise FailedPrecondition(f"refusing to start without {' and '.join(missing)}", code="no_token",
                                  action="set them (operators use PITSTOP_TOKEN, agents PITSTOP_CLUSTER_TOKEN), "
                                         "or pass --insecure for local development")
-    app, driver = build(s)
-    touched = driver.reconcile()
     host, port = s.host_port()
+    sock = listening_socket(host, port, "the coordinator's API (--listen)")
+    udp_sock = None
+    try:
+        if s.beat_udp:  # the same port, for beats as datagrams
+            udp_sock = listening_socket(host, port, "heartbeats (--listen)", datagram=True)
+        try:
+            app, driver = build(s)
+        except (OSError, sqlite3.Error) as e:
+            raise FailedPrecondition(f"cannot open the database {s.db}: {getattr(e, 'strerror', None) or e}",
+                                     code="database", action="give --db a path on a writable local file system "
+                                                             "(SQLite needs its directory writable too)") from None
+    except BaseException:
+        sock.close()
+        if udp_sock is not None:
+            udp_sock.close()
+        raise
+    touched = driver.reconcile()
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
                                            http=tls.http_protocol(),
                                            **tls.server_kwargs()))
 
     async def main() -> None:
-        serving = asyncio.create_task(server.serve())
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)
         udp = None
-        if s.beat_udp:
-            udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(app.datagrams, local_addr=(host, port))
+        if udp_sock is not None:
+            udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(app.datagrams, sock=udp_sock)
         dog = asyncio.create_task(watchdog_loop())
         flusher = asyncio.create_task(flush_loop(driver.store, s.flush_s))
         log.info("coordinator up", listen=s.listen, db=str(s.db), reconciled=touched)

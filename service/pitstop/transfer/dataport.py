@@ -66,13 +66,15 @@ class DataPort:
     def __init__(self, host: str, port: int, *, token: str | None, open_slot: Callable[[str], Any],
                  fail_slot: Callable[[Any], None], finished: Callable[[Any], dict],
                  on_error: Callable[[Any, OSError], PitstopError], idle_timeout_s: float = 60.0,
-                 pages_for: Callable[[str], Callable[[socket.socket], None]] | None = None) -> None:
+                 pages_for: Callable[[str], Callable[[socket.socket], None]] | None = None,
+                 sock: socket.socket | None = None) -> None:
         self._token = token.encode() if token else None
         self._pages_for = pages_for  # image id -> who serves its lazy pages (raises if nobody)
         self._open_slot, self._fail_slot, self._finished, self._on_error = open_slot, fail_slot, finished, on_error
         self.idle_timeout_s = idle_timeout_s
-        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                         backlog=64, reuse_port=False)
+        # `sock`: already listening (agent/server.py binds before anything else, to fail early)
+        self.sock = sock or socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                                 backlog=64, reuse_port=False)
         self.port = self.sock.getsockname()[1]
         self._ssl = self._server_context()
         self._stop = threading.Event()
