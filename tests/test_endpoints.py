@@ -29,25 +29,17 @@ def test_the_data_port_may_be_any_free_port():
     assert TypeAdapter(DataListenAddress).validate_python("0.0.0.0:0") == "0.0.0.0:0"
 
 
-@pytest.mark.parametrize("value, ok", [
-    ("http://coord:7000", True), ("https://10.0.0.5:7000/", True), ("http://[::1]:7000", True),
-    ("coord:7000", False), ("ftp://coord", False), ("http://", False), ("http://coord:0", False),
+@pytest.mark.parametrize("kind, value, ok", [
+    (ServiceURL, "http://coord:7000", True), (ServiceURL, "https://10.0.0.5:7000/", True),
+    (ServiceURL, "http://[::1]:7000", True), (ServiceURL, "coord:7000", False), (ServiceURL, "ftp://coord", False),
+    (ServiceURL, "http://", False), (ServiceURL, "http://coord:0", False),
+    (HostName, "host-a", True), (HostName, "spare-1", True), (HostName, "gpu-17.cluster.local", True),
+    (HostName, "a", True), (HostName, "n_1", True), (HostName, "", False), (HostName, "..", False),
+    (HostName, "a/b", False), (HostName, ".hidden", False), (HostName, "x" * 64, False), (HostName, "a b", False),
 ])
-def test_service_urls(value, ok):
+def test_service_urls_and_host_names(kind, value, ok):
     if ok:
-        assert TypeAdapter(ServiceURL).validate_python(value) == value
+        assert TypeAdapter(kind).validate_python(value) == value
     else:
         with pytest.raises(ValidationError):
-            TypeAdapter(ServiceURL).validate_python(value)
-
-
-@pytest.mark.parametrize("value, ok", [
-    ("host-a", True), ("spare-1", True), ("gpu-17.cluster.local", True), ("a", True), ("n_1", True),
-    ("", False), ("..", False), ("a/b", False), (".hidden", False), ("x" * 64, False), ("a b", False),
-])
-def test_host_names(value, ok):
-    if ok:
-        assert TypeAdapter(HostName).validate_python(value) == value
-    else:
-        with pytest.raises(ValidationError):
-            TypeAdapter(HostName).validate_python(value)
+            TypeAdapter(kind).validate_python(value)
