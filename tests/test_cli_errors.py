@@ -30,7 +30,7 @@ def _closed_port() -> int:
     return port
 
 
-@pytest.mark.parametrize("command", [["hosts"], ["jobs"], ["ops"], ["evacuate", "host-b"]])
+@pytest.mark.parametrize("command", [["hosts"], ["jobs"], ["ops"], ["evacuate", "host-b"], ["cancel", "op-1"]])
 def test_no_coordinator_says_how_to_give_one(command):
     p = _cli(*command)
     assert p.returncode == 1, p.stderr

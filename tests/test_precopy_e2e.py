@@ -6,6 +6,7 @@ The faults are the ways a pre-copy can go wrong; none may fail the move or lose 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 from pitstop.capture import proctree
 from pitstop.coordinator.client import CoordinatorClient
+from pitstop.devcluster import pitstop_cmd
 
 from .helpers import assert_same_as_reference, ddp_cmd, reference_hashes, until, wait_for_step
 from .test_coordinator_e2e import _wait_jobs, _wait_op
@@ -190,9 +192,14 @@ def test_cancelling_during_the_pre_copy_stops_it_and_leaves_the_job_where_it_was
         cluster, tmp_path, src_env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_finish=sleep:5"},
         until=lambda o: o["metadata"].get("pre_copy_bytes", 0) > 0 or o["done"])
     assert op["metadata"]["phase"] == "precopy", op
-    cc.cancel(op["name"])
-    op = _wait_op(cc, op["name"])
-    assert op["metadata"]["result"] == "cancelled", op
+    p = subprocess.run([*pitstop_cmd(), "cancel", op["name"], "--wait", "--json"], env=cluster.env(),
+                       capture_output=True, text=True, timeout=120)  # as an operator would
+    assert p.returncode == 0, p.stderr
+    op = json.loads(p.stdout)
+    assert op["done"] and op["metadata"]["result"] == "cancelled", op
+    p = subprocess.run([*pitstop_cmd(), "cancel", op["name"]], env=cluster.env(), capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and "already done (cancelled)" in p.stderr and "nothing to cancel" in p.stderr
     src = cluster.agents["host-b"].client()
     assert src.precopies() == [] and src.worker("train.1")["state"] == "running"
     until(lambda: not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()), 30)

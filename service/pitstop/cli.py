@@ -239,6 +239,36 @@ def ops(op_id: Optional[str] = typer.Argument(None, help="an operation id; omit 
     out.print(t)
 
 
+@app.command()
+def cancel(op_id: str = typer.Argument(..., help="the operation to cancel (as `pitstop ops` lists it)"),
+           wait: bool = typer.Option(False, "--wait", help="wait until it has rolled back"),
+           timeout: float = typer.Option(300.0, min=0, help="seconds to wait with --wait"),
+           as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = _coordinator_option()) -> None:
+    """Cancel an evacuation before its commit point: it rolls back and every worker keeps running
+    where it was.  Past the commit point it is refused (the move finishes)."""
+    import time
+
+    c = _client(coordinator, as_json)
+    try:
+        o = c.cancel(op_id)
+        end = time.monotonic() + timeout
+        while wait and not o["done"] and time.monotonic() < end:
+            time.sleep(0.2)
+            o = c.op(o["name"])
+    except PitstopError as e:
+        _fail(e, as_json)
+    if as_json:
+        print(json.dumps(o, indent=1))
+    elif o["done"]:
+        _print_op(o)
+    else:
+        out.print(f"cancelling {o['name']} (phase {o['metadata']['phase']}): it rolls back; "
+                  f"follow with `pitstop ops {o['name']}`")
+    if wait and not o["done"]:
+        err.print(f"[yellow]still rolling back after {timeout:.0f} s; follow with `pitstop ops {o['name']}`[/]")
+        raise typer.Exit(2)
+
+
 def _print_op(o: dict) -> None:
     m = o["metadata"]
     t = Table(title=f"{o['name']}: {m['node']} -> {m['destination']} ({m.get('result') or m['phase']})")
@@ -261,7 +291,8 @@ def _print_op(o: dict) -> None:
                           f"{m['fill_s']:.3f}")
     out.print(t)
     if o.get("error"):
-        err.print(f"[bold red]failed:[/] {o['error']['message']}")
+        how = "cancelled" if m.get("result") == "cancelled" else "failed"
+        err.print(f"[bold red]{how}:[/] {o['error']['message']}")
         for d in o["error"].get("details", []):
             if d.get("action"):
                 err.print(f"[bold]what to do:[/] {d['action']}")
