@@ -406,15 +406,12 @@ def pki_issue(directory: Path = typer.Argument(..., help="the CA's directory"),
               days: int = typer.Option(365, min=1, max=3650)) -> None:
     """Issue NAME.pem and NAME.key; point PITSTOP_TLS_CA/CERT/KEY at them on that host."""
     from . import tls
-
-    from pydantic import TypeAdapter, ValidationError
-
-    from .endpoints import HostName
+    from .endpoints import check_host_name
 
     try:
-        TypeAdapter(HostName).validate_python(name)
-    except ValidationError as e:
-        _fail(InvalidRequest(f"certificate name: {e.errors()[0]['msg'].removeprefix('Value error, ')}",
+        check_host_name(name)
+    except ValueError as e:
+        _fail(InvalidRequest(f"certificate name: {e}",
                              action="it is also the file name NAME.pem: use the host's or the person's short name"))
     try:
         crt, key = tls.issue(directory, name, san, days, role=role)

@@ -46,7 +46,8 @@ def _listen(value: str, *, any_port: bool) -> str:
     return value
 
 
-def _url(value: str) -> str:
+def check_url(value: str) -> str:
+    """`value` if it is an http(s)://HOST[:PORT] URL; ValueError saying what is wrong otherwise."""
     try:
         u = httpx.URL(value)
     except httpx.InvalidURL as e:
@@ -58,7 +59,8 @@ def _url(value: str) -> str:
     return value
 
 
-def _host_name(value: str) -> str:
+def check_host_name(value: str) -> str:
+    """`value` if it may name a host (and a file): ValueError saying what is wrong otherwise."""
     if not _HOST_NAME.match(value):
         raise ValueError(f"{value!r} is not a host name: 1-63 letters, digits, '.', '_' or '-', "
                          "starting with a letter or digit")
@@ -67,8 +69,8 @@ def _host_name(value: str) -> str:
 
 ListenAddress = Annotated[str, AfterValidator(lambda v: _listen(v, any_port=False))]
 DataListenAddress = Annotated[str, AfterValidator(lambda v: _listen(v, any_port=True))]  # 0: any free port
-ServiceURL = Annotated[str, AfterValidator(_url)]
-HostName = Annotated[str, AfterValidator(_host_name)]
+ServiceURL = Annotated[str, AfterValidator(check_url)]
+HostName = Annotated[str, AfterValidator(check_host_name)]
 
 
 def listening_socket(host: str, port: int, what: str, *, datagram: bool = False) -> socket.socket:

@@ -10,6 +10,7 @@ import httpx
 from .. import tls
 
 from ..agent.client import raise_for
+from ..endpoints import check_url
 from ..errors import FailedPrecondition, InvalidRequest, Unavailable
 
 
@@ -19,10 +20,11 @@ class CoordinatorClient:
         if not url:
             raise FailedPrecondition("no coordinator given", code="no_coordinator",
                                      action="set PITSTOP_COORDINATOR=http://HOST:PORT or pass --coordinator")
-        parsed = httpx.URL(url) if "://" in url else None
-        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
-            raise InvalidRequest(f"coordinator URL {url!r} is not http(s)://HOST:PORT", code="bad_coordinator_url",
-                                 action="give the URL with its scheme, e.g. http://10.0.0.5:7000")
+        try:
+            check_url(url)
+        except ValueError as e:
+            raise InvalidRequest(f"coordinator URL {e}", code="bad_coordinator_url",
+                                 action="give the URL with its scheme, e.g. http://10.0.0.5:7000") from None
         self.url = url.rstrip("/")
         token = token if token is not None else os.environ.get("PITSTOP_TOKEN")
         self.http = httpx.Client(base_url=self.url, timeout=timeout, verify=tls.client_context(),
@@ -33,7 +35,8 @@ class CoordinatorClient:
             return raise_for(self.http.request(method, path, **kw))
         except httpx.HTTPError as e:
             raise Unavailable(f"cannot reach the coordinator at {self.url}: {e!r}",
-                              action="check the coordinator URL (--coordinator or PITSTOP_COORDINATOR) and that the coordinator runs") from None
+                              action="check the coordinator URL (--coordinator or PITSTOP_COORDINATOR) "
+                                     "and that the coordinator runs") from None
 
     def hosts(self) -> list[dict]:
         return self._req("GET", "/v1/hosts")

@@ -44,6 +44,7 @@ import httpx
 from ..agent.client import AgentClient
 from ..capture import caps, proctree
 from .. import tls
+from ..endpoints import check_url
 from ..errors import PitstopError
 from .seccomp import deny_io_uring
 
@@ -100,10 +101,8 @@ def bad_agent_url(agent_url: str) -> str | None:
         return None if agent_url[len("unix:"):].startswith("/") else \
             f"--agent {agent_url!r}: a local socket is given as unix:/ABSOLUTE/PATH"
     try:
-        u = httpx.URL(agent_url)
-    except httpx.InvalidURL as e:
-        return f"--agent {agent_url!r} is not a URL ({e})"
-    if u.scheme not in ("http", "https") or not u.host:
+        check_url(agent_url)
+    except ValueError:
         return f"--agent {agent_url!r} is not http(s)://HOST:PORT or unix:/PATH (e.g. http://127.0.0.1:7070)"
     return None
 
@@ -231,10 +230,13 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         root = _find_ns_init(p)
         try:
             w = client.register(job, rank, root, address)
-        except PitstopError:
+        except PitstopError as refused:
             if proctree.exists(root):
                 raise
-            p.wait(10)  # it ended while the agent looked at it: the refusal is only that
+            try:
+                p.wait(10)  # it ended while the agent looked at it: the refusal is only that
+            except subprocess.TimeoutExpired:
+                raise refused from None  # not ended after all: the refusal stands
             raise EndedAtOnce() from None
     except EndedAtOnce:
         for t in pumps:
