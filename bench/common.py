@@ -15,32 +15,39 @@ from pathlib import Path
 from pitstop.devcluster import step_gaps, step_times
 
 RECEIVER = r"""
-import socket, sys
+import socket, sys, time
 s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
 print(s.getsockname()[1], flush=True)
-c, _ = s.accept(); buf = bytearray(4 << 20); n = 0
+c, _ = s.accept(); buf = bytearray(4 << 20); n = 0; c0 = time.process_time()
 while True:
     k = c.recv_into(buf)
     if not k: break
     n += k
-print(n, flush=True)
+print(n, time.process_time() - c0, flush=True)
 """
 
 
-def raw_tcp_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes/s of a plain TCP copy between two processes over loopback: the transfer floor."""
+def raw_tcp_bandwidth(nbytes: int = 1 << 30, cpu: dict[str, float] | None = None) -> float:
+    """Bytes/s of a plain TCP copy between two processes over loopback: the transfer floor.
+    `cpu`, if given, gets each end's CPU seconds ("sender", "receiver"): on this VM the rate moves
+    with the host's memory, CPU per byte much less, so it shows where a transfer's cost goes."""
     p = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
     port = int(p.stdout.readline())
     data = memoryview(bytearray(b"\x5a" * (4 << 20)))
     s = socket.create_connection(("127.0.0.1", port))
+    c0 = time.process_time()
     t0 = time.perf_counter()
     sent = 0
     while sent < nbytes:
         s.sendall(data)
         sent += len(data)
     s.shutdown(socket.SHUT_WR)
-    got = int(p.stdout.readline())
+    sender_cpu = time.process_time() - c0
+    got_s, rx_cpu = p.stdout.readline().split()
+    got = int(got_s)
     dt = time.perf_counter() - t0
+    if cpu is not None:
+        cpu.update(sender=sender_cpu, receiver=float(rx_cpu))
     s.close()
     p.wait()
     assert got == sent

@@ -12,6 +12,10 @@ xxh3 on both ends, the manifest check) and, in the same run, interleaved:
                     transfer that lands in memory can cost on this machine.
   pitstop stream    the image directory through the data port, into the same kind of tmpfs.
 
+Each end's CPU seconds are recorded for every method: on this VM the rate moves with the memory
+the host has taken back, CPU per byte much less, and the difference in CPU between the stream and
+raw TCP is what the stream costs beyond moving bytes.
+
 Both tmpfs are mounted for the run the way the agent mounts its image directory
 (huge=within_size, agent/imagefs.py), so the destination's memory is what a move writes to.
 Run as root: `.venv/bin/python bench/stream_rate.py [--mib 768] [--repeats 5]`.
@@ -42,6 +46,7 @@ path = sys.argv[1]
 s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
 print(s.getsockname()[1], flush=True)
 c, _ = s.accept(); buf = bytearray(4 << 20); mv = memoryview(buf); n = 0
+import time; c0 = time.process_time()
 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 while True:
     k = c.recv_into(mv)
@@ -49,11 +54,11 @@ while True:
     os.pwrite(fd, mv[:k], n)
     n += k
 os.close(fd)
-print(n, flush=True)
+print(n, time.process_time() - c0, flush=True)
 """
 
 STREAM_RECEIVER = r"""
-import sys, threading
+import sys, threading, time
 from pathlib import Path
 from types import SimpleNamespace
 from pitstop.transfer.dataport import DataPort
@@ -61,10 +66,10 @@ from pitstop.transfer.stream import StreamReceiver
 dest = Path(sys.argv[1])
 done = threading.Event()
 def open_slot(image_id):
-    return SimpleNamespace(image_id=image_id, receiver=StreamReceiver(dest / image_id))
+    return SimpleNamespace(image_id=image_id, receiver=StreamReceiver(dest / image_id), cpu0=time.process_time())
 def finished(slot):
     done.set()
-    return {"bytes": slot.receiver.received}
+    return {"bytes": slot.receiver.received, "receiver_cpu_s": time.process_time() - slot.cpu0}
 def fail_slot(slot):
     done.set()
 port = DataPort("127.0.0.1", 0, token=None, open_slot=open_slot, fail_slot=fail_slot, finished=finished,
@@ -100,8 +105,9 @@ def make_images(src: Path, mib: int) -> int:
     return sum(p.stat().st_size for p in src.iterdir())
 
 
-def file_to_file(src_file: Path, dest_file: Path) -> float:
-    """sendfile() from `src_file`, recv_into() + pwrite() into `dest_file`; bytes/s."""
+def file_to_file(src_file: Path, dest_file: Path, cpu: dict[str, float]) -> float:
+    """sendfile() from `src_file`, recv_into() + pwrite() into `dest_file`; bytes/s (each end's
+    CPU seconds into `cpu`)."""
     p = subprocess.Popen([sys.executable, "-c", FILE_RECEIVER, str(dest_file)], stdout=subprocess.PIPE, text=True)
     try:
         port = int(p.stdout.readline())  # type: ignore[union-attr]
@@ -109,12 +115,15 @@ def file_to_file(src_file: Path, dest_file: Path) -> float:
         s = socket.create_connection(("127.0.0.1", port), timeout=60)
         s.settimeout(None)  # sendfile() on a socket with a timeout would return EAGAIN
         fd = os.open(src_file, os.O_RDONLY)
+        c0 = time.process_time()
         t0 = time.perf_counter()
         off = 0
         while off < size:
             off += os.sendfile(s.fileno(), fd, off, size - off)
         s.shutdown(socket.SHUT_WR)
-        got = int(p.stdout.readline())  # type: ignore[union-attr]
+        cpu["sender"] = time.process_time() - c0
+        got_s, rx_cpu = p.stdout.readline().split()  # type: ignore[union-attr]
+        got, cpu["receiver"] = int(got_s), float(rx_cpu)
         dt = time.perf_counter() - t0
         os.close(fd)
         s.close()
@@ -130,7 +139,8 @@ def file_to_file(src_file: Path, dest_file: Path) -> float:
 
 
 def pitstop_stream(src: Path, port: int, image_id: str, dest: Path) -> tuple[float, dict]:
-    """The image directory through the data port, as a move sends it; bytes/s and the reply."""
+    """The image directory through the data port, as a move sends it; bytes/s and the reply
+    (the receiver's CPU seconds in it, the sender's added: its read-ahead thread included)."""
     from pitstop.capture.manifest import Manifest
     from pitstop.transfer import dataport
     from pitstop.transfer.stream import DirectoryTail
@@ -138,9 +148,11 @@ def pitstop_stream(src: Path, port: int, image_id: str, dest: Path) -> tuple[flo
     tail = DirectoryTail(src)
     tail.manifest_base = Manifest(capture_id=image_id)
     tail.finished.set()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     reply = dataport.send(iter(tail), "127.0.0.1", port, image_id, None, timeout_s=60)
     dt = time.perf_counter() - t0
+    reply["sender_cpu_s"] = time.process_time() - c0
     got = dest / image_id
     n = sum(p.stat().st_size for p in got.iterdir() if p.name != "pitstop-manifest.json")
     shutil.rmtree(got)
@@ -169,24 +181,43 @@ def main() -> None:
         port = int(rx.stdout.readline())  # type: ignore[union-attr]
         pitstop_stream(images, port, "warm-up", destfs)  # first touch of the destination's memory
         runs: dict[str, list[float]] = {"raw TCP": [], "file to file": [], "pitstop stream": []}
+        cpu: dict[str, dict[str, list[float]]] = {k: {"sender": [], "receiver": []} for k in runs}
+
+        def keep(method: str, c: dict[str, float]) -> None:
+            for end in ("sender", "receiver"):
+                cpu[method][end].append(c[end])
+
         for i in range(a.repeats):  # interleaved: a slow spell hits every method
-            runs["raw TCP"].append(raw_tcp_bandwidth(total))
-            runs["file to file"].append(file_to_file(images / "pages-1.img", destfs / "plain.img"))
-            runs["pitstop stream"].append(pitstop_stream(images, port, f"run-{i}", destfs)[0])
+            c: dict[str, float] = {}
+            runs["raw TCP"].append(raw_tcp_bandwidth(total, cpu=c))
+            keep("raw TCP", c)
+            c = {}
+            runs["file to file"].append(file_to_file(images / "pages-1.img", destfs / "plain.img", c))
+            keep("file to file", c)
+            rate, reply = pitstop_stream(images, port, f"run-{i}", destfs)
+            runs["pitstop stream"].append(rate)
+            keep("pitstop stream", {"sender": reply["sender_cpu_s"], "receiver": reply["receiver_cpu_s"]})
         med = {k: statistics.median(v) for k, v in runs.items()}
+        cpu_med = {k: {end: statistics.median(v) for end, v in c.items()} for k, c in cpu.items()}
         result = {
             "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "bytes": total, "repeats": a.repeats, "bytes_per_s": runs, "median_bytes_per_s": med,
             "stream_vs_raw_tcp": med["pitstop stream"] / med["raw TCP"],
             "stream_vs_file_to_file": med["pitstop stream"] / med["file to file"],
             "file_to_file_vs_raw_tcp": med["file to file"] / med["raw TCP"],
+            "stream_vs_raw_tcp_per_run": [s / r for s, r in zip(runs["pitstop stream"], runs["raw TCP"])],
+            "cpu_s": cpu, "median_cpu_s": cpu_med,
         }
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=1))
         print(f"{total / 1e6:.0f} MB per run, {a.repeats} runs each, interleaved; GB/s, median [min-max]")
         for k, v in runs.items():
             print(f"  {k:15s} {med[k] / 1e9:5.2f} [{min(v) / 1e9:.2f}-{max(v) / 1e9:.2f}]")
-        print(f"  pitstop stream / raw TCP      {result['stream_vs_raw_tcp']:.0%}")
+        print("  CPU seconds per run, median (sender / receiver):")
+        for k, c in cpu_med.items():
+            print(f"    {k:15s} {c['sender']:.3f} / {c['receiver']:.3f}")
+        print(f"  pitstop stream / raw TCP      {result['stream_vs_raw_tcp']:.0%} "
+              f"(median of the per-run ratios {statistics.median(result['stream_vs_raw_tcp_per_run']):.0%})")
         print(f"  pitstop stream / file to file {result['stream_vs_file_to_file']:.0%}")
         print(f"written to {a.out}")
     finally:
