@@ -133,7 +133,11 @@ def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
 
         cluster.start_agent("host-a", wrap=_unit_bounding_set())
         out = tmp_path / "out"
-        ranks = cluster.start_job("train", ddp_cmd(out, steps=150, state_mb=64), 1, {0: "host-a"})
+        # Steps slow enough that the job outlasts the move, the agent's restart and the watchdog's
+        # (about 10 s after the restore): at 0.05 s a step, on a fast host CPU, it finished first and
+        # "the worker stopped stepping" was a job that had ended (2026-12-01).  Sleep changes no
+        # parameter, so the reference run needs none.
+        ranks = cluster.start_job("train", ddp_cmd(out, steps=150, state_mb=64, step_sleep=0.15), 1, {0: "host-a"})
         wait_for_step(ranks[0].log, 10)
         op = cc.evacuate("host-a", to="spare-sd")
         op = until(lambda: (o := cc.op(op["name"]))["done"] and o, 240, "evacuation did not finish")
