@@ -138,9 +138,9 @@ def file_to_file(src_file: Path, dest_file: Path, cpu: dict[str, float]) -> floa
         dest_file.unlink(missing_ok=True)
 
 
-def pitstop_stream(src: Path, port: int, image_id: str, dest: Path) -> tuple[float, dict]:
-    """The image directory through the data port, as a move sends it; bytes/s and the reply
-    (the receiver's CPU seconds in it, the sender's added: its read-ahead thread included)."""
+def pitstop_stream(src: Path, port: int, image_id: str, dest: Path, cpu: dict[str, float] | None = None) -> float:
+    """The image directory through the data port, as a move sends it; bytes/s (each end's CPU
+    seconds into `cpu`, the sender's with its read-ahead thread)."""
     from pitstop.capture.manifest import Manifest
     from pitstop.transfer import dataport
     from pitstop.transfer.stream import DirectoryTail
@@ -152,11 +152,12 @@ def pitstop_stream(src: Path, port: int, image_id: str, dest: Path) -> tuple[flo
     t0 = time.perf_counter()
     reply = dataport.send(iter(tail), "127.0.0.1", port, image_id, None, timeout_s=60)
     dt = time.perf_counter() - t0
-    reply["sender_cpu_s"] = time.process_time() - c0
+    if cpu is not None:
+        cpu.update(sender=time.process_time() - c0, receiver=reply["receiver_cpu_s"])
     got = dest / image_id
     n = sum(p.stat().st_size for p in got.iterdir() if p.name != "pitstop-manifest.json")
     shutil.rmtree(got)
-    return n / dt, reply
+    return n / dt
 
 
 def main() -> None:
@@ -182,21 +183,14 @@ def main() -> None:
         pitstop_stream(images, port, "warm-up", destfs)  # first touch of the destination's memory
         runs: dict[str, list[float]] = {"raw TCP": [], "file to file": [], "pitstop stream": []}
         cpu: dict[str, dict[str, list[float]]] = {k: {"sender": [], "receiver": []} for k in runs}
-
-        def keep(method: str, c: dict[str, float]) -> None:
-            for end in ("sender", "receiver"):
-                cpu[method][end].append(c[end])
-
         for i in range(a.repeats):  # interleaved: a slow spell hits every method
-            c: dict[str, float] = {}
-            runs["raw TCP"].append(raw_tcp_bandwidth(total, cpu=c))
-            keep("raw TCP", c)
-            c = {}
-            runs["file to file"].append(file_to_file(images / "pages-1.img", destfs / "plain.img", c))
-            keep("file to file", c)
-            rate, reply = pitstop_stream(images, port, f"run-{i}", destfs)
-            runs["pitstop stream"].append(rate)
-            keep("pitstop stream", {"sender": reply["sender_cpu_s"], "receiver": reply["receiver_cpu_s"]})
+            for method, run in (("raw TCP", lambda c: raw_tcp_bandwidth(total, cpu=c)),
+                                ("file to file", lambda c: file_to_file(images / "pages-1.img", destfs / "plain.img", c)),
+                                ("pitstop stream", lambda c: pitstop_stream(images, port, f"run-{i}", destfs, c))):
+                c: dict[str, float] = {}
+                runs[method].append(run(c))
+                for end, seconds in c.items():
+                    cpu[method][end].append(seconds)
         med = {k: statistics.median(v) for k, v in runs.items()}
         cpu_med = {k: {end: statistics.median(v) for end, v in c.items()} for k, c in cpu.items()}
         result = {
