@@ -99,7 +99,7 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
         pause = max(g[-1] for g in gaps if g)
         normal = sorted(x for g in gaps for x in g)[len([x for g in gaps for x in g]) // 2]
         diverged = first_divergent_step([rk.log for rk in ranks])
-        if diverged is not None:  # keep the evidence (README: the open gloo divergence)
+        if diverged is not None:  # keep the evidence (docs/reliability.md: the MKL race)
             keep = keep_logs(c.root, OUT / f"divergent-{label.replace(' ', '_').replace(',', '')}-{world}-"
                                            f"{int(time.time())}")
             print(f"{label}: ranks disagree from step {diverged} on; logs kept in {keep}", flush=True)

@@ -1,4 +1,5 @@
-"""Probe for the open gloo divergence (README, "open correctness issue"): evacuate a 2-rank
+"""Probe for a gloo divergence across a move (the one seen up to 2026-12-01 was torch's MKL race:
+bench/vml_race_probe.py, docs/reliability.md): evacuate a 2-rank
 job's second host N times and report, for each run, the first step at which the ranks'
 parameter digests differ (ddp_train --trace-params) next to the step after which the move
 happened.  Optional CPU burners add load.  Not a benchmark: a diagnostic.

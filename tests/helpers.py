@@ -29,8 +29,27 @@ def until(pred, timeout: float = 30.0, what: str = "condition", every: float = 0
 
 def ddp_cmd(out: Path, steps: int = 100, workers: int = 0, state_mb: float = 0.0,
             step_sleep: float = 0.05) -> list[str]:
+    """The test job; it traces its parameters, so a wrong result names the step it parted at."""
     return [sys.executable, DDP, "--steps", str(steps), "--out", str(out), "--workers", str(workers),
-            "--state-mb", str(state_mb), "--step-sleep", str(step_sleep)]
+            "--state-mb", str(state_mb), "--step-sleep", str(step_sleep), "--trace-params"]
+
+
+def read_trace(out: Path, rank: int) -> dict[int, str]:
+    """Step -> parameter digest, from ddp_train's --trace-params file (empty if none)."""
+    try:
+        lines = (out / f"trace-rank{rank}.txt").read_text().split("\n")
+    except OSError:
+        return {}
+    return {int(s): d for s, d in (ln.split() for ln in lines if ln.strip())}
+
+
+def first_departures(out: Path, ref_out: Path, world: int) -> dict[int, int | None]:
+    """Per rank, the first step after which the job's parameters differ from the reference run's."""
+    res = {}
+    for r in range(world):
+        got, want = read_trace(out, r), read_trace(ref_out, r)
+        res[r] = next((s for s in sorted(got) if s in want and got[s] != want[s]), None)
+    return res
 
 
 class Reference(list):
@@ -40,6 +59,7 @@ class Reference(list):
         super().__init__(hashes)
         self.tmp, self.world, self.kw = tmp, world, kw
         self.confirmed = False
+        self.out = tmp / "reference-0"  # the run whose hashes these are (its parameter trace is there)
 
     def confirm(self) -> None:
         """Run it once or twice more; keep the majority.  A disagreement is recorded."""
@@ -49,7 +69,9 @@ class Reference(list):
         if runs[0] != runs[1]:
             runs.append(_uninterrupted(self.tmp / "reference-2", self.world, self.kw))
             REFERENCE_DISAGREEMENTS.append(f"{(self.world, self.kw)}: {[r[0][:12] for r in runs]}")
-        self[:] = max(runs, key=runs.count)
+        best = max(runs, key=runs.count)
+        self.out = self.tmp / f"reference-{runs.index(best)}"
+        self[:] = best
         self.confirmed = True
 
 
@@ -93,8 +115,10 @@ def assert_same_as_reference(out: Path, ref: list[str]) -> None:
     got = [hash_of(out, r) for r in range(len(ref))]
     if got != ref and isinstance(ref, Reference):
         ref.confirm()  # before calling it a wrong move: was the reference itself the odd one?
+    parted = (f"first step after which each rank differs from it: {first_departures(out, ref.out, len(ref))}; "
+              if isinstance(ref, Reference) and got != ref else "")
     assert got == ref, (f"final parameters differ from the uninterrupted run: got {got}, want {list(ref)}; "
-                        f"ranks {'agree' if len(set(got)) == 1 else 'DISAGREE'} with each other; "
+                        f"ranks {'agree' if len(set(got)) == 1 else 'DISAGREE'} with each other; {parted}"
                         f"uninterrupted runs that disagreed among themselves: {REFERENCE_DISAGREEMENTS or 'none'}")
 
 

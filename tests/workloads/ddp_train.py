@@ -24,6 +24,30 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
+# The float functions ATen hands to MKL's vector math library (VML) on x86 builds
+# (aten/src/ATen/cpu/vml.h, IMPLEMENT_VML_MKL).
+_VML_OPS = (torch.acos, torch.asin, torch.atan, torch.cos, torch.erf, torch.erfc, torch.erfinv, torch.exp,
+            torch.log, torch.log10, torch.log2, torch.sin, torch.sqrt, torch.tan, torch.tanh, torch.trunc)
+
+
+def warm_mkl_vml() -> None:
+    """Resolve MKL VML's kernels on this one thread, before any op runs on several.
+
+    The oneMKL 2024.2 bundled with torch's CPU wheels picks each VML function's kernel at
+    its first call; when that first call runs on several intra-op threads at once, one of
+    them can compute its whole chunk with the low-accuracy AVX2 "EP" kernel although high
+    accuracy was asked for (pytorch/pytorch#188792).  In this job that first call is Adam's
+    sqrt in step 1: under CPU load, about one fresh process in a few hundred took a
+    different first update on one rank and the ranks' parameters parted for good (matched
+    bit for bit: docs/reliability.md).  One call on a 1-element tensor, which runs on the
+    calling thread only, settles every kernel first.  A relaunched job (checkpoint-restart)
+    is a fresh process and needs it again; a restored one keeps MKL's state."""
+    for dtype in (torch.float32, torch.float64):
+        x = torch.full((1,), 0.5, dtype=dtype)
+        for op in _VML_OPS:
+            op(x)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
@@ -32,7 +56,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--out", required=True, help="directory for rank<N>.pt and rank<N>.sha256")
-    p.add_argument("--trace-params", action="store_true", help="print a digest of the parameters every step")
+    p.add_argument("--trace-params", action="store_true", help="print a digest of the parameters every step (also to --out/trace-rank<N>.txt)")
     p.add_argument("--save-at-step", type=int, default=0,
                    help="checkpoint-restart baseline: after this step torch.save everything to --ckpt and exit")
     p.add_argument("--ckpt", help="directory for the checkpoint (--save-at-step, --resume)")
@@ -40,6 +64,7 @@ def main() -> None:
     args = p.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    warm_mkl_vml()
     print(f"phase start t={T_START:.6f}", flush=True)
     print(f"phase imported t={time.time():.6f}", flush=True)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -79,6 +104,9 @@ def main() -> None:
         if args.trace_params:
             d = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
             print(f"params {step} {d}", flush=True)
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"trace-rank{rank}.txt"), "a") as f:  # no fd kept open across a move
+                f.write(f"{step} {d}\n")
             if step == 1:  # the first update is where the rare gloo divergence shows (README)
                 os.makedirs(args.out, exist_ok=True)
                 torch.save({"params": [p.detach().clone() for p in model.parameters()],
