@@ -97,7 +97,9 @@ def reference_hashes(tmp: Path, world: int, **kw) -> Reference:
     One run; assert_same_as_reference runs it again (a third time if the two differ, majority
     wins) before it calls a mismatch: on 2026-11-29 one plain 4-rank run on this VM produced
     another result than eight others of the same job, and a wrong reference must not be
-    mistaken for a wrong move.  (Two runs up front cost the suite about 2 minutes.)"""
+    mistaken for a wrong move.  (That odd run was most likely MKL's first-call race, which the job
+    now settles before its first step: docs/reliability.md; the majority rule stays as a guard.
+    Two runs up front would cost the suite about 2 minutes.)"""
     key = (world, tuple(sorted(kw.items())))
     if key not in _REF_CACHE:
         _REF_CACHE[key] = Reference(_uninterrupted(tmp / "reference-0", world, kw), tmp, world, kw)
