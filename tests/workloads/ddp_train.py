@@ -56,7 +56,8 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--out", required=True, help="directory for rank<N>.pt and rank<N>.sha256")
-    p.add_argument("--trace-params", action="store_true", help="print a digest of the parameters every step (also to --out/trace-rank<N>.txt)")
+    p.add_argument("--trace-params", action="store_true",
+                   help="print a digest of the parameters every step (also to --out/trace-rank<N>.txt)")
     p.add_argument("--save-at-step", type=int, default=0,
                    help="checkpoint-restart baseline: after this step torch.save everything to --ckpt and exit")
     p.add_argument("--ckpt", help="directory for the checkpoint (--save-at-step, --resume)")
@@ -107,8 +108,7 @@ def main() -> None:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, f"trace-rank{rank}.txt"), "a") as f:  # no fd kept open across a move
                 f.write(f"{step} {d}\n")
-            if step == 1:  # the first update is where the rare gloo divergence shows (README)
-                os.makedirs(args.out, exist_ok=True)
+            if step == 1:  # the first update is where MKL's first-call race showed (docs/reliability.md)
                 torch.save({"params": [p.detach().clone() for p in model.parameters()],
                             "grads": [p.grad.detach().clone() for p in model.parameters()]},
                            os.path.join(args.out, f"trace-rank{rank}-step1.pt"))
