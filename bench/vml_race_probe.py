@@ -59,13 +59,13 @@ def main() -> None:
                 finally:
                     os._exit(0)
             os.close(w)
-            out = os.read(r, 100).decode() or "child died"
+            out = os.read(r, 100).decode()
             os.close(r)
             os.waitpid(pid, 0)
-            if out.split()[0] != "0":
+            n, first, last = out.split() if out else ("child died", "", "")
+            if n != "0":
                 bad += 1
-                print(f"trial {i}: first call differs from the second in {out.split()[0]} elements "
-                      f"({out.split()[1]}..{out.split()[2]})" if out[0].isdigit() else f"trial {i}: {out}", flush=True)
+                print(f"trial {i}: first call differs from the second in {n} elements ({first}..{last})", flush=True)
     finally:
         for b in burners:
             b.kill()

@@ -29,8 +29,11 @@ def test_the_jobs_warm_up_leaves_no_first_call_of_mkl_vml_to_race() -> None:
 def test_a_wrong_result_names_the_first_step_each_rank_parted_from_the_reference(tmp_path: Path) -> None:
     from .helpers import first_departures
     job, ref = tmp_path / "job", tmp_path / "ref"
-    for d, lines in ((ref, ["1 aa", "2 bb", "3 cc"]), (job, ["1 aa", "2 XX", "3 YY"])):
-        d.mkdir()
-        (d / "trace-rank0.txt").write_text("\n".join(lines) + "\n")
-        (d / "trace-rank1.txt").write_text("\n".join(["1 aa", "2 bb", "3 cc"]) + "\n")
+    job.mkdir()
+    ref.mkdir()
+    same = "1 aa\n2 bb\n3 cc\n"
+    (ref / "trace-rank0.txt").write_text(same)
+    (job / "trace-rank0.txt").write_text("1 aa\n2 XX\n3 YY\n")
+    (ref / "trace-rank1.txt").write_text(same)
+    (job / "trace-rank1.txt").write_text(same)
     assert first_departures(job, ref, 3) == {0: 2, 1: None, 2: None}  # rank 2 has no trace: nothing to say
