@@ -259,8 +259,8 @@ def test_an_unwatched_fill_is_judged_by_what_it_left(tmp_path, relay, daemon_log
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("source_says", ["goodbye", "nothing"], ids=["fill over", "source gone"])
 def test_a_relay_that_ended_before_the_restore_returned_is_judged_by_its_verdict(tmp_path, source_says):
-    """A dump can have no lazy pages at all (seen once: 301 MB placed eagerly, likely a thread's
-    stack merged into the anonymous memory CRIU would otherwise mark lazy): the daemon is done
+    """A dump can have no lazy pages at all (a worker whose memory is all locked or shared; once
+    also CRIU's stack test, capture/lazyrule.py): the daemon is done
     before the restore returns and the relay has ended.  Its verdict, not a missing "ok", decides: a fill that ended well leaves
     nothing to guard (CI failure of 2026-11-30: such a move was rolled back as if the source
     had gone), one whose source hung up refuses the tree."""

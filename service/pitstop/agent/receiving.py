@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 import structlog
 
-from ..capture import criu_ops, lazy_pages, lazydelta, precopy, proctree
+from ..capture import criu_ops, lazy_pages, lazydelta, lazyrule, precopy, proctree
+from ..capture.dumpview import PAGE
 from ..capture.manifest import Manifest, check_image_id
 from ..errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed
 from .. import faults
@@ -178,8 +179,10 @@ class DestinationSide:
             parent = self._link_parent(s, m.parent)
             if lazy and not m.pages_from:
                 directory, index = self._lazy_view(s, parent)
+        elif lazy and not m.pages_from:
+            directory = self._marked_view(s)
         t1 = time.monotonic()
-        sub_phases: dict[str, float] = {"lazy_view": t1 - t_view} if index else {}
+        sub_phases: dict[str, float] = {"lazy_view": t1 - t_view} if directory != s.directory else {}
         faults.hit("restore:before_criu")
         wk = m.worker
         s.idle.clear()
@@ -240,6 +243,22 @@ class DestinationSide:
                                 action="the move rolls back; free space in the agent's image directory, or "
                                        "restore eagerly (PITSTOP_AGENT_LAZY_RESTORE=0)") from None
         return view, view / lazydelta.INDEX
+
+    def _marked_view(self, s: Slot) -> Path:
+        """A whole dump restored lazily from here: its pagemaps with pitstop's lazy marks, not
+        CRIU's, which now and then mark nothing lazy (capture/lazyrule.py).  The view to restore from."""
+        view = s.directory / LAZY_VIEW
+        shutil.rmtree(view, ignore_errors=True)  # a restore tried before
+        try:
+            changed = lazyrule.view(s.directory, view, runtime.locate().import_pycriu())
+        except OSError as e:
+            raise RestoreFailed(f"cannot write the lazy view of image {s.image_id}: {e}",
+                                action="the move rolls back; free space in the agent's image directory, or "
+                                       "restore eagerly (PITSTOP_AGENT_LAZY_RESTORE=0)") from None
+        if changed.made_lazy:
+            log.info("pitstop marked pages lazy that CRIU did not", image=s.image_id,
+                     made_lazy_bytes=changed.made_lazy * PAGE, made_eager_bytes=changed.made_eager * PAGE)
+        return view
 
     def _watch_fill(self, w: Worker, fill: lazy_pages.LazyFill, image_id: str) -> None:
         """Until every page is in place the worker depends on the daemon: if it fails, stop the worker.

@@ -2,8 +2,9 @@
 
 CRIU's own network post-copy (`dump --lazy-pages`) fails on this kernel: its page server keeps
 the pages in pipes and tee(2)s them ("page-pipe: tee: Operation not permitted").  The dump
-pitstop already makes works as the source instead: CRIU marks every page of anonymous private
-memory outside the stack PE_LAZY in the pagemap, even in a plain dump.  So the source agent
+pitstop already makes works as the source instead: a plain dump's pagemap already says which
+pages a lazy restore may leave out (PE_LAZY), and pitstop corrects CRIU's marks where its
+stack test fails them (lazyrule.py).  So the source agent
 
 - writes a *view* of the dump: every image file as it is, except that each task's pagemap has
   its lazy entries turned into "lazy, not present" and its pages file keeps only the pages the
@@ -24,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CaptureFailed
-from . import runtime
-from .dumpview import PAGE, PE_LAZY, PE_PRESENT, link_the_rest, task_images
+from . import lazyrule, runtime
+from .dumpview import PAGE, PE_LAZY, PE_PRESENT, link_the_rest
 
 
 @dataclass
@@ -59,9 +60,15 @@ class TaskPages:
 
 @dataclass
 class LazySplit:
+    """tasks: where each task's lazy pages lie.  made_lazy_bytes, made_eager_bytes: what
+    pitstop's marks changed against CRIU's (lazyrule.py); a dump whose lazy bytes were all
+    made lazy is one CRIU would have sent whole."""
+
     tasks: dict[int, TaskPages]
     eager_bytes: int = 0
     lazy_bytes: int = 0
+    made_lazy_bytes: int = 0
+    made_eager_bytes: int = 0
 
 
 def split(images: Path, view: Path, rt: runtime.CriuRuntime | None = None) -> LazySplit:
@@ -70,7 +77,10 @@ def split(images: Path, view: Path, rt: runtime.CriuRuntime | None = None) -> La
     view.mkdir(mode=0o700, exist_ok=True)
     rewritten: set[str] = set()
     out = LazySplit(tasks={})
-    for t in task_images(images, pycriu):
+    for marked in lazyrule.task_images(images, pycriu):
+        t = marked.task
+        out.made_lazy_bytes += marked.changed.made_lazy * PAGE
+        out.made_eager_bytes += marked.changed.made_eager * PAGE
         pm, img, entries, pages_name = t.pagemap, t.image, t.entries, t.pages_name
         task = TaskPages(files=[images / pages_name])
         src = os.open(images / pages_name, os.O_RDONLY)
@@ -124,4 +134,5 @@ def copy_range(src: int, dst: int, off: int, n: int) -> None:
 
 
 def describe(s: LazySplit) -> dict[str, Any]:
-    return {"eager_bytes": s.eager_bytes, "lazy_bytes": s.lazy_bytes, "tasks": len(s.tasks)}
+    return {"eager_bytes": s.eager_bytes, "lazy_bytes": s.lazy_bytes, "tasks": len(s.tasks),
+            "made_lazy_bytes": s.made_lazy_bytes, "made_eager_bytes": s.made_eager_bytes}

@@ -40,8 +40,8 @@ import numpy as np
 import xxhash
 
 from ..errors import CaptureFailed
-from . import runtime
-from .dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, link_the_rest, task_images
+from . import lazyrule, runtime
+from .dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, link_the_rest
 
 BLOCK_PAGES = 16
 BLOCK = PAGE * BLOCK_PAGES
@@ -258,7 +258,8 @@ def rewrite(images: Path, view: Path, basis: Basis, rt: runtime.CriuRuntime | No
     view.mkdir(mode=0o700, exist_ok=True)
     out = Delta()
     rewritten: set[str] = set()
-    for t in task_images(images, pycriu):
+    for marked in lazyrule.task_images(images, pycriu):  # its PE_LAZY marks decide a lazy restore of the delta
+        t = marked.task
         pm, img, head, entries, pages_name = t.pagemap, t.image, t.head, t.entries, t.pages_name
         digests = basis.tasks.get(t.pid)
         new_entries: list[dict[str, Any]] = []
