@@ -57,9 +57,11 @@ def main() -> int:
             return 1
         say("starting a coordinator and three agents (host-a, host-b active; spare-1 spare)")
         c.start_coordinator()
-        for name, spare in (("host-a", False), ("host-b", False), ("spare-1", True)):
-            a = c.start_agent(name, spare=spare)
-            print(f"   agent {name:<8} {a.url}  state {a.state_dir}")
+        with c.starting():  # side by side
+            agents = [c.start_agent(name, spare=spare)
+                      for name, spare in (("host-a", False), ("host-b", False), ("spare-1", True))]
+        for a in agents:
+            print(f"   agent {a.name:<8} {a.url}  state {a.state_dir}")
         say(f"starting a 4-rank torch DDP job (gloo, {STEPS} steps) through `pitstop run`, 2 ranks per host")
         out = c.root / "out"
         ranks = c.start_job("demo", [sys.executable, str(WORKLOAD), "--steps", str(STEPS), "--out", str(out),

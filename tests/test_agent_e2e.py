@@ -28,8 +28,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
 def _job(cluster, tmp_path, world=2, placement=None, **kw):
-    a = cluster.agents.get("a") or cluster.start_agent("a")
-    b = cluster.agents.get("b") or cluster.start_agent("b", spare=True)
+    with cluster.starting():
+        a = cluster.agents.get("a") or cluster.start_agent("a")
+        b = cluster.agents.get("b") or cluster.start_agent("b", spare=True)
     out = tmp_path / "out"
     ranks = cluster.start_job("j", ddp_cmd(out, **kw), world, placement or {r: "a" for r in range(world)})
     for r in range(world):

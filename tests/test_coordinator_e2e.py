@@ -26,10 +26,11 @@ SLEEPER = [sys.executable, str(WORKLOADS / "sleeper.py"), "120"]
 
 def _cluster(cluster, spare=True):
     cluster.start_coordinator()
-    cluster.start_agent("host-a")
-    cluster.start_agent("host-b")
-    if spare:
-        cluster.start_agent("spare-1", spare=True)
+    with cluster.starting():
+        cluster.start_agent("host-a")
+        cluster.start_agent("host-b")
+        if spare:
+            cluster.start_agent("spare-1", spare=True)
     return CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
 
 
@@ -283,10 +284,11 @@ def test_a_restore_that_outlives_its_call_is_stopped_by_the_rollback(cluster, tm
     rollback looked, and did so just after: the rollback's discard must stop that copy, or the
     rank runs twice."""
     cluster.start_coordinator(env={"PITSTOP_COORDINATOR_STEP_TIMEOUT_S": "3"})
-    cluster.start_agent("host-a")
-    cluster.start_agent("host-b")
-    spare = cluster.start_agent("spare-1", spare=True, env={"PITSTOP_ENABLE_FAULTS": "1",
-                                                            "PITSTOP_FAULTS": "restore:before_register=sleep:6"})
+    with cluster.starting():
+        cluster.start_agent("host-a")
+        cluster.start_agent("host-b")
+        spare = cluster.start_agent("spare-1", spare=True, env={"PITSTOP_ENABLE_FAULTS": "1",
+                                                                "PITSTOP_FAULTS": "restore:before_register=sleep:6"})
     cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
     out = tmp_path / "out"
     ranks = cluster.start_job("train", ddp_cmd(out, steps=150), 2, {0: "host-a", 1: "host-b"})

@@ -20,8 +20,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["one process", "with DataLoader children"])
 def test_lazy_restore_moves_rank_bitwise_equal(cluster, tmp_path, workers):
-    a = cluster.start_agent("a")
-    b = cluster.start_agent("b", spare=True, env={"PITSTOP_AGENT_LAZY_RESTORE": "1"})
+    with cluster.starting():
+        a = cluster.start_agent("a")
+        b = cluster.start_agent("b", spare=True, env={"PITSTOP_AGENT_LAZY_RESTORE": "1"})
     out = tmp_path / "out"
     kw = dict(steps=80, state_mb=64, workers=workers)
     ranks = cluster.start_job("j", ddp_cmd(out, **kw), 2, {0: "a", 1: "a"})
@@ -42,9 +43,10 @@ def test_lazy_restore_moves_rank_bitwise_equal(cluster, tmp_path, workers):
 
 
 def test_fill_daemon_dies_worker_is_stopped_and_says_why(cluster, tmp_path):
-    a = cluster.start_agent("a")
-    b = cluster.start_agent("b", spare=True, env={"PITSTOP_AGENT_LAZY_RESTORE": "1", "PITSTOP_ENABLE_FAULTS": "1",
-                                                  "PITSTOP_FAULTS": "restore:kill_fill=1"})
+    with cluster.starting():
+        a = cluster.start_agent("a")
+        b = cluster.start_agent("b", spare=True, env={"PITSTOP_AGENT_LAZY_RESTORE": "1", "PITSTOP_ENABLE_FAULTS": "1",
+                                                      "PITSTOP_FAULTS": "restore:kill_fill=1"})
     out = tmp_path / "out"
     ranks = cluster.start_job("j", ddp_cmd(out, steps=400, state_mb=64), 2, {0: "a", 1: "a"})
     for r in range(2):

@@ -136,8 +136,9 @@ def test_on_a_plain_dump_pitstop_and_criu_differ_only_on_stack_pages(tmp_path):
 # -- moves ----------------------------------------------------------------------------------------
 
 def _start(cluster, src_env: dict | None = None, dst_env: dict | None = None):  # noqa: ANN202
-    a = cluster.start_agent("a", env=src_env or {})
-    b = cluster.start_agent("b", spare=True, env=dst_env or {})
+    with cluster.starting():
+        a = cluster.start_agent("a", env=src_env or {})
+        b = cluster.start_agent("b", spare=True, env=dst_env or {})
     (rank,) = cluster.start_job("s", [sys.executable, str(WORKER), "160", str(MB)], 1, {0: "a"})
     cluster.wait_registered("a", "s.0")
     wait_for_step(rank.log, 5)

@@ -29,9 +29,10 @@ FAULTY = {"PITSTOP_ENABLE_FAULTS": "1"}
 def _evacuate(cluster, tmp_path, *, src_env=None, dst_env=None, coord_env=None, steps=150, workers=0,
               until=lambda o: o["done"], **evacuate):  # noqa: ANN001, ANN003, ANN202
     cluster.start_coordinator(env=coord_env or {})
-    cluster.start_agent("host-a")
-    cluster.start_agent("host-b", env=src_env or {})
-    spare = cluster.start_agent("spare-1", spare=True, env=dst_env or {})
+    with cluster.starting():
+        cluster.start_agent("host-a")
+        cluster.start_agent("host-b", env=src_env or {})
+        spare = cluster.start_agent("spare-1", spare=True, env=dst_env or {})
     cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
     out = tmp_path / "out"
     kw = dict(steps=steps, state_mb=64, workers=workers)
@@ -221,8 +222,9 @@ def test_a_failure_after_the_pre_copy_rolls_back_and_leaves_nothing(cluster, tmp
 
 def test_a_pre_copy_is_not_restored_by_itself(cluster, tmp_path):
     """Asking the destination to restore a pre-copy as if it were a capture is refused, and changes nothing."""
-    cluster.start_agent("host-b")
-    spare = cluster.start_agent("spare-1", spare=True)
+    with cluster.starting():
+        cluster.start_agent("host-b")
+        spare = cluster.start_agent("spare-1", spare=True)
     out = tmp_path / "out"
     ranks = cluster.start_job("train", ddp_cmd(out, steps=400, state_mb=16), 1, {0: "host-b"})
     cluster.wait_registered("host-b", "train.0")
@@ -247,8 +249,9 @@ def test_a_pre_copy_is_not_restored_by_itself(cluster, tmp_path):
 def test_a_pre_copy_stopped_by_its_caller_ends_and_leaves_nothing(cluster, tmp_path):
     """DELETE /v1/precopies/{id} while the pages are read: the pre-copy answers 409 `aborted`,
     the destination drops its partial copy, and the worker never noticed."""
-    cluster.start_agent("host-b", env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_finish=sleep:2"})
-    spare = cluster.start_agent("spare-1", spare=True)
+    with cluster.starting():
+        cluster.start_agent("host-b", env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_finish=sleep:2"})
+        spare = cluster.start_agent("spare-1", spare=True)
     ranks = cluster.start_job("train", ddp_cmd(tmp_path / "out", steps=400, state_mb=16), 1, {0: "host-b"})
     try:
         cluster.wait_registered("host-b", "train.0")
@@ -291,8 +294,9 @@ def test_a_pre_copy_that_would_not_fit_is_skipped(cluster, tmp_path):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m,mode=0700", "tmpfs", str(small)], check=True)
     ranks = []
     try:
-        cluster.start_agent("host-b", image_dir=small)
-        spare = cluster.start_agent("spare-1", spare=True)
+        with cluster.starting():
+            cluster.start_agent("host-b", image_dir=small)
+            spare = cluster.start_agent("spare-1", spare=True)
         ranks = cluster.start_job("train", ddp_cmd(tmp_path / "out", steps=400, state_mb=16), 1, {0: "host-b"})
         cluster.wait_registered("host-b", "train.0")
         wait_for_step(ranks[0].log, 3)

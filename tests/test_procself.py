@@ -62,8 +62,9 @@ def test_other_processes_entries_are_left_alone():
 def test_pitstop_run_preloads_it_and_it_holds_after_a_move(cluster, tmp_path):
     """Under `pitstop run` the worker finds its own entries; moved by CRIU to another host's
     agent (new outer pids), it still does, every step."""
-    a = cluster.start_agent("a")
-    b = cluster.start_agent("b", spare=True)
+    with cluster.starting():
+        a = cluster.start_agent("a")
+        b = cluster.start_agent("b", spare=True)
     ranks = cluster.start_job("p", [sys.executable, str(WORKER), "200"], 1, {0: "a"})
     cluster.wait_registered("a", "p.0")
     wait_for_step(ranks[0].log, 5)

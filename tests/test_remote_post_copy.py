@@ -30,8 +30,9 @@ REMOTE = {"PITSTOP_AGENT_REMOTE_POST_COPY": "1"}
 
 def _job(cluster, tmp_path, steps: int, workers: int = 0, src_env: dict | None = None,
          dst_env: dict | None = None):  # noqa: ANN202
-    a = cluster.start_agent("a", env={**REMOTE, **(src_env or {})})
-    b = cluster.start_agent("b", spare=True, env=dst_env or {})
+    with cluster.starting():
+        a = cluster.start_agent("a", env={**REMOTE, **(src_env or {})})
+        b = cluster.start_agent("b", spare=True, env=dst_env or {})
     out = tmp_path / "out"
     kw = dict(steps=steps, state_mb=64, workers=workers)
     ranks = cluster.start_job("j", ddp_cmd(out, **kw), 2, {0: "a", 1: "a"})
@@ -392,9 +393,10 @@ def _coordinated(cluster, tmp_path, ranks_on_b: int, steps: int, b_env: dict | N
     from pitstop.coordinator.client import CoordinatorClient
 
     cluster.start_coordinator(env=coordinator_env)
-    cluster.start_agent("host-a")
-    cluster.start_agent("host-b", env=b_env)
-    cluster.start_agent("spare-1", spare=True)
+    with cluster.starting():
+        cluster.start_agent("host-a")
+        cluster.start_agent("host-b", env=b_env)
+        cluster.start_agent("spare-1", spare=True)
     cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
     out = tmp_path / "out"
     kw = dict(steps=steps, state_mb=64)

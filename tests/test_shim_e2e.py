@@ -56,10 +56,11 @@ def _start(cluster, tmp_path, script, spares=1, steps=STEPS, extra=(), coord_env
     finally:
         for k in coord_env or {}:
             os.environ.pop(k, None)
-    for name in ("host-a", "host-b"):
-        cluster.start_agent(name)
-    for i in range(spares):
-        cluster.start_agent(f"spare-{i + 1}", spare=True)
+    with cluster.starting():
+        for name in ("host-a", "host-b"):
+            cluster.start_agent(name)
+        for i in range(spares):
+            cluster.start_agent(f"spare-{i + 1}", spare=True)
     rdv, out = tmp_path / "rdv", tmp_path / "out"
     rdv.mkdir()
     ranks = cluster.start_job("nccl", _cmd(script, rdv, out, steps, extra), 4,

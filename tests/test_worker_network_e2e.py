@@ -40,8 +40,9 @@ def _evacuate(cc, node):
 def _cluster(cluster, spares):
     cluster.net = NetHosts()
     cluster.start_coordinator()
-    for name in ("host-a", "host-b", *[f"spare-{i + 1}" for i in range(spares)]):
-        cluster.start_agent(name, spare=name.startswith("spare"))
+    with cluster.starting():
+        for name in ("host-a", "host-b", *[f"spare-{i + 1}" for i in range(spares)]):
+            cluster.start_agent(name, spare=name.startswith("spare"))
     return CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
 
 
