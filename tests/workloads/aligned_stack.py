@@ -1,7 +1,7 @@
 """A worker one of whose threads waits with its stack pointer exactly on a page boundary.
 
-That is what makes CRIU mark no page lazy (capture/lazyrule.py): a torch worker's threads hit
-it about once in twenty dumps; this one always does.  The thread runs twelve bytes of machine
+That is what makes CRIU mark no page lazy (capture/lazyrule.py): about one worker process in 256
+hits it; this one always does.  The thread runs twelve bytes of machine
 code (x86-64): `mov rsp, rdi`, then `pause()` forever, on a stack of its own whose top is
 page-aligned.  The main thread holds MB MiB of anonymous memory, every page numbered, and
 checks all of it each step: "step N ok" or "BAD ..." (exit 3).

@@ -6,11 +6,13 @@ page (criu/mem.c, generate_iovs).  Its stack test is wrong: `is_stack` compares
 (`& PAGE_MASK`; CRIU commit 1bc68dd87, 2019, turned the right mask into this one).  Since every
 vaddr it tests is page-aligned, the test is true for every page once any thread's stack
 pointer happens to be page-aligned at the dump, and then CRIU marks nothing lazy at all; it
-is false otherwise, stack pages included.  A stack pointer in a syscall is 16-byte aligned,
-so page-aligned about one time in 256; a torch worker has a dozen threads, so about one dump in
-twenty of it has no lazy page, and its
-post-copy silently becomes a full copy before the restore (seen twice in full test runs on
-2026-12-01; reproduced at will in tests/test_lazy_rule.py).
+is false otherwise, stack pages included.  How often: the main thread's stack starts at a
+random 16-byte offset in its page (235 different offsets in 600 fresh processes here), so its
+stack pointer is page-aligned in about one process in 256; the other threads' stacks are
+page-aligned mappings, so an idle thread's offset is the same in every dump (0 of 400 dumps
+of one torch process with 16 threads).  Such a dump's post-copy silently becomes a full copy
+before the restore (seen twice in full test runs on 2026-12-01; reproduced at will in
+tests/test_lazy_rule.py).
 
 So pitstop applies the rule CRIU meant, from the dump's own images: a page is lazy when its
 VMA is one CRIU's restorer registers with userfaultfd (`vma_entry_can_be_lazy`: private
