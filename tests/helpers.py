@@ -178,3 +178,18 @@ class CuttingProxy:
     def close(self) -> None:
         self._stop = True
         self.sock.close()
+
+
+def end_dumped(p: subprocess.Popen, run_id: str) -> None:
+    """After a test dumped p's tree with criu_ops.dump (which leaves it stopped, its network
+    locked): lift the lock, kill the tree, reap p."""
+    from pitstop.capture import netlock, proctree
+
+    if run_id:
+        netlock.release(run_id)
+    for pid in reversed(proctree.tree(p.pid)):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    p.wait(10)

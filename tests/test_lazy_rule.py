@@ -9,7 +9,6 @@ its memory intact, with the lazy pages really left for after the restore.
 
 from __future__ import annotations
 
-import os
 import platform
 import re
 import subprocess
@@ -18,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.capture import criu_ops, dumpview, lazyrule, netlock, proctree, runtime
+from pitstop.capture import criu_ops, dumpview, lazyrule, runtime
 from pitstop.capture.dumpview import PAGE, PE_LAZY, PE_PRESENT
 from pitstop.migration.move import move_worker
 
-from .helpers import WORKLOADS, until, wait_for_step
+from .helpers import WORKLOADS, end_dumped, until, wait_for_step
 
 WORKER = WORKLOADS / "aligned_stack.py"
 MB = 16
@@ -90,14 +89,7 @@ def _dump(tmp_path: Path, *extra: str) -> Path:
         run_id = criu_ops.dump(p.pid, images).run_id  # left stopped: killed below
         return images
     finally:
-        if run_id:
-            netlock.release(run_id)
-        for pid in reversed(proctree.tree(p.pid)):
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
-        p.wait(10)
+        end_dumped(p, run_id)
 
 
 def _pages(entries: list[dict], flag: int) -> set[int]:

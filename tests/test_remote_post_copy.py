@@ -18,12 +18,12 @@ import threading
 
 import pytest
 
-from pitstop.capture import criu_ops, lazyrule, netlock, postcopy, proctree
+from pitstop.capture import criu_ops, lazyrule, postcopy, proctree
 from pitstop.errors import PitstopError
 from pitstop.migration.move import move_worker
 from pitstop.transfer import page_server
 
-from .helpers import assert_same_as_reference, ddp_cmd, reference_hashes, step_times, until, wait_for_step
+from .helpers import assert_same_as_reference, ddp_cmd, end_dumped, reference_hashes, step_times, until, wait_for_step
 
 REMOTE = {"PITSTOP_AGENT_REMOTE_POST_COPY": "1"}
 
@@ -253,14 +253,7 @@ def dumped(tmp_path):
         run_id = criu_ops.dump(root, images).run_id
         yield images
     finally:
-        if run_id:
-            netlock.release(run_id)
-        for pid in reversed(proctree.tree(p.pid)):
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
-        p.wait(10)
+        end_dumped(p, run_id)
 
 
 @pytest.mark.timeout(120)
