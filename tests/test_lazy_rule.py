@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,8 +31,8 @@ x86_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="the parked
 
 # -- the rule, as logic --------------------------------------------------------------------------
 
-def _vma(start: int, end: int, flags: int = lazyrule.MAP_PRIVATE | lazyrule.MAP_ANONYMOUS, status: int = 1) -> dict:
-    return {"start": start, "end": end, "flags": flags, "status": status}
+def _vma(start: int, end: int, flags: int = lazyrule.MAP_PRIVATE | lazyrule.MAP_ANONYMOUS, status: int = 1):  # noqa: ANN202
+    return SimpleNamespace(start=start, end=end, flags=flags, status=status)  # a vma_entry's fields
 
 
 @pytest.mark.parametrize("flags,status,lazy", [

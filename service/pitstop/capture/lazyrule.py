@@ -42,9 +42,8 @@ THREAD_INFO = ("thread_info", "ti_aarch64")  # core_entry's registers, per archi
 def vma_can_be_lazy(vma: Any) -> bool:
     """CRIU's `vma_entry_can_be_lazy` (criu/include/vma.h): the VMAs its restorer hands to the
     lazy-pages daemon.  A page outside them must be in the pages file, or it is restored as zeros.
-    `vma`: a vma_entry message (or a dict of its fields)."""
-    get = vma.get if isinstance(vma, dict) else lambda k: getattr(vma, k)
-    flags, status = int(get("flags")), int(get("status"))
+    `vma`: a vma_entry message."""
+    flags, status = int(vma.flags), int(vma.status)
     return bool(flags & MAP_ANONYMOUS and flags & MAP_PRIVATE and not flags & (MAP_LOCKED | MAP_HUGETLB)
                 and not status & (VMA_AREA_VDSO | VMA_AREA_VVAR | VMA_AREA_VSYSCALL))
 
@@ -117,12 +116,18 @@ def first_entry(path: Path, pycriu: Any) -> Any:
     return msg
 
 
-def load(images: Path, pid: int, pycriu: Any) -> LazyRule | None:
-    """The rule for task `pid` of the dump in `images`, or None where its threads' stack pointers
-    cannot be read (then CRIU's marks are kept)."""
+def threads_of(images: Path, pycriu: Any) -> dict[int, list[int]]:
+    """Each task's thread ids, from the dump's pstree (read once for all its tasks)."""
     with open(images / "pstree.img", "rb") as f:
         tree = pycriu.images.load(f, pretty=False)["entries"]
-    threads = next((list(t.get("threads") or [pid]) for t in tree if int(t["pid"]) == pid), [pid])
+    return {int(t["pid"]): [int(x) for x in t.get("threads") or [t["pid"]]] for t in tree}
+
+
+def load(images: Path, pid: int, pycriu: Any, threads: list[int] | None = None) -> LazyRule | None:
+    """The rule for task `pid` of the dump in `images`, or None where its threads' stack pointers
+    cannot be read (then CRIU's marks are kept).  threads: the task's, if already read."""
+    if threads is None:
+        threads = threads_of(images, pycriu).get(pid, [pid])
     pinned: set[int] = set()
     for tid in threads:
         sp = stack_pointer(first_entry(images / f"core-{tid}.img", pycriu))
@@ -178,16 +183,16 @@ class RelabelledTask:
 
     task: TaskImage
     changed: Relabelled = field(default_factory=Relabelled)
-    rule_known: bool = True
 
 
 def task_images(images: Path, pycriu: Any) -> Iterator[RelabelledTask]:
     """dumpview.task_images, each task relabelled by its rule (as CRIU marked it where no rule
     can be read)."""
+    threads = threads_of(images, pycriu)
     for t in criu_task_images(images, pycriu):
-        rule = load(images, t.pid, pycriu)
+        rule = load(images, t.pid, pycriu, threads.get(t.pid, [t.pid]))
         if rule is None:
-            yield RelabelledTask(t, rule_known=False)
+            yield RelabelledTask(t)  # CRIU's marks, unchanged
             continue
         entries, changed = relabel(t.entries, rule)
         yield RelabelledTask(replace(t, entries=entries, image={**t.image, "entries": [t.head, *entries]}), changed)
