@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import secrets
 import shutil
@@ -34,9 +35,43 @@ from .capture import proctree
 from .netns import NetHosts
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now that the kernel will not hand to anyone else before its user binds it.
+
+    Why not bind(0): that port comes from the ephemeral range, the same range every outgoing
+    connection's local port and every other bind(0) comes from.  Between choosing a port and the
+    process binding it (an agent's imports, a second or more; agents start side by side) a
+    heartbeat's connection or another agent's data port could take it, and the process then
+    exits with "address in use".  Ports below the ephemeral range are only ever taken by name."""
+    lo, hi = _ephemeral_range()
+    below = (max(1024, lo - 16384), lo) if lo > 2048 else None
+    above = (hi + 1, 65536) if hi < 65535 - 1024 else None
+    spans = [r for r in (below, above) if r]
+    rng = random.Random()
+    for _ in range(256 if spans else 0):
+        port = rng.randrange(*rng.choice(spans))
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:  # no SO_REUSEADDR: a port in TIME_WAIT is passed over too
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # every port tried was busy (or no range outside): the old way
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -69,11 +104,15 @@ def step_gaps(log: Path, since: float = 0.0) -> list[float]:
 
 
 def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None,
-              verify: "ssl.SSLContext | bool" = True) -> None:
+              verify: "ssl.SSLContext | bool" = True, log: Path | None = None) -> None:
+    """log: the process's output, whose last lines a failure quotes (why it exited)."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+            tail = ""
+            if log is not None and log.exists():
+                tail = ":\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}{tail}")
         try:
             if httpx.get(url, timeout=1, verify=verify).status_code < 500:
                 return
@@ -120,7 +159,7 @@ class LocalCluster:
     net: NetHosts | None = None  # set: every agent is a host in its own network namespace
     tls_dir: Path | None = None  # set: mutual TLS from a CA made here, a certificate per process
     lease: str = field(default_factory=lambda: "cluster-" + secrets.token_hex(6))
-    _deferred: list[tuple[str, subprocess.Popen]] | None = field(default=None, repr=False)
+    _deferred: list[tuple[str, subprocess.Popen, Path]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         """Remove what killed runs left (devleases.py), then lease what this cluster will make."""
@@ -183,7 +222,7 @@ class LocalCluster:
                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.coordinator_proc = p
         self.coordinator_url = f"{self.scheme}://{host}:{port}"
-        wait_http(self.coordinator_url + "/healthz", proc=p, verify=self._verify())
+        wait_http(self.coordinator_url + "/healthz", proc=p, verify=self._verify(), log=self.root / "coordinator.log")
         return self.coordinator_url
 
     def start_agent(self, name: str, spare: bool = False, port: int | None = None,
@@ -210,9 +249,9 @@ class LocalCluster:
         a = AgentProc(name, f"{self.scheme}://{addr}:{port}", p, state, images, log, self.token)
         self.agents[name] = a
         if self._deferred is not None:
-            self._deferred.append((a.url + "/healthz", p))
+            self._deferred.append((a.url + "/healthz", p, log))
         else:
-            wait_http(a.url + "/healthz", proc=p, verify=self._verify())
+            wait_http(a.url + "/healthz", proc=p, verify=self._verify(), log=log)
         return a
 
     @contextlib.contextmanager
@@ -226,8 +265,8 @@ class LocalCluster:
         self._deferred = []
         try:
             yield
-            for url, p in self._deferred:
-                wait_http(url, proc=p, verify=self._verify())
+            for url, p, log in self._deferred:
+                wait_http(url, proc=p, verify=self._verify(), log=log)
         finally:
             self._deferred = None
 
