@@ -1,6 +1,7 @@
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,42 @@ def _no_mounts_left():
     for p in sorted(left, key=len, reverse=True):
         subprocess.run(["umount", "-l", p], capture_output=True)
     assert not left, f"mounts left behind: {sorted(left)}"
+
+
+@pytest.fixture(scope="session")
+def _suite_tmpdir(tmp_path_factory):
+    """A temporary directory only this suite writes to, as TMPDIR for it and every process it
+    starts: what a test leaves there (a tool's mkdtemp nobody removes, as torchrun's
+    torchelastic_* log directories were) is then its own, found by the check below, not mixed
+    with the rest of the machine's /tmp."""
+    tmp_path_factory.getbasetemp()  # pytest's own directories stay where pytest puts them
+    d = Path(tempfile.mkdtemp(prefix="pitstop-suite-tmp-"))
+    d.chmod(0o1777)  # as /tmp: a test's process that drops root still has a temporary directory
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(d)
+    tempfile.tempdir = None  # tempfile caches the directory it chose
+    try:
+        yield d
+    finally:
+        if old is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old
+        tempfile.tempdir = None
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# Caches a tool keeps in $TMPDIR on purpose, for every later run (torch's compile cache, which
+# torchrun's import of torch makes): not a test's leftover; the suite's directory goes at its end.
+TMP_CACHES = ("torchinductor_",)
+
+
+@pytest.fixture(autouse=True)
+def _no_temp_files_left(_suite_tmpdir):
+    before = set(os.listdir(_suite_tmpdir))
+    yield
+    left = sorted(n for n in set(os.listdir(_suite_tmpdir)) - before if not n.startswith(TMP_CACHES))
+    for name in left:  # remove anyway, then fail
+        p = _suite_tmpdir / name
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    assert not left, f"temporary files left behind in $TMPDIR: {left}"

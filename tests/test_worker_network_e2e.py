@@ -90,7 +90,9 @@ def test_torchrun_tree_moves_whole_and_the_job_finishes(cluster, tmp_path):
     script = ddp_cmd(out, steps=220)[1:]
     nodes = []  # one `pitstop run -- torchrun` per host, registered as ranks 0 and 1 of job "trun"
     for r, host in ((0, "host-a"), (1, "host-b")):
-        nodes += cluster.start_job("trun", [*trun, "--node-rank", str(r), *script], 2, {r: host}, addresses=addrs)
+        logs = ["--log-dir", str(tmp_path / f"torchrun{r}")]  # else torchrun leaves a mkdtemp in $TMPDIR
+        nodes += cluster.start_job("trun", [*trun, "--node-rank", str(r), *logs, *script], 2, {r: host},
+                                   addresses=addrs)
     _wait_jobs(cc, "trun", 2, timeout=60)
     wait_for_step(nodes[0].log, 30)
     _evacuate(cc, "host-b")
