@@ -58,7 +58,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     below = (max(1024, lo - 16384), lo) if lo > 2048 else None
     above = (hi + 1, 65536) if hi < 65535 - 1024 else None
     spans = [r for r in (below, above) if r]
-    rng = random.Random()
+    rng = random.Random()  # its own: a test that seeds the global one must not replay our ports
     for _ in range(256 if spans else 0):
         port = rng.randrange(*rng.choice(spans))
         if port in _handed_out:
@@ -159,7 +159,7 @@ class LocalCluster:
     net: NetHosts | None = None  # set: every agent is a host in its own network namespace
     tls_dir: Path | None = None  # set: mutual TLS from a CA made here, a certificate per process
     lease: str = field(default_factory=lambda: "cluster-" + secrets.token_hex(6))
-    _deferred: list[tuple[str, subprocess.Popen, Path]] | None = field(default=None, repr=False)
+    _deferred: list[AgentProc] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         """Remove what killed runs left (devleases.py), then lease what this cluster will make."""
@@ -215,14 +215,15 @@ class LocalCluster:
             self.net.setup()
             host = self.net.gateway  # reachable from every host namespace
         self.coordinator_db = self.coordinator_db or self.root / "coordinator.db"
-        log = open(self.root / "coordinator.log", "ab")
+        log_path = self.root / "coordinator.log"
+        log = open(log_path, "ab")
         p = subprocess.Popen([*pitstop_cmd(), "coordinator", "--listen", f"{host}:{port}",
                               "--db", str(self.coordinator_db), *(extra or [])],
                              env={**self.env(), **self.tls_env("coordinator", [host, "127.0.0.1"]), **(env or {})},
                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.coordinator_proc = p
         self.coordinator_url = f"{self.scheme}://{host}:{port}"
-        wait_http(self.coordinator_url + "/healthz", proc=p, verify=self._verify(), log=self.root / "coordinator.log")
+        wait_http(self.coordinator_url + "/healthz", proc=p, verify=self._verify(), log=log_path)
         return self.coordinator_url
 
     def start_agent(self, name: str, spare: bool = False, port: int | None = None,
@@ -249,10 +250,13 @@ class LocalCluster:
         a = AgentProc(name, f"{self.scheme}://{addr}:{port}", p, state, images, log, self.token)
         self.agents[name] = a
         if self._deferred is not None:
-            self._deferred.append((a.url + "/healthz", p, log))
+            self._deferred.append(a)
         else:
-            wait_http(a.url + "/healthz", proc=p, verify=self._verify(), log=log)
+            self._wait_up(a)
         return a
+
+    def _wait_up(self, a: AgentProc) -> None:
+        wait_http(a.url + "/healthz", proc=a.proc, verify=self._verify(), log=a.log)
 
     @contextlib.contextmanager
     def starting(self) -> Iterator[None]:
@@ -265,8 +269,8 @@ class LocalCluster:
         self._deferred = []
         try:
             yield
-            for url, p, log in self._deferred:
-                wait_http(url, proc=p, verify=self._verify(), log=log)
+            for a in self._deferred:
+                self._wait_up(a)
         finally:
             self._deferred = None
 
