@@ -71,26 +71,35 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
+WRITETRACK = Path(__file__).resolve().parents[1] / "native" / "build" / "libpitstop_writetrack.so"
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("change,lazy", [(False, False), (True, False), (True, True)],
-                         ids=["unchanged", "changed", "changed-lazy"])
+@pytest.mark.parametrize("change,lazy,tracked", [(False, False, False), (True, False, False), (True, True, False),
+                                                 (False, False, True), (True, False, True), (True, True, True)],
+                         ids=["unchanged", "changed", "changed-lazy",
+                              "unchanged-tracked", "changed-tracked", "changed-lazy-tracked"])
 def test_restore_from_a_delta_and_its_pre_copy_is_the_process_as_dumped(tmp_path: Path, change: bool,
-                                                                        lazy: bool) -> None:
+                                                                        lazy: bool, tracked: bool) -> None:
+    """Tracked: the kernel says what was written (capture/writetrack.py) instead of the digests."""
     report = tmp_path / "digest"
+    env = dict(os.environ, LD_PRELOAD=str(WRITETRACK)) if tracked else None
     p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", HOLDER, str(report)],
-                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     run_id, restored, fill = "", None, None
     try:
         assert p.stdout.readline().strip() == b"ready"
         root = proctree.children(p.pid)[0]
         pre, images, view = tmp_path / "pre", tmp_path / "images", tmp_path / "view"
         pre.mkdir()
-        basis = precopy.snapshot("w", proctree.tree(root), pre)
+        basis = precopy.snapshot("w", proctree.tree(root), pre, track=tracked)
         assert basis.bytes >= 64 << 20 and set(basis.tasks) == {1}  # named as in its own namespace
+        assert precopy.describe_basis(basis)["tracked_tasks"] == (1 if tracked else 0), basis.untracked
         os.kill(root, signal.SIGUSR1 if change else signal.SIGUSR2)
         before = _wait_file(Path(f"{report}.1"))
         run_id = criu_ops.dump(root, images).run_id
         delta = precopy.rewrite(images, view, basis)
+        assert (delta.tracked_tasks, delta.digested_tasks) == ((1, 0) if tracked else (0, 1))
         if change:  # 1 MiB rewritten, a page (its 64 KiB block) changed, 2 MiB new; Python's own heap moves too
             assert 3 << 20 <= delta.changed_bytes < 12 << 20, precopy.describe_delta(delta)
         else:
@@ -132,6 +141,82 @@ def test_restore_from_a_delta_and_its_pre_copy_is_the_process_as_dumped(tmp_path
             netlock.release(run_id)
         _kill_tree(p.pid)
         p.wait(10)
+
+
+BUSY = r"""
+import hashlib, mmap, os, random, signal, sys, time
+out = sys.argv[1]
+m = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+m[:] = b"\1" * len(m)
+stop = []
+signal.signal(signal.SIGUSR1, lambda *a: stop.append(1))
+signal.signal(signal.SIGUSR2, lambda *a: stop.append(2))
+print("ready", flush=True)
+sys.stdout.close()
+r, n = random.Random(1), 0
+while 1 not in stop:  # writes all over its memory, the whole time it is being read
+    p = r.randrange(len(m) // 4096) * 4096
+    m[p:p + 8] = n.to_bytes(8, "little")
+    n += 1
+k = 0
+while True:
+    if 2 in stop or k == 0:
+        k += 1
+        stop[:] = [1]
+        with open(f"{out}.{k}", "w") as f:
+            f.write(hashlib.sha256(m).hexdigest())
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_pages_written_while_they_are_read_travel_again(tmp_path: Path) -> None:
+    """The race the tracking must win: the process writes its memory all through the pre-copy;
+    every page written after its protection is reported, so the restored copy is the dumped one."""
+    report = tmp_path / "digest"
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", BUSY, str(report)],
+                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env=dict(os.environ, LD_PRELOAD=str(WRITETRACK)))
+    run_id, restored = "", None
+    try:
+        assert p.stdout.readline().strip() == b"ready"
+        root = proctree.children(p.pid)[0]
+        pre, images, view = tmp_path / "pre", tmp_path / "images", tmp_path / "view"
+        pre.mkdir()
+        basis = precopy.snapshot("w", proctree.tree(root), pre, track=True)
+        assert precopy.describe_basis(basis)["tracked_tasks"] == 1, basis.untracked
+        os.kill(root, signal.SIGUSR1)
+        before = _wait_file(Path(f"{report}.1"))
+        run_id = criu_ops.dump(root, images).run_id
+        delta = precopy.rewrite(images, view, basis)
+        assert delta.tracked_tasks == 1 and delta.changed_bytes >= 64 * 4096, precopy.describe_delta(delta)
+        assert delta.parent_bytes > 0
+        _kill_tree(p.pid)
+        p.wait(10)
+        netlock.release(run_id)
+        run_id = ""
+        (view / "parent").symlink_to(Path("..") / "pre")
+        restored, _ = criu_ops.restore(view, {})
+        os.kill(restored, signal.SIGUSR2)
+        assert _wait_file(Path(f"{report}.2")) == before
+    finally:
+        if restored:
+            _kill_tree(restored)
+        if run_id:
+            netlock.release(run_id)
+        _kill_tree(p.pid)
+        p.wait(10)
+
+
+def test_unchanged_is_what_was_copied_less_what_was_written() -> None:
+    P = precopy.PAGE
+    have = [(0, 10 * P), (20 * P, 30 * P)]
+    assert precopy._subtract(have, []) == have
+    assert precopy._subtract(have, [(2 * P, 3 * P), (9 * P, 21 * P), (29 * P, 40 * P)]) == \
+        [(0, 2 * P), (3 * P, 9 * P), (21 * P, 29 * P)]
+    unchanged = [(0, 2 * P), (3 * P, 9 * P)]
+    assert precopy._cut([a for a, _ in unchanged], unchanged, P, 12 * P) == \
+        [(P, 1, True), (2 * P, 1, False), (3 * P, 6, True), (9 * P, 3, False)]
 
 
 @pytest.mark.timeout(60)

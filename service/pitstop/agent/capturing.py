@@ -31,7 +31,7 @@ import httpx
 import structlog
 
 from .. import faults, tls
-from ..capture import criu_ops, netlock, postcopy, precopy, proctree, procwindow, runtime
+from ..capture import criu_ops, netlock, postcopy, precopy, proctree, procwindow, runtime, writetrack
 from ..capture.manifest import Manifest, check_image_id
 from ..errors import (CaptureFailed, Conflict, DeadlineExceeded, FailedPrecondition, NotFound, PitstopError,
                       TransferFailed)
@@ -82,6 +82,7 @@ class SourceSide:
         self.bases: dict[str, precopy.Basis] = {}  # pre-copies sent, by the image id of the move they serve
         self.precopies: dict[str, dict[str, Any]] = {}  # pre-copies under way, by image id: what was sent
         self._precopy_stops: dict[str, threading.Event] = {}  # by image id: set to stop that pre-copy
+        self._write_tracking_unavailable: str | None = None  # why not ("" when it is), once asked
 
     # -- capture -----------------------------------------------------------------------------
     def start(self, worker_id: str, dest_url: str | None, image_id: str | None,
@@ -164,10 +165,13 @@ class SourceSide:
         with self.state.lock:
             late = any(c.image_id == image_id for c in self.state.captures.values())
             if not late:
+                for old in [k for k, b in self.bases.items() if b.worker_id == w.id]:
+                    self.bases.pop(old).close()  # an older pre-copy of this worker: no move will use it
                 self.bases[image_id] = basis
                 while len(self.bases) > MAX_BASES:
-                    self.bases.pop(next(iter(self.bases)))
+                    self.bases.pop(next(iter(self.bases))).close()
         if late:  # its caller gave up waiting and the move went on without it: nobody will use it
+            basis.close()
             self._discard_at(dest_url, pre_id)
             raise DeadlineExceeded(f"the pre-copy for {image_id} ended after its move had started",
                                    action="none: the move sent everything; raise "
@@ -205,7 +209,7 @@ class SourceSide:
         try:
             try:
                 faults.hit("precopy:before_read")
-                basis = precopy.snapshot(w.id, pids, d, stop=stop)
+                basis = precopy.snapshot(w.id, pids, d, stop=stop, track=self._track_writes())
             except BaseException as e:
                 tail.failure = e if isinstance(e, Exception) else Exception(repr(e))
                 raise
@@ -242,7 +246,22 @@ class SourceSide:
     def _basis_for(self, cap: Capture, w: Worker) -> precopy.Basis | None:
         with self.state.lock:
             b = self.bases.pop(cap.image_id or "", None)
-        return b if b is not None and b.worker_id == w.id else None
+        if b is not None and b.worker_id != w.id:
+            b.close()
+            return None
+        return b
+
+    def _track_writes(self) -> bool:
+        """Whether a pre-copy asks the kernel what the worker wrote (capture/writetrack.py); the
+        kernel is asked once per agent."""
+        if not self.s.precopy_write_tracking:
+            return False
+        if self._write_tracking_unavailable is None:
+            self._write_tracking_unavailable = writetrack.unavailable() or ""
+            if self._write_tracking_unavailable:
+                log.warning("pre-copies hash every page at the pause: write tracking is unavailable",
+                            reason=self._write_tracking_unavailable)
+        return not self._write_tracking_unavailable
 
     def _delta(self, cap: Capture, images: Path, basis: precopy.Basis) -> None:
         """Write the delta against the pre-copy (capture/precopy.py): what travels instead of the dump."""
@@ -253,7 +272,8 @@ class SourceSide:
             raise CaptureFailed(f"could not write the delta against the pre-copy: {e}",
                                 action="the source is restored from its dump; evacuate again "
                                        "(`--no-pre-copy` sends the images whole)") from None
-        self.state.update_capture(cap, pre_copy={**precopy.describe_delta(d), "pre_copied_bytes": basis.bytes},
+        why = {"untracked_reason": next(iter(basis.untracked.values()))} if basis.untracked else {}
+        self.state.update_capture(cap, pre_copy={**precopy.describe_delta(d), "pre_copied_bytes": basis.bytes, **why},
                                   phases={**cap.phases, "delta": d.seconds})
 
     def _split(self, cap: Capture, images: Path) -> dict:

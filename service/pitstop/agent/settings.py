@@ -68,6 +68,10 @@ class AgentSettings(BaseSettings):
     # whose per-byte cost makes that pay; on: also for plain links slower than about 2 GB/s per
     # stream (on this testbed's loopback it costs more CPU than it saves); off: never.
     dedup_pages: Literal["auto", "on", "off"] = "auto"
+    # A pre-copy asks the kernel which pages the worker wrote since (capture/writetrack.py: async
+    # userfaultfd write-protection, Linux 6.7+) instead of hashing every page during the pause;
+    # off, or where the kernel or the worker cannot, it hashes (capture/precopy.py).
+    precopy_write_tracking: bool = True
     data_stream: bool = True           # False: send images as an HTTP PUT (the slower path)
     data_advertise_port: int | None = Field(default=None, ge=1, le=65535)  # what peers connect to, behind NAT
 

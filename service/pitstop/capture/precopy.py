@@ -21,6 +21,12 @@ soft-dirty (CONFIG_MEM_SOFT_DIRTY is off), so pitstop compares contents instead:
    daemon cannot read a parent, so a lazy restore of a delta goes through a parentless view
    and a local page server instead (lazydelta.py).
 
+Where the kernel and the worker allow it (capture/writetrack.py), step 2 asks the kernel instead
+of hashing: the tree's memory is write-protected (async userfaultfd) before a page is read, and
+at the pause PAGEMAP_SCAN lists what was written since.  A page is then unchanged when it was
+pre-copied and not written; nothing is hashed or mapped during the pause, and only the changed
+pages are copied.  A process that cannot be tracked is hashed as before.
+
 A digest match is the only evidence that a page is unchanged, so the digest is 128 bits:
 a collision between a page's old and new contents (about 2^-128 per page) is the one way a
 wrong page could be restored.  A tenant can only forge one against its own memory.
@@ -28,6 +34,7 @@ wrong page could be restored.  A tenant can only forge one against its own memor
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import threading
@@ -40,7 +47,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CaptureFailed
-from . import lazyrule, runtime
+from . import lazyrule, runtime, writetrack
 from .dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, link_the_rest
 
 BLOCK_PAGES = 16
@@ -59,6 +66,11 @@ class TaskDigests:
 
     blocks: dict[int, int] = field(default_factory=dict)  # aligned 64 KiB block -> digest
     pages: dict[int, int] = field(default_factory=dict)  # page outside a whole block -> digest
+    # Tracked instead of digested (writetrack.py): what was pre-copied, as (start, end), in order;
+    # at the pause, what of that was not written since (`unchanged`).
+    tracker: writetrack.Tracked | None = None
+    copied: list[tuple[int, int]] = field(default_factory=list)
+    unchanged: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -69,6 +81,14 @@ class Basis:
     tasks: dict[int, TaskDigests]
     bytes: int = 0
     seconds: float = 0.0
+    untracked: dict[int, str] = field(default_factory=dict)  # pid here -> why its writes were not tracked
+
+    def close(self) -> None:
+        """End the write tracking (this agent's userfaultfds of the tree)."""
+        for t in self.tasks.values():
+            if t.tracker is not None:
+                t.tracker.close()
+                t.tracker = None
 
 
 @dataclass
@@ -76,6 +96,8 @@ class Delta:
     parent_bytes: int = 0  # left in the parent: not sent again
     changed_bytes: int = 0  # pages that changed or were not pre-copied: in the delta's pages files
     seconds: float = 0.0
+    tracked_tasks: int = 0  # processes whose writes the kernel reported (the rest were hashed)
+    digested_tasks: int = 0
 
 
 # -- before the pause ------------------------------------------------------------------------------
@@ -158,31 +180,48 @@ def _digest_run(d: TaskDigests, vaddr: int, data: memoryview) -> None:
 
 
 def snapshot(worker_id: str, pids: list[int], out: Path, rt: runtime.CriuRuntime | None = None,
-             stop: threading.Event | None = None) -> Basis:
+             stop: threading.Event | None = None, track: bool = False) -> Basis:
     """Write the running tree's anonymous memory into `out` as a parent image set; return its digests.
 
     Pages files are written before their pagemaps, so a reader tailing `out` sees the pagemap
     only once its pages are complete.  `stop` (set by whoever gave up on this pre-copy) ends
     it within one read of 4 MiB: a pre-copy nobody waits for must not go on using the CPU and
-    the network the move that follows needs."""
+    the network the move that follows needs.  With `track`, the tree's writes are tracked from
+    before its first page is read (writetrack.py) where they can be; the caller owns the
+    result's tracking and ends it with `Basis.close()` (rewrite() does)."""
     pycriu = (rt or runtime.locate()).import_pycriu()
     t0 = time.monotonic()
     basis = Basis(worker_id=worker_id, tasks={})
     stop = stop or threading.Event()
-    for pid in pids:
-        try:
-            vpid, digests, n = _snapshot_one(pycriu, pid, out, stop)
-        except _Stopped:
-            raise stopped_error(worker_id) from None
-        except OSError as e:  # it ended, or its memory went away, while being read (a partial
-            # pages file without its pagemap may be left: CRIU reads pages only through a pagemap)
-            if pid == pids[0]:
-                raise CaptureFailed(f"the pre-copy of worker {worker_id} could not read its memory "
-                                    f"(pid {pid}): {e}", code="worker_gone",
-                                    action="the move goes on without a pre-copy") from None
-            continue  # a child that exited (a DataLoader worker between epochs): its pages go at the pause
-        basis.tasks[vpid] = digests
-        basis.bytes += n * PAGE
+    trackers, basis.untracked = writetrack.start(pids) if track else ({}, {})
+    try:
+        for pid in pids:
+            tr = trackers.pop(pid, None)
+            try:
+                vpid, digests, n = _snapshot_one(pycriu, pid, out, stop, tr)
+            except _Stopped:
+                raise stopped_error(worker_id) from None
+            except OSError as e:  # it ended, or its memory went away, while being read (a partial
+                # pages file without its pagemap may be left: CRIU reads pages only through a pagemap)
+                if tr is not None:
+                    tr.close()
+                if pid == pids[0]:
+                    raise CaptureFailed(f"the pre-copy of worker {worker_id} could not read its memory "
+                                        f"(pid {pid}): {e}", code="worker_gone",
+                                        action="the move goes on without a pre-copy") from None
+                continue  # a child that exited (a DataLoader worker between epochs): its pages go at the pause
+            except BaseException:
+                if tr is not None:
+                    tr.close()
+                raise
+            basis.tasks[vpid] = digests
+            basis.bytes += n * PAGE
+    except BaseException:
+        basis.close()
+        raise
+    finally:
+        for tr in trackers.values():  # of processes that were not read
+            tr.close()
     basis.seconds = time.monotonic() - t0
     return basis
 
@@ -197,11 +236,12 @@ def stopped_error(worker_id: str) -> CaptureFailed:
                          code="aborted", http_status=409, action="none: the move goes on without it")
 
 
-def _snapshot_one(pycriu: Any, pid: int, out: Path, stop: threading.Event) -> tuple[int, TaskDigests, int]:
+def _snapshot_one(pycriu: Any, pid: int, out: Path, stop: threading.Event,
+                  tracker: writetrack.Tracked | None = None) -> tuple[int, TaskDigests, int]:
     """One process's anonymous memory into pages-<vpid>.img and pagemap-<vpid>.img: (vpid, digests, pages)."""
     vpid = ns_pid(pid)
     vmas = _private_vmas(pid)
-    digests = TaskDigests()
+    digests = TaskDigests(tracker=tracker)
     entries: list[dict[str, Any]] = [{"pages_id": vpid}]
     pages = 0
     buf = bytearray(READ_CHUNK)  # reused: fresh memory for every read costs more than the copy here
@@ -212,7 +252,9 @@ def _snapshot_one(pycriu: Any, pid: int, out: Path, stop: threading.Event) -> tu
             with open(out / f"pages-{vpid}.img", "wb", buffering=0) as pf:
                 for start, end in vmas:
                     for va, n in _anon_runs(pm, start, end):
-                        got = _copy_run(mem, pf, digests, va, n, buf, stop)
+                        got = _copy_run(mem, pf, None if tracker else digests, va, n, buf, stop)
+                        if got and tracker:
+                            digests.copied.append((va, va + got * PAGE))
                         if got:
                             entries.append({"vaddr": va, "compat_nr_pages": 0, "nr_pages": got, "flags": PE_PRESENT})
                             pages += got
@@ -225,7 +267,7 @@ def _snapshot_one(pycriu: Any, pid: int, out: Path, stop: threading.Event) -> tu
     return vpid, digests, pages
 
 
-def _copy_run(mem: int, pf: Any, d: TaskDigests, vaddr: int, n: int, buf: bytearray, stop: threading.Event) -> int:
+def _copy_run(mem: int, pf: Any, d: TaskDigests | None, vaddr: int, n: int, buf: bytearray, stop: threading.Event) -> int:
     """Copy n pages from vaddr into the pages file; the pages copied (a VMA may vanish mid-way)."""
     copied = 0
     whole = memoryview(buf)
@@ -243,7 +285,8 @@ def _copy_run(mem: int, pf: Any, d: TaskDigests, vaddr: int, n: int, buf: bytear
             break
         view = whole[:k * PAGE]
         pf.write(view)
-        _digest_run(d, va, view)
+        if d is not None:
+            _digest_run(d, va, view)
         copied += k
         if k * PAGE < got or got < PAGE:
             break
@@ -255,6 +298,10 @@ def rewrite(images: Path, view: Path, basis: Basis, rt: runtime.CriuRuntime | No
     """Write the delta view of the dump in `images` into `view` (hard links where nothing changes)."""
     pycriu = (rt or runtime.locate()).import_pycriu()
     t0 = time.monotonic()
+    try:
+        _read_writes(basis)  # the tree is stopped: nothing writes between its dump and this
+    finally:
+        basis.close()
     view.mkdir(mode=0o700, exist_ok=True)
     out = Delta()
     rewritten: set[str] = set()
@@ -263,6 +310,15 @@ def rewrite(images: Path, view: Path, basis: Basis, rt: runtime.CriuRuntime | No
         pm, img, head, entries, pages_name = t.pagemap, t.image, t.head, t.entries, t.pages_name
         digests = basis.tasks.get(t.pid)
         new_entries: list[dict[str, Any]] = []
+        if digests is not None and digests.unchanged is not None:
+            out.tracked_tasks += 1
+            _rewrite_tracked(images / pages_name, view / pages_name, pm.name, entries, digests.unchanged,
+                             new_entries, out)
+            with open(view / pm.name, "wb") as f:
+                pycriu.images.dump({**img, "entries": [head, *new_entries]}, f)
+            rewritten |= {pm.name, pages_name}
+            continue
+        out.digested_tasks += 1
         with open(images / pages_name, "rb", buffering=0) as src, \
                 open(view / pages_name, "wb", buffering=0) as dst, _mapped(src.fileno()) as pages:
             size = len(pages)
@@ -287,6 +343,102 @@ def rewrite(images: Path, view: Path, basis: Basis, rt: runtime.CriuRuntime | No
     link_the_rest(images, view, rewritten)
     out.seconds = time.monotonic() - t0
     return out
+
+
+def _read_writes(basis: Basis) -> None:
+    """For each tracked process: what it did not write of what was pre-copied.  A process whose
+    writes cannot be read is hashed instead (its digests are empty, so all of it travels)."""
+    for d in basis.tasks.values():
+        if d.tracker is None:
+            continue
+        try:
+            d.unchanged = _subtract(d.copied, d.tracker.written())
+        except OSError:
+            d.unchanged = None
+
+
+def _subtract(have: list[tuple[int, int]], minus: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint intervals `have` less the sorted, disjoint intervals `minus`."""
+    out: list[tuple[int, int]] = []
+    j = 0
+    for a, b in have:
+        while j < len(minus) and minus[j][1] <= a:
+            j += 1
+        k = j
+        while a < b:
+            if k >= len(minus) or minus[k][0] >= b:
+                out.append((a, b))
+                break
+            if minus[k][0] > a:
+                out.append((a, minus[k][0]))
+            a = max(a, minus[k][1])
+            k += 1
+    return out
+
+
+def _rewrite_tracked(src_path: Path, dst_path: Path, pm_name: str, entries: list[dict[str, Any]],
+                     unchanged: list[tuple[int, int]], new_entries: list[dict[str, Any]], out: Delta) -> None:
+    """One tracked process's pagemap and pages: unchanged runs become PE_PARENT, only the changed
+    pages are copied (no page is read or hashed to decide)."""
+    starts = [a for a, _ in unchanged]
+    with open(src_path, "rb", buffering=0) as src, open(dst_path, "wb", buffering=0) as dst:
+        size = os.fstat(src.fileno()).st_size
+        off = 0
+        for e in entries:
+            flags, n, va = int(e["flags"]), int(e["nr_pages"]), int(e["vaddr"])
+            if not flags & PE_PRESENT:
+                new_entries.append(e)
+                continue
+            if off + n * PAGE > size:
+                raise CaptureFailed(f"{pm_name} describes more pages than {src_path.name} holds",
+                                    action="report it: the dump is inconsistent")
+            for run_va, run_n, same in _cut(starts, unchanged, va, va + n * PAGE):
+                if same:
+                    new_entries.append({"vaddr": run_va, "compat_nr_pages": 0, "nr_pages": run_n,
+                                        "flags": PE_PARENT | (flags & PE_LAZY)})
+                    out.parent_bytes += run_n * PAGE
+                else:
+                    _copy_range(src.fileno(), dst.fileno(), off + run_va - va, run_n * PAGE)
+                    new_entries.append({"vaddr": run_va, "compat_nr_pages": 0, "nr_pages": run_n, "flags": flags})
+                    out.changed_bytes += run_n * PAGE
+            off += n * PAGE
+        if off != size:
+            raise CaptureFailed(f"{pm_name} describes {off} bytes of pages, {src_path.name} holds {size}",
+                                action="report it: the dump is inconsistent")
+
+
+def _cut(starts: list[int], unchanged: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int, bool]]:
+    """[a, b) as runs (vaddr, pages, unchanged)."""
+    runs: list[tuple[int, int, bool]] = []
+    i = max(0, bisect.bisect_right(starts, a) - 1)
+    p = a
+    while p < b:
+        while i < len(unchanged) and unchanged[i][1] <= p:
+            i += 1
+        if i < len(unchanged) and unchanged[i][0] <= p:
+            q = min(b, unchanged[i][1])
+            runs.append((p, (q - p) // PAGE, True))
+        else:
+            q = min(b, unchanged[i][0]) if i < len(unchanged) else b
+            runs.append((p, (q - p) // PAGE, False))
+        p = q
+    return runs
+
+
+def _copy_range(src: int, dst: int, offset: int, count: int) -> None:
+    """Append `count` bytes of `src` from `offset` to `dst`, in the kernel where it can."""
+    while count > 0:
+        try:
+            n = os.copy_file_range(src, dst, count, offset)
+        except OSError:
+            n = 0
+        if n <= 0:  # not supported between these files: by hand
+            data = os.pread(src, min(count, READ_CHUNK), offset)
+            if not data:
+                raise CaptureFailed("the dump's pages file ended early", action="report it: the dump is inconsistent")
+            n = os.write(dst, data)
+        offset += n
+        count -= n
 
 
 def _write_runs(digests: TaskDigests | None, va: int, flags: int, data: memoryview, dst: Any,
@@ -381,8 +533,14 @@ def _runs(d: TaskDigests | None, vaddr: int, data: memoryview) -> list[tuple[int
 
 
 def describe_basis(b: Basis) -> dict[str, Any]:
-    return {"bytes": b.bytes, "seconds": round(b.seconds, 4), "tasks": len(b.tasks)}
+    out: dict[str, Any] = {"bytes": b.bytes, "seconds": round(b.seconds, 4), "tasks": len(b.tasks),
+                           "tracked_tasks": sum(1 for t in b.tasks.values() if t.tracker is not None)}
+    if b.untracked:  # one reason is enough to act on; they are usually all the same
+        out["untracked_tasks"] = len(b.untracked)
+        out["untracked_reason"] = next(iter(b.untracked.values()))
+    return out
 
 
 def describe_delta(d: Delta) -> dict[str, Any]:
-    return {"parent_bytes": d.parent_bytes, "changed_bytes": d.changed_bytes, "seconds": round(d.seconds, 4)}
+    return {"parent_bytes": d.parent_bytes, "changed_bytes": d.changed_bytes, "seconds": round(d.seconds, 4),
+            "tracked_tasks": d.tracked_tasks, "digested_tasks": d.digested_tasks}

@@ -241,6 +241,11 @@ class OpRun:
                 w["bytes_deduplicated"] = cap.get("bytes_deduplicated", 0)
                 if cap.get("pre_copy"):  # sent ahead, while the job ran; not again now
                     w["bytes_pre_copied"] = cap["pre_copy"].get("parent_bytes", 0)
+                    # how the source told what changed: the kernel's write tracking, or digests
+                    w["pre_copy_tracked_tasks"] = cap["pre_copy"].get("tracked_tasks", 0)
+                    w["pre_copy_digested_tasks"] = cap["pre_copy"].get("digested_tasks", 0)
+                    if cap["pre_copy"].get("untracked_reason"):
+                        w["pre_copy_untracked_reason"] = cap["pre_copy"]["untracked_reason"]
                 if cap.get("post_copy"):  # network post-copy: these follow after the resume
                     w["bytes_after_resume"] = cap["post_copy"].get("lazy_bytes", 0)
                 self.md["bytes_done"] = sum(x["bytes_done"] for x in self.md["workers"].values())

@@ -150,6 +150,22 @@ def procself_env(env: dict[str, str]) -> tuple[dict[str, str], str | None]:
     return env, None
 
 
+def writetrack_path() -> Path | None:
+    p = Path(os.environ.get("PITSTOP_WRITETRACK", REPO / "native" / "build" / "libpitstop_writetrack.so"))
+    return p if p.exists() else None
+
+
+def writetrack_env(env: dict[str, str]) -> tuple[dict[str, str], str | None]:
+    """Preload native/writetrack.c: the worker's half of the pre-copy's write tracking (it makes
+    the userfaultfd its agent asks for).  Returns the env and a warning when it is missing."""
+    p = writetrack_path()
+    if p is None:
+        return env, ("native/build/libpitstop_writetrack.so is not built: a pre-copy of this worker hashes "
+                     "every page during the pause; run `make native`")
+    env["LD_PRELOAD"] = ":".join(x for x in (env.get("LD_PRELOAD", ""), str(p)) if x)
+    return env, None
+
+
 def nccl_env(env: dict[str, str], *, shim: bool, host_nccl: bool) -> dict[str, str]:
     """Preload the NCCL shim (first, so its NCCL symbols win); optionally make host NCCL the libnccl."""
     if host_nccl:
@@ -184,9 +200,10 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     env.update(extra_env or {})
     try:
         env = nccl_env(env, shim=shim and (host_nccl or shim_path() is not None), host_nccl=host_nccl)
-        env, missing = procself_env(env)
-        if missing:
-            print(f"pitstop run: warning: {missing}", file=sys.stderr)
+        for add in (procself_env, writetrack_env):
+            env, missing = add(env)
+            if missing:
+                print(f"pitstop run: warning: {missing}", file=sys.stderr)
     except PitstopError as e:
         print(f"pitstop run: {e}", file=sys.stderr)
         return 125

@@ -1,0 +1,126 @@
+"""capture/writetrack.py with native/writetrack.c: the kernel says which pages a running process
+wrote since its pre-copy began, and the process is left as it was (no userfaultfd of its own,
+so CRIU can dump it).  Real processes, the real kernel interface; every mistake allowed is
+toward "written" (a page sent again), never toward "unchanged"."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pitstop.capture import writetrack
+
+from .helpers import WORKLOADS
+
+LIB = Path(__file__).resolve().parents[1] / "native" / "build" / "libpitstop_writetrack.so"
+WORKER = WORKLOADS / "writetrack_worker.py"
+PAGE = 4096
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(writetrack.unavailable() is not None, reason=str(writetrack.unavailable()))]
+
+
+class Worker:
+    def __init__(self, preload: bool = True, *args: str) -> None:
+        env = dict(os.environ, LD_PRELOAD=str(LIB) if preload else "")
+        self.p = subprocess.Popen([sys.executable, str(WORKER), *args], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env=env)
+        self.base = int(self.p.stdout.readline(), 16)
+
+    def __call__(self, *cmd: object) -> str:
+        self.p.stdin.write(" ".join(map(str, cmd)) + "\n")
+        self.p.stdin.flush()
+        return self.p.stdout.readline().strip()
+
+    def uffds(self) -> int:
+        return sum(1 for f in os.listdir(f"/proc/{self.p.pid}/fd")
+                   if os.readlink(f"/proc/{self.p.pid}/fd/{f}") == "anon_inode:[userfaultfd]")
+
+    def pages(self, regions: list[tuple[int, int]]) -> set[int]:
+        """The buffer's page numbers among `regions`."""
+        end = self.base + (16 << 20)
+        return {(p - self.base) // PAGE for a, b in regions for p in range(max(a, self.base), min(b, end), PAGE)}
+
+    def close(self) -> None:
+        self.p.kill()
+        self.p.wait(10)
+
+
+@pytest.fixture
+def worker():
+    made: list[Worker] = []
+    yield lambda *a, **k: made.append(Worker(*a, **k)) or made[-1]
+    for w in made:
+        w.close()
+
+
+def test_exactly_the_pages_written_since_the_start_are_reported(worker):
+    w = worker()
+    tracked, why = writetrack.start([w.p.pid])
+    assert list(tracked) == [w.p.pid] and not why, why
+    t = tracked[w.p.pid]
+    try:
+        assert t.registered_bytes >= 16 << 20
+        assert w.uffds() == 0  # handed over: nothing CRIU would refuse to dump is left in it
+        assert w.pages(t.written()) == set()
+        for n in (5, 1000):
+            w("write", n)
+        w("kernel", 2000)  # written by a system call, not by the process's own stores
+        assert w("drop", 3000) == "0"  # dropped and read back as zeros: changed, never "unchanged"
+        new = int(w("new"), 16)
+        assert w.pages(t.written()) == {5, 1000, 2000, 3000}
+        assert any(a <= new < b for a, b in t.written())  # memory mapped since: all of it reads as written
+        moved = int(w("move", 3500), 16)
+        assert moved and moved != w.base + 3500 * PAGE
+        assert any(a <= moved < b for a, b in t.written())  # moved by mremap: written at its new place
+        assert w("write", 7) == "ok" and 7 in w.pages(t.written())
+    finally:
+        t.close()
+    assert w("write", 8) == "ok" and w("fds") and w.p.poll() is None  # runs on after the tracking ends
+
+
+def test_a_process_without_the_library_is_not_signalled_and_says_why(worker):
+    w = worker(False)
+    tracked, why = writetrack.start([w.p.pid])
+    assert tracked == {} and "libpitstop_writetrack.so is not loaded" in why[w.p.pid]
+    assert w("write", 1) == "ok" and w.p.poll() is None  # the signal's default action would have killed it
+
+
+def test_a_worker_that_answers_late_makes_no_userfaultfd(worker):
+    """The signal is queued while the worker blocks it; once the agent has given up, the handler
+    finds no socket and makes nothing, so a later dump is not refused."""
+    w = worker(True, "--block")
+    t0 = time.monotonic()
+    tracked, why = writetrack.start([w.p.pid], timeout_s=0.5)
+    assert tracked == {} and "did not answer within 0.5 s" in why[w.p.pid]
+    assert time.monotonic() - t0 < 3
+    assert w("unblock") == "ok"  # the handler runs now
+    assert w("fds") and w.uffds() == 0 and w.p.poll() is None
+    assert not any(writetrack.SOCKET_DIR.glob("*.sock"))
+
+
+def test_many_processes_are_asked_at_once_and_each_gets_its_own(worker):
+    ws = [worker() for _ in range(4)]
+    t0 = time.monotonic()
+    tracked, why = writetrack.start([w.p.pid for w in ws])
+    try:
+        assert set(tracked) == {w.p.pid for w in ws} and not why
+        assert time.monotonic() - t0 < 2
+        ws[2]("write", 42)
+        assert [w.pages(tracked[w.p.pid].written()) for w in ws] == [set(), set(), {42}, set()]
+    finally:
+        for t in tracked.values():
+            t.close()
+
+
+def test_a_stray_kill_of_the_signal_does_nothing(worker):
+    """Only a queued signal (the agent's sigqueue) makes the handler act; kill(2) of the same
+    number reaches the handler, which leaves the process as it was."""
+    w = worker()
+    os.kill(w.p.pid, writetrack.signal_number())
+    assert w("fds") and w.uffds() == 0 and w.p.poll() is None
