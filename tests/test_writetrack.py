@@ -6,9 +6,10 @@ toward "written" (a page sent again), never toward "unchanged"."""
 from __future__ import annotations
 
 import os
-import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,10 +27,12 @@ pytestmark = [pytest.mark.timeout(60),
 
 
 class Worker:
-    def __init__(self, preload: bool = True, *args: str) -> None:
-        env = dict(os.environ, LD_PRELOAD=str(LIB) if preload else "")
-        self.p = subprocess.Popen([sys.executable, str(WORKER), *args], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True, env=env)
+    def __init__(self, preload: bool = True, *args: str, user: int | None = None, lib: Path = LIB,
+                 python: str = sys.executable, script: Path = WORKER) -> None:
+        env = dict(os.environ, LD_PRELOAD=str(lib) if preload else "")
+        self.p = subprocess.Popen([python, str(script), *args], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env=env, user=user, group=user,
+                                  extra_groups=[] if user is not None else None)
         self.base = int(self.p.stdout.readline(), 16)
 
     def __call__(self, *cmd: object) -> str:
@@ -124,3 +127,30 @@ def test_a_stray_kill_of_the_signal_does_nothing(worker):
     w = worker()
     os.kill(w.p.pid, writetrack.signal_number())
     assert w("fds") and w.uffds() == 0 and w.p.poll() is None
+
+
+def test_a_worker_of_another_user_is_tracked_too(worker):
+    """Tenants' workers need not run as root: the handler makes its userfaultfd for user-mode
+    faults only (allowed without privilege) and reaches the agent's socket through its 0711
+    directory, whatever the agent's umask."""
+    python = "/usr/bin/python3"
+    if not os.access(python, os.X_OK):
+        pytest.skip("no python3 outside root's home for user nobody to run")
+    d = Path(tempfile.mkdtemp())
+    old = os.umask(0o077)
+    try:
+        d.chmod(0o755)
+        for f in (LIB, WORKER):
+            shutil.copy(f, d / f.name)
+            (d / f.name).chmod(0o755)
+        w = worker(user=65534, lib=d / LIB.name, python=python, script=d / WORKER.name)
+        tracked, why = writetrack.start([w.p.pid])
+        assert list(tracked) == [w.p.pid] and not why, why
+        try:
+            w("write", 9)
+            assert w.pages(tracked[w.p.pid].written()) == {9}
+        finally:
+            tracked[w.p.pid].close()
+    finally:
+        os.umask(old)
+        shutil.rmtree(d)

@@ -69,8 +69,9 @@ def run_checks() -> list[Check]:
                         cr or "kernel config not readable", required=cr is not None))
     sd = _kconfig("CONFIG_MEM_SOFT_DIRTY")
     checks.append(Check("soft-dirty", None, ("available" if sd == "y" else "not available")
-                        + " (not needed: pitstop's pre-copy compares page digests, capture/precopy.py)",
+                        + " (not used: pitstop's pre-copy tracks writes with userfaultfd, capture/writetrack.py)",
                         required=False))
+    checks.append(_write_tracking())
     unshare = shutil.which("unshare")
     if unshare:
         p = subprocess.run([unshare, "--pid", "--fork", "--kill-child", "true"], capture_output=True, text=True)
@@ -108,6 +109,23 @@ def _procself(unshare: str | None) -> Check:
     return Check(name, ok, f"{lib}: a worker finds its own /proc entries" if ok else
                  f"{lib} does not take effect (read {p.stdout.strip() or p.stderr.strip()!r} for /proc/1/comm); "
                  "rebuild with `make native`")
+
+
+def _write_tracking() -> Check:
+    """Whether a pre-copy can ask the kernel what a worker wrote (capture/writetrack.py), or must
+    hash every page of the dump during the pause."""
+    from .capture import writetrack
+    from .launcher.run import writetrack_path
+
+    name = "pre-copy write tracking"
+    why = writetrack.unavailable()
+    if why:
+        return Check(name, False, f"{why}: a pre-copy's delta hashes every page during the pause", required=False)
+    if writetrack_path() is None:
+        return Check(name, False, "native/build/libpitstop_writetrack.so is missing: a pre-copy's delta hashes "
+                                  "every page during the pause; run `make native`", required=False)
+    return Check(name, True, "available: async userfaultfd write-protection and PAGEMAP_SCAN "
+                 "(PITSTOP_AGENT_PRECOPY_WRITE_TRACKING=0 to hash instead)", required=False)
 
 
 def _huge_tmpfs() -> Check:

@@ -156,6 +156,10 @@ class SourceSide:
                                action="wait for it (GET /v1/precopies shows its progress)")
             self.precopies[image_id] = progress
             stop = self._precopy_stops[image_id] = threading.Event()
+            for old in [k for k, b in self.bases.items() if b.worker_id == w.id]:
+                # An older pre-copy of this worker no move used: its tracking would keep the
+                # memory registered (a second registration is refused), and its pages are stale.
+                self.bases.pop(old).close()
         try:
             basis = self._send_pre_copy(w, pids, dest_url, image_id, pre_id, progress, stop)
         finally:
@@ -165,8 +169,6 @@ class SourceSide:
         with self.state.lock:
             late = any(c.image_id == image_id for c in self.state.captures.values())
             if not late:
-                for old in [k for k, b in self.bases.items() if b.worker_id == w.id]:
-                    self.bases.pop(old).close()  # an older pre-copy of this worker: no move will use it
                 self.bases[image_id] = basis
                 while len(self.bases) > MAX_BASES:
                     self.bases.pop(next(iter(self.bases))).close()

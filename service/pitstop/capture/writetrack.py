@@ -239,6 +239,7 @@ def start(pids: list[int], timeout_s: float = HANDOFF_TIMEOUT_S) -> tuple[dict[i
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         SOCKET_DIR.mkdir(mode=0o711, parents=True, exist_ok=True)
+        os.chmod(SOCKET_DIR, 0o711)  # the agent's umask (systemd: 0077) would keep other users' workers out
         srv.bind(str(path))
         os.chmod(path, 0o666)  # a worker may run as any user; only root can bind here
         srv.listen(len(asked) + 8)
