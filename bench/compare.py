@@ -116,6 +116,9 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
                 "downtime_s": md["downtime_s"], "job_pause_s": round(pause, 4), "median_step_s": round(normal, 4),
                 "bytes": md["bytes_total"] + later + pre, "bytes_before_resume": md["bytes_total"],
                 "bytes_pre_copied": pre, "precopy_s": ahead, "pre_copy_sent_bytes": md.get("pre_copy_bytes", 0),
+                # how the delta knew what changed: the kernel's write tracking, or digests
+                "pre_copy_tracked_tasks": sum(w.get("pre_copy_tracked_tasks", 0) for w in md["workers"].values()),
+                "pre_copy_digested_tasks": sum(w.get("pre_copy_digested_tasks", 0) for w in md["workers"].values()),
                 "bytes_after_resume": later, "fill_s": max(fills, default=None),
                 "node_free_after_resume_s": md.get("fill_s") if after is not None else 0.0,
                 "phases": phases, "dump_s": round(dump, 4),

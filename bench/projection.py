@@ -59,6 +59,9 @@ ASSUMED = {
     "nccl_init_s_per_log2": (2.5, "s per doubling",
                              "NCCL init at 16k GPUs takes tens of seconds in public reports; modelled as "
                              "a log2(N) bootstrap"),
+    "digest_gbps": (6.8, "GB/s per rank",
+                    "a pre-copy's delta by digests (810 MB in 0.09-0.14 s alone, docs/benchmarks.md, 2026-12-01 "
+                    "03:55): what a GPU host's ranks pay, since a process that maps a device is not write-tracked"),
     "rpc_cpu_s": (0.0017, "s per host per round",
                   "coordinator CPU per agent call, as measured for a full heartbeat (bench/heartbeat_load.py)"),
 }
@@ -89,8 +92,14 @@ def _load(measured: Path) -> dict:
     post = runs.get("pitstop, post-copy")
     # What is left of the restore on the critical path when the memory fill runs after it
     deltas = [c["delta"] for c in caps if c.get("delta")]
-    if deltas:  # pre-copy: the dump's pages digested against the pre-copy, per rank
+    if deltas and not solo.get("pre_copy_tracked_tasks"):  # the dump's pages digested, per rank
         out["digest_Bps"] = per_rank / max(deltas)
+    elif deltas:
+        # The kernel said what was written (capture/writetrack.py): nothing was digested in this
+        # run.  A GPU host's ranks map the device, so their deltas are digested: use the rate
+        # measured for that on this VM.
+        out["digest_Bps"] = ASSUMED["digest_gbps"][0] * 1e9
+        out["tracked_delta_Bps"] = per_rank / max(deltas)
     out["post_copy_restore_ratio"] = post["phases"]["restore"] / p["phases"]["restore"] if post else 1.0
     ck = runs.get("checkpoint-restart")
     if ck:
@@ -169,6 +178,8 @@ def markdown(m: dict, rows: list[dict], gpu: dict | None = None) -> str:
            f"{m['dump_Bps'] / 1e9:.2f} GB/s, pitstop stream {m['stream_Bps'] / 1e9:.2f} GB/s, CRIU restore "
            f"{m['restore_Bps'] / 1e9:.2f} GB/s"
            + (f", pre-copy digest {m['digest_Bps'] / 1e9:.2f} GB/s" if m.get("digest_Bps") else "")
+           + (f" (assumed: this run's deltas were write-tracked, at {m['tracked_delta_Bps'] / 1e9:.0f} GB/s "
+              "a rank, which a GPU host's ranks are not)" if m.get("tracked_delta_Bps") else "")
            + f"; a control round (pause, commit or resume) {m['round_s']:.2f} s.", "",
            f"A post-copy restore left {m.get('post_copy_restore_ratio', 1.0):.0%} of the eager restore on the "
            "critical path in the same run.", "",

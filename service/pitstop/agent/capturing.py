@@ -83,6 +83,7 @@ class SourceSide:
         self.precopies: dict[str, dict[str, Any]] = {}  # pre-copies under way, by image id: what was sent
         self._precopy_stops: dict[str, threading.Event] = {}  # by image id: set to stop that pre-copy
         self._write_tracking_unavailable: str | None = None  # why not ("" when it is), once asked
+        self._tracking: dict[str, precopy.Basis] = {}  # by capture id: write tracking still open
 
     # -- capture -----------------------------------------------------------------------------
     def start(self, worker_id: str, dest_url: str | None, image_id: str | None,
@@ -269,7 +270,8 @@ class SourceSide:
         """Write the delta against the pre-copy (capture/precopy.py): what travels instead of the dump."""
         try:
             faults.hit("precopy:before_delta")
-            d = precopy.rewrite(images, images / DELTA, basis)
+            self._tracking[cap.id] = basis  # ended once the source has exited (or resumed): _end_tracking
+            d = precopy.rewrite(images, images / DELTA, basis, end_tracking=False)
         except OSError as e:
             raise CaptureFailed(f"could not write the delta against the pre-copy: {e}",
                                 action="the source is restored from its dump; evacuate again "
@@ -360,8 +362,17 @@ class SourceSide:
         try:
             self._run(cap, w)
         finally:
+            if cap.state not in ("sent", "dumped"):  # failed: the source runs on where it was
+                self._end_tracking(cap.id)
             if self.on_finished:
                 self.on_finished(cap)
+
+    def _end_tracking(self, cid: str) -> None:
+        """Close the capture's write tracking (its userfaultfds of the source tree)."""
+        with self.state.lock:
+            b = self._tracking.pop(cid, None)
+        if b is not None:
+            b.close()
 
     def _wait_for_fill(self, cap: Capture, w: Worker) -> None:
         """A worker restored post-copy is dumped only once its memory is all in place."""
@@ -685,6 +696,7 @@ class SourceSide:
         t0 = time.monotonic()
         if not proctree.kill_and_wait(w.root_pid):
             raise CaptureFailed(f"source pid {w.root_pid} did not exit after SIGKILL", action="inspect the host")
+        self._end_tracking(cid)
         self._drop_net(w)  # its address must be gone from here before it appears at the destination
         self.state.update_capture(cap, state="released", phases={**cap.phases, "release": time.monotonic() - t0})
         self.state.update_worker(w, state="released")
@@ -701,6 +713,7 @@ class SourceSide:
         if cap.state != "released":
             proctree.kill_and_wait(w.root_pid)
             self._drop_net(w)
+        self._end_tracking(cid)
         netlock.release(cap.run_id)
         src = self.page_sources.get(cap.image_id or "")
         if src is None or src.done.is_set():
@@ -740,6 +753,7 @@ class SourceSide:
             netlock.release(cap.run_id)
             how = f"restored here as pid {restored.root_pid}"
         self.page_sources.pop(cap.image_id or "", None)
+        self._end_tracking(cid)
         shutil.rmtree(cap.image_dir, ignore_errors=True)
         self.state.update_capture(cap, state="rolled_back", phases={**cap.phases, "rollback": time.monotonic() - t0})
         log.info("rolled back", capture=cid, worker=w.id, how=how)

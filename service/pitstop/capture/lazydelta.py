@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import RestoreFailed
 from . import runtime
-from .dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, link_the_rest, task_images
+from .dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, dump_pagemap, link_the_rest, load_pagemap, task_images
 from .postcopy import LazySplit, TaskPages, copy_range, split_present
 
 INDEX = "lazy-pages-index.json"
@@ -60,8 +60,7 @@ class _ParentPages:
 
 
 def _parent_pages(parent: Path, pid: int, pycriu: Any) -> tuple[_ParentPages, Path]:
-    with open(parent / f"pagemap-{pid}.img", "rb") as f:
-        img = pycriu.images.load(f, pretty=False)
+    img = load_pagemap(parent / f"pagemap-{pid}.img", pycriu)
     runs, off = [], 0
     for e in img["entries"][1:]:
         if int(e["flags"]) & PE_PRESENT:
@@ -106,7 +105,7 @@ def view(delta: Path, parent: Path, out: Path, rt: runtime.CriuRuntime | None = 
             for fd in (src, psrc, dst):
                 os.close(fd)
         with open(out / t.pagemap.name, "wb") as f:
-            pycriu.images.dump(t.image, f)
+            dump_pagemap(t.image, f, pycriu)
         task.entries.sort()
         split.tasks[t.pid] = task
         rewritten |= {t.pagemap.name, t.pages_name}

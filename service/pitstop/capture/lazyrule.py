@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .dumpview import PAGE, PE_LAZY, PE_PRESENT, TaskImage, link_the_rest
+from .dumpview import PAGE, PE_LAZY, PE_PRESENT, TaskImage, dump_pagemap, link_the_rest
 from .dumpview import task_images as criu_task_images
 
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_LOCKED, MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
@@ -207,7 +207,7 @@ def view(images: Path, out: Path, pycriu: Any) -> Relabelled:
     rewritten: set[str] = set()
     for marked in task_images(images, pycriu):
         with open(out / marked.task.pagemap.name, "wb") as f:
-            pycriu.images.dump(marked.task.image, f)
+            dump_pagemap(marked.task.image, f, pycriu)
         total.made_lazy += marked.changed.made_lazy
         total.made_eager += marked.changed.made_eager
         rewritten.add(marked.task.pagemap.name)

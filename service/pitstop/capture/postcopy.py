@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import CaptureFailed
 from . import lazyrule, runtime
-from .dumpview import PAGE, PE_LAZY, PE_PRESENT, link_the_rest
+from .dumpview import PAGE, PE_LAZY, PE_PRESENT, dump_pagemap, link_the_rest
 
 
 @dataclass
@@ -100,7 +100,7 @@ def split(images: Path, view: Path, rt: runtime.CriuRuntime | None = None) -> La
             os.close(src)
             os.close(dst)
         with open(view / pm.name, "wb") as f:
-            pycriu.images.dump(img, f)
+            dump_pagemap(img, f, pycriu)
         task.entries.sort()
         out.tasks[t.pid] = task
         rewritten |= {pm.name, pages_name}

@@ -48,7 +48,7 @@ import xxhash
 
 from ..errors import CaptureFailed
 from . import lazyrule, runtime, writetrack
-from .dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, link_the_rest
+from .dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, dump_pagemap, link_the_rest
 
 BLOCK_PAGES = 16
 BLOCK = PAGE * BLOCK_PAGES
@@ -263,7 +263,7 @@ def _snapshot_one(pycriu: Any, pid: int, out: Path, stop: threading.Event,
     finally:
         os.close(pm)
     with open(out / f"pagemap-{vpid}.img", "wb") as f:
-        pycriu.images.dump({"magic": "PAGEMAP", "entries": entries}, f)
+        dump_pagemap({"magic": "PAGEMAP", "entries": entries}, f, pycriu)
     return vpid, digests, pages
 
 
@@ -294,14 +294,20 @@ def _copy_run(mem: int, pf: Any, d: TaskDigests | None, vaddr: int, n: int, buf:
 
 
 # -- after the pause -------------------------------------------------------------------------------
-def rewrite(images: Path, view: Path, basis: Basis, rt: runtime.CriuRuntime | None = None) -> Delta:
-    """Write the delta view of the dump in `images` into `view` (hard links where nothing changes)."""
+def rewrite(images: Path, view: Path, basis: Basis, rt: runtime.CriuRuntime | None = None,
+            end_tracking: bool = True) -> Delta:
+    """Write the delta view of the dump in `images` into `view` (hard links where nothing changes).
+
+    `end_tracking=False` leaves the write tracking to the caller's `basis.close()`: closing a
+    userfaultfd of a live process walks its page tables to lift the protection (28 ms for a
+    torch rank here), which costs nothing once the process has exited, as a moved source does."""
     pycriu = (rt or runtime.locate()).import_pycriu()
     t0 = time.monotonic()
     try:
         _read_writes(basis)  # the tree is stopped: nothing writes between its dump and this
     finally:
-        basis.close()
+        if end_tracking:
+            basis.close()
     view.mkdir(mode=0o700, exist_ok=True)
     out = Delta()
     rewritten: set[str] = set()
@@ -315,7 +321,7 @@ def rewrite(images: Path, view: Path, basis: Basis, rt: runtime.CriuRuntime | No
             _rewrite_tracked(images / pages_name, view / pages_name, pm.name, entries, digests.unchanged,
                              new_entries, out)
             with open(view / pm.name, "wb") as f:
-                pycriu.images.dump({**img, "entries": [head, *new_entries]}, f)
+                dump_pagemap({**img, "entries": [head, *new_entries]}, f, pycriu)
             rewritten |= {pm.name, pages_name}
             continue
         out.digested_tasks += 1
@@ -338,7 +344,7 @@ def rewrite(images: Path, view: Path, basis: Basis, rt: runtime.CriuRuntime | No
                 raise CaptureFailed(f"{pm.name} describes {off} bytes of pages, {pages_name} holds {size}",
                                     action="report it: the dump is inconsistent")
         with open(view / pm.name, "wb") as f:
-            pycriu.images.dump({**img, "entries": [head, *new_entries]}, f)
+            dump_pagemap({**img, "entries": [head, *new_entries]}, f, pycriu)
         rewritten |= {pm.name, pages_name}
     link_the_rest(images, view, rewritten)
     out.seconds = time.monotonic() - t0

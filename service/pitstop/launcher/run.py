@@ -318,8 +318,12 @@ def _follow(client: AgentClient, wid: str) -> int:
     offsets = {"stdout": 0, "stderr": 0}
     outs = {"stdout": sys.stdout, "stderr": sys.stderr}
     unreachable_since: float | None = None
+    known: int | None = None  # the exit code, once an answer carried it
     while True:
-        code = None
+        # Only a round that began with the exit code known has read all the output: the agent
+        # gives the code once the last output is in its files, but this round's stdout may have
+        # been read before that and its stderr after (a last line lost, seen in a full run).
+        code = known
         got = False
         state = ""
         for stream in ("stdout", "stderr"):
@@ -334,9 +338,11 @@ def _follow(client: AgentClient, wid: str) -> int:
                 offsets[stream] += len(data)
                 got = True
             if "x-pitstop-exit-code" in h:
-                code = int(h["x-pitstop-exit-code"])
+                known = int(h["x-pitstop-exit-code"])
         if code is not None and not got:
             return code
+        if known is not None and code is None:
+            continue  # one more round, from the start, for what came before the exit
         if state == "exited" and code is None and not got:
             print(f"pitstop run: worker {wid} ended, but its exit status is unknown (its agent restarted "
                   "while it ran, and only a parent can collect a status)", file=sys.stderr)

@@ -1,0 +1,31 @@
+"""`pitstop run` after its worker moved: it follows the output from the worker's new agent and
+exits with the worker's code, and the last line written before the exit is never lost."""
+
+from __future__ import annotations
+
+from pitstop.launcher import run
+
+
+class _Agent:
+    """Answers as an agent does: the worker's last line lands in its stdout file and its exit
+    code is set (after the pumps drained) between the launcher's stdout and stderr reads."""
+
+    def __init__(self) -> None:
+        self.stdout = b"step 160 ok\n"
+        self.reads = 0
+
+    def output(self, wid: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]:
+        self.reads += 1
+        h = {"x-pitstop-state": "running"}
+        if self.reads >= 2:  # the worker printed "done" and exited just after the first stdout read
+            self.stdout = b"step 160 ok\ndone\n"
+            h = {"x-pitstop-state": "exited", "x-pitstop-exit-code": "0"}
+        data = (self.stdout if stream == "stdout" else b"")[offset:]
+        return data, h
+
+
+def test_the_last_line_before_the_exit_is_not_lost(capfdbinary):
+    a = _Agent()
+    a.stdout = b""
+    assert run._follow(a, "s.0") == 0  # type: ignore[arg-type]
+    assert capfdbinary.readouterr().out == b"step 160 ok\ndone\n"
