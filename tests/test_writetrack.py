@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.capture import writetrack
+from pitstop.capture import precopy, writetrack
 
 from .helpers import WORKLOADS
 
@@ -67,6 +67,7 @@ def test_exactly_the_pages_written_since_the_start_are_reported(worker):
     tracked, why = writetrack.start([w.p.pid])
     assert list(tracked) == [w.p.pid] and not why, why
     t = tracked[w.p.pid]
+    t.protect()
     try:
         assert t.registered_bytes >= 16 << 20
         assert w.uffds() == 0  # handed over: nothing CRIU would refuse to dump is left in it
@@ -114,6 +115,8 @@ def test_many_processes_are_asked_at_once_and_each_gets_its_own(worker):
     try:
         assert set(tracked) == {w.p.pid for w in ws} and not why
         assert time.monotonic() - t0 < 2
+        for t in tracked.values():
+            t.protect()
         ws[2]("write", 42)
         assert [w.pages(tracked[w.p.pid].written()) for w in ws] == [set(), set(), {42}, set()]
     finally:
@@ -146,6 +149,7 @@ def test_a_worker_of_another_user_is_tracked_too(worker):
         w = worker(user=65534, lib=d / LIB.name, python=python, script=d / WORKER.name)
         tracked, why = writetrack.start([w.p.pid])
         assert list(tracked) == [w.p.pid] and not why, why
+        tracked[w.p.pid].protect()
         try:
             w("write", 9)
             assert w.pages(tracked[w.p.pid].written()) == {9}
@@ -154,3 +158,24 @@ def test_a_worker_of_another_user_is_tracked_too(worker):
     finally:
         os.umask(old)
         shutil.rmtree(d)
+
+
+@pytest.mark.xfail(strict=True, reason="known: the protection's markers read as swapped pages, so the "
+                   "pre-copy reads never-touched memory as zeros (Tracked.protect)")
+def test_memory_never_touched_is_not_pre_copied_once_tracked(worker, tmp_path):
+    """Protecting memory that was never touched leaves markers in its page table, which pagemap
+    shows as swapped pages: a pre-copy that read the pagemap after protecting read all of them,
+    zeros, 857 MB more for two torch ranks in a bench run.  It reads the pagemap first."""
+    w = worker()
+    assert w("reserve") == "ok"  # 256 MiB mapped, never touched
+    a, b = tmp_path / "plain", tmp_path / "tracked"
+    a.mkdir()
+    b.mkdir()
+    plain = precopy.snapshot("w", [w.p.pid], a)
+    tracked = precopy.snapshot("w", [w.p.pid], b, track=True)
+    try:
+        assert precopy.describe_basis(tracked)["tracked_tasks"] == 1, tracked.untracked
+        assert abs(tracked.bytes - plain.bytes) < 4 << 20, (tracked.bytes, plain.bytes)
+        assert plain.bytes < 64 << 20
+    finally:
+        tracked.close()

@@ -42,6 +42,8 @@ for line in sys.stdin:
         src = base + int(args[0]) * PAGE
         dst = libc.mremap(ctypes.c_void_p(src), 1 << 20, 2 << 20, 1)  # MREMAP_MAYMOVE
         out = hex(dst or 0)
+    elif op == "reserve":  # 256 MiB of private memory, never touched
+        kept.append(mmap.mmap(-1, 256 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
     elif op == "unblock":
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGRTMAX - 6])
     elif op == "fds":  # it is alive and can list its descriptors (the listing's own one is gone by now)

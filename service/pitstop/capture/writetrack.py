@@ -133,7 +133,16 @@ class Tracked:
     uffd: int
     pagemap: int
     registered_bytes: int = 0
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)  # when it was registered
+
+    def protect(self) -> None:
+        """Write-protect all of its registered memory: from now on a write shows (start() does
+        it).  Known cost: protecting memory never touched leaves a marker in its page table,
+        which pagemap shows as a swapped page, so the pre-copy that follows reads those pages
+        as zeros (857 MB more for two torch ranks in a bench run; no dump contains them).
+        Reading the pagemap before protecting found far fewer pages than there were (286 of
+        about 735 MB): not understood yet, so not done."""
+        _scan(self.pid, self.pagemap, wp=True)
 
     def written(self) -> list[tuple[int, int]]:
         """Regions (start, end) written since the start, sorted; call it with the process stopped
@@ -299,7 +308,7 @@ def _receive(conn: socket.socket, asked: set[int], deadline: float, why: dict[in
     try:
         t.pagemap = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
         _register(t)
-        _scan(t.pid, t.pagemap, wp=True)
+        t.protect()
     except OSError as e:
         t.close()
         asked.discard(pid)
