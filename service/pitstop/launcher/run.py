@@ -133,37 +133,40 @@ def host_nccl_dir() -> Path | None:
     return p if (p / "libnccl.so.2").exists() else None
 
 
-def procself_path() -> Path | None:
-    p = Path(os.environ.get("PITSTOP_PROCSELF", REPO / "native" / "build" / "libpitstop_procself.so"))
+def _native_lib(var: str, name: str) -> Path | None:
+    p = Path(os.environ.get(var, REPO / "native" / "build" / name))
     return p if p.exists() else None
+
+
+def _preload(env: dict[str, str], lib: Path | None, missing: str) -> tuple[dict[str, str], str | None]:
+    """Append `lib` to LD_PRELOAD; without it, the env as it was and the warning `missing`."""
+    if lib is None:
+        return env, missing
+    env["LD_PRELOAD"] = ":".join(x for x in (env.get("LD_PRELOAD", ""), str(lib)) if x)
+    return env, None
+
+
+def procself_path() -> Path | None:
+    return _native_lib("PITSTOP_PROCSELF", "libpitstop_procself.so")
 
 
 def procself_env(env: dict[str, str]) -> tuple[dict[str, str], str | None]:
     """Preload native/procself.c's fix-up: the worker is init of its own pid namespace but sees
     the host's /proc, where a path built from its own pid or tid names nobody (CUDA's cuInit
     fails with error 304 on exactly that).  Returns the env and a warning when it is missing."""
-    p = procself_path()
-    if p is None:
-        return env, ("native/build/libpitstop_procself.so is not built: CUDA cannot initialise in this worker "
-                     "(error 304); run `make native`")
-    env["LD_PRELOAD"] = ":".join(x for x in (env.get("LD_PRELOAD", ""), str(p)) if x)
-    return env, None
+    return _preload(env, procself_path(), "native/build/libpitstop_procself.so is not built: CUDA cannot "
+                                          "initialise in this worker (error 304); run `make native`")
 
 
 def writetrack_path() -> Path | None:
-    p = Path(os.environ.get("PITSTOP_WRITETRACK", REPO / "native" / "build" / "libpitstop_writetrack.so"))
-    return p if p.exists() else None
+    return _native_lib("PITSTOP_WRITETRACK", "libpitstop_writetrack.so")
 
 
 def writetrack_env(env: dict[str, str]) -> tuple[dict[str, str], str | None]:
     """Preload native/writetrack.c: the worker's half of the pre-copy's write tracking (it makes
     the userfaultfd its agent asks for).  Returns the env and a warning when it is missing."""
-    p = writetrack_path()
-    if p is None:
-        return env, ("native/build/libpitstop_writetrack.so is not built: a pre-copy of this worker hashes "
-                     "every page during the pause; run `make native`")
-    env["LD_PRELOAD"] = ":".join(x for x in (env.get("LD_PRELOAD", ""), str(p)) if x)
-    return env, None
+    return _preload(env, writetrack_path(), "native/build/libpitstop_writetrack.so is not built: a pre-copy "
+                                            "of this worker hashes every page during the pause; run `make native`")
 
 
 def nccl_env(env: dict[str, str], *, shim: bool, host_nccl: bool) -> dict[str, str]:
