@@ -246,10 +246,19 @@ def start(pids: list[int], timeout_s: float = HANDOFF_TIMEOUT_S) -> tuple[dict[i
     nonce = secrets.randbits(64)
     path = SOCKET_DIR / f"{nonce:016x}.sock"
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    made_parent = not SOCKET_DIR.parent.exists()  # /run/pitstop: systemd's RuntimeDirectory, or ours
     try:
-        SOCKET_DIR.mkdir(mode=0o711, parents=True, exist_ok=True)
-        os.chmod(SOCKET_DIR, 0o711)  # the agent's umask (systemd: 0077) would keep other users' workers out
-        srv.bind(str(path))
+        for attempt in (1, 2):  # another request may remove the directory, empty, between the two
+            SOCKET_DIR.mkdir(mode=0o711, parents=True, exist_ok=True)
+            os.chmod(SOCKET_DIR, 0o711)  # the agent's umask (systemd: 0077) would keep other users' workers out
+            if made_parent:
+                os.chmod(SOCKET_DIR.parent, 0o755)
+            try:
+                srv.bind(str(path))
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         os.chmod(path, 0o666)  # a worker may run as any user; only root can bind here
         srv.listen(len(asked) + 8)
     except OSError as e:
@@ -279,6 +288,8 @@ def start(pids: list[int], timeout_s: float = HANDOFF_TIMEOUT_S) -> tuple[dict[i
         path.unlink(missing_ok=True)
         try:
             SOCKET_DIR.rmdir()
+            if made_parent:
+                SOCKET_DIR.parent.rmdir()
         except OSError:
             pass  # another agent's request in it, or not ours to remove
     return tracked, why
