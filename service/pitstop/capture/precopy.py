@@ -47,7 +47,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CaptureFailed
-from . import lazyrule, runtime, writetrack
+from . import lazyrule, proctree, runtime, writetrack
 from .dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, dump_pagemap, link_the_rest
 
 BLOCK_PAGES = 16
@@ -56,7 +56,6 @@ READ_CHUNK = 4 << 20
 GROUP_BYTES = 64 << 20
 PAGEMAP_CHUNK = 1 << 16  # pagemap entries read at a time (512 KiB)
 PRE_SUFFIX = "-pre"  # a pre-copy's image id at the destination: its move's image id plus this
-SKIPPED_VMAS = ("[vvar]", "[vvar_vclock]", "[vsyscall]", "[vdso]")
 _digest = xxhash.xxh3_128_intdigest
 
 
@@ -122,20 +121,6 @@ def anon_bytes(pids: list[int]) -> int:
         except OSError:
             continue
     return total
-
-
-def _private_vmas(pid: int) -> list[tuple[int, int]]:
-    out = []
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            perms = parts[1]
-            name = parts[5].strip() if len(parts) > 5 else ""
-            if perms[0] != "r" or perms[3] != "p" or name in SKIPPED_VMAS:
-                continue
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            out.append((start, end))
-    return out
 
 
 def _anon_runs(pagemap_fd: int, start: int, end: int) -> list[tuple[int, int]]:
@@ -240,7 +225,7 @@ def _snapshot_one(pycriu: Any, pid: int, out: Path, stop: threading.Event,
                   tracker: writetrack.Tracked | None = None) -> tuple[int, TaskDigests, int]:
     """One process's anonymous memory into pages-<vpid>.img and pagemap-<vpid>.img: (vpid, digests, pages)."""
     vpid = ns_pid(pid)
-    vmas = _private_vmas(pid)
+    vmas = proctree.private_vmas(pid)
     digests = TaskDigests(tracker=tracker)
     entries: list[dict[str, Any]] = [{"pages_id": vpid}]
     pages = 0

@@ -280,3 +280,21 @@ def filling(pids: list[int]) -> list[int]:
         except OSError:
             continue
     return out
+
+
+SKIPPED_VMAS = ("[vvar]", "[vvar_vclock]", "[vsyscall]", "[vdso]")  # the kernel's, not the process's
+
+
+def private_vmas(pid: int) -> list[tuple[int, int]]:
+    """The readable private mappings (start, end) of a process: what a pre-copy reads and what
+    its write tracking registers, so the two agree by construction."""
+    out = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            name = parts[5].strip() if len(parts) > 5 else ""
+            if parts[1][0] != "r" or parts[1][3] != "p" or name in SKIPPED_VMAS:
+                continue
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            out.append((start, end))
+    return out

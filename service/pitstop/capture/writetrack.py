@@ -29,8 +29,10 @@ import signal
 import socket
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from . import proctree
 
 SOCKET_DIR = Path("/run/pitstop/writetrack")  # native/writetrack.c's WT_DIR: the two must agree
 LIBRARY = "libpitstop_writetrack.so"
@@ -49,7 +51,6 @@ _SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282}
 _VEC = 4096  # regions per PAGEMAP_SCAN call
 # A device may write these processes' memory by DMA, unseen by the page tables.
 _DEVICE_PREFIXES = ("/dev/nvidia", "/dev/infiniband", "/dev/dri", "/dev/kfd", "/dev/vfio", "/dev/accel")
-_SKIPPED_VMAS = ("[vvar]", "[vvar_vclock]", "[vsyscall]", "[vdso]")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
@@ -133,7 +134,6 @@ class Tracked:
     uffd: int
     pagemap: int
     registered_bytes: int = 0
-    started: float = field(default_factory=time.monotonic)  # when it was registered
 
     def protect(self) -> None:
         """Write-protect all of its registered memory: from now on a write shows (start() does
@@ -213,18 +213,12 @@ def ineligible(pid: int) -> str | None:
 def _register(t: Tracked) -> None:
     """Register each private VMA the pre-copy reads; one that will not register (a mapping the
     kernel refuses, or one gone since) stays unregistered, so all its pages read as written."""
-    with open(f"/proc/{t.pid}/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            name = parts[5].strip() if len(parts) > 5 else ""
-            if parts[1][0] != "r" or parts[1][3] != "p" or name in _SKIPPED_VMAS:
-                continue
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            try:
-                _ioctl(t.uffd, _UFFDIO_REGISTER, _Register(start=start, len=end - start, mode=_MODE_WP))
-                t.registered_bytes += end - start
-            except TrackError:
-                continue
+    for start, end in proctree.private_vmas(t.pid):
+        try:
+            _ioctl(t.uffd, _UFFDIO_REGISTER, _Register(start=start, len=end - start, mode=_MODE_WP))
+            t.registered_bytes += end - start
+        except TrackError:
+            continue
 
 
 def start(pids: list[int], timeout_s: float = HANDOFF_TIMEOUT_S) -> tuple[dict[int, Tracked], dict[int, str]]:
@@ -302,12 +296,8 @@ def _receive(conn: socket.socket, asked: set[int], deadline: float, why: dict[in
         msg, fds, _, _ = socket.recv_fds(conn, 8, 1)
     except OSError:
         return None
-    if pid not in asked:
-        for fd in fds:
-            os.close(fd)
-        return None
-    if len(msg) != 8 or struct.unpack("2I", msg)[0] != MAGIC:
-        for fd in fds:
+    if pid not in asked or len(msg) != 8 or struct.unpack("2I", msg)[0] != MAGIC:
+        for fd in fds:  # not one of ours: nothing of it is kept
             os.close(fd)
         return None
     status = struct.unpack("2I", msg)[1]
