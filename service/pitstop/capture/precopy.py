@@ -55,6 +55,11 @@ BLOCK = PAGE * BLOCK_PAGES
 READ_CHUNK = 4 << 20
 GROUP_BYTES = 64 << 20
 PAGEMAP_CHUNK = 1 << 16  # pagemap entries read at a time (512 KiB)
+# A swapped entry's frame field is its swap type (low 5 bits, MAX_SWAPFILES_SHIFT) and offset;
+# the kernel shows it to CAP_SYS_ADMIN only (an agent without it sees 0: every entry a page, the
+# old, slower but correct reading).  The last type is the PTE marker's (include/linux/swap.h).
+_SWAP_TYPE_MASK = (1 << 5) - 1
+_SWP_PTE_MARKER = _SWAP_TYPE_MASK
 PRE_SUFFIX = "-pre"  # a pre-copy's image id at the destination: its move's image id plus this
 _digest = xxhash.xxh3_128_intdigest
 
@@ -137,7 +142,13 @@ def _anon_runs(pagemap_fd: int, start: int, end: int) -> list[tuple[int, int]]:
             if n == 0:
                 break
         e = np.frombuffer(raw, dtype=np.uint64, count=n)
-        keep = (((e >> np.uint64(63)) | (e >> np.uint64(62))) & np.uint64(1)).astype(bool)
+        present = ((e >> np.uint64(63)) & np.uint64(1)).astype(bool)
+        swapped = ((e >> np.uint64(62)) & np.uint64(1)).astype(bool)
+        # A swap entry of type SWP_PTE_MARKER holds no page: it is a mark a userfaultfd's write
+        # protection leaves on memory protected before it was touched, or a guard region.  Read
+        # as a page it is zeros (writetrack.py protects only pages that exist, so it makes none).
+        marker = swapped & ~present & ((e & np.uint64(_SWAP_TYPE_MASK)) == np.uint64(_SWP_PTE_MARKER))
+        keep = (present | swapped) & ~marker
         keep &= ~((e >> np.uint64(61)) & np.uint64(1)).astype(bool)  # a page of the file: not dumped
         if keep.any():
             edges = np.flatnonzero(np.diff(np.concatenate(([0], keep.view(np.int8), [0]))))

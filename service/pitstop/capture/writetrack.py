@@ -46,7 +46,9 @@ _UFFD_API = 0xAA
 _MODE_WP = 1 << 1
 _FEATURES = (1 << 15) | (1 << 13)  # UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED
 _PM_SCAN_WP_MATCHING = 1 << 0
+PAGE_IS_PRESENT = 1 << 3  # include/uapi/linux/fs.h
 PAGE_IS_WRITTEN = 1 << 1
+PAGE_IS_SWAPPED = 1 << 4
 _SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282}
 _VEC = 4096  # regions per PAGEMAP_SCAN call
 # A device may write these processes' memory by DMA, unseen by the page tables.
@@ -106,14 +108,22 @@ def _top(pid: int) -> int:
 
 
 def _scan(pid: int, pagemap: int, wp: bool) -> list[tuple[int, int]]:
-    """Written regions (start, end) of the whole address space; with `wp`, protect them again."""
+    """Written regions (start, end) of the whole address space; with `wp`, protect them again.
+
+    Protecting asks only for pages that exist (present or swapped).  Without that filter the
+    kernel protects every page of the range, and a page never touched gets a marker in its page
+    table, which pagemap, PAGEMAP_SCAN and CRIU all take for a swapped page: the pre-copy read
+    such memory as zeros and CRIU dumped it at the pause (278 MB dumped instead of 18 for a
+    process with 256 MiB mapped, never touched).  A page first touched after the protection has
+    no bit to lose and reads as written, so nothing is missed by leaving it bare."""
     vec = (_Region * _VEC)()
     out: list[tuple[int, int]] = []
     start, end = 0, _top(pid)
     while start < end:
         a = _ScanArg(size=ctypes.sizeof(_ScanArg), flags=_PM_SCAN_WP_MATCHING if wp else 0, start=start,
-                     end=end, vec=ctypes.addressof(vec), vec_len=_VEC,
-                     category_mask=PAGE_IS_WRITTEN, return_mask=PAGE_IS_WRITTEN)
+                     end=end, vec=ctypes.addressof(vec), vec_len=_VEC, category_mask=PAGE_IS_WRITTEN,
+                     category_anyof_mask=(PAGE_IS_PRESENT | PAGE_IS_SWAPPED) if wp else 0,
+                     return_mask=PAGE_IS_WRITTEN)
         n = _ioctl(pagemap, _PAGEMAP_SCAN, a)
         for r in vec[:n]:
             if out and out[-1][1] == r.start:
@@ -136,12 +146,8 @@ class Tracked:
     registered_bytes: int = 0
 
     def protect(self) -> None:
-        """Write-protect all of its registered memory: from now on a write shows (start() does
-        it).  Known cost: protecting memory never touched leaves a marker in its page table,
-        which pagemap shows as a swapped page, so the pre-copy that follows reads those pages
-        as zeros (857 MB more for two torch ranks in a bench run; no dump contains them).
-        Reading the pagemap before protecting found far fewer pages than there were (286 of
-        about 735 MB): not understood yet, so not done."""
+        """Write-protect all of its registered memory that exists: from now on a write shows
+        (start() does it)."""
         _scan(self.pid, self.pagemap, wp=True)
 
     def written(self) -> list[tuple[int, int]]:
