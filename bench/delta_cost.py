@@ -59,11 +59,13 @@ def one(root: int, work: Path, track: bool) -> dict:
     finally:
         proctree.resume(proctree.tree(root))  # CRIU left it stopped; let it train on
         netlock.release(run_id)
+    dump_bytes = sum(f.stat().st_size for f in images.glob("pages-*.img"))
     shutil.rmtree(pre)
     shutil.rmtree(images)
     shutil.rmtree(view)
     return {"track": track, "delta_s": round(d.seconds, 4), "close_s": round(close_s, 4),
-            "pre_copy_s": round(pre_s, 3), "changed_bytes": d.changed_bytes, "parent_bytes": d.parent_bytes,
+            "pre_copy_s": round(pre_s, 3), "pre_copy_bytes": basis.bytes, "dump_bytes": dump_bytes,
+            "changed_bytes": d.changed_bytes, "parent_bytes": d.parent_bytes,
             "tracked_tasks": d.tracked_tasks, "digested_tasks": d.digested_tasks}
 
 
@@ -110,6 +112,8 @@ def main() -> None:
                "delta_s_tracked": med(True, "delta_s"), "delta_s_digests": med(False, "delta_s"),
                "changed_bytes_tracked": med(True, "changed_bytes"), "changed_bytes_digests": med(False, "changed_bytes"),
                "close_s_live": med(True, "close_s"),
+               "pre_copy_bytes_tracked": med(True, "pre_copy_bytes"), "pre_copy_bytes_digests": med(False, "pre_copy_bytes"),
+               "dump_bytes_tracked": med(True, "dump_bytes"), "dump_bytes_digests": med(False, "dump_bytes"),
                "pre_copy_s_tracked": med(True, "pre_copy_s"), "pre_copy_s_digests": med(False, "pre_copy_s")}
     summary["speedup"] = round(summary["delta_s_digests"] / summary["delta_s_tracked"], 2)
     a.out.parent.mkdir(parents=True, exist_ok=True)
