@@ -43,7 +43,21 @@ for line in sys.stdin:
         dst = libc.mremap(ctypes.c_void_p(src), 1 << 20, 2 << 20, 1)  # MREMAP_MAYMOVE
         out = hex(dst or 0)
     elif op == "reserve":  # 256 MiB of private memory, never touched
-        kept.append(mmap.mmap(-1, 256 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+        reserve = mmap.mmap(-1, 256 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        kept.append(reserve)
+    elif op == "rtouch":  # write a page of the reserve for the first time: its address
+        reserve[int(args[0]) * PAGE] = 5
+        out = hex(ctypes.addressof(ctypes.c_char.from_buffer(reserve)) + int(args[0]) * PAGE)
+    elif op == "huge":  # 8 MiB asked to be transparent huge pages, filled: its 2 MiB-aligned base
+        huge = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        hbase = (ctypes.addressof(ctypes.c_char.from_buffer(huge)) + (2 << 20) - 1) & ~((2 << 20) - 1)
+        off = hbase - ctypes.addressof(ctypes.c_char.from_buffer(huge))
+        huge.madvise(mmap.MADV_HUGEPAGE, off, 4 << 20)
+        huge[off:off + (4 << 20)] = b"\2" * (4 << 20)
+        kept.append(huge)
+        out = hex(hbase)
+    elif op == "hwrite":  # one byte of page N of the huge pages
+        huge[off + int(args[0]) * PAGE] = 7
     elif op == "unblock":
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGRTMAX - 6])
     elif op == "fds":  # it is alive and can list its descriptors (the listing's own one is gone by now)
