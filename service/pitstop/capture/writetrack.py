@@ -6,7 +6,8 @@ kernel.  Linux 6.7+ has another: write-protect the memory with a userfaultfd in 
 /proc/<pid>/pagemap.  A first write to a protected page is resolved by the kernel itself (no
 fault event, no stall beyond a minor fault) and clears its bit; PAGEMAP_SCAN lists the pages
 whose bit is gone as PAGE_IS_WRITTEN.  Pages of memory that was not registered (mapped after
-the start, moved by mremap, a forked child's copy) carry no bit, so they read as written too:
+the start, moved by mremap, a forked child's copy), and pages first touched after the start
+(only pages that exist are protected: see _scan), carry no bit, so they read as written too:
 every mistake this can make is toward sending a page again.
 
 A userfaultfd serves the process that creates it, and only that process can create it, so the
