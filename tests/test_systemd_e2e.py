@@ -133,11 +133,16 @@ def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
 
         cluster.start_agent("host-a", wrap=_unit_bounding_set())
         out = tmp_path / "out"
-        # Steps slow enough that the job outlasts the move, the agent's restart and the watchdog's
-        # (about 10 s after the restore): at 0.05 s a step, on a fast host CPU, it finished first and
-        # "the worker stopped stepping" was a job that had ended (2026-12-01).  Sleep changes no
-        # parameter, so the reference run needs none.
-        ranks = cluster.start_job("train", ddp_cmd(out, steps=150, state_mb=64, step_sleep=0.15), 1, {0: "host-a"})
+        # The job must outlast the move, the agent's restart and the watchdog's. Fixed slow steps
+        # were not enough twice: at 0.05 s a step on a fast CPU it finished first (2026-12-01),
+        # and at 0.15 s it ended 22 s after the move while an agent restart took about 30 s
+        # (2026-12-02, the full suite in a slow spell). So a file paces the job: slow until the
+        # test has seen what it must, then at full speed. Sleep changes no parameter, so the
+        # reference run needs none.
+        pace = tmp_path / "pace"
+        pace.write_text("0.3")
+        ranks = cluster.start_job("train", ddp_cmd(out, steps=300, state_mb=64, step_sleep=0.3)
+                                  + ["--pace-file", str(pace)], 1, {0: "host-a"})
         wait_for_step(ranks[0].log, 10)
         op = cc.evacuate("host-a", to="spare-sd")
         op = until(lambda: (o := cc.op(op["name"]))["done"] and o, 240, "evacuation did not finish")
@@ -183,10 +188,11 @@ def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
         # was its parent is gone, and the restarted one reads it through the pidfd the worker's
         # keeper held in the scope (agent/exitkeeper.py; before Linux 6.15: unknown, 255).
         known = exitkeeper.supported()
+        pace.write_text("0")
         assert ranks[0].proc.wait(240) == (0 if known else 255)
         log = ranks[0].log.read_text(errors="replace")
-        assert ("exit status is unknown" in log) != known and "done rank=0 steps=150" in log, log[-2000:]
-        assert_same_as_reference(out, reference_hashes(tmp_path, 1, steps=150, state_mb=64))
+        assert ("exit status is unknown" in log) != known and "done rank=0 steps=300" in log, log[-2000:]
+        assert_same_as_reference(out, reference_hashes(tmp_path, 1, steps=300, state_mb=64))
     except BaseException:
         print("--- systemd and its services ---\n" + sd.log_tail())
         for f in ("agent.log", "coordinator.log"):

@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--state-mb", type=float, default=0.0, help="extra resident state per rank (MiB)")
     p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--pace-file", help="a file whose number, read at every step, replaces --step-sleep "
+                                       "(a test slows the job while it needs it running, then lets it finish)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--out", required=True, help="directory for rank<N>.pt and rank<N>.sha256")
     p.add_argument("--trace-params", action="store_true",
@@ -118,8 +120,15 @@ def main() -> None:
             dist.barrier()  # every rank's checkpoint is on disk before any rank leaves
             dist.destroy_process_group()
             return
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
+        pause = args.step_sleep
+        if args.pace_file:
+            try:
+                with open(args.pace_file) as f:
+                    pause = float(f.read().strip() or 0)
+            except (OSError, ValueError):
+                pass
+        if pause:
+            time.sleep(pause)
     if ballast is not None:
         n = ballast.numel()
         assert int(ballast[-1]) == n - 1 and int(ballast[n // 2]) == n // 2, "ballast corrupted"
