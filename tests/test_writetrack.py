@@ -124,6 +124,29 @@ def test_many_processes_are_asked_at_once_and_each_gets_its_own(worker):
             t.close()
 
 
+def test_overlapping_requests_leave_no_directory(worker):
+    """The request that made /run/pitstop ends first, the other last: the last one out removes
+    both directories (the maker could not: the other's socket was still in them)."""
+    if writetrack.SOCKET_DIR.parent.exists():
+        pytest.skip(f"{writetrack.SOCKET_DIR.parent} exists already (a systemd unit's RuntimeDirectory?)")
+    first, second = worker(True, "--block"), worker(True, "--block")
+    import threading
+    got: dict[str, object] = {}
+    a = threading.Thread(target=lambda: got.update(a=writetrack.start([first.p.pid], timeout_s=0.5)))
+    a.start()
+    until = time.monotonic() + 2
+    while not any(writetrack.SOCKET_DIR.glob("*.sock")) and time.monotonic() < until:
+        time.sleep(0.005)
+    b = threading.Thread(target=lambda: got.update(b=writetrack.start([second.p.pid], timeout_s=1.5)))
+    b.start()
+    a.join(5)
+    assert writetrack.SOCKET_DIR.exists()  # the second request's socket is still there
+    b.join(5)
+    assert not writetrack.SOCKET_DIR.parent.exists()
+    for w in (first, second):
+        assert w("unblock") == "ok" and w.uffds() == 0
+
+
 def test_a_stray_kill_of_the_signal_does_nothing(worker):
     """Only a queued signal (the agent's sigqueue) makes the handler act; kill(2) of the same
     number reaches the handler, which leaves the process as it was."""

@@ -287,13 +287,24 @@ def start(pids: list[int], timeout_s: float = HANDOFF_TIMEOUT_S) -> tuple[dict[i
     finally:
         srv.close()
         path.unlink(missing_ok=True)
-        try:
-            SOCKET_DIR.rmdir()
-            if made_parent:
-                SOCKET_DIR.parent.rmdir()
-        except OSError:
-            pass  # another agent's request in it, or not ours to remove
+        _remove_dirs()
     return tracked, why
+
+
+def _remove_dirs() -> None:
+    """The last request out removes the socket directory, and /run/pitstop too unless systemd
+    manages it (the unit's RuntimeDirectory).  Whoever made /run/pitstop may not be the last
+    out: two pre-copies at once, the first to start ending first, left it behind (make demo)."""
+    try:
+        SOCKET_DIR.rmdir()
+    except OSError:
+        return  # another request's socket is in it: the last one removes it
+    if str(SOCKET_DIR.parent) in os.environ.get("RUNTIME_DIRECTORY", "").split(":"):
+        return
+    try:
+        SOCKET_DIR.parent.rmdir()
+    except OSError:
+        pass  # something else lives there
 
 
 def _receive(conn: socket.socket, asked: set[int], deadline: float, why: dict[int, str]) -> Tracked | None:
