@@ -10,9 +10,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pitstop.capture import precopy, writetrack
@@ -130,7 +132,6 @@ def test_overlapping_requests_leave_no_directory(worker):
     if writetrack.SOCKET_DIR.parent.exists():
         pytest.skip(f"{writetrack.SOCKET_DIR.parent} exists already (a systemd unit's RuntimeDirectory?)")
     first, second = worker(True, "--block"), worker(True, "--block")
-    import threading
     got: dict[str, object] = {}
     a = threading.Thread(target=lambda: got.update(a=writetrack.start([first.p.pid], timeout_s=0.5)))
     a.start()
@@ -238,7 +239,6 @@ def _anon_huge_kib(pid: int) -> int:
 
 def _markers(pid: int) -> int:
     """Page-table entries of the process that are PTE markers (swapped, swap type 31)."""
-    import numpy as np
     pm = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
     n = 0
     try:
