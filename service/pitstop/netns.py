@@ -71,6 +71,20 @@ class NetHosts:
         _ip("-n", ns, "route", "add", "default", "via", self.gateway)
         return ns, addr
 
+    def shape(self, name: str, mbit: float | None) -> None:
+        """Make the link into host `name` a slower one (a token bucket on the bridge's side of its
+        veth: everything sent to it, from the other hosts or from this namespace, passes it), as a
+        data-centre link slower than this machine's memory would be; None: back to unlimited.
+        Benches and tests of what depends on the link's speed use it (transfer/compress.py)."""
+        veth = f"pst{self.tag}v{list(self.hosts).index(name) + 1}"
+        subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], capture_output=True)
+        if mbit is not None:
+            burst = max(64 << 10, int(mbit * 1e6 / 8 / 250))  # 4 ms of the rate: the kernel's timer tick allows it
+            p = subprocess.run(["tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", f"{mbit}mbit",
+                                "burst", str(burst), "latency", "50ms"], capture_output=True, text=True)
+            if p.returncode != 0:
+                raise RuntimeError(f"tc tbf on {veth}: {p.stderr.strip()}")
+
     def exec_prefix(self, name: str) -> list[str]:
         # Not `ip netns exec`: it also makes a new mount namespace per command, so a worker and
         # the agent's CRIU would live in different ones and CRIU would try to dump mounts.

@@ -37,7 +37,8 @@ from ..errors import (CaptureFailed, Conflict, DeadlineExceeded, FailedPrecondit
                       TransferFailed)
 from ..gpu.checkpoint import GpuCheckpointer  # noqa: F401 - the type of self.gpu
 from ..network import workerns
-from ..transfer import dataport, page_server
+from ..transfer import compress, dataport, page_server
+from ..transfer.compress import Compression
 from ..transfer.stream import DirectoryTail
 from . import reclaim
 from .settings import AgentSettings
@@ -180,7 +181,7 @@ class SourceSide:
                                    action="none: the move sent everything; raise "
                                           "PITSTOP_COORDINATOR_PRECOPY_DEADLINE_S if this repeats")
         out = {"image_id": image_id, "parent_image_id": pre_id, **precopy.describe_basis(basis),
-               "seconds": round(time.monotonic() - t0, 4)}
+               "seconds": round(time.monotonic() - t0, 4), "compression": progress.get("compression")}
         log.info("pre-copied", worker=w.id, dest=dest_url, **out)
         return out
 
@@ -204,7 +205,8 @@ class SourceSide:
         d = self.s.images / ("pre-" + image_id)
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True, mode=0o700)
-        tail = DirectoryTail(d, on_progress=lambda n: progress.__setitem__("bytes_sent", n))
+        tail = DirectoryTail(d, on_progress=lambda n: progress.__setitem__("bytes_sent", n),
+                             compression=self._compression(dest_url))
         errors: list[BaseException] = []
         sender = threading.Thread(target=self._send_to, args=(dest_url, pre_id, tail, errors, [0.0]),
                                   name=f"precopy-{image_id}", daemon=True)
@@ -224,6 +226,7 @@ class SourceSide:
                 raise tail.failure
             tail.finished.set()
             sender.join(self.s.transfer_timeout_s)
+            progress["compression"] = tail.compression.summary()  # type: ignore[union-attr]
             if sender.is_alive() or errors:
                 raise errors[0] if errors else TransferFailed(
                     f"the pre-copy to {dest_url} did not finish within {self.s.transfer_timeout_s:.0f} s",
@@ -413,7 +416,8 @@ class SourceSide:
         whole = not (remote or basis)  # the dump itself travels (else a view of it, written after it)
         tail = DirectoryTail(images / VIEW if remote else images / DELTA if basis else images,
                              on_progress=lambda n: setattr(cap, "bytes_sent", n),
-                             dedup=dedup_pages(self.s.dedup_pages, len(pids), tls.enabled()) and whole)
+                             dedup=dedup_pages(self.s.dedup_pages, len(pids), tls.enabled()) and whole,
+                             compression=self._compression(cap.dest_url) if cap.dest_url else None)
         sender: threading.Thread | None = None
         send_error: list[BaseException] = []
         t0 = time.monotonic()
@@ -507,7 +511,8 @@ class SourceSide:
         ph["transfer_after_dump"] = max(0.0, send_done[0] - dump_end)
         self.state.update_capture(cap, state="sent", phases=ph,
                                   bytes_total=tail.manifest.total_bytes if tail.manifest else cap.bytes_sent,
-                                  bytes_deduplicated=tail.index.bytes_saved if tail.index else 0)
+                                  bytes_deduplicated=tail.index.bytes_saved if tail.index else 0,
+                                  compression=tail.compression.summary() if tail.compression else None)
         log.info("captured and sent", capture=cap.id, worker=w.id, dest=cap.dest_url,
                  bytes=cap.bytes_total, deduplicated=cap.bytes_deduplicated,
                  **{k: round(v, 4) for k, v in ph.items()})
@@ -610,7 +615,8 @@ class SourceSide:
                 port = self._data_port(c, dest_url, headers) if self.s.data_stream else None
                 if port:  # the fast path: a socket of its own (transfer/dataport.py)
                     dataport.send(_cut(iter(tail), faults.value("transfer:cut_after")), httpx.URL(url).host, port,
-                                  image_id, self.s.cluster_token, timeout_s=self.s.transfer_timeout_s)
+                                  image_id, self.s.cluster_token, timeout_s=self.s.transfer_timeout_s,
+                                  compression=tail.compression)
                     return
                 r = c.put(url, content=_cut(iter(tail), faults.value("transfer:cut_after")), headers=headers)
             if r.status_code >= 300:
@@ -636,6 +642,11 @@ class SourceSide:
                 c.delete(f"{dest_url.rstrip('/')}/v1/images/{image_id}", headers=headers)
         except httpx.HTTPError as e:
             log.warning("could not discard a pre-copy nobody will use", dest=dest_url, image=image_id, error=repr(e))
+
+    def _compression(self, dest_url: str) -> Compression:
+        """A stream's compression, with what this agent learned of sending to `dest_url` before."""
+        return Compression(self.s.compress, level=self.s.compress_level, threads=self.s.compress_threads,
+                           link=compress.link_for(dest_url))
 
     @staticmethod
     def _data_port(c: httpx.Client, dest_url: str, headers: dict[str, str]) -> int | None:

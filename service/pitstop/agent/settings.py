@@ -68,6 +68,12 @@ class AgentSettings(BaseSettings):
     # whose per-byte cost makes that pay; on: also for plain links slower than about 2 GB/s per
     # stream (on this testbed's loopback it costs more CPU than it saves); off: never.
     dedup_pages: Literal["auto", "on", "off"] = "auto"
+    # Image pieces compressed with zstd where that wins (transfer/compress.py).  auto: the sender
+    # measures, per destination, how fast pieces move raw and compressed and sends each the faster
+    # way (on this testbed's loopback: raw); on: every piece that shrinks; off: never.
+    compress: Literal["auto", "on", "off"] = "auto"
+    compress_level: int = Field(default=1, ge=-7, le=19)
+    compress_threads: int | None = Field(default=None, ge=0, le=64)  # zstd's workers; default: a quarter of the cores past 4
     # A pre-copy asks the kernel which pages the worker wrote since (capture/writetrack.py: async
     # userfaultfd write-protection, Linux 6.7+) instead of hashing every page during the pause;
     # off, or where the kernel or the worker cannot, it hashes (capture/precopy.py).

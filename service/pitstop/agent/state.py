@@ -70,6 +70,7 @@ class Capture(BaseModel):
     bytes_total: int | None = None
     bytes_sent: int = 0
     bytes_deduplicated: int = 0  # image bytes sent as references to pages sent before (transfer/dedup.py)
+    compression: dict[str, Any] | None = None  # what the stream compressed, and the rates it measured (transfer/compress.py)
     error: dict[str, Any] | None = None
     stdio: list[dict[str, Any]] = Field(default_factory=list)
     gpu: dict[str, Any] = Field(default_factory=dict)  # gpu.checkpoint.Suspended.record(); empty: no CUDA

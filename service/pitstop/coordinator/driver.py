@@ -239,6 +239,8 @@ class OpRun:
                 w["bytes_done"] = w["bytes_total"] or w["bytes_done"]
                 w["capture_phases"] = cap.get("phases", {})
                 w["bytes_deduplicated"] = cap.get("bytes_deduplicated", 0)
+                if cap.get("compression"):  # what went compressed, and the rates the source measured
+                    w["compression"] = cap["compression"]
                 if cap.get("pre_copy"):  # sent ahead, while the job ran; not again now
                     w["bytes_pre_copied"] = cap["pre_copy"].get("parent_bytes", 0)
                     # how the source told what changed: the kernel's write tracking, or digests
@@ -441,6 +443,9 @@ class OpRun:
         skipped = {r["skipped"] for r in final.values() if "skipped" in r}
         with self.lock:
             self.md["pre_copy_bytes"] = sent
+            for wid, r in final.items():
+                if r.get("compression"):
+                    self.md["workers"][wid]["pre_copy_compression"] = r["compression"]
             self.md.pop("pre_copy_bytes_total", None)  # an estimate, for the progress while it ran
             self.save()
         self.leave("precopy")

@@ -9,8 +9,8 @@ slot, manifest check and errors; the HTTP PUT stays for agents without a data po
 
 The exchange, one connection per image (TLS-wrapped when PITSTOP_TLS_* is set, with the
 same CA and the same role check as the HTTP API):
-  client: {"image_id": ..., "token": ...}\\n       server: {"ok": true}\\n  or an error line
-  client: the frames, up to and including the manifest
+  client: {"image_id": ..., "token": ...}\\n       server: {"ok": true, "encodings": ["zstd"]}\\n  or an error line
+  client: the frames, up to and including the manifest (Z frames only if the server named "zstd")
   server: {"ok": true, "bytes": N, "files": F, "seconds": S}\\n  or {"error": {...}, "status": 507}\\n
 Every wait has a deadline (connect, hello, each receive, the final answer).
 
@@ -35,6 +35,7 @@ import structlog
 
 from .. import tls
 from ..errors import PitstopError, TransferFailed
+from .compress import ENCODING, Compression
 from .stream import StreamReceiver
 
 log = structlog.get_logger("pitstop.transfer.dataport")
@@ -164,7 +165,7 @@ class DataPort:
                 self._serve_pages(conn, str(hello.get("image_id", "")))
                 return
             slot = self._open_slot(str(hello.get("image_id", "")))
-            conn.sendall(_line({"ok": True}))
+            conn.sendall(_line({"ok": True, "encodings": [ENCODING]}))
             buf = self._take_buffer()
             mv = memoryview(buf)
             try:
@@ -194,18 +195,28 @@ class DataPort:
 
 
 def send(pieces: Iterable[bytes | memoryview], host: str, port: int, image_id: str, token: str | None,
-         timeout_s: float, connect_timeout_s: float = 10.0) -> dict[str, Any]:
-    """Stream `pieces` to a data port; the destination's final answer, or TransferFailed."""
+         timeout_s: float, connect_timeout_s: float = 10.0, compression: Compression | None = None) -> dict[str, Any]:
+    """Stream `pieces` to a data port; the destination's final answer, or TransferFailed.
+
+    `compression`: the stream's (DirectoryTail's); told whether the destination decodes compressed
+    pieces, and when each byte is in the socket, which is how it times the link."""
     sock = socket.create_connection((host, port), timeout=connect_timeout_s)
     try:
         if tls.enabled():
             sock = tls.client_context().wrap_socket(sock, server_hostname=host)
         sock.settimeout(timeout_s)
-        _hello(sock, {"image_id": image_id, "token": token or ""}, f"{host}:{port}")
+        hello = _hello(sock, {"image_id": image_id, "token": token or ""}, f"{host}:{port}")
         t0 = time.monotonic()
+        if compression is not None:
+            compression.accept(hello.get("encodings"))
+            compression.started()
+        wire = 0
         try:
             for piece in pieces:
                 sock.sendall(piece)
+                if compression is not None:
+                    wire += len(piece)
+                    compression.sent(wire)
         except OSError:
             _answer(sock, f"{host}:{port}")  # the destination stopped reading: it says why
             raise

@@ -24,6 +24,9 @@ Wire format (one HTTP request body, chunked, or the data port's socket):
   b"C" !H name_len !Q offset !I length !H src_len !Q src_offset name src_name
                                                    a piece of a file equal to bytes of an
                                                    earlier piece (dedup.py: copy-on-write pages)
+  b"Z" !H name_len !Q offset !I length !I zlength name zdata
+                                                   a piece of a file, zstd-compressed; sent only to a
+                                                   receiver that said it decodes them (compress.py)
   b"M" !I length json                              the manifest; the end
   b"E" !I length json                              the sender gave up; discard
 """
@@ -45,10 +48,12 @@ from typing import Any
 
 from ..capture.manifest import DIGEST, MANIFEST, FileEntry, Manifest, new_hasher, verify
 from ..errors import IntegrityError, TransferFailed
+from .compress import Compression, Decoder
 from .dedup import PAGE, Copy, PageIndex
 
 _D = struct.Struct("!HQI")
 _C = struct.Struct("!HQIHQ")
+_Z = struct.Struct("!HQII")
 _L = struct.Struct("!I")
 CHUNK = 4 << 20
 SKIP_SUFFIXES = (".log",)
@@ -67,8 +72,11 @@ class DirectoryTail:
     """
 
     def __init__(self, directory: Path, *, poll_s: float = 0.003,
-                 on_progress: Callable[[int], None] | None = None, dedup: bool = False) -> None:
+                 on_progress: Callable[[int], None] | None = None, dedup: bool = False,
+                 compression: Compression | None = None) -> None:
         self.directory = directory
+        self.compression = compression  # which data pieces go compressed (transfer/compress.py)
+        self._wire = 0  # bytes of the stream handed on so far (the compression times pieces by it)
         # dedup: pages sent before go as references; worth its CPU only where the tree has
         # forked children sharing pages with their parent (capture decides)
         self.index = PageIndex() if dedup else None
@@ -116,8 +124,7 @@ class DirectoryTail:
                 data = _read(fd, off, min(CHUNK, size - off))
                 h.update(data)
                 if not dedup:
-                    yield b"D" + _D.pack(len(bname), off, len(data)) + bname
-                    yield data
+                    yield from self._data(bname, off, data)
                 else:
                     for seg in self.index.split(name, off, data, self._read_sent, self._sent_upto):  # type: ignore[union-attr]
                         if isinstance(seg, Copy):
@@ -125,13 +132,33 @@ class DirectoryTail:
                             yield (b"C" + _C.pack(len(bname), seg.offset, seg.length, len(src), seg.src_offset)
                                    + bname + src)
                         else:
-                            yield b"D" + _D.pack(len(bname), seg.offset, len(seg.data)) + bname
-                            yield seg.data
+                            yield from self._data(bname, seg.offset, seg.data)
                 off += len(data)
                 self.sent += len(data)
                 if self._on_progress:
                     self._on_progress(self.sent)
             self._files[name] = (fd, off, h)
+
+    def _data(self, bname: bytes, off: int, data: bytes | memoryview) -> Iterator[bytes | memoryview]:
+        """One piece of a file's bytes: a D frame, or a Z frame where compressing it wins."""
+        c = self.compression
+        z = c.encode(data) if c is not None else None
+        if z is None:
+            head, body = b"D" + _D.pack(len(bname), off, len(data)) + bname, data
+        else:
+            head, body = b"Z" + _Z.pack(len(bname), off, len(data), len(z)) + bname, z
+        if c is not None:
+            c.record(self._wire + len(head) + len(body), len(data), len(body), z is not None)
+        yield head
+        yield body
+
+    def _counted(self, pieces: Iterator[bytes | memoryview]) -> Iterator[bytes | memoryview]:
+        try:
+            for piece in pieces:
+                self._wire += len(piece)
+                yield piece
+        finally:
+            pieces.close()  # type: ignore[attr-defined]
 
     def _read_sent(self, name: str, off: int, n: int) -> memoryview:
         """Bytes of `name` already sent, from a mapping kept per file (the page index compares
@@ -149,7 +176,7 @@ class DirectoryTail:
 
     def __iter__(self) -> Iterator[bytes]:
         stop = threading.Event()
-        return _ahead(_coalesced(self._pieces(stop)), stop)
+        return _ahead(_coalesced(self._counted(self._pieces(stop))), stop)
 
     def _pieces(self, stop: threading.Event) -> Iterator[bytes]:
         try:
@@ -195,6 +222,8 @@ class StreamReceiver:
         self._buf = bytearray()
         self._files: dict[str, tuple[int, int, Any]] = {}
         self._pending: tuple[str, int, int] | None = None  # name, offset, remaining
+        self._zpending: tuple[str, int, int, bytearray, int] | None = None  # name, offset, raw size, body, filled
+        self._decoder: Decoder | None = None
         self._readers: dict[str, int] = {}  # read fds of written files, for C frames
         self.written_stat: dict[str, tuple[int, int, int]] | None = None
 
@@ -210,6 +239,9 @@ class StreamReceiver:
             raise TransferFailed("data after the end of the image stream", action="send again")
         mv = memoryview(chunk)
         while mv:
+            if self._zpending is not None:
+                mv = self._fill_z(mv)
+                continue
             if self._pending is not None:
                 name, off, remaining = self._pending
                 take = min(remaining, len(mv))
@@ -261,6 +293,16 @@ class StreamReceiver:
             src = self._name(bytes(view[1 + _C.size + nlen:end]))
             self._copy(name, off, n, src, soff)
             return end
+        if kind == b"Z":
+            if len(view) < 1 + _Z.size:
+                return 0
+            nlen, off, n, zn = _Z.unpack_from(view, 1)
+            if len(view) < 1 + _Z.size + nlen:
+                return 0
+            name = self._name(bytes(view[1 + _Z.size:1 + _Z.size + nlen]))
+            Decoder.check_sizes(name, n, zn)
+            self._zpending = (name, off, n, bytearray(zn), 0)
+            return 1 + _Z.size + nlen
         if kind in (b"M", b"E"):
             if len(view) < 1 + _L.size:
                 return 0
@@ -274,6 +316,20 @@ class StreamReceiver:
             self._finish(Manifest.model_validate_json(body))
             return 1 + _L.size + n
         raise TransferFailed(f"corrupt image stream (frame type {kind!r})", action="send again")
+
+    def _fill_z(self, mv: memoryview) -> memoryview:
+        """Take the next bytes of a compressed piece; once all are here, decode and write it."""
+        name, off, n, body, filled = self._zpending  # type: ignore[misc]
+        take = min(len(body) - filled, len(mv))
+        body[filled:filled + take] = mv[:take]
+        filled += take
+        if filled < len(body):
+            self._zpending = (name, off, n, body, filled)
+        else:
+            self._zpending = None
+            self._decoder = self._decoder or Decoder()
+            self._write(name, off, self._decoder.decode(name, body, n))
+        return mv[take:]
 
     @staticmethod
     def _name(raw: bytes) -> str:
