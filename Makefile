@@ -53,6 +53,7 @@ bench: setup
 	$(BIN)/python bench/shim_bench.py
 	$(BIN)/python bench/stream_rate.py
 	$(BIN)/python bench/delta_cost.py
+	$(BIN)/python bench/compress_link.py
 
 # pitstop vs its data floor, checkpoint-restart and naive CRIU, scaling 2/4/8 ranks, each size 3
 # times (about 18 min); writes bench/out/compare.json and compare.png.  BENCH_ARGS="--repeats 3"

@@ -53,6 +53,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--state-mb", type=float, default=0.0, help="extra resident state per rank (MiB)")
+    p.add_argument("--state-kind", choices=["arange", "randn"], default="arange",
+                   help="what the extra state holds: int32 counting up (compresses to about 2/3 with zstd) or "
+                        "normal float32 like freshly initialised weights (about 0.92): bench/compress_link.py")
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--pace-file", help="a file whose number, read at every step, replaces --step-sleep "
                                        "(a test slows the job while it needs it running, then lets it finish)")
@@ -78,7 +81,9 @@ def main() -> None:
     ddp = DDP(model)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
     # Ballast: state that must survive the move like any other memory.
-    ballast = torch.arange(int(args.state_mb * 262144), dtype=torch.int32) if args.state_mb else None
+    n = int(args.state_mb * 262144)
+    ballast = None if not n else (torch.arange(n, dtype=torch.int32) if args.state_kind == "arange"
+                                  else torch.randn(n, generator=torch.Generator().manual_seed(7 + rank)))
 
     g = torch.Generator().manual_seed(100 + rank)
     data = torch.randn(args.steps * 16, 64, generator=g)
@@ -129,10 +134,13 @@ def main() -> None:
                 pass
         if pause:
             time.sleep(pause)
-    if ballast is not None:
+    if ballast is not None and args.state_kind == "arange":
         n = ballast.numel()
         assert int(ballast[-1]) == n - 1 and int(ballast[n // 2]) == n // 2, "ballast corrupted"
         assert int(ballast.sum(dtype=torch.int64)) == n * (n - 1) // 2, "ballast corrupted"
+    elif ballast is not None:  # the same draw again: every element must have survived
+        again = torch.randn(ballast.numel(), generator=torch.Generator().manual_seed(7 + rank))
+        assert torch.equal(ballast, again), "ballast corrupted"
     os.makedirs(args.out, exist_ok=True)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save(state, os.path.join(args.out, f"rank{rank}.pt"))

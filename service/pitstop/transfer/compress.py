@@ -47,14 +47,18 @@ SAMPLE = 256 << 10              # what a look at the compressed arm compresses f
 PROMISING_RATIO = 0.8           # the sample must shrink to this ...
 PROMISING_SPEEDUP = 1.25        # ... and compress this much faster than the raw arm moves bytes
 WIN_MARGIN = 1.05               # the compressed arm must be this much faster to be used
-# The read-ahead runs up to 4 data pieces ahead of the socket and the socket buffers about one
-# more: the first compressed pieces after raw ones were compressed while those were sent, so
-# their times say nothing of the compressor.  They are not measured.  Raw pieces are ready at
-# once; only the first two of a stream, which fill empty socket buffers, are not measured.
-SETTLE = {True: 5, False: 2}
-MEASURED_PER_LOOK = 4           # a look at the other arm: its settling pieces and these many more
-EXPLORE_FIRST, EXPLORE_MAX = 8, 256   # pieces between looks (doubles with each look, back to the first on a change)
+# What is not measured, because it says nothing about an arm's rate:
+# - the start of a stream: the socket buffers at both ends and a slow link's queue take the first
+#   megabytes at once (up to about 16 MB here);
+# - the first compressed pieces after raw ones: the read-ahead, up to 4 data pieces ahead of the
+#   socket, compressed them while the raw ones were on the wire;
+# - the first raw piece after compressed ones: it waits for their bytes to drain.
+START_UNMEASURED = 16 << 20
+SETTLE = {True: 5, False: 1}
+MEASURED_PER_LOOK = {True: 4, False: 2}  # a look at the other arm: its settling pieces and these many more
+EXPLORE_FIRST, EXPLORE_MAX = 16, 256     # pieces between looks; doubles with each look
 EWMA = 0.3
+KEEP = 0.75  # what an arm's byte and second counts keep at each measurement: a rate of the last few
 
 
 def default_threads() -> int:
@@ -70,12 +74,25 @@ def _ewma(old: float | None, new: float) -> float:
 
 @dataclass
 class Link:
-    """What this agent learned about sending to one destination."""
+    """What this agent learned about sending to one destination.
 
-    rate: dict[bool, float | None] = field(default_factory=lambda: {False: None, True: None})  # raw B/s per arm
+    An arm's rate is decayed bytes over decayed seconds, not an average of per-piece rates: pieces
+    that compress to a few KiB leave the socket together with the next, in no time of their own."""
+
+    counts: dict[bool, list[float]] = field(default_factory=lambda: {False: [0.0, 0.0], True: [0.0, 0.0]})
     sample_rate: float | None = None   # the compressor's raw B/s on samples
     sample_ratio: float | None = None
     explore_every: int = EXPLORE_FIRST
+
+    def rate(self, compressed: bool) -> float | None:
+        """Raw bytes per second through the whole path, for pieces sent this way; None: not measured."""
+        b, s = self.counts[compressed]
+        return b / s if s > 0 else None
+
+    def measured(self, compressed: bool, raw: int, seconds: float) -> None:
+        c = self.counts[compressed]
+        c[0], c[1] = c[0] * KEEP + raw, c[1] * KEEP + seconds
+
 
 
 _links: dict[str, Link] = {}
@@ -119,19 +136,20 @@ class Compression:
         self.allowed = self.mode != "off" and isinstance(encodings, list) and ENCODING in encodings
 
     # -- read-ahead thread -------------------------------------------------------------------------
-    def encode(self, data: bytes | memoryview) -> bytes | None:
-        """The compressed form of `data` if it should go compressed, else None."""
+    def encode(self, data: bytes | memoryview) -> tuple[bytes | None, bool]:
+        """(the compressed form of `data` if it goes compressed, else None; whether compressing was
+        tried: a piece that did not shrink goes raw, but its time counts for the compressed arm)."""
         if not self.allowed or self._zc is None or not MIN_PIECE <= len(data) <= MAX_PIECE:
-            return None
+            return None, False
         if not self._choose(data):
-            return None
+            return None, False
         z = self._zc.compress(data)
-        return z if len(z) <= KEEP_RATIO * len(data) else None
+        return (z if len(z) <= KEEP_RATIO * len(data) else None), True
 
-    def record(self, wire_end: int, raw: int, wire: int, compressed: bool) -> None:
+    def record(self, wire_end: int, raw: int, wire: int, tried: bool, compressed: bool) -> None:
         """A data piece was framed; it ends at byte `wire_end` of the stream."""
         with self._lock:
-            self._inflight.append((wire_end, raw, compressed))
+            self._inflight.append((wire_end, raw, tried))
             self.pieces += 1
             self.raw_bytes += raw
             self.wire_bytes += wire
@@ -145,26 +163,26 @@ class Compression:
             self._look = (arm, left - 1)
             return arm
         lk = self.link
-        if lk.rate[False] is None:
+        if lk.rate(False) is None:
             return False  # the link is measured raw first
         winner = self._winner()
         self._since_look += 1
         if self._since_look < lk.explore_every and lk.sample_rate is not None:
             return winner
         self._since_look = 0
-        if lk.sample_rate is not None:
+        if lk.sample_rate is not None:  # the first sample comes as soon as the link is measured
             lk.explore_every = min(EXPLORE_MAX, lk.explore_every * 2)
         if not winner:  # is compressing worth a try?  A sample says whether it could win at all
             self._sample(data)
             if not (lk.sample_ratio <= PROMISING_RATIO  # type: ignore[operator]
-                    and lk.sample_rate >= PROMISING_SPEEDUP * lk.rate[False]):  # type: ignore[operator]
+                    and lk.sample_rate >= PROMISING_SPEEDUP * lk.rate(False)):  # type: ignore[operator]
                 return False
-        self._look = (not winner, SETTLE[not winner] + MEASURED_PER_LOOK - 1)
+        self._look = (not winner, SETTLE[not winner] + MEASURED_PER_LOOK[not winner] - 1)
         return not winner
 
     def _winner(self) -> bool:
         """Whether the compressed arm is the faster one, by what was measured."""
-        raw, z = self.link.rate[False], self.link.rate[True]
+        raw, z = self.link.rate(False), self.link.rate(True)
         return raw is not None and z is not None and z > raw * WIN_MARGIN
 
     def _sample(self, data: bytes | memoryview) -> None:
@@ -183,27 +201,34 @@ class Compression:
         self._last_done = time.perf_counter()
 
     def sent(self, wire_total: int) -> None:
-        """`wire_total` bytes of the stream are in the socket: time the pieces that ended there."""
+        """`wire_total` bytes of the stream are in the socket: time the pieces that ended there.
+
+        The time since the last piece ended goes to the pieces that end now (one, or several that
+        left the socket in one call), if they are of one arm and past its settling."""
         now = time.perf_counter()
         with self._lock:
+            done: list[tuple[int, bool]] = []
             while self._inflight and self._inflight[0][0] <= wire_total:
-                _, raw, compressed = self._inflight.popleft()
-                arm, n = self._run
-                self._run = (compressed, n + 1 if arm == compressed else 1)
-                if self._last_done is not None and self._run[1] > SETTLE[compressed]:
-                    before = self._winner()
-                    self.link.rate[compressed] = _ewma(self.link.rate[compressed], raw / max(now - self._last_done, 1e-6))
-                    if self._winner() != before:
-                        self.link.explore_every = EXPLORE_FIRST
-                self._last_done = now
+                _, raw, tried = self._inflight.popleft()
+                if raw >= MIN_PIECE:  # headers and small files take no time worth a rate
+                    arm, n = self._run
+                    self._run = (tried, n + 1 if arm == tried else 1)
+                    done.append((raw, tried))
+            if not done:
+                return
+            arms = {t for _, t in done}
+            if (self._last_done is not None and len(arms) == 1 and self._run[1] > SETTLE[self._run[0]]
+                    and wire_total > START_UNMEASURED):
+                self.link.measured(self._run[0], sum(r for r, _ in done), max(now - self._last_done, 1e-6))
+            self._last_done = now
 
     def summary(self) -> dict[str, Any]:
         lk = self.link
         return {"mode": self.mode, "encoding": ENCODING if self.allowed else None, "level": self.level,
                 "threads": self.threads, "pieces": self.pieces, "compressed_pieces": self.compressed_pieces,
                 "raw_bytes": self.raw_bytes, "wire_bytes": self.wire_bytes, "samples": self.samples,
-                "raw_gbps": None if lk.rate[False] is None else round(lk.rate[False] / 1e9, 3),
-                "compressed_gbps": None if lk.rate[True] is None else round(lk.rate[True] / 1e9, 3)}
+                "raw_gbps": None if lk.rate(False) is None else round(lk.rate(False) / 1e9, 3),  # type: ignore[operator]
+                "compressed_gbps": None if lk.rate(True) is None else round(lk.rate(True) / 1e9, 3)}  # type: ignore[operator]
 
 
 class Decoder:

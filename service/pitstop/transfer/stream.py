@@ -142,13 +142,13 @@ class DirectoryTail:
     def _data(self, bname: bytes, off: int, data: bytes | memoryview) -> Iterator[bytes | memoryview]:
         """One piece of a file's bytes: a D frame, or a Z frame where compressing it wins."""
         c = self.compression
-        z = c.encode(data) if c is not None else None
+        z, tried = c.encode(data) if c is not None else (None, False)
         if z is None:
             head, body = b"D" + _D.pack(len(bname), off, len(data)) + bname, data
         else:
             head, body = b"Z" + _Z.pack(len(bname), off, len(data), len(z)) + bname, z
         if c is not None:
-            c.record(self._wire + len(head) + len(body), len(data), len(body), z is not None)
+            c.record(self._wire + len(head) + len(body), len(data), len(body), tried, z is not None)
         yield head
         yield body
 
