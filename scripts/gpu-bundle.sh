@@ -23,7 +23,7 @@ for v in $PYVERS; do
   $PIP download -q --only-binary=:all: --python-version "$v" --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$B/wheels" \
     fastapi "uvicorn>=0.29" "pydantic>=2.6" "pydantic-settings>=2.2" "structlog>=24.1" "cryptography>=42" \
-    "sniffio>=1.3" "typer>=0.12" "xxhash>=3.4" "uvloop>=0.19" "prometheus-client>=0.20" 2>&1 \
+    "sniffio>=1.3" "typer>=0.12" "xxhash>=3.4" "zstandard>=0.23" "uvloop>=0.19" "prometheus-client>=0.20" 2>&1 \
     | grep -v "is ignored" || true
 done
 [[ -x "$PREFIX/bin/criu" ]] || "$ROOT/scripts/provision-criu.sh" >/dev/null

@@ -191,6 +191,8 @@ def test_agent_refuses_to_start_without_cluster_token(tmp_path):
 
 @pytest.mark.parametrize("command,var,value,says", [
     ("agent", "PITSTOP_AGENT_DEDUP_PAGES", "1", "'auto', 'on' or 'off'"),
+    ("agent", "PITSTOP_AGENT_COMPRESS", "zstd", "'auto', 'on' or 'off'"),
+    ("agent", "PITSTOP_AGENT_COMPRESS_LEVEL", "30", "less than or equal to 19"),
     ("coordinator", "PITSTOP_COORDINATOR_FLUSH_S", "abc", "valid number")])
 def test_a_bad_setting_is_named_not_a_traceback(tmp_path, command, var, value, says):
     args = (["--name", "x", "--state-dir", str(tmp_path)] if command == "agent" else ["--db", str(tmp_path / "c.db")])
