@@ -131,6 +131,7 @@ class Compression:
         self._run: tuple[bool, int] = (False, 0)    # the arm of the last pieces sent, how many in a row
         self._look: tuple[bool, int] = (False, 0)   # a look under way: its arm, pieces still to send
         self._since_look = 0
+        self._fresh = True  # this stream has not looked yet
         self.raw_bytes = self.wire_bytes = self.pieces = self.compressed_pieces = self.samples = 0
 
     def accept(self, encodings: Any) -> None:
@@ -151,7 +152,8 @@ class Compression:
     def record(self, wire_end: int, raw: int, wire: int, tried: bool, compressed: bool) -> None:
         """A data piece was framed; it ends at byte `wire_end` of the stream."""
         with self._lock:
-            self._inflight.append((wire_end, raw, tried))
+            if self.allowed:  # else nothing times the socket (an older receiver, the HTTP path)
+                self._inflight.append((wire_end, raw, tried))
             self.pieces += 1
             self.raw_bytes += raw
             self.wire_bytes += wire
@@ -169,10 +171,14 @@ class Compression:
             return False  # the link is measured raw first
         winner = self._winner()
         self._since_look += 1
-        if self._since_look < lk.explore_every and lk.sample_rate is not None:
+        # A stream where raw won before takes one sample of its own first: what was learned came
+        # from other bytes (the tail of the last stream), and a sample costs little.  One where
+        # compressing won trusts it: the pause's delta is a few pieces, too few for a look.
+        fresh, self._fresh = self._fresh and not winner, False
+        if self._since_look < lk.explore_every and lk.sample_rate is not None and not fresh:
             return winner
         self._since_look = 0
-        if lk.sample_rate is not None:  # the first sample comes as soon as the link is measured
+        if lk.sample_rate is not None and not fresh:  # the first sample comes as soon as the link is measured
             lk.explore_every = min(EXPLORE_MAX, lk.explore_every * 2)
         if not winner:  # is compressing worth a try?  A sample says whether it could win at all
             self._sample(data)
