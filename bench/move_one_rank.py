@@ -103,6 +103,7 @@ def main() -> None:
         "agent_env": env,
         "bytes": rep.bytes,
         "bytes_deduplicated": cap.get("bytes_deduplicated", 0),
+        "compression": cap.get("compression"),  # what the stream compressed (transfer/compress.py)
         "phases_s": {k: round(v, 4) for k, v in rep.phases.items()},
         "downtime_s": round(rep.downtime_s, 4),
         "warmup_downtimes_s": [round(x, 4) for x in warm],

@@ -132,8 +132,9 @@ class Sim:
     piece (the clock moves by its size over the compressor's speed), then sends it (by its wire size
     over the link's)."""
 
-    def __init__(self, monkeypatch, link_bps: float, zstd_bps: float) -> None:
+    def __init__(self, monkeypatch, link_bps: float, zstd_bps: float, in_socket: float = 1.0) -> None:
         self.t = 0.0
+        self.in_socket = in_socket  # the share of a piece's time spent in sendall (the rest: waiting for it)
         self.link_bps, self.zstd_bps = link_bps, zstd_bps
         monkeypatch.setattr(compress.time, "perf_counter", lambda: self.t)
         monkeypatch.setattr(compress, "START_UNMEASURED", 0)  # the simulated link has no buffers to fill
@@ -157,7 +158,7 @@ class Sim:
             wire_total += wire + 30
             c.record(wire_total, len(data), wire, tried, z is not None)
             self.t += (wire + 30) / self.link_bps
-            c.sent(wire_total)
+            c.sent(wire_total, self.in_socket * (wire + 30) / self.link_bps)
             chosen.append(z is not None)
         return chosen
 
@@ -182,6 +183,16 @@ def test_a_fast_link_is_never_slowed_by_trying(monkeypatch):
     chosen = sim.stream(c, PIECE, 400)
     assert not any(chosen)
     assert 1 <= c.samples <= 7, c.samples  # 8, 16, 32, ... pieces apart
+
+
+def test_a_stream_that_waits_for_its_pieces_is_not_compressed(monkeypatch):
+    """Slow, but not because of the link: the pieces come as fast as CRIU writes the dump (or the
+    pre-copy reads memory), and the socket takes each at once.  Compressing would only take CPU
+    from the dump."""
+    sim = Sim(monkeypatch, link_bps=300e6, zstd_bps=500e6, in_socket=0.1)
+    c = Compression("auto", threads=0)
+    assert not any(sim.stream(c, PIECE, 200))
+    assert c.link.socket_share(False) < 0.2
 
 
 def test_incompressible_data_is_sent_raw_even_on_a_slow_link(monkeypatch):

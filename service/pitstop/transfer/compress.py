@@ -45,7 +45,10 @@ MAX_PIECE = 64 << 20            # a Z frame's sizes are bounded (a corrupt or ho
 KEEP_RATIO = 0.97               # a compressed piece is sent only if it is at most this size of the raw one
 SAMPLE = 256 << 10              # what a look at the compressed arm compresses first
 PROMISING_RATIO = 0.95          # the sample must shrink to this (float32 weights: about 0.92) ...
-PROMISING_SPEEDUP = 1.25        # ... and compress this much faster than the raw arm moves bytes
+PROMISING_SPEEDUP = 1.25        # ... and compress this much faster than the raw arm moves bytes,
+LINK_BOUND = 0.5                # ... whose pieces spent at least this share of their time in the socket:
+                                # one that waits for its pieces (a dump still being written, a pre-copy
+                                # reading memory) is not slowed by the link, and compressing cannot help it
 WIN_MARGIN = 1.05               # the compressed arm must be this much faster to be used
 # What is not measured, because it says nothing about an arm's rate:
 # - the start of a stream: the socket buffers at both ends and a slow link's queue take the first
@@ -81,19 +84,26 @@ class Link:
     An arm's rate is decayed bytes over decayed seconds, not an average of per-piece rates: pieces
     that compress to a few KiB leave the socket together with the next, in no time of their own."""
 
-    counts: dict[bool, list[float]] = field(default_factory=lambda: {False: [0.0, 0.0], True: [0.0, 0.0]})
+    # per arm: decayed raw bytes, seconds, and seconds of those spent in sendall()
+    counts: dict[bool, list[float]] = field(default_factory=lambda: {False: [0.0, 0.0, 0.0], True: [0.0, 0.0, 0.0]})
     sample_rate: float | None = None   # the compressor's raw B/s on samples
     sample_ratio: float | None = None
     explore_every: int = EXPLORE_FIRST
 
     def rate(self, compressed: bool) -> float | None:
         """Raw bytes per second through the whole path, for pieces sent this way; None: not measured."""
-        b, s = self.counts[compressed]
+        b, s, _ = self.counts[compressed]
         return b / s if s > 0 else None
 
-    def measured(self, compressed: bool, raw: int, seconds: float) -> None:
+    def socket_share(self, compressed: bool) -> float:
+        """How much of an arm's time its pieces spent in the socket: near 1 where the link (or the
+        receiver behind it) sets the pace, near 0 where the stream waits for its own pieces."""
+        _, s, k = self.counts[compressed]
+        return k / s if s > 0 else 0.0
+
+    def measured(self, compressed: bool, raw: int, seconds: float, in_socket: float) -> None:
         c = self.counts[compressed]
-        c[0], c[1] = c[0] * KEEP + raw, c[1] * KEEP + seconds
+        c[0], c[1], c[2] = c[0] * KEEP + raw, c[1] * KEEP + seconds, c[2] * KEEP + min(in_socket, seconds)
 
 
 
@@ -104,12 +114,6 @@ _links_lock = threading.Lock()
 def link_for(key: str) -> Link:
     with _links_lock:
         return _links.setdefault(key, Link())
-
-
-def forget_links() -> None:
-    """Tests and benches: start from nothing learned."""
-    with _links_lock:
-        _links.clear()
 
 
 class Compression:
@@ -128,6 +132,7 @@ class Compression:
         self._inflight: deque[tuple[int, int, bool]] = deque()
         self._lock = threading.Lock()
         self._last_done: float | None = None
+        self._in_socket = 0.0  # seconds in sendall() since the last piece ended
         self._run: tuple[bool, int] = (False, 0)    # the arm of the last pieces sent, how many in a row
         self._look: tuple[bool, int] = (False, 0)   # a look under way: its arm, pieces still to send
         self._since_look = 0
@@ -183,7 +188,8 @@ class Compression:
         if not winner:  # is compressing worth a try?  A sample says whether it could win at all
             self._sample(data)
             if not (lk.sample_ratio <= PROMISING_RATIO  # type: ignore[operator]
-                    and lk.sample_rate >= PROMISING_SPEEDUP * lk.rate(False)):  # type: ignore[operator]
+                    and lk.sample_rate >= PROMISING_SPEEDUP * lk.rate(False)  # type: ignore[operator]
+                    and lk.socket_share(False) >= LINK_BOUND):
                 return False
         self._look = (not winner, SETTLE[not winner] + MEASURED_PER_LOOK[not winner] - 1)
         return not winner
@@ -208,13 +214,15 @@ class Compression:
         """The receiver answered: the first piece is timed from here."""
         self._last_done = time.perf_counter()
 
-    def sent(self, wire_total: int) -> None:
-        """`wire_total` bytes of the stream are in the socket: time the pieces that ended there.
+    def sent(self, wire_total: int, in_socket: float) -> None:
+        """`wire_total` bytes of the stream are in the socket, the last of them after `in_socket`
+        seconds in sendall(): time the pieces that ended there.
 
         The time since the last piece ended goes to the pieces that end now (one, or several that
         left the socket in one call), if they are of one arm and past its settling."""
         now = time.perf_counter()
         with self._lock:
+            self._in_socket += in_socket
             done: list[tuple[int, bool]] = []
             while self._inflight and self._inflight[0][0] <= wire_total:
                 _, raw, tried = self._inflight.popleft()
@@ -227,8 +235,9 @@ class Compression:
             arms = {t for _, t in done}
             if (self._last_done is not None and len(arms) == 1 and self._run[1] > SETTLE[self._run[0]]
                     and wire_total > START_UNMEASURED):
-                self.link.measured(self._run[0], sum(r for r, _ in done), max(now - self._last_done, 1e-6))
-            self._last_done = now
+                self.link.measured(self._run[0], sum(r for r, _ in done), max(now - self._last_done, 1e-6),
+                                   self._in_socket)
+            self._last_done, self._in_socket = now, 0.0
 
     def summary(self) -> dict[str, Any]:
         lk = self.link

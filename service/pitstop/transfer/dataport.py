@@ -213,10 +213,11 @@ def send(pieces: Iterable[bytes | memoryview], host: str, port: int, image_id: s
         wire = 0
         try:
             for piece in pieces:
+                t = time.perf_counter()
                 sock.sendall(piece)
                 if compression is not None:
                     wire += len(piece)
-                    compression.sent(wire)
+                    compression.sent(wire, time.perf_counter() - t)
         except OSError:
             _answer(sock, f"{host}:{port}")  # the destination stopped reading: it says why
             raise
