@@ -220,6 +220,12 @@ def test_a_link_that_becomes_fast_goes_back_to_raw(monkeypatch):
     assert not any(later[-100:]), later[-100:]
 
 
+@pytest.mark.parametrize("host,same", [("127.0.0.1", True), ("127.3.4.5", True), ("localhost", True), ("::1", True),
+                                       ("[::1]", True), ("10.213.40.11", False), ("spare-1.example", False)])
+def test_auto_never_compresses_towards_this_machines_loopback(host, same):
+    assert compress.same_host(host) is same
+
+
 def test_the_agent_reports_what_it_compressed(images):
     c = Compression("on", threads=0)
     c.accept(["zstd"])

@@ -644,9 +644,13 @@ class SourceSide:
             log.warning("could not discard a pre-copy nobody will use", dest=dest_url, image=image_id, error=repr(e))
 
     def _compression(self, dest_url: str) -> Compression:
-        """A stream's compression, with what this agent learned of sending to `dest_url` before."""
-        return Compression(self.s.compress, level=self.s.compress_level, threads=self.s.compress_threads,
-                           link=compress.link_for(dest_url))
+        """A stream's compression, with what this agent learned of sending to `dest_url` before;
+        `auto` never compresses towards this machine's own loopback (compress.same_host)."""
+        mode, why = self.s.compress, None
+        if mode == "auto" and compress.same_host(httpx.URL(dest_url).host):
+            mode, why = "off", "auto: the destination is on this machine's loopback"
+        return Compression(mode, level=self.s.compress_level, threads=self.s.compress_threads,
+                           link=compress.link_for(dest_url), reason=why)
 
     @staticmethod
     def _data_port(c: httpx.Client, dest_url: str, headers: dict[str, str]) -> int | None:
