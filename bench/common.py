@@ -148,3 +148,16 @@ def keep_logs(root: Path, dest: Path) -> Path:
         (dest / f.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(f, dest / f.relative_to(root))
     return dest
+
+
+def stop_by_stdin(p: "subprocess.Popen | None") -> None:
+    """End a helper process that runs until its standard input closes (the benches' receivers);
+    killed if it does not end within 10 s."""
+    if p is None:
+        return
+    try:
+        p.stdin.close()  # type: ignore[union-attr]
+        p.wait(timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        p.kill()
+        p.wait()

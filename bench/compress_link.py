@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine  # noqa: E402
+from bench.common import machine, stop_by_stdin  # noqa: E402
 from bench.stream_rate import _mount, _umount  # noqa: E402
 from pitstop.capture import runtime  # noqa: E402
 from pitstop.capture.manifest import Manifest  # noqa: E402
@@ -190,13 +190,7 @@ def main() -> None:
                   f"{row['auto_first_vs_best']:.2f} / {row['auto_learned_vs_best']:.2f}")
         print(f"written to {a.out}")
     finally:
-        if rx is not None:
-            try:
-                rx.stdin.close()  # type: ignore[union-attr]
-                rx.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                rx.kill()
-                rx.wait()
+        stop_by_stdin(rx)
         net.close()
         _umount(srcfs)
         _umount(destfs)

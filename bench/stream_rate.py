@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine, raw_tcp_bandwidth  # noqa: E402
+from bench.common import machine, raw_tcp_bandwidth, stop_by_stdin  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -215,13 +215,7 @@ def main() -> None:
         print(f"  pitstop stream / file to file {result['stream_vs_file_to_file']:.0%}")
         print(f"written to {a.out}")
     finally:
-        if rx is not None:
-            try:
-                rx.stdin.close()  # type: ignore[union-attr]
-                rx.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                rx.kill()
-                rx.wait()
+        stop_by_stdin(rx)
         _umount(srcfs)
         _umount(destfs)
         shutil.rmtree(root, ignore_errors=True)
