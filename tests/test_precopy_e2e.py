@@ -313,3 +313,46 @@ def test_a_pre_copy_that_would_not_fit_is_skipped(cluster, tmp_path):
         if "host-b" in cluster.agents:
             cluster.stop_agent("host-b")
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+@pytest.mark.parametrize("fault,left_behind", [
+    ("precopy:before_read=sleep:120", True),     # held where no stop reaches it: left behind at the deadline
+    ("precopy:before_finish=sleep:120", None)])  # told to stop while it reads, or held after: either way
+def test_an_agent_stopped_mid_pre_copy_stops_within_its_deadline(cluster, tmp_path, fault, left_behind):
+    """A pre-copy answers its POST only when it ends, in a request thread Python waits for at
+    exit: a stop lasted as long as the pre-copy (over 60 s here before the fix), and systemd
+    killed the agent at TimeoutStopSec.  Now the pre-copies are told to stop, and a request still
+    running after the stop's deadline is left behind; the job trains on."""
+    with cluster.starting():
+        src_agent = cluster.start_agent("host-b", env={**FAULTY, "PITSTOP_FAULTS": fault})
+        spare = cluster.start_agent("spare-1", spare=True)
+    ranks = cluster.start_job("train", ddp_cmd(tmp_path / "out", steps=2000, state_mb=16), 1, {0: "host-b"})
+    try:
+        cluster.wait_registered("host-b", "train.0")
+        wait_for_step(ranks[0].log, 3)
+        src = src_agent.client()
+        pid = src.worker("train.0")["root_pid"]
+        threading.Thread(target=lambda: _swallow(lambda: src.precopy("train.0", spare.url, "img-s")),
+                         daemon=True).start()
+        until(src.precopies, 30, "the pre-copy to be under way")
+        t0 = time.monotonic()
+        os.killpg(src_agent.proc.pid, signal.SIGTERM)
+        code = src_agent.proc.wait(60)
+        took = time.monotonic() - t0
+        assert code == 0 and took < 30, (code, took)  # the shipped unit's TimeoutStopSec=30s
+        if left_behind:
+            assert "leaving without them" in src_agent.log.read_text()
+        assert proctree.exists(pid)  # nothing paused: the worker trains on
+        step = len(ranks[0].log.read_text().splitlines())
+        until(lambda: len(ranks[0].log.read_text().splitlines()) > step + 3, 30, "the job to keep training")
+    finally:
+        for r in ranks:
+            r.proc.kill()
+            r.proc.wait(30)
+
+
+def _swallow(call) -> None:  # noqa: ANN001
+    try:
+        call()
+    except Exception:  # noqa: BLE001 - the agent goes away under it, as intended
+        pass

@@ -185,6 +185,16 @@ class SourceSide:
         log.info("pre-copied", worker=w.id, dest=dest_url, **out)
         return out
 
+    def stop_all_precopies(self) -> int:
+        """At shutdown: every pre-copy under way ends within one 4 MiB read (its move sends
+        everything instead, or its coordinator sees the agent gone and ends the move before
+        anything pauses)."""
+        with self.state.lock:
+            stops = list(self._precopy_stops.values())
+        for stop in stops:
+            stop.set()
+        return len(stops)
+
     def stop_precopy(self, image_id: str) -> dict[str, Any]:
         """Stop a pre-copy under way (its caller gave up on it): it ends within one 4 MiB read,
         its partial copy is discarded at the destination, and its POST answers 409 `aborted`."""

@@ -18,6 +18,7 @@ from ..errors import FailedPrecondition
 from ..sdnotify import notify, watchdog_loop
 from . import imagefs, reclaim
 from .. import priority
+from ..stopping import STOP_S, leave_within
 from .api import Agent, local_app, peer_app
 from .peercred import checked
 from .receiving import become_subreaper
@@ -86,9 +87,10 @@ def serve(s: AgentSettings) -> None:
     tcp_sock, data_sock = socks
     tcp = uvicorn.Server(uvicorn.Config(peer_app(agent), host=host, port=port, log_level="warning",
                                         http=tls.http_protocol(), lifespan="off", timeout_keep_alive=30,
-                                        **tls.server_kwargs()))
+                                        timeout_graceful_shutdown=int(STOP_S // 2), **tls.server_kwargs()))
     uds = uvicorn.Server(uvicorn.Config(local_app(agent), uds=str(s.sock), log_level="warning",
-                                        http=checked(HttpToolsProtocol, s.local_group), lifespan="off"))
+                                        http=checked(HttpToolsProtocol, s.local_group), lifespan="off",
+                                        timeout_graceful_shutdown=int(STOP_S // 2)))
     port_ = DataPort(data_host, data_port, sock=data_sock, token=s.cluster_token, open_slot=agent.dest.open_slot,
                      fail_slot=agent.dest.fail_slot, finished=agent.finish_slot, on_error=agent.storage_error,
                      idle_timeout_s=min(s.transfer_timeout_s, 60.0), pages_for=agent.source.pages_for).start()
@@ -113,6 +115,8 @@ def serve(s: AgentSettings) -> None:
                  coordinator=s.coordinator, insecure=not s.cluster_token)
         done, pending = await asyncio.wait(tasks[:2], return_when=asyncio.FIRST_COMPLETED)
         notify("STOPPING=1")
+        if agent.source.stop_all_precopies():
+            log.info("pre-copies under way stopped: the agent is stopping")
         tcp.should_exit = uds.should_exit = True
         port_.close()
         for t in tasks:
@@ -122,6 +126,8 @@ def serve(s: AgentSettings) -> None:
     try:
         uvloop.run(main())  # libuv's loop: 0.45 instead of 0.49 cores at 3,000 HTTP beats/s (bench/heartbeat_load.py)
     finally:  # also when a listener failed: the image mount must not outlive the agent
-        if not reclaim.drain(30):
+        agent.source.stop_all_precopies()
+        if not reclaim.drain(STOP_S):
             log.warning("image deletions still running at shutdown; the next start finishes them")
         imagefs.release(agent.image_fs)
+    leave_within(STOP_S, "agent")  # after a stop, not after a failure: that one's exit status must show

@@ -2,7 +2,7 @@
 
 Why it can win: a rank's images compress well.  A CRIU dump of the reference job's torch rank
 (its own memory, no ballast) went to 21 % of its size with zstd level 1, 4 MiB at a time
-(2026-12-02).  Why it often loses: on this testbed zstd compresses at 0.4-0.6 GB/s per core and
+(2026-12-02).  Why it often loses: on this testbed zstd compresses at 0.25-0.6 GB/s per core and
 decompresses at 1.0-1.5 GB/s, while loopback moves 3-4 GB/s; on a 100 Gb/s link (12.5 GB/s)
 compression would slow every move.  Both the link and the compressor's speed differ from host
 to host and from moment to moment (the job competes for the cores during a pre-copy, not during
@@ -15,10 +15,15 @@ the pause), so the sender measures instead of guessing:
   piece leaving the socket to the next: that includes the link, the receiver's backpressure and,
   for the compressed arm, the compressor), sends each piece the faster way, and now and then tries
   the other; the compressed arm is only tried when a 256 KiB sample says it could win (it
-  compresses to at most `PROMISING_RATIO` and faster than the raw arm moves), which keeps the
-  cost of looking on a fast link to one small sample now and then;
+  compresses to at most `PROMISING_RATIO` and faster than the raw arm moves) and the raw arm's
+  pieces wait in the socket (the link, not the stream's own source, sets their pace), which keeps
+  the cost of looking on a fast link to one small sample now and then;
 - what was learned outlives the stream: the pause's short delta uses what the pre-copy to the same
-  destination measured.
+  destination measured;
+- towards this machine's own loopback `auto` does not compress at all (`same_host`).
+
+It decides by arm, not piece by piece: a stretch of a stream unlike what was last measured goes
+the old way until the next look (16-256 pieces later).  bench/compress_link.py measures it.
 
 Digests stay on the raw bytes at both ends, so the manifest check is the same end-to-end check with
 or without compression.
