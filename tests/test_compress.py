@@ -7,11 +7,9 @@ namespace whose link is slowed with a token bucket (tests/test_compress.py::test
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +21,7 @@ from pitstop.errors import TransferFailed
 from pitstop.netns import NetHosts
 from pitstop.transfer import compress, dataport
 from pitstop.transfer.compress import Compression, Link
-from pitstop.transfer.stream import _Z, DirectoryTail, StreamReceiver, verify_directory
+from pitstop.transfer.stream import _D, _L, _Z, DirectoryTail, StreamReceiver, verify_directory
 
 MiB = 1 << 20
 
@@ -42,14 +40,14 @@ def frames(stream: bytes) -> list[str]:
         k = stream[i:i + 1]
         out.append(k.decode())
         if k == b"D":
-            nlen, _, n = __import__("struct").unpack_from("!HQI", stream, i + 1)
-            i += 1 + 14 + nlen + n
+            nlen, _, n = _D.unpack_from(stream, i + 1)
+            i += 1 + _D.size + nlen + n
         elif k == b"Z":
             nlen, _, _, zn = _Z.unpack_from(stream, i + 1)
             i += 1 + _Z.size + nlen + zn
         elif k == b"M":
-            (n,) = __import__("struct").unpack_from("!I", stream, i + 1)
-            i += 5 + n
+            (n,) = _L.unpack_from(stream, i + 1)
+            i += 1 + _L.size + n
         else:
             raise AssertionError(f"unexpected frame {k!r}")
     return out
@@ -302,7 +300,6 @@ def test_real_slow_link_compresses_what_compresses_and_nothing_else(slow_host, t
     s = c.summary()
     assert s["compressed_pieces"] >= 10 and s["wire_bytes"] < 0.9 * s["raw_bytes"], s
     assert s["compressed_gbps"] > s["raw_gbps"], s
-    print(s)
 
     (src / "pages-1.img").write_bytes(os.urandom(64 * MiB))  # the same link, data that does not compress
     r = Compression("auto", threads=0)

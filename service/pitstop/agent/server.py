@@ -126,7 +126,6 @@ def serve(s: AgentSettings) -> None:
     try:
         uvloop.run(main())  # libuv's loop: 0.45 instead of 0.49 cores at 3,000 HTTP beats/s (bench/heartbeat_load.py)
     finally:  # also when a listener failed: the image mount must not outlive the agent
-        agent.source.stop_all_precopies()
         if not reclaim.drain(STOP_S):
             log.warning("image deletions still running at shutdown; the next start finishes them")
         imagefs.release(agent.image_fs)

@@ -139,7 +139,8 @@ class Compression:
     """The sending side of one stream: which pieces go compressed, and what it cost.
 
     `encode` runs in the stream's read-ahead thread, `sent` in the thread that writes the socket;
-    they meet through a queue of (wire offset where a piece ends, raw bytes, compressed)."""
+    they meet through a queue of (wire offset where a piece ends, raw bytes, whether compressing
+    was tried)."""
 
     def __init__(self, mode: Mode, *, level: int = 1, threads: int | None = None, link: Link | None = None,
                  reason: str | None = None) -> None:
