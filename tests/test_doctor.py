@@ -21,6 +21,7 @@ def test_doctor_on_this_host_says_ready_and_why():
     assert got["ready"] and p.returncode == 0 and not got["reasons"], got
     for name in ("privileges", "criu", "criu check", "pycriu", "network lock", "worker /proc fix-up"):
         assert checks[name]["ok"] is True, checks[name]
+    assert checks["incremental dump after a pre-copy"]["ok"] is True, checks["incremental dump after a pre-copy"]
     kept = checks["exit status after an agent restart"]
     assert kept["ok"] is exitkeeper.supported() and not kept["required"], kept
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.capture import criu_ops, lazy_pages, lazydelta, netlock, precopy, proctree
+from pitstop.capture import criu_ops, criutrack, lazy_pages, lazydelta, netlock, precopy, proctree
 
 HOLDER = r"""
 import hashlib, mmap, os, signal, sys, time
@@ -74,14 +74,29 @@ def _kill_tree(pid: int) -> None:
 WRITETRACK = Path(__file__).resolve().parents[1] / "native" / "build" / "libpitstop_writetrack.so"
 
 
+def _incremental_dump(root: int, images: Path, basis: precopy.Basis) -> criu_ops.DumpResult:
+    """CRIU's own incremental dump against the pre-copy in ../pre (capture/criutrack.py)."""
+    binary, why = criutrack.binary(images.parent)
+    assert binary, why
+    res = criu_ops.dump(root, images, parent="../pre", binary=binary, log_level=criutrack.LOG_LEVEL)
+    basis.close()
+    assert os.readlink(images / "parent") == "../pre"
+    assert sum(f.stat().st_size for f in images.glob("pages-*.img")) == res.pages_written * precopy.PAGE
+    return res
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("change,lazy,tracked", [(False, False, False), (True, False, False), (True, True, False),
-                                                 (False, False, True), (True, False, True), (True, True, True)],
+                                                 (False, False, True), (True, False, True), (True, True, True),
+                                                 (False, False, "criu"), (True, False, "criu"), (True, True, "criu")],
                          ids=["unchanged", "changed", "changed-lazy",
-                              "unchanged-tracked", "changed-tracked", "changed-lazy-tracked"])
+                              "unchanged-tracked", "changed-tracked", "changed-lazy-tracked",
+                              "unchanged-criu", "changed-criu", "changed-lazy-criu"])
 def test_restore_from_a_delta_and_its_pre_copy_is_the_process_as_dumped(tmp_path: Path, change: bool,
-                                                                        lazy: bool, tracked: bool) -> None:
-    """Tracked: the kernel says what was written (capture/writetrack.py) instead of the digests."""
+                                                                        lazy: bool, tracked: bool | str) -> None:
+    """Tracked: the kernel says what was written (capture/writetrack.py) instead of the digests.
+    "criu": and CRIU's own incremental dump writes only that, the rest left in the pre-copy as
+    its parent (capture/criutrack.py), instead of pitstop cutting the delta out of a full dump."""
     report = tmp_path / "digest"
     env = dict(os.environ, LD_PRELOAD=str(WRITETRACK)) if tracked else None
     p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", HOLDER, str(report)],
@@ -97,22 +112,28 @@ def test_restore_from_a_delta_and_its_pre_copy_is_the_process_as_dumped(tmp_path
         assert precopy.describe_basis(basis)["tracked_tasks"] == (1 if tracked else 0), basis.untracked
         os.kill(root, signal.SIGUSR1 if change else signal.SIGUSR2)
         before = _wait_file(Path(f"{report}.1"))
-        run_id = criu_ops.dump(root, images).run_id
-        delta = precopy.rewrite(images, view, basis)
-        assert (delta.tracked_tasks, delta.digested_tasks) == ((1, 0) if tracked else (0, 1))
-        if change:  # 1 MiB rewritten, a page (its 64 KiB block) changed, 2 MiB new; Python's own heap moves too
-            assert 3 << 20 <= delta.changed_bytes < 12 << 20, precopy.describe_delta(delta)
+        if tracked == "criu":
+            res = _incremental_dump(root, images, basis)
+            run_id, view = res.run_id, images
+            changed, in_parent = res.pages_written * precopy.PAGE, res.pages_in_parent * precopy.PAGE
         else:
-            assert delta.changed_bytes < 4 << 20, precopy.describe_delta(delta)
-        assert delta.parent_bytes >= 60 << 20
-        full = sum(f.stat().st_size for f in images.glob("pages-*.img"))
-        assert sum(f.stat().st_size for f in view.glob("pages-*.img")) == delta.changed_bytes
-        assert full == delta.changed_bytes + delta.parent_bytes
+            run_id = criu_ops.dump(root, images).run_id
+            delta = precopy.rewrite(images, view, basis)
+            assert (delta.tracked_tasks, delta.digested_tasks) == ((1, 0) if tracked else (0, 1))
+            changed, in_parent = delta.changed_bytes, delta.parent_bytes
+            full = sum(f.stat().st_size for f in images.glob("pages-*.img"))
+            assert sum(f.stat().st_size for f in view.glob("pages-*.img")) == delta.changed_bytes
+            assert full == delta.changed_bytes + delta.parent_bytes
+            (view / "parent").symlink_to(Path("..") / "pre")
+        if change:  # 1 MiB rewritten, a page (its 64 KiB block) changed, 2 MiB new; Python's own heap moves too
+            assert 3 << 20 <= changed < 12 << 20, (changed, in_parent)
+        else:
+            assert changed < 4 << 20, (changed, in_parent)
+        assert in_parent >= 60 << 20
         _kill_tree(p.pid)
         p.wait(10)
         netlock.release(run_id)
         run_id = ""
-        (view / "parent").symlink_to(Path("..") / "pre")
         if lazy:  # no parent for CRIU's daemon: pitstop's local page server answers it from both files
             lv = tmp_path / "lazy"
             split = lazydelta.view(view, pre, lv)
@@ -170,9 +191,11 @@ while True:
 
 
 @pytest.mark.timeout(120)
-def test_pages_written_while_they_are_read_travel_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("by", ["pitstop", "criu"])
+def test_pages_written_while_they_are_read_travel_again(tmp_path: Path, by: str) -> None:
     """The race the tracking must win: the process writes its memory all through the pre-copy;
-    every page written after its protection is reported, so the restored copy is the dumped one."""
+    every page written after its protection is reported, so the restored copy is the dumped one.
+    by: who cuts the delta (pitstop out of a full dump, or CRIU's incremental dump)."""
     report = tmp_path / "digest"
     p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", BUSY, str(report)],
                          stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -187,15 +210,20 @@ def test_pages_written_while_they_are_read_travel_again(tmp_path: Path) -> None:
         assert precopy.describe_basis(basis)["tracked_tasks"] == 1, basis.untracked
         os.kill(root, signal.SIGUSR1)
         before = _wait_file(Path(f"{report}.1"))
-        run_id = criu_ops.dump(root, images).run_id
-        delta = precopy.rewrite(images, view, basis)
-        assert delta.tracked_tasks == 1 and delta.changed_bytes >= 64 * 4096, precopy.describe_delta(delta)
-        assert delta.parent_bytes > 0
+        if by == "criu":
+            res = _incremental_dump(root, images, basis)
+            run_id, view = res.run_id, images
+            assert res.pages_written >= 64 and res.pages_in_parent > 0, res.stats
+        else:
+            run_id = criu_ops.dump(root, images).run_id
+            delta = precopy.rewrite(images, view, basis)
+            assert delta.tracked_tasks == 1 and delta.changed_bytes >= 64 * 4096, precopy.describe_delta(delta)
+            assert delta.parent_bytes > 0
+            (view / "parent").symlink_to(Path("..") / "pre")
         _kill_tree(p.pid)
         p.wait(10)
         netlock.release(run_id)
         run_id = ""
-        (view / "parent").symlink_to(Path("..") / "pre")
         restored, _ = criu_ops.restore(view, {})
         os.kill(restored, signal.SIGUSR2)
         assert _wait_file(Path(f"{report}.2")) == before

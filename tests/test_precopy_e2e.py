@@ -52,9 +52,14 @@ def _condition(op: dict, type_: str) -> dict:
     return next(c for c in op["metadata"]["conditions"] if c["type"] == type_)
 
 
+@pytest.mark.parametrize("by", ["criu", "pitstop"])
 @pytest.mark.parametrize("workers", [0, 2], ids=["one process", "with DataLoader children"])
-def test_only_what_changed_travels_during_the_pause(cluster, tmp_path, workers):
-    cc, spare, op, out, kw, ranks = _evacuate(cluster, tmp_path, workers=workers)
+def test_only_what_changed_travels_during_the_pause(cluster, tmp_path, workers, by):
+    """by: who cuts the delta.  CRIU's incremental dump against the pre-copy (the default where
+    capture/criutrack.py is available, as here), or pitstop, out of CRIU's full dump."""
+    cc, spare, op, out, kw, ranks = _evacuate(
+        cluster, tmp_path, workers=workers,
+        src_env={} if by == "criu" else {"PITSTOP_AGENT_PRECOPY_CRIU_PARENT": "0"})
     md = op["metadata"]
     assert md["result"] == "succeeded", op
     assert _condition(op, "PreCopied")["status"] == "True"
@@ -66,9 +71,12 @@ def test_only_what_changed_travels_during_the_pause(cluster, tmp_path, workers):
     # The kernel said what each process wrote (capture/writetrack.py): nothing hashed in the pause.
     # (The DataLoader children may have ended by the dump when the job was near its last step.)
     assert w["pre_copy_tracked_tasks"] >= 1 and w["pre_copy_digested_tasks"] == 0, w
+    assert w["pre_copy_by"] == by, w
     rp = w["restore_phases"]  # the spare's own account of the restore, kept in the operation
     assert rp["criu_restore"] > 0 and "lazy_view" not in rp and "fill_start" not in rp, rp
     assert not any(p.name.startswith(("in-", "pre-")) for p in spare.image_dir.iterdir())  # parent gone too
+    # the source kept its pre-copy as the dump's parent until the commit, and no longer
+    until(lambda: not list(cluster.agents["host-b"].image_dir.iterdir()), timeout=30)
     _finish(tmp_path, out, kw, ranks)
 
 

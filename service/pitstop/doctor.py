@@ -72,6 +72,7 @@ def run_checks() -> list[Check]:
                         + " (not used: pitstop's pre-copy tracks writes with userfaultfd, capture/writetrack.py)",
                         required=False))
     checks.append(_write_tracking())
+    checks.append(_incremental_dump())
     unshare = shutil.which("unshare")
     if unshare:
         p = subprocess.run([unshare, "--pid", "--fork", "--kill-child", "true"], capture_output=True, text=True)
@@ -126,6 +127,24 @@ def _write_tracking() -> Check:
                                   "every page during the pause; run `make native`", required=False)
     return Check(name, True, "available: async userfaultfd write-protection and PAGEMAP_SCAN "
                  "(PITSTOP_AGENT_PRECOPY_WRITE_TRACKING=0 to hash instead)", required=False)
+
+
+def _incremental_dump() -> Check:
+    """Whether CRIU can dump a pre-copied worker incrementally (capture/criutrack.py), or dumps all
+    its memory during the pause for pitstop to cut the delta from."""
+    import tempfile
+
+    from .capture import criutrack
+
+    name = "incremental dump after a pre-copy"
+    with tempfile.TemporaryDirectory(prefix="pitstop-doctor-") as d:
+        path, why = criutrack.binary(Path(d))
+        criutrack.binary.cache_clear()  # its wrapper went with the directory
+    if path is None:
+        return Check(name, False, f"{why}: the pause holds CRIU's full dump of each pre-copied worker",
+                     required=False)
+    return Check(name, True, f"available: CRIU dumps only what changed since the pre-copy, told by "
+                 f"{criutrack.LIBRARY} (PITSTOP_AGENT_PRECOPY_CRIU_PARENT=0 to dump whole)", required=False)
 
 
 def _huge_tmpfs() -> Check:

@@ -31,7 +31,7 @@ import httpx
 import structlog
 
 from .. import faults, tls
-from ..capture import criu_ops, netlock, postcopy, precopy, proctree, procwindow, runtime, writetrack
+from ..capture import criu_ops, criutrack, netlock, postcopy, precopy, proctree, procwindow, runtime, writetrack
 from ..capture.manifest import Manifest, check_image_id
 from ..errors import (CaptureFailed, Conflict, DeadlineExceeded, FailedPrecondition, NotFound, PitstopError,
                       TransferFailed)
@@ -48,6 +48,9 @@ log = structlog.get_logger("pitstop.agent.capture")
 
 VIEW = "post-copy-view"  # inside a capture's images: what travels before the restore (capture/postcopy.py)
 DELTA = "pre-copy-delta"  # inside a capture's images: what travels after a pre-copy (capture/precopy.py)
+PARENT = "parent"  # inside a capture's images: the pre-copy CRIU's incremental dump is against (criutrack.py)
+PRE_DIR_PREFIX = "pre-"  # a pre-copy's images here, while sent (and kept for its capture: criutrack.py)
+DUMP_LOG = criu_ops.DUMP_LOG
 MAX_BASES = 64  # pre-copies whose capture has not come yet (an operation that died): the oldest go
 NO_LAZY_NOTICE_BYTES = 16 << 20  # a post-copy dump this big with no lazy page is odd: its CRIU log is kept
 DIAGNOSTICS_KEPT = 8
@@ -85,6 +88,7 @@ class SourceSide:
         self._precopy_stops: dict[str, threading.Event] = {}  # by image id: set to stop that pre-copy
         self._write_tracking_unavailable: str | None = None  # why not ("" when it is), once asked
         self._tracking: dict[str, precopy.Basis] = {}  # by capture id: write tracking still open
+        self._criu_parent_logged = False
 
     # -- capture -----------------------------------------------------------------------------
     def start(self, worker_id: str, dest_url: str | None, image_id: str | None,
@@ -161,7 +165,7 @@ class SourceSide:
             for old in [k for k, b in self.bases.items() if b.worker_id == w.id]:
                 # An older pre-copy of this worker no move used: its tracking would keep the
                 # memory registered (a second registration is refused), and its pages are stale.
-                self.bases.pop(old).close()
+                self.bases.pop(old).discard()
         try:
             basis = self._send_pre_copy(w, pids, dest_url, image_id, pre_id, progress, stop)
         finally:
@@ -173,9 +177,9 @@ class SourceSide:
             if not late:
                 self.bases[image_id] = basis
                 while len(self.bases) > MAX_BASES:
-                    self.bases.pop(next(iter(self.bases))).close()
+                    self.bases.pop(next(iter(self.bases))).discard()
         if late:  # its caller gave up waiting and the move went on without it: nobody will use it
-            basis.close()
+            basis.discard()
             self._discard_at(dest_url, pre_id)
             raise DeadlineExceeded(f"the pre-copy for {image_id} ended after its move had started",
                                    action="none: the move sent everything; raise "
@@ -212,8 +216,9 @@ class SourceSide:
         local copy goes once sent (its pages wait in this agent's image directory until then).
         `progress["bytes_sent"]` follows the stream: a host's memory can take minutes to send,
         and the operator watching the evacuation should see it move."""
-        d = self.s.images / ("pre-" + image_id)
+        d = self.s.images / (PRE_DIR_PREFIX + image_id)
         shutil.rmtree(d, ignore_errors=True)
+        keep = False
         d.mkdir(parents=True, mode=0o700)
         tail = DirectoryTail(d, on_progress=lambda n: progress.__setitem__("bytes_sent", n),
                              compression=self._compression(dest_url))
@@ -238,15 +243,20 @@ class SourceSide:
             sender.join(self.s.transfer_timeout_s)
             progress["compression"] = tail.compression.summary()  # type: ignore[union-attr]
             if sender.is_alive() or errors:
+                basis.close()
                 raise errors[0] if errors else TransferFailed(
                     f"the pre-copy to {dest_url} did not finish within {self.s.transfer_timeout_s:.0f} s",
                     action="the move can go on without it; check the destination and the network")
+            keep = basis.fully_tracked() and self._criu_parent() is not None
+            if keep:  # CRIU's incremental dump will take it as its parent, and a rollback too
+                basis.local = d
             return basis
         finally:
             if sender.is_alive():
                 tail.failure = tail.failure or TransferFailed("pre-copy abandoned", action="none")
                 sender.join(10)
-            shutil.rmtree(d, ignore_errors=True)
+            if not keep:
+                shutil.rmtree(d, ignore_errors=True)
 
     def _remote_post_copy(self, cap: Capture) -> bool:
         wanted = self.s.remote_post_copy if cap.want_post_copy is None else cap.want_post_copy
@@ -263,7 +273,7 @@ class SourceSide:
         with self.state.lock:
             b = self.bases.pop(cap.image_id or "", None)
         if b is not None and b.worker_id != w.id:
-            b.close()
+            b.discard()
             return None
         return b
 
@@ -279,6 +289,47 @@ class SourceSide:
                             reason=self._write_tracking_unavailable)
         return not self._write_tracking_unavailable
 
+    def _criu_parent(self) -> str | None:
+        """The CRIU to dump a pre-copied worker incrementally with (capture/criutrack.py), or None
+        where the full dump and pitstop's delta are used; the reason is logged once."""
+        if not self.s.precopy_criu_parent:
+            return None
+        path, why = criutrack.binary(self.s.state_dir)
+        if why and not self._criu_parent_logged:
+            self._criu_parent_logged = True
+            log.warning("a pre-copied worker's pause holds CRIU's full dump: its incremental dump is unavailable",
+                        reason=why)
+        return path
+
+    def _incremental_dump(self, cap: Capture, w: Worker, images: Path, own_net: bool, overlap: bool,
+                          basis: precopy.Basis, binary: str) -> criu_ops.DumpResult | None:
+        """CRIU dumps only what the worker wrote since its pre-copy; the rest stays in the pre-copy,
+        moved into the images as their `parent` (the source's own full copy until the move ends).
+        None, with the images emptied, where CRIU could not: the caller dumps whole instead."""
+        os.rename(basis.local, images / PARENT)  # type: ignore[arg-type]
+        basis.local = None
+        try:
+            res = self._dump(cap, w, images, own_net, overlap, parent=PARENT, binary=binary)
+        except CaptureFailed as e:  # CRIU resumed the tree; its writes are still tracked
+            log.warning("CRIU's incremental dump failed; dumping whole", capture=cap.id, worker=w.id,
+                        reason=e.message)
+            for f in images.iterdir():
+                if f.name == DUMP_LOG:
+                    f.rename(images / "dump-incremental.log")
+                elif f.is_dir() and not f.is_symlink():
+                    shutil.rmtree(f)
+                elif not f.name.startswith("dump-"):
+                    f.unlink()
+            self.state.update_capture(cap, phases={**cap.phases, "incremental_dump_failed": 1.0})
+            return None
+        with self.state.lock:
+            self._tracking[cap.id] = basis  # ended once the source has exited (or resumed): _end_tracking
+        self.state.update_capture(cap, pre_copy={
+            "parent_bytes": res.pages_in_parent * precopy.PAGE, "changed_bytes": res.pages_written * precopy.PAGE,
+            "seconds": 0.0, "tracked_tasks": len(basis.tasks), "digested_tasks": 0,
+            "pre_copied_bytes": basis.bytes, "by": "criu"})
+        return res
+
     def _delta(self, cap: Capture, images: Path, basis: precopy.Basis) -> None:
         """Write the delta against the pre-copy (capture/precopy.py): what travels instead of the dump."""
         try:
@@ -290,7 +341,8 @@ class SourceSide:
                                 action="the source is restored from its dump; evacuate again "
                                        "(`--no-pre-copy` sends the images whole)") from None
         why = {"untracked_reason": next(iter(basis.untracked.values()))} if basis.untracked else {}
-        self.state.update_capture(cap, pre_copy={**precopy.describe_delta(d), "pre_copied_bytes": basis.bytes, **why},
+        self.state.update_capture(cap, pre_copy={**precopy.describe_delta(d), "pre_copied_bytes": basis.bytes,
+                                                 "by": "pitstop", **why},
                                   phases={**cap.phases, "delta": d.seconds})
 
     def _split(self, cap: Capture, images: Path) -> dict:
@@ -423,8 +475,12 @@ class SourceSide:
         self.state.update_capture(cap, stdio=stdio)
         remote = self._remote_post_copy(cap)
         basis = None if remote or not cap.dest_url else self._basis_for(cap, w)
+        if basis is not None and basis.local is not None and remote:
+            basis.discard()
+        incremental = self._criu_parent() if basis is not None and basis.local is not None else None
         whole = not (remote or basis)  # the dump itself travels (else a view of it, written after it)
-        tail = DirectoryTail(images / VIEW if remote else images / DELTA if basis else images,
+        # An incremental dump travels as CRIU writes it (its `parent` is a directory: not streamed)
+        tail = DirectoryTail(images / VIEW if remote else images / DELTA if basis and not incremental else images,
                              on_progress=lambda n: setattr(cap, "bytes_sent", n),
                              dedup=dedup_pages(self.s.dedup_pages, len(pids), tls.enabled()) and whole,
                              compression=self._compression(cap.dest_url) if cap.dest_url else None)
@@ -460,7 +516,14 @@ class SourceSide:
             # Overlap with other dumps in its directory only where nothing streams while it
             # dumps: a dump that collides is redone from scratch (capture/procwindow.py).
             overlap = not whole or not (sender is not None and self.s.stream_while_dumping)
-            res = self._dump(cap, w, images, net is not None, overlap)
+            res = None
+            if incremental and basis is not None:
+                res = self._incremental_dump(cap, w, images, net is not None, overlap, basis, incremental)
+                if res is None:  # dumped whole after all: the delta is cut from it, as without CRIU's help
+                    incremental = None
+                    tail.directory = images / DELTA
+            if res is None:
+                res = self._dump(cap, w, images, net is not None, overlap)
         except PitstopError as e:
             tail.failure = e
             if sender and sender.is_alive():
@@ -480,7 +543,10 @@ class SourceSide:
         pages_from, parent = None, None
         if basis:
             try:
-                self._delta(cap, images, basis)
+                if incremental:  # CRIU wrote the delta itself
+                    faults.hit("precopy:before_delta")
+                else:
+                    self._delta(cap, images, basis)
                 parent = cap.image_id + precopy.PRE_SUFFIX  # type: ignore[operator]
             except PitstopError as e:  # the source is stopped and whole: restore it from its own dump
                 tail.failure = e
@@ -535,6 +601,10 @@ class SourceSide:
         would.  A dump that never completed (CRIU unfreezes on failure, or never started)
         leaves a process that only needs its network, GPU and SIGSTOP state undone."""
         notes = []
+        for d in self.s.images.glob(PRE_DIR_PREFIX + "*"):  # pre-copies live in memory: theirs died with it
+            if d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
+                notes.append(f"{d.name}: a pre-copy kept for a move that never came, removed")
         for cap in self.state.captures.values():  # a dump kept to serve lazy pages died with its server
             if cap.state == "committed" and Path(cap.image_dir).exists():
                 shutil.rmtree(cap.image_dir, ignore_errors=True)
@@ -569,7 +639,8 @@ class SourceSide:
             log.warning("capture interrupted by an agent restart", capture=cap.id, outcome=how)
         return notes
 
-    def _dump(self, cap: Capture, w: Worker, images: Path, own_net: bool, overlap: bool) -> criu_ops.DumpResult:
+    def _dump(self, cap: Capture, w: Worker, images: Path, own_net: bool, overlap: bool,
+              parent: str | None = None, binary: str | None = None) -> criu_ops.DumpResult:
         attempt = 0
         while True:
             attempt += 1
@@ -577,12 +648,14 @@ class SourceSide:
             try:
                 with procwindow.DumpStartWindow(lock, cwd if overlap else ""):
                     res = criu_ops.dump(w.root_pid, images, timeout_s=self.s.dump_timeout_s,
-                                        own_netns=workerns.netns_inode(w.root_pid) if own_net else None)
+                                        own_netns=workerns.netns_inode(w.root_pid) if own_net else None,
+                                        parent=parent, binary=binary,
+                                        log_level=criutrack.LOG_LEVEL if parent else 4)
                 if attempt > 1:
                     self.state.update_capture(cap, phases={**cap.phases, "dump_attempts": attempt})
                 return res
             except CaptureFailed as e:
-                if not (overlap and attempt < procwindow.ATTEMPTS and procwindow.collided(e.details)):
+                if not (overlap and attempt < procwindow.ATTEMPTS and procwindow.collided(e.details)) or parent:
                     raise
                 log.info("the dump met another dump's /proc mount point; dumping again", capture=cap.id,
                          worker=w.id, attempt=attempt)

@@ -78,6 +78,10 @@ class AgentSettings(BaseSettings):
     # userfaultfd write-protection, Linux 6.7+) instead of hashing every page during the pause;
     # off, or where the kernel or the worker cannot, it hashes (capture/precopy.py).
     precopy_write_tracking: bool = True
+    # With the writes tracked, CRIU itself dumps only what changed since the pre-copy, the rest left
+    # in the pre-copy as its parent (capture/criutrack.py); off, or where that is unavailable, CRIU
+    # dumps everything and pitstop cuts the delta out of it (capture/precopy.py).
+    precopy_criu_parent: bool = True
     data_stream: bool = True           # False: send images as an HTTP PUT (the slower path)
     data_advertise_port: int | None = Field(default=None, ge=1, le=65535)  # what peers connect to, behind NAT
 

@@ -39,12 +39,13 @@ class DumpResult:
     pages_written: int
     run_id: str
     stats: dict[str, Any] = field(default_factory=dict)
+    pages_in_parent: int = 0  # an incremental dump's pages left in its parent image
 
 
-def _criu(rt: runtime.CriuRuntime):  # noqa: ANN202
+def _criu(rt: runtime.CriuRuntime, binary: str | None = None):  # noqa: ANN202
     pycriu = rt.import_pycriu()
     c = pycriu.criu()
-    c.use_binary(rt.binary)
+    c.use_binary(binary or rt.binary)
     return pycriu, c
 
 
@@ -58,10 +59,15 @@ NET_KEY = "wnet"
 
 
 def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | None = None,
-         rt: runtime.CriuRuntime | None = None) -> DumpResult:
-    """Dump the tree rooted at root_pid into `images`, leaving it stopped."""
+         rt: runtime.CriuRuntime | None = None, parent: str | None = None, binary: str | None = None,
+         log_level: int = 4) -> DumpResult:
+    """Dump the tree rooted at root_pid into `images`, leaving it stopped.
+
+    parent: an incremental dump (CRIU's --track-mem) against the image directory at this path
+    (relative to `images`); only with `binary`, a CRIU that can tell what changed
+    (capture/criutrack.py)."""
     rt = rt or runtime.locate()
-    pycriu, c = _criu(rt)
+    pycriu, c = _criu(rt, binary)
     images.mkdir(parents=True, exist_ok=True)
     dfd = os.open(images, os.O_DIRECTORY)
     try:
@@ -73,8 +79,11 @@ def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | N
         if own_netns is not None:  # the worker's namespace: external, locked whole by the agent
             c.opts.external.append(f"net[{own_netns}]:{NET_KEY}")
             c.opts.network_lock = pycriu.rpc.SKIP
+        if parent is not None:
+            c.opts.track_mem = True
+            c.opts.parent_img = parent
         c.opts.log_file = DUMP_LOG
-        c.opts.log_level = 4
+        c.opts.log_level = log_level
         c.opts.timeout = timeout_s  # bounds CRIU's freeze of the tree
         t0 = time.monotonic()
         try:
@@ -93,7 +102,8 @@ def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | N
     return DumpResult(seconds=seconds, frozen_s=stats.get("frozen_time", 0) / 1e6,
                       memdump_s=stats.get("memdump_time", 0) / 1e6,
                       pages_written=stats.get("pages_written", 0),
-                      run_id=inv.get("dump_criu_run_id", ""), stats=stats)
+                      run_id=inv.get("dump_criu_run_id", ""), stats=stats,
+                      pages_in_parent=stats.get("pages_skipped_parent", 0))
 
 
 class _Deadline:

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RestoreFailed
-from . import runtime
-from .dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, dump_pagemap, link_the_rest, load_pagemap, task_images
+from . import lazyrule, runtime
+from .dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, dump_pagemap, link_the_rest, load_pagemap
 from .postcopy import LazySplit, TaskPages, copy_range, split_present
 
 INDEX = "lazy-pages-index.json"
@@ -76,7 +76,9 @@ def view(delta: Path, parent: Path, out: Path, rt: runtime.CriuRuntime | None = 
     out.mkdir(mode=0o700, exist_ok=True)
     split = LazySplit(tasks={})
     rewritten: set[str] = set()
-    for t in task_images(delta, pycriu):
+    # pitstop's lazy marks, not CRIU's (lazyrule.py): CRIU's incremental dump marks no page of
+    # the parent lazy, and its marks of the others have CRIU's stack bug
+    for t in (m.task for m in lazyrule.task_images(delta, pycriu)):
         pp, parent_file = _parent_pages(parent, t.pid, pycriu)
         task = TaskPages(files=[delta / t.pages_name, parent_file])
         src = os.open(delta / t.pages_name, os.O_RDONLY)

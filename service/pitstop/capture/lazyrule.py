@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .dumpview import PAGE, PE_LAZY, PE_PRESENT, TaskImage, dump_pagemap, link_the_rest
+from .dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, TaskImage, dump_pagemap, link_the_rest
 from .dumpview import task_images as criu_task_images
 
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_LOCKED, MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
@@ -156,13 +156,14 @@ class Relabelled:
 def relabel(entries: list[dict[str, Any]], rule: LazyRule) -> tuple[list[dict[str, Any]], Relabelled]:
     """The task's pagemap entries with PE_LAZY set by `rule`, cut where it changes within one.
 
-    Only entries with pages in this dump (PE_PRESENT) are touched; their pages stay in the same
-    order in the pages file, so every offset holds."""
+    Only entries with pages in this dump (PE_PRESENT) or in its parent (PE_PARENT: a delta, whose
+    lazy restore reads them from the pre-copy, capture/lazydelta.py) are touched; their pages stay
+    in the same order in the pages file, so every offset holds."""
     out: list[dict[str, Any]] = []
     changed = Relabelled()
     for e in entries:
         flags = int(e["flags"])
-        if not flags & PE_PRESENT:
+        if not flags & (PE_PRESENT | PE_PARENT):
             out.append(e)
             continue
         was = bool(flags & PE_LAZY)

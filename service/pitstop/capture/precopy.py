@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -61,6 +62,11 @@ PAGEMAP_CHUNK = 1 << 16  # pagemap entries read at a time (512 KiB)
 _SWAP_TYPE_MASK = (1 << 5) - 1
 _SWP_PTE_MARKER = _SWAP_TYPE_MASK
 PRE_SUFFIX = "-pre"  # a pre-copy's image id at the destination: its move's image id plus this
+CRIU_IMAGES_V1_1 = 2  # criu/include/image.h: the image version an inventory says it is
+# Mappings of the kernel's that CRIU's dump takes whole (criu/mem.c, should_dump_entire_vma),
+# so an incremental dump marks their pages "in the parent" unless they are soft-dirty: the
+# pre-copy carries them, without digests or tracking (their contents never change).
+WHOLE_VMAS = ("[vdso]",)
 _digest = xxhash.xxh3_128_intdigest
 
 
@@ -86,6 +92,9 @@ class Basis:
     bytes: int = 0
     seconds: float = 0.0
     untracked: dict[int, str] = field(default_factory=dict)  # pid here -> why its writes were not tracked
+    # The pre-copy's images, kept here where CRIU's incremental dump will use them as its parent
+    # (criutrack.py); the capture moves them into its own image directory.
+    local: Path | None = None
 
     def close(self) -> None:
         """End the write tracking (this agent's userfaultfds of the tree)."""
@@ -93,6 +102,18 @@ class Basis:
             if t.tracker is not None:
                 t.tracker.close()
                 t.tracker = None
+
+    def discard(self) -> None:
+        """A pre-copy no move will use: end its tracking and delete what was kept of it here."""
+        self.close()
+        if self.local is not None:
+            shutil.rmtree(self.local, ignore_errors=True)
+            self.local = None
+
+    def fully_tracked(self) -> bool:
+        """Every process's writes tracked: what CRIU's incremental dump needs (an untracked one
+        would be dumped whole by it, and not be cut by digests either)."""
+        return bool(self.tasks) and not self.untracked and all(t.tracker is not None for t in self.tasks.values())
 
 
 @dataclass
@@ -189,6 +210,9 @@ def snapshot(worker_id: str, pids: list[int], out: Path, rt: runtime.CriuRuntime
     t0 = time.monotonic()
     basis = Basis(worker_id=worker_id, tasks={})
     stop = stop or threading.Event()
+    # CRIU's incremental dump takes a parent for a process only if the process started before
+    # it (pid reuse, criu/mem.c detect_pid_reuse): the time its pages began to be read
+    uptime_us = time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1000
     trackers, basis.untracked = writetrack.start(pids) if track else ({}, {})
     try:
         for pid in pids:
@@ -218,6 +242,9 @@ def snapshot(worker_id: str, pids: list[int], out: Path, rt: runtime.CriuRuntime
     finally:
         for tr in trackers.values():  # of processes that were not read
             tr.close()
+    with open(out / "inventory.img", "wb") as f:
+        pycriu.images.dump({"magic": "INVENTORY", "entries": [
+            {"img_version": CRIU_IMAGES_V1_1, "fdinfo_per_id": True, "ns_per_id": True, "dump_uptime": uptime_us}]}, f)
     basis.seconds = time.monotonic() - t0
     return basis
 
@@ -236,7 +263,8 @@ def _snapshot_one(pycriu: Any, pid: int, out: Path, stop: threading.Event,
                   tracker: writetrack.Tracked | None = None) -> tuple[int, TaskDigests, int]:
     """One process's anonymous memory into pages-<vpid>.img and pagemap-<vpid>.img: (vpid, digests, pages)."""
     vpid = ns_pid(pid)
-    vmas = proctree.private_vmas(pid)
+    vmas = [(a, b, False) for a, b in proctree.private_vmas(pid)]
+    vmas = sorted(vmas + [(a, b, True) for a, b in proctree.named_vmas(pid, WHOLE_VMAS)])
     digests = TaskDigests(tracker=tracker)
     entries: list[dict[str, Any]] = [{"pages_id": vpid}]
     pages = 0
@@ -246,10 +274,10 @@ def _snapshot_one(pycriu: Any, pid: int, out: Path, stop: threading.Event,
         mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
         try:
             with open(out / f"pages-{vpid}.img", "wb", buffering=0) as pf:
-                for start, end in vmas:
-                    for va, n in _anon_runs(pm, start, end):
-                        got = _copy_run(mem, pf, None if tracker else digests, va, n, buf, stop)
-                        if got and tracker:
+                for start, end, whole in vmas:
+                    for va, n in [(start, (end - start) // PAGE)] if whole else _anon_runs(pm, start, end):
+                        got = _copy_run(mem, pf, None if tracker or whole else digests, va, n, buf, stop)
+                        if got and tracker and not whole:
                             digests.copied.append((va, va + got * PAGE))
                         if got:
                             entries.append({"vaddr": va, "compat_nr_pages": 0, "nr_pages": got, "flags": PE_PRESENT})

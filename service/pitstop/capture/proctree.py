@@ -285,6 +285,17 @@ def filling(pids: list[int]) -> list[int]:
 SKIPPED_VMAS = ("[vvar]", "[vvar_vclock]", "[vsyscall]", "[vdso]")  # the kernel's, not the process's
 
 
+def named_vmas(pid: int, names: tuple[str, ...]) -> list[tuple[int, int]]:
+    """The mappings (start, end) of a process with one of these names (e.g. "[vdso]")."""
+    out = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) > 5 and parts[5].strip() in names:
+                out.append(tuple(int(x, 16) for x in parts[0].split("-")))
+    return out  # type: ignore[return-value]
+
+
 def private_vmas(pid: int) -> list[tuple[int, int]]:
     """The readable private mappings (start, end) of a process: what a pre-copy reads and what
     its write tracking registers, so the two agree by construction."""

@@ -246,6 +246,8 @@ class OpRun:
                     # how the source told what changed: the kernel's write tracking, or digests
                     w["pre_copy_tracked_tasks"] = cap["pre_copy"].get("tracked_tasks", 0)
                     w["pre_copy_digested_tasks"] = cap["pre_copy"].get("digested_tasks", 0)
+                    # who cut the delta: CRIU's incremental dump ("criu") or pitstop from a full one
+                    w["pre_copy_by"] = cap["pre_copy"].get("by")
                     if cap["pre_copy"].get("untracked_reason"):
                         w["pre_copy_untracked_reason"] = cap["pre_copy"]["untracked_reason"]
                 if cap.get("post_copy"):  # network post-copy: these follow after the resume
