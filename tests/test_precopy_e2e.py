@@ -80,6 +80,20 @@ def test_only_what_changed_travels_during_the_pause(cluster, tmp_path, workers, 
     _finish(tmp_path, out, kw, ranks)
 
 
+def test_an_incremental_dump_that_fails_is_done_whole(cluster, tmp_path):
+    """CRIU refuses the incremental dump (here: the kept pre-copy lost its inventory, so CRIU cannot
+    rule out pid reuse): the capture dumps whole and pitstop cuts the delta, and the move succeeds."""
+    cc, spare, op, out, kw, ranks = _evacuate(
+        cluster, tmp_path, src_env={**FAULTY, "PITSTOP_FAULTS": "capture:break_parent=1"})
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op
+    w = md["workers"]["train.1"]
+    assert w["pre_copy_by"] == "pitstop" and w["capture_phases"]["incremental_dump_failed"] == 1.0, w
+    assert md["bytes_total"] < w["bytes_pre_copied"] / 3
+    until(lambda: not list(cluster.agents["host-b"].image_dir.iterdir()), timeout=30)
+    _finish(tmp_path, out, kw, ranks)
+
+
 LAZY = {"PITSTOP_AGENT_LAZY_RESTORE": "1"}
 
 

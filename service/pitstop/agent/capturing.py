@@ -308,6 +308,8 @@ class SourceSide:
         None, with the images emptied, where CRIU could not: the caller dumps whole instead."""
         os.rename(basis.local, images / PARENT)  # type: ignore[arg-type]
         basis.local = None
+        if faults.value("capture:break_parent"):  # CRIU then refuses the parent (no pid-reuse check)
+            (images / PARENT / "inventory.img").unlink()
         try:
             res = self._dump(cap, w, images, own_net, overlap, parent=PARENT, binary=binary)
         except CaptureFailed as e:  # CRIU resumed the tree; its writes are still tracked
