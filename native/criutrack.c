@@ -113,18 +113,8 @@ int open64(const char *path, int flags, ...) {
   return real_open64(kdat_path(path, b, sizeof b), flags, mode);
 }
 
-int open(const char *path, int flags, ...) {
-  REAL(open, open_fn);
-  mode_t mode = 0;
-  if (flags & (O_CREAT | O_TMPFILE)) {
-    va_list ap;
-    va_start(ap, flags);
-    mode = va_arg(ap, mode_t);
-    va_end(ap);
-  }
-  char b[256];
-  return real_open(kdat_path(path, b, sizeof b), flags, mode);
-}
+/* On 64-bit, open and open64 are one call (O_LARGEFILE is implied) */
+int open(const char *path, int flags, ...) __attribute__((alias("open64")));
 
 int rename(const char *from, const char *to) {
   REAL(rename, rename_fn);
