@@ -271,6 +271,36 @@ def test_a_pre_copy_is_not_restored_by_itself(cluster, tmp_path):
             r.proc.wait(30)
 
 
+def test_a_kept_pre_copy_whose_move_never_comes_is_dropped(cluster, tmp_path):
+    """The source keeps a pre-copy for CRIU's incremental dump: as much RAM (its image tmpfs) as the
+    worker's memory.  If its move never comes it goes: when the coordinator drops it (DELETE, as
+    every rollback does) or after PITSTOP_AGENT_PRECOPY_KEEP_S."""
+    with cluster.starting():
+        src_agent = cluster.start_agent("host-b", env={"PITSTOP_AGENT_PRECOPY_KEEP_S": "3"})
+        spare = cluster.start_agent("spare-1", spare=True)
+    out = tmp_path / "out"
+    ranks = cluster.start_job("train", ddp_cmd(out, steps=400, state_mb=16), 1, {0: "host-b"})
+    cluster.wait_registered("host-b", "train.0")
+    wait_for_step(ranks[0].log, 3)
+    src = src_agent.client()
+    try:
+        r = src.precopy("train.0", spare.url, "img-x")
+        assert r["kept_for_incremental_dump"] is True, r
+        assert (src_agent.image_dir / "pre-img-x").is_dir()
+        until(lambda: not (src_agent.image_dir / "pre-img-x").exists(), timeout=30)  # expired
+        r = src.precopy("train.0", spare.url, "img-y")
+        assert r["kept_for_incremental_dump"] is True and (src_agent.image_dir / "pre-img-y").is_dir()
+        assert src.stop_precopy("img-y") == {"image_id": "img-y", "discarded": True}
+        assert not (src_agent.image_dir / "pre-img-y").exists()
+        assert src.worker("train.0")["state"] == "running"
+        for image_id in ("img-x", "img-y"):
+            spare.client().discard(image_id)
+    finally:
+        for rk in ranks:
+            rk.proc.kill()
+            rk.proc.wait(30)
+
+
 def test_a_pre_copy_stopped_by_its_caller_ends_and_leaves_nothing(cluster, tmp_path):
     """DELETE /v1/precopies/{id} while the pages are read: the pre-copy answers 409 `aborted`,
     the destination drops its partial copy, and the worker never noticed."""

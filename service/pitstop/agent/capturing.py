@@ -178,6 +178,10 @@ class SourceSide:
                 self.bases[image_id] = basis
                 while len(self.bases) > MAX_BASES:
                     self.bases.pop(next(iter(self.bases))).discard()
+                if basis.local is not None:
+                    t = threading.Timer(self.s.precopy_keep_s, self._expire_basis, args=(image_id, basis))
+                    t.daemon = True
+                    t.start()
         if late:  # its caller gave up waiting and the move went on without it: nobody will use it
             basis.discard()
             self._discard_at(dest_url, pre_id)
@@ -185,6 +189,7 @@ class SourceSide:
                                    action="none: the move sent everything; raise "
                                           "PITSTOP_COORDINATOR_PRECOPY_DEADLINE_S if this repeats")
         out = {"image_id": image_id, "parent_image_id": pre_id, **precopy.describe_basis(basis),
+               "kept_for_incremental_dump": basis.local is not None,
                "seconds": round(time.monotonic() - t0, 4), "compression": progress.get("compression")}
         log.info("pre-copied", worker=w.id, dest=dest_url, **out)
         return out
@@ -201,14 +206,31 @@ class SourceSide:
 
     def stop_precopy(self, image_id: str) -> dict[str, Any]:
         """Stop a pre-copy under way (its caller gave up on it): it ends within one 4 MiB read,
-        its partial copy is discarded at the destination, and its POST answers 409 `aborted`."""
+        its partial copy is discarded at the destination, and its POST answers 409 `aborted`.
+        One that has ended and whose move has not come is dropped: its tracking ends, and the
+        copy it kept here for CRIU's incremental dump (as big as the worker's memory) goes."""
         with self.state.lock:
             stop = self._precopy_stops.get(image_id)
             if stop is None:
+                b = self.bases.pop(image_id, None)
+                if b is not None:
+                    b.discard()
+                    return {"image_id": image_id, "discarded": True}
                 raise NotFound(f"no pre-copy for {image_id} is under way here",
                                action="none: it has ended (GET /v1/precopies lists those under way)")
             stop.set()
             return dict(self.precopies[image_id], stopping=True)
+
+    def _expire_basis(self, image_id: str, basis: precopy.Basis) -> None:
+        """A kept pre-copy whose move did not come within PITSTOP_AGENT_PRECOPY_KEEP_S (its
+        coordinator died, say) must not hold its memory's worth of this host's RAM for ever."""
+        with self.state.lock:
+            if self.bases.get(image_id) is not basis:
+                return
+            self.bases.pop(image_id)
+        log.warning("a pre-copy's move did not come; its copy here is dropped", image_id=image_id,
+                    kept_s=self.s.precopy_keep_s)
+        basis.discard()
 
     def _send_pre_copy(self, w: Worker, pids: list[int], dest_url: str, image_id: str,
                        pre_id: str, progress: dict[str, Any], stop: threading.Event) -> precopy.Basis:
@@ -477,8 +499,6 @@ class SourceSide:
         self.state.update_capture(cap, stdio=stdio)
         remote = self._remote_post_copy(cap)
         basis = None if remote or not cap.dest_url else self._basis_for(cap, w)
-        if basis is not None and basis.local is not None and remote:
-            basis.discard()
         incremental = self._criu_parent() if basis is not None and basis.local is not None else None
         whole = not (remote or basis)  # the dump itself travels (else a view of it, written after it)
         # An incremental dump travels as CRIU writes it (its `parent` is a directory: not streamed)

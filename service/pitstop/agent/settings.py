@@ -82,6 +82,9 @@ class AgentSettings(BaseSettings):
     # in the pre-copy as its parent (capture/criutrack.py); off, or where that is unavailable, CRIU
     # dumps everything and pitstop cuts the delta out of it (capture/precopy.py).
     precopy_criu_parent: bool = True
+    # How long a pre-copy kept for CRIU's incremental dump waits for its move (it holds as much of
+    # the image directory as the worker's memory); longer than the coordinator's pre-copy deadline.
+    precopy_keep_s: float = Field(default=900.0, gt=0)
     data_stream: bool = True           # False: send images as an HTTP PUT (the slower path)
     data_advertise_port: int | None = Field(default=None, ge=1, le=65535)  # what peers connect to, behind NAT
 

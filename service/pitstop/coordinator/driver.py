@@ -383,11 +383,11 @@ class OpRun:
             running = {p["image_id"] for p in src.precopies() if p.get("image_id") in ours}
         except PitstopError:
             return  # the source is gone: so are its pre-copies
-        for image_id in running:
+        for image_id in ours:  # also drops an ended one's copy kept for the incremental dump
             try:
                 src.stop_precopy(image_id)
             except PitstopError:
-                pass  # it ended meanwhile
+                pass  # it ended meanwhile, or its capture took it
         end = time.monotonic() + PRECOPY_STOP_WAIT_S
         while running and time.monotonic() < end:
             time.sleep(0.1)
