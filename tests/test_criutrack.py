@@ -58,10 +58,17 @@ def _probe(pid: int, base: int, pages: int, preload: bool = True) -> dict:
 @pytest.mark.skipif(writetrack.unavailable() is not None, reason=str(writetrack.unavailable()))
 def test_soft_dirty_is_what_the_tracking_says_was_written():
     w = Worker()
-    tracked, why = writetrack.start([w.p.pid])
-    assert not why, why
-    t = tracked[w.p.pid]
-    t.protect()
+    try:
+        tracked, why = writetrack.start([w.p.pid])
+        assert not why, why
+        t = tracked[w.p.pid]
+        t.protect()
+        _check_translation(w, t)
+    finally:
+        w.close()
+
+
+def _check_translation(w: Worker, t: writetrack.Tracked) -> None:
     try:
         for n in (5, 1000, 1001):
             w("write", n)
@@ -76,7 +83,6 @@ def test_soft_dirty_is_what_the_tracking_says_was_written():
     # Untracked now: every page reads as written, the safe side
     got = _probe(w.p.pid, w.base, 16 << 20 >> 12)
     assert len(got["scan"]) == 16 << 20 >> 12 and len(got["pread"]) == 16 << 20 >> 12
-    w.close()
 
 
 def test_crius_facts_cache_is_kept_apart():

@@ -50,7 +50,6 @@ VIEW = "post-copy-view"  # inside a capture's images: what travels before the re
 DELTA = "pre-copy-delta"  # inside a capture's images: what travels after a pre-copy (capture/precopy.py)
 PARENT = "parent"  # inside a capture's images: the pre-copy CRIU's incremental dump is against (criutrack.py)
 PRE_DIR_PREFIX = "pre-"  # a pre-copy's images here, while sent (and kept for its capture: criutrack.py)
-DUMP_LOG = criu_ops.DUMP_LOG
 MAX_BASES = 64  # pre-copies whose capture has not come yet (an operation that died): the oldest go
 NO_LAZY_NOTICE_BYTES = 16 << 20  # a post-copy dump this big with no lazy page is odd: its CRIU log is kept
 DIAGNOSTICS_KEPT = 8
@@ -337,13 +336,7 @@ class SourceSide:
         except CaptureFailed as e:  # CRIU resumed the tree; its writes are still tracked
             log.warning("CRIU's incremental dump failed; dumping whole", capture=cap.id, worker=w.id,
                         reason=e.message)
-            for f in images.iterdir():
-                if f.name == DUMP_LOG:
-                    f.rename(images / "dump-incremental.log")
-                elif f.is_dir() and not f.is_symlink():
-                    shutil.rmtree(f)
-                elif not f.name.startswith("dump-"):
-                    f.unlink()
+            procwindow.clear_for_retry(images, 0)  # its log kept as dump-attempt0.log; the parent goes too
             self.state.update_capture(cap, phases={**cap.phases, "incremental_dump_failed": 1.0})
             return None
         with self.state.lock:
