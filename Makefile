@@ -58,6 +58,7 @@ bench: setup
 # pitstop vs its data floor, checkpoint-restart and naive CRIU, scaling 2/4/8 ranks, each size 3
 # times (about 18 min); writes bench/out/compare.json and compare.png.  BENCH_ARGS="--repeats 3"
 # for medians of the 4-rank methods too (about 37 min), "--state-mb 2048" for bigger ranks.
+# Each finished run is kept in bench/out/compare.partial.json as it ends (removed at the end).
 bench-compare: setup $(BENCH_STAMP)
 	$(BIN)/python bench/compare.py $(BENCH_ARGS)
 

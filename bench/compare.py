@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -292,6 +293,20 @@ def _report_scaling(a: argparse.Namespace, started: float, bw: float, scaling: l
     print(f"wrote {a.out}")
 
 
+def _kept(measure: Callable[..., dict], partial: Path, bw: float, done: list[dict]) -> Callable[..., dict]:
+    """`measure`, whose every result is also appended to `done` and written to `partial` as it
+    ends: a full run takes the better part of an hour, and one stopped early still leaves what
+    it measured."""
+    def run(*args: Any, **kw: Any) -> dict:
+        r = measure(*args, **kw)
+        done.append(r)
+        partial.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": machine(),
+                                       "command": " ".join(sys.argv), "raw_tcp_bytes_per_s": bw,
+                                       "finished": False, "runs": done}, indent=1))
+        return r
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--state-mb", type=float, default=512.0, help="extra state per rank (MiB), up to about 2048")
@@ -320,23 +335,26 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     started = time.time()
     bw = raw_tcp_bandwidth()
+    partial = Path(a.out).with_suffix(".partial.json")
+    done: list[dict] = []
+    evacuate, restart = _kept(evacuation, partial, bw, done), _kept(checkpoint_restart, partial, bw, done)
     every_run: list[dict] = []
     for rep in range(0 if a.scaling_only else max(1, a.repeats)):  # interleaved: a slow spell hits every method
         first = len(every_run)
-        every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, prewarm_gib=a.prewarm_gib))
-        every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, label="pitstop, stop-and-copy",
-                                    prewarm_gib=a.prewarm_gib, pre_copy=False))
+        every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, prewarm_gib=a.prewarm_gib))
+        every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, label="pitstop, stop-and-copy",
+                                  prewarm_gib=a.prewarm_gib, pre_copy=False))
         if not a.skip_post_copy:
-            every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, LOCAL_POST_COPY,
-                                        label="pitstop, post-copy", prewarm_gib=a.prewarm_gib, pre_copy=False))
-            every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, LOCAL_POST_COPY,
-                                        label="pitstop, pre-copy + post-copy", prewarm_gib=a.prewarm_gib))
-            every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, NETWORK_POST_COPY,
-                                        label="pitstop, network post-copy", prewarm_gib=a.prewarm_gib))
+            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, LOCAL_POST_COPY,
+                                      label="pitstop, post-copy", prewarm_gib=a.prewarm_gib, pre_copy=False))
+            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, LOCAL_POST_COPY,
+                                      label="pitstop, pre-copy + post-copy", prewarm_gib=a.prewarm_gib))
+            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, NETWORK_POST_COPY,
+                                      label="pitstop, network post-copy", prewarm_gib=a.prewarm_gib))
         if not a.skip_naive:
-            every_run.append(evacuation(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_STREAM_WHILE_DUMPING": "0"},
-                                        label="naive CRIU", prewarm_gib=a.prewarm_gib, pre_copy=False))
-        every_run += [checkpoint_restart(int(w), a.state_mb, a.steps, prewarm_gib=a.prewarm_gib)
+            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_STREAM_WHILE_DUMPING": "0"},
+                                      label="naive CRIU", prewarm_gib=a.prewarm_gib, pre_copy=False))
+        every_run += [restart(int(w), a.state_mb, a.steps, prewarm_gib=a.prewarm_gib)
                       for w in a.restart_worlds.split(",") if w]
         for r in every_run[first:]:
             r["repeat"] = rep
@@ -346,15 +364,17 @@ def main() -> None:
     scaling = []
     for rep in range(max(1, a.scaling_repeats)):
         for w in (int(x) for x in a.worlds.split(",") if x):
-            scaling.append({**evacuation(w, [w - 1], a.state_mb, a.steps, label="pitstop, 1 rank leaving",
-                                         prewarm_gib=a.prewarm_gib), "repeat": rep})
+            scaling.append({**evacuate(w, [w - 1], a.state_mb, a.steps, label="pitstop, 1 rank leaving",
+                                       prewarm_gib=a.prewarm_gib), "repeat": rep})
             if not a.skip_post_copy:
-                scaling.append({**evacuation(w, [w - 1], a.state_mb, a.steps, NETWORK_POST_COPY,
-                                             label="network post-copy, 1 rank leaving",
-                                             prewarm_gib=a.prewarm_gib), "repeat": rep})
+                scaling.append({**evacuate(w, [w - 1], a.state_mb, a.steps, NETWORK_POST_COPY,
+                                           label="network post-copy, 1 rank leaving",
+                                           prewarm_gib=a.prewarm_gib), "repeat": rep})
     medians = median_runs(scaling)
     if a.scaling_only:
-        return _report_scaling(a, started, bw, scaling, medians)
+        _report_scaling(a, started, bw, scaling, medians)
+        partial.unlink(missing_ok=True)
+        return
     ref = runs[0]
     floor = ref["bytes"] / bw
     after_bw = raw_tcp_bandwidth()
@@ -415,6 +435,7 @@ def main() -> None:
            "wall_s": round(time.time() - started, 1), "summary": summary, "runs": runs, "every_run": every_run,
            "median_job_pause_s": pause, "scaling": scaling}
     Path(a.out).write_text(json.dumps(doc, indent=1))
+    partial.unlink(missing_ok=True)
     png = Path(a.out).with_suffix(".png")
     chart(runs + medians, png, floor)
     print(f"{machine()}; raw TCP {bw / 1e9:.2f} GB/s; floor {floor:.3f} s for {ref['bytes'] / 1e6:.0f} MB")

@@ -23,10 +23,10 @@ import os
 import subprocess
 from pathlib import Path
 
+from .. import nativelib
 from . import runtime
 
 LIBRARY = "libpitstop_criutrack.so"
-REPO = Path(__file__).resolve().parents[3]
 # CRIU minors whose dump (criu/mem.c, pagemap-cache.c, kerndat.c) the library was written
 # against and whose incremental dumps the tests restore bitwise.  Another CRIU may ask for
 # soft-dirty some other way; until tested, it gets the full dump.
@@ -40,8 +40,7 @@ LOG_LEVEL = 3
 
 
 def library() -> Path | None:
-    p = Path(os.environ.get("PITSTOP_CRIUTRACK", REPO / "native" / "build" / LIBRARY))
-    return p if p.exists() else None
+    return nativelib.built("PITSTOP_CRIUTRACK", LIBRARY)
 
 
 def wrapper(rt: runtime.CriuRuntime, lib: Path, where: Path) -> Path:

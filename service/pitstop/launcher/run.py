@@ -43,7 +43,7 @@ import httpx
 
 from ..agent.client import AgentClient
 from ..capture import caps, proctree
-from .. import tls
+from .. import nativelib, tls
 from ..endpoints import check_url
 from ..errors import PitstopError
 from .seccomp import deny_io_uring
@@ -120,22 +120,13 @@ def _pump(fd: int, out) -> None:  # noqa: ANN001
     os.close(fd)
 
 
-REPO = Path(__file__).resolve().parents[3]
-
-
 def shim_path() -> Path | None:
-    p = Path(os.environ.get("PITSTOP_SHIM", REPO / "shim" / "build" / "libpitstop_shim.so"))
-    return p if p.exists() else None
+    return nativelib.built("PITSTOP_SHIM", "libpitstop_shim.so", nativelib.REPO / "shim" / "build")
 
 
 def host_nccl_dir() -> Path | None:
-    p = Path(os.environ.get("PITSTOP_HOST_NCCL_DIR", REPO / "native" / "build"))
+    p = Path(os.environ.get("PITSTOP_HOST_NCCL_DIR", nativelib.BUILD))
     return p if (p / "libnccl.so.2").exists() else None
-
-
-def _native_lib(var: str, name: str) -> Path | None:
-    p = Path(os.environ.get(var, REPO / "native" / "build" / name))
-    return p if p.exists() else None
 
 
 def _preload(env: dict[str, str], lib: Path | None, missing: str) -> tuple[dict[str, str], str | None]:
@@ -147,7 +138,7 @@ def _preload(env: dict[str, str], lib: Path | None, missing: str) -> tuple[dict[
 
 
 def procself_path() -> Path | None:
-    return _native_lib("PITSTOP_PROCSELF", "libpitstop_procself.so")
+    return nativelib.built("PITSTOP_PROCSELF", "libpitstop_procself.so")
 
 
 def procself_env(env: dict[str, str]) -> tuple[dict[str, str], str | None]:
@@ -159,7 +150,7 @@ def procself_env(env: dict[str, str]) -> tuple[dict[str, str], str | None]:
 
 
 def writetrack_path() -> Path | None:
-    return _native_lib("PITSTOP_WRITETRACK", "libpitstop_writetrack.so")
+    return nativelib.built("PITSTOP_WRITETRACK", "libpitstop_writetrack.so")
 
 
 def writetrack_env(env: dict[str, str]) -> tuple[dict[str, str], str | None]:
