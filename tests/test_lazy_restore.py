@@ -18,8 +18,10 @@ from .helpers import assert_same_as_reference, ddp_cmd, reference_hashes, step_t
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
-@pytest.mark.parametrize("workers", [0, 2], ids=["one process", "with DataLoader children"])
+@pytest.mark.parametrize("workers", [2], ids=["with DataLoader children"])
 def test_lazy_restore_moves_rank_bitwise_equal(cluster, tmp_path, workers):
+    """With DataLoader children: the tree holds the one-process case (its root) and adds the
+    children's copy-on-write pages (a one-process case cost the suite 19 s more, covering less)."""
     with cluster.starting():
         a = cluster.start_agent("a")
         b = cluster.start_agent("b", spare=True, env={"PITSTOP_AGENT_LAZY_RESTORE": "1"})
