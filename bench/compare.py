@@ -143,6 +143,8 @@ def _evacuation_once(world: int, leaving: list[int], state_mb: float, steps: int
                 # how the delta knew what changed: the kernel's write tracking, or digests
                 "pre_copy_tracked_tasks": sum(w.get("pre_copy_tracked_tasks", 0) for w in md["workers"].values()),
                 "pre_copy_digested_tasks": sum(w.get("pre_copy_digested_tasks", 0) for w in md["workers"].values()),
+                # who cut the delta, per leaving rank: CRIU's incremental dump ("criu") or pitstop
+                "pre_copy_by": sorted({w["pre_copy_by"] for w in md["workers"].values() if w.get("pre_copy_by")}),
                 "bytes_after_resume": later, "fill_s": max(fills, default=None),
                 "node_free_after_resume_s": md.get("fill_s") if after is not None else 0.0,
                 "phases": phases, "dump_s": round(dump, 4),

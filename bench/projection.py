@@ -81,9 +81,17 @@ def _load(measured: Path) -> dict:
     # on the 2 cores: their aggregate rate stands for one rank's (a solo rank also had both
     # cores: its sender and its receiver each take one), as it did before pre-copy (1.20 GB/s).
     whole = (runs.get("pitstop, stop-and-copy") if solo.get("bytes_pre_copied") else None) or solo
-    out = {"date": d["date"], "machine": d["machine"], "rates_from": f"{solo['method']}, {solo['world']} ranks"
-           + (f"; the stream's from {whole['method']}, {whole['world']} ranks" if whole is not solo else ""),
-           "dump_Bps": per_rank / max(c["dump"] for c in caps),
+    # A pre-copied rank whose delta no capture phase cut was dumped by CRIU incrementally (only
+    # what changed; 2026-12-02 on): its dump's rate is no full dump's.  The dumps of the
+    # stop-and-copy run are, two ranks at once on the 2 cores, each with a core of its own.
+    incremental = bool(solo.get("bytes_pre_copied")) and not any(c.get("delta") for c in caps)
+    dumped, dump_caps = (whole, whole["capture_phases"]) if incremental else (solo, caps)
+    rates_from = f"{solo['method']}, {solo['world']} ranks"
+    if whole is not solo:
+        rates_from += f"; the stream's{' and the dump' + chr(39) + 's' if incremental else ''} from " \
+                      f"{whole['method']}, {whole['world']} ranks"
+    out = {"date": d["date"], "machine": d["machine"], "rates_from": rates_from,
+           "dump_Bps": dumped["bytes"] / len(dump_caps) / max(c["dump"] for c in dump_caps),
            "stream_Bps": (whole["bytes"] if whole is not solo else per_rank)
            / max(c["transfer"] for c in whole["capture_phases"]),
            "restore_Bps": per_rank / solo["phases"]["restore"],
@@ -94,12 +102,14 @@ def _load(measured: Path) -> dict:
     deltas = [c["delta"] for c in caps if c.get("delta")]
     if deltas and not solo.get("pre_copy_tracked_tasks"):  # the dump's pages digested, per rank
         out["digest_Bps"] = per_rank / max(deltas)
-    elif deltas:
-        # The kernel said what was written (capture/writetrack.py): nothing was digested in this
-        # run.  A GPU host's ranks map the device, so their deltas are digested: use the rate
+    elif solo.get("bytes_pre_copied"):
+        # The kernel said what was written (capture/writetrack.py), and pitstop or CRIU itself
+        # cut the delta from that: nothing was digested in this run.  A GPU host's ranks map the
+        # device, so they are not write-tracked and their deltas are digested: use the rate
         # measured for that on this VM.
         out["digest_Bps"] = ASSUMED["digest_gbps"][0] * 1e9
-        out["tracked_delta_Bps"] = per_rank / max(deltas)
+        if deltas:
+            out["tracked_delta_Bps"] = per_rank / max(deltas)
     out["post_copy_restore_ratio"] = post["phases"]["restore"] / p["phases"]["restore"] if post else 1.0
     ck = runs.get("checkpoint-restart")
     if ck:

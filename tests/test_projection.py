@@ -1,5 +1,6 @@
-"""bench/projection.py's GPU inputs: the rates come from a tests/gpu report's check (d), its
-largest size, and a report without one is refused with the command that makes one."""
+"""bench/projection.py's inputs: the GPU rates come from a tests/gpu report's check (d), its
+largest size, and a report without one is refused with the command that makes one; the CPU
+rates come from the kept compare runs, a full dump's rate never from an incremental one."""
 
 from __future__ import annotations
 
@@ -30,3 +31,16 @@ def test_a_report_without_check_d_is_refused(tmp_path):
     r.write_text(json.dumps({"checks": {"a_cuda_checkpoint_roundtrip": {"status": "passed"}}}))
     with pytest.raises(SystemExit, match="run tests/gpu/run.sh --only d"):
         projection.load_gpu(r)
+
+
+@pytest.mark.parametrize("kept,dump_gbps,incremental", [
+    ("compare-2026-12-01.json", 2.28, False),  # pitstop cut the delta out of CRIU's full dump
+    ("compare-2026-12-02-parent.json", 1.62, True),  # CRIU dumped only what changed, itself
+])
+def test_a_full_dumps_rate_never_comes_from_an_incremental_dump(kept, dump_gbps, incremental):
+    """Since 2026-12-02 a pre-copied rank's dump holds only what changed: 0.12 s for 771 MB is no
+    dump rate (it read 6.5 GB/s), so the model takes it from the stop-and-copy run's full dumps."""
+    m = projection._load(ROOT / "docs" / "img" / kept)
+    assert m["dump_Bps"] / 1e9 == pytest.approx(dump_gbps, abs=0.01)
+    assert ("the dump's from pitstop, stop-and-copy" in m["rates_from"]) is incremental
+    assert m["digest_Bps"] > 0  # a GPU host's ranks are digested: the pre-copy column stays
