@@ -88,8 +88,8 @@ def _load(measured: Path) -> dict:
     dumped, dump_caps = (whole, whole["capture_phases"]) if incremental else (solo, caps)
     rates_from = f"{solo['method']}, {solo['world']} ranks"
     if whole is not solo:
-        rates_from += f"; the stream's{' and the dump' + chr(39) + 's' if incremental else ''} from " \
-                      f"{whole['method']}, {whole['world']} ranks"
+        which = "the stream's and the dump's" if incremental else "the stream's"
+        rates_from += f"; {which} from {whole['method']}, {whole['world']} ranks"
     out = {"date": d["date"], "machine": d["machine"], "rates_from": rates_from,
            "dump_Bps": dumped["bytes"] / len(dump_caps) / max(c["dump"] for c in dump_caps),
            "stream_Bps": (whole["bytes"] if whole is not solo else per_rank)

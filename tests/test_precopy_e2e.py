@@ -55,13 +55,13 @@ def _condition(op: dict, type_: str) -> dict:
 @pytest.mark.parametrize("workers,by", [
     pytest.param(0, "criu", id="one process-criu"),
     pytest.param(2, "criu", id="with DataLoader children-criu"),
-    pytest.param(0, "pitstop", id="one process-pitstop"),
+    pytest.param(2, "pitstop", id="with DataLoader children-pitstop"),
 ])
 def test_only_what_changed_travels_during_the_pause(cluster, tmp_path, workers, by):
     """by: who cuts the delta.  CRIU's incremental dump against the pre-copy (the default where
     capture/criutrack.py is available, as here), or pitstop, out of CRIU's full dump.  pitstop's
-    delta of a tree with DataLoader children is the lazy case below (and the fallback's above):
-    a fourth case here would add 25 s to the suite and nothing it does not already cover."""
+    delta is moved with DataLoader children only: the tree holds the one-process case (its root),
+    and a fourth case would add 25 s to the suite for nothing the tree does not cover."""
     cc, spare, op, out, kw, ranks = _evacuate(
         cluster, tmp_path, workers=workers,
         src_env={} if by == "criu" else {"PITSTOP_AGENT_PRECOPY_CRIU_PARENT": "0"})
