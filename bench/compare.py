@@ -135,6 +135,7 @@ def _evacuation_once(world: int, leaving: list[int], state_mb: float, steps: int
         phases = dict(md["phases"])
         after = phases.pop("fill", None)  # after the resume: not part of the downtime the bars show
         ahead = phases.pop("precopy", None)  # before the pause: likewise
+        phases.pop("cleanup", None)  # the node freeing its images, after the resume: likewise
         pre = sum(w.get("bytes_pre_copied", 0) for w in md["workers"].values())
         return {"method": label, "world": world, "leaving_ranks": leaving, "state_mb": state_mb,
                 "downtime_s": md["downtime_s"], "job_pause_s": round(pause, 4), "median_step_s": round(normal, 4),

@@ -221,6 +221,52 @@ def test_coordinator_killed_after_the_commit_point_finishes_on_restart(cluster, 
     assert cluster.agents["spare-1"].client().worker("train.1")["exit_code"] == 0
 
 
+def test_a_node_whose_agent_dies_past_the_commit_point_holds_up_nobody(cluster, tmp_path, monkeypatch):
+    """The node being evacuated may be the failing one.  Once its workers run on the spare, the
+    peers resume without asking it; what it must free (images, CRIU's network lock) is asked
+    again when its agent reports.  (Before, the node's commit came before the resume: an agent
+    gone at that moment held every peer paused, and after five retries left them so.)"""
+    monkeypatch.setenv("PITSTOP_ENABLE_FAULTS", "1")
+    monkeypatch.setenv("PITSTOP_FAULTS", "after_commit_point=sleep:3")  # a window to kill the node's agent in
+    monkeypatch.setenv("PITSTOP_COORDINATOR_SOURCE_CLEANUP_DEADLINE_S", "2")
+    monkeypatch.setenv("PITSTOP_COORDINATOR_SOURCE_CLEANUP_RETRY_S", "0.5")
+    cc = _cluster(cluster)
+    monkeypatch.delenv("PITSTOP_FAULTS")
+    out = tmp_path / "out"
+    ranks = cluster.start_job("train", ddp_cmd(out, steps=150), 2, {0: "host-a", 1: "host-b"})
+    _wait_jobs(cc, "train", 2)
+    wait_for_step(ranks[1].log, 5)
+    node = cluster.agents["host-b"]
+    port = int(node.url.rsplit(":", 1)[1])
+    op = cc.evacuate("host-b")
+    _wait_op(cc, op["name"], until=lambda o: o["metadata"]["phase"] == "commit")
+    cluster.stop_agent("host-b", signal.SIGKILL)
+    node.proc.wait(10)
+    o = _wait_op(cc, op["name"], timeout=60)
+    md = o["metadata"]
+    assert md["result"] == "succeeded" and md["committed"], o.get("error")
+    assert md["downtime_s"] < 3 + 10, md["phases"]  # the fault's 3 s, not the retries of a dead node
+    assert o["response"]["source_cleanup_pending"] == ["train.1"], o["response"]
+    cond = {c["type"]: c for c in md["conditions"]}
+    assert cond["SourceCleaned"]["status"] == "False" and cond["SourceCleaned"]["reason"] == "NodeUnreachable"
+    assert "host-b" in cond["SourceCleaned"]["message"] and "train.1" in cond["SourceCleaned"]["message"]
+    seen = len(step_times(ranks[0].log))
+    wait_for_step(ranks[0].log, seen + 5)  # the job goes on while the node's agent is down
+    assert node.proc.poll() is not None
+    left = [p.name for p in node.image_dir.iterdir()]
+    assert left, "the dead agent's images were expected to be still there"
+    cluster.start_agent("host-b", port=port)  # back: its first report brings the cleanup
+    o = _wait_op(cc, op["name"], timeout=60, until=lambda o: not o["metadata"].get("source_cleanup_pending"))
+    assert "source_cleanup_pending" not in o["response"], o["response"]
+    assert {c["type"]: c["status"] for c in o["metadata"]["conditions"]}["SourceCleaned"] == "True"
+    assert [r.proc.wait(240) for r in ranks] == [0, 0]  # rank 1's launcher follows its worker to the end
+    assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150))
+    end = time.monotonic() + 10  # the images go once committed (deleted just after the answer)
+    while any(node.image_dir.iterdir()) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert [p.name for p in node.image_dir.iterdir()] == []
+
+
 def test_a_restored_worker_outlives_a_restart_of_its_agent(cluster, tmp_path):
     """Its stdio goes through pumps of its own (not the agent's threads, whose pipe ends died with
     the agent: the job's next print failed with EPIPE); the restarted agent adopts it."""

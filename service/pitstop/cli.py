@@ -274,8 +274,10 @@ def _print_op(o: dict) -> None:
     t = Table(title=f"{o['name']}: {m['node']} -> {m['destination']} ({m.get('result') or m['phase']})")
     t.add_column("phase")
     t.add_column("seconds", justify="right")
+    outside = {"precopy": "precopy (before the pause)", "cleanup": "cleanup (after the resume)",
+               "fill": "fill (after the resume)"}
     for k, v in m.get("phases", {}).items():
-        t.add_row(k, f"{v:.3f}")
+        t.add_row(outside.get(k, k), f"{v:.3f}")
     if m.get("downtime_s") is not None:
         t.add_row("[bold]downtime (first pause -> last resume)[/]", f"[bold]{m['downtime_s']:.3f}[/]")
     if m.get("pre_copy_bytes"):

@@ -18,7 +18,7 @@ from ..test_coordinator_e2e import _wait_jobs, _wait_op
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 MOVES = int(os.environ.get("PITSTOP_SOAK_MOVES", "50"))
-STEPS = 1500
+STEPS = max(1500, MOVES * 30)  # enough steps left for every move
 
 
 def _rss_kib(pid: int) -> int:
@@ -67,6 +67,9 @@ def test_fifty_migrations_leave_nothing_behind(cluster, tmp_path, record):
         step = int(ranks[0].log.read_text().rsplit("step ", 1)[1].split()[0])
         wait_for_step(ranks[0].log, min(step + 3, STEPS))
     soak_s = time.monotonic() - t0
+    if os.environ.get("PITSTOP_SOAK_TRACE"):  # the whole RSS trajectory, to tell a leak from a plateau
+        Path(os.environ["PITSTOP_SOAK_TRACE"]).write_text(
+            "\n".join(" ".join(f"{h}={s[h][0]}" for h in hosts) for s in samples) + "\n")
     assert [r.proc.wait(600) for r in ranks] == [0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=STEPS))
     assert _netns() == ns0

@@ -168,8 +168,9 @@ class AgentClient:
     def release(self, cid: str) -> dict:
         return self._req("POST", f"/v1/captures/{cid}:release")
 
-    def commit(self, cid: str, moved_to: dict[str, str]) -> dict:
-        return self._req("POST", f"/v1/captures/{cid}:commit", json={"moved_to": moved_to})
+    def commit(self, cid: str, moved_to: dict[str, str], timeout: float | None = None) -> dict:
+        return self._req("POST", f"/v1/captures/{cid}:commit", json={"moved_to": moved_to},
+                         **({"timeout": timeout} if timeout else {}))
 
     def rollback(self, cid: str) -> dict:
         return self._req("POST", f"/v1/captures/{cid}:rollback", timeout=180)

@@ -139,6 +139,13 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
     install_error_handlers(app)
     policy = settings.health_policy()
 
+    def beat_seen(name: str, generation: str) -> bool:
+        """A beat noted in memory; a node that reports again is asked to finish earlier moves' cleanup."""
+        if not store.beat(name, generation):
+            return False
+        driver.node_seen(name)
+        return True
+
     def start_evacuation(node: str, to: str | None, reason: str,
                          idempotency: tuple[str, str] | None = None, post_copy: bool | None = None,
                          pre_copy: bool | None = None) -> str:
@@ -207,6 +214,7 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
     def heartbeat(hb: Heartbeat) -> dict:
         reasons = policy.evaluate(hb.gpu_health)
         store.heartbeat({**hb.model_dump(), "health": {"degraded": bool(reasons), "reasons": reasons}})
+        driver.node_seen(hb.name)
         metrics.heartbeats.labels("full").inc()
         if settings.auto_evacuate:
             auto.verdict(hb.name, reasons)
@@ -215,7 +223,7 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
     @agents.post("/agents:beat", responses={409: {"description": "no full report of this generation: send one"}})
     async def beat(b: Beat) -> dict:
         """Runs on the event loop and touches only memory (Store.beat): 10,000 agents send one a second."""
-        if not store.beat(b.name, b.generation):
+        if not beat_seen(b.name, b.generation):
             raise Conflict(f"no full report of generation {b.generation} from {b.name}", code="resync",
                            action="send a full report (POST /v1/agents:heartbeat), then beat again")
         metrics.heartbeats.labels("beat").inc()
@@ -292,6 +300,6 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
 
     app.include_router(agents)
     app.include_router(ops)
-    return BeatFastPath(app, beat=store.beat, token=settings.cluster_token,
+    return BeatFastPath(app, beat=beat_seen, token=settings.cluster_token,
                         count=metrics.heartbeats.labels("beat").inc,
                         count_udp=metrics.heartbeats.labels("beat_udp").inc), driver

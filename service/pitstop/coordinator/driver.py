@@ -7,8 +7,10 @@ Phases, each written to the store before it starts:
   verify   the spare checks each copy against its manifest
   release  the stopped sources are killed; their images stay on the node
   restore  the spare restores every worker
-  commit   <- the commit point, recorded before the first commit call
+  commit   <- the commit point: the coordinator records the new membership
   resume   peers continue (the downtime ends here)
+  cleanup  the node frees the moved workers' images and network locks; after the resume,
+           so that a node that dies past the commit point holds up nobody (retried later)
   fill     network post-copy only: until every moved worker's memory is in place the node
            serves it, so the operation stays open and the node `draining`
 Before the commit point any failure, cancel, deadline or coordinator restart
@@ -467,17 +469,8 @@ class OpRun:
             self.save()
         self.enter("commit")
         faults.hit("after_commit_point")
-        src = self.agent(node)
-        dst_url = self.d.store.host(dest)["url"]
-
-        def commit(wid: str) -> None:  # in parallel: each one frees its images and its network lock
-            w = self.md["workers"][wid]
-            if w.get("state") != "committed":
-                src.commit(w["capture_id"], {"agent": dest, "url": dst_url})
-                w["state"] = "committed"
+        for wid in self.md["workers"]:  # the membership first: the coordinator's own record, no agent asked
             self.d.store.set_worker_host(wid, dest)
-
-        self.each(commit)
         self.d.store.set_role(dest, "active")
         filling = bool(self.md.get("bytes_after_resume"))
         self.d.store.set_role(node, "draining" if filling else "drained")
@@ -485,18 +478,24 @@ class OpRun:
         self.leave("commit")
         self.condition("Committed", True, "MembershipRecorded", f"{dest} now runs the workers; {node} is drained")
         self.enter("resume")
-        self._resume_peers()
+        stuck = self._resume_peers()
+        if stuck:  # _finish_commit tries again (resuming is idempotent); the downtime is not over
+            raise Unavailable("peers could not be resumed: " + "; ".join(stuck),
+                              action="check those peers' agents; the coordinator keeps trying")
         self.leave("resume")
         if self.md.get("last_resume") is None:  # a restarted coordinator finishing this op keeps the first
             self.md["last_resume"] = time.time()
             self.md["downtime_s"] = round(self.md["last_resume"] - self.md["first_pause"], 4)
         self._check_replacements(dest)  # after the last resume: nobody waits for this look
+        self.clean_source()
         failed = self._await_fills(node, dest) if filling else None
         response = {"@type": "type.pitstop.dev/EvacuateResponse", "node": node, "destination": dest,
                     "workers": sorted(self.md["workers"]), "downtime_s": self.md["downtime_s"],
                     "bytes": self.md["bytes_total"]}
         if filling:
             response.update(bytes_after_resume=self.md["bytes_after_resume"], fill_s=self.md.get("fill_s"))
+        if self.md.get("source_cleanup_pending"):
+            response["source_cleanup_pending"] = self.md["source_cleanup_pending"]
         if failed:
             self.condition("Succeeded", False, failed.code, failed.message)
             self.save(phase="done", done=True, result="failed", error=_op_error(failed), response=response)
@@ -508,6 +507,64 @@ class OpRun:
         self.d.count("succeeded", self.md["bytes_total"] or 0)
         log.info("evacuated", op=self.id, node=node, dest=dest, downtime_s=self.md["downtime_s"],
                  **self.md["phases"])
+
+    def clean_source(self, later: bool = False) -> bool:
+        """Past the resume: the node's agent frees each moved worker's images and CRIU's network lock.
+
+        After the job runs again, on purpose: the node being evacuated may be the failing one,
+        and nothing the job needs waits on it (when this came before the resume, a node that
+        stopped answering after the commit point held every peer paused, and past the retries
+        left them so).  Bounded by source_cleanup_deadline_s; what is left is recorded in
+        `source_cleanup_pending` and tried again whenever the node's agent reports
+        (Driver.node_seen, with `later`: the operation is done and keeps its phase).  Whether
+        nothing is left."""
+        node, dest = self.md["node"], self.md["destination"]
+        moved_to = {"agent": dest, "url": (self.d.store.host(dest) or {}).get("url", "")}
+        deadline = time.monotonic() + self.d.s.source_cleanup_deadline_s
+        if not later:
+            self.enter("cleanup")
+        problems: list[str] = []
+        while True:
+            pending = [wid for wid, w in self.md["workers"].items() if w.get("state") != "committed"]
+            if not pending or time.monotonic() >= deadline:
+                break
+
+            def commit(wid: str) -> str | None:
+                w = self.md["workers"][wid]
+                try:
+                    self.agent(node).commit(w["capture_id"], moved_to,
+                                            timeout=max(1.0, min(10.0, deadline - time.monotonic())))
+                except PitstopError as e:
+                    if e.http_status != 404:  # 404: the node has no such capture, so nothing to free
+                        return f"{wid}: {e.message}"
+                with self.lock:
+                    w["state"] = "committed"
+                return None
+
+            problems = [p for p in in_parallel(commit, pending) if p]
+            if problems and time.monotonic() < deadline:
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        pending = [wid for wid, w in self.md["workers"].items() if w.get("state") != "committed"]
+        with self.lock:
+            self.md["source_cleanup_pending"] = pending
+            resp = self.op.get("response") if later else None
+            if resp and not pending and "source_cleanup_pending" in resp:
+                resp = {k: v for k, v in resp.items() if k != "source_cleanup_pending"}
+                self.save(response=resp)
+            else:
+                self.save()
+        self.d.cleanup_pending(node, self.id, bool(pending))
+        if not later:
+            self.leave("cleanup")
+        if pending:
+            self.condition("SourceCleaned", False, "NodeUnreachable",
+                           f"the job runs on {dest}; {node}'s agent did not free the images of "
+                           f"{', '.join(pending)} ({'; '.join(problems) or 'no answer'}): tried again whenever "
+                           f"{node}'s agent reports; nothing to do unless {node} is to be reused without its agent")
+            log.warning("source not cleaned up; tried again when it reports", op=self.id, node=node, workers=pending)
+        else:
+            self.condition("SourceCleaned", True, "ImagesFreed", f"{node} freed the moved workers' images and locks")
+        return not pending
 
     def _await_fills(self, node: str, dest: str) -> PitstopError | None:
         """Network post-copy: after the resume the moved workers' memory still comes from `node`.
@@ -598,8 +655,8 @@ class OpRun:
         self.condition("Succeeded", False, "CommitIncomplete", str(err))
         self.save(done=True, result="failed", error=_op_error(PitstopError(
             f"the workers run on {self.md['destination']}, but finishing the commit failed: {err}",
-            code="commit_incomplete", action=f"check the agent on {self.md['node']}; its images and network "
-                                             "lock may need cleaning up")))
+            code="commit_incomplete", action="the error names what failed: peers whose agent could not be reached "
+                                             "may still be paused (SIGSTOP) and continue when sent SIGCONT")))
 
     def _resume_peers(self) -> list[str]:
         """Resume every peer, one call per agent, all at once; what went wrong for which, not the
@@ -718,6 +775,47 @@ class Driver:
         self._on_phase = on_phase
         self._on_result = on_result
         self.threads: dict[str, threading.Thread] = {}
+        # done operations whose node has not yet freed what the move left there (clean_source)
+        self._cleanups: dict[str, set[str]] = {}
+        self._cleanup_next: dict[str, float] = {}
+        self._cleanup_lock = threading.Lock()
+
+    def cleanup_pending(self, node: str, op_id: str, pending: bool) -> None:
+        with self._cleanup_lock:
+            ops = self._cleanups.setdefault(node, set())
+            (ops.add if pending else ops.discard)(op_id)
+            if not ops:
+                del self._cleanups[node]
+
+    def node_seen(self, node: str) -> None:
+        """An agent reported: ask it again to free what earlier moves left on it.
+
+        Called for every beat, on the event loop: a dictionary look-up unless something is
+        pending, and then at most one retry per node every source_cleanup_retry_s."""
+        if node not in self._cleanups:
+            return
+        now = time.monotonic()
+        with self._cleanup_lock:
+            ops = sorted(self._cleanups.get(node, ()))
+            if not ops or now < self._cleanup_next.get(node, 0.0):
+                return
+            self._cleanup_next[node] = now + self.s.source_cleanup_retry_s + self.s.source_cleanup_deadline_s
+        threading.Thread(target=self._retry_cleanups, args=(node, ops), daemon=True, name=f"cleanup-{node}").start()
+
+    def _retry_cleanups(self, node: str, ops: list[str]) -> None:
+        try:
+            for op_id in ops:
+                run = OpRun(self, op_id)
+                try:
+                    run.clean_source(later=True)
+                except Exception as e:  # noqa: BLE001 - tried again at the next report
+                    log.warning("cleanup retry failed", op=op_id, node=node, error=repr(e))
+                finally:
+                    for c in run._clients.values():
+                        c.close()
+        finally:
+            with self._cleanup_lock:  # the next try, no sooner than the retry interval from now
+                self._cleanup_next[node] = time.monotonic() + self.s.source_cleanup_retry_s
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         if self._on_phase:
@@ -759,6 +857,9 @@ class Driver:
     def reconcile(self) -> list[str]:
         """After a restart: finish what passed its commit point, roll back everything else."""
         touched = []
+        for op in self.store.ops():
+            if op["done"] and op["metadata"].get("source_cleanup_pending"):
+                self.cleanup_pending(op["node"], op["id"], True)
         for op in self.store.ops(running_only=True):
             touched.append(op["id"])
             if op["metadata"].get("committed"):

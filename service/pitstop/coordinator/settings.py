@@ -35,6 +35,11 @@ class CoordinatorSettings(BaseSettings):
     # fills (their memory still comes from the node).  Past it the operation ends saying so and
     # the node stays `draining`: powering it off could still take a rank with it.
     fill_deadline_s: float = 900.0
+    # After the resume, how long an operation keeps asking the node to free the moved workers'
+    # images and network locks (driver.clean_source); what is left is asked again when the
+    # node's agent reports, at most every source_cleanup_retry_s.  The job never waits on it.
+    source_cleanup_deadline_s: float = 60.0
+    source_cleanup_retry_s: float = 10.0
     fill_poll_s: float = 0.25
     # Pre-copy (capture/precopy.py): before anything pauses, the leaving workers' memory is sent
     # while the job runs; the pause then sends only what changed.  A pre-copy that fails, passes
