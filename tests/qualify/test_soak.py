@@ -32,6 +32,17 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _empties(d: Path, within_s: float = 10.0) -> bool:
+    """The node's commit, the operation's last step, sets its images aside (`.trash-*`) and a
+    thread of its agent deletes them just after (agent/reclaim.py): empty within a few seconds."""
+    end = time.monotonic() + within_s
+    while d.exists() and any(d.iterdir()):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _netns() -> set[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {ln.split()[0] for ln in out.splitlines() if ln.strip()}
@@ -59,9 +70,7 @@ def test_fifty_migrations_leave_nothing_behind(cluster, tmp_path, record):
         assert op["metadata"]["result"] == "succeeded", (i, op.get("error"))
         downtimes.append(op["metadata"]["downtime_s"])
         for h in hosts:  # nothing left in any image directory once a move is committed
-            left = [p.name for p in cluster.agents[h].image_dir.iterdir()] if cluster.agents[h].image_dir.exists() \
-                else []
-            assert left == [], (i, h, left)
+            assert _empties(cluster.agents[h].image_dir), (i, h, [p.name for p in cluster.agents[h].image_dir.iterdir()])
         samples.append({h: (_rss_kib(p), _fds(p)) for h, p in agents.items()})
         where = to
         step = int(ranks[0].log.read_text().rsplit("step ", 1)[1].split()[0])

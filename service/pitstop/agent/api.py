@@ -57,6 +57,7 @@ class Agent:
         os.chmod(settings.images, 0o700)
         self.state = AgentState(settings.state_dir)
         self.dest = DestinationSide(settings, self.state)
+        self.state.on_forget = self.dest.forget_output
         self.source = SourceSide(settings, self.state, self.dest)
         self.metrics = Metrics()
         self.source.on_finished = self._count_capture
@@ -411,6 +412,7 @@ async def _output(agent: Agent, wid: str, stream: str, offset: int) -> Response:
     if stream not in ("stdout", "stderr"):
         raise FailedPrecondition(f"unknown stream {stream!r}", action="use stdout or stderr")
     w = agent.refresh(agent.state.worker(wid))
+    agent.state.read(wid)
     if w.state == "moved" and w.moved_to:
         headers = {"Authorization": f"Bearer {agent.s.cluster_token}"} if agent.s.cluster_token else {}
         try:

@@ -448,6 +448,7 @@ class SourceSide:
                 self._end_tracking(cap.id)
             if self.on_finished:
                 self.on_finished(cap)
+            self._threads.pop(cap.id, None)  # wait() then reads the state: the capture is over
 
     def _end_tracking(self, cid: str) -> None:
         """Close the capture's write tracking (its userfaultfds of the source tree)."""

@@ -546,6 +546,12 @@ class DestinationSide:
         else:
             self._ended(w, None, reason="it ended while its agent was restarting: its exit status is unknown")
 
+    def forget_output(self, w: Worker) -> None:
+        """A restored worker that ended long ago is forgotten (AgentState.prune): its output goes too."""
+        if w.restored:
+            for stream in ("stdout", "stderr"):
+                (self.outputs / f"{w.id}.{stream}").unlink(missing_ok=True)
+
     def read_output(self, worker_id: str, stream: str, offset: int, limit: int = 1 << 20) -> bytes:
         p = self.outputs / f"{worker_id}.{stream}"
         w = self.state.workers.get(worker_id)
