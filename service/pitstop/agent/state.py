@@ -6,8 +6,8 @@ left stopped and where moved workers went.
 
 What has ended is forgotten in time (AgentState.prune): every change rewrites the whole
 file, several times inside a move's pause, and an agent that keeps every capture it ever
-made pays for its history in every later pause (39 ms a write at 1,000 captures, 207 ms at
-5,000, measured on the 2-core test VM, 2026-12-02).
+made pays for its history in every later pause (38 ms a write after 1,000 moves, 208 ms
+after 5,000, against 2-3 ms with this: bench/state_write.py, 2-core test VM, 2026-12-02).
 """
 
 from __future__ import annotations
