@@ -72,3 +72,41 @@ def test_the_state_file_stays_small_whatever_the_history(tmp_path, history):
     s.update_capture(c, state="sent")
     raw = json.loads(s.path.read_text())
     assert "now" in raw["captures"] and len(raw["captures"]) <= st.KEEP_ENDED + 1
+
+
+def test_kept_pre_copies_expire_from_one_sweeper_that_holds_none_a_move_has_taken(tmp_path):
+    """A kept pre-copy goes after precopy_keep_s unless its move takes it first; the sweeper is one
+    thread for all of them and holds each by a weak reference (a timer thread per pre-copy kept
+    every one, and a sleeping thread, for 15 minutes after its move had used it)."""
+    import gc
+    import threading
+    import time
+    import types
+    import weakref
+
+    from pitstop.agent.capturing import SourceSide
+    from pitstop.agent.settings import AgentSettings
+    from pitstop.capture.precopy import Basis
+
+    src = SourceSide(AgentSettings(state_dir=tmp_path / "s", image_dir=tmp_path / "i", precopy_keep_s=1.0),
+                     AgentState(tmp_path), types.SimpleNamespace(gpu=None))
+    kept = tmp_path / "pre-a"
+    kept.mkdir()
+    threads = threading.active_count()
+    with src.state.lock:
+        for k in ("a", "b", "c"):
+            src.bases[k] = Basis(worker_id="job.0", tasks={}, local=kept if k == "a" else tmp_path / f"pre-{k}")
+            src._expire_later(k, src.bases[k])
+    assert threading.active_count() == threads + 1  # one sweeper, not one thread per pre-copy
+    taken = weakref.ref(src.bases.pop("b"))  # a move took it and is done with it
+    gc.collect()
+    assert taken() is None  # nothing of the expiry kept it alive
+    deadline = time.monotonic() + 10
+    while ("a" in src.bases or src._expiring) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "a" not in src.bases and not kept.exists()  # expired: its kept copy deleted
+    assert not src._expiring
+    while src._sweeper is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    assert src._sweeper is None and threading.active_count() == threads  # nothing left to watch: it ended

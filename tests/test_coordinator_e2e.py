@@ -198,18 +198,25 @@ def test_read_only_token_reads_but_never_mutates(cluster, monkeypatch):
     assert httpx.post(f"{url}/v1/nodes/any:evacuate", json={}, headers=op).status_code == 404  # passes auth
 
 
-def test_coordinator_killed_after_the_commit_point_finishes_on_restart(cluster, tmp_path, monkeypatch):
-    """Past the commit point a restarted coordinator moves forward: the workers stay on the spare."""
+def _held_past_the_commit_point(cluster, tmp_path, monkeypatch, hold_s: int):
+    """A 2-rank job on host-a and host-b; host-b evacuated, its operation held `hold_s` seconds
+    by a fault just past the commit point: (client, ranks, output dir, operation) once it is there."""
     monkeypatch.setenv("PITSTOP_ENABLE_FAULTS", "1")
-    monkeypatch.setenv("PITSTOP_FAULTS", "after_commit_point=sleep:30")
+    monkeypatch.setenv("PITSTOP_FAULTS", f"after_commit_point=sleep:{hold_s}")
     cc = _cluster(cluster)
-    monkeypatch.delenv("PITSTOP_FAULTS")
+    monkeypatch.delenv("PITSTOP_FAULTS")  # the coordinator's only
     out = tmp_path / "out"
     ranks = cluster.start_job("train", ddp_cmd(out, steps=150), 2, {0: "host-a", 1: "host-b"})
     _wait_jobs(cc, "train", 2)
     wait_for_step(ranks[1].log, 5)
     op = cc.evacuate("host-b")
     _wait_op(cc, op["name"], until=lambda o: o["metadata"]["phase"] == "commit")
+    return cc, ranks, out, op
+
+
+def test_coordinator_killed_after_the_commit_point_finishes_on_restart(cluster, tmp_path, monkeypatch):
+    """Past the commit point a restarted coordinator moves forward: the workers stay on the spare."""
+    cc, ranks, out, op = _held_past_the_commit_point(cluster, tmp_path, monkeypatch, 30)
     port = int(cluster.coordinator_url.rsplit(":", 1)[1])
     os.killpg(cluster.coordinator_proc.pid, signal.SIGKILL)   # held by the fault, past the commit point
     cluster.coordinator_proc.wait(10)
@@ -226,20 +233,11 @@ def test_a_node_whose_agent_dies_past_the_commit_point_holds_up_nobody(cluster, 
     peers resume without asking it; what it must free (images, CRIU's network lock) is asked
     again when its agent reports.  (Before, the node's commit came before the resume: an agent
     gone at that moment held every peer paused, and after five retries left them so.)"""
-    monkeypatch.setenv("PITSTOP_ENABLE_FAULTS", "1")
-    monkeypatch.setenv("PITSTOP_FAULTS", "after_commit_point=sleep:3")  # a window to kill the node's agent in
     monkeypatch.setenv("PITSTOP_COORDINATOR_SOURCE_CLEANUP_DEADLINE_S", "2")
     monkeypatch.setenv("PITSTOP_COORDINATOR_SOURCE_CLEANUP_RETRY_S", "0.5")
-    cc = _cluster(cluster)
-    monkeypatch.delenv("PITSTOP_FAULTS")
-    out = tmp_path / "out"
-    ranks = cluster.start_job("train", ddp_cmd(out, steps=150), 2, {0: "host-a", 1: "host-b"})
-    _wait_jobs(cc, "train", 2)
-    wait_for_step(ranks[1].log, 5)
+    cc, ranks, out, op = _held_past_the_commit_point(cluster, tmp_path, monkeypatch, 3)  # a window to kill in
     node = cluster.agents["host-b"]
     port = int(node.url.rsplit(":", 1)[1])
-    op = cc.evacuate("host-b")
-    _wait_op(cc, op["name"], until=lambda o: o["metadata"]["phase"] == "commit")
     cluster.stop_agent("host-b", signal.SIGKILL)
     node.proc.wait(10)
     o = _wait_op(cc, op["name"], timeout=60)

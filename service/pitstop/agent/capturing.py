@@ -23,6 +23,7 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,8 @@ class SourceSide:
         self.data_port: int | None = None  # this agent's data port, where it serves lazy pages
         self.page_sources: dict[str, PageSource] = {}  # by image id
         self.bases: dict[str, precopy.Basis] = {}  # pre-copies sent, by the image id of the move they serve
+        self._expiring: dict[str, tuple[weakref.ref[precopy.Basis], float]] = {}  # kept ones: when they go
+        self._sweeper: threading.Thread | None = None
         self.precopies: dict[str, dict[str, Any]] = {}  # pre-copies under way, by image id: what was sent
         self._precopy_stops: dict[str, threading.Event] = {}  # by image id: set to stop that pre-copy
         self._write_tracking_unavailable: str | None = None  # why not ("" when it is), once asked
@@ -178,9 +181,7 @@ class SourceSide:
                 while len(self.bases) > MAX_BASES:
                     self.bases.pop(next(iter(self.bases))).discard()
                 if basis.local is not None:
-                    t = threading.Timer(self.s.precopy_keep_s, self._expire_basis, args=(image_id, basis))
-                    t.daemon = True
-                    t.start()
+                    self._expire_later(image_id, basis)
         if late:  # its caller gave up waiting and the move went on without it: nobody will use it
             basis.discard()
             self._discard_at(dest_url, pre_id)
@@ -219,6 +220,35 @@ class SourceSide:
                                action="none: it has ended (GET /v1/precopies lists those under way)")
             stop.set()
             return dict(self.precopies[image_id], stopping=True)
+
+    def _expire_later(self, image_id: str, basis: precopy.Basis) -> None:
+        """Drop this kept pre-copy after precopy_keep_s unless a move takes it first.
+
+        One sweeper thread for all of them, holding each only by a weak reference: a timer
+        thread per pre-copy held its basis (page runs, digests) and a sleeping thread for the
+        whole 15 minutes after its move had used it, which grew a busy agent's memory (about
+        60 such threads per agent in the 200-move soak).  Called with the state lock held."""
+        self._expiring[image_id] = (weakref.ref(basis), time.monotonic() + self.s.precopy_keep_s)
+        if self._sweeper is None:
+            self._sweeper = threading.Thread(target=self._sweep_bases, name="precopy-expiry", daemon=True)
+            self._sweeper.start()
+
+    def _sweep_bases(self) -> None:
+        every = max(0.5, min(30.0, self.s.precopy_keep_s / 4))
+        while True:
+            time.sleep(every)
+            now = time.monotonic()
+            with self.state.lock:
+                due = [(k, ref()) for k, (ref, at) in self._expiring.items() if at <= now or ref() is None]
+                for k, _ in due:
+                    del self._expiring[k]
+                if not self._expiring:  # nothing left to watch: the next kept pre-copy starts another
+                    self._sweeper = None
+            for k, b in due:
+                if b is not None:
+                    self._expire_basis(k, b)
+            if self._sweeper is not threading.current_thread():
+                return
 
     def _expire_basis(self, image_id: str, basis: precopy.Basis) -> None:
         """A kept pre-copy whose move did not come within PITSTOP_AGENT_PRECOPY_KEEP_S (its
