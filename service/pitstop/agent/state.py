@@ -113,13 +113,12 @@ class AgentState:
         """Someone (a launcher following its worker) read this worker's output: keep it."""
         self._last_read[wid] = time.monotonic()
 
-    def prune(self) -> tuple[list[Capture], list[Worker]]:
+    def prune(self) -> None:
         """Forget ended captures beyond the newest KEEP_ENDED, and ended workers beyond the newest
-        KEEP_ENDED that nobody has read for UNREAD_S; what was forgotten."""
+        KEEP_ENDED that nobody has read for UNREAD_S (each handed to on_forget)."""
         with self.lock:
             ended = sorted((c for c in self.captures.values() if c.state in ENDED_CAPTURES), key=lambda c: c.updated)
-            caps = ended[:max(0, len(ended) - KEEP_ENDED)]
-            for c in caps:
+            for c in ended[:max(0, len(ended) - KEEP_ENDED)]:
                 del self.captures[c.id]
             now = time.monotonic()
             done = sorted((w for w in self.workers.values() if w.state in ENDED_WORKERS),
@@ -129,14 +128,12 @@ class AgentState:
             for w in workers:
                 del self.workers[w.id]
                 self._last_read.pop(w.id, None)
-            return caps, workers
+                self.on_forget(w)
 
     def save(self) -> None:
         with self.lock:
             if len(self.captures) + len(self.workers) > 2 * KEEP_ENDED:
-                _, gone = self.prune()
-                for w in gone:
-                    self.on_forget(w)
+                self.prune()
             data = {"workers": {k: v.model_dump() for k, v in self.workers.items()},
                     "captures": {k: v.model_dump() for k, v in self.captures.items()}}
             tmp = self.path.with_suffix(".tmp")
