@@ -1,3 +1,5 @@
+import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -6,8 +8,55 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.capture import runtime
+from pitstop import devleases
+from pitstop.capture import proctree, runtime
 from pitstop.devcluster import LocalCluster
+
+_suite_lock_fd: int | None = None
+
+
+def pytest_sessionstart(session):  # noqa: ANN001, ANN201
+    """One run of this suite per machine at a time.  Its leak checks take what appeared during
+    the run and is still there at its end for the run's own leftovers, and remove it: a second
+    run at the same time would have its agents' mounts and network namespaces removed under it,
+    and fail both runs in ways that point nowhere.  So the second one stops at once, saying why."""
+    global _suite_lock_fd
+    d = devleases.registry()
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = d / "test-suite.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        pytest.exit(f"another run of pitstop's test suite is under way on this machine ({holder}); its "
+                    f"leak checks and this run's would remove each other's agents' mounts and namespaces. "
+                    f"Wait for it to end (or stop it), then run again. Lock: {path}", returncode=3)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}, started {proctree.start_time(os.getpid())}\n".encode(), 0)
+    _suite_lock_fd = fd  # held until this process exits
+
+
+def _foreign_paths() -> list[str]:
+    """What the live local clusters of other processes (a bench, the demo) hold: not this run's to
+    remove or to count as its leftovers (devleases.py)."""
+    out: list[str] = []
+    d = devleases.registry()
+    for f in d.glob("*.json") if d.is_dir() else []:
+        try:
+            lease = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        pid = lease.get("pid")
+        if pid == os.getpid() or not (isinstance(pid, int) and proctree.is_running(pid, lease.get("start"))):
+            continue
+        out += [str(p).rstrip("/") + "/" for p in lease.get("paths", [])]
+        if lease.get("netns_prefix"):
+            out += [f"{ns}/{lease['netns_prefix']}" for ns in IPROUTE_NETNS_DIRS]
+    return out
 
 
 def _e2e_ready() -> str | None:
@@ -122,7 +171,8 @@ def _no_mounts_left():
             return {line.split()[4] for line in f}
     before = points()
     yield
-    left = points() - before
+    theirs = _foreign_paths()
+    left = {p for p in points() - before if not any((p + "/").startswith(f) for f in theirs)}
     for d in IPROUTE_NETNS_DIRS:
         if d in left and not os.listdir(d):
             left.discard(d)
