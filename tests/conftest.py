@@ -193,10 +193,15 @@ def _suite_tmpdir(tmp_path_factory):
     d.chmod(0o1777)  # as /tmp: a test's process that drops root still has a temporary directory
     old = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(d)
+    # The workers' init directories (nsinit.py) of tests that launch outside a local cluster (which
+    # keeps its own): here, not in the machine's /run/pitstop, and checked after each test below.
+    (d / INIT_DIRS).mkdir()
+    os.environ["PITSTOP_INIT_DIRS"] = str(d / INIT_DIRS)
     tempfile.tempdir = None  # tempfile caches the directory it chose
     try:
         yield d
     finally:
+        os.environ.pop("PITSTOP_INIT_DIRS", None)
         if old is None:
             os.environ.pop("TMPDIR", None)
         else:
@@ -208,6 +213,7 @@ def _suite_tmpdir(tmp_path_factory):
 # Caches a tool keeps in $TMPDIR on purpose, for every later run (torch's compile cache, which
 # torchrun's import of torch makes): not a test's leftover; the suite's directory goes at its end.
 TMP_CACHES = ("torchinductor_",)
+INIT_DIRS = "init"
 
 
 @pytest.fixture(autouse=True)
@@ -218,4 +224,8 @@ def _no_temp_files_left(_suite_tmpdir):
     for name in left:  # remove anyway, then fail
         p = _suite_tmpdir / name
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    inits = sorted(os.listdir(_suite_tmpdir / INIT_DIRS))
+    for name in inits:
+        shutil.rmtree(_suite_tmpdir / INIT_DIRS / name, ignore_errors=True)
     assert not left, f"temporary files left behind in $TMPDIR: {left}"
+    assert not inits, f"workers' init directories left behind: {inits}"

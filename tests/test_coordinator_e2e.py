@@ -66,6 +66,12 @@ def test_demo_scenario_through_the_cli(cluster, tmp_path):
                               {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"})
     _wait_jobs(cc, "train", 4)
     wait_for_step(ranks[2].log, 10)
+    # Each rank's tree has pitstop's init at its root, working in a directory of its own (so the
+    # two dumps on host-b start at once: nsinit.py), while the training works where it started.
+    roots = {w["id"]: w["root_pid"] for a in ("host-a", "host-b") for w in cluster.agents[a].client().workers()}
+    dirs = {wid: os.readlink(f"/proc/{pid}/cwd") for wid, pid in roots.items()}
+    assert len(set(dirs.values())) == 4 and all(os.path.dirname(d) == str(cluster.root / "init") for d in dirs.values())
+    assert os.readlink(f"/proc/{proctree.children(roots['train.2'])[0]}/cwd") == os.getcwd()
     p = _cli(cluster, "evacuate", "host-b", "--wait", "--json", "--idempotency-key", "k-1")
     assert p.returncode == 0, p.stderr
     op = json.loads(p.stdout)
@@ -74,7 +80,9 @@ def test_demo_scenario_through_the_cli(cluster, tmp_path):
     md = op["metadata"]
     assert md["node"] == "host-b" and md["destination"] == "spare-1" and md["result"] == "succeeded"
     assert set(md["phases"]) >= {"pause", "capture", "verify", "release", "restore", "commit", "resume"}
-    assert md["bytes_total"] > 10_000_000 and md["bytes_done"] == md["bytes_total"]
+    # the ranks' memory went ahead while they trained; in the pause only what changed since (about 10 MB)
+    assert md["pre_copy_bytes"] > 100_000_000 and md["bytes_total"] > 1_000_000
+    assert md["bytes_done"] == md["bytes_total"]
     assert md["downtime_s"] > 0 and op["response"]["workers"] == ["train.2", "train.3"]
     assert {c["type"] for c in md["conditions"] if c["status"] == "True"} >= {"Quiesced", "Restored", "Committed",
                                                                                "Succeeded"}
@@ -84,8 +92,12 @@ def test_demo_scenario_through_the_cli(cluster, tmp_path):
     with pytest.raises(PitstopError) as e:  # same key, other body
         cc.evacuate("host-b", to="host-a", idempotency_key="k-1")
     assert e.value.http_status == 422 and "Idempotency-Key" in e.value.message
+    moved = {w["id"]: w["root_pid"] for w in cluster.agents["spare-1"].client().workers()}
+    assert {wid: os.readlink(f"/proc/{pid}/cwd") for wid, pid in moved.items()} == \
+        {wid: dirs[wid] for wid in ("train.2", "train.3")}  # made again on the spare, the same for CRIU
     assert [r.proc.wait(180) for r in ranks] == [0, 0, 0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 4, steps=120))
+    assert not any((cluster.root / "init").iterdir())  # every init removed its directory at the end
     hosts = {h["name"]: h for h in cc.hosts()}
     assert hosts["spare-1"]["role"] == "active" and hosts["host-b"]["role"] == "drained"
     assert len(cc.ops()) == 1

@@ -202,7 +202,8 @@ class LocalCluster:
 
     def env(self) -> dict[str, str]:
         e = dict(os.environ, PITSTOP_CLUSTER_TOKEN=self.token, PITSTOP_TOKEN=self.operator_token,
-                 PYTHONUNBUFFERED="1", **{devleases.MARKER: self.lease}, **self.tls_env("operator"))
+                 PYTHONUNBUFFERED="1", PITSTOP_INIT_DIRS=str(self.root / "init"),
+                 **{devleases.MARKER: self.lease}, **self.tls_env("operator"))
         if self.coordinator_url:
             e["PITSTOP_COORDINATOR"] = self.coordinator_url
         return e

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
-from .. import shimctl, tls
+from .. import nsinit, shimctl, tls
 from ..network import workerns
 from ..capture import caps, proctree, runtime
 from ..errors import Conflict, FailedPrecondition, PitstopError, TransferFailed
@@ -461,7 +461,7 @@ def local_app(agent: Agent) -> FastAPI:
                                                     "(`pitstop run --address` does both)")
                 net = wn.to_dict()
             w = Worker(id=wid, job=req.job, rank=req.rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
-                       net=net)
+                       net=net, init_dir=nsinit.owned_dir(pid))
             agent.state.workers[wid] = w
             agent.state.save()
         return w

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import structlog
 
-from .. import faults, tls
+from .. import faults, nsinit, tls
 from ..capture import criu_ops, criutrack, netlock, postcopy, precopy, proctree, procwindow, runtime, writetrack
 from ..capture.manifest import Manifest, check_image_id
 from ..errors import (CaptureFailed, Conflict, DeadlineExceeded, FailedPrecondition, NotFound, PitstopError,
@@ -373,7 +373,8 @@ class SourceSide:
             self._tracking[cap.id] = basis  # ended once the source has exited (or resumed): _end_tracking
         self.state.update_capture(cap, pre_copy={
             "parent_bytes": res.pages_in_parent * precopy.PAGE, "changed_bytes": res.pages_written * precopy.PAGE,
-            "seconds": 0.0, "tracked_tasks": len(basis.tasks), "digested_tasks": 0,
+            "seconds": 0.0, "tracked_tasks": sum(1 for t in basis.tasks.values() if t.tracker is not None),
+            "digested_tasks": 0,
             "pre_copied_bytes": basis.bytes, "by": "criu"})
         return res
 
@@ -609,7 +610,8 @@ class SourceSide:
                 return
         tail.manifest_base = Manifest(capture_id=cap.id, stdio=stdio, criu_version=runtime.locate().version_str,
                                       output_base=self._output_end(w),
-                                      worker={"id": w.id, "job": w.job, "rank": w.rank}, gpu=cap.gpu,
+                                      worker={"id": w.id, "job": w.job, "rank": w.rank,
+                                              **({"init_dir": w.init_dir} if w.init_dir else {})}, gpu=cap.gpu,
                                       net=w.net, keep_peers=cap.keep_peers, pages_from=pages_from, parent=parent)
         tail.finished.set()
         if sender is not None and (not whole or not self.s.stream_while_dumping):
@@ -815,7 +817,7 @@ class SourceSide:
         proctree.kill_and_wait(w.root_pid)
         restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
                                              stdio=cap.stdio, replace=True, output_base=self._output_end(w),
-                                             gpu=cap.gpu, net=w.net)
+                                             gpu=cap.gpu, net=w.net, init_dir=w.init_dir)
         netlock.release(cap.run_id)
         return f"restored here as pid {restored.root_pid}"
 
@@ -866,6 +868,7 @@ class SourceSide:
         else:  # the moved worker's memory is still being fetched from here: keep the dump until then
             threading.Thread(target=self._expire_page_source, args=(src,), daemon=True,
                              name=f"pages-{cid}").start()
+        nsinit.remove_unused(w.init_dir)  # not where the worker was restored on this same machine
         self.state.update_capture(cap, state="committed")
         self.state.update_worker(w, state="moved", moved_to=moved_to)
         log.info("committed", capture=cid, worker=w.id, moved_to=moved_to)
@@ -893,7 +896,7 @@ class SourceSide:
         else:  # released: the source is gone; restore it here from our own images, lock still held
             restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
                                                  stdio=cap.stdio, replace=True, output_base=self._output_end(w),
-                                                 gpu=cap.gpu, net=w.net)
+                                                 gpu=cap.gpu, net=w.net, init_dir=w.init_dir)
             netlock.release(cap.run_id)
             how = f"restored here as pid {restored.root_pid}"
         self.page_sources.pop(cap.image_id or "", None)

@@ -26,7 +26,7 @@ from ..capture import criu_ops, lazy_pages, lazydelta, lazyrule, precopy, proctr
 from ..capture.dumpview import PAGE
 from ..capture.manifest import Manifest, check_image_id
 from ..errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed
-from .. import faults
+from .. import faults, nsinit
 from ..capture import runtime
 from ..gpu.checkpoint import GpuCheckpointer
 from ..network import workerns
@@ -190,7 +190,7 @@ class DestinationSide:
             w, fill = self._restore(directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
                                     stdio=[p.model_dump() for p in m.stdio], replace=True,
                                     output_base=m.output_base, gpu=m.gpu, phases=sub_phases, net=m.net,
-                                    keep_peers=m.keep_peers,
+                                    keep_peers=m.keep_peers, init_dir=wk.get("init_dir"),
                                     lazy=lazy, abort=s.abort, pages_from=m.pages_from, local_index=index)
             with self.lock:
                 s.restored = w.id
@@ -300,10 +300,10 @@ class DestinationSide:
     def restore_dir(self, directory: Path, *, worker_id: str, job: str, rank: int,
                     stdio: list[dict[str, Any]], replace: bool = False,
                     output_base: dict[str, int] | None = None, gpu: dict[str, Any] | None = None,
-                    net: dict[str, str] | None = None) -> Worker:
+                    net: dict[str, str] | None = None, init_dir: str | None = None) -> Worker:
         """Restore whole images in `directory` (a rollback on the source); register the worker."""
         return self._restore(directory, worker_id=worker_id, job=job, rank=rank, stdio=stdio, replace=replace,
-                             output_base=output_base, gpu=gpu, net=net)[0]
+                             output_base=output_base, gpu=gpu, net=net, init_dir=init_dir)[0]
 
     def _restore(self, directory: Path, *, worker_id: str, job: str, rank: int,
                  stdio: list[dict[str, Any]], replace: bool = False,
@@ -312,7 +312,8 @@ class DestinationSide:
                  keep_peers: list[str] | None = None, lazy: bool = False,
                  abort: threading.Event | None = None,
                  pages_from: dict[str, Any] | None = None,
-                 local_index: Path | None = None) -> tuple[Worker, lazy_pages.LazyFill | None]:
+                 local_index: Path | None = None,
+                 init_dir: str | None = None) -> tuple[Worker, lazy_pages.LazyFill | None]:
         """Restore images in `directory`; register the result as a worker of this agent.
 
         lazy: restore post-copy, memory filled by a lazy-pages daemon after the worker runs
@@ -324,6 +325,12 @@ class DestinationSide:
             old = self.state.workers.get(worker_id)
             if old and old.state in LIVE_STATES and not replace:
                 raise Conflict(f"worker {worker_id} already runs here", action="this would run it twice")
+        try:  # its namespace's init works there: CRIU restores that working directory (nsinit.py)
+            nsinit.ensure(init_dir)
+        except (ValueError, OSError) as e:
+            raise RestoreFailed(f"cannot make the worker's init directory: {e}",
+                                action="check that this agent may create the directory the worker's "
+                                       "launcher chose (PITSTOP_INIT_DIRS on the source host)") from None
         inherit: dict[str, int] = {}
         ours: list[tuple[int, str, int]] = []  # (our fd, stream name, their fd number)
         theirs: list[int] = []
@@ -411,7 +418,7 @@ class DestinationSide:
             scope.place(worker_id + "-fill", fill.pid, more=fill.pids[1:])
         faults.hit("restore:before_register")  # the worker runs; a rollback may look for it meanwhile
         w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=started,
-                   restored=True, output_base=output_base or {}, net=net,
+                   restored=True, output_base=output_base or {}, net=net, init_dir=init_dir,
                    keeper=keeper.to_dict() if keeper else None,
                    fill=Fill(source=(pages_from or {}).get("url"), images=str(directory)) if fill else None)
         with self.state.lock:
@@ -460,6 +467,7 @@ class DestinationSide:
     def _ended(self, w: Worker, code: int | None, reason: str | None = None) -> None:
         if w.state in ("running",):
             self.state.update_worker(w, state="exited", exit_code=code, reason=reason)
+            nsinit.remove(w.init_dir)  # its init removes it at a normal end, not when the tree is killed
             wn = workerns.from_dict(w.net)
             if wn:
                 workerns.destroy(wn)

@@ -48,6 +48,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CaptureFailed
+from .. import nsinit
 from . import lazyrule, proctree, runtime, writetrack
 from .dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, dump_pagemap, link_the_rest
 
@@ -92,6 +93,9 @@ class Basis:
     bytes: int = 0
     seconds: float = 0.0
     untracked: dict[int, str] = field(default_factory=dict)  # pid here -> why its writes were not tracked
+    # pitstop's namespace init (nsinit.py): a few pages, not tracked; dumped whole each time
+    # (criutrack.c reports untracked memory as written), by its namespace's pid
+    exempt: set[int] = field(default_factory=set)
     # The pre-copy's images, kept here where CRIU's incremental dump will use them as its parent
     # (criutrack.py); the capture moves them into its own image directory.
     local: Path | None = None
@@ -113,7 +117,8 @@ class Basis:
     def fully_tracked(self) -> bool:
         """Every process's writes tracked: what CRIU's incremental dump needs (an untracked one
         would be dumped whole by it, and not be cut by digests either)."""
-        return bool(self.tasks) and not self.untracked and all(t.tracker is not None for t in self.tasks.values())
+        return bool(self.tasks) and not self.untracked and all(
+            t.tracker is not None or vpid in self.exempt for vpid, t in self.tasks.items())
 
 
 @dataclass
@@ -213,7 +218,8 @@ def snapshot(worker_id: str, pids: list[int], out: Path, rt: runtime.CriuRuntime
     # CRIU's incremental dump takes a parent for a process only if the process started before
     # it (pid reuse, criu/mem.c detect_pid_reuse): the time its pages began to be read
     uptime_us = time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1000
-    trackers, basis.untracked = writetrack.start(pids) if track else ({}, {})
+    inits = {p for p in pids if nsinit.is_init(p)}
+    trackers, basis.untracked = writetrack.start([p for p in pids if p not in inits]) if track else ({}, {})
     try:
         for pid in pids:
             tr = trackers.pop(pid, None)
@@ -236,6 +242,8 @@ def snapshot(worker_id: str, pids: list[int], out: Path, rt: runtime.CriuRuntime
                 raise
             basis.tasks[vpid] = digests
             basis.bytes += n * PAGE
+            if pid in inits:
+                basis.exempt.add(vpid)
     except BaseException:
         basis.close()
         raise
@@ -348,7 +356,8 @@ def rewrite(images: Path, view: Path, basis: Basis, rt: runtime.CriuRuntime | No
                 dump_pagemap({**img, "entries": [head, *new_entries]}, f, pycriu)
             rewritten |= {pm.name, pages_name}
             continue
-        out.digested_tasks += 1
+        if t.pid not in basis.exempt:  # pitstop's init is no process of the job's
+            out.digested_tasks += 1
         with open(images / pages_name, "rb", buffering=0) as src, \
                 open(view / pages_name, "wb", buffering=0) as dst, _mapped(src.fileno()) as pages:
             size = len(pages)

@@ -8,6 +8,10 @@ mkdir (EEXIST).  It happens at the start of a dump (once) and again after its me
 dumped (once for the root task, once per other thread of it: the cgroup of each), with
 nothing to say when from outside.
 
+Workers started by `pitstop run` do not share one: their root task is pitstop's init, working
+in a directory of its own (nsinit.py), so their locks differ and their dumps start at once.
+What follows is for trees without it (an init not built, a tree registered by other means).
+
 So: a dump holds its directory's lock until inotify reports that the first "proc.crtools" is
 gone again, and the next dump starts then; their memory dumps overlap.  The later bursts can
 still collide (first seen in the compare bench, 2026-11-29): the dump that meets EEXIST fails

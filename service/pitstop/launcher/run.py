@@ -4,11 +4,15 @@ It starts CMD so that CRIU can capture it later and keeps behaving like CMD
 for whoever waits on it (a scheduler, a script), even after CMD has moved to
 another host:
 
-- CMD runs as the init of its own PID namespace and session
-  (`unshare --pid --fork setsid CMD`): restore then needs no free PIDs on the
-  destination, and CRIU accepts the tree as a whole.  Not --kill-child: that
-  sets PR_SET_PDEATHSIG, which CRIU restores faithfully, and the restored
-  worker would be killed the moment CRIU (its parent during restore) exits.
+- CMD runs in a PID namespace and session of its own, under pitstop's init
+  (`unshare --pid --fork setsid pitstop-init DIR -- CMD`, native/pitinit.c):
+  restore then needs no free PIDs on the destination, and CRIU accepts the tree
+  as a whole.  The init works in DIR, a directory of its own (nsinit.py), so that
+  dumps of ranks sharing a working directory need not take turns; CMD keeps the
+  directory it was started in.  Without the init built, CMD is the namespace's
+  init itself, as before it existed.  Not --kill-child: that sets
+  PR_SET_PDEATHSIG, which CRIU restores faithfully, and the restored worker
+  would be killed the moment CRIU (its parent during restore) exits.
 - stdin is /dev/null; stdout and stderr are pipes this launcher drains.  CRIU
   hands pipes at the tree's edge back on restore (inherit-fd), where the
   destination agent drains them; this launcher then follows the output through
@@ -16,10 +20,10 @@ another host:
 - The environment is made dumpable: USE_LIBUV=0 keeps torch's TCPStore off
   libuv, and a seccomp rule makes io_uring_setup(2) fail with ENOSYS for the
   whole tree (torchrun's store ignores USE_LIBUV), since CRIU cannot dump io_uring.
-- Signals are forwarded.  CMD is PID 1 of its namespace, so the kernel drops
-  signals it has no handler for; a forwarded SIGTERM/SIGINT/SIGHUP that CMD
-  does not handle is therefore turned into SIGKILL, which is what CMD would
-  have suffered outside a namespace.
+- Signals are forwarded, through the init, which passes them on to CMD: they do
+  what they would do outside a namespace.  Without the init, CMD is PID 1 of its
+  namespace and the kernel drops signals it has no handler for, so a forwarded
+  SIGTERM/SIGINT/SIGHUP that CMD does not handle is turned into SIGKILL.
 - The NCCL shim is preloaded (when built): communicators get virtual handles and
   the job can be brought to a consistent cut and rewired (shim/).  --host-nccl makes
   the host NCCL (native/) the process's libnccl.so.2, for CPU jobs and tests.
@@ -43,7 +47,7 @@ import httpx
 
 from ..agent.client import AgentClient
 from ..capture import caps, proctree
-from .. import nativelib, tls
+from .. import nativelib, nsinit, tls
 from ..endpoints import check_url
 from ..errors import PitstopError
 from .seccomp import deny_io_uring
@@ -221,13 +225,24 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
             return 125
         prefix = ["nsenter", f"--net={net['path']}", "--"]
         env.setdefault("GLOO_SOCKET_IFNAME", "eth0")  # gloo's default (the hostname's address) is not here
+    init, init_dir = nsinit.binary(), None
+    if init is None:
+        print("pitstop run: warning: native/build/pitstop-init is not built: the worker's dumps take turns with "
+              "those of its neighbours sharing its directory; run `make native`", file=sys.stderr)
+    else:
+        init_dir = nsinit.prepare(job, rank)
+        if init_dir is None:
+            print(f"pitstop run: warning: cannot make a directory under {nsinit.init_dirs()}: the worker starts "
+                  "without pitstop's init, and its dumps take turns with its neighbours'", file=sys.stderr)
+    inner = nsinit.command(init, init_dir, cmd) if init and init_dir else cmd
     rout, wout = os.pipe()
     rerr, werr = os.pipe()
     try:
-        p = subprocess.Popen([*prefix, "unshare", "--pid", "--fork", "setsid", *cmd], env=env,
+        p = subprocess.Popen([*prefix, "unshare", "--pid", "--fork", "setsid", *inner], env=env,
                              stdin=subprocess.DEVNULL, stdout=wout, stderr=werr)
     except OSError as e:
         print(f"pitstop run: cannot start {cmd[0]}: {e}", file=sys.stderr)
+        nsinit.remove(str(init_dir) if init_dir else None)
         if address:
             _safe(client.drop_network, f"{job}.{rank}")
         return 127
@@ -254,6 +269,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
             t.join(5)
         print(f"pitstop run: {cmd[0]} ended before its agent could take it in (exit status "
               f"{shell_code(p.returncode)}); nothing to move", file=sys.stderr)
+        nsinit.remove(str(init_dir) if init_dir else None)
         if address:
             _safe(client.drop_network, f"{job}.{rank}")
         return shell_code(p.returncode)
@@ -261,6 +277,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         print(f"pitstop run: could not register with the agent: {e}", file=sys.stderr)
         p.kill()
         p.wait()
+        nsinit.remove(str(init_dir) if init_dir else None)
         if address:
             _safe(client.drop_network, f"{job}.{rank}")
         return 125
@@ -271,7 +288,9 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         pid = info.get("root_pid", root)
         if info.get("state") in ("moved",):
             return  # the worker runs elsewhere; only the operator's tools reach it there
-        s = sig if (_handles(pid, sig) or sig not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)) \
+        # pitstop's init passes a signal on to CMD, where it does what it does outside a namespace;
+        # CMD as the namespace's init would ignore one it has no handler for
+        s = sig if (init_dir or _handles(pid, sig) or sig not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)) \
             else signal.SIGKILL
         try:
             os.kill(pid, s)
@@ -287,6 +306,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     info = _safe(client.worker, wid) or {}
     if info.get("state") not in MOVING and not info.get("restored"):
         _safe(client.exited, wid, code)
+        nsinit.remove(str(init_dir) if init_dir else None)  # its init's, where the tree was killed
         return code
     return shell_code(_follow(client, wid))
 

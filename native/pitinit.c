@@ -1,0 +1,80 @@
+/* pitstop-init: the init of a worker's PID namespace, so that the worker's command is not.
+ * `pitstop run` starts `unshare --pid --fork setsid pitstop-init DIR -- CMD ARGS...`.
+ *
+ * Why: the worker keeps the host's mount namespace, so its /proc is not its own, and CRIU's
+ * parasite mounts a private one in the *root task's working directory* under a fixed name
+ * ("proc.crtools", criu/pie/parasite.c get_proc_fd).  Ranks of a job on one host share a
+ * working directory, so their dumps raced on that name and the agent lets the next one start
+ * only once the previous one's mount point is gone again (capture/procwindow.py): 0.05-0.09 s
+ * per rank on the reference VM, so the last of 8 ranks on a GPU host would start its dump
+ * 7 turns late.  This init is the root task and works in DIR, a directory of its own; CMD
+ * keeps the working directory it was started in.  Dumps of ranks on one host then start at
+ * once.  Also: CMD is no longer the namespace's init, so a forwarded signal does what it does
+ * outside a namespace (the kernel drops signals an init has no handler for), and processes
+ * orphaned inside the namespace are reaped here.
+ *
+ * What it does: blocks the signals it forwards and SIGCHLD, forks CMD (which gets the mask
+ * back before exec), moves to DIR, then waits in sigwaitinfo(): a forwarded signal goes to
+ * CMD, SIGCHLD reaps every child that ended.  When CMD ends, DIR is removed and this process
+ * exits with CMD's status (128 + N where CMD died of signal N); the kernel then ends the rest
+ * of the namespace, as it did when CMD was its init.  Linked statically where it can be, so
+ * that nothing preloaded into the worker (the NCCL shim, procself, writetrack) is loaded here:
+ * its memory is a few pages.  CRIU interrupts sigwaitinfo() with EINTR when it dumps or
+ * restores this process; the loop waits again. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static const int forwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGQUIT, SIGWINCH, SIGALRM};
+#define NFORWARDED (int)(sizeof forwarded / sizeof forwarded[0])
+
+int main(int argc, char **argv) {
+  if (argc < 4 || strcmp(argv[2], "--") != 0) {
+    fprintf(stderr, "usage: pitstop-init DIR -- CMD [ARGS...]\n"
+                    "  (started by `pitstop run`; DIR is a directory of this worker's own)\n");
+    return 125;
+  }
+  const char *dir = argv[1];
+  char **cmd = argv + 3;
+
+  sigset_t waited, old;
+  sigemptyset(&waited);
+  for (int i = 0; i < NFORWARDED; i++) sigaddset(&waited, forwarded[i]);
+  sigaddset(&waited, SIGCHLD);
+  if (sigprocmask(SIG_BLOCK, &waited, &old) != 0) { perror("pitstop-init: sigprocmask"); return 125; }
+
+  pid_t child = fork();
+  if (child < 0) { perror("pitstop-init: fork"); return 125; }
+  if (child == 0) {
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    execvp(cmd[0], cmd);
+    int e = errno;
+    fprintf(stderr, "pitstop-init: cannot run %s: %s\n", cmd[0], strerror(e));
+    _exit(e == ENOENT ? 127 : 126);
+  }
+  if (chdir(dir) != 0) /* still correct: only dumps of ranks sharing a directory take turns again */
+    fprintf(stderr, "pitstop-init: cannot work in %s (%s); the worker runs on\n", dir, strerror(errno));
+
+  for (;;) {
+    siginfo_t si;
+    int sig = sigwaitinfo(&waited, &si);
+    if (sig < 0) continue; /* EINTR: a dump or restore of this process, or a stop and continue */
+    if (sig != SIGCHLD) {
+      kill(child, sig);
+      continue;
+    }
+    int status;
+    pid_t p;
+    while ((p = waitpid(-1, &status, WNOHANG)) > 0) {
+      if (p != child) continue;
+      int code = WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 125;
+      rmdir(dir);
+      _exit(code);
+    }
+  }
+}

@@ -1,0 +1,120 @@
+"""The worker's namespace init (native/pitinit.c) and the directory it works in.
+
+`pitstop run` makes native/pitinit.c the init of the worker's PID namespace, working in a
+directory of its own under init_dirs(), so that CRIU's parasite, which mounts a private /proc
+in the root task's working directory, never meets another rank's mount point there: dumps of
+ranks sharing a working directory start at once instead of taking turns
+(capture/procwindow.py remains for trees pitstop did not start).
+
+That directory is in the worker's images (the root task's cwd), so it must exist wherever the
+worker is restored: the capture records it (`init_dir` in the manifest's worker) and the
+destination makes it before CRIU runs.  Whoever sees the worker end removes it: the init
+itself when its command exits, the launcher or the destination agent when the tree was killed.
+
+init_dirs() is /run/pitstop/init, or $PITSTOP_INIT_DIRS (a local cluster keeps its own under
+its root, so that a test leaves none behind).  An agent makes only directories named as a
+launcher names them (`pitstop-init.<job>.<rank>.<random>`), wherever the source's launcher put
+them: the restore needs that very path, and a peer that may ask for a restore (as root) gains
+nothing from an empty directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from . import nativelib
+
+BINARY = "pitstop-init"
+PREFIX = "pitstop-init."
+_NAME = re.compile(r"^pitstop-init\.[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+
+
+def init_dirs() -> Path:
+    return Path(os.environ.get("PITSTOP_INIT_DIRS", "/run/pitstop/init"))
+
+
+def binary() -> Path | None:
+    """native/build/pitstop-init ($PITSTOP_INIT), or None where it is not built."""
+    return nativelib.built("PITSTOP_INIT", BINARY)
+
+
+def prepare(job: str, rank: int) -> Path | None:
+    """A new directory for one worker's init; None where none can be made (the worker then
+    starts without the init: correct, only its dumps take turns with its neighbours' again)."""
+    root = init_dirs()
+    try:
+        root.mkdir(mode=0o755, parents=True, exist_ok=True)
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{job}.{rank}")[:120]
+        return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{safe}.", dir=root))
+    except OSError:
+        return None
+
+
+def command(init: Path, directory: Path, cmd: list[str]) -> list[str]:
+    return [str(init), str(directory), "--", *cmd]
+
+
+def valid(path: str) -> bool:
+    """A directory an init may work in, as a launcher names one (`pitstop-init.<job>.<rank>.<random>`),
+    absolute and normalised.  Not "under this host's init_dirs()": the source's launcher chose the
+    path (its host may set PITSTOP_INIT_DIRS otherwise), and the restore needs that very path."""
+    p = Path(path)
+    return p.is_absolute() and os.path.normpath(path) == path and bool(_NAME.match(p.name))
+
+
+def owned_dir(pid: int) -> str | None:
+    """The init directory `pid` works in, where `pid` is a pitstop init; else None."""
+    if not is_init(pid):
+        return None
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
+    return cwd if valid(cwd) else None
+
+
+def is_init(pid: int) -> bool:
+    """Whether `pid` runs native/pitinit.c (a process that holds none of the job's state)."""
+    try:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe")) == BINARY
+    except OSError:
+        return False
+
+
+def ensure(path: str | None) -> None:
+    """Make the init directory a restore needs (the images name it as the root task's cwd).
+
+    Raises ValueError for a path no launcher would have made."""
+    if not path:
+        return
+    if not valid(path):
+        raise ValueError(f"{path!r} is not a worker init directory (<dir>/{PREFIX}<job>.<rank>.<random>)")
+    Path(path).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    Path(path).mkdir(mode=0o700, exist_ok=True)
+
+
+def remove(path: str | None) -> None:
+    """Remove the init directory of a worker that ended here (only while empty)."""
+    if path and valid(path):
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+
+def remove_unused(path: str | None) -> None:
+    """Remove an init directory no process works in any more: the source's, after its worker
+    moved (on one machine, the restored worker's init may work in the same one)."""
+    if not path or not valid(path):
+        return
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if os.readlink(p / "cwd") == path:
+                    return
+            except OSError:
+                continue
+    remove(path)

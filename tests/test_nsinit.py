@@ -1,0 +1,117 @@
+"""native/pitinit.c, the init of every worker's PID namespace (pitstop/nsinit.py): the command
+runs under it as it would alone (working directory, exit status, signals), the init works in a
+directory of its own that goes when the command ends, and `pitstop run` starts every worker so.
+Real processes in real PID namespaces."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pitstop import nsinit
+from pitstop.capture import proctree
+from pitstop.devcluster import pitstop_cmd
+
+from .helpers import until
+
+INIT = Path(__file__).resolve().parent.parent / "native" / "build" / "pitstop-init"
+pytestmark = pytest.mark.timeout(120)
+
+
+def _under_init(tmp_path: Path, *cmd: str, **kw) -> tuple[subprocess.Popen, Path]:
+    d = tmp_path / "init.0"
+    d.mkdir()
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", str(INIT), str(d), "--", *cmd],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, **kw)
+    return p, d
+
+
+def _root(p: subprocess.Popen) -> int:
+    """The namespace's init, once `setsid` has become it (exec)."""
+    return until(lambda: next((c for c in proctree.children(p.pid) if nsinit.is_init(c)), None), 10,
+                 "the namespace's init")
+
+
+def test_the_command_keeps_its_directory_and_exit_status_and_the_init_works_in_its_own(tmp_path):
+    p, d = _under_init(tmp_path, sys.executable, "-c", "import os, time; print(os.getpid(), os.getcwd(), flush=True);"
+                                                       "time.sleep(1); raise SystemExit(3)")
+    root = _root(p)
+    assert nsinit.is_init(root) and os.readlink(f"/proc/{root}/cwd") == str(d)
+    out, _ = p.communicate(timeout=30)
+    pid, cwd = out.split()
+    assert (pid, cwd) == ("2", str(tmp_path))  # not the namespace's init any more; the caller's directory
+    assert p.returncode == 3 and not d.exists()  # the init removed its directory on the way out
+
+
+def test_a_forwarded_signal_does_what_it_does_outside_a_namespace(tmp_path):
+    """As its namespace's init the command ignored signals it had no handler for."""
+    plain, _ = _under_init(tmp_path, "sleep", "60")
+    root = _root(plain)
+    until(lambda: proctree.children(root), 10, "the command")
+    os.kill(root, signal.SIGTERM)
+    assert plain.wait(30) == 128 + signal.SIGTERM
+    (tmp_path / "init.0").mkdir()
+    handled = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", str(INIT), str(tmp_path / "init.0"), "--",
+                                sys.executable, "-c", "import signal, sys, time\n"
+                                "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
+                                "print('ready', flush=True)\ntime.sleep(60)"],
+                               stdout=subprocess.PIPE, text=True)
+    assert handled.stdout.readline().strip() == "ready"
+    os.kill(_root(handled), signal.SIGTERM)
+    assert handled.wait(30) == 7
+
+
+def test_orphans_are_reaped_and_a_missing_command_is_named(tmp_path):
+    p, _ = _under_init(tmp_path, "sh", "-c", "(sleep 0.2 &); sleep 3")  # the inner sleep is orphaned
+    root = _root(p)
+    time.sleep(1.5)
+    zombies = [c for c in proctree.children(root) if proctree.state(c) == "Z"]
+    assert not zombies and len(proctree.children(root)) == 1  # only the command is left
+    assert p.wait(30) == 0
+    r = subprocess.run([str(INIT), str(tmp_path), "--", "no-such-command-here"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 127 and "cannot run no-such-command-here" in r.stderr
+    assert subprocess.run([str(INIT)], capture_output=True, text=True, timeout=30).returncode == 125
+
+
+def test_only_directories_named_as_a_launcher_names_them_are_made_for_a_restore(tmp_path):
+    ok = str(tmp_path / "other-host" / "pitstop-init.job.3.abc123")  # wherever the source's launcher put it
+    nsinit.ensure(ok)
+    assert Path(ok).is_dir()
+    for bad in (str(tmp_path / "elsewhere"), str(tmp_path / "pitstop-init.x" / ".."), "/etc/x",
+                "relative/pitstop-init.job.3.abc", str(tmp_path / "pitstop-init.a" / ".." / "pitstop-init.b"),
+                str(tmp_path / "pitstop-init.")):
+        with pytest.raises(ValueError):
+            nsinit.ensure(bad)
+    assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "pitstop-init.a").exists()
+    nsinit.remove_unused(ok)
+    assert not Path(ok).exists()
+
+
+@pytest.mark.e2e
+def test_pitstop_run_starts_the_worker_under_the_init_and_passes_signals_on(cluster):
+    cluster.start_agent("host-a")
+    p = subprocess.Popen([*pitstop_cmd(), "run", "--job", "sig", "--rank", "0", "--agent",
+                          cluster.agents["host-a"].url, "--", "sleep", "120"],
+                         env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        w = cluster.wait_registered("host-a", "sig.0")
+        root = w["root_pid"]
+        assert nsinit.is_init(root)
+        d = w["init_dir"]
+        assert d and Path(d).parent == cluster.root / "init" and os.readlink(f"/proc/{root}/cwd") == d
+        assert Path(d).name.startswith("pitstop-init.sig.0.")
+        os.kill(p.pid, signal.SIGTERM)  # to the launcher, as a scheduler would
+        assert p.wait(60) == 128 + signal.SIGTERM, p.stderr.read()[-2000:]
+        assert not Path(d).exists()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
