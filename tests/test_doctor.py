@@ -19,7 +19,7 @@ def test_doctor_on_this_host_says_ready_and_why():
     got = json.loads(p.stdout)
     checks = {c["name"]: c for c in got["checks"]}
     assert got["ready"] and p.returncode == 0 and not got["reasons"], got
-    for name in ("privileges", "criu", "criu check", "pycriu", "network lock", "worker /proc fix-up"):
+    for name in ("privileges", "criu", "criu check", "pycriu", "network lock", "worker /proc fix-up", "worker init"):
         assert checks[name]["ok"] is True, checks[name]
     assert checks["incremental dump after a pre-copy"]["ok"] is True, checks["incremental dump after a pre-copy"]
     kept = checks["exit status after an agent restart"]
@@ -39,3 +39,11 @@ def test_a_missing_proc_fix_up_is_named_with_its_remedy(monkeypatch, tmp_path):
 
     c = _procself("/usr/bin/unshare")
     assert c.ok is False and c.required and "error 304" in c.detail and "make native" in c.detail
+
+
+def test_a_missing_worker_init_is_named_with_its_remedy_and_blocks_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("PITSTOP_INIT", str(tmp_path / "absent"))
+    from pitstop.doctor import _worker_init
+
+    c = _worker_init()
+    assert c.ok is False and not c.required and "take turns" in c.detail and "make native" in c.detail

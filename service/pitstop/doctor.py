@@ -81,6 +81,7 @@ def run_checks() -> list[Check]:
     else:
         checks.append(Check("pid namespaces", False, "unshare (util-linux) not found"))
     checks.append(_procself(unshare))
+    checks.append(_worker_init())
     shm = Path("/dev/shm")
     checks.append(Check("image tmpfs", shm.is_dir() and os.access(shm, os.W_OK),
                         f"/dev/shm, {shutil.disk_usage(shm).free / 2**30:.1f} GiB free" if shm.is_dir() else "missing",
@@ -110,6 +111,24 @@ def _procself(unshare: str | None) -> Check:
     return Check(name, ok, f"{lib}: a worker finds its own /proc entries" if ok else
                  f"{lib} does not take effect (read {p.stdout.strip() or p.stderr.strip()!r} for /proc/1/comm); "
                  "rebuild with `make native`")
+
+
+def _worker_init() -> Check:
+    """pitstop's init at the root of every worker's tree (native/pitinit.c, nsinit.py): without it
+    a worker still runs and moves, but ranks sharing a directory take turns to be dumped."""
+    from . import nsinit
+
+    name = "worker init"
+    init = nsinit.binary()
+    if init is None:
+        return Check(name, False, "native/build/pitstop-init is missing: ranks sharing a working directory take "
+                                  "turns to be dumped; run `make native`", required=False)
+    root = nsinit.init_dirs()
+    probe = root if root.exists() else next((p for p in root.parents if p.exists()), Path("/"))
+    if not os.access(probe, os.W_OK):
+        return Check(name, False, f"{root} cannot be made or written here: workers start without the init "
+                                  "(PITSTOP_INIT_DIRS names another directory)", required=False)
+    return Check(name, True, f"{init}; its directories under {root}", required=False)
 
 
 def _write_tracking() -> Check:
