@@ -1,5 +1,4 @@
 import fcntl
-import json
 import os
 import shutil
 import subprocess
@@ -44,15 +43,7 @@ def _foreign_paths() -> list[str]:
     """What the live local clusters of other processes (a bench, the demo) hold: not this run's to
     remove or to count as its leftovers (devleases.py)."""
     out: list[str] = []
-    d = devleases.registry()
-    for f in d.glob("*.json") if d.is_dir() else []:
-        try:
-            lease = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        pid = lease.get("pid")
-        if pid == os.getpid() or not (isinstance(pid, int) and proctree.is_running(pid, lease.get("start"))):
-            continue
+    for lease in devleases.held_by_others():
         out += [str(p).rstrip("/") + "/" for p in lease.get("paths", [])]
         if lease.get("netns_prefix"):
             out += [f"{ns}/{lease['netns_prefix']}" for ns in IPROUTE_NETNS_DIRS]

@@ -107,17 +107,30 @@ def remove(lease: dict[str, Any]) -> list[str]:
     return done
 
 
+def _leases() -> list[tuple[Path, dict[str, Any] | None]]:
+    """Every lease file with what it says (None: unreadable, half-written by a run killed mid-write)."""
+    d = registry()
+    out: list[tuple[Path, dict[str, Any] | None]] = []
+    for f in sorted(d.glob("*.json")) if d.is_dir() else []:
+        try:
+            out.append((f, json.loads(f.read_text())))
+        except (OSError, ValueError):
+            out.append((f, None))
+    return out
+
+
+def held_by_others() -> list[dict[str, Any]]:
+    """The leases of live owners other than this process: what a check for this process's own
+    leftovers must leave alone (a bench or the demo running beside the tests)."""
+    return [lease for _, lease in _leases() if lease and lease.get("pid") != os.getpid() and _alive(lease)]
+
+
 def sweep() -> list[str]:
     """Remove what every lease of a dead owner names; one line per lease that held anything."""
-    d = registry()
-    if not d.is_dir():
-        return []
     lines = []
-    for f in sorted(d.glob("*.json")):
-        try:
-            lease = json.loads(f.read_text())
-        except (OSError, ValueError):
-            f.unlink(missing_ok=True)  # half-written by a run killed mid-write: names nothing usable
+    for f, lease in _leases():
+        if lease is None:
+            f.unlink(missing_ok=True)  # names nothing usable
             continue
         if _alive(lease):
             continue

@@ -96,9 +96,9 @@ def ensure(path: str | None) -> None:
     Path(path).mkdir(mode=0o700, exist_ok=True)
 
 
-def remove(path: str | None) -> None:
+def remove(path: str | Path | None) -> None:
     """Remove the init directory of a worker that ended here (only while empty)."""
-    if path and valid(path):
+    if path and valid(str(path)):
         try:
             os.rmdir(path)
         except OSError:

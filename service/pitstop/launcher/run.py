@@ -242,7 +242,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
                              stdin=subprocess.DEVNULL, stdout=wout, stderr=werr)
     except OSError as e:
         print(f"pitstop run: cannot start {cmd[0]}: {e}", file=sys.stderr)
-        nsinit.remove(str(init_dir) if init_dir else None)
+        nsinit.remove(init_dir)
         if address:
             _safe(client.drop_network, f"{job}.{rank}")
         return 127
@@ -269,7 +269,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
             t.join(5)
         print(f"pitstop run: {cmd[0]} ended before its agent could take it in (exit status "
               f"{shell_code(p.returncode)}); nothing to move", file=sys.stderr)
-        nsinit.remove(str(init_dir) if init_dir else None)
+        nsinit.remove(init_dir)
         if address:
             _safe(client.drop_network, f"{job}.{rank}")
         return shell_code(p.returncode)
@@ -277,7 +277,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         print(f"pitstop run: could not register with the agent: {e}", file=sys.stderr)
         p.kill()
         p.wait()
-        nsinit.remove(str(init_dir) if init_dir else None)
+        nsinit.remove(init_dir)
         if address:
             _safe(client.drop_network, f"{job}.{rank}")
         return 125
@@ -306,7 +306,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     info = _safe(client.worker, wid) or {}
     if info.get("state") not in MOVING and not info.get("restored"):
         _safe(client.exited, wid, code)
-        nsinit.remove(str(init_dir) if init_dir else None)  # its init's, where the tree was killed
+        nsinit.remove(init_dir)  # its init's, where the tree was killed
         return code
     return shell_code(_follow(client, wid))
 
