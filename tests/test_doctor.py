@@ -22,6 +22,7 @@ def test_doctor_on_this_host_says_ready_and_why():
     for name in ("privileges", "criu", "criu check", "pycriu", "network lock", "worker /proc fix-up", "worker init"):
         assert checks[name]["ok"] is True, checks[name]
     assert checks["incremental dump after a pre-copy"]["ok"] is True, checks["incremental dump after a pre-copy"]
+    assert checks["restore fill by UFFDIO_COPY"]["ok"] is True, checks["restore fill by UFFDIO_COPY"]
     kept = checks["exit status after an agent restart"]
     assert kept["ok"] is exitkeeper.supported() and not kept["required"], kept
 

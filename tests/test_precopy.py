@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.capture import criu_ops, criutrack, lazy_pages, lazydelta, netlock, precopy, proctree
+from pitstop.capture import criu_ops, criufill, criutrack, lazy_pages, lazydelta, netlock, precopy, proctree, runtime
 
 HOLDER = r"""
 import hashlib, mmap, os, signal, sys, time
@@ -143,6 +143,13 @@ def test_restore_from_a_delta_and_its_pre_copy_is_the_process_as_dumped(tmp_path
             fill = lazy_pages.start(lv, local_index=lv / lazydelta.INDEX)
             restored, _ = criu_ops.restore(lv, {}, lazy=True)
             assert fill.guard(restored) is None
+        elif tracked:  # CRIU's reads of the parent's pages by UFFDIO_COPY, as the agent restores (criufill.py)
+            rt = runtime.locate()
+            assert not criufill.unavailable(rt), criufill.unavailable(rt)
+            with criufill.preloaded(rt, tmp_path / "state") as (binary, filled):
+                restored, _ = criu_ops.restore(view, {}, binary=binary)
+                copied, left = criufill.read_report(filled)
+            assert copied >= 60 << 20, (copied, left)
         else:
             restored, _ = criu_ops.restore(view, {})
         os.kill(restored, signal.SIGUSR2)

@@ -73,6 +73,7 @@ def run_checks() -> list[Check]:
                         required=False))
     checks.append(_write_tracking())
     checks.append(_incremental_dump())
+    checks.append(_restore_fill())
     unshare = shutil.which("unshare")
     if unshare:
         p = subprocess.run([unshare, "--pid", "--fork", "--kill-child", "true"], capture_output=True, text=True)
@@ -164,6 +165,31 @@ def _incremental_dump() -> Check:
                      required=False)
     return Check(name, True, f"available: CRIU dumps only what changed since the pre-copy, told by "
                  f"{criutrack.LIBRARY} (PITSTOP_AGENT_PRECOPY_CRIU_PARENT=0 to dump whole)", required=False)
+
+
+def _restore_fill() -> Check:
+    """Whether CRIU's restore of a pre-copied worker fills its memory by UFFDIO_COPY
+    (capture/criufill.py) or at the page-fault rate, each page zeroed first."""
+    from .capture import criufill, runtime
+
+    name = "restore fill by UFFDIO_COPY"
+    try:
+        why = criufill.unavailable(runtime.locate())
+    except Exception as e:  # noqa: BLE001 - no CRIU: the CRIU check says so
+        why = str(e)
+    if not why and "[always]" in _read("/sys/kernel/mm/transparent_hugepage/enabled"):
+        why = "transparent huge pages are `always` here, which faults fill faster; the library stands aside"
+    if why:
+        return Check(name, False, f"{why}: restores fill memory at CRIU's page-fault rate", required=False)
+    return Check(name, True, f"available: {criufill.LIBRARY} copies a pre-copied worker's pages into place "
+                 "(PITSTOP_AGENT_RESTORE_UFFD_FILL=0 for CRIU's own read)", required=False)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
 
 
 def _huge_tmpfs() -> Check:

@@ -8,6 +8,7 @@ worker's code after the worker has moved (it reads both through its agent).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -22,7 +23,7 @@ from typing import Any
 import httpx
 import structlog
 
-from ..capture import criu_ops, lazy_pages, lazydelta, lazyrule, precopy, proctree
+from ..capture import criu_ops, criufill, lazy_pages, lazydelta, lazyrule, precopy, proctree
 from ..capture.dumpview import PAGE
 from ..capture.manifest import Manifest, check_image_id
 from ..errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed
@@ -79,6 +80,7 @@ class DestinationSide:
         self.outputs = settings.state_dir / "output"
         self.gpu = GpuCheckpointer(settings.gpu_lock_timeout_s)
         self.outputs.mkdir(parents=True, exist_ok=True)
+        self._criufill_logged = False
 
     # -- receiving -----------------------------------------------------------------------------
     def open_slot(self, image_id: str) -> Slot:
@@ -297,6 +299,28 @@ class DestinationSide:
                 "state": state, "reason": reason,
                 "seconds": round(seconds if seconds is not None else time.time() - w.fill.started, 3)}))
 
+    def _criu_restore(self, directory: Path, inherit: dict[str, int], net_fd: int | None, lazy: bool,
+                      abort: threading.Event | None, phases: dict[str, float] | None) -> tuple[int, float]:
+        """CRIU's restore, its memory filled by UFFDIO_COPY where that is on and available
+        (capture/criufill.py); the bytes it filled so go into the phases."""
+        rt = runtime.locate()
+        why = criufill.unavailable(rt) if self.s.restore_uffd_fill and not lazy else "off"
+        if why and why != "off" and not self._criufill_logged:
+            self._criufill_logged = True
+            log.warning("restores fill memory at CRIU's page-fault rate: the UFFDIO_COPY fill is unavailable",
+                        reason=why)
+        with contextlib.ExitStack() as stack:
+            binary, report = stack.enter_context(criufill.preloaded(rt, self.s.state_dir)) if not why else (None, None)
+            pid, secs = criu_ops.restore(directory, inherit, net_fd=net_fd, lazy=lazy, rt=rt,
+                                         timeout_s=self.s.restore_timeout_s, abort=abort, binary=binary)
+            if phases is not None:
+                phases["criu_restore"] = secs
+                if report is not None:
+                    copied, left = criufill.read_report(report)
+                    phases["uffd_fill_bytes"] = float(copied)
+                    phases["uffd_fill_left_bytes"] = float(left)
+        return pid, secs
+
     def restore_dir(self, directory: Path, *, worker_id: str, job: str, rank: int,
                     stdio: list[dict[str, Any]], replace: bool = False,
                     output_base: dict[str, int] | None = None, gpu: dict[str, Any] | None = None,
@@ -360,10 +384,7 @@ class DestinationSide:
             if fill and phases is not None:
                 phases["fill_start"] = time.monotonic() - t_fill
             try:
-                pid, secs = criu_ops.restore(directory, inherit, net_fd=net_fd, lazy=fill is not None,
-                                              timeout_s=self.s.restore_timeout_s, abort=abort)
-                if phases is not None:
-                    phases["criu_restore"] = secs
+                pid, secs = self._criu_restore(directory, inherit, net_fd, fill is not None, abort, phases)
                 if fill and faults.value("restore:kill_fill"):  # held, so that it cannot finish first
                     os.kill(fill.pid, signal.SIGSTOP)
                 gone = fill.guard(pid) if fill else None

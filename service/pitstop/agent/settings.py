@@ -82,6 +82,9 @@ class AgentSettings(BaseSettings):
     # in the pre-copy as its parent (capture/criutrack.py); off, or where that is unavailable, CRIU
     # dumps everything and pitstop cuts the delta out of it (capture/precopy.py).
     precopy_criu_parent: bool = True
+    # CRIU's eager restore of images with a parent fills the worker's memory with UFFDIO_COPY, not
+    # page faults into zeroed pages (capture/criufill.py); off: CRIU's own read.
+    restore_uffd_fill: bool = True
     # How long a pre-copy kept for CRIU's incremental dump waits for its move (it holds as much of
     # the image directory as the worker's memory); longer than the coordinator's pre-copy deadline.
     precopy_keep_s: float = Field(default=900.0, gt=0)

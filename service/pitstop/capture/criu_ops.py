@@ -150,7 +150,7 @@ class _Deadline:
 
 def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None, lazy: bool = False,
             rt: runtime.CriuRuntime | None = None, timeout_s: float = 120.0,
-            abort: threading.Event | None = None) -> tuple[int, float]:
+            abort: threading.Event | None = None, binary: str | None = None) -> tuple[int, float]:
     """Restore a tree detached from us; return (host pid of its root, seconds).
 
     `inherit` maps CRIU external ids ("pipe:[ino]") to fds of ours that take
@@ -158,10 +158,11 @@ def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None,
     root becomes its child once CRIU exits.  lazy: the tree's anonymous memory
     is left to a lazy-pages daemon the caller started (capture/lazy_pages.py).
     timeout_s, abort: CRIU and the partial tree are killed past the deadline or once
-    `abort` is set (_Deadline), and RestoreFailed says which.
+    `abort` is set (_Deadline), and RestoreFailed says which.  binary: a CRIU to run instead of
+    rt's (one with a library preloaded: capture/criufill.py).
     """
     rt = rt or runtime.locate()
-    pycriu, c = _criu(rt)
+    pycriu, c = _criu(rt, binary)
     dfd = os.open(images, os.O_DIRECTORY)
     for fd in inherit.values():
         os.set_inheritable(fd, True)

@@ -18,8 +18,6 @@ pitstop's own delta: the fast path may be missing, never wrong.
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
 import subprocess
 from pathlib import Path
 
@@ -46,17 +44,8 @@ def library() -> Path | None:
 def wrapper(rt: runtime.CriuRuntime, lib: Path, where: Path) -> Path:
     """A CRIU that runs with the library preloaded, written in `where` (the agent's state
     directory): pycriu starts `criu swrk` from a path, with this process's environment, so the
-    preload must be in what it starts.  Written once per content, atomically."""
-    where.mkdir(parents=True, exist_ok=True)
-    text = f'#!/bin/sh\n# pitstop: CRIU with native/criutrack.c preloaded (capture/criutrack.py)\n' \
-           f'LD_PRELOAD="{lib}${{LD_PRELOAD:+:$LD_PRELOAD}}" exec "{rt.binary}" "$@"\n'
-    path = where / f"criu-writetracked-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh"
-    if not path.exists():
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(text)
-        tmp.chmod(0o755)
-        os.replace(tmp, path)
-    return path
+    preload must be in what it starts."""
+    return runtime.preloaded_wrapper(rt, lib, where, "criu-writetracked", "native/criutrack.c (capture/criutrack.py)")
 
 
 @functools.lru_cache(maxsize=8)

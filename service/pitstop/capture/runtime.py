@@ -10,6 +10,7 @@ the binary.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import shutil
@@ -95,3 +96,21 @@ def locate() -> CriuRuntime:
         "no CRIU >= 4.2 found" + (f" (tried {'; '.join(seen)})" if seen else ""),
         action="run `make criu` (scripts/provision-criu.sh) or set PITSTOP_CRIU to a criu >= 4.2",
         code="criu_missing")
+
+
+def preloaded_wrapper(rt: CriuRuntime, lib: Path, where: Path, stem: str, why: str,
+                      env: dict[str, str] | None = None) -> Path:
+    """A script in `where` that runs this CRIU with `lib` preloaded (and `env` set): pycriu starts
+    `criu swrk` from a path, with the caller's environment, so a preload for one CRIU run must be
+    in what it starts.  Named by its content, written once, atomically."""
+    where.mkdir(parents=True, exist_ok=True)
+    sets = "".join(f'{k}="{v}" ' for k, v in sorted((env or {}).items()))
+    text = f'#!/bin/sh\n# pitstop: CRIU with {why}\n' \
+           f'{sets}LD_PRELOAD="{lib}${{LD_PRELOAD:+:$LD_PRELOAD}}" exec "{rt.binary}" "$@"\n'
+    path = where / f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh"
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        os.replace(tmp, path)
+    return path

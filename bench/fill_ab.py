@@ -1,0 +1,82 @@
+"""CRIU's restore filling memory with UFFDIO_COPY (native/criufill.c), on and off, interleaved.
+
+    .venv/bin/python bench/fill_ab.py [--pairs 3] [--worlds 4,2] [--out bench/out/fill-ab.json]
+
+Without the library, CRIU reads each rank's pages into premapped memory: one page fault per
+4 KiB page, each page zeroed by the kernel before the copy overwrites it.  With it, the same
+reads become UFFDIO_COPY calls that neither fault nor zero.  Each pair runs the default
+evacuation of bench/compare.py's reference job (512 MiB of state per rank, 4 GiB prewarm)
+once with PITSTOP_AGENT_RESTORE_UFFD_FILL=false and once with it true, the order alternating
+from pair to pair: for a 4-rank job 2 ranks leave (two restores at once on the spare), for a
+2-rank job one.  Reports downtime, the pause the job saw, the restore phase, CRIU's restore per
+rank and the bytes the library filled (which must be the image's, for the "on" runs to count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import machine  # noqa: E402
+from bench.compare import OUT, _evacuation_once  # noqa: E402
+
+LEAVING = {2: [1], 4: [2, 3], 8: [4, 5, 6, 7]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pairs", type=int, default=3, help="pairs per job size")
+    ap.add_argument("--worlds", default="4,2", help="job sizes, comma-separated (2, 4 or 8)")
+    ap.add_argument("--state-mb", type=float, default=512.0)
+    ap.add_argument("--out", default=str(OUT / "fill-ab.json"))
+    a = ap.parse_args()
+    worlds = [int(w) for w in a.worlds.split(",")]
+    if any(w not in LEAVING for w in worlds):
+        raise SystemExit(f"--worlds takes sizes among {sorted(LEAVING)}; got {a.worlds}")
+    runs = []
+    for i in range(a.pairs):
+        for world in worlds:
+            for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
+                env = {"PITSTOP_AGENT_RESTORE_UFFD_FILL": "true" if mode == "on" else "false"}
+                r = _evacuation_once(world, LEAVING[world], a.state_mb, 300, env, "pitstop", 4, None)
+                rp = r["restore_phases"]
+                filled = sum(int(p.get("uffd_fill_bytes", 0)) for p in rp)
+                left = sum(int(p.get("uffd_fill_left_bytes", 0)) for p in rp)
+                crit = [round(p.get("criu_restore", 0.0), 3) for p in rp]
+                runs.append({"fill": mode, "world": world, "leaving": len(LEAVING[world]),
+                             "downtime_s": r["downtime_s"], "job_pause_s": r["job_pause_s"],
+                             "phases": r["phases"], "criu_restore_s": crit, "uffd_fill_bytes": filled,
+                             "uffd_fill_left_bytes": left, "bytes_pre_copied": r["bytes_pre_copied"],
+                             "pre_copy_by": r["pre_copy_by"], "prewarm_s": r["prewarm_s"],
+                             "ranks_agree": r["first_divergent_step"] is None,
+                             "final_hashes_equal": len(set(r["final"])) == 1})
+                print(f"fill {mode:<3} {len(LEAVING[world])} of {world} ranks leaving: downtime {r['downtime_s']:.2f} s, "
+                      f"job pause {r['job_pause_s']:.2f} s, restore {r['phases']['restore']:.2f} s, "
+                      f"CRIU restore {crit}, filled {filled / 1e6:.0f} MB (left {left / 1e6:.0f} MB), "
+                      f"ranks agree {runs[-1]['ranks_agree']}", flush=True)
+    summary = {}
+    for world in worlds:
+        for mode in ("off", "on"):
+            rs = [x for x in runs if x["world"] == world and x["fill"] == mode]
+            summary[f"{world} ranks, fill {mode}"] = {
+                "median_downtime_s": statistics.median(x["downtime_s"] for x in rs),
+                "median_job_pause_s": statistics.median(x["job_pause_s"] for x in rs),
+                "median_restore_s": statistics.median(x["phases"]["restore"] for x in rs),
+                "median_criu_restore_s": statistics.median(c for x in rs for c in x["criu_restore_s"])}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                       "machine": machine(), "command": " ".join(sys.argv),
+                                       "summary": summary, "runs": runs}, indent=1))
+    for k, v in summary.items():
+        print(k, {m: round(x, 3) for m, x in v.items()})
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
