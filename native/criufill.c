@@ -26,12 +26,22 @@
  * wrong.  The registration is undone before returning, so the mapping CRIU moves is the one
  * it made (the test checks that it stays one mapping).
  *
+ * The copy is cut into 4 MiB pieces that up to as many threads as the process has CPUs (at most
+ * 8; PITSTOP_CRIUFILL_THREADS sets it) take one at a time: while the job is paused a restore
+ * usually has idle cores beside it (2 threads: 0.15-0.17 s for 770 MB against 0.25-0.29 s with
+ * one, 2 cores), and where the cores are busy the threads share the work one would do.  The
+ * threads block every signal and are joined before the read returns.
+ *
  * PITSTOP_CRIUFILL_REPORT, if set, names a file to which each taken read appends one line
  * "pid copied_bytes fallback_bytes": the agent adds them up into the restore's phases, so a
  * benchmark and the tests can see the path was used. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <fcntl.h>
 #include <linux/userfaultfd.h>
 #include <stdint.h>
@@ -48,6 +58,8 @@
 
 #define MIN_BYTES (256u << 10)
 #define MAX_IOVS 1024 /* CRIU batches at most IOV_MAX */
+#define CHUNK (4u << 20) /* what one thread copies at a time */
+#define MAX_THREADS 8
 
 typedef ssize_t (*preadv_fn)(int, const struct iovec *, int, off_t);
 
@@ -129,24 +141,78 @@ static int writable_anon(int maps, uintptr_t p, size_t len) {
   return 1;
 }
 
-/* Puts iov[i] in place with UFFDIO_COPY from `src`; returns the bytes done from its start (all,
- * or up to the first refusal: a page already present, a mapping userfaultfd does not take) */
-static size_t copy_one(int u, const struct iovec *iov, const char *src) {
-  struct uffdio_register reg = {.range = {(uintptr_t)iov->iov_base, iov->iov_len},
-                                .mode = UFFDIO_REGISTER_MODE_MISSING};
-  if (ioctl(u, UFFDIO_REGISTER, &reg)) return 0; /* e.g. a private file mapping */
-  size_t at = 0, len = iov->iov_len;
-  while (at < len) {
-    struct uffdio_copy c = {.dst = (uintptr_t)iov->iov_base + at, .src = (uintptr_t)src + at, .len = len - at};
+/* A piece of one buffer, copied by whichever thread takes it; `done` says how much went */
+struct piece {
+  char *dst;
+  const char *src;
+  size_t len, done;
+  off_t off; /* in the file */
+};
+
+struct job {
+  struct piece *pieces;
+  size_t n;
+  atomic_size_t next;
+  int u;
+};
+
+/* Copies a piece with UFFDIO_COPY up to its end or the first refusal (a page already present) */
+static void copy_piece(int u, struct piece *p) {
+  size_t at = 0;
+  while (at < p->len) {
+    struct uffdio_copy c = {.dst = (uintptr_t)p->dst + at, .src = (uintptr_t)p->src + at, .len = p->len - at};
     if (ioctl(u, UFFDIO_COPY, &c) == 0)
-      at = len;
+      at = p->len;
     else if (c.copy > 0)
       at += (size_t)c.copy; /* partial (a signal, EAGAIN): go on from there */
     else if (errno != EAGAIN && errno != EINTR)
       break; /* EEXIST or anything else: the rest by read */
   }
-  ioctl(u, UFFDIO_UNREGISTER, &reg.range);
-  return at;
+  p->done = at;
+}
+
+static void *copy_pieces(void *arg) {
+  struct job *j = arg;
+  for (;;) {
+    size_t i = atomic_fetch_add(&j->next, 1);
+    if (i >= j->n) return NULL;
+    copy_piece(j->u, &j->pieces[i]);
+  }
+}
+
+/* Threads that copy at once: PITSTOP_CRIUFILL_THREADS, else the CPUs this process may run on,
+ * at most MAX_THREADS.  Pieces are taken one at a time, so on busy CPUs the threads share the
+ * same work a single one would do; on idle ones the copy takes a fraction of the time. */
+static int threads_wanted(void) {
+  const char *e = getenv("PITSTOP_CRIUFILL_THREADS");
+  if (e && *e) {
+    int v = atoi(e);
+    return v < 1 ? 1 : v > MAX_THREADS ? MAX_THREADS : v;
+  }
+  cpu_set_t set;
+  int n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+  return n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : n;
+}
+
+/* Runs the job on this thread and up to `want - 1` more, all signals blocked in those (CRIU
+ * handles its own signals on its own thread); returns when every piece is done */
+static void run_job(struct job *j, int want) {
+  pthread_t t[MAX_THREADS];
+  int started = 0;
+  if (want > 1 && j->n > 1) {
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_attr_t a;
+    pthread_attr_init(&a);
+    pthread_attr_setstacksize(&a, 64 << 10);
+    for (; started < want - 1 && (size_t)started + 1 < j->n; started++)
+      if (pthread_create(&t[started], &a, copy_pieces, j)) break; /* fewer threads, same result */
+    pthread_attr_destroy(&a);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+  }
+  copy_pieces(j);
+  for (int i = 0; i < started; i++) pthread_join(t[i], NULL);
 }
 
 /* Reads exactly `len` bytes at `off` into `buf` with libc's preadv; 0, or -1 with errno */
@@ -180,7 +246,8 @@ ssize_t preadv64(int fd, const struct iovec *iov, int n, off_t off) {
     errno = saved;
     return real(fd, iov, n, off);
   }
-  const char *src = mmap(NULL, total, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, off);
+  /* Not populated: the copying threads fault the file's pages in as they read them, at once */
+  const char *src = mmap(NULL, total, PROT_READ, MAP_SHARED, fd, off);
   int u = src == MAP_FAILED ? -1 : (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
   struct uffdio_api api = {.api = UFFD_API};
   if (u >= 0 && ioctl(u, UFFDIO_API, &api)) {
@@ -188,18 +255,42 @@ ssize_t preadv64(int fd, const struct iovec *iov, int n, off_t off) {
     u = -1;
   }
   int maps = u >= 0 ? open("/proc/self/maps", O_RDONLY | O_CLOEXEC) : -1;
-  size_t copied = 0, at = 0;
+  char taken[MAX_IOVS] = {0};
+  struct job j = {.pieces = NULL, .n = 0, .u = u};
+  if (maps >= 0) j.pieces = malloc((total / CHUNK + (size_t)n) * sizeof *j.pieces);
+  size_t at = 0;
+  for (int i = 0; i < n && j.pieces; at += iov[i].iov_len, i++) {
+    if (!writable_anon(maps, (uintptr_t)iov[i].iov_base, iov[i].iov_len)) continue;
+    struct uffdio_register reg = {.range = {(uintptr_t)iov[i].iov_base, iov[i].iov_len},
+                                  .mode = UFFDIO_REGISTER_MODE_MISSING};
+    if (ioctl(u, UFFDIO_REGISTER, &reg)) continue;
+    taken[i] = 1;
+    for (size_t k = 0; k < iov[i].iov_len; k += CHUNK)
+      j.pieces[j.n++] = (struct piece){.dst = (char *)iov[i].iov_base + k, .src = src + at + k,
+                                       .len = iov[i].iov_len - k < CHUNK ? iov[i].iov_len - k : CHUNK,
+                                       .off = off + (off_t)(at + k)};
+  }
+  atomic_init(&j.next, 0);
+  if (j.n) run_job(&j, threads_wanted());
+  for (int i = 0; i < n; i++)
+    if (taken[i]) {
+      struct uffdio_range r = {(uintptr_t)iov[i].iov_base, iov[i].iov_len};
+      ioctl(u, UFFDIO_UNREGISTER, &r);
+    }
+  /* what was not copied: the buffers not taken, and the rest of each piece cut short */
+  size_t copied = 0;
   int failed = 0;
-  for (int i = 0; i < n && !failed; i++) {
-    size_t done = maps >= 0 && writable_anon(maps, (uintptr_t)iov[i].iov_base, iov[i].iov_len)
-                      ? copy_one(u, &iov[i], src + at) : 0;
-    copied += done;
-    if (done < iov[i].iov_len &&
-        read_rest(real, fd, (char *)iov[i].iov_base + done, iov[i].iov_len - done, off + (off_t)(at + done)))
+  at = 0;
+  for (int i = 0; i < n && !failed; at += iov[i].iov_len, i++)
+    if (!taken[i] && read_rest(real, fd, iov[i].iov_base, iov[i].iov_len, off + (off_t)at)) failed = 1;
+  for (size_t k = 0; k < j.n && !failed; k++) {
+    struct piece *p = &j.pieces[k];
+    copied += p->done;
+    if (p->done < p->len && read_rest(real, fd, p->dst + p->done, p->len - p->done, p->off + (off_t)p->done))
       failed = 1;
-    at += iov[i].iov_len;
   }
   int err = errno;
+  free(j.pieces);
   if (maps >= 0) close(maps);
   if (u >= 0) close(u);
   if (src != MAP_FAILED) munmap((void *)src, total);

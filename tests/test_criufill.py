@@ -67,10 +67,11 @@ def _image(tmp_path: Path, name: str = "pages-1.img", size: int = 8 * MiB) -> tu
 
 
 def _read(lib: Path, path: Path, off: int, size: int, tmp_path: Path, *, parts: int = 4, touch: int = -1,
-          shift: int = 0, preload: bool = True) -> tuple[dict, list[tuple[int, int]]]:
+          shift: int = 0, preload: bool = True, threads: int = 1) -> tuple[dict, list[tuple[int, int]]]:
     report = tmp_path / "report"
     report.unlink(missing_ok=True)
-    env = dict(os.environ, LD_PRELOAD=str(lib) if preload else "", PITSTOP_CRIUFILL_REPORT=str(report))
+    env = dict(os.environ, LD_PRELOAD=str(lib) if preload else "", PITSTOP_CRIUFILL_REPORT=str(report),
+               PITSTOP_CRIUFILL_THREADS=str(threads))
     p = subprocess.run([sys.executable, "-c", PROBE, str(path), str(off), str(size), str(parts), str(touch),
                         str(shift)], env=env, capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, p.stderr
@@ -85,20 +86,24 @@ def _sha(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
-def test_a_page_read_is_copied_into_place_and_stays_one_mapping(lib: Path, tmp_path: Path) -> None:
-    img, data = _image(tmp_path)
-    got, rep = _read(lib, img, 4096, 6 * MiB, tmp_path)
-    assert got["n"] == 6 * MiB and got["sha"] == _sha(data[4096:4096 + 6 * MiB])
-    assert rep == [(6 * MiB, 0)]  # all of it by UFFDIO_COPY
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_page_read_is_copied_into_place_and_stays_one_mapping(lib: Path, tmp_path: Path, threads: int) -> None:
+    """threads: 3 copy the 4 MiB pieces of the 22 MiB at once (as many as the CPUs, by default)."""
+    img, data = _image(tmp_path, size=24 * MiB)
+    got, rep = _read(lib, img, 4096, 22 * MiB, tmp_path, threads=threads)
+    assert got["n"] == 22 * MiB and got["sha"] == _sha(data[4096:4096 + 22 * MiB])
+    assert rep == [(22 * MiB, 0)]  # all of it by UFFDIO_COPY
     assert len(got["maps"]) == 1, got["maps"]  # registered and unregistered: merged back, mremap-able
 
 
-def test_a_page_already_there_is_read_not_refused(lib: Path, tmp_path: Path) -> None:
-    img, data = _image(tmp_path)
-    got, rep = _read(lib, img, 0, 8 * MiB, tmp_path, parts=2, touch=5 * MiB + 123)
-    assert got["n"] == 8 * MiB and got["sha"] == _sha(data[:8 * MiB])
-    # the first buffer copied whole, the second up to the present page, the rest read
-    assert rep == [(4 * MiB + 1 * MiB, 3 * MiB)], rep
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_page_already_there_is_read_not_refused(lib: Path, tmp_path: Path, threads: int) -> None:
+    img, data = _image(tmp_path, size=24 * MiB)
+    got, rep = _read(lib, img, 0, 24 * MiB, tmp_path, parts=2, touch=17 * MiB + 123, threads=threads)
+    assert got["n"] == 24 * MiB and got["sha"] == _sha(data)
+    # the first buffer copied whole, the second's first piece whole (12-16 MiB), its second piece
+    # (16-20 MiB) up to the present page, and the rest of that piece read; its third piece copied
+    assert rep == [(24 * MiB - 3 * MiB, 3 * MiB)], rep
     assert len(got["maps"]) == 1, got["maps"]
 
 
