@@ -6,8 +6,8 @@ Without the library, CRIU reads each rank's pages into premapped memory: one pag
 4 KiB page, each page zeroed by the kernel before the copy overwrites it.  With it, the same
 reads become UFFDIO_COPY calls that neither fault nor zero.  Each pair runs the default
 evacuation of bench/compare.py's reference job (512 MiB of state per rank, 4 GiB prewarm)
-once with PITSTOP_AGENT_RESTORE_UFFD_FILL=false and once with it true, the order alternating
-from pair to pair: for a 4-rank job 2 ranks leave (two restores at once on the spare), for a
+once with PITSTOP_AGENT_RESTORE_UFFD_FILL=false and once with it true (or, with `--modes on1,on`,
+with one copying thread against as many as the CPUs), the order alternating from pair to pair: for a 4-rank job 2 ranks leave (two restores at once on the spare), for a
 2-rank job one.  Reports downtime, the pause the job saw, the restore phase, CRIU's restore per
 rank and the bytes the library filled (which must be the image's, for the "on" runs to count).
 """
@@ -27,6 +27,8 @@ from bench.common import machine  # noqa: E402
 from bench.compare import OUT, _evacuation_once  # noqa: E402
 
 LEAVING = {2: [1], 4: [2, 3], 8: [4, 5, 6, 7]}
+MODES = {"off": {"PITSTOP_AGENT_RESTORE_UFFD_FILL": "false"}, "on": {"PITSTOP_AGENT_RESTORE_UFFD_FILL": "true"},
+         "on1": {"PITSTOP_AGENT_RESTORE_UFFD_FILL": "true", "PITSTOP_CRIUFILL_THREADS": "1"}}
 
 
 def main() -> None:
@@ -34,16 +36,21 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3, help="pairs per job size")
     ap.add_argument("--worlds", default="4,2", help="job sizes, comma-separated (2, 4 or 8)")
     ap.add_argument("--state-mb", type=float, default=512.0)
+    ap.add_argument("--modes", default="off,on",
+                    help="the two ways to compare, among off, on (threads as the CPUs) and on1 (one thread)")
     ap.add_argument("--out", default=str(OUT / "fill-ab.json"))
     a = ap.parse_args()
     worlds = [int(w) for w in a.worlds.split(",")]
+    modes = a.modes.split(",")
+    if len(modes) != 2 or any(m not in MODES for m in modes):
+        raise SystemExit(f"--modes takes two of {sorted(MODES)}; got {a.modes}")
     if any(w not in LEAVING for w in worlds):
         raise SystemExit(f"--worlds takes sizes among {sorted(LEAVING)}; got {a.worlds}")
     runs = []
     for i in range(a.pairs):
         for world in worlds:
-            for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
-                env = {"PITSTOP_AGENT_RESTORE_UFFD_FILL": "true" if mode == "on" else "false"}
+            for mode in (modes if i % 2 == 0 else modes[::-1]):
+                env = MODES[mode]
                 r = _evacuation_once(world, LEAVING[world], a.state_mb, 300, env, "pitstop", 4, None)
                 rp = r["restore_phases"]
                 filled = sum(int(p.get("uffd_fill_bytes", 0)) for p in rp)
@@ -62,7 +69,7 @@ def main() -> None:
                       f"ranks agree {runs[-1]['ranks_agree']}", flush=True)
     summary = {}
     for world in worlds:
-        for mode in ("off", "on"):
+        for mode in modes:
             rs = [x for x in runs if x["world"] == world and x["fill"] == mode]
             summary[f"{world} ranks, fill {mode}"] = {
                 "median_downtime_s": statistics.median(x["downtime_s"] for x in rs),

@@ -26,14 +26,13 @@
  * wrong.  The registration is undone before returning, so the mapping CRIU moves is the one
  * it made (the test checks that it stays one mapping).
  *
- * The copy is cut into 4 MiB pieces that up to as many threads as the process has CPUs (at most
- * 8; PITSTOP_CRIUFILL_THREADS sets it) take one at a time: while the job is paused a restore
- * usually has idle cores beside it (2 threads: 0.15-0.17 s for 770 MB against 0.25-0.29 s with
- * one, 2 cores), and where the cores are busy the threads share the work one would do.  The
+ * The copy is cut into 4 MiB pieces that threads take one at a time, as many threads as there
+ * are idle CPUs (threads_wanted()): while the job is paused a restore usually has idle cores
+ * beside it (2 threads: 0.15-0.17 s for 770 MB against 0.25-0.29 s with one, 2 cores).  The
  * threads block every signal and are joined before the read returns.
  *
  * PITSTOP_CRIUFILL_REPORT, if set, names a file to which each taken read appends one line
- * "pid copied_bytes fallback_bytes": the agent adds them up into the restore's phases, so a
+ * "pid copied_bytes fallback_bytes threads": the agent adds them up into the restore's phases, so a
  * benchmark and the tests can see the path was used. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -106,13 +105,13 @@ static int is_pages_image(int fd, off_t end) {
   return strncmp(base, "pages-", 6) == 0 && n > 10 && strcmp(base + n - 4, ".img") == 0;
 }
 
-static void report(size_t copied, size_t fallback) {
+static void report(size_t copied, size_t fallback, int threads) {
   const char *where = getenv("PITSTOP_CRIUFILL_REPORT");
   if (!where || !*where) return;
   int fd = open(where, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
   if (fd < 0) return;
-  char line[96];
-  int n = snprintf(line, sizeof line, "%d %zu %zu\n", (int)getpid(), copied, fallback);
+  char line[112];
+  int n = snprintf(line, sizeof line, "%d %zu %zu %d\n", (int)getpid(), copied, fallback, threads);
   if (write(fd, line, n) < 0) { /* a lost line loses a figure, not the restore */ }
   close(fd);
 }
@@ -180,9 +179,12 @@ static void *copy_pieces(void *arg) {
   }
 }
 
-/* Threads that copy at once: PITSTOP_CRIUFILL_THREADS, else the CPUs this process may run on,
- * at most MAX_THREADS.  Pieces are taken one at a time, so on busy CPUs the threads share the
- * same work a single one would do; on idle ones the copy takes a fraction of the time. */
+/* Threads that copy at once: PITSTOP_CRIUFILL_THREADS, else the CPUs this process may run on
+ * that nothing else wants now (the kernel's count of runnable tasks, /proc/loadavg, this one
+ * included), at least 1 and at most MAX_THREADS.  While a job is paused its restores have the
+ * host to themselves: one restore on 2 cores gets 2 threads, two restores at once get about one
+ * each (more threads than idle cores only took turns, and twice in six such runs one restore
+ * took 0.9 s against 0.4-0.5 s, docs/benchmarks.md). */
 static int threads_wanted(void) {
   const char *e = getenv("PITSTOP_CRIUFILL_THREADS");
   if (e && *e) {
@@ -191,12 +193,23 @@ static int threads_wanted(void) {
   }
   cpu_set_t set;
   int n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+  int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    char b[128] = {0};
+    /* "0.52 0.58 0.59 3/245 1234": the fourth field's first number is runnable tasks */
+    if (read(fd, b, sizeof b - 1) > 0) {
+      const char *p = b;
+      for (int f = 0; f < 3 && p; f++) p = strchr(p, ' '), p = p ? p + 1 : NULL;
+      if (p) n -= atoi(p) - 1;
+    }
+    close(fd);
+  }
   return n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : n;
 }
 
 /* Runs the job on this thread and up to `want - 1` more, all signals blocked in those (CRIU
  * handles its own signals on its own thread); returns when every piece is done */
-static void run_job(struct job *j, int want) {
+static int run_job(struct job *j, int want) {
   pthread_t t[MAX_THREADS];
   int started = 0;
   if (want > 1 && j->n > 1) {
@@ -213,6 +226,7 @@ static void run_job(struct job *j, int want) {
   }
   copy_pieces(j);
   for (int i = 0; i < started; i++) pthread_join(t[i], NULL);
+  return started + 1;
 }
 
 /* Reads exactly `len` bytes at `off` into `buf` with libc's preadv; 0, or -1 with errno */
@@ -271,7 +285,7 @@ ssize_t preadv64(int fd, const struct iovec *iov, int n, off_t off) {
                                        .off = off + (off_t)(at + k)};
   }
   atomic_init(&j.next, 0);
-  if (j.n) run_job(&j, threads_wanted());
+  int threads = j.n ? run_job(&j, threads_wanted()) : 0;
   for (int i = 0; i < n; i++)
     if (taken[i]) {
       struct uffdio_range r = {(uintptr_t)iov[i].iov_base, iov[i].iov_len};
@@ -294,7 +308,7 @@ ssize_t preadv64(int fd, const struct iovec *iov, int n, off_t off) {
   if (maps >= 0) close(maps);
   if (u >= 0) close(u);
   if (src != MAP_FAILED) munmap((void *)src, total);
-  report(copied, total - copied);
+  report(copied, total - copied, threads);
   if (failed) {
     errno = err; /* CRIU reports the error and the restore fails, as with its own read */
     return -1;

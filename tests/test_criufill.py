@@ -71,7 +71,7 @@ def _read(lib: Path, path: Path, off: int, size: int, tmp_path: Path, *, parts: 
     report = tmp_path / "report"
     report.unlink(missing_ok=True)
     env = dict(os.environ, LD_PRELOAD=str(lib) if preload else "", PITSTOP_CRIUFILL_REPORT=str(report),
-               PITSTOP_CRIUFILL_THREADS=str(threads))
+               PITSTOP_CRIUFILL_THREADS=str(threads) if threads else "")
     p = subprocess.run([sys.executable, "-c", PROBE, str(path), str(off), str(size), str(parts), str(touch),
                         str(shift)], env=env, capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, p.stderr
@@ -92,7 +92,7 @@ def test_a_page_read_is_copied_into_place_and_stays_one_mapping(lib: Path, tmp_p
     img, data = _image(tmp_path, size=24 * MiB)
     got, rep = _read(lib, img, 4096, 22 * MiB, tmp_path, threads=threads)
     assert got["n"] == 22 * MiB and got["sha"] == _sha(data[4096:4096 + 22 * MiB])
-    assert rep == [(22 * MiB, 0)]  # all of it by UFFDIO_COPY
+    assert rep == [(22 * MiB, 0, threads)]  # all of it by UFFDIO_COPY, in 6 pieces
     assert len(got["maps"]) == 1, got["maps"]  # registered and unregistered: merged back, mremap-able
 
 
@@ -103,8 +103,16 @@ def test_a_page_already_there_is_read_not_refused(lib: Path, tmp_path: Path, thr
     assert got["n"] == 24 * MiB and got["sha"] == _sha(data)
     # the first buffer copied whole, the second's first piece whole (12-16 MiB), its second piece
     # (16-20 MiB) up to the present page, and the rest of that piece read; its third piece copied
-    assert rep == [(24 * MiB - 3 * MiB, 3 * MiB)], rep
+    assert rep == [(24 * MiB - 3 * MiB, 3 * MiB, threads)], rep
     assert len(got["maps"]) == 1, got["maps"]
+
+
+def test_threads_follow_the_idle_cpus(lib: Path, tmp_path: Path) -> None:
+    """Unset, as many threads as CPUs nothing else wants (at least one): never more than the CPUs."""
+    img, data = _image(tmp_path, size=24 * MiB)
+    got, rep = _read(lib, img, 0, 24 * MiB, tmp_path, threads=0)  # 0: unset
+    assert got["sha"] == _sha(data)
+    assert len(rep) == 1 and rep[0][:2] == (24 * MiB, 0) and 1 <= rep[0][2] <= min(os.cpu_count() or 1, 6), rep
 
 
 @pytest.mark.parametrize("case", ["other-file", "small", "unaligned", "past-end"])
@@ -168,9 +176,9 @@ def test_each_restore_gets_its_own_wrapper_and_leaves_nothing(tmp_path: Path) ->
         assert not stale.exists()
         text = Path(a).read_text()
         assert f'PITSTOP_CRIUFILL_REPORT="{ra}"' in text and str(criufill.library()) in text
-        ra.write_text("7 100 5\n8 50 0\nnot a line\n")
-        assert criufill.read_report(ra) == (150, 5)
+        ra.write_text("7 100 5 2\n8 50 0 1\nnot a line\n")
+        assert criufill.read_report(ra) == (150, 5, 2)
         p = subprocess.run([a, "--version"], capture_output=True, text=True, timeout=30)
         assert p.returncode == 0 and "Version" in p.stdout
     assert list((tmp_path / criufill.DIRNAME).iterdir()) == []
-    assert criufill.read_report(ra) == (0, 0)
+    assert criufill.read_report(ra) == (0, 0, 0)

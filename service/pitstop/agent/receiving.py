@@ -316,9 +316,10 @@ class DestinationSide:
             if phases is not None:
                 phases["criu_restore"] = secs
                 if report is not None:
-                    copied, left = criufill.read_report(report)
+                    copied, left, threads = criufill.read_report(report)
                     phases["uffd_fill_bytes"] = float(copied)
                     phases["uffd_fill_left_bytes"] = float(left)
+                    phases["uffd_fill_threads"] = float(threads)
         return pid, secs
 
     def restore_dir(self, directory: Path, *, worker_id: str, job: str, rank: int,

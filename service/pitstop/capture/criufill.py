@@ -84,16 +84,18 @@ def preloaded(rt: runtime.CriuRuntime, state_dir: Path) -> Iterator[tuple[str, P
         report.unlink(missing_ok=True)
 
 
-def read_report(report: Path) -> tuple[int, int]:
-    """(bytes put in place by UFFDIO_COPY, bytes the library left to CRIU's read) in one restore."""
-    copied = fallback = 0
+def read_report(report: Path) -> tuple[int, int, int]:
+    """(bytes put in place by UFFDIO_COPY, bytes the library left to CRIU's read, the most threads
+    one read copied with) in one restore."""
+    copied = fallback = threads = 0
     try:
         text = report.read_text()
     except FileNotFoundError:
-        return 0, 0
+        return 0, 0, 0
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) == 3 and all(p.isdigit() for p in parts):
+        if len(parts) == 4 and all(p.isdigit() for p in parts):
             copied += int(parts[1])
             fallback += int(parts[2])
-    return copied, fallback
+            threads = max(threads, int(parts[3]))
+    return copied, fallback, threads
