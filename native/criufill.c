@@ -5,9 +5,9 @@
  * Why: the restore dominates a pre-copied move's pause, and most of it is CRIU copying each
  * rank's pages from its images into fresh anonymous memory: preadv() into a premapped area
  * takes one page fault per 4 KiB page, and the kernel zeroes every page before the copy
- * overwrites it (1.9-2.3 GB/s on the reference VM).  UFFDIO_COPY puts the same bytes into
+ * overwrites it (2.3-2.7 GB/s on the reference VM).  UFFDIO_COPY puts the same bytes into
  * new pages in one call per range, without the faults and without zeroing them first
- * (3.1-3.3 GB/s for 770 MB, MAP_POPULATE of the source included, same VM, 2026-12-03).
+ * (3.0-3.3 GB/s for 770 MB on one thread, same VM, 2026-12-03; docs/benchmarks.md).
  *
  * Where it applies: CRIU (4.x, criu/pagemap.c) reads an image with a parent (pitstop's
  * pre-copy and its delta) through libc's preadv() into memory premapped in the restoring task,
@@ -18,7 +18,7 @@
  * - the file offset, each buffer and each length are page multiples, and the request is at
  *   least MIN_BYTES (smaller ones are single pages CRIU compares, cheaper as they are);
  * - transparent huge pages are not `always` on this host: there, a fault can map a 2 MiB page
- *   at once and UFFDIO_COPY, which makes 4 KiB pages, would be slower.
+ *   at once and UFFDIO_COPY, which makes 4 KiB pages, would be slower;
  * - each buffer it copies into is writable anonymous memory, as the kernel says (PROCMAP_QUERY,
  *   Linux 6.11+): UFFDIO_COPY would fill read-only memory that libc's read refuses.
  * Anything else, and any buffer or part of one it cannot copy (a page already present, a
@@ -32,17 +32,17 @@
  * threads block every signal and are joined before the read returns.
  *
  * PITSTOP_CRIUFILL_REPORT, if set, names a file to which each taken read appends one line
- * "pid copied_bytes fallback_bytes threads": the agent adds them up into the restore's phases, so a
- * benchmark and the tests can see the path was used. */
+ * "pid copied_bytes fallback_bytes threads": the agent adds them up into the restore's phases,
+ * so a benchmark and the tests can see the path was used. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <linux/userfaultfd.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
-#include <fcntl.h>
-#include <linux/userfaultfd.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -182,9 +182,9 @@ static void *copy_pieces(void *arg) {
 /* Threads that copy at once: PITSTOP_CRIUFILL_THREADS, else the CPUs this process may run on
  * that nothing else wants now (the kernel's count of runnable tasks, /proc/loadavg, this one
  * included), at least 1 and at most MAX_THREADS.  While a job is paused its restores have the
- * host to themselves: one restore on 2 cores gets 2 threads, two restores at once get about one
- * each (more threads than idle cores only took turns, and twice in six such runs one restore
- * took 0.9 s against 0.4-0.5 s, docs/benchmarks.md). */
+ * host to themselves: one restore on 2 cores gets 2 threads; of two at once, the first to
+ * start gets 2 and the second 1 (more threads than idle cores only took turns, and twice in six
+ * such runs both restores took 0.9 s against 0.4-0.5 s, docs/benchmarks.md). */
 static int threads_wanted(void) {
   const char *e = getenv("PITSTOP_CRIUFILL_THREADS");
   if (e && *e) {
