@@ -161,3 +161,17 @@ def stop_by_stdin(p: "subprocess.Popen | None") -> None:
     except (OSError, subprocess.TimeoutExpired):
         p.kill()
         p.wait()
+
+
+def write_ab(out: Path, summary: dict, runs: list) -> None:
+    """An A/B bench's result: its medians per arm and every run, with date, machine and command."""
+    import json
+    import sys
+    import time
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+                               "command": " ".join(sys.argv), "summary": summary, "runs": runs}, indent=1))
+    for k, v in summary.items():
+        print(k, {m: round(x, 3) for m, x in v.items()})
+    print(f"wrote {out}")

@@ -16,16 +16,14 @@ rank's delta (CRIU's incremental dump, or pitstop after a whole dump).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine  # noqa: E402
+from bench.common import write_ab  # noqa: E402
 from bench.compare import OUT, _evacuation_once  # noqa: E402
 
 
@@ -59,13 +57,7 @@ def main() -> None:
                 "median_downtime_s": statistics.median(x["downtime_s"] for x in rs),
                 "median_job_pause_s": statistics.median(x["job_pause_s"] for x in rs),
                 "median_capture_s": statistics.median(x["phases"]["capture"] for x in rs)}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                       "machine": machine(), "command": " ".join(sys.argv),
-                                       "summary": summary, "runs": runs}, indent=1))
-    for k, v in summary.items():
-        print(k, {m: round(x, 3) for m, x in v.items()})
-    print(f"wrote {a.out}")
+    write_ab(Path(a.out), summary, runs)
 
 
 if __name__ == "__main__":
