@@ -304,13 +304,15 @@ class DestinationSide:
         """CRIU's restore, its memory filled by UFFDIO_COPY where that is on and available
         (capture/criufill.py); the bytes it filled so go into the phases."""
         rt = runtime.locate()
-        why = criufill.unavailable(rt) if self.s.restore_uffd_fill and not lazy else "off"
-        if why and why != "off" and not self._criufill_logged:
+        fill = self.s.restore_uffd_fill and not lazy
+        why = criufill.unavailable(rt) if fill else ""
+        if why and not self._criufill_logged:
             self._criufill_logged = True
             log.warning("restores fill memory at CRIU's page-fault rate: the UFFDIO_COPY fill is unavailable",
                         reason=why)
         with contextlib.ExitStack() as stack:
-            binary, report = stack.enter_context(criufill.preloaded(rt, self.s.state_dir)) if not why else (None, None)
+            binary, report = stack.enter_context(criufill.preloaded(rt, self.s.state_dir)) if fill and not why \
+                else (None, None)
             pid, secs = criu_ops.restore(directory, inherit, net_fd=net_fd, lazy=lazy, rt=rt,
                                          timeout_s=self.s.restore_timeout_s, abort=abort, binary=binary)
             if phases is not None:

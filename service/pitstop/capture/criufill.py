@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import nativelib
-from . import runtime
+from . import proctree, runtime
 
 LIBRARY = "libpitstop_criufill.so"
 # CRIU minors whose restore (criu/mem.c, criu/pagemap.c) the library was written against and
@@ -46,21 +46,11 @@ def unavailable(rt: runtime.CriuRuntime) -> str:
     return ""
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale(where: Path) -> None:
     """Files of restores whose agent died mid-way: named <agent pid>-..."""
     for p in where.glob("*-*"):
         pid = p.name.split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not proctree.exists(int(pid)):
             p.unlink(missing_ok=True)
 
 
