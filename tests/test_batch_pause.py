@@ -7,6 +7,7 @@ batch call still pauses, one call per worker.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import httpx
@@ -27,18 +28,38 @@ def _stopped(root: int) -> list[bool]:
     return [proctree.state(p) == "T" for p in proctree.tree(root)]
 
 
+def _schedule(pid: int) -> set[tuple[int, int]]:
+    """(scheduling policy, nice) of every thread of pid: stat fields 41 and 19."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        f = proctree._stat_fields(pid, f"/proc/{pid}/task/{tid}/stat")
+        if f:
+            out.add((int(f[38]), int(f[16])))
+    return out
+
+
+def _back_to_own(agent_pid: int, before: set[tuple[int, int]]) -> None:
+    """The batch calls answer with the event loop's thread on SCHED_FIFO and put it back once
+    the answer is sent, which is just after the client has it."""
+    until(lambda: _schedule(agent_pid) == before, what="every agent thread back to its own policy and nice")
+
+
 @pytest.mark.e2e
 def test_batch_pause_is_all_or_nothing_and_resume_undoes_it(cluster):
     a = cluster.start_agent("a")
     ranks = cluster.start_job("idle", SLEEPER, 3, {0: "a", 1: "a", 2: "a"})
     c = a.client()
     roots = {f"idle.{r}": cluster.wait_registered("a", f"idle.{r}")["root_pid"] for r in range(3)}
+    own = _schedule(a.proc.pid)
+    if os.geteuid() == 0:
+        assert own == {(os.SCHED_OTHER, -10)}  # the agent's default priority, every thread
 
     # One unknown name: refused, and no process of the others was stopped.
     with pytest.raises(PitstopError) as e:
         c.pause_many(["idle.0", "idle.9"])
     assert e.value.http_status == 404 and "idle.9" in e.value.message
     assert not any(_stopped(roots["idle.0"])) and c.worker("idle.0")["state"] == "running"
+    _back_to_own(a.proc.pid, own)  # a refused call gives its boost back too
 
     # Two workers in one call: every process of both trees stops; the third runs on.
     got = c.pause_many(["idle.0", "idle.1", "idle.0"])
@@ -46,6 +67,7 @@ def test_batch_pause_is_all_or_nothing_and_resume_undoes_it(cluster):
     for wid in ("idle.0", "idle.1"):
         until(lambda: all(_stopped(roots[wid])), what=f"{wid} stopped")
     assert not any(_stopped(roots["idle.2"])) and c.worker("idle.2")["state"] == "running"
+    _back_to_own(a.proc.pid, own)
 
     # The shim's blocks of several workers in one read; an unknown one fails the read.
     blocks = c.shim_blocks_many(["idle.0", "idle.2"])
@@ -70,6 +92,7 @@ def test_batch_pause_is_all_or_nothing_and_resume_undoes_it(cluster):
         until(lambda: not any(_stopped(roots[wid])), what=f"{wid} running")
     c.resume_many(["idle.0"])
     assert c.worker("idle.0")["state"] == "running"
+    _back_to_own(a.proc.pid, own)
     for r in ranks[:2]:
         r.proc.kill()
         r.proc.wait(30)

@@ -84,6 +84,9 @@ def test_demo_scenario_through_the_cli(cluster, tmp_path):
     assert md["pre_copy_bytes"] > 100_000_000 and md["bytes_total"] > 1_000_000
     assert md["bytes_done"] == md["bytes_total"]
     assert md["downtime_s"] > 0 and op["response"]["workers"] == ["train.2", "train.3"]
+    # the pause round alone (first pause to every peer stopped) within the phase, which also holds
+    # the shim check made while the job trained
+    assert 0 < md["pause_round_s"] <= md["phases"]["pause"] + 0.01 and md["pause_round_s"] < md["downtime_s"]
     assert {c["type"] for c in md["conditions"] if c["status"] == "True"} >= {"Quiesced", "Restored", "Committed",
                                                                                "Succeeded"}
     # Retried with the same key and body: the same operation, no second evacuation.

@@ -110,6 +110,13 @@ def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
         c = sd.wait_active("pitstop-coordinator.service")
         a = sd.wait_active("pitstop-agent.service")
         assert c["NRestarts"] == a["NRestarts"] == "0"
+        # Neither unit holds CAP_SYS_NICE: LimitNICE= and LimitRTPRIO= give them nice -10 and the
+        # SCHED_FIFO boost of the pause and resume rounds (pitstop/priority.py), which the
+        # coordinator's RestrictRealtime= used to forbid.
+        for name in ("coordinator", "agent"):
+            said = [json.loads(ln) for ln in (sdroot / f"{name}.log").read_text(errors="replace").splitlines()
+                    if '"cpu priority"' in ln]
+            assert said and said[-1]["nice"] == -10 and said[-1]["realtime"] is True, (name, said)
         cluster.coordinator_url = f"http://127.0.0.1:{cport}"
         wait_http(cluster.coordinator_url + "/healthz", timeout_s=10)
         wait_http(f"http://127.0.0.1:{aport}/healthz", timeout_s=10)

@@ -61,7 +61,7 @@ def _preload() -> None:
 
 
 def serve(s: AgentSettings) -> None:
-    priority.apply(s.nice, "agent")  # first: every thread started later inherits it
+    priority.apply(s.nice, "agent", realtime=s.realtime)  # first: every thread started later inherits it
     check_security(s)
     check_lazy_restore(s)
     _preload()

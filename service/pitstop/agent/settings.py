@@ -18,6 +18,8 @@ class AgentSettings(BaseSettings):
     name: HostName = Field(default_factory=socket.gethostname)
     # CPU priority of the agent among the job's busy processes (pitstop/priority.py)
     nice: int = Field(default=-10, ge=-20, le=19)
+    # the pause and resume of ranks done, and answered, on SCHED_FIFO (pitstop/priority.py)
+    realtime: bool = True
     listen: ListenAddress = "127.0.0.1:7070"
     advertise_url: ServiceURL | None = None  # what peers and the coordinator use; default http://<listen>
     coordinator: ServiceURL | None = Field(default=None, validation_alias=AliasChoices(

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import structlog
 
-from .. import faults
+from .. import faults, priority
 from ..agent.client import AgentClient
 from ..errors import DeadlineExceeded, PitstopError, Unavailable
 from .cut import Cut
@@ -183,9 +183,9 @@ class OpRun:
         self.enter("pause")
         cut = self.cut()
         shim = cut.uses_shim()  # asked while the job runs: the downtime starts at the first pause below
-        self.md["first_pause"] = time.time()
-        self.save()
         if shim:
+            self.md["first_pause"] = time.time()
+            self.save()
             # NCCL jobs: every rank parks at one consistent point between collectives, then the
             # real communicators are destroyed, so no NCCL socket crosses the capture.
             with self.lock:
@@ -204,13 +204,19 @@ class OpRun:
             # One call per agent, all agents at once: one round trip, not one per peer (0.15 s of
             # the pause at 8 ranks, on 2 cores, when they went one by one).  Resuming is idempotent
             # and resumes every peer, so a restart between here and the save below leaves nothing
-            # stopped.
+            # stopped.  This thread (and the calls' threads, which inherit it) on SCHED_FIFO: the
+            # ranks still run and would otherwise take their turns between its steps.
             peers = list(self.md["peers"].items())
-            in_parallel(lambda g: self.agent(g[0]).pause_many(g[1]), _by_agent(peers))
-            with self.lock:
-                self.md["paused"].extend(wid for wid, _ in peers)
+            with priority.critical():
+                self.md["first_pause"] = time.time()
                 self.save()
-            self.leave("pause")
+                in_parallel(lambda g: self.agent(g[0]).pause_many(g[1]), _by_agent(peers))
+                with self.lock:
+                    self.md["paused"].extend(wid for wid, _ in peers)
+                    # the round alone: the phase also holds the shim check, made while the job runs
+                    self.md["pause_round_s"] = round(time.time() - self.md["first_pause"], 4)
+                    self.save()
+                self.leave("pause")
             self.condition("Quiesced", True, "PeersPaused", f"{len(self.md['paused'])} peer(s) paused (SIGSTOP)")
         self.check()
 
@@ -478,13 +484,15 @@ class OpRun:
         self.leave("commit")
         self.condition("Committed", True, "MembershipRecorded", f"{dest} now runs the workers; {node} is drained")
         self.enter("resume")
-        stuck = self._resume_peers()
+        with priority.critical():  # the woken ranks would take their turns before this thread's
+            stuck = self._resume_peers()
+            resumed_at = time.time()
         if stuck:  # _finish_commit tries again (resuming is idempotent); the downtime is not over
             raise Unavailable("peers could not be resumed: " + "; ".join(stuck),
                               action="check those peers' agents; the coordinator keeps trying")
         self.leave("resume")
         if self.md.get("last_resume") is None:  # a restarted coordinator finishing this op keeps the first
-            self.md["last_resume"] = time.time()
+            self.md["last_resume"] = resumed_at
             self.md["downtime_s"] = round(self.md["last_resume"] - self.md["first_pause"], 4)
         self._check_replacements(dest)  # after the last resume: nobody waits for this look
         self.clean_source()

@@ -33,7 +33,7 @@ async def flush_loop(store: Store, every_s: float) -> None:
 
 
 def serve(s: CoordinatorSettings) -> None:
-    priority.apply(s.nice, "coordinator")  # first: every thread started later inherits it
+    priority.apply(s.nice, "coordinator", realtime=s.realtime)  # first: every thread started later inherits it
     if not s.insecure and not (s.operator_token and s.cluster_token):
         missing = [n for n, v in (("PITSTOP_TOKEN", s.operator_token), ("PITSTOP_CLUSTER_TOKEN", s.cluster_token))
                    if not v]

@@ -19,6 +19,7 @@ class CoordinatorSettings(BaseSettings):
 
     listen: ListenAddress = "127.0.0.1:7000"
     nice: int = Field(default=-10, ge=-20, le=19)  # CPU priority beside busy jobs (pitstop/priority.py)
+    realtime: bool = True  # the pause and resume rounds' calls on SCHED_FIFO (pitstop/priority.py)
     db: Path = Path("/var/lib/pitstop/coordinator.db")
     operator_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_TOKEN"))
     read_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_READ_TOKEN"))  # reads only
