@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Iterable
 
 from pitstop.devcluster import step_gaps, step_times
 
@@ -175,6 +177,39 @@ def stop_by_stdin(p: "subprocess.Popen | None") -> None:
     except (OSError, subprocess.TimeoutExpired):
         p.kill()
         p.wait()
+
+
+def ab_parser(doc: str, worlds: str, out: Path) -> argparse.ArgumentParser:
+    """The arguments every interleaved A/B bench takes: pairs per size, sizes, state, result file."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--pairs", type=int, default=3, help="pairs per job size")
+    ap.add_argument("--worlds", default=worlds, help="job sizes, comma-separated")
+    ap.add_argument("--state-mb", type=float, default=512.0)
+    ap.add_argument("--out", default=str(out))
+    return ap
+
+
+def ab_run(r: dict) -> dict:
+    """What every A/B bench keeps of one measured move (bench/compare.py's evacuation result),
+    the bitwise checks included: a run whose ranks disagree is no evidence for either arm."""
+    return {"world": r["world"], "downtime_s": r["downtime_s"], "job_pause_s": r["job_pause_s"],
+            "phases": r["phases"], "prewarm_s": r["prewarm_s"], "ranks_agree": r["first_divergent_step"] is None,
+            "final_hashes_equal": len(set(r["final"])) == 1}
+
+
+def ab_summary(runs: list[dict], arm: str, worlds: list[int], modes: list[str],
+               medians: dict[str, Callable[[dict], Iterable[float]]]) -> dict:
+    """An A/B bench's medians per job size and arm: each named figure over what its getter takes
+    from every run of that cell (one value or several, such as one per leaving rank)."""
+    import statistics
+
+    out = {}
+    for world in worlds:
+        for mode in modes:
+            rs = [x for x in runs if x["world"] == world and x[arm] == mode]
+            out[f"{world} ranks, {arm} {mode}"] = {name: statistics.median(v for x in rs for v in get(x))
+                                                   for name, get in medians.items()}
+    return out
 
 
 def write_ab(out: Path, summary: dict, runs: list) -> None:

@@ -14,14 +14,12 @@ rank and the bytes the library filled (which must be the image's, for the "on" r
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import write_ab  # noqa: E402
+from bench.common import ab_parser, ab_run, ab_summary, write_ab  # noqa: E402
 from bench.compare import OUT, _evacuation_once  # noqa: E402
 
 LEAVING = {2: [1], 4: [2, 3], 8: [4, 5, 6, 7]}
@@ -30,13 +28,9 @@ MODES = {"off": {"PITSTOP_AGENT_RESTORE_UFFD_FILL": "false"}, "on": {"PITSTOP_AG
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pairs", type=int, default=3, help="pairs per job size")
-    ap.add_argument("--worlds", default="4,2", help="job sizes, comma-separated (2, 4 or 8)")
-    ap.add_argument("--state-mb", type=float, default=512.0)
+    ap = ab_parser(__doc__, "4,2", OUT / "fill-ab.json")
     ap.add_argument("--modes", default="off,on",
                     help="the two ways to compare, among off, on (threads as the CPUs) and on1 (one thread)")
-    ap.add_argument("--out", default=str(OUT / "fill-ab.json"))
     a = ap.parse_args()
     worlds = [int(w) for w in a.worlds.split(",")]
     modes = a.modes.split(",")
@@ -54,26 +48,16 @@ def main() -> None:
                 filled = sum(int(p.get("uffd_fill_bytes", 0)) for p in rp)
                 left = sum(int(p.get("uffd_fill_left_bytes", 0)) for p in rp)
                 crit = [round(p.get("criu_restore", 0.0), 3) for p in rp]
-                runs.append({"fill": mode, "world": world, "leaving": len(LEAVING[world]),
-                             "downtime_s": r["downtime_s"], "job_pause_s": r["job_pause_s"],
-                             "phases": r["phases"], "criu_restore_s": crit, "uffd_fill_bytes": filled,
-                             "uffd_fill_left_bytes": left, "bytes_pre_copied": r["bytes_pre_copied"],
-                             "pre_copy_by": r["pre_copy_by"], "prewarm_s": r["prewarm_s"],
-                             "ranks_agree": r["first_divergent_step"] is None,
-                             "final_hashes_equal": len(set(r["final"])) == 1})
+                runs.append({"fill": mode, **ab_run(r), "leaving": len(LEAVING[world]), "criu_restore_s": crit,
+                             "uffd_fill_bytes": filled, "uffd_fill_left_bytes": left,
+                             "bytes_pre_copied": r["bytes_pre_copied"], "pre_copy_by": r["pre_copy_by"]})
                 print(f"fill {mode:<3} {len(LEAVING[world])} of {world} ranks leaving: downtime {r['downtime_s']:.2f} s, "
                       f"job pause {r['job_pause_s']:.2f} s, restore {r['phases']['restore']:.2f} s, "
                       f"CRIU restore {crit}, filled {filled / 1e6:.0f} MB (left {left / 1e6:.0f} MB), "
                       f"ranks agree {runs[-1]['ranks_agree']}", flush=True)
-    summary = {}
-    for world in worlds:
-        for mode in modes:
-            rs = [x for x in runs if x["world"] == world and x["fill"] == mode]
-            summary[f"{world} ranks, fill {mode}"] = {
-                "median_downtime_s": statistics.median(x["downtime_s"] for x in rs),
-                "median_job_pause_s": statistics.median(x["job_pause_s"] for x in rs),
-                "median_restore_s": statistics.median(x["phases"]["restore"] for x in rs),
-                "median_criu_restore_s": statistics.median(c for x in rs for c in x["criu_restore_s"])}
+    summary = ab_summary(runs, "fill", worlds, modes, {
+        "median_downtime_s": lambda x: [x["downtime_s"]], "median_job_pause_s": lambda x: [x["job_pause_s"]],
+        "median_restore_s": lambda x: [x["phases"]["restore"]], "median_criu_restore_s": lambda x: x["criu_restore_s"]})
     write_ab(Path(a.out), summary, runs)
 
 

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import write_ab  # noqa: E402
+from bench.common import ab_summary, write_ab  # noqa: E402
 from bench.compare import OUT, _evacuation_once  # noqa: E402
 
 
@@ -49,14 +48,9 @@ def main() -> None:
             print(f"init {mode:<3} {len(leaving)} of {world} ranks leaving: downtime {r['downtime_s']:.2f} s, "
                   f"job pause {r['job_pause_s']:.2f} s, capture {r['phases']['capture']:.2f} s, "
                   f"dumps {[round(c.get('dump', 0), 2) for c in caps]}, delta by {r['pre_copy_by']}", flush=True)
-    summary = {}
-    for world in sorted({w for w, _ in plan}):
-        for mode in ("off", "on"):
-            rs = [x for x in runs if x["world"] == world and x["init"] == mode]
-            summary[f"{world} ranks, init {mode}"] = {
-                "median_downtime_s": statistics.median(x["downtime_s"] for x in rs),
-                "median_job_pause_s": statistics.median(x["job_pause_s"] for x in rs),
-                "median_capture_s": statistics.median(x["phases"]["capture"] for x in rs)}
+    summary = ab_summary(runs, "init", sorted({w for w, _ in plan}), ["off", "on"], {
+        "median_downtime_s": lambda x: [x["downtime_s"]], "median_job_pause_s": lambda x: [x["job_pause_s"]],
+        "median_capture_s": lambda x: [x["phases"]["capture"]]})
     write_ab(Path(a.out), summary, runs)
 
 

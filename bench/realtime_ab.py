@@ -14,14 +14,12 @@ the pause the job saw, the pause and resume phases and the restore.
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import write_ab  # noqa: E402
+from bench.common import ab_parser, ab_run, ab_summary, write_ab  # noqa: E402
 from bench.compare import OUT, evacuation  # noqa: E402
 
 MODES = {"off": {"PITSTOP_AGENT_REALTIME": "false", "PITSTOP_COORDINATOR_REALTIME": "false"},
@@ -29,14 +27,10 @@ MODES = {"off": {"PITSTOP_AGENT_REALTIME": "false", "PITSTOP_COORDINATOR_REALTIM
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pairs", type=int, default=3, help="pairs per job size")
-    ap.add_argument("--worlds", default="8,2", help="job sizes, comma-separated")
-    ap.add_argument("--state-mb", type=float, default=512.0)
+    ap = ab_parser(__doc__, "8,2", OUT / "realtime-ab.json")
     ap.add_argument("--steps", type=int, default=300,
                     help="the job's steps: more where a slow prewarm would outlast them (8 ranks on 2 cores)")
     ap.add_argument("--prewarm-gib", type=float, default=4.0)
-    ap.add_argument("--out", default=str(OUT / "realtime-ab.json"))
     a = ap.parse_args()
     worlds = [int(w) for w in a.worlds.split(",")]
     if any(w < 2 for w in worlds):
@@ -47,27 +41,17 @@ def main() -> None:
             for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
                 r = evacuation(world, [world - 1], a.state_mb, a.steps, MODES[mode], "pitstop", a.prewarm_gib)
                 p = r["phases"]
-                runs.append({"realtime": mode, "world": world, "downtime_s": r["downtime_s"],
-                             "job_pause_s": r["job_pause_s"], "phases": p, "pause_round_s": r["pause_round_s"],
+                runs.append({"realtime": mode, **ab_run(r), "pause_round_s": r["pause_round_s"],
                              "criu_restore_s": [round(x.get("criu_restore", 0.0), 3) for x in r["restore_phases"]],
-                             "prewarm_s": r["prewarm_s"], "attempts": r["attempts"],
-                             "near_the_end": r.get("near_the_end", False),
-                             "ranks_agree": r["first_divergent_step"] is None,
-                             "final_hashes_equal": len(set(r["final"])) == 1})
+                             "attempts": r["attempts"], "near_the_end": r.get("near_the_end", False)})
                 print(f"realtime {mode:<3} {world} ranks: downtime {r['downtime_s']:.3f} s, job pause "
                       f"{r['job_pause_s']:.2f} s, pause {p['pause']:.3f} s, resume {p['resume']:.3f} s, "
                       f"capture {p['capture']:.2f} s, restore {p['restore']:.2f} s, ranks agree "
                       f"{runs[-1]['ranks_agree']}", flush=True)
-    summary = {}
-    for world in worlds:
-        for mode in MODES:
-            rs = [x for x in runs if x["world"] == world and x["realtime"] == mode]
-            summary[f"{world} ranks, realtime {mode}"] = {
-                "median_downtime_s": statistics.median(x["downtime_s"] for x in rs),
-                "median_job_pause_s": statistics.median(x["job_pause_s"] for x in rs),
-                "median_pause_s": statistics.median(x["phases"]["pause"] for x in rs),
-                "median_resume_s": statistics.median(x["phases"]["resume"] for x in rs),
-                "median_restore_s": statistics.median(x["phases"]["restore"] for x in rs)}
+    summary = ab_summary(runs, "realtime", worlds, list(MODES), {
+        "median_downtime_s": lambda x: [x["downtime_s"]], "median_job_pause_s": lambda x: [x["job_pause_s"]],
+        "median_pause_s": lambda x: [x["phases"]["pause"]], "median_resume_s": lambda x: [x["phases"]["resume"]],
+        "median_restore_s": lambda x: [x["phases"]["restore"]]})
     write_ab(Path(a.out), summary, runs)
 
 
