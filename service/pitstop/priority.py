@@ -39,7 +39,7 @@ def apply(nice: int, who: str, realtime: bool = True) -> bool:
         try:
             # Every thread there is: a library may have started one at import (numpy's OpenBLAS
             # pool, in the agent) and a nice value is per thread.
-            for tid in sorted(map(int, os.listdir("/proc/self/task")), key=lambda t: t != threading.get_native_id()):
+            for tid in map(int, os.listdir("/proc/self/task")):
                 with contextlib.suppress(ProcessLookupError):
                     os.setpriority(os.PRIO_PROCESS, tid, nice)
         except PermissionError:
