@@ -10,13 +10,13 @@ Two listeners, two audiences:
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import time
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from typing import Any, Callable, Literal
 
@@ -139,19 +139,20 @@ def _signal_trees(agent: Agent, ws: list[Worker], signal: Callable[[list[int]], 
         agent.state.save()
 
 
-class _Boosted(Response):
-    """An answer whose handler ran with the event loop's thread on SCHED_FIFO (priority.boost);
-    the thread's own policy comes back once the answer is sent, or could not be."""
+class _Boosted(JSONResponse):
+    """An answer whose handler may have run with the event loop's thread on SCHED_FIFO
+    (priority.boost); the thread's own policy comes back once the answer is sent, or could not be."""
 
-    def __init__(self, content: Any, back: Callable[[], None]) -> None:
-        super().__init__(json.dumps(content), media_type="application/json")
+    def __init__(self, content: Any, back: Callable[[], None] | None) -> None:
+        super().__init__(content)
         self.back = back
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.back()
+            if self.back:
+                self.back()
 
 
 def _signalled(work: Callable[[], list[Worker]]) -> Response:
@@ -163,15 +164,16 @@ def _signalled(work: Callable[[], list[Worker]]) -> Response:
     more before the answer reached the coordinator, docs/benchmarks.md).  The work runs here
     rather than in the thread pool so that one thread, boosted once, does it and sends the
     answer.  It is bounded: reads of /proc, kill(), one state write.  A boost that the answer
-    somehow never ends is ended by the loop a second later."""
+    somehow never ends is ended by the loop a second later.  Without CAP_SYS_NICE (no boost)
+    the same work runs at the agent's own priority."""
     back = priority.boost()
-    if back is None:  # no CAP_SYS_NICE: the same work at the agent's own priority
-        return Response(json.dumps([w.model_dump(mode="json") for w in work()]), media_type="application/json")
-    asyncio.get_running_loop().call_later(1.0, back)
+    if back:
+        asyncio.get_running_loop().call_later(1.0, back)
     try:
         return _Boosted([w.model_dump(mode="json") for w in work()], back)
     except BaseException:
-        back()
+        if back:
+            back()
         raise
 
 

@@ -211,12 +211,11 @@ class OpRun:
                 self.md["first_pause"] = time.time()
                 self.save()
                 in_parallel(lambda g: self.agent(g[0]).pause_many(g[1]), _by_agent(peers))
-                with self.lock:
+                with self.lock:  # leave() writes them: one state write after the round, not two
                     self.md["paused"].extend(wid for wid, _ in peers)
                     # the round alone: the phase also holds the shim check, made while the job runs
                     self.md["pause_round_s"] = round(time.time() - self.md["first_pause"], 4)
-                    self.save()
-                self.leave("pause")
+                    self.leave("pause")
             self.condition("Quiesced", True, "PeersPaused", f"{len(self.md['paused'])} peer(s) paused (SIGSTOP)")
         self.check()
 
