@@ -19,8 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import ab_parser, ab_run, ab_summary, write_ab  # noqa: E402
-from bench.compare import OUT, evacuation  # noqa: E402
+from bench.common import ab_parser, write_ab  # noqa: E402
+from bench.compare import OUT  # noqa: E402
+from bench.setting_ab import run, summary  # noqa: E402
 
 MODES = {"off": {"PITSTOP_AGENT_REALTIME": "false", "PITSTOP_COORDINATOR_REALTIME": "false"},
          "on": {"PITSTOP_AGENT_REALTIME": "true", "PITSTOP_COORDINATOR_REALTIME": "true"}}
@@ -35,24 +36,8 @@ def main() -> None:
     worlds = [int(w) for w in a.worlds.split(",")]
     if any(w < 2 for w in worlds):
         raise SystemExit(f"--worlds: every job needs 2 ranks or more (one stays, one leaves); got {a.worlds}")
-    runs = []
-    for i in range(a.pairs):
-        for world in worlds:
-            for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
-                r = evacuation(world, [world - 1], a.state_mb, a.steps, MODES[mode], "pitstop", a.prewarm_gib)
-                p = r["phases"]
-                runs.append({"realtime": mode, **ab_run(r), "pause_round_s": r["pause_round_s"],
-                             "criu_restore_s": [round(x.get("criu_restore", 0.0), 3) for x in r["restore_phases"]],
-                             "attempts": r["attempts"], "near_the_end": r.get("near_the_end", False)})
-                print(f"realtime {mode:<3} {world} ranks: downtime {r['downtime_s']:.3f} s, job pause "
-                      f"{r['job_pause_s']:.2f} s, pause {p['pause']:.3f} s, resume {p['resume']:.3f} s, "
-                      f"capture {p['capture']:.2f} s, restore {p['restore']:.2f} s, ranks agree "
-                      f"{runs[-1]['ranks_agree']}", flush=True)
-    summary = ab_summary(runs, "realtime", worlds, list(MODES), {
-        "median_downtime_s": lambda x: [x["downtime_s"]], "median_job_pause_s": lambda x: [x["job_pause_s"]],
-        "median_pause_s": lambda x: [x["phases"]["pause"]], "median_resume_s": lambda x: [x["phases"]["resume"]],
-        "median_restore_s": lambda x: [x["phases"]["restore"]]})
-    write_ab(Path(a.out), summary, runs)
+    runs = run(MODES, worlds, a.pairs, a.state_mb, a.steps, a.prewarm_gib, label="realtime")
+    write_ab(Path(a.out), summary(runs, list(MODES), worlds, label="realtime"), runs)
 
 
 if __name__ == "__main__":

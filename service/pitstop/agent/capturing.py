@@ -83,6 +83,7 @@ class SourceSide:
         self._locks_guard = threading.Lock()
         self.data_port: int | None = None  # this agent's data port, where it serves lazy pages
         self.page_sources: dict[str, PageSource] = {}  # by image id
+        self._exiting: dict[str, tuple[int, int | None]] = {}  # released captures' sources, still exiting
         self.bases: dict[str, precopy.Basis] = {}  # pre-copies sent, by the image id of the move they serve
         self._expiring: dict[str, tuple[weakref.ref[precopy.Basis], float]] = {}  # kept ones: when they go
         self._sweeper: threading.Thread | None = None
@@ -821,6 +822,21 @@ class SourceSide:
         netlock.release(cap.run_id)
         return f"restored here as pid {restored.root_pid}"
 
+    def _await_exit(self, cid: str, timeout_s: float = 10.0) -> None:
+        """Wait for a released source to be gone: its memory is freed while the copy restores,
+        and what comes after (commit, rollback) reuses its namespaces' names."""
+        pid, started = self._exiting.pop(cid, (0, None))
+        if not pid:
+            return
+        if proctree.is_running(pid, started):  # it ran on idle time while the copy restored: no longer
+            proctree.set_policy(proctree.tree(pid), os.SCHED_OTHER)
+        deadline = time.monotonic() + timeout_s
+        while proctree.is_running(pid, started):
+            if time.monotonic() > deadline:
+                log.warning("a released source has not exited", capture=cid, pid=pid, waited_s=timeout_s)
+                return
+            time.sleep(0.01)
+
     def _drop_net(self, w: Worker) -> None:
         net = workerns.from_dict(w.net)
         if net:
@@ -840,9 +856,18 @@ class SourceSide:
                            action="wait until the images are sent")
         w = self.state.worker(cap.worker_id)
         t0 = time.monotonic()
-        if not proctree.kill_and_wait(w.root_pid):
-            raise CaptureFailed(f"source pid {w.root_pid} did not exit after SIGKILL", action="inspect the host")
-        self._end_tracking(cid)
+        started = proctree.start_time(w.root_pid)
+        # its ports free now, its memory freed while the copy restores; or the exit waited for
+        why = "PITSTOP_AGENT_RELEASE_WAIT_EXIT is set" if self.s.release_wait_exit else proctree.let_go(w.root_pid)
+        if why is None:
+            # Its write tracking ends after its exit (commit, rollback): closed now, the kernel would
+            # first clear the write protection of every page the exiting tree still maps.
+            self._exiting[cid] = (w.root_pid, started)
+        else:
+            log.info("the source's exit is waited for", capture=cid, worker=w.id, because=why)
+            if not proctree.kill_and_wait(w.root_pid):
+                raise CaptureFailed(f"source pid {w.root_pid} did not exit after SIGKILL", action="inspect the host")
+            self._end_tracking(cid)
         self._drop_net(w)  # its address must be gone from here before it appears at the destination
         self.state.update_capture(cap, state="released", phases={**cap.phases, "release": time.monotonic() - t0})
         self.state.update_worker(w, state="released")
@@ -859,6 +884,8 @@ class SourceSide:
         if cap.state != "released":
             proctree.kill_and_wait(w.root_pid)
             self._drop_net(w)
+        else:
+            self._await_exit(cid)
         self._end_tracking(cid)
         netlock.release(cap.run_id)
         src = self.page_sources.get(cap.image_id or "")
@@ -894,6 +921,7 @@ class SourceSide:
         if cap.state in ("sent", "dumped"):
             how = self._rollback_stopped(cap, w)
         else:  # released: the source is gone; restore it here from our own images, lock still held
+            self._await_exit(cid)
             restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
                                                  stdio=cap.stdio, replace=True, output_base=self._output_end(w),
                                                  gpu=cap.gpu, net=w.net, init_dir=w.init_dir)

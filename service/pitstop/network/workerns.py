@@ -139,8 +139,12 @@ def create(n: WorkerNet, link: str | None, *, locked: bool, nft: str | None) -> 
 
 
 def destroy(n: WorkerNet) -> None:
-    """Remove the namespace (and with it the macvlan and the address); no-op if gone."""
+    """Remove the namespace (and with it the macvlan and the address); no-op if gone.
+
+    The link goes first: a namespace lives on while a process is in it (a released source
+    still exiting), and its address must leave the segment now, not when that exit ends."""
     if exists(n):
+        subprocess.run(["ip", "-n", n.netns, "link", "del", LINK_IN_NS], capture_output=True, timeout=30)
         subprocess.run(["ip", "netns", "delete", n.netns], capture_output=True, timeout=30)
 
 
