@@ -40,8 +40,7 @@ def _free(local: int, peer: int) -> bool:
     """Whether the source's four-tuple can be taken as CRIU's restore takes it."""
     s = socket.socket()
     try:
-        s.setsockopt(socket.IPPROTO_TCP, 19, 1)  # TCP_REPAIR
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.IPPROTO_TCP, 19, 1)  # TCP_REPAIR: forces port reuse; the four-tuple decides
         s.bind(("127.0.0.1", local))
         s.connect(("127.0.0.1", peer))
         return True
