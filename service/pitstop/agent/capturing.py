@@ -830,12 +830,8 @@ class SourceSide:
             return
         if proctree.is_running(pid, started):  # it ran on idle time while the copy restored: no longer
             proctree.set_policy(proctree.tree(pid), os.SCHED_OTHER)
-        deadline = time.monotonic() + timeout_s
-        while proctree.is_running(pid, started):
-            if time.monotonic() > deadline:
-                log.warning("a released source has not exited", capture=cid, pid=pid, waited_s=timeout_s)
-                return
-            time.sleep(0.01)
+        if not proctree.wait_gone(pid, started, timeout_s):
+            log.warning("a released source has not exited", capture=cid, pid=pid, waited_s=timeout_s)
 
     def _drop_net(self, w: Worker) -> None:
         net = workerns.from_dict(w.net)

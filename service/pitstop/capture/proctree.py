@@ -172,12 +172,17 @@ def kill_and_wait(root: int, timeout_s: float = 10.0) -> bool:
         os.kill(root, signal.SIGKILL)
     except ProcessLookupError:
         return True
+    return wait_gone(root, st, timeout_s)
+
+
+def wait_gone(pid: int, started: int | None, timeout_s: float) -> bool:
+    """Whether the process that started at `started` is gone within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not is_running(root, st):
-            return True
+    while is_running(pid, started):
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.01)
-    return False
+    return True
 
 
 def kill_tree(root: int, timeout_s: float = 10.0) -> list[int]:
