@@ -29,9 +29,25 @@ def until(pred, timeout: float = 30.0, what: str = "condition", every: float = 0
 
 def ddp_cmd(out: Path, steps: int = 100, workers: int = 0, state_mb: float = 0.0,
             step_sleep: float = 0.05) -> list[str]:
-    """The test job; it traces its parameters, so a wrong result names the step it parted at."""
+    """The test job; it traces its parameters, so a wrong result names the step it parted at.
+    It sleeps `step_sleep` after each step until let_finish(out) says it may run its remaining steps
+    at full speed."""
     return [sys.executable, DDP, "--steps", str(steps), "--out", str(out), "--workers", str(workers),
-            "--state-mb", str(state_mb), "--step-sleep", str(step_sleep), "--trace-params"]
+            "--state-mb", str(state_mb), "--step-sleep", str(step_sleep), "--trace-params",
+            "--pace-file", str(pace_file(out))]
+
+
+def pace_file(out: Path) -> Path:
+    """Where ddp_cmd's job reads its sleep per step (beside `out`, not in it)."""
+    return out.parent / f"{out.name}.pace"
+
+
+def let_finish(out: Path) -> None:
+    """The test needs the job no longer: its remaining steps go without a sleep.  The sleep only
+    keeps the job running while a test moves it; it never touches the parameters, so the final
+    result is the same, and a test spends its time on the move, not on waiting out 0.05 s a step
+    (about 5-12 s per end-to-end test)."""
+    pace_file(out).write_text("0\n")
 
 
 def read_trace(out: Path, rank: int) -> dict[int, str]:

@@ -21,8 +21,8 @@ from pitstop.capture import proctree
 from pitstop.errors import IntegrityError, PitstopError, TransferFailed
 from pitstop.migration.move import move_worker
 
-from .helpers import (CuttingProxy, free_port, assert_same_as_reference, ddp_cmd, reference_hashes, step_times,
-                      wait_for_step)
+from .helpers import (CuttingProxy, free_port, assert_same_as_reference, ddp_cmd, let_finish, reference_hashes,
+                      step_times, wait_for_step)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -38,7 +38,8 @@ def _job(cluster, tmp_path, world=2, placement=None, **kw):
     return a, b, out, ranks
 
 
-def _finish(ranks, timeout=120):
+def _finish(ranks, out, timeout=120):
+    let_finish(out)
     codes = [r.proc.wait(timeout) for r in ranks]
     logs = {r.rank: r.log.read_text(errors="replace")[-1500:] for r in ranks}
     assert codes == [0] * len(ranks), logs
@@ -58,7 +59,7 @@ def test_move_rank_mid_training_bitwise_equal(cluster, tmp_path):
     wa = a.client().worker("j.1")
     assert wa["state"] == "moved" and wa["moved_to"]["agent"] == "b"
     assert b.client().worker("j.1")["state"] == "running"
-    logs = _finish(ranks)
+    logs = _finish(ranks, out)
     # pitstop run on A kept streaming rank 1's output after the move, to the end.
     assert "done rank=1 steps=100" in logs[1]
     assert [s for s, _ in step_times(ranks[1].log)][-1] == 100
@@ -82,7 +83,7 @@ def test_move_whole_tree_with_dataloader_children(cluster, tmp_path):
     # The children's copy-on-write pages went as references to their parent's (transfer/dedup.py).
     cap = next(c for c in a.client().captures() if c["id"] == rep.capture_id)
     assert cap["bytes_deduplicated"] > 0.3 * cap["bytes_total"], cap
-    _finish(ranks)
+    _finish(ranks, out)
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80, workers=2))
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80, workers=2))
 
@@ -108,7 +109,7 @@ def test_corrupt_image_refused_before_criu_and_source_resumes(cluster, tmp_path)
     assert ca.rollback(cap["id"])["state"] == "rolled_back"
     ca.resume("j.0")
     assert ca.worker("j.1")["state"] == "running"
-    _finish(ranks)
+    _finish(ranks, out)
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80))
 
 
@@ -139,7 +140,7 @@ def test_transfer_cut_halfway_source_resumes(cluster, tmp_path, path):
     assert a.client().worker("j.1")["state"] == "running"
     caps = [c for c in a.client()._req("GET", "/v1/captures")]
     assert caps[-1]["state"] == "failed" and caps[-1]["error"]["code"] == "transfer_failed"
-    _finish(ranks)
+    _finish(ranks, out)
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80))
     assert not any(b.image_dir.iterdir()), "the partial copy must be discarded"
     assert not any(a.image_dir.iterdir())
@@ -174,7 +175,7 @@ def test_bad_requests_change_nothing(cluster, tmp_path):
     r = local.post("/v1/workers", json={"job": "bad job!", "rank": -1, "pid": 1})
     assert r.status_code == 400 and "job" in r.json()["error"]["message"]
     # A worker that has exited cannot be captured.
-    _finish(ranks)
+    _finish(ranks, out)
     with pytest.raises(PitstopError) as e:
         ca.capture("j.0")
     assert e.value.http_status in (409, 412)

@@ -18,7 +18,7 @@ from pitstop.capture import proctree
 from pitstop.devcluster import pitstop_cmd
 from pitstop.errors import PitstopError
 
-from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, reference_hashes, step_times, wait_for_step
+from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, step_times, wait_for_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SLEEPER = [sys.executable, str(WORKLOADS / "sleeper.py"), "120"]
@@ -98,6 +98,7 @@ def test_demo_scenario_through_the_cli(cluster, tmp_path):
     moved = {w["id"]: w["root_pid"] for w in cluster.agents["spare-1"].client().workers()}
     assert {wid: os.readlink(f"/proc/{pid}/cwd") for wid, pid in moved.items()} == \
         {wid: dirs[wid] for wid in ("train.2", "train.3")}  # made again on the spare, the same for CRIU
+    let_finish(out)
     assert [r.proc.wait(180) for r in ranks] == [0, 0, 0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 4, steps=120))
     assert not any((cluster.root / "init").iterdir())  # every init removed its directory at the end
@@ -164,6 +165,7 @@ def test_concurrent_evacuation_is_409_and_cancel_rolls_back(cluster, tmp_path):
     o = _wait_op(cc, op["name"])
     assert o["metadata"]["result"] == "cancelled" and o["error"]["status"] == "CANCELLED"
     assert "keeps running on host-b" in o["error"]["details"][0]["action"]
+    let_finish(out)
     assert [r.proc.wait(240) for r in ranks] == [0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150, state_mb=300))
     a = cluster.agents["host-b"].client()
@@ -193,6 +195,7 @@ def test_coordinator_killed_mid_operation_rolls_back_on_restart(cluster, tmp_pat
     assert o["metadata"]["result"] == "failed"
     assert o["error"]["details"][0]["reason"] == "coordinator_restarted"
     assert not o["error"]["details"][0].get("metadata", {}).get("rollback_problems")
+    let_finish(out)
     assert [r.proc.wait(240) for r in ranks] == [0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150, state_mb=300))
 
@@ -238,6 +241,7 @@ def test_coordinator_killed_after_the_commit_point_finishes_on_restart(cluster, 
     cluster.start_coordinator(port=port)                       # no fault this time
     o = _wait_op(cc, op["name"])
     assert o["metadata"]["result"] == "succeeded" and o["metadata"]["committed"], o.get("error")
+    let_finish(out)
     assert [r.proc.wait(240) for r in ranks] == [0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150))
     assert cluster.agents["spare-1"].client().worker("train.1")["exit_code"] == 0
@@ -274,6 +278,7 @@ def test_a_node_whose_agent_dies_past_the_commit_point_holds_up_nobody(cluster, 
     assert {c["type"]: c["status"] for c in o["metadata"]["conditions"]}["SourceCleaned"] == "True"
     assert back.client().get_capture(cid)["state"] == "committed"
     assert back.client().worker("train.1")["state"] == "moved"
+    let_finish(out)
     assert [r.proc.wait(240) for r in ranks] == [0, 0]  # rank 1's launcher follows its worker to the end
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150))
 
@@ -309,6 +314,7 @@ def _ends_with_its_status(cluster, rank, out, tmp_path, steps_before: int) -> No
     agent that restarted is not its parent.  On a kernel that cannot tell a non-parent
     (before Linux 6.15) it is reported unknown, and `pitstop run` exits 255 saying so."""
     known = exitkeeper.supported()
+    let_finish(out)
     assert rank.proc.wait(180) == (0 if known else 255)
     log = rank.log.read_text(errors="replace")
     assert len(step_times(rank.log)) == 120 > steps_before and "done rank=0 steps=120" in log, log[-1500:]
@@ -327,6 +333,7 @@ def test_a_restored_worker_that_ends_while_no_agent_runs_keeps_its_status(cluste
     w = next(w for w in spare.client().workers() if w["id"] == "train.0")
     cluster.stop_agent("spare-1")
     steps = len(step_times(ranks[0].log))
+    let_finish(out)
     deadline = time.monotonic() + 180
     while proctree.is_running(w["root_pid"], w["start_time"]):
         assert time.monotonic() < deadline, "the worker did not finish"
@@ -356,5 +363,6 @@ def test_a_restore_that_outlives_its_call_is_stopped_by_the_rollback(cluster, tm
     w = spare.client().worker("train.1")  # registered after the rollback looked ...
     assert w["state"] == "lost" and "rolled back" in w["reason"], w
     assert not proctree.exists(w["root_pid"])  # ... and stopped by its discard
+    let_finish(out)
     assert [r.proc.wait(240) for r in ranks] == [0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150))

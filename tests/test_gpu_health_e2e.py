@@ -12,7 +12,7 @@ import pytest
 
 from pitstop.coordinator.client import CoordinatorClient
 
-from .helpers import assert_same_as_reference, ddp_cmd, reference_hashes, until, wait_for_step
+from .helpers import assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, until, wait_for_step
 from .test_coordinator_e2e import _cli, _wait_jobs, _wait_op
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -79,6 +79,7 @@ def test_degraded_gpu_host_is_evacuated_by_the_coordinator_itself(cluster, tmp_p
     assert md["result"] == "succeeded", op
     assert md["node"] == "host-b" and md["destination"] == "spare-2"
     assert md["reason"].startswith("automatic: GPU health degraded: GPU 0 temperature 95 C > 90 C")
+    let_finish(out)
     assert [r.proc.wait(180) for r in ranks] == [0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150))
     assert len(cc.ops()) == 1  # a degraded host with nothing left on it is not evacuated again

@@ -13,7 +13,7 @@ import pytest
 from pitstop.capture import proctree
 from pitstop.migration.move import move_worker
 
-from .helpers import assert_same_as_reference, ddp_cmd, reference_hashes, step_times, until, wait_for_step
+from .helpers import assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, step_times, until, wait_for_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -37,6 +37,7 @@ def test_lazy_restore_moves_rank_bitwise_equal(cluster, tmp_path, workers):
     # The fill ends by itself, and then the images go.
     until(lambda: "memory filled" in b.log.read_text(errors="replace"))
     until(lambda: not any(b.image_dir.iterdir()))
+    let_finish(out)
     codes = [r.proc.wait(120) for r in ranks]
     assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
     assert [s for s, _ in step_times(ranks[1].log)][-1] == 80

@@ -19,7 +19,7 @@ from pitstop.capture import proctree
 from pitstop.coordinator.client import CoordinatorClient
 from pitstop.devcluster import pitstop_cmd
 
-from .helpers import assert_same_as_reference, ddp_cmd, reference_hashes, until, wait_for_step
+from .helpers import assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, until, wait_for_step
 from .test_coordinator_e2e import _wait_jobs, _wait_op
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -44,6 +44,7 @@ def _evacuate(cluster, tmp_path, *, src_env=None, dst_env=None, coord_env=None, 
 
 
 def _finish(tmp_path, out, kw, ranks) -> None:  # noqa: ANN001
+    let_finish(out)
     assert [r.proc.wait(240) for r in ranks] == [0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))
 

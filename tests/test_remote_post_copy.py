@@ -23,7 +23,7 @@ from pitstop.errors import PitstopError
 from pitstop.migration.move import move_worker
 from pitstop.transfer import page_server
 
-from .helpers import assert_same_as_reference, ddp_cmd, end_dumped, reference_hashes, step_times, until, wait_for_step
+from .helpers import assert_same_as_reference, ddp_cmd, let_finish, end_dumped, reference_hashes, step_times, until, wait_for_step
 
 REMOTE = {"PITSTOP_AGENT_REMOTE_POST_COPY": "1"}
 
@@ -66,6 +66,7 @@ def test_moves_rank_bitwise_equal_sending_only_eager_pages(cluster, tmp_path, wo
     until(lambda: "lazy pages served" in a.log.read_text(errors="replace"))
     until(lambda: not any(a.image_dir.iterdir()), what="the source's dump deleted after the fill")
     until(lambda: not any(b.image_dir.iterdir()))
+    let_finish(out)
     codes = [r.proc.wait(120) for r in ranks]
     assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
     assert [s for s, _ in step_times(ranks[1].log)][-1] == 80
@@ -115,6 +116,7 @@ def test_moving_again_while_the_fill_runs_waits_for_it_and_loses_no_page(cluster
     back = move_worker(b.client(), a.client(), "j.1", dest_name="a", peers=[(a.client(), "j.0")])
     assert "memory filled" in b.log.read_text(errors="replace")  # the first fill had ended ...
     assert b.client().get_capture(back.capture_id)["phases"]["wait_fill"] > 0.1  # ... because it waited
+    let_finish(out)
     codes = [r.proc.wait(120) for r in ranks]
     assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))
@@ -137,6 +139,7 @@ def test_fill_outlives_a_destination_agent_restart_and_its_images_go_after(clust
     until(lambda: not any(b.image_dir.iterdir()), what="the fill's images removed by the restarted agent")
     fill = b.client().worker("j.1")["fill"]  # the restarted agent learnt how the fill ended
     assert fill["state"] == "filled" and fill["source"] == a.url, fill
+    let_finish(out)
     codes = [r.proc.wait(120) for r in ranks]
     assert codes[0] == 0, ranks[0].log.read_text()[-1500:]
     # After an agent restart a restored worker's exit status cannot be collected (README): its
@@ -171,6 +174,7 @@ def test_failed_restore_rolls_back_from_the_full_dump(cluster, tmp_path):
     with pytest.raises(PitstopError, match="injected fault"):
         move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     assert a.client().worker("j.1")["state"] == "running"
+    let_finish(out)
     codes = [r.proc.wait(120) for r in ranks]
     assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))
@@ -376,6 +380,7 @@ def _role(cc, host: str) -> str:  # noqa: ANN001
 
 
 def _ends_bitwise_equal(ranks, out, tmp_path, kw: dict) -> None:  # noqa: ANN001
+    let_finish(out)
     codes = [r.proc.wait(180) for r in ranks]
     assert codes == [0] * len(ranks), [r.log.read_text()[-1500:] for r in ranks]
     assert_same_as_reference(out, reference_hashes(tmp_path, len(ranks), **kw))
@@ -524,6 +529,7 @@ def test_a_move_can_turn_the_agents_post_copy_off(cluster, tmp_path):
     assert a.client().get_capture(rep.capture_id)["post_copy"] is None
     assert b.client().worker("j.1")["fill"] is None
     assert rep.bytes > 64 << 20  # the whole image travelled
+    let_finish(out)
     codes = [r.proc.wait(120) for r in ranks]
     assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))

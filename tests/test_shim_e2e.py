@@ -17,7 +17,7 @@ from pitstop.coordinator.client import CoordinatorClient
 from pitstop.devcluster import free_port, pitstop_cmd
 from pitstop.netns import NetHosts
 
-from .helpers import WORKLOADS, assert_same_as_reference, wait_for_step
+from .helpers import WORKLOADS, assert_same_as_reference, let_finish, pace_file, wait_for_step
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -27,7 +27,7 @@ _REF: dict[tuple, list[str]] = {}
 
 def _cmd(script: str, rdv: Path, out: Path, steps: int = STEPS, extra: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, str(WORKLOADS / script), "--steps", str(steps), "--step-sleep", "0.02",
-            "--rendezvous", str(rdv), "--out", str(out), *extra]
+            "--pace-file", str(pace_file(out)), "--rendezvous", str(rdv), "--out", str(out), *extra]
 
 
 def reference(script: str, steps: int = STEPS) -> list[str]:
@@ -93,6 +93,7 @@ def test_evacuate_nccl_job_across_addresses(cluster, tmp_path, script):
     # the new unique id names the new rendezvous address: another host's own address
     addrs = {h["name"]: h["url"].split("//")[1].split(":")[0] for h in cc.hosts()}
     assert addrs["host-b"] != addrs["spare-1"] != addrs["host-a"]
+    let_finish(out)
     assert [r.proc.wait(180) for r in ranks] == [0] * 4
     assert_same_as_reference(out, reference(script))
     log = (cluster.root / "coordinator.log").read_text()
@@ -110,6 +111,7 @@ def test_evacuate_a_job_whose_communicators_are_nonblocking(cluster, tmp_path):
     op = _evacuate(cc, "host-b")
     assert op["metadata"]["result"] == "succeeded", op.get("error")
     assert op["metadata"]["cut"]["rewired"]
+    let_finish(out)
     assert [r.proc.wait(180) for r in ranks] == [0] * 4
     assert_same_as_reference(out, reference("nccl_tp_dp.py"))
 
@@ -122,6 +124,7 @@ def test_three_evacuations_in_a_row_one_back_to_its_first_host(cluster, tmp_path
     assert _evacuate(cc, "host-a")["metadata"]["result"] == "succeeded"          # 0, 1 -> spare-2
     where = {w["id"]: w["host"] for j in cc.jobs() for w in j["workers"]}
     assert where == {"nccl.0": "spare-2", "nccl.1": "spare-2", "nccl.2": "host-b", "nccl.3": "host-b"}
+    let_finish(out)
     assert [r.proc.wait(240) for r in ranks] == [0] * 4
     assert_same_as_reference(out, reference("nccl_tp_dp.py", 500))
 
@@ -135,6 +138,7 @@ def test_rank_that_never_reaches_the_cut_fails_cleanly(cluster, tmp_path):
     assert op["metadata"]["result"] == "failed"
     assert op["error"]["details"][0]["reason"] == "cut_failed"
     assert "nccl.1" in op["error"]["message"] and "keeps running" in op["error"]["details"][0]["action"]
+    let_finish(out)
     assert [r.proc.wait(180) for r in ranks] == [0] * 4
     assert_same_as_reference(out, reference("nccl_dp.py"))
     where = {w["id"]: w["host"] for j in cc.jobs() for w in j["workers"]}

@@ -10,7 +10,7 @@ import pytest
 
 from pitstop import tls
 
-from .helpers import assert_same_as_reference, ddp_cmd, reference_hashes, wait_for_step
+from .helpers import assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, wait_for_step
 from .test_coordinator_e2e import _cluster, _wait_jobs, _wait_op
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -31,6 +31,7 @@ def test_evacuation_over_mutual_tls_and_strangers_refused(cluster, tmp_path, mon
     wait_for_step(ranks[1].log, 10)
     op = _wait_op(cc, cc.evacuate("host-b")["name"])
     assert op["metadata"]["result"] == "succeeded", op.get("error")
+    let_finish(out)
     assert [r.proc.wait(180) for r in ranks] == [0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=120))
 

@@ -15,7 +15,7 @@ from pitstop.coordinator.client import CoordinatorClient
 from pitstop.devcluster import step_gaps
 from pitstop.netns import NetHosts
 
-from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, reference_hashes, wait_for_step
+from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, wait_for_step
 from .test_coordinator_e2e import _wait_jobs, _wait_op
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
@@ -26,7 +26,9 @@ def _netns_left() -> list[str]:
     return [ln.split()[0] for ln in out.splitlines() if ln.startswith("pitstop-w-")]
 
 
-def _finish(ranks, timeout=240):
+def _finish(ranks, out=None, timeout=240):
+    if out is not None:  # a ddp_cmd job: no sleep in its remaining steps
+        let_finish(out)
     codes = [r.proc.wait(timeout) for r in ranks]
     assert codes == [0] * len(ranks), {r.rank: r.log.read_text(errors="replace")[-1500:] for r in ranks}
 
@@ -63,7 +65,7 @@ def test_gloo_job_survives_evacuating_a_host_then_the_store_host(cluster, tmp_pa
     t1 = time.time()
     op2 = _evacuate(cc, "host-a")            # rank 0 serves the TCPStore; rank 1
     assert op2["metadata"]["destination"] == "spare-2"
-    _finish(ranks)
+    _finish(ranks, out)
     assert_same_as_reference(out, reference_hashes(tmp_path, 4, steps=220))
     hosts = {w["rank"]: w["host"] for w in _wait_jobs(cc, "train", 0)["workers"]}
     assert hosts == {0: "spare-2", 1: "spare-2", 2: "spare-1", 3: "spare-1"}
@@ -98,7 +100,7 @@ def test_torchrun_tree_moves_whole_and_the_job_finishes(cluster, tmp_path):
     _evacuate(cc, "host-b")
     wait_for_step(nodes[0].log, 120)
     _evacuate(cc, "host-a")
-    _finish(nodes)
+    _finish(nodes, out)
     assert_same_as_reference(out, reference_hashes(tmp_path, 4, steps=220))
     assert _netns_left() == []
 

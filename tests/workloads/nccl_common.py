@@ -14,6 +14,8 @@ def args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--pace-file", help="a file whose number, read at every step, replaces --step-sleep "
+                                       "(a test slows the job while it needs it running, then lets it finish)")
     p.add_argument("--rendezvous", required=True, help="shared directory for the unique ids")
     p.add_argument("--out", required=True)
     p.add_argument("--stall-rank", type=int, default=-1, help="this rank computes for --stall-seconds ...")
@@ -27,6 +29,19 @@ def args() -> argparse.Namespace:
 
 
 _args: argparse.Namespace | None = None
+
+
+def pause(a: argparse.Namespace) -> None:
+    """The sleep between steps: --step-sleep, or the number in --pace-file once it exists."""
+    seconds = a.step_sleep
+    if a.pace_file:
+        try:
+            with open(a.pace_file) as f:
+                seconds = float(f.read().strip() or 0)
+        except (OSError, ValueError):
+            pass
+    if seconds:
+        time.sleep(seconds)
 
 
 def step_line(step: int, value: float) -> None:

@@ -1,12 +1,11 @@
 """Data-parallel SGD over NCCL (allreduce of gradients); no pitstop code."""
 
 import os
-import time
 
 import numpy as np
 
 import ncclpy
-from nccl_common import args, finish, step_line
+from nccl_common import args, finish, pause, step_line
 
 a = args()
 comm = ncclpy.init(a.world, ncclpy.share_id(os.path.join(a.rendezvous, "world.id"), a.rank), a.rank)
@@ -25,6 +24,6 @@ for step in range(1, a.steps + 1):
     loss = np.array([np.mean((xb @ w - yb) ** 2)], dtype=np.float64)
     ncclpy.allreduce(comm, loss, ncclpy.AVG)
     step_line(step, float(loss[0]))
-    time.sleep(a.step_sleep)
+    pause(a)
 ncclpy.destroy(comm)
 finish(a, w)

@@ -1,12 +1,11 @@
 """A 4-stage pipeline with grouped send/recv (forward and backward each step); no pitstop code."""
 
 import os
-import time
 
 import numpy as np
 
 import ncclpy
-from nccl_common import args, finish, step_line
+from nccl_common import args, finish, pause, step_line
 
 a = args()
 comm = ncclpy.init(a.world, ncclpy.share_id(os.path.join(a.rendezvous, "world.id"), a.rank), a.rank)
@@ -40,6 +39,6 @@ for step in range(1, a.steps + 1):
         ncclpy.send(comm, gin, r - 1)
         ncclpy.group_end()
     step_line(step, float(np.abs(out).mean()))
-    time.sleep(a.step_sleep)
+    pause(a)
 ncclpy.destroy(comm)
 finish(a, W)

@@ -6,12 +6,11 @@ all-reduces gradients; the world broadcasts a scalar from rank 0.
 """
 
 import os
-import time
 
 import numpy as np
 
 import ncclpy
-from nccl_common import args, finish, step_line
+from nccl_common import args, finish, pause, step_line
 
 a = args()
 assert a.world == 4, "this workload is 2 x 2"
@@ -35,7 +34,7 @@ for step in range(1, a.steps + 1):
     lr = np.array([float(step)], dtype=np.float64)
     ncclpy.broadcast(world, lr, root=0)
     step_line(step, float(s[0]))
-    time.sleep(a.step_sleep)
+    pause(a)
 for c in (tp, dp, world):
     ncclpy.destroy(c)
 finish(a, W)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CaptureFailed, RestoreFailed
-from . import criulog, proctree, runtime
+from . import criulog, proctree, runtime, swrk
 
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
@@ -42,10 +42,11 @@ class DumpResult:
     pages_in_parent: int = 0  # an incremental dump's pages left in its parent image
 
 
-def _criu(rt: runtime.CriuRuntime, binary: str | None = None):  # noqa: ANN202
+def _criu(rt: runtime.CriuRuntime, binary: str | None = None, pass_fds: tuple[int, ...] = ()):  # noqa: ANN202
+    """pycriu's client, with its worker started by subprocess, not os.fork (capture/swrk.py)."""
     pycriu = rt.import_pycriu()
     c = pycriu.criu()
-    c.use_binary(binary or rt.binary)
+    c._comm = swrk.SpawnedSwrk(binary or rt.binary, pass_fds)
     return pycriu, c
 
 
@@ -139,9 +140,9 @@ class _Deadline:
                 elif time.monotonic() > end:
                     self.why = f"CRIU did not finish restoring within {self.timeout_s:g} s"
             if self.why is not None:
-                swrk = getattr(getattr(self.c, "_comm", None), "swrk", None)
-                if swrk:
-                    for pid in proctree.tree(swrk):
+                worker = getattr(getattr(self.c, "_comm", None), "swrk", None)
+                if worker:
+                    for pid in proctree.tree(worker):
                         try:
                             os.kill(pid, signal.SIGKILL)
                         except ProcessLookupError:
@@ -162,17 +163,16 @@ def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None,
     rt's (one with a library preloaded: capture/criufill.py).
     """
     rt = rt or runtime.locate()
-    pycriu, c = _criu(rt, binary)
-    dfd = os.open(images, os.O_DIRECTORY)
-    for fd in inherit.values():
-        os.set_inheritable(fd, True)
+    if net_fd is not None:
+        inherit = {**inherit, NET_KEY: net_fd}
+    # CRIU takes the inherited fds by number in its own process: they go to its worker alone
+    pycriu, c = _criu(rt, binary, pass_fds=tuple(inherit.values()))
+    dfd = os.open(images, os.O_DIRECTORY)  # CRIU reads it through /proc/<our pid>/fd
     try:
         c.opts.images_dir_fd = dfd
         c.opts.tcp_established = True
         c.opts.network_lock = pycriu.rpc.NFTABLES
         if net_fd is not None:
-            inherit = {**inherit, NET_KEY: net_fd}
-            os.set_inheritable(net_fd, True)
             c.opts.network_lock = pycriu.rpc.SKIP
         c.opts.log_file = RESTORE_LOG
         c.opts.log_level = 4

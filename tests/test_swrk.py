@@ -1,0 +1,130 @@
+"""CRIU's worker is started without forking the agent's Python (capture/swrk.py).
+
+The agent is multi-threaded. A fork copies every lock that another thread holds at that moment.
+pycriu's own start forks and then runs Python in the child, and on 2026-12-03 one such child
+blocked before its exec: a restore that waited forever, with no pid for its deadline to kill.
+The invariant tested here is that no Python runs in the child at all. A hook registered with
+os.register_at_fork runs in every child of a Python-level fork; it must not run for this spawn,
+and it does run for pycriu's (the control). The tests also check what the worker gets: the fds
+meant for it, no other inheritable fd of the agent, and a pid known at once and reaped at the end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from pitstop.capture import criu_ops, proctree, runtime, swrk
+
+from .helpers import end_dumped
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
+
+_MARK: list[Path] = []  # while set, every child of a Python-level fork of this process writes here
+
+
+def _in_child() -> None:
+    if _MARK:
+        _MARK[0].write_text(f"forked child {os.getpid()} ran Python\n")
+
+
+os.register_at_fork(after_in_child=_in_child)
+
+
+@pytest.fixture
+def mark(tmp_path: Path):  # noqa: ANN201
+    _MARK[:] = [tmp_path / "python-ran-in-a-child"]
+    try:
+        yield _MARK[0]
+    finally:
+        _MARK.clear()
+
+
+def _fd_targets(pid: int) -> set[str]:
+    d = Path(f"/proc/{pid}/fd")
+    return {os.readlink(d / n) for n in os.listdir(d)}
+
+
+def test_the_worker_starts_with_no_python_in_the_child_and_pycriu_would_run_some(mark: Path) -> None:
+    rt = runtime.locate()
+    spawned = swrk.SpawnedSwrk(rt.binary)
+    spawned.connect(False)
+    pid = spawned.swrk
+    try:
+        assert pid and proctree.exists(pid), "the worker's pid is known as soon as it starts"
+    finally:
+        spawned.disconnect()
+    assert not mark.exists(), mark.read_text()
+    assert not proctree.exists(pid), "disconnect reaps the worker"
+
+    # The control: pycriu's own start runs Python in its forked child (the hook writes the mark).
+    rt.import_pycriu()
+    theirs = sys.modules["pycriu.criu"]._criu_comm_bin(rt.binary)
+    theirs.connect(False)
+    theirs.disconnect()
+    assert mark.exists(), "pycriu's fork ran no Python in its child: the control does not hold"
+
+
+def test_only_the_fds_meant_for_it_reach_the_worker() -> None:
+    rt = runtime.locate()
+    meant_r, meant_w = os.pipe()
+    other_r, other_w = os.pipe()
+    os.set_inheritable(other_r, True)  # another restore's fd, made inheritable for its own CRIU
+    spawned = swrk.SpawnedSwrk(rt.binary, pass_fds=(meant_r,))
+    try:
+        spawned.connect(False)
+        seen = _fd_targets(spawned.swrk)
+        assert os.readlink(f"/proc/self/fd/{meant_r}") in seen
+        assert os.readlink(f"/proc/self/fd/{other_r}") not in seen
+    finally:
+        spawned.disconnect()
+        for fd in (meant_r, meant_w, other_r, other_w):
+            os.close(fd)
+
+
+def test_a_self_dump_is_refused_with_a_reason() -> None:
+    with pytest.raises(RuntimeError, match="not supported"):
+        swrk.SpawnedSwrk(runtime.locate().binary).connect(True)
+
+
+def test_dumps_started_from_several_threads_at_once_all_end(tmp_path: Path) -> None:
+    """The case that hung had two CRIU runs starting at once in one agent: here three real dumps
+    start from three threads together, each ends, and each worker is reaped."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+             for _ in range(3)]
+    results: dict[int, criu_ops.DumpResult] = {}
+    errors: list[BaseException] = []
+    go = threading.Barrier(3)
+
+    def one(i: int) -> None:
+        try:
+            go.wait(10)
+            results[i] = criu_ops.dump(procs[i].pid, tmp_path / f"img{i}", timeout_s=30)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    try:
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(45)
+        assert not any(t.is_alive() for t in ts), "a dump did not end"
+        assert not errors, errors
+        assert all((tmp_path / f"img{i}" / "inventory.img").exists() for i in range(3))
+    finally:
+        for i, p in enumerate(procs):
+            end_dumped(p, results[i].run_id if i in results else "")
+    assert not [c for c in os.listdir("/proc") if c.isdigit() and _is_criu_child(int(c))], "a worker was not reaped"
+
+
+def _is_criu_child(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and "criu" in stat.split(")", 1)[0]
+    except (OSError, ValueError, IndexError):
+        return False
