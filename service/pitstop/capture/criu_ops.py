@@ -97,6 +97,7 @@ def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | N
                 details={"criu_errors": lines, "log": str(images / DUMP_LOG)}) from None
         seconds = time.monotonic() - t0
     finally:
+        c._comm.close()
         os.close(dfd)
     stats = _load_image(rt, images / "stats-dump").get("dump", {})
     inv = _load_image(rt, images / "inventory.img")
@@ -198,4 +199,5 @@ def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None,
                 details={"criu_errors": lines, "log": str(images / RESTORE_LOG)}) from None
         return resp.pid, time.monotonic() - t0
     finally:
+        c._comm.close()
         os.close(dfd)

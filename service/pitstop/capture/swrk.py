@@ -64,9 +64,14 @@ class SpawnedSwrk:
 
     def disconnect(self) -> None:
         """Close our end and reap the worker (killed if it outlives its answer by EXIT_WAIT_S)."""
+        self.close()
+
+    def close(self) -> None:
+        """disconnect, also where pycriu does not call it (its request failed: a worker killed by
+        a deadline, a broken socket), so that no worker is left a zombie.  Safe to call twice."""
         if self.sk is not None:
             self.sk.close()
-        if self._proc is not None:
+        if self._proc is not None and self._proc.returncode is None:
             try:
                 self._proc.wait(EXIT_WAIT_S)
             except subprocess.TimeoutExpired:
