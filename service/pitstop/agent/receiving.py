@@ -602,15 +602,26 @@ def _dirs_in_use(root: Path) -> set[Path]:
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
-        try:
-            links = [os.readlink(f"/proc/{pid}/cwd")] + [os.readlink(f"/proc/{pid}/fd/{fd}")
-                                                         for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:
-            continue
+        # One link at a time: a busy process (a lazy-pages daemon filling, the very one looked
+        # for) closes fds between the listing and the readlink, and one fd gone must not hide
+        # its other files and its working directory.
+        links = []
+        for link in ["cwd", *(f"fd/{fd}" for fd in _listdir(f"/proc/{pid}/fd"))]:
+            try:
+                links.append(os.readlink(f"/proc/{pid}/{link}"))
+            except OSError:
+                continue
         for ln in links:
             if ln.startswith(top):
                 out.add(root / ln[len(top):].split("/", 1)[0])
     return out
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:  # the process has gone, or its fd table is not ours to read
+        return []
 
 
 def _start_pump(fd: int, path: Path) -> subprocess.Popen:
