@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from pace import pause
+
 
 # The float functions ATen hands to MKL's vector math library (VML) on x86 builds
 # (aten/src/ATen/cpu/vml.h, IMPLEMENT_VML_MKL).
@@ -125,15 +127,7 @@ def main() -> None:
             dist.barrier()  # every rank's checkpoint is on disk before any rank leaves
             dist.destroy_process_group()
             return
-        pause = args.step_sleep
-        if args.pace_file:
-            try:
-                with open(args.pace_file) as f:
-                    pause = float(f.read().strip() or 0)
-            except (OSError, ValueError):
-                pass
-        if pause:
-            time.sleep(pause)
+        pause(args.step_sleep, args.pace_file)
     if ballast is not None and args.state_kind == "arange":
         n = ballast.numel()
         assert int(ballast[-1]) == n - 1 and int(ballast[n // 2]) == n // 2, "ballast corrupted"

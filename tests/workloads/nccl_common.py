@@ -8,6 +8,7 @@ import os
 import time
 
 import numpy as np
+from pace import pause as _pause
 
 
 def args() -> argparse.Namespace:
@@ -33,15 +34,7 @@ _args: argparse.Namespace | None = None
 
 def pause(a: argparse.Namespace) -> None:
     """The sleep between steps: --step-sleep, or the number in --pace-file once it exists."""
-    seconds = a.step_sleep
-    if a.pace_file:
-        try:
-            with open(a.pace_file) as f:
-                seconds = float(f.read().strip() or 0)
-        except (OSError, ValueError):
-            pass
-    if seconds:
-        time.sleep(seconds)
+    _pause(a.step_sleep, a.pace_file)
 
 
 def step_line(step: int, value: float) -> None:
