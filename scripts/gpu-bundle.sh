@@ -17,13 +17,20 @@ for v in $PYVERS; do
 done
 $PIP download -q --no-deps --only-binary=:all: -d "$B/wheels" cuda-pathfinder structlog nvidia-ml-py \
   "protobuf>=4.25" 2>&1 | grep -v "is ignored" || true
-# The service itself (check (e) runs a coordinator and agents there), with its dependencies
-# resolved for each interpreter; run.sh unpacks only those the host cannot import already.
+# The service itself (check (e) runs a coordinator and agents there), with every dependency
+# pyproject.toml names (extras included: uvicorn[standard] brings httptools, which the agent's
+# server imports), resolved for each interpreter; run.sh unpacks only those the host cannot
+# import already.  cuda-bindings was packed above, held below 14.
+mapfile -t DEPS < <(python3 - "$ROOT/pyproject.toml" <<'PY'
+import sys, tomllib
+for d in tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]:
+    if not d.replace("_", "-").startswith("cuda-bindings"):
+        print(d.split("#")[0].strip())
+PY
+)
 for v in $PYVERS; do
   $PIP download -q --only-binary=:all: --python-version "$v" --platform manylinux_2_28_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$B/wheels" \
-    fastapi "uvicorn>=0.29" "pydantic>=2.6" "pydantic-settings>=2.2" "structlog>=24.1" "cryptography>=42" \
-    "sniffio>=1.3" "typer>=0.12" "xxhash>=3.4" "zstandard>=0.23" "uvloop>=0.19" "prometheus-client>=0.20" 2>&1 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$B/wheels" "${DEPS[@]}" 2>&1 \
     | grep -v "is ignored" || true
 done
 [[ -x "$PREFIX/bin/criu" ]] || "$ROOT/scripts/provision-criu.sh" >/dev/null

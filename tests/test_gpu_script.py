@@ -28,6 +28,7 @@ def _cuda() -> bool:
     (["--sizes-gib", "0"], "between 0 and 1024"),
     (["--steps", "10"], "--steps must be at least 100"),
     (["--host-gib", "-1"], "--host-gib must be between 0 and 65536"),
+    (["--d-rounds", "0"], "--d-rounds must be between 1 and 5"),
 ])
 def test_bad_arguments_say_what_is_wrong(args, msg, tmp_path):
     p = subprocess.run([sys.executable, str(CHECK), "--report", str(tmp_path / "r.json"), *args],
