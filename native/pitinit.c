@@ -1,5 +1,11 @@
 /* pitstop-init: the init of a worker's PID namespace, so that the worker's command is not.
- * `pitstop run` starts `unshare --pid --fork setsid pitstop-init DIR -- CMD ARGS...`.
+ * `pitstop run` starts `pitstop-init --pid-namespace DIR -- CMD ARGS...`: this process makes
+ * the namespace, forks its init (which leads a session of its own) and waits for it, as
+ * `unshare --pid --fork setsid` did before.  Not util-linux unshare: when a move kills the
+ * source's tree, unshare sees its child die of SIGKILL, tries to die of it too, fails, and prints
+ * "unshare: sigprocmask unblock failed: Invalid argument" into the job's stderr (2.38).  This
+ * waiter exits quietly with 128 + N instead.  Without --pid-namespace the caller has made the
+ * namespace and this process is its init already.
  *
  * Why: the worker keeps the host's mount namespace, so its /proc is not its own, and CRIU's
  * parasite mounts a private one in the *root task's working directory* under a fixed name
@@ -27,17 +33,50 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 static const int forwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGQUIT, SIGWINCH, SIGALRM};
 #define NFORWARDED (int)(sizeof forwarded / sizeof forwarded[0])
 
+/* Make a PID namespace and fork its init.  Returns -1 in the init (PID 1 there, leading a
+ * session of its own, as CRIU needs the tree's root to), else the exit code for the waiter left
+ * outside: the init's, or 128 + N where it died of signal N (a move kills the source's tree). */
+static int enter_pid_namespace(void) {
+  if (unshare(CLONE_NEWPID) != 0) {
+    fprintf(stderr, "pitstop-init: cannot make a PID namespace: unshare(CLONE_NEWPID): %s "
+                    "(it needs CAP_SYS_ADMIN; `pitstop doctor` checks it)\n", strerror(errno));
+    return 125;
+  }
+  pid_t init = fork();
+  if (init < 0) { perror("pitstop-init: fork"); return 125; }
+  if (init == 0) {
+    if (setsid() < 0) { perror("pitstop-init: setsid"); _exit(125); }
+    return -1;
+  }
+  /* As unshare --fork: a terminal's SIGINT or a SIGTERM to the launcher's group is the worker's
+   * to act on (the launcher forwards it to the init), not a reason to stop waiting for it. */
+  signal(SIGINT, SIG_IGN);
+  signal(SIGTERM, SIG_IGN);
+  int status;
+  while (waitpid(init, &status, 0) < 0) {
+    if (errno != EINTR) { perror("pitstop-init: waitpid"); return 125; }
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 125;
+}
+
 int main(int argc, char **argv) {
+  int own_namespace = argc > 1 && strcmp(argv[1], "--pid-namespace") == 0;
+  if (own_namespace) { argv++; argc--; }
   if (argc < 4 || strcmp(argv[2], "--") != 0) {
-    fprintf(stderr, "usage: pitstop-init DIR -- CMD [ARGS...]\n"
+    fprintf(stderr, "usage: pitstop-init [--pid-namespace] DIR -- CMD [ARGS...]\n"
                     "  (started by `pitstop run`; DIR is a directory of this worker's own)\n");
     return 125;
+  }
+  if (own_namespace) {
+    int code = enter_pid_namespace();
+    if (code >= 0) return code;
   }
   const char *dir = argv[1];
   char **cmd = argv + 3;

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -115,6 +117,76 @@ def test_failure_after_lock_restores_and_unlocks_the_source(procs):
         gpu(drv).suspend(procs)
     assert e.value.code == "gpu_checkpoint_failed" and "CUDA_ERROR_OUT_OF_MEMORY" in e.value.message
     assert all(drv.state(p) == "running" for p in procs), drv.st
+
+
+class MeetingDriver(FakeDriver):
+    """Every lock, checkpoint and restore waits until all three processes are in the same call:
+    called one after another, the first would wait for the others in vain."""
+
+    def __init__(self, n: int, **kw) -> None:
+        super().__init__(**kw)
+        self.meet = {c: threading.Barrier(n, timeout=5) for c in ("lock", "checkpoint", "restore")}
+
+    def _go(self, call: str, pid: int, frm: str, to: str) -> None:
+        if call in self.meet:
+            self.meet[call].wait()
+        super()._go(call, pid, frm, to)
+
+
+def test_the_processes_of_a_tree_are_locked_checkpointed_and_restored_at_once(procs):
+    """The driver copies at a per-process rate (4 processes: 3.6 x one's on an H200)."""
+    drv = MeetingDriver(len(procs))
+    rec = gpu(drv).suspend(procs).record()
+    assert all(drv.state(p) == "checkpointed" for p in procs)
+    gpu(drv).resume_in_place(rec)  # restores (and unlocks) them at once too
+    assert all(drv.state(p) == "running" for p in procs), drv.st
+
+
+def test_a_restored_trees_processes_are_restored_at_once():
+    from pitstop.capture import proctree
+
+    root = subprocess.Popen([sys.executable, "-c", "import signal, subprocess, sys, time\n"
+                             "ks = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) "
+                             "for _ in range(2)]\n"
+                             "def end(*_):\n    [k.kill() for k in ks]; [k.wait() for k in ks]; sys.exit(0)\n"
+                             "signal.signal(signal.SIGTERM, end)\nprint('ready', flush=True)\ntime.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert root.stdout.readline().strip() == "ready"
+        tree = proctree.tree(root.pid)
+        assert len(tree) == 3
+        drv = MeetingDriver(3)
+        for p in tree:
+            drv.st[p] = "checkpointed"  # as CRIU restores them
+        rec = {"model": "NVIDIA H200", "uuids": [g["uuid"] for g in H200["gpus"]], "processes": tree}
+        timings = gpu(drv, SPARE).resume_restored(root.pid, rec)
+        assert all(drv.state(p) == "running" for p in tree) and set(timings) == {"gpu_restore", "gpu_unlock"}
+    finally:
+        root.terminate()  # it ends its children and waits for them
+        root.wait(30)
+
+
+def test_one_failure_among_checkpoints_at_once_puts_every_process_back(procs):
+    drv = MeetingDriver(len(procs), fail={("checkpoint", procs[1]): "CUDA_ERROR_OUT_OF_MEMORY"})
+    drv.meet["restore"] = threading.Barrier(len(procs) - 1, timeout=5)  # the two that were checkpointed
+    with pytest.raises(CaptureFailed) as e:
+        gpu(drv).suspend(procs)
+    assert e.value.code == "gpu_checkpoint_failed" and str(procs[1]) in e.value.message
+    assert all(drv.state(p) == "running" for p in procs), drv.st
+
+
+def test_an_error_not_the_drivers_is_raised_once_every_call_has_returned():
+    ended: list[int] = []
+
+    def call(i: int) -> None:
+        if i == 0:
+            raise KeyError("not the driver's")
+        time.sleep(0.2)
+        ended.append(i)
+
+    with pytest.raises(KeyError):
+        ck.at_once(call, [0, 1, 2])
+    assert sorted(ended) == [1, 2]
 
 
 def test_no_driver_refuses_before_touching_anything(procs):

@@ -94,6 +94,39 @@ def test_only_directories_named_as_a_launcher_names_them_are_made_for_a_restore(
     assert not Path(ok).exists()
 
 
+def test_with_pid_namespace_the_init_makes_it_and_a_killed_tree_ends_without_a_word(tmp_path):
+    """`pitstop run`'s start: the init makes the namespace and leads its session; when a move
+    kills the tree, the waiter outside exits 128 + 9 and prints nothing into the job's stderr
+    (util-linux unshare printed "sigprocmask unblock failed" there)."""
+    d = tmp_path / "init.0"
+    d.mkdir()
+    p = subprocess.Popen([str(INIT), "--pid-namespace", str(d), "--", sys.executable, "-c",
+                          "import os; print(os.getpid(), os.getsid(0), flush=True); import time; time.sleep(60)"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        root = _root(p)
+        assert os.readlink(f"/proc/{root}/ns/pid") != os.readlink("/proc/self/ns/pid")
+        assert proctree.session_id(root) == root and os.readlink(f"/proc/{root}/cwd") == str(d)
+        pid, sid = p.stdout.readline().split()
+        assert (pid, sid) == ("2", "1")  # the command, under the namespace's init, in the init's session
+        os.kill(root, signal.SIGKILL)  # as a move ends the source's tree
+        assert p.wait(30) == 128 + signal.SIGKILL
+        assert p.stderr.read() == ""
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_with_pid_namespace_a_refused_namespace_is_named_and_nothing_runs(tmp_path):
+    marker = tmp_path / "ran"
+    r = subprocess.run(["setpriv", "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin", "--",
+                        str(INIT), "--pid-namespace", str(tmp_path), "--", "touch", str(marker)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 125 and "cannot make a PID namespace" in r.stderr and "CAP_SYS_ADMIN" in r.stderr, r
+    assert not marker.exists()
+
+
 @pytest.mark.e2e
 def test_pitstop_run_starts_the_worker_under_the_init_and_passes_signals_on(cluster):
     cluster.start_agent("host-a")

@@ -6,6 +6,7 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,7 +130,20 @@ def _worker_init() -> Check:
     if not os.access(probe, os.W_OK):
         return Check(name, False, f"{root} cannot be made or written here: workers start without the init "
                                   "(PITSTOP_INIT_DIRS names another directory)", required=False)
-    return Check(name, True, f"{init}; its directories under {root}", required=False)
+    # What `pitstop run` does: the init makes the namespace and runs the command under itself.
+    with tempfile.TemporaryDirectory(prefix="pitstop-doctor.") as d:
+        work = Path(d) / "init"  # the init removes the directory it worked in when the command ends
+        work.mkdir()
+        try:
+            p = subprocess.run([str(init), "--pid-namespace", str(work), "--", "true"], capture_output=True,
+                               text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return Check(name, False, f"{init} could not start a command: {e}; run `make native`", required=False)
+    if p.returncode != 0:
+        return Check(name, False, f"{init} could not start a command in a PID namespace of its own: "
+                                  f"{p.stderr.strip() or f'exit status {p.returncode}'}", required=False)
+    return Check(name, True, f"{init} starts a command in a PID namespace of its own; its directories under "
+                             f"{root}", required=False)
 
 
 def _write_tracking() -> Check:

@@ -54,7 +54,9 @@ def prepare(job: str, rank: int) -> Path | None:
 
 
 def command(init: Path, directory: Path, cmd: list[str]) -> list[str]:
-    return [str(init), str(directory), "--", *cmd]
+    """The whole start of a worker: the init makes the PID namespace itself (not util-linux
+    unshare, which prints an error into the job's stderr when a move kills the tree)."""
+    return [str(init), "--pid-namespace", str(directory), "--", *cmd]
 
 
 def valid(path: str) -> bool:

@@ -57,6 +57,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--d-rounds", type=int, default=1,
                    help="(d) checkpoints and restores the same process this many times: later rounds show the "
                         "rates once the driver's host memory has been touched before")
+    p.add_argument("--d-parallel", type=int, default=1,
+                   help="(d) also splits each size over this many processes and checkpoints and restores them "
+                        "at once, as an agent does a host's ranks: whether the driver's rate is per process")
     p.add_argument("--steps", type=int, default=300, help="training steps of the (a)-(c) workload")
     p.add_argument("--budget-s", type=float, default=450.0, help="no check starts after this many seconds")
     p.add_argument("--work-dir", type=Path, default=None, help="scratch directory (default: a fresh tmp dir)")
@@ -79,6 +82,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--sizes-gib must be between 0 and 1024 GiB; got {a.sizes_gib!r}")
     if a.host_gib is not None and not 0 < a.host_gib <= 65536:
         p.error(f"--host-gib must be between 0 and 65536; got {a.host_gib}")
+    if not 1 <= a.d_parallel <= 16:
+        p.error(f"--d-parallel must be between 1 and 16; got {a.d_parallel}")
     if not 1 <= a.d_rounds <= 5:
         p.error(f"--d-rounds must be between 1 and 5; got {a.d_rounds}")
     if a.steps < 100:
@@ -396,7 +401,49 @@ def check_d(a: argparse.Namespace, work: Path) -> dict:
                     "intact": m.group(1) == m2.group(1)}
         if not out[key]["intact"]:
             raise AssertionError(f"device memory changed across checkpoint/restore at {key}: {out[key]}")
+        if a.d_parallel > 1:
+            out[f"{key} in {a.d_parallel} processes"] = _parallel(drv, work, key, gib, a.d_parallel)
     return out
+
+
+def _parallel(drv, work: Path, key: str, gib: float, n: int) -> dict:  # noqa: ANN001 - the driver
+    """The same bytes split over n processes, each checkpointed (then restored) in a thread of its
+    own, all at once: the aggregate rate against one process's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    procs = [Proc([sys.executable, str(TRAIN), "--hold-gib", str(gib / n)], work / f"d-{key}-p{i}.out",
+                  stdin=subprocess.PIPE) for i in range(n)]
+    try:
+        sums = [p.wait_for(r"^holding .* checksum=(-?\d+)", 120).group(1) for p in procs]
+
+        def out_(p: Proc) -> None:
+            drv.lock(p.pid, 10_000)
+            drv.checkpoint(p.pid)
+
+        def in_(p: Proc) -> None:
+            drv.restore(p.pid, [])
+            drv.unlock(p.pid)
+
+        with ThreadPoolExecutor(n) as pool:
+            t0 = time.monotonic()
+            list(pool.map(out_, procs))
+            t1 = time.monotonic()
+            list(pool.map(in_, procs))
+            t2 = time.monotonic()
+        for p in procs:
+            p.p.stdin.write(b"\n")
+            p.p.stdin.flush()
+        after = [p.wait_for(r"^after checksum=(-?\d+)", 120).group(1) for p in procs]
+    finally:
+        for p in procs:
+            p.close()
+    nbytes = gib * 2**30
+    res = {"processes": n, "gib_each": gib / n, "checkpoint_s": t1 - t0, "restore_s": t2 - t1,
+           "checkpoint_GBps": nbytes / (t1 - t0) / 1e9, "restore_GBps": nbytes / (t2 - t1) / 1e9,
+           "intact": sums == after}
+    if not res["intact"]:
+        raise AssertionError(f"device memory changed across a parallel checkpoint/restore at {key}: {res}")
+    return res
 
 
 # -- (e) -------------------------------------------------------------------------------------------

@@ -22,8 +22,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -58,6 +59,45 @@ def _touches_nvidia(pid: int) -> bool:
             return any("/dev/nvidia" in line for line in f)
     except OSError:
         return False
+
+
+T = TypeVar("T")
+
+
+def at_once(call: Callable[[T], None], items: list[T]) -> tuple[list[T], list[tuple[T, DriverError]]]:
+    """Run a driver call for every process at the same time; (those it succeeded for, in order;
+    those it failed for, with the driver's error).
+
+    Why threads: the driver's checkpoint and restore copy at a per-process rate. On an H200 VM
+    8 GiB went out at 0.75-0.82 GB/s from one process and at 2.7 GB/s from 4 processes (3.6 GB/s
+    from 8) checkpointed together (tests/gpu/gpu_check.py --d-parallel, docs/benchmarks.md), and
+    cuda-bindings releases the GIL during the call.  An error other than the driver's is raised
+    once every call has returned, so no call is left running behind the caller."""
+    if len(items) <= 1:
+        done: list[T] = []
+        failed: list[tuple[T, DriverError]] = []
+        for it in items:
+            try:
+                call(it)
+                done.append(it)
+            except DriverError as e:
+                failed.append((it, e))
+        return done, failed
+    with ThreadPoolExecutor(max_workers=min(len(items), 16), thread_name_prefix="gpu") as pool:
+        futures = [pool.submit(call, it) for it in items]
+        wait(futures)
+    done, failed, other = [], [], None
+    for it, f in zip(items, futures):
+        e = f.exception()
+        if e is None:
+            done.append(it)
+        elif isinstance(e, DriverError):
+            failed.append((it, e))
+        else:
+            other = other or e
+    if other is not None:
+        raise other
+    return done, failed
 
 
 @dataclass
@@ -131,35 +171,32 @@ class GpuCheckpointer:
                                 action="run the agent on the GPU host with the NVIDIA driver (>= 570) loaded; "
                                        "the worker keeps running") from None
         procs = [GpuProcess(p, (proctree.ns_pids(p) or [p])[-1]) for p in targets]
-        locked: list[GpuProcess] = []
         t0 = time.monotonic()
-        for p in procs:
-            try:
-                drv.lock(p.pid, int(self.lock_timeout_s * 1000))
-            except DriverError as e:
-                self._undo(drv, locked, [])
-                if e.name == "CUDA_ERROR_TIMEOUT":
-                    raise CaptureFailed(
-                        f"pid {p.pid} did not reach a point where its CUDA work could be locked within "
-                        f"{self.lock_timeout_s:.0f} s (a kernel or a blocking CUDA call was still running)",
-                        code="gpu_lock_timeout",
-                        action="nothing was captured and the worker keeps running; retry, or raise "
-                               "PITSTOP_AGENT_GPU_LOCK_TIMEOUT_S for jobs with long kernels") from None
-                raise CaptureFailed(f"cannot lock the CUDA state of pid {p.pid}: {e}", code="gpu_lock_failed",
-                                    action="the worker keeps running; see the agent's log") from None
-            locked.append(p)
+        # All at once: processes of one tree may wait on each other's kernels (ranks of a
+        # torchrun under one launcher), so locking one while another still computes could
+        # time out where locking all together does not.
+        locked, failed = at_once(lambda p: drv.lock(p.pid, int(self.lock_timeout_s * 1000)), procs)
+        if failed:
+            self._undo(drv, locked, [])
+            p, e = failed[0]
+            if e.name == "CUDA_ERROR_TIMEOUT":
+                raise CaptureFailed(
+                    f"pid {p.pid} did not reach a point where its CUDA work could be locked within "
+                    f"{self.lock_timeout_s:.0f} s (a kernel or a blocking CUDA call was still running)",
+                    code="gpu_lock_timeout",
+                    action="nothing was captured and the worker keeps running; retry, or raise "
+                           "PITSTOP_AGENT_GPU_LOCK_TIMEOUT_S for jobs with long kernels")
+            raise CaptureFailed(f"cannot lock the CUDA state of pid {p.pid}: {e}", code="gpu_lock_failed",
+                                action="the worker keeps running; see the agent's log")
         t1 = time.monotonic()
-        done: list[GpuProcess] = []
-        for p in procs:
-            try:
-                drv.checkpoint(p.pid)
-            except DriverError as e:
-                self._undo(drv, locked, done)
-                raise CaptureFailed(f"cannot checkpoint the GPU memory of pid {p.pid}: {e}",
-                                    code="gpu_checkpoint_failed",
-                                    action="the worker was restored on its GPUs and keeps running; check "
-                                           "host memory (device memory is copied to host RAM)") from None
-            done.append(p)
+        done, failed = at_once(lambda p: drv.checkpoint(p.pid), procs)
+        if failed:
+            self._undo(drv, locked, done)
+            p, e = failed[0]
+            raise CaptureFailed(f"cannot checkpoint the GPU memory of pid {p.pid}: {e}",
+                                code="gpu_checkpoint_failed",
+                                action="the worker was restored on its GPUs and keeps running; check "
+                                       "host memory (device memory is copied to host RAM)")
         t2 = time.monotonic()
         inv = self._inventory()
         src = {"model": inv.get("gpu_model"), "uuids": [g["uuid"] for g in inv.get("gpus", [])],
@@ -170,16 +207,15 @@ class GpuCheckpointer:
 
     def _undo(self, drv: CudaDriver, locked: list[GpuProcess], checkpointed: list[GpuProcess]) -> list[str]:
         """Put every touched process back to running; collect what could not be undone."""
-        problems = []
-        for p in locked:
-            try:
-                if p in checkpointed:
-                    drv.restore(p.pid, [])
-                drv.unlock(p.pid)
-            except DriverError as e:
-                problems.append(str(e))
-                log.error("cannot undo GPU suspend", pid=p.pid, error=str(e))
-        return problems
+        def back(p: GpuProcess) -> None:
+            if p in checkpointed:
+                drv.restore(p.pid, [])
+            drv.unlock(p.pid)
+
+        _, failed = at_once(back, locked)
+        for p, e in failed:
+            log.error("cannot undo GPU suspend", pid=p.pid, error=str(e))
+        return [str(e) for _, e in failed]
 
     def resume_in_place(self, record: dict[str, Any]) -> None:
         """Undo suspend() on the source, for a rollback.  The processes must not be stopped."""
@@ -213,19 +249,17 @@ class GpuCheckpointer:
             raise RestoreFailed(f"restored tree lacks the CUDA processes {missing} (pids in the worker's namespace)",
                                 code="gpu_restore_failed", action="the images are kept; roll back")
         t0 = time.monotonic()
-        for n in ns:
-            try:
-                drv.restore(by_ns[n], pairs)
-            except DriverError as e:
-                raise RestoreFailed(f"cannot restore GPU memory of pid {by_ns[n]} onto "
-                                    f"{', '.join(b for _, b in pairs) or 'its GPUs'}: {e}",
-                                    code="gpu_restore_failed",
-                                    action="the restored copy is discarded and the source rolled back") from None
+        _, failed = at_once(lambda n: drv.restore(by_ns[n], pairs), ns)
+        if failed:
+            n, e = failed[0]
+            raise RestoreFailed(f"cannot restore GPU memory of pid {by_ns[n]} onto "
+                                f"{', '.join(b for _, b in pairs) or 'its GPUs'}: {e}",
+                                code="gpu_restore_failed",
+                                action="the restored copy is discarded and the source rolled back")
         t1 = time.monotonic()
-        for n in ns:
-            try:
-                drv.unlock(by_ns[n])
-            except DriverError as e:
-                raise RestoreFailed(f"cannot unlock CUDA in pid {by_ns[n]}: {e}", code="gpu_restore_failed",
-                                    action="the restored copy is discarded and the source rolled back") from None
+        _, failed = at_once(lambda n: drv.unlock(by_ns[n]), ns)
+        if failed:
+            n, e = failed[0]
+            raise RestoreFailed(f"cannot unlock CUDA in pid {by_ns[n]}: {e}", code="gpu_restore_failed",
+                                action="the restored copy is discarded and the source rolled back")
         return {"gpu_restore": t1 - t0, "gpu_unlock": time.monotonic() - t1}

@@ -5,12 +5,14 @@ for whoever waits on it (a scheduler, a script), even after CMD has moved to
 another host:
 
 - CMD runs in a PID namespace and session of its own, under pitstop's init
-  (`unshare --pid --fork setsid pitstop-init DIR -- CMD`, native/pitinit.c):
+  (`pitstop-init --pid-namespace DIR -- CMD`, native/pitinit.c, which makes the
+  namespace and waits outside it as `unshare --pid --fork setsid` would, minus the
+  error unshare prints when a move kills the tree):
   restore then needs no free PIDs on the destination, and CRIU accepts the tree
   as a whole.  The init works in DIR, a directory of its own (nsinit.py), so that
   dumps of ranks sharing a working directory need not take turns; CMD keeps the
   directory it was started in.  Without the init built, CMD is the namespace's
-  init itself, as before it existed.  Not --kill-child: that sets
+  init itself (`unshare --pid --fork setsid CMD`), as before it existed.  Not --kill-child: that sets
   PR_SET_PDEATHSIG, which CRIU restores faithfully, and the restored worker
   would be killed the moment CRIU (its parent during restore) exits.
 - stdin is /dev/null; stdout and stderr are pipes this launcher drains.  CRIU
@@ -234,11 +236,12 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         if init_dir is None:
             print(f"pitstop run: warning: cannot make a directory under {nsinit.init_dirs()}: the worker starts "
                   "without pitstop's init, and its dumps take turns with its neighbours'", file=sys.stderr)
-    inner = nsinit.command(init, init_dir, cmd) if init and init_dir else cmd
+    start = nsinit.command(init, init_dir, cmd) if init and init_dir else \
+        ["unshare", "--pid", "--fork", "setsid", *cmd]
     rout, wout = os.pipe()
     rerr, werr = os.pipe()
     try:
-        p = subprocess.Popen([*prefix, "unshare", "--pid", "--fork", "setsid", *inner], env=env,
+        p = subprocess.Popen([*prefix, *start], env=env,
                              stdin=subprocess.DEVNULL, stdout=wout, stderr=werr)
     except OSError as e:
         print(f"pitstop run: cannot start {cmd[0]}: {e}", file=sys.stderr)
