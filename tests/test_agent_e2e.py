@@ -21,8 +21,8 @@ from pitstop.capture import proctree
 from pitstop.errors import IntegrityError, PitstopError, TransferFailed
 from pitstop.migration.move import move_worker
 
-from .helpers import (CuttingProxy, free_port, assert_same_as_reference, ddp_cmd, let_finish, reference_hashes,
-                      step_times, wait_for_step)
+from .helpers import (WORKLOADS, CuttingProxy, free_port, assert_same_as_reference, ddp_cmd, let_finish,
+                      reference_hashes, step_times, wait_for_step)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -71,6 +71,22 @@ def test_move_rank_mid_training_bitwise_equal(cluster, tmp_path):
     # No images left on either side.
     assert not any(a.image_dir.iterdir()) and not any(b.image_dir.iterdir())
     assert b.client().worker("j.1")["state"] == "exited" and b.client().worker("j.1")["exit_code"] == 0
+
+
+def test_move_a_tree_whose_parent_reads_its_childs_output(cluster):
+    """The pipe between a parent and its child's stdout has both ends in the tree: after the move
+    the parent still reads every line, in order, and none of them reaches the job's output."""
+    with cluster.starting():
+        a = cluster.start_agent("a")
+        b = cluster.start_agent("b", spare=True)
+    ranks = cluster.start_job("p", [sys.executable, str(WORKLOADS / "pipe_tree.py"), "--lines", "150"], 1, {0: "a"})
+    cluster.wait_registered("a", "p.0")
+    wait_for_step(ranks[0].log, 20)
+    rep = move_worker(a.client(), b.client(), "p.0", dest_name="b")
+    assert rep.restored_pid and len(proctree.tree(rep.restored_pid)) >= 3  # init, parent, child
+    assert ranks[0].proc.wait(120) == 0, ranks[0].log.read_text(errors="replace")[-1500:]
+    log = ranks[0].log.read_text(errors="replace")
+    assert "done in order n=150" in log and "child " not in log, log[-1500:]
 
 
 def test_move_whole_tree_with_dataloader_children(cluster, tmp_path):

@@ -23,7 +23,7 @@ def _cuda() -> bool:
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--only", "x"], "--only takes letters from a,b,c,d,e"),
+    (["--only", "x"], "--only takes letters from a,b,c,d,e,f"),
     (["--sizes-gib", "1,lots"], "--sizes-gib takes numbers"),
     (["--sizes-gib", "0"], "between 0 and 1024"),
     (["--steps", "10"], "--steps must be at least 100"),
@@ -46,7 +46,8 @@ def test_run_sh_without_a_gpu_skips_every_check_with_its_reason(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads((tmp_path / "gpu-report.json").read_text())
     assert set(r["checks"]) == {"a_cuda_checkpoint_roundtrip", "b_criu_with_cuda", "c_shim_under_processgroupnccl",
-                                "d_checkpoint_throughput", "e_evacuation_through_agents"}
+                                "d_checkpoint_throughput", "e_evacuation_through_agents",
+                                "f_cuda_tree_evacuation_through_agents"}
     for c in r["checks"].values():
         assert c["status"] == "skipped" and c["reason"].startswith("no CUDA device"), c
     assert r["machine"]["torch"] and r["date"] and "criu" in r["machine"]
@@ -77,3 +78,11 @@ def test_check_e_harness_evacuates_a_torch_job_through_agents_bitwise(tmp_path):
     e = _dry_run(tmp_path, "e", 220)["e_evacuation_through_agents"]
     assert e["status"] == "passed" and e["cpu_dry_run"] is True and e["sha256"] == e["reference_sha256"]
     assert e["worker_host"] == "gpu-spare" and e["result"] == "succeeded" and e["downtime_s"] > 0
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(_cuda(), reason="a GPU is present: the real check (f) runs in tests/gpu")
+def test_check_f_harness_evacuates_a_tree_of_three_training_processes_bitwise(tmp_path):
+    f = _dry_run(tmp_path, "f", 240)["f_cuda_tree_evacuation_through_agents"]
+    assert f["status"] == "passed" and f["cpu_dry_run"] is True and f["sha256"] == f["reference_sha256"]
+    assert f["children"] == 2 and f["children_agree"] is True and f["worker_host"] == "gpu-spare"

@@ -53,3 +53,34 @@ def test_a_killed_process_has_let_go_of_its_addresses_when_the_kill_returns(kill
         finally:
             p.kill()
             p.wait()
+
+
+READER = r"""
+import subprocess, sys, time
+kid = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(1)"], stdout=subprocess.PIPE)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_pipe_whose_both_ends_the_tree_holds_is_not_handed_back_as_the_jobs() -> None:
+    """A parent reading its child's output holds that pipe's read end, the child its write end at
+    fd 1: the tree's own pipe, which CRIU restores as it is.  Only the tree's own stdout, whose
+    reader is outside (here: this test), is a pipe to hand back on restore."""
+    p = subprocess.Popen([sys.executable, "-c", READER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         stdin=subprocess.DEVNULL)
+    try:
+        assert p.stdout.readline().strip() == b"ready"
+        tree = proctree.tree(p.pid)
+        assert len(tree) == 2
+        import os
+
+        ours = os.readlink(f"/proc/{p.pid}/fd/1")
+        kids = os.readlink(f"/proc/{tree[1]}/fd/1")
+        assert ours.startswith("pipe:") and kids.startswith("pipe:") and ours != kids
+        got = proctree.stdio_pipes(tree)
+        assert [(e.key, e.fd, e.writable) for e in got] == [(ours, 1, True)], got
+    finally:
+        for pid in reversed(proctree.tree(p.pid)):
+            proctree.kill_and_wait(pid)
+        p.wait(10)

@@ -3,6 +3,9 @@
 --pg nccl  wraps the gradient in a ProcessGroupNCCL allreduce (world size 1);
 --hold-gib N  only allocates N GiB on the GPU, prints its checksum, waits for
 a line on stdin, and prints the checksum again (the throughput check).
+--cuda-children N  also runs the same loop in N child processes (a worker tree of several CUDA
+processes, as a launcher holding its ranks makes one) and, at the end, prints "children agree"
+when each child's final parameters equal its own.
 Prints "step N ..." per step and "done sha256=..." of the final parameters.
 """
 
@@ -22,7 +25,18 @@ p.add_argument("--step-sleep", type=float, default=0.01)
 p.add_argument("--pg", choices=["none", "nccl"], default="none")
 p.add_argument("--hold-gib", type=float, default=0.0)
 p.add_argument("--device", default="cuda", help="cpu: exercise the harness on a machine without a GPU")
+p.add_argument("--cuda-children", type=int, default=0, help="the same loop in this many child processes too")
+p.add_argument("--quiet", action="store_true", help="print only the final line (the children)")
 a = p.parse_args()
+children = []
+if a.cuda_children:
+    import subprocess
+
+    if a.pg != "none" or a.hold_gib:
+        p.error("--cuda-children goes with the plain training loop only")
+    own = ["--steps", str(a.steps), "--step-sleep", str(a.step_sleep), "--device", a.device, "--quiet"]
+    children = [subprocess.Popen([sys.executable, __file__, *own], stdout=subprocess.PIPE, text=True)
+                for _ in range(a.cuda_children)]
 
 dev = torch.device(a.device, 0) if a.device == "cuda" else torch.device(a.device)
 if a.hold_gib:
@@ -56,9 +70,16 @@ for step in range(1, a.steps + 1):
         for prm in model.parameters():
             dist.all_reduce(prm.grad)  # SUM over one rank: the same values, through NCCL
     opt.step()
-    print(f"step {step} t={time.time():.6f} loss={loss.item():.6f}", flush=True)
+    if not a.quiet:
+        print(f"step {step} t={time.time():.6f} loss={loss.item():.6f}", flush=True)
     time.sleep(a.step_sleep)
 h = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in model.parameters())).hexdigest()
 if a.pg == "nccl":
     dist.destroy_process_group()
+if children:
+    got = [c.communicate(timeout=600)[0].strip() for c in children]
+    if any(c.returncode != 0 for c in children) or any(x != f"done sha256={h}" for x in got):
+        print(f"children differ: {got} (exit {[c.returncode for c in children]})", flush=True)
+        sys.exit(1)
+    print(f"children agree n={len(children)}", flush=True)
 print(f"done sha256={h}", flush=True)

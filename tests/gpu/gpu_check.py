@@ -9,7 +9,9 @@
       destroy, re-create with a fresh unique id, continue, bitwise equal;
   (d) GPU->host checkpoint and host->GPU restore throughput for 1, 8 and 32 GiB;
   (e) the whole product: a coordinator and two agents on this host, the CUDA job started by
-      `pitstop run`, its host evacuated to the spare mid-training, bitwise equal at the end.
+      `pitstop run`, its host evacuated to the spare mid-training, bitwise equal at the end;
+  (f) the same with a worker tree of three CUDA processes (a parent training and two children
+      training alike), which the agent locks, checkpoints and restores all at once.
 
 Every check has a deadline; the whole run stops starting new checks past --budget-s.
 Writes a JSON report (--report) and prints a summary.  Exit status: 0 when nothing
@@ -39,7 +41,8 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "service"))
 TRAIN = HERE / "cuda_train.py"
 CHECKS = {"a": "cuda_checkpoint_roundtrip", "b": "criu_with_cuda", "c": "shim_under_processgroupnccl",
-          "d": "checkpoint_throughput", "e": "evacuation_through_agents"}
+          "d": "checkpoint_throughput", "e": "evacuation_through_agents",
+          "f": "cuda_tree_evacuation_through_agents"}
 
 
 class Skip(Exception):
@@ -49,7 +52,7 @@ class Skip(Exception):
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="gpu_check.py")
     p.add_argument("--report", type=Path, default=Path("gpu-report.json"), help="JSON report to write")
-    p.add_argument("--only", default="a,b,c,d,e", help="checks to run, comma separated, from a,b,c,d,e")
+    p.add_argument("--only", default="a,b,c,d,e,f", help="checks to run, comma separated, from a,b,c,d,e,f")
     p.add_argument("--sizes-gib", default="1,8,32", help="device memory sizes for (d), GiB, comma separated")
     p.add_argument("--host-gib", type=float, default=None,
                    help="host memory (d) may use, GiB (default: MemAvailable; give it on a VM whose memory "
@@ -67,7 +70,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="(b) starts the workload as a plain child, not in a pid namespace of its own "
                         "(the CRIU restore then takes back its freed pid)")
     p.add_argument("--cpu-dry-run", action="store_true",
-                   help="no GPU here: run checks (b) and (e) on the CPU to exercise the harness")
+                   help="no GPU here: run checks (b), (e) and (f) on the CPU to exercise the harness")
     a = p.parse_args(argv)
     only = [x.strip() for x in a.only.split(",") if x.strip()]
     bad = [x for x in only if x not in CHECKS]
@@ -447,17 +450,20 @@ def _parallel(drv, work: Path, key: str, gib: float, n: int) -> dict:  # noqa: A
 
 
 # -- (e) -------------------------------------------------------------------------------------------
-def check_e(a: argparse.Namespace, work: Path, ref: str) -> dict:
+def check_e(a: argparse.Namespace, work: Path, ref: str, children: int = 0) -> dict:
     from pitstop.coordinator.client import CoordinatorClient
     from pitstop.devcluster import LocalCluster, wait_for_step
 
     dev = ["--device", "cpu"] if a.cpu_dry_run else []
-    (work / "cluster").mkdir(parents=True, exist_ok=True)
-    with LocalCluster(root=work / "cluster") as c:
+    tree = ["--cuda-children", str(children)] if children else []
+    root = work / ("cluster" if not children else "cluster-tree")
+    root.mkdir(parents=True, exist_ok=True)
+    with LocalCluster(root=root) as c:
         c.start_coordinator()
         c.start_agent("gpu-a")
         c.start_agent("gpu-spare", spare=True)
-        ranks = c.start_job("g", [sys.executable, str(TRAIN), "--steps", str(a.steps), *dev], 1, {0: "gpu-a"})
+        ranks = c.start_job("g", [sys.executable, str(TRAIN), "--steps", str(a.steps), *dev, *tree], 1,
+                            {0: "gpu-a"})
         wait_for_step(ranks[0].log, 50, timeout_s=180)
         cc = CoordinatorClient(c.coordinator_url, c.operator_token)
         op = cc.evacuate("gpu-a")
@@ -473,8 +479,12 @@ def check_e(a: argparse.Namespace, work: Path, ref: str) -> dict:
     res = {"result": md.get("result"), "error": op.get("error"), "downtime_s": md.get("downtime_s"),
            "phases": md.get("phases"), "bytes": md.get("bytes_total"), "worker_host": where.get("g.0"), "exit": rc,
            "cpu_dry_run": a.cpu_dry_run, "sha256": got, "reference_sha256": ref}
-    if md.get("result") != "succeeded" or rc != 0 or got != ref or where.get("g.0") != "gpu-spare":
-        raise AssertionError(f"the evacuation was not transparent: {res}")
+    if children:
+        res["children"] = children
+        res["children_agree"] = f"children agree n={children}" in text
+    if md.get("result") != "succeeded" or rc != 0 or got != ref or where.get("g.0") != "gpu-spare" \
+            or res.get("children_agree") is False:
+        raise AssertionError(f"the evacuation was not transparent: {res}; the job's output ends: {text[-1500:]}")
     return res
 
 
@@ -492,18 +502,19 @@ def main(argv: list[str]) -> int:
         name = CHECKS[letter]
         t0 = time.monotonic()
         try:
-            dry = a.cpu_dry_run and letter in "be"
+            dry = a.cpu_dry_run and letter in "bef"
             if pre.get("skip") and not dry:
-                raise Skip(pre["skip"] + ("; --cpu-dry-run exercises (b) and (e) only" if a.cpu_dry_run else ""))
+                raise Skip(pre["skip"] + ("; --cpu-dry-run exercises (b), (e) and (f) only" if a.cpu_dry_run else ""))
             if time.monotonic() - t_start > a.budget_s:
                 raise Skip(f"time budget of {a.budget_s:.0f} s spent before this check")
-            if letter in "abe" and ref is None:
+            if letter in "abef" and ref is None:
                 ref, secs = run_to_end(work, "reference", ["--steps", str(a.steps), "--step-sleep", "0",
                                                            *(["--device", "cpu"] if a.cpu_dry_run else [])])
                 report["reference"] = {"sha256": ref, "seconds": secs}
             res = {"status": "passed", **{"a": lambda: check_a(a, work, ref), "b": lambda: check_b(a, work, ref),
                                           "c": lambda: check_c(a, work), "d": lambda: check_d(a, work),
-                                          "e": lambda: check_e(a, work, ref)}[letter]()}
+                                          "e": lambda: check_e(a, work, ref),
+                                          "f": lambda: check_e(a, work, ref, children=2)}[letter]()}
         except Skip as e:
             res = {"status": "skipped", "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - every failure is reported, then the next check runs

@@ -128,7 +128,11 @@ class PipeEnd:
 
 
 def stdio_pipes(pids: list[int]) -> list[PipeEnd]:
-    """Distinct pipes at fds 0-2 of the tree: CRIU needs them handed back on restore."""
+    """Distinct pipes at fds 0-2 of the tree that lead outside it: CRIU needs them handed back on
+    restore.  A pipe whose both ends the tree holds (a parent reading its child's output) is the
+    tree's own: CRIU restores it as it is, and handing it back as an outside pipe would join the
+    child's output to the job's and leave the parent reading nothing (seen with a training loop
+    that reads its children's results, tests/gpu's check (f))."""
     seen: dict[str, PipeEnd] = {}
     for pid in pids:
         for fd in (0, 1, 2):
@@ -138,15 +142,47 @@ def stdio_pipes(pids: list[int]) -> list[PipeEnd]:
                 continue
             if not target.startswith("pipe:") or target in seen:
                 continue
-            flags = 0
+            seen[target] = PipeEnd(target, fd, _writable(pid, fd))
+    if not seen:
+        return []
+    inside = _pipe_ends(pids, set(seen))
+    return [p for key, p in seen.items() if inside.get(key) != {"r", "w"}]
+
+
+def _writable(pid: int, fd: int) -> bool:
+    try:
+        for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+            if line.startswith("flags:"):
+                return (int(line.split()[1], 8) & os.O_ACCMODE) != os.O_RDONLY
+    except OSError:
+        pass
+    return False
+
+
+def _pipe_ends(pids: list[int], keys: set[str]) -> dict[str, set[str]]:
+    """Which ends ("r", "w") of the given pipes the tree's processes hold, at any fd."""
+    ends: dict[str, set[str]] = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
             try:
-                for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
-                    if line.startswith("flags:"):
-                        flags = int(line.split()[1], 8)
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
-                pass
-            seen[target] = PipeEnd(target, fd, (flags & os.O_ACCMODE) != os.O_RDONLY)
-    return list(seen.values())
+                continue
+            if target in keys:
+                try:
+                    flags = next(int(line.split()[1], 8) for line in
+                                 Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines()
+                                 if line.startswith("flags:"))
+                except (OSError, StopIteration):
+                    continue
+                mode = flags & os.O_ACCMODE
+                got = ends.setdefault(target, set())
+                got.update({"r", "w"} if mode == os.O_RDWR else {"w"} if mode == os.O_WRONLY else {"r"})
+    return ends
 
 
 def stop(pids: list[int]) -> None:
