@@ -366,3 +366,37 @@ def test_a_restore_that_outlives_its_call_is_stopped_by_the_rollback(cluster, tm
     let_finish(out)
     assert [r.proc.wait(240) for r in ranks] == [0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150))
+
+
+def test_a_spare_without_the_jobs_files_is_refused_before_anything_pauses(cluster, tmp_path):
+    """The spare sees its own file system: here a tmpfs over the job's directory, in a mount
+    namespace of its agent's (gone with the agent).  CRIU's restore there would fail after the
+    pause; the check before the pause names what is missing, and the job never stops."""
+    files = tmp_path / "job-files"
+    files.mkdir()
+    cluster.start_coordinator()
+    with cluster.starting():
+        cluster.start_agent("host-a")
+        cluster.start_agent("spare-1", spare=True, wrap=[
+            "unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount -t tmpfs none "$0" && exec "$@"',
+            str(files)])
+    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+    # The job keeps a log open in its directory, as jobs do.
+    ranks = cluster.start_job("f", ["sh", "-c", 'exec 3>>"$0/train.log"; exec "$@"', str(files), *SLEEPER], 1,
+                              {0: "host-a"})
+    before = _wait_jobs(cc, "f", 1)["workers"][0]
+    op = _wait_op(cc, cc.evacuate("host-a")["name"])
+    err = op["error"]
+    assert err["details"][0]["reason"] == "destination_lacks_files", err
+    assert f"{files}/train.log (missing)" in err["message"] and "Nothing was paused" in err["message"], err
+    assert "same paths on spare-1" in err["details"][0]["action"]
+    assert "pause" not in op["metadata"]["phases"] and not op["metadata"].get("first_pause"), op["metadata"]
+    after = _wait_jobs(cc, "f", 1)["workers"][0]
+    assert (after["host"], after["state"]) == ("host-a", "running") and after["id"] == before["id"]
+    assert proctree.exists(cluster.agents["host-a"].client().worker("f.0")["root_pid"])
+    assert ranks[0].proc.poll() is None
+    # The same job on a spare that has its files moves.
+    with cluster.starting():
+        cluster.start_agent("spare-2", spare=True)
+    op = _wait_op(cc, cc.evacuate("host-a", to="spare-2")["name"])
+    assert op["metadata"]["result"] == "succeeded", op

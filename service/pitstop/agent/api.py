@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from .. import __version__
 from .. import nsinit, priority, shimctl, tls
 from ..network import workerns
-from ..capture import caps, proctree, runtime
+from ..capture import caps, files, proctree, runtime
 from ..errors import Conflict, FailedPrecondition, PitstopError, TransferFailed
 from ..httpapi import install_error_handlers, require_token
 from ..transfer.stream import receive_into
@@ -234,6 +234,17 @@ class ExitedRequest(BaseModel):
     code: int
 
 
+class UsedFileModel(BaseModel):
+    path: str = Field(min_length=2, max_length=4096, pattern=r"^/[^\x00]*$", description="an absolute path")
+    kind: Literal["mapped", "open", "dir"]
+    size: int | None = Field(None, ge=0, description="bytes, for a mapped file")
+
+
+class FilesCheckRequest(BaseModel):
+    files: list[UsedFileModel] = Field(max_length=files.MAX_FILES,
+                                       description="paths a worker's restore needs (GET /v1/workers/{id}/files)")
+
+
 def peer_app(agent: Agent) -> FastAPI:
     app = FastAPI(title="pitstop agent", version=__version__)
     install_error_handlers(app)
@@ -264,6 +275,21 @@ def peer_app(agent: Agent) -> FastAPI:
     @r.get("/workers/{wid}/output")
     async def output(wid: str, stream: str = "stdout", offset: int = 0) -> Response:
         return await _output(agent, wid, stream, offset)
+
+    @r.get("/workers/{wid}/files")
+    def worker_files(wid: str) -> dict:
+        """The paths a restore of this worker needs (capture/files.py): a spare checks them before
+        anything pauses (POST /v1/files:check)."""
+        w = agent.refresh(agent.state.worker(wid))
+        if w.state not in ("running", "paused"):
+            raise Conflict(f"worker {wid} is {w.state}; only a running or paused worker's files are listed",
+                           action="check the worker's state")
+        return {"files": [f.as_dict() for f in files.used_files(proctree.tree(w.root_pid))]}
+
+    @r.post("/files:check")
+    def check_files(req: FilesCheckRequest) -> dict:
+        """What this host lacks of the paths a worker's restore would need: each with why."""
+        return {"lacking": files.lacking([files.UsedFile(f.path, f.kind, f.size) for f in req.files])}
 
     @r.post("/workers/{wid}:pause")
     def pause(wid: str) -> Worker:

@@ -87,6 +87,26 @@ class AgentClient:
             raise_for(r)
         return r.content, {k.lower(): v for k, v in r.headers.items()}
 
+    def worker_files(self, wid: str, timeout: float = 30.0) -> list[dict] | None:
+        """The paths a restore of the worker needs (capture/files.py); None from an agent that
+        predates the call."""
+        return self._or_none(lambda: self._req("GET", f"/v1/workers/{wid}/files", timeout=timeout)["files"])
+
+    def lacking_files(self, files: list[dict], timeout: float = 30.0) -> list[dict] | None:
+        """What this agent's host lacks of those paths, each with why; None from an agent that
+        predates the call."""
+        return self._or_none(lambda: self._req("POST", "/v1/files:check", json={"files": files},
+                                               timeout=timeout)["lacking"])
+
+    @staticmethod
+    def _or_none(call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except PitstopError as e:
+            if e.code in ("http_404", "http_405"):  # the route, not a worker, is unknown
+                return None
+            raise
+
     def pause(self, wid: str) -> dict:
         return self._req("POST", f"/v1/workers/{wid}:pause")
 

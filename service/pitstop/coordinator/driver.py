@@ -33,7 +33,7 @@ import structlog
 
 from .. import faults, priority
 from ..agent.client import AgentClient
-from ..errors import DeadlineExceeded, PitstopError, Unavailable
+from ..errors import DeadlineExceeded, FailedPrecondition, PitstopError, Unavailable
 from .cut import Cut
 from .fanout import in_parallel
 from .settings import CoordinatorSettings
@@ -178,6 +178,7 @@ class OpRun:
         src, dst = self.agent(node), self.agent(dest)
         self.condition("Planned", True, "SpareSelected", f"{len(self.md['workers'])} worker(s) of "
                        f"{', '.join(self.md['jobs'])} move from {node} to {dest}")
+        self._check_files(src, dst)
         self._pre_copy(src, dst)
         # pause: persisted intent first, so a restart knows whom to resume.
         self.enter("pause")
@@ -402,6 +403,40 @@ class OpRun:
                 running = {p["image_id"] for p in src.precopies() if p.get("image_id") in ours}
             except PitstopError:
                 return
+
+    def _check_files(self, src: AgentClient, dst: AgentClient) -> None:
+        """Refuse, before anything pauses, a destination that lacks files the leaving workers use
+        by path (their Python, libraries, working directories, open files: capture/files.py).
+        CRIU's restore would fail on it after the pause and the move would roll back."""
+        lacking: dict[str, list[dict[str, str]]] = {}
+        unchecked: list[str] = []
+
+        def one(wid: str) -> None:
+            used = src.worker_files(wid)
+            lack = dst.lacking_files(used) if used is not None else None
+            if lack is None:
+                unchecked.append(wid)
+            elif lack:
+                lacking[wid] = lack
+
+        self.each(one)
+        if unchecked:
+            log.warning("an agent predates the file check; the restore will say what is missing, if anything",
+                        op=self.id, workers=sorted(unchecked))
+        if lacking:
+            dest = self.md["destination"]
+            first = [f"{x['path']} ({x['why']})" for lack in lacking.values() for x in lack]
+            raise FailedPrecondition(
+                f"{dest} lacks {len(first)} path(s) that {', '.join(sorted(lacking))} use(s) where "
+                f"{'they run' if len(lacking) > 1 else 'it runs'}: {'; '.join(first[:5])}"
+                + (f"; and {len(first) - 5} more" if len(first) > 5 else "") + ". Nothing was paused",
+                code="destination_lacks_files",
+                action=f"make the job's files available at the same paths on {dest} (the same image, or a "
+                       "shared file system), or evacuate to another host with 'to'",
+                details={"lacking": lacking})
+        self.condition("FilesPresent", True, "DestinationHasFiles",
+                       f"{self.md['destination']} has every path the leaving workers use" if not unchecked
+                       else "not checked: an agent predates the check")
 
     def _pre_copy(self, src: AgentClient, dst: AgentClient) -> None:
         """Send the leaving workers' memory while the job still runs (capture/precopy.py).
