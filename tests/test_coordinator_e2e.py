@@ -385,6 +385,14 @@ def test_a_spare_without_the_jobs_files_is_refused_before_anything_pauses(cluste
     ranks = cluster.start_job("f", ["sh", "-c", 'exec 3>>"$0/train.log"; exec "$@"', str(files), *SLEEPER], 1,
                               {0: "host-a"})
     before = _wait_jobs(cc, "f", 1)["workers"][0]
+    # Asked first as a dry run (validate_only): the same refusal, and no operation.
+    with pytest.raises(PitstopError) as e:
+        cc.evacuate("host-a", validate_only=True)
+    assert e.value.http_status == 412 and e.value.code == "destination_lacks_files", e.value
+    assert f"{files}/train.log (missing)" in e.value.message and cc.ops() == []
+    p = _cli(cluster, "evacuate", "host-a", "--dry-run")
+    assert p.returncode == 1 and "train.log (missing)" in p.stderr and "same paths on spare-1" in p.stderr, p.stderr
+    assert cc.ops() == []
     op = _wait_op(cc, cc.evacuate("host-a")["name"])
     err = op["error"]
     assert err["details"][0]["reason"] == "destination_lacks_files", err
@@ -395,8 +403,14 @@ def test_a_spare_without_the_jobs_files_is_refused_before_anything_pauses(cluste
     assert (after["host"], after["state"]) == ("host-a", "running") and after["id"] == before["id"]
     assert proctree.exists(cluster.agents["host-a"].client().worker("f.0")["root_pid"])
     assert ranks[0].proc.poll() is None
-    # The same job on a spare that has its files moves.
+    # The same job on a spare that has its files moves: the dry run says so first.
     with cluster.starting():
         cluster.start_agent("spare-2", spare=True)
+    v = cc.evacuate("host-a", to="spare-2", validate_only=True)
+    assert (v["destination"], v["workers"], v["jobs"], v["files"]) == \
+        ("spare-2", ["f.0"], ["f"], {"checked": ["f.0"], "unchecked": []}), v
+    p = _cli(cluster, "evacuate", "host-a", "--to", "spare-2", "--dry-run")
+    assert p.returncode == 0 and "1 worker(s) of f would move to spare-2" in p.stdout, p.stdout + p.stderr
+    assert "spare-2 has every file" in p.stdout and len(cc.ops()) == 1  # only the refused one
     op = _wait_op(cc, cc.evacuate("host-a", to="spare-2")["name"])
     assert op["metadata"]["result"] == "succeeded", op

@@ -25,9 +25,10 @@ def _fail(e: PitstopError, as_json: bool = False) -> None:
     if as_json:
         print(json.dumps({"error": e.to_dict()}))
     else:
-        err.print(f"[bold red]error:[/] {e.message}")
+        # Not wrapped by rich: paths and ids in a message must survive copying and grep
+        err.print(f"[bold red]error:[/] {e.message}", soft_wrap=True)
         if e.action:
-            err.print(f"[bold]what to do:[/] {e.action}")
+            err.print(f"[bold]what to do:[/] {e.action}", soft_wrap=True)
     raise typer.Exit(1)
 
 
@@ -294,10 +295,10 @@ def _print_op(o: dict) -> None:
     out.print(t)
     if o.get("error"):
         how = "cancelled" if m.get("result") == "cancelled" else "failed"
-        err.print(f"[bold red]{how}:[/] {o['error']['message']}")
+        err.print(f"[bold red]{how}:[/] {o['error']['message']}", soft_wrap=True)
         for d in o["error"].get("details", []):
             if d.get("action"):
-                err.print(f"[bold]what to do:[/] {d['action']}")
+                err.print(f"[bold]what to do:[/] {d['action']}", soft_wrap=True)
 
 
 @app.command()
@@ -317,6 +318,10 @@ def evacuate(
         None, "--pre-copy/--no-pre-copy",
         help="send the leaving workers' memory while the job still runs, then only what changed during the "
              "pause.  Default: the coordinator's PITSTOP_COORDINATOR_PRE_COPY"),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="make every check an evacuation makes before anything pauses (the spare it "
+                                 "would get, post-copy support, the spare's files) and say what would move; "
+                                 "moves nothing"),
     coordinator: Optional[str] = _coordinator_option(),
 ) -> None:
     """Move every worker off NODE to a spare while its jobs keep training.
@@ -328,9 +333,22 @@ def evacuate(
 
     c = _client(coordinator, as_json)
     try:
-        o = c.evacuate(node, to, idempotency_key, post_copy=post_copy, pre_copy=pre_copy)
+        o = c.evacuate(node, to, idempotency_key, post_copy=post_copy, pre_copy=pre_copy, validate_only=dry_run)
     except PitstopError as e:
         _fail(e, as_json)
+    if dry_run:
+        if as_json:
+            print(json.dumps(o, indent=1))
+            return
+        out.print(f"{node} could be evacuated now: {len(o['workers'])} worker(s) of {', '.join(o['jobs'])} "
+                  f"would move to {o['destination']}" + (f", {len(o['peers'])} peer(s) pausing meanwhile"
+                                                         if o["peers"] else ""))
+        if o["files"]["unchecked"]:
+            out.print(f"not checked: the files of {', '.join(o['files']['unchecked'])} (an agent predates the "
+                      "check; the restore would say what is missing)")
+        else:
+            out.print(f"{o['destination']} has every file the leaving workers use")
+        return
     if not wait:
         print(json.dumps(o, indent=1)) if as_json else out.print(f"started {o['name']}")
         return

@@ -23,6 +23,7 @@ from ..errors import Conflict, FailedPrecondition, Forbidden, NotFound, PitstopE
 from ..httpapi import install_error_handlers, require_token, token_matches
 from .driver import Driver
 from .fanout import in_parallel
+from .filecheck import check_files
 from .health_policy import AutoEvacuator
 from .planner import plan
 from .settings import CoordinatorSettings
@@ -41,6 +42,11 @@ class EvacuateRequest(BaseModel):
         None, description="pre-copy: the leaving workers' memory is sent while the job still runs, and only "
         "what changed travels during the pause.  Skipped for a move with network post-copy; a pre-copy "
         "that fails only makes the move send everything.  Default: PITSTOP_COORDINATOR_PRE_COPY")
+    validate_only: bool = Field(
+        False, description="check the request as far as can be without moving anything (AIP-163): the "
+        "host, the spare it would get, post-copy support, and whether that spare has every file the "
+        "leaving workers use; answers 200 with the plan, or the refusal the request would get.  Creates "
+        "no operation and pauses nothing")
 
 
 class WorkerReport(BaseModel):
@@ -155,6 +161,24 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
             check_post_copy(p.node)
         return driver.start(p, reason, idempotency, post_copy=post_copy, pre_copy=pre_copy)
 
+    def validate_evacuation(node: str, body: EvacuateRequest) -> dict[str, Any]:
+        """Every check an evacuation makes before anything pauses, and the plan it would follow."""
+        sync_workers(store, settings, node)
+        p = plan(store, node, body.to, driver.busy_hosts(), settings.heartbeat_timeout_s)
+        if body.post_copy:
+            check_post_copy(p.node)
+        ids = [w["id"] for w in p.leaving]
+        t = min(30.0, settings.step_timeout_s)  # an answer now, not a move's patience
+        with AgentClient(p.node["url"], settings.cluster_token, timeout=t) as src, \
+                AgentClient(p.dest["url"], settings.cluster_token, timeout=t) as dst:
+            files = check_files(src, dst, ids)
+        err = files.error(p.dest["name"])
+        if err:
+            raise err
+        return {"validate_only": True, "node": node, "destination": p.dest["name"], "workers": ids,
+                "jobs": p.jobs, "peers": [w["id"] for w in p.peers],
+                "files": {"checked": [w for w in ids if w not in files.unchecked], "unchecked": files.unchecked}}
+
     def check_post_copy(host: dict[str, Any]) -> None:
         """Refuse post-copy the source cannot serve before anything pauses, not mid-move."""
         try:
@@ -268,7 +292,10 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
     def evacuate(node: str, body: EvacuateRequest | None = None,
                  idempotency_key: str | None = Header(None, max_length=200)) -> JSONResponse:
         body = body or EvacuateRequest()
+        if body.validate_only:
+            return JSONResponse(validate_evacuation(node, body))
         fields = body.model_dump()
+        del fields["validate_only"]
         for f in ("post_copy", "pre_copy"):  # unset as before the field existed: a retry across an upgrade matches
             if fields[f] is None:
                 del fields[f]

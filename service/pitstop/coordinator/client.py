@@ -51,8 +51,9 @@ class CoordinatorClient:
         return self._req("GET", f"/v1/operations/{op_id.removeprefix('operations/')}")
 
     def evacuate(self, node: str, to: str | None = None, idempotency_key: str | None = None,
-                 reason: str | None = None, post_copy: bool | None = None, pre_copy: bool | None = None) -> dict:
-        body: dict[str, Any] = {}
+                 reason: str | None = None, post_copy: bool | None = None, pre_copy: bool | None = None,
+                 validate_only: bool = False) -> dict:
+        body: dict[str, Any] = {"validate_only": True} if validate_only else {}
         if pre_copy is not None:
             body["pre_copy"] = pre_copy
         if post_copy is not None:

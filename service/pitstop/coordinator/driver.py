@@ -33,9 +33,10 @@ import structlog
 
 from .. import faults, priority
 from ..agent.client import AgentClient
-from ..errors import DeadlineExceeded, FailedPrecondition, PitstopError, Unavailable
+from ..errors import DeadlineExceeded, PitstopError, Unavailable
 from .cut import Cut
 from .fanout import in_parallel
+from .filecheck import check_files
 from .settings import CoordinatorSettings
 from .store import Store
 
@@ -408,34 +409,15 @@ class OpRun:
         """Refuse, before anything pauses, a destination that lacks files the leaving workers use
         by path (their Python, libraries, working directories, open files: capture/files.py).
         CRIU's restore would fail on it after the pause and the move would roll back."""
-        lacking: dict[str, list[dict[str, str]]] = {}
-        unchecked: list[str] = []
-
-        def one(wid: str) -> None:
-            used = src.worker_files(wid)
-            lack = dst.lacking_files(used) if used is not None else None
-            if lack is None:
-                unchecked.append(wid)
-            elif lack:
-                lacking[wid] = lack
-
-        self.each(one)
-        if unchecked:
+        res = check_files(src, dst, list(self.md["workers"]))
+        if res.unchecked:
             log.warning("an agent predates the file check; the restore will say what is missing, if anything",
-                        op=self.id, workers=sorted(unchecked))
-        if lacking:
-            dest = self.md["destination"]
-            first = [f"{x['path']} ({x['why']})" for lack in lacking.values() for x in lack]
-            raise FailedPrecondition(
-                f"{dest} lacks {len(first)} path(s) that {', '.join(sorted(lacking))} use(s) where "
-                f"{'they run' if len(lacking) > 1 else 'it runs'}: {'; '.join(first[:5])}"
-                + (f"; and {len(first) - 5} more" if len(first) > 5 else "") + ". Nothing was paused",
-                code="destination_lacks_files",
-                action=f"make the job's files available at the same paths on {dest} (the same image, or a "
-                       "shared file system), or evacuate to another host with 'to'",
-                details={"lacking": lacking})
+                        op=self.id, workers=res.unchecked)
+        err = res.error(self.md["destination"])
+        if err:
+            raise err
         self.condition("FilesPresent", True, "DestinationHasFiles",
-                       f"{self.md['destination']} has every path the leaving workers use" if not unchecked
+                       f"{self.md['destination']} has every path the leaving workers use" if not res.unchecked
                        else "not checked: an agent predates the check")
 
     def _pre_copy(self, src: AgentClient, dst: AgentClient) -> None:
