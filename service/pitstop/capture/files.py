@@ -20,6 +20,7 @@ import stat
 from dataclasses import asdict, dataclass
 
 from .. import nsinit
+from . import proctree
 
 KERNEL = ("/dev/", "/proc/", "/sys/")
 MAX_FILES = 20_000  # a worker with more distinct paths than this is listed up to here
@@ -69,15 +70,10 @@ def used_files(pids: list[int]) -> list[UsedFile]:
                 continue
             if not _skip(path) and path != "/":
                 add(UsedFile(path, "dir"))
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
+        for fd, path in proctree.fd_links(pid):
+            if _skip(path):
+                continue
             try:
-                path = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if _skip(path):
-                    continue
                 mode = os.stat(f"/proc/{pid}/fd/{fd}").st_mode
             except OSError:
                 continue

@@ -149,39 +149,49 @@ def stdio_pipes(pids: list[int]) -> list[PipeEnd]:
     return [p for key, p in seen.items() if inside.get(key) != {"r", "w"}]
 
 
-def _writable(pid: int, fd: int) -> bool:
+def fd_links(pid: int) -> Iterator[tuple[str, str]]:
+    """(fd, what it points to) for each open fd of pid; fds closed meanwhile, or a process gone,
+    are skipped."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            yield fd, os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+
+
+def fd_flags(pid: int | str, fd: int | str) -> int | None:
+    """The open flags of one fd (its fdinfo), None when it is gone."""
     try:
         for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
             if line.startswith("flags:"):
-                return (int(line.split()[1], 8) & os.O_ACCMODE) != os.O_RDONLY
+                return int(line.split()[1], 8)
     except OSError:
         pass
-    return False
+    return None
+
+
+def _writable(pid: int, fd: int) -> bool:
+    flags = fd_flags(pid, fd)
+    return flags is not None and (flags & os.O_ACCMODE) != os.O_RDONLY
 
 
 def _pipe_ends(pids: list[int], keys: set[str]) -> dict[str, set[str]]:
     """Which ends ("r", "w") of the given pipes the tree's processes hold, at any fd."""
     ends: dict[str, set[str]] = {}
     for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
+        for fd, target in fd_links(pid):
+            if target not in keys:
                 continue
-            if target in keys:
-                try:
-                    flags = next(int(line.split()[1], 8) for line in
-                                 Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines()
-                                 if line.startswith("flags:"))
-                except (OSError, StopIteration):
-                    continue
-                mode = flags & os.O_ACCMODE
-                got = ends.setdefault(target, set())
-                got.update({"r", "w"} if mode == os.O_RDWR else {"w"} if mode == os.O_WRONLY else {"r"})
+            flags = fd_flags(pid, fd)
+            if flags is None:
+                continue
+            mode = flags & os.O_ACCMODE
+            ends.setdefault(target, set()).update(
+                {"r", "w"} if mode == os.O_RDWR else {"w"} if mode == os.O_WRONLY else {"r"})
     return ends
 
 
