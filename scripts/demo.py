@@ -70,6 +70,10 @@ def main() -> int:
         wait_for_step(ranks[2].log, 30)
         cli(c, "hosts")
         cli(c, "jobs")
+        say("asking first what an evacuation of host-b would do: pitstop evacuate host-b --dry-run")
+        if cli(c, "evacuate", "host-b", "--dry-run") != 0:
+            print("the dry run refused (see above); nothing was moved")
+            return 1
         say("evacuating host-b while the job trains: pitstop evacuate host-b --wait")
         rc = cli(c, "evacuate", "host-b", "--wait")
         if rc != 0:
