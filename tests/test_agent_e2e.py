@@ -73,13 +73,19 @@ def test_move_rank_mid_training_bitwise_equal(cluster, tmp_path):
     assert b.client().worker("j.1")["state"] == "exited" and b.client().worker("j.1")["exit_code"] == 0
 
 
-def test_move_a_tree_whose_parent_reads_its_childs_output(cluster):
-    """The pipe between a parent and its child's stdout has both ends in the tree: after the move
-    the parent still reads every line, in order, and none of them reaches the job's output."""
+@pytest.mark.parametrize("shape", ["parent reads child", "piped through tee"])
+def test_move_a_tree_with_a_pipe_inside_it(cluster, tmp_path, shape):
+    """A pipe with both ends in the tree (a parent reading its child's stdout; `job | tee log`,
+    as tenants launch jobs) moves as it is: after the move the reader still gets every line, in
+    order, and only the tree's own output reaches the job's."""
     with cluster.starting():
         a = cluster.start_agent("a")
         b = cluster.start_agent("b", spare=True)
-    ranks = cluster.start_job("p", [sys.executable, str(WORKLOADS / "pipe_tree.py"), "--lines", "150"], 1, {0: "a"})
+    job = [sys.executable, str(WORKLOADS / "pipe_tree.py"), "--lines", "150"]
+    tee = tmp_path / "tee.log"
+    if shape == "piped through tee":
+        job = ["sh", "-c", f'"$@" | tee "{tee}"', "sh", *job]
+    ranks = cluster.start_job("p", job, 1, {0: "a"})
     cluster.wait_registered("a", "p.0")
     wait_for_step(ranks[0].log, 20)
     rep = move_worker(a.client(), b.client(), "p.0", dest_name="b")
@@ -87,6 +93,9 @@ def test_move_a_tree_whose_parent_reads_its_childs_output(cluster):
     assert ranks[0].proc.wait(120) == 0, ranks[0].log.read_text(errors="replace")[-1500:]
     log = ranks[0].log.read_text(errors="replace")
     assert "done in order n=150" in log and "child " not in log, log[-1500:]
+    assert [s for s, _ in step_times(ranks[0].log)] == list(range(1, 151))  # each line once, none lost
+    if shape == "piped through tee":
+        assert tee.read_text().splitlines()[-1] == "done in order n=150"
 
 
 def test_move_whole_tree_with_dataloader_children(cluster, tmp_path):
