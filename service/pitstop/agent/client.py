@@ -90,22 +90,14 @@ class AgentClient:
     def worker_files(self, wid: str, timeout: float = 30.0) -> list[dict] | None:
         """The paths a restore of the worker needs (capture/files.py); None from an agent that
         predates the call."""
-        return self._or_none(lambda: self._req("GET", f"/v1/workers/{wid}/files", timeout=timeout)["files"])
+        return self._or_each(lambda: self._req("GET", f"/v1/workers/{wid}/files", timeout=timeout)["files"],
+                             lambda: None)
 
     def lacking_files(self, files: list[dict], timeout: float = 30.0) -> list[dict] | None:
         """What this agent's host lacks of those paths, each with why; None from an agent that
         predates the call."""
-        return self._or_none(lambda: self._req("POST", "/v1/files:check", json={"files": files},
-                                               timeout=timeout)["lacking"])
-
-    @staticmethod
-    def _or_none(call: Callable[[], Any]) -> Any:
-        try:
-            return call()
-        except PitstopError as e:
-            if e.code in ("http_404", "http_405"):  # the route, not a worker, is unknown
-                return None
-            raise
+        return self._or_each(lambda: self._req("POST", "/v1/files:check", json={"files": files},
+                                               timeout=timeout)["lacking"], lambda: None)
 
     def pause(self, wid: str) -> dict:
         return self._req("POST", f"/v1/workers/{wid}:pause")
@@ -124,8 +116,9 @@ class AgentClient:
 
     @staticmethod
     def _or_each(batch: Callable[[], Any], each: Callable[[], Any]) -> Any:
-        """The batch call, or, where the agent predates it (its router has no such route, which
-        is not the same as an unknown worker), the same work one call at a time."""
+        """The call, or, where the agent predates it (its router has no such route, which is not
+        the same as an unknown worker), what `each` gives instead: the same work one call at a
+        time, or None where there is nothing to fall back on."""
         try:
             return batch()
         except PitstopError as e:

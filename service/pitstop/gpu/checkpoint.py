@@ -73,20 +73,14 @@ def at_once(call: Callable[[T], None], items: list[T]) -> tuple[list[T], list[tu
     from 8) checkpointed together (tests/gpu/gpu_check.py --d-parallel, docs/benchmarks.md), and
     cuda-bindings releases the GIL during the call.  An error other than the driver's is raised
     once every call has returned, so no call is left running behind the caller."""
-    if len(items) <= 1:
-        done: list[T] = []
-        failed: list[tuple[T, DriverError]] = []
-        for it in items:
-            try:
-                call(it)
-                done.append(it)
-            except DriverError as e:
-                failed.append((it, e))
-        return done, failed
+    if not items:
+        return [], []
     with ThreadPoolExecutor(max_workers=min(len(items), 16), thread_name_prefix="gpu") as pool:
         futures = [pool.submit(call, it) for it in items]
         wait(futures)
-    done, failed, other = [], [], None
+    done: list[T] = []
+    failed: list[tuple[T, DriverError]] = []
+    other: BaseException | None = None
     for it, f in zip(items, futures):
         e = f.exception()
         if e is None:
