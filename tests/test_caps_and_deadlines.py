@@ -139,3 +139,15 @@ def test_an_agent_removes_images_of_moves_that_died_with_it(tmp_path):
     while (s.images / "in-filling").exists() and time.monotonic() < end:
         time.sleep(0.1)
     assert sorted(p.name for p in s.images.iterdir()) == ["cap-keep"]  # and goes once unused
+
+
+def test_a_dump_that_meets_a_device_mapping_says_what_happened():
+    """CRIU's lines from an H200 run (2026-12-04): a child of the worker began to use CUDA after
+    the tree's CUDA processes were suspended, and its device mapping failed the dump."""
+    lines = ["(00.803831) Error (criu/proc_parse.c:118): handle_device_vma plugin failed: No such file or directory",
+             "(00.803833) Error (criu/proc_parse.c:663): Can't handle non-regular mapping on 1294's map 200600000",
+             "(00.803844) Error (criu/cr-dump.c:1440): Collect mappings (pid: 1294) failed with -1"]
+    action = criu_ops._dump_action(lines, Path("/x/dump.log"))
+    assert "began to use the GPU during the pause" in action and "evacuate again" in action
+    assert action.endswith("/x/dump.log")
+    assert criu_ops._dump_action(lines[2:], Path("/x/dump.log")) == "the worker was resumed; see /x/dump.log"

@@ -175,6 +175,47 @@ def test_one_failure_among_checkpoints_at_once_puts_every_process_back(procs):
     assert all(drv.state(p) == "running" for p in procs), drv.st
 
 
+def test_a_process_that_begins_to_use_cuda_during_the_suspend_is_suspended_too(procs, monkeypatch):
+    """The tree runs while it is suspended: a child still importing torch at the first look holds
+    CUDA by the time the first round is over (an H200 dump failed on its device mapping so).  Each
+    later look suspends what is new, until one finds nothing new."""
+    looks = iter([procs[:2], procs, procs])
+    monkeypatch.setattr(ck, "cuda_pids", lambda xs: [x for x in xs if x in procs])
+    drv = FakeDriver()
+    s = gpu(drv).suspend(procs[:1], rescan=lambda: next(looks))
+    assert all(drv.state(p) == "checkpointed" for p in procs), drv.st
+    assert s.record()["processes"] == procs and s.rounds == 3
+    assert [c for c in drv.calls if c[0] == "lock"] == [("lock", p) for p in procs]  # each once
+    gpu(drv).resume_in_place(s.record())
+    assert all(drv.state(p) == "running" for p in procs)
+
+
+def test_a_tree_that_keeps_beginning_cuda_is_refused_and_put_back(procs, monkeypatch):
+    extra = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(ck.SUSPEND_ROUNDS)]
+    try:
+        everyone = procs[:1] + [p.pid for p in extra]
+        monkeypatch.setattr(ck, "cuda_pids", lambda xs: [x for x in xs if x in everyone])
+        n = iter(range(2, len(everyone) + 1))
+        drv = FakeDriver()
+        with pytest.raises(CaptureFailed) as e:
+            gpu(drv).suspend(procs[:1], rescan=lambda: everyone[:next(n)])  # one more at every look
+        assert e.value.code == "gpu_tree_changing" and "keeps running" in e.value.action
+        assert all(drv.state(p) == "running" for p in everyone), drv.st
+    finally:
+        for p in extra:
+            p.kill()
+            p.wait()
+
+
+def test_a_lock_failing_in_a_later_round_puts_the_earlier_rounds_back(procs, monkeypatch):
+    monkeypatch.setattr(ck, "cuda_pids", lambda xs: [x for x in xs if x in procs])
+    drv = FakeDriver(fail={("lock", procs[2]): "CUDA_ERROR_TIMEOUT"})
+    with pytest.raises(CaptureFailed) as e:
+        gpu(drv).suspend(procs[:2], rescan=lambda: procs)
+    assert e.value.code == "gpu_lock_timeout"
+    assert all(drv.state(p) == "running" for p in procs), drv.st
+
+
 def test_an_error_not_the_drivers_is_raised_once_every_call_has_returned():
     ended: list[int] = []
 

@@ -478,6 +478,10 @@ def check_e(a: argparse.Namespace, work: Path, ref: str, children: int = 0) -> d
     got = final_hash(text)
     res = {"result": md.get("result"), "error": op.get("error"), "downtime_s": md.get("downtime_s"),
            "phases": md.get("phases"), "bytes": md.get("bytes_total"), "worker_host": where.get("g.0"), "exit": rc,
+           # where the capture's time went (GPU lock and checkpoint, CRIU's freeze and dump, the
+           # pre-copy's delta) and how the pre-copy told what changed, as the source agent saw it
+           "workers": {wid: {k: v for k, v in w.items() if k not in ("state",)}
+                       for wid, w in (md.get("workers") or {}).items()},
            "cpu_dry_run": a.cpu_dry_run, "sha256": got, "reference_sha256": ref}
     if children:
         res["children"] = children

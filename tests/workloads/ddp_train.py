@@ -15,6 +15,7 @@ import time
 T_START = time.time()  # before torch's import: a relaunch's start-up is part of checkpoint-restart's cost
 
 import argparse
+import faulthandler
 import hashlib
 import os
 
@@ -72,6 +73,10 @@ def main() -> None:
     args = p.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # A rank has been seen, rarely, to abort at exit ("terminate called without an active
+    # exception", docs/reliability.md) after its final hash: let the next one print where every
+    # thread of it was.
+    faulthandler.enable(all_threads=True)
     warm_mkl_vml()
     print(f"phase start t={T_START:.6f}", flush=True)
     print(f"phase imported t={time.time():.6f}", flush=True)

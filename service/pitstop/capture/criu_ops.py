@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import CaptureFailed, RestoreFailed
 from . import criulog, proctree, runtime, swrk
 
+DEVICE_MAPPING = "Can't handle non-regular mapping"  # CRIU's words (criu/proc_parse.c)
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 
@@ -93,7 +94,7 @@ def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | N
             lines = criulog.error_lines(images / DUMP_LOG)
             raise CaptureFailed(
                 f"CRIU could not dump pid {root_pid}: {e}" + (": " + " | ".join(lines) if lines else ""),
-                action=f"the worker was resumed; see {images / DUMP_LOG}",
+                action=_dump_action(lines, images / DUMP_LOG),
                 details={"criu_errors": lines, "log": str(images / DUMP_LOG)}) from None
         seconds = time.monotonic() - t0
     finally:
@@ -201,3 +202,14 @@ def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None,
     finally:
         c._comm.close()
         os.close(dfd)
+
+
+def _dump_action(lines: list[str], log: Path) -> str:
+    """What an operator does about a failed dump, from CRIU's own lines."""
+    if any(DEVICE_MAPPING in line for line in lines):
+        # CRIU met a device still mapped: a process that began to use the GPU after pitstop
+        # suspended the tree's CUDA processes (gpu/checkpoint.py), or a device nothing moves
+        return (f"the worker was resumed; a process of it mapped a device when CRIU froze it (a process "
+                f"that began to use the GPU during the pause, or a device pitstop cannot move): evacuate "
+                f"again, and see {log}")
+    return f"the worker was resumed; see {log}"

@@ -62,6 +62,7 @@ def _touches_nvidia(pid: int) -> bool:
 
 
 T = TypeVar("T")
+SUSPEND_ROUNDS = 4
 
 
 def at_once(call: Callable[[T], None], items: list[T]) -> tuple[list[T], list[tuple[T, DriverError]]]:
@@ -108,11 +109,12 @@ class Suspended:
     lock_s: float
     checkpoint_s: float
     source: dict[str, Any] = field(default_factory=dict)  # GPU model, UUIDs, driver, CUDA version
+    rounds: int = 1  # looks at the tree it took to find every CUDA process (suspend's `rescan`)
 
     def record(self) -> dict[str, Any]:
         """The image manifest's "gpu" section."""
         return {**self.source, "processes": [p.ns_pid for p in self.procs], "host_pids": [p.pid for p in self.procs],
-                "lock_s": self.lock_s, "checkpoint_s": self.checkpoint_s}
+                "lock_s": self.lock_s, "checkpoint_s": self.checkpoint_s, "rounds": self.rounds}
 
 
 def remap_pairs(src: dict[str, Any], dst_inventory: dict[str, Any]) -> list[tuple[str, str]]:
@@ -152,8 +154,16 @@ class GpuCheckpointer:
         return self._driver
 
     # -- source --------------------------------------------------------------------------------
-    def suspend(self, pids: list[int]) -> Suspended | None:
-        """Lock then checkpoint every CUDA process of a tree; None when none holds CUDA state."""
+    def suspend(self, pids: list[int], rescan: Callable[[], list[int]] | None = None) -> Suspended | None:
+        """Lock then checkpoint every CUDA process of a tree; None when none holds CUDA state.
+
+        The tree runs while this happens (the driver needs its processes running), so a process
+        can begin to use CUDA after the first look: a launcher's child still importing torch.
+        CRIU then meets its device mapping and the dump fails (seen on an H200 with a tree of three
+        CUDA processes, once in two runs).  `rescan` lists the tree again after each round; new
+        CUDA processes are suspended in another round, up to SUSPEND_ROUNDS, until a look finds
+        none.  A process that begins to use CUDA in the few milliseconds between the last look
+        and CRIU's freeze still fails the dump, and the worker runs on (its GPUs given back)."""
         targets = cuda_pids(pids)
         if not targets:
             return None
@@ -164,40 +174,65 @@ class GpuCheckpointer:
                                 code="gpu_driver_unavailable",
                                 action="run the agent on the GPU host with the NVIDIA driver (>= 570) loaded; "
                                        "the worker keeps running") from None
-        procs = [GpuProcess(p, (proctree.ns_pids(p) or [p])[-1]) for p in targets]
-        t0 = time.monotonic()
-        # All at once: processes of one tree may wait on each other's kernels (ranks of a
-        # torchrun under one launcher), so locking one while another still computes could
-        # time out where locking all together does not.
-        locked, failed = at_once(lambda p: drv.lock(p.pid, int(self.lock_timeout_s * 1000)), procs)
-        if failed:
-            self._undo(drv, locked, [])
-            p, e = failed[0]
-            if e.name == "CUDA_ERROR_TIMEOUT":
-                raise CaptureFailed(
-                    f"pid {p.pid} did not reach a point where its CUDA work could be locked within "
-                    f"{self.lock_timeout_s:.0f} s (a kernel or a blocking CUDA call was still running)",
-                    code="gpu_lock_timeout",
-                    action="nothing was captured and the worker keeps running; retry, or raise "
-                           "PITSTOP_AGENT_GPU_LOCK_TIMEOUT_S for jobs with long kernels")
-            raise CaptureFailed(f"cannot lock the CUDA state of pid {p.pid}: {e}", code="gpu_lock_failed",
-                                action="the worker keeps running; see the agent's log")
-        t1 = time.monotonic()
-        done, failed = at_once(lambda p: drv.checkpoint(p.pid), procs)
-        if failed:
-            self._undo(drv, locked, done)
-            p, e = failed[0]
-            raise CaptureFailed(f"cannot checkpoint the GPU memory of pid {p.pid}: {e}",
-                                code="gpu_checkpoint_failed",
-                                action="the worker was restored on its GPUs and keeps running; check "
-                                       "host memory (device memory is copied to host RAM)")
-        t2 = time.monotonic()
+        done: list[GpuProcess] = []
+        lock_s = checkpoint_s = 0.0
+        for rounds in range(1, SUSPEND_ROUNDS + 1):
+            procs = [GpuProcess(p, (proctree.ns_pids(p) or [p])[-1]) for p in targets]
+            t0 = time.monotonic()
+            self._lock(drv, procs, done)
+            t1 = time.monotonic()
+            self._checkpoint(drv, procs, done)
+            t2 = time.monotonic()
+            done += procs
+            lock_s, checkpoint_s = lock_s + t1 - t0, checkpoint_s + t2 - t1
+            if rescan is None:
+                break
+            seen = {p.pid for p in done}
+            targets = [p for p in cuda_pids(rescan()) if p not in seen]
+            if not targets:
+                break
+        else:
+            self._undo(drv, done, done)
+            raise CaptureFailed(f"processes of the worker kept beginning to use CUDA while it was being suspended "
+                                f"(pids {targets} after {SUSPEND_ROUNDS} rounds)", code="gpu_tree_changing",
+                                action="the worker keeps running on its GPUs; evacuate again once its "
+                                       "processes have started")
         inv = self._inventory()
         src = {"model": inv.get("gpu_model"), "uuids": [g["uuid"] for g in inv.get("gpus", [])],
                "driver": inv.get("driver"), "cuda": drv.version()}
-        log.info("gpu state checkpointed", pids=[p.pid for p in procs], lock_s=round(t1 - t0, 4),
-                 checkpoint_s=round(t2 - t1, 4))
-        return Suspended(procs, t1 - t0, t2 - t1, src)
+        log.info("gpu state checkpointed", pids=[p.pid for p in done], lock_s=round(lock_s, 4),
+                 checkpoint_s=round(checkpoint_s, 4), rounds=rounds)
+        return Suspended(done, lock_s, checkpoint_s, src, rounds)
+
+    def _lock(self, drv: CudaDriver, procs: list[GpuProcess], before: list[GpuProcess]) -> None:
+        """All at once: processes of one tree may wait on each other's kernels (ranks of a torchrun
+        under one launcher), so locking one while another still computes could time out where
+        locking all together does not.  A failure undoes this round and those `before` it."""
+        locked, failed = at_once(lambda p: drv.lock(p.pid, int(self.lock_timeout_s * 1000)), procs)
+        if not failed:
+            return
+        self._undo(drv, before + locked, before)
+        p, e = failed[0]
+        if e.name == "CUDA_ERROR_TIMEOUT":
+            raise CaptureFailed(
+                f"pid {p.pid} did not reach a point where its CUDA work could be locked within "
+                f"{self.lock_timeout_s:.0f} s (a kernel or a blocking CUDA call was still running)",
+                code="gpu_lock_timeout",
+                action="nothing was captured and the worker keeps running; retry, or raise "
+                       "PITSTOP_AGENT_GPU_LOCK_TIMEOUT_S for jobs with long kernels")
+        raise CaptureFailed(f"cannot lock the CUDA state of pid {p.pid}: {e}", code="gpu_lock_failed",
+                            action="the worker keeps running; see the agent's log")
+
+    def _checkpoint(self, drv: CudaDriver, procs: list[GpuProcess], before: list[GpuProcess]) -> None:
+        done, failed = at_once(lambda p: drv.checkpoint(p.pid), procs)
+        if not failed:
+            return
+        self._undo(drv, before + procs, before + done)
+        p, e = failed[0]
+        raise CaptureFailed(f"cannot checkpoint the GPU memory of pid {p.pid}: {e}",
+                            code="gpu_checkpoint_failed",
+                            action="the worker was restored on its GPUs and keeps running; check "
+                                   "host memory (device memory is copied to host RAM)")
 
     def _undo(self, drv: CudaDriver, locked: list[GpuProcess], checkpointed: list[GpuProcess]) -> list[str]:
         """Put every touched process back to running; collect what could not be undone."""
