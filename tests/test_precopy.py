@@ -171,6 +171,49 @@ def test_restore_from_a_delta_and_its_pre_copy_is_the_process_as_dumped(tmp_path
         p.wait(10)
 
 
+def test_a_process_that_began_to_use_a_gpu_is_cut_by_digest(tmp_path: Path) -> None:
+    """Its writes were tracked from the pre-copy on, then it began to use a GPU: the device may
+    have written memory it pinned, unseen by the page tables.  distrust() drops its tracking; the
+    digests taken with the pre-copy cut its delta instead, and the restore is still the process."""
+    report = tmp_path / "digest"
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", HOLDER, str(report)],
+                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env=dict(os.environ, LD_PRELOAD=str(WRITETRACK)))
+    run_id, restored = "", None
+    try:
+        assert p.stdout.readline().strip() == b"ready"
+        root = proctree.children(p.pid)[0]
+        pre, images, view = tmp_path / "pre", tmp_path / "images", tmp_path / "view"
+        pre.mkdir()
+        basis = precopy.snapshot("w", proctree.tree(root), pre, track=True)
+        assert precopy.describe_basis(basis)["tracked_tasks"] == 1, basis.untracked
+        assert basis.distrust({root + 1_000_000}, "no such pid") == 0  # another process's pid: kept
+        assert basis.distrust({root}, "it began to use a GPU after its pre-copy") == 1
+        assert basis.untracked == {root: "it began to use a GPU after its pre-copy"} and not basis.fully_tracked()
+        os.kill(root, signal.SIGUSR2)
+        before = _wait_file(Path(f"{report}.1"))
+        run_id = criu_ops.dump(root, images).run_id
+        delta = precopy.rewrite(images, view, basis)
+        full = sum(f.stat().st_size for f in images.glob("pages-*.img"))
+        assert (delta.tracked_tasks, delta.digested_tasks) == (0, 1)
+        assert delta.changed_bytes + delta.parent_bytes == full and delta.parent_bytes >= 60 << 20
+        (view / "parent").symlink_to(Path("..") / "pre")
+        _kill_tree(p.pid)
+        p.wait(10)
+        netlock.release(run_id)
+        run_id = ""
+        restored, _ = criu_ops.restore(view, {})
+        os.kill(restored, signal.SIGUSR2)
+        assert _wait_file(Path(f"{report}.2")) == before
+    finally:
+        if restored:
+            _kill_tree(restored)
+        if run_id:
+            netlock.release(run_id)
+        _kill_tree(p.pid)
+        p.wait(10)
+
+
 BUSY = r"""
 import hashlib, mmap, os, random, signal, sys, time
 out = sys.argv[1]

@@ -5,7 +5,9 @@
 a line on stdin, and prints the checksum again (the throughput check).
 --cuda-children N  also runs the same loop in N child processes (a worker tree of several CUDA
 processes, as a launcher holding its ranks makes one) and, at the end, prints "children agree"
-when each child's final parameters equal its own.
+when each child's final parameters equal its own.  The parent's first step waits until every
+child has its CUDA context, so a pause after step 1 finds three CUDA processes (before
+2026-12-04 17:00 the children could still be importing torch at the pause).
 Prints "step N ..." per step and "done sha256=..." of the final parameters.
 """
 
@@ -60,6 +62,13 @@ if a.pg == "nccl":
 model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 16)).to(dev)
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 g = torch.Generator(device=dev).manual_seed(99)
+if a.quiet:  # a child: its CUDA context exists now
+    print("ready", flush=True)
+for c in children:  # every process of the tree holds CUDA before the first step (and so at any pause)
+    line = c.stdout.readline().strip()  # type: ignore[union-attr]
+    if line != "ready":
+        print(f"a child did not start: {line!r}", flush=True)
+        sys.exit(1)
 for step in range(1, a.steps + 1):
     x = torch.randn(256, 512, device=dev, generator=g)
     y = torch.randn(256, 16, device=dev, generator=g)

@@ -486,6 +486,10 @@ def check_e(a: argparse.Namespace, work: Path, ref: str, children: int = 0) -> d
     if children:
         res["children"] = children
         res["children_agree"] = f"children agree n={children}" in text
+        if not a.cpu_dry_run:  # every process of the tree held CUDA at the pause, and was suspended
+            ph = (md.get("workers") or {}).get("g.0", {}).get("capture_phases", {})
+            res["gpu_processes"] = ph.get("gpu_processes")
+            res["children_agree"] = res["children_agree"] and ph.get("gpu_processes") == children + 1
     if md.get("result") != "succeeded" or rc != 0 or got != ref or where.get("g.0") != "gpu-spare" \
             or res.get("children_agree") is False:
         raise AssertionError(f"the evacuation was not transparent: {res}; the job's output ends: {text[-1500:]}")

@@ -75,7 +75,10 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # A rank has been seen, rarely, to abort at exit ("terminate called without an active
     # exception", docs/reliability.md) after its final hash: let the next one print where every
-    # thread of it was.
+    # thread of it was, in C++ (torch's own handler) and then in Python (faulthandler, which
+    # hands the signal on to the handler it replaced).
+    if hasattr(torch._C, "_set_print_stack_traces_on_fatal_signal"):
+        torch._C._set_print_stack_traces_on_fatal_signal(True)
     faulthandler.enable(all_threads=True)
     warm_mkl_vml()
     print(f"phase start t={T_START:.6f}", flush=True)

@@ -558,6 +558,16 @@ class SourceSide:
             return
         if suspended:
             self.state.update_capture(cap, gpu=suspended.record())
+            if basis is not None and basis.distrust({p.pid for p in suspended.procs},
+                                                    "it began to use a GPU after its pre-copy"):
+                # its pre-copied memory may have been written by the device unseen: its delta is
+                # cut by digest from a full dump (CRIU's incremental dump would trust the tracking)
+                if incremental:
+                    incremental = None
+                    tail.directory = images / DELTA
+                    if basis.local is not None:
+                        shutil.rmtree(basis.local, ignore_errors=True)
+                        basis.local = None
         faults.hit("capture:before_dump")
         t_dump = time.monotonic()
         try:
@@ -583,7 +593,8 @@ class SourceSide:
             return
         dump_end = time.monotonic()
         gpu_phases = {"gpu_lock": suspended.lock_s, "gpu_checkpoint": suspended.checkpoint_s,
-                      "gpu_rounds": float(suspended.rounds)} if suspended else {}
+                      "gpu_rounds": float(suspended.rounds), "gpu_processes": float(len(suspended.procs))} \
+            if suspended else {}
         self.state.update_capture(cap, run_id=res.run_id, phases={
             **cap.phases, **gpu_phases, "before_dump": t_dump - t0,
             "freeze": res.stats.get("freezing_time", 0) / 1e6, "dump": res.seconds,
