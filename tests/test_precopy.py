@@ -9,12 +9,15 @@ CRIU's daemon from both files, capture/lazydelta.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -72,6 +75,43 @@ def _kill_tree(pid: int) -> None:
 
 
 WRITETRACK = Path(__file__).resolve().parents[1] / "native" / "build" / "libpitstop_writetrack.so"
+
+
+@dataclass
+class _Held:
+    """A test process started with the write-tracking library in a pid namespace of its own,
+    dumped and restored by the test; `held()` removes whatever of it exists at the end."""
+
+    p: subprocess.Popen
+    root: int = 0
+    run_id: str = ""
+    restored: int | None = None
+
+    def restore(self, view: Path) -> None:
+        """End the original (and its network lock), then restore the dump from `view`."""
+        _kill_tree(self.p.pid)
+        self.p.wait(10)
+        netlock.release(self.run_id)
+        self.run_id = ""
+        self.restored, _ = criu_ops.restore(view, {})
+
+
+@contextlib.contextmanager
+def held(script: str, report: Path) -> Iterator[_Held]:
+    h = _Held(subprocess.Popen(["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", script, str(report)],
+                               stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env=dict(os.environ, LD_PRELOAD=str(WRITETRACK))))
+    try:
+        assert h.p.stdout.readline().strip() == b"ready"  # type: ignore[union-attr]
+        h.root = proctree.children(h.p.pid)[0]
+        yield h
+    finally:
+        if h.restored:
+            _kill_tree(h.restored)
+        if h.run_id:
+            netlock.release(h.run_id)
+        _kill_tree(h.p.pid)
+        h.p.wait(10)
 
 
 def _incremental_dump(root: int, images: Path, basis: precopy.Basis) -> criu_ops.DumpResult:
@@ -176,42 +216,25 @@ def test_a_process_that_began_to_use_a_gpu_is_cut_by_digest(tmp_path: Path) -> N
     have written memory it pinned, unseen by the page tables.  distrust() drops its tracking; the
     digests taken with the pre-copy cut its delta instead, and the restore is still the process."""
     report = tmp_path / "digest"
-    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", HOLDER, str(report)],
-                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         env=dict(os.environ, LD_PRELOAD=str(WRITETRACK)))
-    run_id, restored = "", None
-    try:
-        assert p.stdout.readline().strip() == b"ready"
-        root = proctree.children(p.pid)[0]
+    with held(HOLDER, report) as h:
         pre, images, view = tmp_path / "pre", tmp_path / "images", tmp_path / "view"
         pre.mkdir()
-        basis = precopy.snapshot("w", proctree.tree(root), pre, track=True)
+        basis = precopy.snapshot("w", proctree.tree(h.root), pre, track=True)
         assert precopy.describe_basis(basis)["tracked_tasks"] == 1, basis.untracked
-        assert basis.distrust({root + 1_000_000}, "no such pid") == 0  # another process's pid: kept
-        assert basis.distrust({root}, "it began to use a GPU after its pre-copy") == 1
-        assert basis.untracked == {root: "it began to use a GPU after its pre-copy"} and not basis.fully_tracked()
-        os.kill(root, signal.SIGUSR2)
+        assert basis.distrust({h.root + 1_000_000}, "no such pid") == 0  # another process's pid: kept
+        assert basis.distrust({h.root}, "it began to use a GPU after its pre-copy") == 1
+        assert basis.untracked == {h.root: "it began to use a GPU after its pre-copy"} and not basis.fully_tracked()
+        os.kill(h.root, signal.SIGUSR2)
         before = _wait_file(Path(f"{report}.1"))
-        run_id = criu_ops.dump(root, images).run_id
+        h.run_id = criu_ops.dump(h.root, images).run_id
         delta = precopy.rewrite(images, view, basis)
         full = sum(f.stat().st_size for f in images.glob("pages-*.img"))
         assert (delta.tracked_tasks, delta.digested_tasks) == (0, 1)
         assert delta.changed_bytes + delta.parent_bytes == full and delta.parent_bytes >= 60 << 20
         (view / "parent").symlink_to(Path("..") / "pre")
-        _kill_tree(p.pid)
-        p.wait(10)
-        netlock.release(run_id)
-        run_id = ""
-        restored, _ = criu_ops.restore(view, {})
-        os.kill(restored, signal.SIGUSR2)
+        h.restore(view)
+        os.kill(h.restored, signal.SIGUSR2)  # type: ignore[arg-type]
         assert _wait_file(Path(f"{report}.2")) == before
-    finally:
-        if restored:
-            _kill_tree(restored)
-        if run_id:
-            netlock.release(run_id)
-        _kill_tree(p.pid)
-        p.wait(10)
 
 
 BUSY = r"""
@@ -247,43 +270,26 @@ def test_pages_written_while_they_are_read_travel_again(tmp_path: Path, by: str)
     every page written after its protection is reported, so the restored copy is the dumped one.
     by: who cuts the delta (pitstop out of a full dump, or CRIU's incremental dump)."""
     report = tmp_path / "digest"
-    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", BUSY, str(report)],
-                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         env=dict(os.environ, LD_PRELOAD=str(WRITETRACK)))
-    run_id, restored = "", None
-    try:
-        assert p.stdout.readline().strip() == b"ready"
-        root = proctree.children(p.pid)[0]
+    with held(BUSY, report) as h:
         pre, images, view = tmp_path / "pre", tmp_path / "images", tmp_path / "view"
         pre.mkdir()
-        basis = precopy.snapshot("w", proctree.tree(root), pre, track=True)
+        basis = precopy.snapshot("w", proctree.tree(h.root), pre, track=True)
         assert precopy.describe_basis(basis)["tracked_tasks"] == 1, basis.untracked
-        os.kill(root, signal.SIGUSR1)
+        os.kill(h.root, signal.SIGUSR1)
         before = _wait_file(Path(f"{report}.1"))
         if by == "criu":
-            res = _incremental_dump(root, images, basis)
-            run_id, view = res.run_id, images
+            res = _incremental_dump(h.root, images, basis)
+            h.run_id, view = res.run_id, images
             assert res.pages_written >= 64 and res.pages_in_parent > 0, res.stats
         else:
-            run_id = criu_ops.dump(root, images).run_id
+            h.run_id = criu_ops.dump(h.root, images).run_id
             delta = precopy.rewrite(images, view, basis)
             assert delta.tracked_tasks == 1 and delta.changed_bytes >= 64 * 4096, precopy.describe_delta(delta)
             assert delta.parent_bytes > 0
             (view / "parent").symlink_to(Path("..") / "pre")
-        _kill_tree(p.pid)
-        p.wait(10)
-        netlock.release(run_id)
-        run_id = ""
-        restored, _ = criu_ops.restore(view, {})
-        os.kill(restored, signal.SIGUSR2)
+        h.restore(view)
+        os.kill(h.restored, signal.SIGUSR2)  # type: ignore[arg-type]
         assert _wait_file(Path(f"{report}.2")) == before
-    finally:
-        if restored:
-            _kill_tree(restored)
-        if run_id:
-            netlock.release(run_id)
-        _kill_tree(p.pid)
-        p.wait(10)
 
 
 def test_unchanged_is_what_was_copied_less_what_was_written() -> None:
