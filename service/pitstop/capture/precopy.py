@@ -300,7 +300,7 @@ def _snapshot_one(pycriu: Any, pid: int, out: Path, stop: threading.Event,
                     for va, n in [(start, (end - start) // PAGE)] if whole else _anon_runs(pm, start, end):
                         # digests even where the kernel tracks the writes: the fallback for a process
                         # that may be written behind the page tables later (Basis.distrust); they cost
-                        # about 5 % of the copy (xxh3 at 15-20 GB/s)
+                        # 5-10 % of the pre-copy's time (bench/delta_cost.py, docs/benchmarks.md)
                         got = _copy_run(mem, pf, None if whole else digests, va, n, buf, stop)
                         if got and tracker and not whole:
                             digests.copied.append((va, va + got * PAGE))
