@@ -15,9 +15,11 @@ import time
 T_START = time.time()  # before torch's import: a relaunch's start-up is part of checkpoint-restart's cost
 
 import argparse
+import ctypes
 import faulthandler
 import hashlib
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pace import pause
+
+ABORT_TRACE = Path(__file__).resolve().parents[2] / "native" / "build" / "libpitstop_aborttrace.so"
 
 
 # The float functions ATen hands to MKL's vector math library (VML) on x86 builds
@@ -74,11 +78,11 @@ def main() -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # A rank has been seen, rarely, to abort at exit ("terminate called without an active
-    # exception", docs/reliability.md) after its final hash: let the next one print where every
-    # thread of it was, in C++ (torch's own handler) and then in Python (faulthandler, which
-    # hands the signal on to the handler it replaced).
-    if hasattr(torch._C, "_set_print_stack_traces_on_fatal_signal"):
-        torch._C._set_print_stack_traces_on_fatal_signal(True)
+    # exception", docs/reliability.md) after its final hash: let the next one print where it
+    # was, in Python (faulthandler, every thread) and then the aborting thread's native stack
+    # (native/aborttrace.c, loaded first: faulthandler hands the signal on to it).
+    if ABORT_TRACE.exists():
+        ctypes.CDLL(str(ABORT_TRACE))
     faulthandler.enable(all_threads=True)
     warm_mkl_vml()
     print(f"phase start t={T_START:.6f}", flush=True)
