@@ -87,6 +87,13 @@ class _Held:
     run_id: str = ""
     restored: int | None = None
 
+    def pre_copy(self, tmp: Path) -> tuple[precopy.Basis, Path, Path]:
+        """A tracked pre-copy into tmp/pre: (its basis, where the dump goes, where the delta goes)."""
+        (tmp / "pre").mkdir()
+        basis = precopy.snapshot("w", proctree.tree(self.root), tmp / "pre", track=True)
+        assert precopy.describe_basis(basis)["tracked_tasks"] == 1, basis.untracked
+        return basis, tmp / "images", tmp / "view"
+
     def restore(self, view: Path) -> None:
         """End the original (and its network lock), then restore the dump from `view`."""
         _kill_tree(self.p.pid)
@@ -217,10 +224,7 @@ def test_a_process_that_began_to_use_a_gpu_is_cut_by_digest(tmp_path: Path) -> N
     digests taken with the pre-copy cut its delta instead, and the restore is still the process."""
     report = tmp_path / "digest"
     with held(HOLDER, report) as h:
-        pre, images, view = tmp_path / "pre", tmp_path / "images", tmp_path / "view"
-        pre.mkdir()
-        basis = precopy.snapshot("w", proctree.tree(h.root), pre, track=True)
-        assert precopy.describe_basis(basis)["tracked_tasks"] == 1, basis.untracked
+        basis, images, view = h.pre_copy(tmp_path)
         assert basis.distrust({h.root + 1_000_000}, "no such pid") == 0  # another process's pid: kept
         assert basis.distrust({h.root}, "it began to use a GPU after its pre-copy") == 1
         assert basis.untracked == {h.root: "it began to use a GPU after its pre-copy"} and not basis.fully_tracked()
@@ -271,10 +275,7 @@ def test_pages_written_while_they_are_read_travel_again(tmp_path: Path, by: str)
     by: who cuts the delta (pitstop out of a full dump, or CRIU's incremental dump)."""
     report = tmp_path / "digest"
     with held(BUSY, report) as h:
-        pre, images, view = tmp_path / "pre", tmp_path / "images", tmp_path / "view"
-        pre.mkdir()
-        basis = precopy.snapshot("w", proctree.tree(h.root), pre, track=True)
-        assert precopy.describe_basis(basis)["tracked_tasks"] == 1, basis.untracked
+        basis, images, view = h.pre_copy(tmp_path)
         os.kill(h.root, signal.SIGUSR1)
         before = _wait_file(Path(f"{report}.1"))
         if by == "criu":

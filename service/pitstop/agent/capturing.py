@@ -565,9 +565,7 @@ class SourceSide:
                 if incremental:
                     incremental = None
                     tail.directory = images / DELTA
-                    if basis.local is not None:
-                        shutil.rmtree(basis.local, ignore_errors=True)
-                        basis.local = None
+                    basis.drop_local()
         faults.hit("capture:before_dump")
         t_dump = time.monotonic()
         try:

@@ -110,6 +110,10 @@ class Basis:
     def discard(self) -> None:
         """A pre-copy no move will use: end its tracking and delete what was kept of it here."""
         self.close()
+        self.drop_local()
+
+    def drop_local(self) -> None:
+        """Delete the copy kept here for CRIU's incremental dump (its parent): none will use it."""
         if self.local is not None:
             shutil.rmtree(self.local, ignore_errors=True)
             self.local = None
