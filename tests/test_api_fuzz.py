@@ -4,6 +4,7 @@ coordinator with an empty fleet, and an agent with no workers."""
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import tempfile
 from pathlib import Path
@@ -37,6 +38,7 @@ FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=list(Healt
 # Schemas are read at import (schemathesis parametrizes at collection); the apps' state lives
 # in a temporary directory that the module fixture removes.
 _TMP = Path(tempfile.mkdtemp(prefix="pitstop-fuzz-"))
+atexit.register(shutil.rmtree, _TMP, True)  # also when no test of this module runs (a -k elsewhere)
 COORD_APP, DRIVER = _coordinator(_TMP)
 AGENT_APP = _agent(_TMP)
 coordinator_schema = schemathesis.openapi.from_asgi("/openapi.json", COORD_APP)
