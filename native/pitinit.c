@@ -19,8 +19,9 @@
  * outside a namespace (the kernel drops signals an init has no handler for), and processes
  * orphaned inside the namespace are reaped here.
  *
- * What it does: blocks the signals it forwards and SIGCHLD, forks CMD (which gets the mask
- * back before exec), moves to DIR, then waits in sigwaitinfo(): a forwarded signal goes to
+ * What it does: blocks the signals it forwards and SIGCHLD, moves to DIR, forks CMD (which goes
+ * back to the launcher's directory by a descriptor opened before the move, and gets the mask back,
+ * before exec), then waits in sigwaitinfo(): a forwarded signal goes to
  * CMD, SIGCHLD reaps every child that ended.  When CMD ends, DIR is removed and this process
  * exits with CMD's status (128 + N where CMD died of signal N); the kernel then ends the rest
  * of the namespace, as it did when CMD was its init.  Linked statically where it can be, so
@@ -29,6 +30,7 @@
  * restores this process; the loop waits again. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -87,17 +89,28 @@ int main(int argc, char **argv) {
   sigaddset(&waited, SIGCHLD);
   if (sigprocmask(SIG_BLOCK, &waited, &old) != 0) { perror("pitstop-init: sigprocmask"); return 125; }
 
+  /* DIR before CMD exists: whoever finds CMD (its agent registers it and reads the init's
+   * directory then) finds the init in DIR already, however late this process is scheduled. */
+  int here = open(".", O_PATH | O_DIRECTORY | O_CLOEXEC);
+  int moved = chdir(dir) == 0; /* still correct if not: only dumps of ranks sharing a directory take turns again */
+  if (!moved)
+    fprintf(stderr, "pitstop-init: cannot work in %s (%s); the worker runs on\n", dir, strerror(errno));
+
   pid_t child = fork();
   if (child < 0) { perror("pitstop-init: fork"); return 125; }
   if (child == 0) {
+    if (moved && (here < 0 || fchdir(here) != 0)) {
+      fprintf(stderr, "pitstop-init: cannot return to the directory %s was started in (%s)\n", cmd[0],
+              strerror(here < 0 ? EBADF : errno));
+      _exit(125);
+    }
     sigprocmask(SIG_SETMASK, &old, NULL);
     execvp(cmd[0], cmd);
     int e = errno;
     fprintf(stderr, "pitstop-init: cannot run %s: %s\n", cmd[0], strerror(e));
     _exit(e == ENOENT ? 127 : 126);
   }
-  if (chdir(dir) != 0) /* still correct: only dumps of ranks sharing a directory take turns again */
-    fprintf(stderr, "pitstop-init: cannot work in %s (%s); the worker runs on\n", dir, strerror(errno));
+  if (here >= 0) close(here); /* nothing of the launcher's directory in the dumped init */
 
   for (;;) {
     siginfo_t si;

@@ -42,9 +42,9 @@ def test_the_command_keeps_its_directory_and_exit_status_and_the_init_works_in_i
     p, d = _under_init(tmp_path, sys.executable, "-c", "import os, time; print(os.getpid(), os.getcwd(), flush=True);"
                                                        "time.sleep(1); raise SystemExit(3)")
     root = _root(p)
+    pid, cwd = p.stdout.readline().split()  # the command runs: the init is in its directory already
     assert nsinit.is_init(root) and os.readlink(f"/proc/{root}/cwd") == str(d)
-    out, _ = p.communicate(timeout=30)
-    pid, cwd = out.split()
+    p.communicate(timeout=30)
     assert (pid, cwd) == ("2", str(tmp_path))  # not the namespace's init any more; the caller's directory
     assert p.returncode == 3 and not d.exists()  # the init removed its directory on the way out
 
@@ -105,10 +105,10 @@ def test_with_pid_namespace_the_init_makes_it_and_a_killed_tree_ends_without_a_w
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         root = _root(p)
+        pid, sid = p.stdout.readline().split()  # once the command runs, the init has set itself up
+        assert (pid, sid) == ("2", "1")  # the command, under the namespace's init, in the init's session
         assert os.readlink(f"/proc/{root}/ns/pid") != os.readlink("/proc/self/ns/pid")
         assert proctree.session_id(root) == root and os.readlink(f"/proc/{root}/cwd") == str(d)
-        pid, sid = p.stdout.readline().split()
-        assert (pid, sid) == ("2", "1")  # the command, under the namespace's init, in the init's session
         os.kill(root, signal.SIGKILL)  # as a move ends the source's tree
         assert p.wait(30) == 128 + signal.SIGKILL
         assert p.stderr.read() == ""
