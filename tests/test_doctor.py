@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -48,3 +49,26 @@ def test_a_missing_worker_init_is_named_with_its_remedy_and_blocks_nothing(monke
 
     c = _worker_init()
     assert c.ok is False and not c.required and "take turns" in c.detail and "make native" in c.detail
+
+
+def test_a_leftover_criu_lock_table_is_named_with_its_remedy_and_blocks_nothing():
+    """A CRIU lock table nobody lifted (another CRIU user's, or from an agent whose state was
+    wiped) slows every later dump inside the pause; doctor names it, and leaves it alone."""
+    from pitstop.capture import runtime
+    from pitstop.doctor import _lock_tables_left
+
+    rt = runtime.locate()
+    if not rt.nft or os.geteuid() != 0:
+        pytest.skip("needs nft and root")
+    name = f"CRIU-doctortest{os.getpid()}"
+    subprocess.run([rt.nft, "add", "table", "inet", name], check=True, capture_output=True, timeout=30)
+    try:
+        c = _lock_tables_left(rt)
+        assert c.ok is False and not c.required and f"inet {name}" in c.detail and "nft delete table" in c.detail, c
+        assert ready([c]) == (True, [])
+        listed = subprocess.run([rt.nft, "list", "tables"], capture_output=True, text=True, timeout=30).stdout
+        assert name in listed  # named, not removed: it may belong to a dump under way
+    finally:
+        subprocess.run([rt.nft, "delete", "table", "inet", name], capture_output=True, timeout=30)
+    after = _lock_tables_left(rt)
+    assert name not in after.detail

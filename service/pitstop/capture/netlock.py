@@ -15,21 +15,29 @@ import subprocess
 from . import runtime
 
 
+def tables(rt: runtime.CriuRuntime | None = None) -> list[tuple[str, str]]:
+    """Every CRIU lock table on this host's ruleset, as (family, name)."""
+    rt = rt or runtime.locate()
+    if not rt.nft:
+        return []
+    p = subprocess.run([rt.nft, "list", "tables"], capture_output=True, text=True, timeout=30)
+    out = []
+    for line in p.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "table" and parts[2].startswith("CRIU-"):
+            out.append((parts[1], parts[2]))
+    return out
+
+
 def release(run_id: str, rt: runtime.CriuRuntime | None = None) -> list[str]:
     """Delete the lock tables that belong to dump `run_id`; return their names."""
     if not run_id:
         return []
     rt = rt or runtime.locate()
-    if not rt.nft:
-        return []
-    p = subprocess.run([rt.nft, "list", "tables"], capture_output=True, text=True, timeout=30)
     removed = []
-    for line in p.stdout.splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == "table" and parts[2].startswith("CRIU-"):
-            suffix = parts[2][len("CRIU-"):]
-            if suffix and run_id.startswith(suffix):
-                subprocess.run([rt.nft, "delete", "table", parts[1], parts[2]],
-                               capture_output=True, timeout=30)
-                removed.append(parts[2])
+    for family, name in tables(rt):
+        suffix = name[len("CRIU-"):]
+        if suffix and run_id.startswith(suffix):
+            subprocess.run([rt.nft, "delete", "table", family, name], capture_output=True, timeout=30)
+            removed.append(name)
     return removed
