@@ -8,8 +8,8 @@ move's downtime varies by +-30 % with the state of the machine's memory, so one 
 medians moves from 4 % to 23 % between runs of the same code.  This reads the runs already
 recorded (any JSON with a `scaling` list of moves, as compare.py writes) and says:
 - each run's ratio of medians, largest size to smallest;
-- the pooled ratio, with a 95 % interval from a bootstrap that resamples moves within each run
-  (so a run with more moves does not stand for more than it measured);
+- the pooled ratio: the runs' ratios combined, each weighted by how many moves it holds (see
+  pooled()), with a 95 % interval from a bootstrap that resamples moves within each run;
 - which phases make the difference (medians per size);
 - how many moves per size a single run would need for its interval to be narrower than the
   target itself (+-5 points), at the noise these moves show.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -43,17 +44,32 @@ def ratio(rs: list[dict], lo: int, hi: int) -> float | None:
     return statistics.median(b) / statistics.median(a) - 1 if a and b else None
 
 
+def pooled(runs: list[list[dict]], lo: int, hi: int) -> float:
+    """The runs' ratios combined: a weighted mean of their logarithms, each run weighted by
+    1 / (1/n_lo + 1/n_hi) (the inverse of its ratio's variance, where every move is as noisy).
+    Not the ratio of the medians of all moves together: runs differ in level (code, day, the
+    machine's memory: 0.39 s a move in one, 0.60 s in another) and in how many moves of each
+    size they hold, and pooled raw moves would turn those differences into a size effect."""
+    num = den = 0.0
+    for rs in runs:
+        n_lo = sum(m["world"] == lo for m in rs)
+        n_hi = sum(m["world"] == hi for m in rs)
+        w = 1.0 / (1.0 / n_lo + 1.0 / n_hi)
+        num += w * math.log1p(ratio(rs, lo, hi))
+        den += w
+    return math.expm1(num / den)
+
+
 def bootstrap(runs: list[list[dict]], lo: int, hi: int, rng: random.Random) -> tuple[float, float]:
     """95 % interval of the pooled ratio, resampling each run's moves of each size."""
     out = []
     for _ in range(BOOT):
-        a, b = [], []
+        again = []
         for rs in runs:
-            x = [m["downtime_s"] for m in rs if m["world"] == lo]
-            y = [m["downtime_s"] for m in rs if m["world"] == hi]
-            a += [rng.choice(x) for _ in x]
-            b += [rng.choice(y) for _ in y]
-        out.append(statistics.median(b) / statistics.median(a) - 1)
+            x = [m for m in rs if m["world"] == lo]
+            y = [m for m in rs if m["world"] == hi]
+            again.append([rng.choice(x) for _ in x] + [rng.choice(y) for _ in y])
+        out.append(pooled(again, lo, hi))
     out.sort()
     return out[int(0.025 * BOOT)], out[int(0.975 * BOOT)]
 
@@ -103,7 +119,7 @@ def main() -> None:
     summary: dict = {"files": list(runs), "sizes": worlds, "moves": {str(w): sum(m["world"] == w for m in every)
                                                                      for w in worlds}}
     summary["per_run_ratio"] = {f: round(r, 3) for f, rs in runs.items() if (r := ratio(rs, lo, hi)) is not None}
-    summary["pooled_ratio"] = round(ratio(every, lo, hi) or 0.0, 3)
+    summary["pooled_ratio"] = round(pooled(both, lo, hi), 3)
     summary["pooled_ratio_ci95"] = [round(x, 3) for x in bootstrap(both, lo, hi, rng)]
     summary["median_downtime_s"] = {str(w): round(statistics.median(m["downtime_s"] for m in every if m["world"] == w), 3)
                                     for w in worlds}
