@@ -183,6 +183,8 @@ def _evacuation_in(world: int, leaving: list[int], state_mb: float, steps: int, 
         pre = sum(w.get("bytes_pre_copied", 0) for w in md["workers"].values())
         return {"method": label, "world": world, "leaving_ranks": leaving, "state_mb": state_mb,
                 "downtime_s": md["downtime_s"], "job_pause_s": round(pause, 4), "median_step_s": round(normal, 4),
+                # each rank's largest gap: job_pause_s is the largest of these, of more ranks the bigger the job
+                "job_pause_per_rank_s": [round(g[-1], 4) if g else None for g in gaps],
                 "bytes": md["bytes_total"] + later + pre, "bytes_before_resume": md["bytes_total"],
                 "bytes_pre_copied": pre, "precopy_s": ahead, "pre_copy_sent_bytes": md.get("pre_copy_bytes", 0),
                 # how the delta knew what changed: the kernel's write tracking, or digests
