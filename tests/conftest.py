@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pitstop import devleases
-from pitstop.capture import proctree, runtime
+from pitstop.capture import netlock, proctree, runtime
 from pitstop.devcluster import LocalCluster
 
 _suite_lock_fd: int | None = None
@@ -130,20 +130,19 @@ def cluster(tmp_path_factory, request):
 @pytest.fixture(scope="session", autouse=True)
 def _no_criu_lock_tables_left():
     """Every dump's nftables lock must be lifted by commit or rollback."""
-    def tables() -> set[str]:
+    def tables() -> set[tuple[str, str]]:
         try:
             rt = runtime.locate()
         except Exception:  # noqa: BLE001
             return set()
         if not rt.nft or os.geteuid() != 0:
             return set()
-        p = subprocess.run([rt.nft, "list", "tables"], capture_output=True, text=True)
-        return {ln.split()[2] for ln in p.stdout.splitlines() if "CRIU-" in ln}
+        return set(netlock.tables(rt))
     before = tables()
     yield
     left = tables() - before
-    for t in left:
-        subprocess.run([runtime.locate().nft, "delete", "table", "inet", t], capture_output=True)
+    for family, name in left:
+        subprocess.run([runtime.locate().nft, "delete", "table", family, name], capture_output=True)
     assert not left, f"CRIU network-lock tables left behind: {left}"
 
 
