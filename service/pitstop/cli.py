@@ -77,7 +77,7 @@ def agent(
     listen: str = typer.Option("127.0.0.1:7070", help="HOST:PORT for peers and the coordinator"),
     coordinator: Optional[str] = typer.Option(None, envvar="PITSTOP_COORDINATOR", help="coordinator URL"),
     state_dir: Path = typer.Option(Path("/var/lib/pitstop/agent"), help="where the agent keeps its state"),
-    image_dir: Optional[Path] = typer.Option(None, help="where images go (default /dev/shm/pitstop/NAME)"),
+    image_dir: Optional[Path] = typer.Option(None, help="where images go (default /run/pitstop/images/NAME; only root may change it or any directory above it)"),
     advertise_url: Optional[str] = typer.Option(None, help="URL peers use to reach this agent"),
     spare: bool = typer.Option(False, "--spare", help="offer this host as a migration target"),
     insecure: bool = typer.Option(False, "--insecure", help="allow running without PITSTOP_CLUSTER_TOKEN"),

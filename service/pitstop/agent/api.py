@@ -24,12 +24,12 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
-from .. import nsinit, priority, shimctl, tls
+from .. import nsinit, priority, safepath, shimctl, tls
 from ..network import workerns
 from ..capture import caps, files, proctree, runtime
 from ..errors import Conflict, FailedPrecondition, PitstopError, TransferFailed
 from ..httpapi import install_error_handlers, require_token
-from ..transfer.stream import receive_into
+from ..transfer.stream import overdue, receive_into
 from . import imagefs, reclaim
 from .capturing import SourceSide
 from .receiving import DestinationSide, Slot
@@ -54,9 +54,9 @@ class Agent:
 
     def __init__(self, settings: AgentSettings) -> None:
         self.s = settings
-        settings.state_dir.mkdir(parents=True, exist_ok=True)
-        settings.images.mkdir(parents=True, exist_ok=True)
-        os.chmod(settings.images, 0o700)
+        # before anything is read from or written to them: nobody else may be able to change them
+        safepath.private_dir(settings.state_dir, mode=0o750, what="the agent's state directory")
+        safepath.private_dir(settings.images, what="the agent's image directory")
         self.state = AgentState(settings.state_dir)
         self.dest = DestinationSide(settings, self.state)
         self.state.on_forget = self.dest.forget_output
@@ -425,12 +425,17 @@ def peer_app(agent: Agent) -> FastAPI:
 
     @r.put("/images/{image_id}")
     async def receive(image_id: str, request: Request) -> dict:
-        """The image stream as an HTTP body (agents without a data port; transfer/dataport.py)."""
+        """The image stream as an HTTP body (agents without a data port; transfer/dataport.py).
+        The whole body must arrive by the slot's deadline: uvicorn itself never times out a
+        body that trickles in, and a slot holds its share of the image directory meanwhile."""
         slot = agent.dest.open_slot(image_id)
         try:
             try:
-                await receive_into(slot.receiver, request.stream())
+                async with asyncio.timeout(max(0.0, slot.deadline - time.monotonic())) as limit:
+                    await receive_into(slot.receiver, request.stream())
             except OSError as e:  # ENOSPC above all: say where and how much
+                if isinstance(e, TimeoutError) and limit.expired():
+                    raise overdue(image_id, agent.s.transfer_timeout_s, slot.receiver.received) from None
                 raise agent.storage_error(slot, e) from None
             if not slot.receiver.complete:
                 raise TransferFailed(f"image stream {image_id} ended before its manifest "

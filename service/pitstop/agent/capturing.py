@@ -32,10 +32,11 @@ import httpx
 import structlog
 
 from .. import faults, nsinit, tls
-from ..capture import criu_ops, criutrack, netlock, postcopy, precopy, proctree, procwindow, runtime, writetrack
+from ..capture import (criu_ops, criutrack, netlock, postcopy, precopy, proctree, procwindow, runtime, seal,
+                       writetrack)
 from ..capture.manifest import Manifest, check_image_id
-from ..errors import (CaptureFailed, Conflict, DeadlineExceeded, FailedPrecondition, NotFound, PitstopError,
-                      TransferFailed)
+from ..errors import (CaptureFailed, Conflict, DeadlineExceeded, FailedPrecondition, IntegrityError, NotFound,
+                      PitstopError, TransferFailed)
 from ..gpu.checkpoint import GpuCheckpointer  # noqa: F401 - the type of self.gpu
 from ..network import workerns
 from ..transfer import compress, dataport, page_server
@@ -475,6 +476,10 @@ class SourceSide:
     def _run_and_report(self, cap: Capture, w: Worker) -> None:
         try:
             self._run(cap, w)
+        except IntegrityError as e:  # a rollback refused images altered at rest: the source stays stopped
+            err = {**e.to_dict(), "details": {**e.details, "source_resumed_by": "nobody: it is left stopped"}}
+            self.state.update_capture(cap, state="failed", error=err)
+            log.error("capture failed and its rollback was refused", capture=cap.id, worker=w.id, error=e.message)
         finally:
             if cap.state not in ("sent", "dumped"):  # failed: the source runs on where it was
                 self._end_tracking(cap.id)
@@ -593,7 +598,7 @@ class SourceSide:
         gpu_phases = {"gpu_lock": suspended.lock_s, "gpu_checkpoint": suspended.checkpoint_s,
                       "gpu_rounds": float(suspended.rounds), "gpu_processes": float(len(suspended.procs))} \
             if suspended else {}
-        self.state.update_capture(cap, run_id=res.run_id, phases={
+        self.state.update_capture(cap, run_id=res.run_id, seal=seal.take(images), phases={
             **cap.phases, **gpu_phases, "before_dump": t_dump - t0,
             "freeze": res.stats.get("freezing_time", 0) / 1e6, "dump": res.seconds,
             "frozen": res.frozen_s, "memdump": res.memdump_s})
@@ -627,6 +632,8 @@ class SourceSide:
                 self._rollback_stopped(cap, w)
                 self._fail(cap, w, e, resumed_by="pitstop")
                 return
+        if basis or remote:  # their views hard-link the dump's files, which changes their ctime: sealed again
+            self.state.update_capture(cap, seal=seal.take(images))
         tail.manifest_base = Manifest(capture_id=cap.id, stdio=stdio, criu_version=runtime.locate().version_str,
                                       output_base=self._output_end(w),
                                       worker={"id": w.id, "job": w.job, "rank": w.rank,
@@ -649,10 +656,13 @@ class SourceSide:
             self._rollback_stopped(cap, w)
             self._fail(cap, w, err, resumed_by="pitstop")
             return
+        sealed = cap.seal
+        if tail.manifest is not None and tail.directory == images and sealed is not None:
+            sealed = seal.add_digests(sealed, {f.name: f.digest for f in tail.manifest.files})
         ph = dict(cap.phases)
         ph["transfer"] = send_done[0] - t0
         ph["transfer_after_dump"] = max(0.0, send_done[0] - dump_end)
-        self.state.update_capture(cap, state="sent", phases=ph,
+        self.state.update_capture(cap, state="sent", phases=ph, seal=sealed,
                                   bytes_total=tail.manifest.total_bytes if tail.manifest else cap.bytes_sent,
                                   bytes_deduplicated=tail.index.bytes_saved if tail.index else 0,
                                   compression=tail.compression.summary() if tail.compression else None)
@@ -833,12 +843,22 @@ class SourceSide:
         the restored sockets exist, so no peer packet ever meets a missing socket (an RST);
         killing the source first is silent, because its sockets are still in repair mode.
         """
+        self._check_seal(cap)  # before the kill: refused, the source stays as it is (stopped)
         proctree.kill_and_wait(w.root_pid)
         restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
                                              stdio=cap.stdio, replace=True, output_base=self._output_end(w),
                                              gpu=cap.gpu, net=w.net, init_dir=w.init_dir)
         netlock.release(cap.run_id)
         return f"restored here as pid {restored.root_pid}"
+
+    @staticmethod
+    def _check_seal(cap: Capture) -> None:
+        """Nothing restores from the source's own images unless they are as the dump left them."""
+        if cap.seal is None:  # an agent that died in the instant between the dump and its seal
+            log.warning("restoring an unsealed dump (the agent stopped as the dump ended); only its "
+                        "directory's owner, root, could have changed it", capture=cap.id)
+            return
+        seal.check(Path(cap.image_dir), cap.seal)
 
     def _await_exit(self, cid: str, timeout_s: float = 10.0) -> None:
         """Wait for a released source to be gone: its memory is freed while the copy restores,
@@ -936,6 +956,7 @@ class SourceSide:
             how = self._rollback_stopped(cap, w)
         else:  # released: the source is gone; restore it here from our own images, lock still held
             self._await_exit(cid)
+            self._check_seal(cap)
             restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
                                                  stdio=cap.stdio, replace=True, output_base=self._output_end(w),
                                                  gpu=cap.gpu, net=w.net, init_dir=w.init_dir)

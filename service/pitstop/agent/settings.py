@@ -12,6 +12,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from ..endpoints import DataListenAddress, HostName, ListenAddress, ServiceURL, split_host_port
 
 
+IMAGE_ROOT = Path("/run/pitstop/images")
+"""Not /dev/shm: any local user may create entries there, a directory the agent would then
+write root's memory into (safepath.py)."""
+
+
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PITSTOP_AGENT_", extra="ignore", populate_by_name=True)
 
@@ -25,7 +30,9 @@ class AgentSettings(BaseSettings):
     coordinator: ServiceURL | None = Field(default=None, validation_alias=AliasChoices(
         "PITSTOP_AGENT_COORDINATOR", "PITSTOP_COORDINATOR"))
     state_dir: Path = Path("/var/lib/pitstop/agent")
-    image_dir: Path | None = None      # default: /dev/shm/pitstop/<name> (tmpfs)
+    # default: /run/pitstop/images/<name>; every component must be root's (safepath.py), and the
+    # agent mounts a tmpfs of its own there (agent/imagefs.py)
+    image_dir: Path | None = None
     # A tmpfs of the agent's own with huge pages at the image directory (agent/imagefs.py):
     # dumps, deltas and restores read and write every byte there while the job waits.
     image_mount: bool = True
@@ -36,7 +43,12 @@ class AgentSettings(BaseSettings):
     insecure: bool = False             # run without a cluster token: development only
     spare: bool = False
     dump_timeout_s: int = 60
-    transfer_timeout_s: float = 600.0
+    transfer_timeout_s: float = 600.0  # also what a reception here may last, from its hello to its manifest
+    # Image streams received at once (each a move or pre-copy to this agent); one more is refused (503)
+    max_receptions: int = Field(default=32, ge=1)
+    # A reception fails (507) rather than leave less than this free where images are received: the
+    # image directory is a tmpfs, the host's memory, and filling it would starve the jobs it hosts.
+    image_free_reserve_mb: int = Field(default=256, ge=0)
     restore_timeout_s: float = 120.0
     heartbeat_s: float = 1.0
     full_report_s: float = 60.0        # a full report at least this often, even when nothing changed
@@ -108,7 +120,7 @@ class AgentSettings(BaseSettings):
 
     @property
     def images(self) -> Path:
-        return self.image_dir or Path("/dev/shm/pitstop") / self.name
+        return self.image_dir or IMAGE_ROOT / self.name
 
     @property
     def sock(self) -> Path:

@@ -92,6 +92,8 @@ class Capture(BaseModel):
     post_copy: dict[str, Any] | None = None
     want_post_copy: bool | None = None  # what the request asked; None: the agent's setting
     pre_copy: dict[str, Any] | None = None  # the delta against a pre-copy: bytes left in it, bytes sent now
+    # the dump's files as CRIU left them (capture/seal.py), checked before a rollback restores them
+    seal: dict[str, list] | None = None
     created: float = Field(default_factory=time.time)
     updated: float = Field(default_factory=time.time)
 
