@@ -115,6 +115,23 @@ def test_a_command_that_ends_at_once_keeps_its_output_and_exit_status(agent_url)
                                 "nothing to move\n"), p.stderr
 
 
+def test_the_worker_never_sees_pitstops_tokens_or_tls_key(agent_url, tmp_path, monkeypatch):
+    """Before: with both tokens exported as the README shows, the worker printed both, and both
+    were in its /proc/PID/environ and so in its image pages."""
+    secrets = {"PITSTOP_CLUSTER_TOKEN": "cluster-secret-1", "PITSTOP_TOKEN": "operator-secret-2",
+               "PITSTOP_READ_TOKEN": "read-secret-3", "PITSTOP_AGENT_CLUSTER_TOKEN": "cluster-secret-4",
+               "PITSTOP_TLS_KEY": str(tmp_path / "host.key")}
+    for k, v in secrets.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("JOB_OWN_SETTING", "kept")
+    p = _cli("run", "--job", "sec", "--agent", agent_url, "--", "sh", "-c",
+             "env; tr '\\0' '\\n' < /proc/self/environ")
+    assert p.returncode == 0, p.stderr
+    assert "JOB_OWN_SETTING=kept" in p.stdout
+    for k, v in secrets.items():
+        assert k not in p.stdout and v not in p.stdout, f"{k} reached the worker"
+
+
 # -- services: a malformed address or name stops them at start, named, with nothing created -----
 
 @pytest.mark.parametrize("command, flag, value, var, says", [

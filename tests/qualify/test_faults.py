@@ -21,6 +21,7 @@ from pitstop.errors import PitstopError
 
 from ..helpers import assert_same_as_reference, ddp_cmd, reference_hashes, wait_for_step
 from ..test_coordinator_e2e import _wait_jobs, _wait_op
+from ..test_store_failure_e2e import fill, small_tmpfs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 STEPS = 160
@@ -163,6 +164,37 @@ def test_destination_disk_full(cluster, tmp_path, record):
         cluster.stop_agent("spare-1")
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_coordinator_database_full_during_the_capture(cluster, tmp_path, record):
+    """The coordinator's SQLite file system fills while a rank is being captured: the move is
+    undone on the agents at once, the API answers 503 while full, the record follows the space."""
+    with small_tmpfs(tmp_path / "db") as fs:
+        cluster.coordinator_db = fs / "coordinator.db"
+        w = World(cluster, tmp_path, agents={"host-b": "capture:before_dump=sleep:8"},
+                  coord_env={"PITSTOP_COORDINATOR_WATCHDOG_S": "1"})
+        op = w.until_phase(w.evacuate(), "capture")
+        peer = cluster.agents["host-a"].client()
+        filler = fill(cluster.coordinator_db)
+        try:
+            r = httpx.post(f"{cluster.coordinator_url}/v1/{op['name']}:cancel",
+                           headers={"Authorization": f"Bearer {cluster.operator_token}"}, timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "database_unavailable", r.text
+            end = time.monotonic() + 60
+            while peer.worker("train.0")["state"] != "running":
+                assert time.monotonic() < end, "the paused peer was not resumed while the database was full"
+                time.sleep(0.2)
+        finally:
+            filler.unlink()
+        op = _wait_op(w.cc, op["name"], timeout=60)
+        msg = _failed(op)
+        assert op["error"]["details"][0]["reason"] == "database_unavailable", op["error"]
+        record("coordinator's database full during the capture (16 MiB tmpfs)",
+               "rolled back while full (peer resumed), API 503 while full, recorded once space was back; "
+               + w.finished_intact(),
+               f"{msg} ... API: {r.json()['error']['action'][:80]}")
+        os.killpg(cluster.coordinator_proc.pid, signal.SIGTERM)  # before its file system goes
+        cluster.coordinator_proc.wait(30)
 
 
 def test_worker_dies_during_the_freeze(cluster, tmp_path, record):

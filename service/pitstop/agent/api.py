@@ -27,10 +27,11 @@ from .. import __version__
 from .. import nsinit, priority, safepath, shimctl, tls
 from ..network import workerns
 from ..capture import caps, files, proctree, runtime
-from ..errors import Conflict, FailedPrecondition, PitstopError, TransferFailed
+from ..errors import Conflict, FailedPrecondition, Forbidden, PitstopError, TransferFailed
 from ..httpapi import install_error_handlers, require_token
 from ..transfer.stream import overdue, receive_into
-from . import imagefs, reclaim
+from . import imagefs, peercred, reclaim
+from .peercred import caller_uid, privileged
 from .capturing import SourceSide
 from .receiving import DestinationSide, Slot
 from .settings import AgentSettings
@@ -55,7 +56,7 @@ class Agent:
     def __init__(self, settings: AgentSettings) -> None:
         self.s = settings
         # before anything is read from or written to them: nobody else may be able to change them
-        safepath.private_dir(settings.state_dir, mode=0o750, what="the agent's state directory")
+        safepath.private_dir(settings.state_dir, mode=0o755, what="the agent's state directory")
         safepath.private_dir(settings.images, what="the agent's image directory")
         self.state = AgentState(settings.state_dir)
         self.dest = DestinationSide(settings, self.state)
@@ -70,6 +71,7 @@ class Agent:
         self.dest.adopt()
         self.started = time.time()
         self.data_port: int | None = None  # set by the server once transfer/dataport.py listens
+        self.net_owners: dict[str, int] = {}  # worker id -> uid that prepared its network (local socket)
 
     def _count_capture(self, c: Capture) -> None:
         """Called once per capture, when its dump and stream are over (sent, dumped or failed)."""
@@ -435,7 +437,7 @@ def peer_app(agent: Agent) -> FastAPI:
                     await receive_into(slot.receiver, request.stream())
             except OSError as e:  # ENOSPC above all: say where and how much
                 if isinstance(e, TimeoutError) and limit.expired():
-                    raise overdue(image_id, agent.s.transfer_timeout_s, slot.receiver.received) from None
+                    raise overdue(image_id, slot.deadline - slot.started, slot.receiver.received) from None
                 raise agent.storage_error(slot, e) from None
             if not slot.receiver.complete:
                 raise TransferFailed(f"image stream {image_id} ended before its manifest "
@@ -512,12 +514,26 @@ def local_app(agent: Agent) -> FastAPI:
     app = FastAPI(title="pitstop agent (local)", version=__version__)
     install_error_handlers(app)
 
+    def own(request: Request, what: str, owner: int | None) -> int:
+        """The caller's uid, refused unless it is `owner`'s (root and the agent's user act for all)."""
+        uid = caller_uid(request.scope)
+        if not privileged(uid) and owner is not None and owner != uid:
+            raise Forbidden(f"uid {uid} may not act on {what}: it belongs to uid {owner}", code="not_your_worker",
+                            action="act only on your own workers, or ask root")
+        return uid
+
     @app.post("/v1/workers", status_code=201)
-    def register(req: RegisterRequest) -> Worker:
+    def register(req: RegisterRequest, request: Request) -> Worker:
         pid = req.pid
         if not proctree.exists(pid):
             raise FailedPrecondition(f"pid {pid} does not exist", code="no_such_process",
                                      action="register the worker's tree root while it runs")
+        uid = caller_uid(request.scope)
+        uids = peercred.process_uids(pid)
+        if not privileged(uid) and uids != {uid}:
+            raise Forbidden(f"uid {uid} may not register pid {pid}: it runs as uid {sorted(uids)}",
+                            code="not_your_process",
+                            action="register only processes you started (`pitstop run` does), or run as root")
         nsp = proctree.ns_pids(pid)
         if len(nsp) < 2 or nsp[-1] != 1 or proctree.session_id(pid) != pid:
             raise FailedPrecondition(
@@ -529,6 +545,8 @@ def local_app(agent: Agent) -> FastAPI:
             if old and old.state in LIVE_STATES and proctree.exists(old.root_pid):
                 raise Conflict(f"worker {wid} is already registered (pid {old.root_pid})",
                                action="each rank of a job registers once")
+            if req.address:
+                own(request, f"the network of {wid}", agent.net_owners.get(wid))
             net = None
             if req.address:
                 wn = workerns.spec(wid, req.address)
@@ -539,25 +557,27 @@ def local_app(agent: Agent) -> FastAPI:
                                                     "(`pitstop run --address` does both)")
                 net = wn.to_dict()
             w = Worker(id=wid, job=req.job, rank=req.rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
-                       net=net, init_dir=nsinit.owned_dir(pid))
+                       net=net, init_dir=nsinit.owned_dir(pid), owner_uid=uid)
             agent.state.workers[wid] = w
             agent.state.save()
         return w
 
     @app.post("/v1/workers/{wid}:exited")
-    def exited(wid: str, req: ExitedRequest) -> Worker:
+    def exited(wid: str, req: ExitedRequest, request: Request) -> Worker:
         w = agent.state.worker(wid)
+        own(request, f"worker {wid}", w.owner_uid)
         if w.state in ("running", "lost"):
             agent.state.update_worker(w, state="exited", exit_code=req.code)
             agent.drop_net(w)
         return w
 
     @app.post("/v1/networks", status_code=201)
-    def prepare_network(req: NetworkRequest) -> dict:
+    def prepare_network(req: NetworkRequest, request: Request) -> dict:
         """A network namespace with the worker's own address, for `pitstop run --address` to start it in."""
         wid = f"{req.job}.{req.rank}"
         wn = workerns.spec(wid, req.address)
         with agent.state.lock:
+            uid = own(request, f"the network of {wid}", agent.net_owners.get(wid))
             for o in agent.state.workers.values():
                 if o.net and o.state in LIVE_STATES and (o.net["address"].split("/")[0] == wn.ip or o.id == wid):
                     raise Conflict(f"{wn.ip} or {wid} is already in use by worker {o.id} here",
@@ -565,11 +585,13 @@ def local_app(agent: Agent) -> FastAPI:
             if workerns.exists(wn):  # left by a launch that never registered
                 workerns.destroy(wn)
             workerns.create(wn, agent.s.worker_link, locked=False, nft=None)
+            agent.net_owners[wid] = uid
         return wn.to_dict() | {"path": wn.path}
 
     @app.delete("/v1/networks/{wid}")
-    def drop_network(wid: str) -> dict:
+    def drop_network(wid: str, request: Request) -> dict:
         w = agent.state.workers.get(wid)
+        own(request, f"the network of {wid}", w.owner_uid if w else agent.net_owners.get(wid))
         if w and w.state in LIVE_STATES:
             raise Conflict(f"worker {wid} still runs in it", action="stop the worker first")
         wn = workerns.WorkerNet("", "", workerns.netns_name(wid))

@@ -22,6 +22,35 @@ import structlog
 log = structlog.get_logger("pitstop.agent.peercred")
 
 
+PEER = "pitstop.peer"
+"""Where each request's scope carries its connection's (pid, uid, gid), from the kernel."""
+
+
+def caller_uid(scope: dict) -> int:
+    """The uid of the process on the other end of the local socket (the agent's own uid where the
+    request came in some other way, as in-process tests do)."""
+    peer = scope.get(PEER)
+    return peer[1] if peer else os.getuid()
+
+
+def privileged(uid: int) -> bool:
+    """Root and the agent's own user act for anyone; the group's members only for themselves."""
+    return uid in (0, os.getuid())
+
+
+def process_uids(pid: int) -> set[int]:
+    """The real, effective, saved and filesystem uids of `pid` (empty if it is gone): a caller owns
+    a process only if it is every one of them (a set-uid program run by the caller is not its)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return {int(x) for x in line.split()[1:]}
+    except OSError:
+        return set()
+    return set()
+
+
 def peer_of(sock: socket.socket) -> tuple[int, int, int]:
     pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                         struct.calcsize("3i")))
@@ -50,6 +79,7 @@ def checked(base: type[asyncio.Protocol], group: str | None) -> type[asyncio.Pro
 
     class PeerChecked(base):  # type: ignore[misc, valid-type]
         _refusal: bytes | None = None
+        _peer: tuple[int, int, int] | None = None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)  # type: ignore[arg-type]
@@ -57,6 +87,7 @@ def checked(base: type[asyncio.Protocol], group: str | None) -> type[asyncio.Pro
                 pid, uid, gid = peer_of(transport.get_extra_info("socket"))
             except OSError:
                 return  # not a Unix socket
+            self._peer = (pid, uid, gid)
             if allowed(uid, gid, group):
                 return
             body = json.dumps({"error": {
@@ -67,6 +98,10 @@ def checked(base: type[asyncio.Protocol], group: str | None) -> type[asyncio.Pro
             log.warning("local socket: peer refused", pid=pid, uid=uid, gid=gid)
             self._refusal = (b"HTTP/1.1 403 Forbidden\r\ncontent-type: application/json\r\n"
                              + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.scope[PEER] = self._peer  # each request's routes see who asked (caller_uid)
 
         def data_received(self, data: bytes) -> None:
             if self._refusal is None:

@@ -26,14 +26,14 @@ import structlog
 from ..capture import criu_ops, criufill, lazy_pages, lazydelta, lazyrule, precopy, proctree
 from ..capture.dumpview import PAGE
 from ..capture.manifest import Manifest, check_image_id
-from ..errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed
+from ..errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed, Unavailable
 from .. import faults, nsinit
 from ..capture import runtime
 from ..gpu.checkpoint import GpuCheckpointer
 from ..network import workerns
 from ..transfer import dataport
-from ..transfer.stream import StreamReceiver, file_stats, verify_directory
-from . import exitkeeper, reclaim, scope
+from ..transfer.stream import FreeSpace, StreamReceiver, file_stats, verify_directory
+from . import exitkeeper, peercred, reclaim, scope
 from .settings import AgentSettings
 from .state import Fill, LIVE_STATES, AgentState, Worker
 
@@ -59,6 +59,7 @@ class Slot:
     state: str = "receiving"  # receiving | complete | verified | failed
     started: float = 0.0
     finished: float = 0.0
+    deadline: float = float("inf")  # time.monotonic() by which the reception must be complete
     # A restore in progress from this slot; set `abort` to have CRIU and its partial tree
     # killed (a rollback must never wait on, or compete with, a restore that hangs).
     abort: threading.Event = field(default_factory=threading.Event)
@@ -84,17 +85,31 @@ class DestinationSide:
 
     # -- receiving -----------------------------------------------------------------------------
     def open_slot(self, image_id: str) -> Slot:
+        """A reception starts (data port or HTTP): its directory, its space check and its deadline.
+        Refused past `max_receptions` under way: each holds a thread, a 4 MiB buffer and, above all,
+        a share of the image directory, which a peer with the token must not exhaust."""
         check_image_id(image_id)
         with self.lock:
             old = self.slots.get(image_id)
             if old and old.state in ("receiving", "complete"):
                 raise Conflict(f"image {image_id} is already {old.state} here",
                                action="discard it first (DELETE /v1/images/{id})")
+            under_way = sum(1 for s in self.slots.values() if s.state == "receiving")
+            if under_way >= self.s.max_receptions:
+                raise Unavailable(f"{self.s.name} already receives {under_way} image streams, its limit",
+                                  code="too_many_receptions",
+                                  action="the move fails and its source resumes; move fewer ranks to this "
+                                         "agent at once, or raise PITSTOP_AGENT_MAX_RECEPTIONS on it")
             d = self.s.images / ("in-" + image_id)
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir(parents=True)
             d.chmod(0o700)
-            slot = Slot(image_id, d, StreamReceiver(d), started=time.monotonic())
+            space = FreeSpace(d, self.s.image_free_reserve_mb << 20, what=f"image {image_id} on {self.s.name}",
+                              setting="PITSTOP_AGENT_IMAGE_FREE_RESERVE_MB")
+            # The source streams while CRIU dumps, then allows the transfer its own timeout: so may this end
+            now = time.monotonic()
+            slot = Slot(image_id, d, StreamReceiver(d, space), started=now,
+                        deadline=now + self.s.dump_timeout_s + self.s.transfer_timeout_s)
             self.slots[image_id] = slot
             return slot
 
@@ -441,7 +456,9 @@ class DestinationSide:
         if fill:  # the worker's memory depends on it: an agent restart must not take it down
             scope.place(worker_id + "-fill", fill.pid, more=fill.pids[1:])
         faults.hit("restore:before_register")  # the worker runs; a rollback may look for it meanwhile
+        uids = peercred.process_uids(pid)  # the restored tree's owner, as the local socket checks callers
         w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=started,
+                   owner_uid=uids.pop() if len(uids) == 1 else 0,
                    restored=True, output_base=output_base or {}, net=net, init_dir=init_dir,
                    keeper=keeper.to_dict() if keeper else None,
                    fill=Fill(source=(pages_from or {}).get("url"), images=str(directory)) if fill else None)

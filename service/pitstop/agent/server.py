@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import grp
 import os
+from pathlib import Path
 
 import structlog
 import uvicorn
@@ -15,6 +17,7 @@ from ..endpoints import listening_socket
 from ..transfer.dataport import DataPort
 from ..capture import lazy_pages, runtime
 from ..errors import FailedPrecondition
+from ..httpapi import RequestGuard, with_header_deadline
 from ..sdnotify import notify, watchdog_loop
 from . import imagefs, reclaim
 from .. import priority
@@ -25,6 +28,38 @@ from .receiving import become_subreaper
 from .settings import AgentSettings
 
 log = structlog.get_logger("pitstop.agent")
+
+PEER_CONCURRENCY = 256
+"""Connections and requests at once from peers and the coordinator; past it uvicorn answers 503.
+The agent runs beside the training job: its memory must stay bounded whoever connects."""
+LOCAL_CONCURRENCY = 128  # launchers and their output readers on this host
+
+
+def _image_upload(method: str, path: str) -> int | None:
+    """An image stream sent as an HTTP body (agents without a data port) is as large as a worker's
+    memory: its limit is the reception's own (free space, deadline: agent/receiving.py)."""
+    return 1 << 62 if method == "PUT" and path.startswith("/v1/images/") else None
+
+
+def share_socket(sock: Path, group: str | None) -> None:
+    """The local socket 0660 in the configured group, its directory 0750 in that group (its files
+    stay 0600 under the agent's umask): the group's members reach the socket and nothing else.
+    Without it the socket was root's group in a 0700 directory, and the documented group access
+    could not work.  peercred.py still checks every connection and every route its caller."""
+    os.chmod(sock, 0o660)
+    if not group:
+        return
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        log.info("local socket for root only: the group does not exist", group=group,
+                 action=f"groupadd {group} (or set PITSTOP_AGENT_LOCAL_GROUP) to let its members run jobs")
+        return
+    os.chown(sock, -1, gid)
+    d = sock.parent
+    if d.stat().st_uid == os.geteuid():
+        os.chown(d, -1, gid)
+        os.chmod(d, 0o750)
 
 
 def check_security(s: AgentSettings) -> None:
@@ -62,6 +97,7 @@ def _preload() -> None:
 
 def serve(s: AgentSettings) -> None:
     priority.apply(s.nice, "agent", realtime=s.realtime)  # first: every thread started later inherits it
+    os.umask(0o077)  # as the systemd unit's UMask=: what it writes (state, images, outputs) is its own
     check_security(s)
     check_lazy_restore(s)
     _preload()
@@ -85,11 +121,15 @@ def serve(s: AgentSettings) -> None:
             x.close()
         raise
     tcp_sock, data_sock = socks
-    tcp = uvicorn.Server(uvicorn.Config(peer_app(agent), host=host, port=port, log_level="warning",
-                                        http=tls.http_protocol(), lifespan="off", timeout_keep_alive=30,
+    peers = RequestGuard(peer_app(agent), tokens=lambda: (s.cluster_token,), large=_image_upload)
+    tcp = uvicorn.Server(uvicorn.Config(peers, host=host, port=port, log_level="warning",
+                                        http=with_header_deadline(tls.http_protocol(), s.header_timeout_s), lifespan="off",
+                                        timeout_keep_alive=30, limit_concurrency=PEER_CONCURRENCY,
                                         timeout_graceful_shutdown=int(STOP_S // 2), **tls.server_kwargs()))
-    uds = uvicorn.Server(uvicorn.Config(local_app(agent), uds=str(s.sock), log_level="warning",
-                                        http=checked(HttpToolsProtocol, s.local_group), lifespan="off",
+    uds = uvicorn.Server(uvicorn.Config(RequestGuard(local_app(agent), tokens=lambda: ()), uds=str(s.sock),
+                                        log_level="warning", limit_concurrency=LOCAL_CONCURRENCY,
+                                        http=with_header_deadline(checked(HttpToolsProtocol, s.local_group), s.header_timeout_s),
+                                        lifespan="off",
                                         timeout_graceful_shutdown=int(STOP_S // 2)))
     port_ = DataPort(data_host, data_port, sock=data_sock, token=s.cluster_token, open_slot=agent.dest.open_slot,
                      fail_slot=agent.dest.fail_slot, finished=agent.finish_slot, on_error=agent.storage_error,
@@ -108,7 +148,7 @@ def serve(s: AgentSettings) -> None:
             if any(t.done() for t in tasks[:2]):
                 break
             await asyncio.sleep(0.02)
-        os.chmod(s.sock, 0o660)
+        share_socket(s.sock, s.local_group)
         tasks.append(asyncio.create_task(watchdog_loop()))
         notify(f"READY=1\nSTATUS=agent {s.name} serving {s.url}")
         log.info("agent up", name=s.name, url=s.url, socket=str(s.sock), spare=s.spare,

@@ -43,7 +43,9 @@ class AgentSettings(BaseSettings):
     insecure: bool = False             # run without a cluster token: development only
     spare: bool = False
     dump_timeout_s: int = 60
-    transfer_timeout_s: float = 600.0  # also what a reception here may last, from its hello to its manifest
+    # A reception here may last dump_timeout_s + transfer_timeout_s from its hello to its manifest
+    # (a source streams while it dumps, then gives the transfer transfer_timeout_s).
+    transfer_timeout_s: float = 600.0
     # Image streams received at once (each a move or pre-copy to this agent); one more is refused (503)
     max_receptions: int = Field(default=32, ge=1)
     # A reception fails (507) rather than leave less than this free where images are received: the
@@ -51,6 +53,8 @@ class AgentSettings(BaseSettings):
     image_free_reserve_mb: int = Field(default=256, ge=0)
     restore_timeout_s: float = 120.0
     heartbeat_s: float = 1.0
+    # A connection's request line and headers must all arrive this long after its first byte (httpapi.py)
+    header_timeout_s: float = Field(default=10.0, gt=0)
     full_report_s: float = 60.0        # a full report at least this often, even when nothing changed
     local_group: str | None = "pitstop"  # besides root and the agent's user, who may use the local socket
     worker_link: str | None = None     # uplink for workers' own addresses (default: the default route's)

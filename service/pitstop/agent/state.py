@@ -67,6 +67,7 @@ class Worker(BaseModel):
     caps: str | None = None
     fill: Fill | None = None              # a post-copy restore's fill, while and after it runs
     keeper: dict[str, int] | None = None  # holds its pidfd for an agent that restarts (agent/exitkeeper.py)
+    owner_uid: int | None = None          # who registered it on the local socket: only they (or root) may end it
     init_dir: str | None = None           # where its namespace's init works (nsinit.py): made again where it is restored
     registered_at: float = Field(default_factory=time.time)
 

@@ -18,6 +18,15 @@ rolls back: copies on the spare are discarded, sources are resumed in place
 (or restored from their own images once released), peers resumed.  After it,
 the driver only moves forward.  Nothing here ever leaves a job paused or
 running twice: see reconcile() for what a restarted coordinator does.
+
+The database can fail too (a full file system).  Before the commit point a phase
+that cannot be recorded is not started: the move rolls back.  The rollback, and
+everything past the commit point, acts on the agents whatever the database does:
+its writes there are best effort, kept, and written once the database takes
+writes again (OpRun.save, OpRun.finish).  And Driver.watch, every few seconds,
+looks for an operation whose driving thread ended without ending it (a bug, an
+error nobody expected) and drives its rollback, or its commit, itself: no rank
+stays paused because a thread died.
 """
 
 from __future__ import annotations
@@ -38,11 +47,12 @@ from .cut import Cut
 from .fanout import in_parallel
 from .filecheck import check_files
 from .settings import CoordinatorSettings
-from .store import Store
+from .store import Store, StoreUnavailable
 
 log = structlog.get_logger("pitstop.coordinator.driver")
 PRECOPY_PROGRESS_EVERY_S = 1.0  # how often a pre-copy's progress is read from the source
 PRECOPY_STOP_WAIT_S = 15.0  # how long a stopped pre-copy may take to end (it stops within a 4 MiB read)
+TAKEOVER_BACKOFF_MAX_S = 300.0  # the watchdog's longest wait between two takeovers of one operation
 
 class Cancelled(PitstopError):
     http_status = 409
@@ -84,11 +94,79 @@ class OpRun:
         self._phase_t0 = time.monotonic()
         self.started = time.monotonic()
         self._clients: dict[str, AgentClient] = {}
+        # Set by the rollback and past the commit point: from there the agents' side goes on
+        # whatever the database does, and a write it refuses waits for a later one (save()).
+        self.best_effort = False
+        self.unwritten: list[Callable[[], None]] = []  # store writes refused in best-effort mode, in order
+        self.store_error: str | None = None  # the last write the database refused, if any
+        self.final: dict[str, Any] | None = None  # the last write (done, result), until the database takes it
+        self.finished = False  # that last write is in the database: nothing more to do here
+        self.undoing: PitstopError | None = None  # why the rollback began, for a takeover to finish it
+        self.crash: str | None = None  # what ended the driving thread, when something did (Driver.watch)
+        self.takeovers = 0
+        self.next_takeover = 0.0  # time.monotonic() before which the watchdog leaves it alone
 
     # -- bookkeeping --------------------------------------------------------------------------
     def save(self, **kw: Any) -> None:
+        """Write the operation's metadata (and kw).  Before the commit point a refused write
+        raises: a phase that cannot be recorded is not started, and the move rolls back.  In
+        the rollback and past the commit point (best_effort) a refused write is only noted:
+        the metadata goes whole with every write, so the next one that passes carries it."""
         with self.lock:
-            self.d.store.update_op(self.id, metadata=self.md, **kw)
+            try:
+                self._write_unwritten()
+                self.d.store.update_op(self.id, metadata=self.md, **kw)
+            except StoreUnavailable as e:
+                if not self.best_effort:
+                    raise
+                self._refused(e)
+
+    def record(self, write: Callable[[], None]) -> None:
+        """A store write besides the operation's own (membership, roles).  In best-effort mode a
+        refused one is kept and tried again, in order, before every later write of this operation."""
+        with self.lock:
+            try:
+                self._write_unwritten()
+                write()
+            except StoreUnavailable as e:
+                if not self.best_effort:
+                    raise
+                self.unwritten.append(write)
+                self._refused(e)
+
+    def finish(self, **kw: Any) -> bool:
+        """The operation's last write (done, its result), after everything the agents had to do.
+        A database that refuses it delays only the record: the watchdog writes it later
+        (Driver.watch), and until then the operation reads as running.  Whether it is written."""
+        with self.lock:
+            self.final = kw
+        return self.write_final()
+
+    def write_final(self) -> bool:
+        with self.lock:
+            if self.final is None:
+                return self.finished
+            try:
+                self._write_unwritten()
+                self.d.store.update_op(self.id, metadata=self.md, **self.final)
+            except StoreUnavailable as e:
+                self._refused(e)
+                return False
+            self.final, self.finished = None, True
+        if self.store_error:
+            log.info("operation recorded: the database takes writes again", op=self.id)
+        return True
+
+    def _write_unwritten(self) -> None:
+        while self.unwritten:
+            self.unwritten[0]()
+            self.unwritten.pop(0)
+
+    def _refused(self, e: StoreUnavailable) -> None:
+        if self.store_error != e.message:
+            log.warning("the database refused a write; the operation goes on and writes it later",
+                        op=self.id, error=e.message)
+        self.store_error = e.message
 
     def enter(self, phase: str) -> None:
         with self.lock:
@@ -338,7 +416,10 @@ class OpRun:
                     with self.lock:
                         self.md["pre_copy_bytes"] = sent
                         self.md["pre_copy_bytes_total"] = sum(int(p.get("bytes_total") or 0) for p in got)
-                        self.save()
+                        try:
+                            self.save()
+                        except StoreUnavailable:
+                            pass  # the phase's own write, after the pre-copies, says it and rolls back
 
         t = threading.Thread(target=follow, name=f"precopy-progress-{self.id}", daemon=True)
         t.start()
@@ -484,18 +565,31 @@ class OpRun:
             self.condition("PreCopied", True, "MemorySentAhead", f"{sent} bytes sent while the job ran")
         self.check()
 
+    def _pass_commit_point(self) -> None:
+        """The commit point is its record: until the database holds `committed`, a restarted
+        coordinator would roll back, so this one must too (the write's error is raised, and
+        the metadata says not committed).  From here on, only forward, and the agents' side
+        never waits on the database (best_effort)."""
+        with self.lock:
+            if not self.md.get("committed"):
+                self.md["committed"] = True
+                try:
+                    self.save()
+                except StoreUnavailable:
+                    self.md["committed"] = False
+                    raise
+            self.best_effort = True
+
     def _commit(self) -> None:
         node, dest = self.md["node"], self.md["destination"]
-        with self.lock:
-            self.md["committed"] = True  # the commit point: from here on, only forward
-            self.save()
+        self._pass_commit_point()
         self.enter("commit")
         faults.hit("after_commit_point")
         for wid in self.md["workers"]:  # the membership first: the coordinator's own record, no agent asked
-            self.d.store.set_worker_host(wid, dest)
-        self.d.store.set_role(dest, "active")
+            self.record(lambda wid=wid: self.d.store.set_worker_host(wid, dest))
+        self.record(lambda: self.d.store.set_role(dest, "active"))
         filling = bool(self.md.get("bytes_after_resume"))
-        self.d.store.set_role(node, "draining" if filling else "drained")
+        self.record(lambda: self.d.store.set_role(node, "draining" if filling else "drained"))
         self.save()
         self.leave("commit")
         self.condition("Committed", True, "MembershipRecorded", f"{dest} now runs the workers; {node} is drained")
@@ -522,13 +616,13 @@ class OpRun:
             response["source_cleanup_pending"] = self.md["source_cleanup_pending"]
         if failed:
             self.condition("Succeeded", False, failed.code, failed.message)
-            self.save(phase="done", done=True, result="failed", error=_op_error(failed), response=response)
             self.d.count("failed", self.md["bytes_total"] or 0)
+            self.finish(phase="done", done=True, result="failed", error=_op_error(failed), response=response)
             log.error("evacuated, but not every fill ended well", op=self.id, node=node, reason=failed.message)
             return
         self.condition("Succeeded", True, "Evacuated", f"downtime {self.md['downtime_s']} s")
-        self.save(phase="done", done=True, result="succeeded", response=response)
         self.d.count("succeeded", self.md["bytes_total"] or 0)
+        self.finish(phase="done", done=True, result="succeeded", response=response)
         log.info("evacuated", op=self.id, node=node, dest=dest, downtime_s=self.md["downtime_s"],
                  **self.md["phases"])
 
@@ -631,7 +725,7 @@ class OpRun:
                                 code="fill_unconfirmed",
                                 action=f"keep {node} up until `GET /v1/workers` on {dest} shows no fill "
                                        f"'filling'; then it may leave (it stays 'draining' until then)")
-        self.d.store.set_role(node, "drained")
+        self.record(lambda: self.d.store.set_role(node, "drained"))
         bad = {wid: f for wid, f in ended.items() if f.get("state") != "filled"}
         if bad:
             why = "; ".join(f"{wid}: {f.get('state')} ({f.get('reason') or 'no reason given'})" for wid, f in bad.items())
@@ -669,6 +763,7 @@ class OpRun:
 
     def _finish_commit(self, err: PitstopError) -> None:
         """Past the commit point: retry the remaining steps; never roll back."""
+        self.best_effort = True  # the agents' side never waits on the database from here
         for attempt in range(5):
             try:
                 self._commit()
@@ -677,7 +772,7 @@ class OpRun:
                 log.warning("commit step failed; retrying", op=self.id, attempt=attempt, error=str(e))
                 time.sleep(1 + attempt)
         self.condition("Succeeded", False, "CommitIncomplete", str(err))
-        self.save(done=True, result="failed", error=_op_error(PitstopError(
+        self.finish(done=True, result="failed", error=_op_error(PitstopError(
             f"the workers run on {self.md['destination']}, but finishing the commit failed: {err}",
             code="commit_incomplete", action="the error names what failed: peers whose agent could not be reached "
                                              "may still be paused (SIGSTOP) and continue when sent SIGCONT")))
@@ -695,9 +790,26 @@ class OpRun:
         return [p for p in in_parallel(resume, _by_agent(list(self.md["peers"].items()))) if p]
 
     # -- the way back -------------------------------------------------------------------------
+    def recover(self) -> None:
+        """Driven by the watchdog (Driver.watch): the thread that drove this operation ended
+        without ending it.  Before the commit point: roll back (or finish the rollback it
+        began); past it: finish the commit."""
+        why = self.crash or "it ended without a word"
+        if self.md.get("committed"):
+            self._finish_commit(PitstopError(f"the coordinator's driver of this operation stopped past the "
+                                             f"commit point: {why}"))
+            return
+        self.rollback(self.undoing or PitstopError(
+            f"the coordinator's driver of this operation stopped in phase {self.md.get('phase')!r}, before "
+            f"the commit point ({why}); the coordinator's watchdog rolled it back", code="driver_stopped",
+            action="evacuate again if the host must still be drained; the coordinator's log has the error"))
+
     def rollback(self, err: PitstopError) -> None:
+        """Undo on the agents whatever the database does: its writes here are best effort."""
         cancelled = isinstance(err, Cancelled) or err.code == "cancelled"
         log.warning("rolling back", op=self.id, reason=err.message)
+        self.best_effort = True
+        self.undoing = self.undoing or err
         self.enter("rollback")
         node, dest = self.md["node"], self.md["destination"]
         problems: list[str] = []   # the job may not be whole where it was: the operator must act
@@ -726,18 +838,25 @@ class OpRun:
             if not (w.get("capture_id") or self.md.get("capture_begun", True)):  # (absent: an older op)
                 w["state"] = "rolled_back"  # never asked to capture: nothing to undo on the node
                 continue
+            in_flight = False
             try:
                 cid = w.get("capture_id") or next((c["id"] for c in src.captures()
                                                    if c.get("image_id") == self.image_id(wid)), None)
                 if cid:
                     c = src.get_capture(cid)
                     if c["state"] == "dumping":
+                        in_flight = True
                         c = src.wait_capture(cid, self.d.s.capture_deadline_s)
                     if c["state"] not in ("failed", "rolled_back", "committed"):
                         src.rollback(cid)
                 w["state"] = "rolled_back"
             except PitstopError as e:
                 problems.append(f"{wid} on {node}: {e.message}")
+            if in_flight and dst is not None:
+                try:  # its stream went on after the discard above: what it brought to the destination
+                    dst.discard(self.image_id(wid))
+                except PitstopError as e:
+                    leftovers.append(f"{wid}'s images on {dest}: {e.message}")
         problems += self._resume_peers()
         cutmd = self.md.get("cut") or {}
         if cutmd.get("used"):
@@ -764,14 +883,16 @@ class OpRun:
                               f"runs there; {dest}'s agent removes the images of this move when it starts again"
                               if leftovers and not problems else ""),
                            details={**err.details, "rollback_problems": problems,
-                                    "destination_leftovers": leftovers})
-        self.save(phase="done", done=True, result="cancelled" if cancelled else "failed", error=_op_error(out))
+                                    "destination_leftovers": leftovers,
+                                    **({"database_error": self.store_error} if self.store_error else {})})
         self.d.count("cancelled" if cancelled else "failed", 0)
+        self.finish(phase="done", done=True, result="cancelled" if cancelled else "failed", error=_op_error(out))
 
 
 _GRPC = {"invalid_request": (3, "INVALID_ARGUMENT"), "not_found": (5, "NOT_FOUND"), "conflict": (10, "ABORTED"),
          "cancelled": (1, "CANCELLED"), "deadline_exceeded": (4, "DEADLINE_EXCEEDED"),
-         "unavailable": (14, "UNAVAILABLE"), "image_integrity": (15, "DATA_LOSS")}
+         "unavailable": (14, "UNAVAILABLE"), "database_unavailable": (14, "UNAVAILABLE"),
+         "image_integrity": (15, "DATA_LOSS")}
 
 
 def _by_agent(peers: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
@@ -799,6 +920,8 @@ class Driver:
         self._on_phase = on_phase
         self._on_result = on_result
         self.threads: dict[str, threading.Thread] = {}
+        self.runs: dict[str, OpRun] = {}  # operations this process drives, until their last write is in
+        self._runs_lock = threading.Lock()  # an operation being started is not one to adopt (watch)
         # done operations whose node has not yet freed what the move left there (clean_source)
         self._cleanups: dict[str, set[str]] = {}
         self._cleanup_next: dict[str, float] = {}
@@ -860,23 +983,74 @@ class Driver:
     def start(self, plan: Any, reason: str, idem: tuple[str, str] | None, post_copy: bool | None = None,
               pre_copy: bool | None = None) -> str:
         op_id = "op-" + uuid.uuid4().hex[:12]
-        self.store.create_op(op_id, plan.node["name"], plan.dest["name"],
-                             new_metadata(plan, reason, post_copy, pre_copy), idem)
-        self._spawn(op_id, lambda r: r.run())
+        with self._runs_lock:
+            self.store.create_op(op_id, plan.node["name"], plan.dest["name"],
+                                 new_metadata(plan, reason, post_copy, pre_copy), idem)
+            self._spawn(op_id, lambda r: r.run())
         return op_id
 
-    def _spawn(self, op_id: str, fn: Callable[[OpRun], None]) -> None:
+    def _spawn(self, op_id: str, fn: Callable[[OpRun], None], run: OpRun | None = None) -> None:
+        """Drive `fn` over the operation in a thread of its own.  `run`: the one a dead thread
+        left (its metadata is fresher than the database's, which may have refused writes)."""
+        run = run or OpRun(self, op_id)
+
         def body() -> None:
-            run = OpRun(self, op_id)
             try:
                 fn(run)
+            except BaseException as e:  # noqa: BLE001 - the watchdog takes over (watch)
+                run.crash = f"{type(e).__name__}: {e}"
+                log.exception("the driver of an operation stopped; the watchdog takes over", op=op_id)
             finally:
                 for c in run._clients.values():
                     c.close()
+                run._clients.clear()  # closed: a takeover opens its own
 
         t = threading.Thread(target=body, name=f"op-{op_id}", daemon=True)
+        self.runs[op_id] = run
         self.threads[op_id] = t
         t.start()
+
+    def watch(self) -> list[str]:
+        """The coordinator's watchdog, every watchdog_s (server.py): no operation stays half
+        done because the thread driving it ended.  An operation whose driver ended is taken
+        over: its last write tried again if only that is missing (the rollback or the commit
+        is done on the agents; the database refused the record), else its rollback (or, past
+        the commit point, its commit) driven again from where the metadata says, as often as
+        it takes, backing off.  An operation the database says runs and no thread of this
+        process drives is adopted the same way.  The operations taken over."""
+        taken = []
+        with self._runs_lock:
+            for op_id, run in list(self.runs.items()):
+                t = self.threads.get(op_id)
+                if t is not None and t.is_alive():
+                    continue
+                if run.finished or run.write_final():
+                    del self.runs[op_id]
+                    self.threads.pop(op_id, None)
+                elif run.final is None and time.monotonic() >= run.next_takeover:
+                    self._take_over(run)
+                    taken.append(op_id)
+            try:
+                stray = [op["id"] for op in self.store.ops(running_only=True) if op["id"] not in self.runs]
+            except StoreUnavailable:
+                stray = []
+            for op_id in stray:  # its record says it runs, and nothing here drives it
+                try:
+                    run = OpRun(self, op_id)
+                except StoreUnavailable:
+                    continue  # read again at the next look
+                run.crash = "no driver in this coordinator"
+                self._take_over(run)
+                taken.append(op_id)
+        return taken
+
+    def _take_over(self, run: OpRun) -> None:
+        run.takeovers += 1
+        run.next_takeover = time.monotonic() + min(TAKEOVER_BACKOFF_MAX_S, self.s.watchdog_s * 2 ** run.takeovers)
+        log.error("watchdog: an operation's driver ended without ending it; driving its way out", op=run.id,
+                  phase=run.md.get("phase"), committed=bool(run.md.get("committed")), crash=run.crash,
+                  takeover=run.takeovers)
+        self._spawn(run.id, lambda r: r.recover(), run)
 
     def reconcile(self) -> list[str]:
         """After a restart: finish what passed its commit point, roll back everything else."""

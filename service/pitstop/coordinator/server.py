@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 
 import structlog
@@ -13,11 +14,17 @@ from .. import priority, tls
 
 from ..endpoints import listening_socket
 from ..errors import FailedPrecondition
+from ..httpapi import RequestGuard, with_header_deadline
 from ..sdnotify import notify, watchdog_loop
 from ..stopping import STOP_S, leave_within
 from .api import build
+from .driver import Driver
 from .settings import CoordinatorSettings
 from .store import Store
+
+CONCURRENCY = 4096
+"""Connections and requests at once; past it uvicorn answers 503.  Each agent keeps one
+connection for its beats: room for a few thousand hosts, not for unbounded memory."""
 
 log = structlog.get_logger("pitstop.coordinator")
 
@@ -32,8 +39,21 @@ async def flush_loop(store: Store, every_s: float) -> None:
             log.warning("could not write heartbeats to the database; will retry", error=repr(e)[:200])
 
 
+async def watch_loop(driver: Driver, every_s: float) -> None:
+    """The driver's watchdog (Driver.watch), off the event loop, until cancelled: an operation
+    whose thread died is driven out (rolled back, or committed), and its record written once
+    the database takes writes again."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await asyncio.to_thread(driver.watch)
+        except Exception as e:  # noqa: BLE001 - the next tick looks again
+            log.warning("operation watchdog failed; will look again", error=repr(e)[:200])
+
+
 def serve(s: CoordinatorSettings) -> None:
     priority.apply(s.nice, "coordinator", realtime=s.realtime)  # first: every thread started later inherits it
+    os.umask(0o077)  # as the systemd unit's UMask=: what it writes (state, images, outputs) is its own
     if not s.insecure and not (s.operator_token and s.cluster_token):
         missing = [n for n, v in (("PITSTOP_TOKEN", s.operator_token), ("PITSTOP_CLUSTER_TOKEN", s.cluster_token))
                    if not v]
@@ -58,8 +78,10 @@ def serve(s: CoordinatorSettings) -> None:
             udp_sock.close()
         raise
     touched = driver.reconcile()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                           http=tls.http_protocol(), timeout_graceful_shutdown=int(STOP_S // 2),
+    guarded = RequestGuard(app, tokens=lambda: (s.operator_token, s.read_token, s.cluster_token))
+    server = uvicorn.Server(uvicorn.Config(guarded, host=host, port=port, log_level="warning", lifespan="off",
+                                           http=with_header_deadline(tls.http_protocol(), s.header_timeout_s),
+                                           limit_concurrency=CONCURRENCY, timeout_graceful_shutdown=int(STOP_S // 2),
                                            **tls.server_kwargs()))
 
     async def main() -> None:
@@ -71,12 +93,14 @@ def serve(s: CoordinatorSettings) -> None:
             udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(app.datagrams, sock=udp_sock)
         dog = asyncio.create_task(watchdog_loop())
         flusher = asyncio.create_task(flush_loop(driver.store, s.flush_s))
+        watcher = asyncio.create_task(watch_loop(driver, s.watchdog_s))
         log.info("coordinator up", listen=s.listen, db=str(s.db), reconciled=touched)
         notify(f"READY=1\nSTATUS=coordinator serving {s.listen}")
         await serving
         notify("STOPPING=1")
         dog.cancel()
         flusher.cancel()
+        watcher.cancel()
         if udp is not None:
             udp.close()
         driver.store.flush()

@@ -22,12 +22,18 @@ class CoordinatorSettings(BaseSettings):
     realtime: bool = True  # the pause and resume rounds' calls on SCHED_FIFO (pitstop/priority.py)
     db: Path = Path("/var/lib/pitstop/coordinator.db")
     operator_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_TOKEN"))
+    # A connection's request line and headers must all arrive this long after its first byte (httpapi.py)
+    header_timeout_s: float = Field(default=10.0, gt=0)
     read_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_READ_TOKEN"))  # reads only
     cluster_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_CLUSTER_TOKEN"))
     insecure: bool = False
     heartbeat_timeout_s: float = 5.0      # a host silent this long is not offered as a spare
     beat_udp: bool = True                 # also take beats as datagrams on the listen port (coordinator/beats.py)
     flush_s: float = 1.0                  # how often beats kept in memory are written to the database
+    # How often the coordinator looks for an operation whose driving thread ended without ending it
+    # (driver.Driver.watch): its rollback (or commit) is then driven again, and a last write the
+    # database refused (a full file system) is tried again.
+    watchdog_s: float = Field(default=5.0, gt=0)
     capture_deadline_s: float = 300.0     # dump + stream of one worker
     step_timeout_s: float = 180.0         # any other single agent call
     operation_deadline_s: float = 900.0   # the whole evacuation, before commit

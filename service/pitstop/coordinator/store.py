@@ -11,16 +11,25 @@ touches a dict, and `flush()` writes every changed last_seen (and GPU health) in
 one transaction about once a second.  What a restart loses is at most that second
 of last_seen, which only ages a host by a second.  Full reports (workers, inventory)
 still go to SQLite at once: they change rarely and the planner needs them.
+
+A database that cannot be written (a full or failing file system) is reported as
+StoreUnavailable, a value with what to do (503 in the API), never as sqlite3's own
+exception: the driver tells it from an agent's failure and undoes what it can no
+longer record (driver.OpRun.rollback), and an operator is told which file system to fix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from ..errors import Unavailable
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS hosts (
@@ -39,9 +48,27 @@ CREATE TABLE IF NOT EXISTS idempotency (
 
 LIVE = ("running", "paused", "capturing", "stopped")  # "released": the process is gone
 
+# What the file system or the disk did to SQLite, not a mistake in pitstop's SQL: these pass
+# once an operator (or time) fixes the database's file system, so they are answered as 503.
+_UNAVAILABLE = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED,
+                sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB,
+                sqlite3.SQLITE_NOMEM, sqlite3.SQLITE_PROTOCOL}
+
+
+class StoreUnavailable(Unavailable):
+    """The coordinator's database cannot be written (or read) now: a full or failing file system."""
+
+    code = "database_unavailable"
+
+
+def _unavailable(e: sqlite3.Error) -> bool:
+    code = getattr(e, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in _UNAVAILABLE
+
 
 class Store:
     def __init__(self, path: Path) -> None:
+        self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self.db.row_factory = sqlite3.Row
@@ -61,8 +88,44 @@ class Store:
                            self.db.execute("SELECT name, generation FROM hosts WHERE generation IS NOT NULL")}
 
     def _x(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
-        with self.lock:
+        with self.lock, self._guard():
             return self.db.execute(sql, args).fetchall()
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """sqlite3's errors of the file system as StoreUnavailable, saying which one to fix."""
+        try:
+            yield
+        except sqlite3.Error as e:
+            if not _unavailable(e):
+                raise
+            raise StoreUnavailable(
+                f"the coordinator cannot use its database {self.path}: {e}",
+                action=f"free space on (or repair) the file system that holds {self.path}, then send this "
+                       "request again; the coordinator keeps trying by itself: an evacuation it cannot record "
+                       "is undone on the agents, and written down once the database takes writes again",
+                details={"database": str(self.path), "sqlite_error": getattr(e, "sqlite_errorname", str(e))}) from e
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[None]:
+        """One transaction, under the lock; rolled back if anything in it fails.
+
+        SQLite itself rolls back a transaction that hit a full disk or an I/O error: a ROLLBACK
+        sent after that fails with "cannot rollback - no transaction is active", which then hid
+        the real error ("database or disk is full").  So ROLLBACK goes only to a transaction
+        still open, and a failing one never replaces the error that caused it."""
+        with self.lock, self._guard():
+            if self.db.in_transaction:  # one a failed ROLLBACK left open: nothing of it is ours
+                self.db.execute("ROLLBACK")
+            self.db.execute("BEGIN")
+            try:
+                yield
+                self.db.execute("COMMIT")
+            except BaseException:
+                if self.db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):  # tried again before the next BEGIN
+                        self.db.execute("ROLLBACK")
+                raise
 
     # hosts and workers --------------------------------------------------------------------------
     def sync_workers(self, host: str, workers: list[dict[str, Any]]) -> None:
@@ -93,9 +156,8 @@ class Store:
             rows = [(n, self.seen.get(n), self.health.pop(n, None)) for n in dirty]
         if not rows:
             return 0
-        with self.lock:
-            self.db.execute("BEGIN")
-            try:
+        try:
+            with self._tx():
                 for name, _, health in rows:
                     if health is not None:
                         r = self.db.execute("SELECT info FROM hosts WHERE name=?", (name,)).fetchone()
@@ -105,15 +167,13 @@ class Store:
                             self.db.execute("UPDATE hosts SET info=? WHERE name=?", (json.dumps(info), name))
                 self.db.executemany("UPDATE hosts SET last_seen=max(last_seen, ?) WHERE name=?",
                                     [(seen, name) for name, seen, _ in rows if seen is not None])
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                with self._live:  # written next time
-                    self._dirty |= dirty
-                    for name, _, health in rows:
-                        if health is not None:
-                            self.health.setdefault(name, health)
-                raise
+        except BaseException:
+            with self._live:  # written next time
+                self._dirty |= dirty
+                for name, _, health in rows:
+                    if health is not None:
+                        self.health.setdefault(name, health)
+            raise
         return len(rows)
 
     def heartbeat(self, hb: dict[str, Any], touch: bool = True) -> None:
@@ -121,32 +181,26 @@ class Store:
         now = time.time()
         name = hb["name"]
         info = {k: v for k, v in hb.items() if k not in ("workers", "generation")}
-        with self.lock:
-            self.db.execute("BEGIN")
-            try:
-                row = self.db.execute("SELECT role FROM hosts WHERE name=?", (name,)).fetchone()
-                # The coordinator owns a host's role once it has one (a consumed spare becomes active).
-                role = row["role"] if row else ("spare" if hb.get("spare") else "active")
-                if touch:
-                    self.db.execute("INSERT INTO hosts(name,url,role,info,last_seen,generation) VALUES(?,?,?,?,?,?) "
-                                    "ON CONFLICT(name) DO UPDATE SET url=excluded.url, info=excluded.info, "
-                                    "last_seen=excluded.last_seen, generation=excluded.generation",
-                                    (name, hb["url"], role, json.dumps(info), now, hb.get("generation")))
-                for w in hb.get("workers", []):
-                    # Where a worker is: the host that reports it alive.  Its old host's "moved"
-                    # is no news, and an end state (exited, lost) counts only from its current host.
-                    cur = self.db.execute("SELECT host FROM workers WHERE id=?", (w["id"],)).fetchone()
-                    if w["state"] not in LIVE and (w["state"] == "moved" or (cur and cur["host"] != name)):
-                        continue
-                    self.db.execute(
-                        "INSERT INTO workers(id,job,rank,host,state,info,updated) VALUES(?,?,?,?,?,?,?) "
-                        "ON CONFLICT(id) DO UPDATE SET host=excluded.host, state=excluded.state, "
-                        "info=excluded.info, updated=excluded.updated",
-                        (w["id"], w["job"], w["rank"], name, w["state"], json.dumps(w), now))
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
+        with self._tx():
+            row = self.db.execute("SELECT role FROM hosts WHERE name=?", (name,)).fetchone()
+            # The coordinator owns a host's role once it has one (a consumed spare becomes active).
+            role = row["role"] if row else ("spare" if hb.get("spare") else "active")
+            if touch:
+                self.db.execute("INSERT INTO hosts(name,url,role,info,last_seen,generation) VALUES(?,?,?,?,?,?) "
+                                "ON CONFLICT(name) DO UPDATE SET url=excluded.url, info=excluded.info, "
+                                "last_seen=excluded.last_seen, generation=excluded.generation",
+                                (name, hb["url"], role, json.dumps(info), now, hb.get("generation")))
+            for w in hb.get("workers", []):
+                # Where a worker is: the host that reports it alive.  Its old host's "moved"
+                # is no news, and an end state (exited, lost) counts only from its current host.
+                cur = self.db.execute("SELECT host FROM workers WHERE id=?", (w["id"],)).fetchone()
+                if w["state"] not in LIVE and (w["state"] == "moved" or (cur and cur["host"] != name)):
+                    continue
+                self.db.execute(
+                    "INSERT INTO workers(id,job,rank,host,state,info,updated) VALUES(?,?,?,?,?,?,?) "
+                    "ON CONFLICT(id) DO UPDATE SET host=excluded.host, state=excluded.state, "
+                    "info=excluded.info, updated=excluded.updated",
+                    (w["id"], w["job"], w["rank"], name, w["state"], json.dumps(w), now))
         if touch:
             with self._live:
                 self.seen[name] = now
@@ -197,18 +251,12 @@ class Store:
     def create_op(self, op_id: str, node: str, dest: str | None, metadata: dict, idem: tuple[str, str] | None
                   ) -> None:
         now = time.time()
-        with self.lock:
-            self.db.execute("BEGIN")
-            try:
-                self.db.execute("INSERT INTO operations(id,node,dest,phase,metadata,created,updated) "
-                                "VALUES(?,?,?,?,?,?,?)", (op_id, node, dest, "pending", json.dumps(metadata), now, now))
-                if idem:
-                    self.db.execute("INSERT INTO idempotency(key,body_hash,op_id,created) VALUES(?,?,?,?)",
-                                    (idem[0], idem[1], op_id, now))
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
+        with self._tx():
+            self.db.execute("INSERT INTO operations(id,node,dest,phase,metadata,created,updated) "
+                            "VALUES(?,?,?,?,?,?,?)", (op_id, node, dest, "pending", json.dumps(metadata), now, now))
+            if idem:
+                self.db.execute("INSERT INTO idempotency(key,body_hash,op_id,created) VALUES(?,?,?,?)",
+                                (idem[0], idem[1], op_id, now))
 
     def idempotent(self, key: str) -> tuple[str, str] | None:
         r = self._x("SELECT body_hash, op_id FROM idempotency WHERE key=?", (key,))

@@ -182,6 +182,21 @@ def nccl_env(env: dict[str, str], *, shim: bool, host_nccl: bool) -> dict[str, s
     return env
 
 
+SECRET_PREFIXES = ("PITSTOP_TLS_",)
+SECRET_MARKS = ("TOKEN", "SECRET", "PASSWORD")
+
+
+def without_secrets(env: dict[str, str]) -> dict[str, str]:
+    """The worker's environment less pitstop's own credentials: the tokens (the cluster token
+    amounts to root on every host) and the TLS key and certificate paths.
+
+    Why: a worker's environment is readable in its /proc/PID/environ, copied into its image pages
+    at every move, and printed by any job that logs its environment; the worker never needs them
+    (the launcher talks to the agent for it).  The job's own variables pass unchanged."""
+    return {k: v for k, v in env.items()
+            if not (k.startswith("PITSTOP_") and (k.startswith(SECRET_PREFIXES) or any(m in k for m in SECRET_MARKS)))}
+
+
 def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         extra_env: dict[str, str] | None = None, shim: bool = True, host_nccl: bool = False,
         address: str | None = None) -> int:
@@ -191,7 +206,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         return 2
     if rank is None:
         rank = int(os.environ.get("RANK", os.environ.get("GROUP_RANK", "0")))
-    env = dict(os.environ)
+    env = without_secrets(dict(os.environ))
     env.setdefault("USE_LIBUV", "0")
     why = deny_io_uring()  # CRIU cannot dump io_uring (launcher/seccomp.py); inherited by the worker
     if why:

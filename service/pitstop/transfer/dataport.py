@@ -12,7 +12,13 @@ same CA and the same role check as the HTTP API):
   client: {"image_id": ..., "token": ...}\\n       server: {"ok": true, "encodings": ["zstd"]}\\n  or an error line
   client: the frames, up to and including the manifest (Z frames only if the server named "zstd")
   server: {"ok": true, "bytes": N, "files": F, "seconds": S}\\n  or {"error": {...}, "status": 507}\\n
-Every wait has a deadline (connect, hello, each receive, the final answer).
+Every wait has a deadline (connect, hello, each receive, the final answer), and the port's own
+resources are bounded against peers that never say who they are: the whole greeting (TLS
+handshake and hello line) must be over `greeting_s` after the accept, at most `max_greeting`
+connections may be greeting at once and `max_connections` be open in all (one more is answered
+"busy" and closed at once), and an error of accept() itself (out of file descriptors, say) is
+logged and waited out, never the end of the port.  A reception must be complete by its slot's
+deadline (the destination's transfer_timeout_s), however steadily its bytes trickle in.
 
 Post-copy over the network uses the same port the other way round: the destination asks
   client: {"image_id": ..., "token": ..., "want": "pages"}\\n   server: {"ok": true}\\n
@@ -22,32 +28,48 @@ spoken by the destination's `criu lazy-pages` daemon, to which the destination h
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
+import math
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from .. import tls
-from ..errors import PitstopError, TransferFailed
+from ..errors import DeadlineExceeded, PitstopError, TransferFailed, Unavailable
 from .compress import ENCODING, Compression
-from .stream import StreamReceiver
+from .stream import StreamReceiver, overdue
 
 log = structlog.get_logger("pitstop.transfer.dataport")
 
 BUFFER = 4 << 20
 MAX_IDLE_BUFFERS = 4
 MAX_LINE = 64 << 10
+GREETING_S = 10.0      # from accept to a complete, authenticated hello (pitstop's agents: milliseconds)
+MAX_GREETING = 64      # connections still greeting; each costs a thread until its greeting ends
+MAX_CONNECTIONS = 256  # all connections: receptions (capped by the agent), lazy-page servers, greetings
+ANSWER_S = 5.0         # for the last line to a peer (into an all but empty send buffer)
+BACKOFF_S = (0.01, 1.0)  # between failed accept() calls: first, most
+LOG_EVERY_S = 10.0     # a recurring refusal or accept error is logged at most this often
 
 
-def _read_line(sock: socket.socket, limit: int = MAX_LINE) -> bytes:
+def _read_line(sock: socket.socket, limit: int = MAX_LINE, deadline: float | None = None) -> bytes:
+    """One control line.  `deadline` (time.monotonic()): for the whole line, not per read, so that
+    a peer sending a byte now and then cannot stretch it (TimeoutError once it has passed)."""
     out = bytearray()
     while not out.endswith(b"\n"):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the line was not complete by its deadline")
+            sock.settimeout(left)
         b = sock.recv(1)  # only for the short control lines; the stream itself is read in bulk
         if not b:
             raise ConnectionError("connection closed")
@@ -61,18 +83,58 @@ def _line(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj).encode() + b"\n"
 
 
+class _Every:
+    """A recurring event logged at most once per `every_s`, with how often it happened since: a
+    flood of refused connections must not become a flood of log lines."""
+
+    def __init__(self, every_s: float = LOG_EVERY_S) -> None:
+        self.every_s = every_s
+        self._last = -math.inf
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def hit(self) -> int:
+        """Count one; how many to log now (0: not yet)."""
+        with self._lock:
+            self._count += 1
+            now = time.monotonic()
+            if now - self._last < self.every_s:
+                return 0
+            self._last, n, self._count = now, self._count, 0
+            return n
+
+
+@dataclass(eq=False)
+class _Conn:
+    """An accepted connection: its socket (the TLS one once wrapped) and its greeting's deadline."""
+
+    sock: socket.socket
+    addr: Any
+    deadline: float
+    greeted: bool = False
+
+    def shut(self) -> None:
+        """Break any wait on it, from another thread (the base class's shutdown: also for TLS)."""
+        try:
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 class DataPort:
-    """The receiving side: a listening socket and a thread per incoming stream."""
+    """The receiving side: a listening socket and a thread per incoming stream, both bounded."""
 
     def __init__(self, host: str, port: int, *, token: str | None, open_slot: Callable[[str], Any],
                  fail_slot: Callable[[Any], None], finished: Callable[[Any], dict],
                  on_error: Callable[[Any, OSError], PitstopError], idle_timeout_s: float = 60.0,
                  pages_for: Callable[[str], Callable[[socket.socket], None]] | None = None,
-                 sock: socket.socket | None = None) -> None:
+                 sock: socket.socket | None = None, greeting_s: float = GREETING_S,
+                 max_greeting: int = MAX_GREETING, max_connections: int = MAX_CONNECTIONS) -> None:
         self._token = token.encode() if token else None
         self._pages_for = pages_for  # image id -> who serves its lazy pages (raises if nobody)
         self._open_slot, self._fail_slot, self._finished, self._on_error = open_slot, fail_slot, finished, on_error
         self.idle_timeout_s = idle_timeout_s
+        self.greeting_s, self.max_greeting, self.max_connections = greeting_s, max_greeting, max_connections
         # `sock`: already listening (agent/server.py binds before anything else, to fail early)
         self.sock = sock or socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                                  backlog=64, reuse_port=False)
@@ -80,6 +142,10 @@ class DataPort:
         self._ssl = self._server_context()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="dataport-accept", daemon=True)
+        self._lock = threading.Lock()
+        self._conns: set[_Conn] = set()
+        self._greeting = 0  # of _conns, those not greeted yet
+        self._refusals, self._accept_errors = _Every(), _Every()
         # Receive buffers are reused: a fresh 4 MiB buffer per stream, freed on another thread
         # each time, made glibc's per-thread arenas grow by 10-15 MiB over a 50-move soak.
         self._buffers: list[bytearray] = []
@@ -100,20 +166,99 @@ class DataPort:
         self._thread.start()
         return self
 
+    @property
+    def connections(self) -> tuple[int, int]:
+        """(connections open, of which still greeting)."""
+        with self._lock:
+            return len(self._conns), self._greeting
+
     def close(self) -> None:
+        """Stop accepting and end every connection (the agent is stopping)."""
         self._stop.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes accept(), which close() alone does not
+        except OSError:
+            pass
         try:
             self.sock.close()
         except OSError:
             pass
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            c.shut()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
 
     def _accept(self) -> None:
+        """Accept until close().  A failed accept() (EMFILE or ENFILE: out of file descriptors;
+        ENOBUFS, ENOMEM; ECONNABORTED, EPROTO: a peer gone first) is logged and waited out: once it
+        ended this loop, and with it every later move to this host until the agent restarted."""
+        pause = BACKOFF_S[0]
         while not self._stop.is_set():
             try:
                 conn, addr = self.sock.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(conn, addr), name="dataport-recv", daemon=True).start()
+            except OSError as e:
+                if self._stop.is_set() or self.sock.fileno() < 0:
+                    return  # closed
+                n = self._accept_errors.hit()
+                if n:
+                    log.warning("the data port cannot accept connections; retrying",
+                                error=f"{errno.errorcode.get(e.errno or 0, e.errno)}: {e.strerror}", times=n,
+                                action="image streams to this agent wait meanwhile; if out of file descriptors, "
+                                       "raise LimitNOFILE or look for connections held open to this port")
+                self._stop.wait(pause)
+                pause = min(2 * pause, BACKOFF_S[1])
+                continue
+            pause = BACKOFF_S[0]
+            self._admit(conn, addr)
+
+    def _admit(self, conn: socket.socket, addr: Any) -> None:
+        """A thread for the connection, or a prompt refusal where the port is full."""
+        c = _Conn(conn, addr, time.monotonic() + self.greeting_s)
+        with self._lock:  # close() ends what it finds in _conns: none may join after it
+            full = "the agent is stopping" if self._stop.is_set() else self._full()
+            if not full:
+                self._conns.add(c)
+                self._greeting += 1
+        if full:
+            self._refuse(c, full)
+            return
+        try:
+            threading.Thread(target=self._serve, args=(c,), name="dataport-conn", daemon=True).start()
+        except RuntimeError as e:  # can't start new thread
+            self._release(c)
+            self._refuse(c, f"no thread for it ({e})")
+
+    def _full(self) -> str:
+        """Why one more connection is refused now ("": it is not).  Under self._lock."""
+        if len(self._conns) >= self.max_connections:
+            return f"{len(self._conns)} connections open, its limit"
+        if self._greeting >= self.max_greeting:
+            return f"{self._greeting} connections have not said who they are yet, its limit"
+        return ""
+
+    def _refuse(self, c: _Conn, why: str) -> None:
+        err = Unavailable(f"the data port is busy: {why}", code="data_port_busy",
+                          action="the move fails and its source resumes; try again, and if it persists look "
+                                 f"for peers holding connections to port {self.port} of this host")
+        try:
+            c.sock.setblocking(False)  # never wait on a peer that is refused
+            c.sock.send(_line({"error": err.to_dict(), "status": err.http_status}))
+        except OSError:
+            pass
+        finally:
+            c.sock.close()
+        n = self._refusals.hit()
+        if n:
+            log.warning("data port refused connections", reason=why, refused=n, peer=str(c.addr))
+
+    def _release(self, c: _Conn) -> None:
+        with self._lock:
+            if c in self._conns:
+                self._conns.discard(c)
+                if not c.greeted:
+                    self._greeting -= 1
 
     def _take_buffer(self) -> bytearray:
         with self._buffers_lock:
@@ -126,8 +271,19 @@ class DataPort:
 
     def _receive(self, conn: socket.socket, slot: Any, mv: memoryview) -> None:
         rx: StreamReceiver = slot.receiver
+        deadline = getattr(slot, "deadline", math.inf)  # DestinationSide's slots carry one
         while not rx.complete:
-            n = conn.recv_into(mv)
+            left = deadline - time.monotonic()
+            if left < self.idle_timeout_s:  # the last stretch: no wait may outlast the deadline
+                if left <= 0:
+                    raise overdue(slot.image_id, deadline - slot.started, rx.received)
+                conn.settimeout(left)
+            try:
+                n = conn.recv_into(mv)
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise overdue(slot.image_id, deadline - slot.started, rx.received) from None
+                raise
             if n == 0:
                 raise TransferFailed(f"image stream {slot.image_id} ended before its manifest "
                                      f"({rx.received} bytes received)", http_status=400,
@@ -149,18 +305,35 @@ class DataPort:
         except Exception as e:  # noqa: BLE001 - the daemon sees the connection end and fails
             log.warning("serving lazy pages failed", image=image_id, error=repr(e))
 
-    def _serve(self, conn: socket.socket, addr: Any) -> None:
+    def _hello(self, c: _Conn) -> dict[str, Any]:
+        """The peer's hello, authenticated, by the greeting's deadline: each wait of the TLS
+        handshake and of the line is bounded by what is left of it, so a peer trickling bytes
+        holds the connection `greeting_s` at most, whatever the per-read timeout."""
+        try:
+            if self._ssl is not None:
+                c.sock = self._ssl.wrap_socket(c.sock, server_side=True, do_handshake_on_connect=False)
+                c.sock.settimeout(max(c.deadline - time.monotonic(), 1e-3))
+                c.sock.do_handshake()  # one call, one deadline (ssl's own, over all of its reads)
+                tls.require_role({tls.PEER_ROLE: tls.role_of(c.sock.getpeercert())}, ("agent",))
+            hello = json.loads(_read_line(c.sock, deadline=c.deadline))
+        except TimeoutError:
+            raise DeadlineExceeded(f"no complete hello within {self.greeting_s:g} s of connecting",
+                                   action="a peer must send its hello line at once (pitstop's agents do)") from None
+        got = str(hello.get("token") or "").encode()
+        if self._token is not None and not hmac.compare_digest(got, self._token):
+            raise PitstopError("missing or wrong cluster token on the data port", code="unauthenticated",
+                               http_status=401, action="send the value of PITSTOP_CLUSTER_TOKEN")
+        with self._lock:
+            c.greeted = True
+            self._greeting -= 1
+        c.sock.settimeout(self.idle_timeout_s)
+        return hello
+
+    def _serve(self, c: _Conn) -> None:
         slot = None
         try:
-            conn.settimeout(self.idle_timeout_s)
-            if self._ssl is not None:
-                conn = self._ssl.wrap_socket(conn, server_side=True)
-                tls.require_role({tls.PEER_ROLE: tls.role_of(conn.getpeercert())}, ("agent",))
-            hello = json.loads(_read_line(conn))
-            got = str(hello.get("token") or "").encode()
-            if self._token is not None and not hmac.compare_digest(got, self._token):
-                raise PitstopError("missing or wrong cluster token on the data port", code="unauthenticated",
-                                   http_status=401, action="send the value of PITSTOP_CLUSTER_TOKEN")
+            hello = self._hello(c)
+            conn = c.sock
             if hello.get("want") == "pages":
                 self._serve_pages(conn, str(hello.get("image_id", "")))
                 return
@@ -176,20 +349,23 @@ class DataPort:
                     self._give_back(buf)
                 except BufferError:
                     pass  # something still holds a view: the buffer is not reused
+            conn.settimeout(ANSWER_S)
             conn.sendall(_line({"ok": True, **self._finished(slot)}))
         except BaseException as e:  # noqa: BLE001 - every failure is answered, the slot discarded
             if slot is not None:
                 self._fail_slot(slot)
             err = e if isinstance(e, PitstopError) else TransferFailed(
                 f"image stream failed on the destination: {e!r}", action="the copy is discarded; send again")
-            log.warning("image stream refused or failed", peer=str(addr), error=err.message)
+            log.warning("image stream refused or failed", peer=str(c.addr), error=err.message)
             try:
-                conn.sendall(_line({"error": err.to_dict(), "status": err.http_status}))
+                c.sock.settimeout(ANSWER_S)
+                c.sock.sendall(_line({"error": err.to_dict(), "status": err.http_status}))
             except OSError:
                 pass
         finally:
+            self._release(c)
             try:
-                conn.close()
+                c.sock.close()
             except OSError:
                 pass
 

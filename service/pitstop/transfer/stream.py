@@ -29,6 +29,12 @@ Wire format (one HTTP request body, chunked, or the data port's socket):
                                                    receiver that said it decodes them (compress.py)
   b"M" !I length json                              the manifest; the end
   b"E" !I length json                              the sender gave up; discard
+
+Every length a header announces is bounded before anything is allocated or written for it
+(`MAX_PIECE`, `MAX_MANIFEST`): the sender's pieces are at most `CHUNK` raw, so a larger one is a
+corrupt or hostile stream, not an image.  A receiver with a `FreeSpace` also refuses a piece that
+would leave its image directory's file system with less than a reserve free (a tmpfs is the
+host's memory: filled, it takes the job's memory with it).
 """
 
 from __future__ import annotations
@@ -47,8 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from ..capture.manifest import DIGEST, MANIFEST, FileEntry, Manifest, new_hasher, verify
-from ..errors import IntegrityError, TransferFailed
-from .compress import Compression, Decoder
+from ..errors import DeadlineExceeded, IntegrityError, TransferFailed
+from .compress import MAX_PIECE, Compression, Decoder
 from .dedup import PAGE, Copy, PageIndex
 
 _D = struct.Struct("!HQI")
@@ -57,6 +63,11 @@ _Z = struct.Struct("!HQII")
 _L = struct.Struct("!I")
 CHUNK = 4 << 20
 SKIP_SUFFIXES = (".log",)
+# What one frame may announce.  Data (D, C, Z): a piece is at most CHUNK raw bytes (dedup splits
+# pieces, never joins them); MAX_PIECE leaves room for a larger CHUNK in a newer sender.  A manifest
+# lists a few entries per process of the tree (about 150 bytes each): 16 MiB is over 100,000 files.
+MAX_MANIFEST = 16 << 20
+MiB = 1 << 20
 
 
 def _skipped(name: str) -> bool:
@@ -211,11 +222,58 @@ class DirectoryTail:
             self._files.clear()
 
 
-class StreamReceiver:
-    """Parse an image stream into a directory, hashing as it writes."""
+class FreeSpace:
+    """Whether the next bytes of a stream fit in its directory's file system, with `reserve` left.
 
-    def __init__(self, directory: Path) -> None:
+    Asked once per frame, before the frame's bytes are written; a refusal is a 507 that says how
+    much was free.  statvfs is read again after at most `recheck` bytes, so that streams received
+    side by side each see what the others wrote (together they may overshoot the reserve by at
+    most `recheck` each: the reserve covers that)."""
+
+    def __init__(self, directory: Path, reserve: int, *, what: str, setting: str = "",
+                 recheck: int = 16 * MiB) -> None:
+        self.directory, self.reserve, self.what, self.setting = directory, reserve, what, setting
+        self.recheck = recheck
+        self._budget = 0  # bytes that may still be written before statvfs is read again
+
+    def free(self) -> int:
+        st = os.statvfs(self.directory)
+        return st.f_bavail * st.f_frsize
+
+    def claim(self, n: int, received: int) -> None:
+        """`n` more bytes are about to be written, `received` were written before them."""
+        if n <= self._budget:
+            self._budget -= n
+            return
+        free = self.free()
+        if free - n < self.reserve:
+            reserve = f", and {self.reserve // MiB} MiB stay free for the host ({self.setting})" if self.reserve else ""
+            raise TransferFailed(
+                f"not enough space for {self.what}: {free // MiB} MiB free in {self.directory} after "
+                f"{received} bytes received, the next piece is {n} bytes{reserve}",
+                code="destination_storage", http_status=507,
+                action="the copy is discarded and the source resumed; free space in the destination's "
+                       "image directory (a larger PITSTOP_AGENT_IMAGE_MOUNT_SIZE, fewer moves to it at "
+                       "once) or pick another spare")
+        self._budget = min(free - self.reserve, self.recheck) - n
+
+
+def overdue(image_id: str, limit_s: float, received: int) -> DeadlineExceeded:
+    """The error of a reception that outlived its deadline (the data port's and HTTP's alike)."""
+    return DeadlineExceeded(
+        f"image stream {image_id} did not complete within {limit_s:g} s ({received} bytes received)",
+        action="the copy is discarded and the source resumed; check the link between the hosts, or raise "
+               "PITSTOP_AGENT_TRANSFER_TIMEOUT_S on the destination (and the source) for larger images")
+
+
+class StreamReceiver:
+    """Parse an image stream into a directory, hashing as it writes.
+
+    `space`: asked before each frame's bytes are written (FreeSpace); None: not checked."""
+
+    def __init__(self, directory: Path, space: FreeSpace | None = None) -> None:
         self.directory = directory
+        self.space = space
         directory.mkdir(parents=True, exist_ok=True)
         self.received = 0
         self.manifest: Manifest | None = None
@@ -268,15 +326,18 @@ class StreamReceiver:
             mv = mv[used:]
 
     def _parse(self, view: memoryview) -> int:
-        """Parse one frame header at the start of `view`; the bytes it took, 0 if incomplete."""
+        """Parse one frame header at the start of `view`; the bytes it took, 0 if incomplete.
+        Its announced lengths are checked as soon as they are read, before anything is buffered."""
         kind = bytes(view[:1])
         if kind == b"D":
             if len(view) < 1 + _D.size:
                 return 0
             nlen, off, n = _D.unpack_from(view, 1)
+            _bounded("data piece", n, MAX_PIECE)
             if len(view) < 1 + _D.size + nlen:
                 return 0
             name = self._name(bytes(view[1 + _D.size:1 + _D.size + nlen]))
+            self._claim(n)
             if n == 0:
                 self._write(name, off, b"")
             else:
@@ -286,11 +347,13 @@ class StreamReceiver:
             if len(view) < 1 + _C.size:
                 return 0
             nlen, off, n, slen, soff = _C.unpack_from(view, 1)
+            _bounded("copied piece", n, MAX_PIECE)  # read whole into memory (_copy)
             end = 1 + _C.size + nlen + slen
             if len(view) < end:
                 return 0
             name = self._name(bytes(view[1 + _C.size:1 + _C.size + nlen]))
             src = self._name(bytes(view[1 + _C.size + nlen:end]))
+            self._claim(n)
             self._copy(name, off, n, src, soff)
             return end
         if kind == b"Z":
@@ -301,12 +364,14 @@ class StreamReceiver:
                 return 0
             name = self._name(bytes(view[1 + _Z.size:1 + _Z.size + nlen]))
             Decoder.check_sizes(name, n, zn)
+            self._claim(n)
             self._zpending = (name, off, n, bytearray(zn), 0)
             return 1 + _Z.size + nlen
         if kind in (b"M", b"E"):
             if len(view) < 1 + _L.size:
                 return 0
             (n,) = _L.unpack_from(view, 1)
+            _bounded("manifest" if kind == b"M" else "error frame", n, MAX_MANIFEST)  # buffered whole
             if len(view) < 1 + _L.size + n:
                 return 0
             body = bytes(view[1 + _L.size:1 + _L.size + n])
@@ -316,6 +381,10 @@ class StreamReceiver:
             self._finish(Manifest.model_validate_json(body))
             return 1 + _L.size + n
         raise TransferFailed(f"corrupt image stream (frame type {kind!r})", action="send again")
+
+    def _claim(self, n: int) -> None:
+        if self.space is not None and n:
+            self.space.claim(n, self.received)
 
     def _fill_z(self, mv: memoryview) -> memoryview:
         """Take the next bytes of a compressed piece; once all are here, decode and write it."""
@@ -392,6 +461,12 @@ class StreamReceiver:
     @property
     def complete(self) -> bool:
         return self.manifest is not None
+
+
+def _bounded(what: str, n: int, limit: int) -> None:
+    if n > limit:
+        raise TransferFailed(f"corrupt image stream: a {what} claims {n} bytes (at most {limit})",
+                             action="the copy is discarded; check that both agents run the same pitstop version")
 
 
 _END = object()
