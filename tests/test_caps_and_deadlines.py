@@ -61,6 +61,29 @@ class _Store:
         return [{"id": "j.0", "job": "j", "rank": 0, "host": "src", "state": "running", "caps": self.need}]
 
 
+def test_capabilities_held_only_inside_a_user_namespace_are_not_needs():
+    """Before: a worker that made a user namespace of its own (and so held every capability there)
+    made its node impossible to evacuate ("cannot grant cap_sys_resource")."""
+    p = subprocess.Popen(["unshare", "--user", "--map-root-user", "sleep", "30"])
+    try:
+        for _ in range(100):
+            if os.readlink(f"/proc/{p.pid}/ns/user") != os.readlink("/proc/self/ns/user"):
+                break
+            time.sleep(0.02)
+        held = int(caps._status(p.pid)["CapPrm"], 16)
+        assert held >> 24 & 1, "inside its namespace it holds cap_sys_resource"
+        assert caps.needs(p.pid) == 0
+    finally:
+        p.kill()
+        p.wait(10)
+    q = subprocess.Popen(["sleep", "30"])  # the host's root: its capabilities are needs
+    try:
+        assert caps.needs(q.pid) == int(caps._status(q.pid)["CapPrm"], 16) != 0
+    finally:
+        q.kill()
+        q.wait(10)
+
+
 def test_the_planner_refuses_a_destination_that_cannot_grant_a_workers_capabilities():
     with pytest.raises(FailedPrecondition) as e:
         planner.plan(_Store(f"{UNIT_SET:x}", f"{UNIT_SET | 1 << 16:x}"), "src", "dst", {}, 5.0)

@@ -257,6 +257,37 @@ def test_slow_senders_are_closed_at_the_greeting_deadline(tmp_path, ports, clien
 
 
 @pytest.mark.timeout(60)
+def test_a_tls_handshake_sent_a_byte_at_a_time_ends_at_the_greeting_deadline(tmp_path, ports, clients, monkeypatch):
+    """With TLS the greeting starts with the handshake, whose reads the per-read timeout bounded
+    one by one: a ClientHello trickled in never ended.  The deadline covers it too; an agent with
+    its certificate still streams."""
+    from pitstop import tls
+
+    tls.init_ca(tmp_path / "pki")
+    crt, key = tls.issue(tmp_path / "pki", "rx", ["127.0.0.1"], role="agent")
+    for k, v in {"PITSTOP_TLS_CA": tmp_path / "pki" / "ca.pem", "PITSTOP_TLS_CERT": crt, "PITSTOP_TLS_KEY": key}.items():
+        monkeypatch.setenv(k, str(v))
+    greeting_s = 1.5
+    port = ports(greeting_s=greeting_s, idle_timeout_s=30.0, **_fake_slots(tmp_path / "rx"))
+    s = clients(port.port)
+    t0 = time.monotonic()
+    s.sendall(b"\x16\x03\x01\x02\x00")  # a handshake record of 512 bytes, then a byte every 0.2 s
+    s.settimeout(0.2)
+    gone = None
+    while gone is None and time.monotonic() - t0 < greeting_s + 5:
+        try:
+            s.send(b"\x01")
+            gone = time.monotonic() - t0 if s.recv(4096) == b"" else None
+        except TimeoutError:
+            continue
+        except OSError:
+            gone = time.monotonic() - t0
+    assert gone is not None, "the trickled handshake still holds its connection"
+    assert greeting_s - 0.1 <= gone <= greeting_s + 1.5, gone
+    assert _send(_images(tmp_path / "src", 1 * MiB), port.port, "over-tls")["bytes"] == 1 * MiB
+
+
+@pytest.mark.timeout(60)
 def test_connections_past_the_caps_are_refused_at_once(tmp_path, ports, clients):
     """The port holds at most `max_greeting` connections that have not greeted, and
     `max_connections` in all: one more is told the port is busy and closed, without a thread."""

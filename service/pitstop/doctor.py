@@ -86,14 +86,25 @@ def run_checks() -> list[Check]:
         checks.append(Check("pid namespaces", False, "unshare (util-linux) not found"))
     checks.append(_procself(unshare))
     checks.append(_worker_init())
-    shm = Path("/dev/shm")
-    checks.append(Check("image tmpfs", shm.is_dir() and os.access(shm, os.W_OK),
-                        f"/dev/shm, {shutil.disk_usage(shm).free / 2**30:.1f} GiB free" if shm.is_dir() else "missing",
-                        required=False))
+    checks.append(_image_root())
     checks.append(_huge_tmpfs())
     checks.append(_exit_status_kept())
     checks += gpu_checks()
     return checks
+
+
+def _image_root() -> Check:
+    """The default image directory's parents: only root may change them (safepath.py)."""
+    from .agent.settings import IMAGE_ROOT
+    from .safepath import UnsafePath, check_parents
+
+    try:
+        check_parents(IMAGE_ROOT)
+    except UnsafePath as e:
+        return Check("image directory", False, f"{e.message} ({e.action})")
+    free = shutil.disk_usage("/run").free / 2**30 if Path("/run").is_dir() else 0.0
+    return Check("image directory", True, f"{IMAGE_ROOT}/NAME: root's alone; the agent mounts its own tmpfs "
+                 f"there (/run has {free:.1f} GiB free)", required=False)
 
 
 def _procself(unshare: str | None) -> Check:

@@ -111,3 +111,21 @@ def owned_subdir(parent: Path, name: str, mode: int = 0o700) -> Path:
             raise _refuse(str(d), "an entry of that name is there already and is not this service's", "directory")
         os.chmod(d, mode)
     return d
+
+
+def check_parents(path: Path) -> None:
+    """Check, creating nothing, the components of `path` that exist (a dry run of private_dir for
+    doctor): raises UnsafePath for the first another user could change."""
+    path = Path(os.path.abspath(path))
+    uid = os.geteuid()
+    shown = Path("/")
+    for name in path.parts[1:]:
+        nxt = shown / name
+        try:
+            st = os.lstat(nxt)
+        except FileNotFoundError:
+            return  # made by the agent, as root's, at its start
+        if stat.S_ISLNK(st.st_mode):
+            raise _refuse(str(nxt), "it is a symbolic link", "directory")
+        _check_parent(str(nxt), st, uid, "directory")
+        shown = nxt

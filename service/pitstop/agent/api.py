@@ -576,6 +576,7 @@ def local_app(agent: Agent) -> FastAPI:
         """A network namespace with the worker's own address, for `pitstop run --address` to start it in."""
         wid = f"{req.job}.{req.rank}"
         wn = workerns.spec(wid, req.address)
+        workerns.check_on_link(wn, agent.s.worker_link)
         with agent.state.lock:
             uid = own(request, f"the network of {wid}", agent.net_owners.get(wid))
             for o in agent.state.workers.values():

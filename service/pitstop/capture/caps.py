@@ -20,6 +20,7 @@ agent's without complaint.  A non-root worker (no capabilities) moves anywhere.
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 from . import proctree
@@ -47,15 +48,29 @@ def bounding_set(pid: int | str = "self") -> int:
     return int(_status(pid)["CapBnd"], 16)
 
 
+def _user_ns(pid: int | str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/user")
+    except OSError:
+        return None
+
+
 def needs(root_pid: int) -> int:
     """What a restore of the tree at root_pid must grant: permitted, inheritable and ambient
-    capabilities of every process in it."""
+    capabilities of every process in it that lives in the agent's own user namespace.
+
+    A process inside a user namespace of its own holds its capabilities only over that namespace
+    (an unprivileged user may make one and be "root" there): none of them is the host's to grant,
+    and counting them made such a worker's node impossible to evacuate."""
     mask = 0
+    ours = _user_ns("self")
     for pid in proctree.tree(root_pid):
         try:
             st = _status(pid)
         except OSError:
             continue  # exited meanwhile
+        if _user_ns(pid) != ours:
+            continue
         for key in ("CapPrm", "CapInh", "CapAmb"):
             mask |= int(st.get(key, "0"), 16)
     return mask

@@ -107,6 +107,29 @@ def default_link() -> str | None:
         return None
 
 
+def check_on_link(n: WorkerNet, link: str | None) -> None:
+    """Refuse an address outside every subnet of the uplink, or one the host itself holds: the
+    worker would be unreachable, or would take over the host's own address on the segment."""
+    link = link or default_link()
+    if not link:
+        return  # create() says what is wrong
+    try:
+        out = subprocess.run(["ip", "-j", "-4", "addr", "show", "dev", link], capture_output=True, text=True,
+                             timeout=10).stdout
+        held = [ipaddress.ip_interface(f"{a['local']}/{a['prefixlen']}")
+                for i in json.loads(out or "[]") for a in i.get("addr_info", [])]
+    except (OSError, ValueError, KeyError, subprocess.TimeoutExpired):
+        return
+    mine = ipaddress.ip_interface(n.address)
+    if any(h.ip == mine.ip for h in held):
+        raise InvalidRequest(f"{mine.ip} is this host's own address on {link}",
+                             action="give the worker a free address of its own")
+    if held and not any(h.network == mine.network for h in held):
+        raise InvalidRequest(f"{n.address} is not in a subnet of the uplink {link} "
+                             f"({', '.join(str(h.network) for h in held)})",
+                             action="pick a free host address inside the uplink's subnet, with its prefix length")
+
+
 def exists(n: WorkerNet) -> bool:
     return os.path.exists(n.path)
 

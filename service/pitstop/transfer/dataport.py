@@ -18,7 +18,8 @@ handshake and hello line) must be over `greeting_s` after the accept, at most `m
 connections may be greeting at once and `max_connections` be open in all (one more is answered
 "busy" and closed at once), and an error of accept() itself (out of file descriptors, say) is
 logged and waited out, never the end of the port.  A reception must be complete by its slot's
-deadline (the destination's transfer_timeout_s), however steadily its bytes trickle in.
+deadline (the destination's dump_timeout_s + transfer_timeout_s), however steadily its bytes
+trickle in.
 
 Post-copy over the network uses the same port the other way round: the destination asks
   client: {"image_id": ..., "token": ..., "want": "pages"}\\n   server: {"ok": true}\\n
@@ -112,6 +113,7 @@ class _Conn:
     addr: Any
     deadline: float
     greeted: bool = False
+    answerable: bool = True  # a line can be sent (not: a TLS handshake that did not complete)
 
     def shut(self) -> None:
         """Break any wait on it, from another thread (the base class's shutdown: also for TLS)."""
@@ -312,8 +314,10 @@ class DataPort:
         try:
             if self._ssl is not None:
                 c.sock = self._ssl.wrap_socket(c.sock, server_side=True, do_handshake_on_connect=False)
+                c.answerable = False  # a line sent now would wait for the handshake
                 c.sock.settimeout(max(c.deadline - time.monotonic(), 1e-3))
                 c.sock.do_handshake()  # one call, one deadline (ssl's own, over all of its reads)
+                c.answerable = True
                 tls.require_role({tls.PEER_ROLE: tls.role_of(c.sock.getpeercert())}, ("agent",))
             hello = json.loads(_read_line(c.sock, deadline=c.deadline))
         except TimeoutError:
@@ -358,8 +362,9 @@ class DataPort:
                 f"image stream failed on the destination: {e!r}", action="the copy is discarded; send again")
             log.warning("image stream refused or failed", peer=str(c.addr), error=err.message)
             try:
-                c.sock.settimeout(ANSWER_S)
-                c.sock.sendall(_line({"error": err.to_dict(), "status": err.http_status}))
+                if c.answerable:
+                    c.sock.settimeout(ANSWER_S)
+                    c.sock.sendall(_line({"error": err.to_dict(), "status": err.http_status}))
             except OSError:
                 pass
         finally:
