@@ -253,3 +253,34 @@ def test_a_driver_that_keeps_dying_is_taken_over_again_later_not_at_every_look(w
     run.next_takeover = 0.0
     assert d.watch() == ["op-1"] and run.takeovers == 2
     d.threads["op-1"].join(30)
+
+
+def test_a_takeover_reaches_the_agents_though_the_database_cannot_even_be_read(world, monkeypatch):
+    """An I/O error rather than a full disk: the agents' addresses cannot be read from the store,
+    so the takeover uses those the operation already reached them at."""
+    s, d = world.store, world.driver
+
+    def dies(run: OpRun) -> None:
+        for host in ("host-a", "host-b", "spare-1"):
+            run.agent(host)
+        raise RuntimeError("boom")
+
+    _drive(d, "op-1", dies)
+
+    broken, readable = [True], s.host
+
+    def host(name: str) -> dict | None:
+        if broken[0]:
+            raise StoreUnavailable("the coordinator cannot use its database: disk I/O error", action="repair it")
+        return readable(name)
+
+    monkeypatch.setattr(s, "host", host)
+    _read_only(s, True)
+    assert d.watch() == ["op-1"]
+    d.threads["op-1"].join(30)
+    _undone(world.calls)
+    assert not s.op("op-1")["done"]
+    broken[0] = False  # readable and writable again
+    _read_only(s, False)
+    d.watch()
+    assert s.op("op-1")["result"] == "failed" and "RuntimeError: boom" in s.op("op-1")["error"]["message"]

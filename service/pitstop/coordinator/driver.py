@@ -94,6 +94,7 @@ class OpRun:
         self._phase_t0 = time.monotonic()
         self.started = time.monotonic()
         self._clients: dict[str, AgentClient] = {}
+        self._urls: dict[str, str] = {}  # host -> its agent's URL, as last read from the store
         # Set by the rollback and past the commit point: from there the agents' side goes on
         # whatever the database does, and a write it refuses waits for a later one (save()).
         self.best_effort = False
@@ -207,12 +208,23 @@ class OpRun:
         with self.lock:
             c = self._clients.get(host)
             if c is None:
-                h = self.d.store.host(host)
-                if h is None:
-                    raise PitstopError(f"host {host} is unknown", action="it must heartbeat to the coordinator")
-                c = self._clients[host] = AgentClient(h["url"], self.d.s.cluster_token,
+                c = self._clients[host] = AgentClient(self._url(host), self.d.s.cluster_token,
                                                       timeout=self.d.s.step_timeout_s)
             return c
+
+    def _url(self, host: str) -> str:
+        """The host's agent, as the store knows it; else as this operation last reached it: a
+        database that cannot even be read must not keep an undo from the agents."""
+        try:
+            h = self.d.store.host(host)
+        except StoreUnavailable:
+            if host in self._urls:
+                return self._urls[host]
+            raise
+        if h is None:
+            raise PitstopError(f"host {host} is unknown", action="it must heartbeat to the coordinator")
+        self._urls[host] = h["url"]
+        return h["url"]
 
     def cut(self, moved: bool = False) -> Cut:
         """The consistent-cut driver over every worker of the affected jobs, through their agents.
