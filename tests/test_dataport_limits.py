@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import selectors
 import shutil
 import socket
@@ -112,6 +111,12 @@ def dest(tmp_path):
     for d in made:
         for slot in list(d.slots.values()):
             d.fail_slot(slot)
+
+
+@pytest.fixture(autouse=True)
+def _no_files_left(tmp_path):
+    """Images received, sent or refused here go with the test (pytest would keep the last runs')."""
+    yield
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
