@@ -8,6 +8,7 @@ a byte at a time all stayed open after 75 s."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from urllib.parse import urlsplit
@@ -76,6 +77,7 @@ def services(cluster):
            "PITSTOP_COORDINATOR_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT)}
     coord = cluster.start_coordinator(env=env)
     a = cluster.start_agent("a", env=env)
+    assert os.stat(cluster.coordinator_db).st_mode & 0o077 == 0, "the database is the coordinator's alone"
     return {"agent": (a.url, "/v1/captures", a.proc.pid),
             "coordinator": (coord, "/v1/nodes/a:evacuate", cluster.coordinator_proc.pid)}
 

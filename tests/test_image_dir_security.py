@@ -129,6 +129,8 @@ def test_a_rollback_refuses_images_changed_after_the_dump(cluster, tmp_path):
         assert stat.S_IMODE(os.stat(a.image_dir).st_mode) == 0o700
         pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
         assert len(cap["seal"][pages.name]) == 5, "the stream's digest joins the seal"
+        assert all(stat.S_IMODE(f.stat().st_mode) & 0o077 == 0 for f in images.iterdir() if f.is_file()), \
+            "the dump's files are root's alone (the agent's umask 077)"
         with open(pages, "r+b") as f:  # what an attacker with write access would do: same size, same inode
             f.seek(8192)
             byte = f.read(1)
@@ -148,3 +150,44 @@ def test_a_rollback_refuses_images_changed_after_the_dump(cluster, tmp_path):
                     os.kill(p, 9)
                 except ProcessLookupError:
                     pass
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_the_images_of_a_failed_rollback_expire(cluster, tmp_path):
+    """Before: when a move and its rollback both failed, the source's images (its whole memory)
+    stayed in the host's RAM for ever."""
+    from .helpers import ddp_cmd, until
+
+    env = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "rollback:before_restore=fail",
+           "PITSTOP_AGENT_FAILED_ROLLBACK_KEEP_S": "2"}
+    with cluster.starting():
+        a = cluster.start_agent("a", env=env)
+        b = cluster.start_agent("b", spare=True)
+    ranks = cluster.start_job("j", ddp_cmd(tmp_path / "out", steps=400), 2, {0: "a", 1: "a"})
+    for r in range(2):
+        cluster.wait_registered("a", f"j.{r}")
+    wait_for_step(ranks[1].log, 5)
+    ca = a.client()
+    ca.pause("j.0")
+    cap = ca.wait_capture(ca.capture("j.1", dest_url=b.url, image_id="img-expire")["id"], 120)
+    try:
+        assert cap["state"] == "sent"
+        images = Path(cap["image_dir"])
+        with pytest.raises(Exception):  # the injected restore failure
+            ca.rollback(cap["id"])
+        assert images.is_dir(), "kept for a while: a retry may still succeed"
+        def ended():  # noqa: ANN202
+            c = [c for c in ca.captures() if c["id"] == cap["id"]][0]
+            return c if c["state"] == "failed" else None
+
+        after = until(ended, timeout=30, what="the failed rollback's capture ended")
+        assert not images.exists() and "deleted after" in after["error"]["details"]["images"], after
+    finally:
+        netlock.release(cap.get("run_id", ""))
+        for p in reversed(proctree.tree(ca.worker("j.0")["root_pid"])):
+            try:
+                os.kill(p, 9)
+            except ProcessLookupError:
+                pass
+        b.client().discard("img-expire")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import ddp_cmd, wait_for_step
+from .helpers import ddp_cmd, until, wait_for_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -46,6 +46,7 @@ def test_a_group_member_cannot_register_or_end_what_is_not_theirs(cluster, tmp_p
         a = cluster.start_agent("a", env={"PITSTOP_AGENT_LOCAL_GROUP": "nogroup",
                                           "PITSTOP_AGENT_SOCKET_PATH": str(run / "agent.sock")})
         sock = run / "agent.sock"
+        until(lambda: sock.stat().st_gid == 65534, timeout=10, what="the socket given to its group")
         st = sock.stat()
         assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == 65534, "the socket is the configured group's"
         assert stat.S_IMODE(run.stat().st_mode) == 0o750 and run.stat().st_gid == 65534
@@ -71,7 +72,6 @@ def test_a_group_member_cannot_register_or_end_what_is_not_theirs(cluster, tmp_p
             from pitstop.agent import peercred
             from pitstop.capture import proctree
 
-            from .helpers import until
             until(lambda: proctree.children(mine.pid))  # unshare's child: init of its namespace
             init = proctree.children(mine.pid)[0]
             until(lambda: proctree.session_id(init) == init and peercred.process_uids(init) == {65534})

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from pitstop.coordinator.client import CoordinatorClient
+from pitstop.errors import PitstopError
 from pitstop.devcluster import free_port, pitstop_cmd
 from pitstop.netns import NetHosts
 
-from .helpers import WORKLOADS, assert_same_as_reference, let_finish, pace_file, wait_for_step
+from .helpers import WORKLOADS, assert_same_as_reference, let_finish, pace_file, until, wait_for_step
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -25,8 +26,13 @@ STEPS = 300
 _REF: dict[tuple, list[str]] = {}
 
 
+def _program(script: str) -> list[str]:
+    """A workload: a Python script in tests/workloads, or a compiled program's absolute path."""
+    return [script] if os.path.isabs(script) else [sys.executable, str(WORKLOADS / script)]
+
+
 def _cmd(script: str, rdv: Path, out: Path, steps: int = STEPS, extra: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, str(WORKLOADS / script), "--steps", str(steps), "--step-sleep", "0.02",
+    return [*_program(script), "--steps", str(steps), "--step-sleep", "0.02",
             "--pace-file", str(pace_file(out)), "--rendezvous", str(rdv), "--out", str(out), *extra]
 
 
@@ -143,3 +149,58 @@ def test_rank_that_never_reaches_the_cut_fails_cleanly(cluster, tmp_path):
     assert_same_as_reference(out, reference("nccl_dp.py"))
     where = {w["id"]: w["host"] for j in cc.jobs() for w in j["workers"]}
     assert where["nccl.2"] == "host-b"
+
+
+# -- an unchanged C program, and one the shim can only half see ----------------------------------
+
+@pytest.fixture(scope="module")
+def fsdp_program(tmp_path_factory):
+    """tests/workloads/nccl_fsdp.c built as a user would: against NCCL's header, linked to libnccl."""
+    exe = tmp_path_factory.mktemp("fsdp") / "nccl_fsdp"
+    subprocess.run(["cc", "-O2", "-Wall", f"-I{ROOT / 'native'}", "-o", str(exe), str(WORKLOADS / "nccl_fsdp.c"),
+                    f"-L{ROOT / 'native' / 'build'}", "-l:libnccl.so.2", "-lm"], check=True, timeout=120)
+    return str(exe)
+
+
+def test_an_unchanged_c_program_with_a_split_communicator_moves_across_addresses(cluster, tmp_path, fsdp_program):
+    """ncclCommInitRank from an id shared by a file, ncclCommSplit(world, rank % 2, rank, &sub, NULL),
+    then broadcast, all-gather and reduce-scatter on the world and an all-reduce on the split one:
+    evacuated to a host with other addresses, every rank ends bitwise equal to an uninterrupted run."""
+    cc, ranks, out = _start(cluster, tmp_path, fsdp_program)
+    wait_for_step(ranks[3].log, 20)
+    assert [j["movable"] for j in cc.jobs()] == [True]
+    op = _evacuate(cc, "host-b", to="spare-1")
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op.get("error")
+    assert md["cut"]["rewired"] and md["cut"]["new_ids"]
+    let_finish(out)
+    assert [r.proc.wait(180) for r in ranks] == [0] * 4
+    assert_same_as_reference(out, reference(fsdp_program))
+    assert not any("did not create" in r.log.read_text() for r in ranks)
+
+
+def test_a_job_the_shim_cannot_move_is_refused_before_anything_pauses(cluster, tmp_path):
+    """A second communicator made through the program's own library handle: the shim learns of it
+    only when NCCL asks its public API about it.  Before: the job was paused, captured and sent,
+    and the restore failed on the connections that communicator still held."""
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_private_comm.py")
+    wait_for_step(ranks[3].log, 10)
+    until(lambda: cc.jobs() and all(w["unmovable"] for w in cc.jobs()[0]["workers"]), timeout=30,
+          what="every rank reported unmovable by its agent")
+    job = cc.jobs()[0]
+    assert not job["movable"] and all("did not create" in w["unmovable"] for w in job["workers"]), job
+    env = dict(os.environ, PITSTOP_TOKEN=cluster.operator_token)
+    p = subprocess.run([*pitstop_cmd(), "jobs", "--coordinator", cluster.coordinator_url], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert p.returncode == 0 and "no, because" in " ".join(p.stdout.split()), p.stdout + p.stderr
+    with pytest.raises(PitstopError) as e:
+        cc.evacuate("host-b")
+    assert e.value.code == "unmovable_job" and "nothing was paused" in e.value.action, e.value
+    assert "nccl.2" in e.value.message and "did not create" in e.value.message
+    assert cc.ops() == [], "no operation may start"
+    for name in ("host-a", "host-b"):  # no rank was ever asked to stop at a cut
+        blocks = cluster.agents[name].client().shim_blocks_many([f"nccl.{r}" for r in range(4)
+                                                                 if (r < 2) == (name == "host-a")])
+        assert blocks and all(b["request"] == 0 for bs in blocks.values() for b in bs), blocks
+    let_finish(out)
+    assert [r.proc.wait(180) for r in ranks] == [0] * 4

@@ -135,7 +135,10 @@ def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
         # The hardened coordinator (no capabilities, syscall filter, read-only system) keeps its
         # database where StateDirectory= put it.
         sd.enter("test", "-s", "/var/lib/pitstop/coordinator/coordinator.db")
-        assert sd.enter("stat", "-c", "%a", "/var/lib/pitstop/agent").stdout.strip() == "700"
+        # the agent's state directory: the local socket's group may enter it (0750), others not
+        assert sd.enter("stat", "-c", "%a", "/var/lib/pitstop/agent").stdout.strip() == "750"
+        # and the images are under /run, where only root may create anything
+        assert sd.enter("stat", "-c", "%a %U", "/run/pitstop/images").stdout.split()[1] == "root"
 
         cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
         # A worker holding capabilities the unit's agent cannot grant is refused before anything

@@ -208,10 +208,12 @@ def jobs(as_json: bool = typer.Option(False, "--json"), coordinator: Optional[st
         print(json.dumps(js, indent=1))
         return
     t = Table(title="jobs")
-    for c in ("job", "state", "workers (rank@host: state)"):
+    for c in ("job", "state", "movable", "workers (rank@host: state)"):
         t.add_column(c)
     for j in js:
-        t.add_row(j["job"], j["state"], ", ".join(f"{w['rank']}@{w['host']}: {w['state']}" for w in j["workers"]))
+        why = next((w["unmovable"] for w in j["workers"] if w.get("unmovable")), None)
+        t.add_row(j["job"], j["state"], "yes" if j.get("movable", True) else f"no, because {why}",
+                  ", ".join(f"{w['rank']}@{w['host']}: {w['state']}" for w in j["workers"]))
     out.print(t)
 
 

@@ -15,6 +15,8 @@ damage what it handles, as CRIU's zdtm does with its own hooks.  Points:
   transfer:cut_after    source agent, value = bytes after which the image stream breaks
   image:corrupt         destination agent, value = 1: flip one byte of the received pages
   restore:before_criu   destination agent, before CRIU restores
+  rollback:before_restore source agent, a rollback's restore from its own images, after the stopped
+                        source was killed (fail: the move and its rollback both fail)
   restore:before_register destination agent, after CRIU restored the worker, before it is
                         registered (a rollback that looks for it meanwhile finds nothing)
   restore:kill_fill     destination agent, value = 1: stop (SIGSTOP) the lazy-pages daemon the moment

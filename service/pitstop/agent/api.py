@@ -123,6 +123,7 @@ class Agent:
                 w.caps = f"{caps.needs(w.root_pid):x}"
             except OSError:
                 pass  # it is exiting; the next listing says so
+            w.unmovable = shimctl.unmovable(w.root_pid)
         return w
 
     def drop_net(self, w: Worker) -> None:

@@ -686,6 +686,10 @@ class SourceSide:
             if cap.state == "committed" and Path(cap.image_dir).exists():
                 shutil.rmtree(cap.image_dir, ignore_errors=True)
                 notes.append(f"{cap.id}: its dump, kept for a post-copy fill, removed")
+        for cap in self.state.captures.values():  # failed rollbacks: their images still expire
+            if cap.rollback_failed_at is not None and cap.state in ("sent", "dumped", "released"):
+                self._expire_later(cap)
+                notes.append(f"{cap.id}: its rollback failed; its images expire as set")
         for cap in [c for c in self.state.captures.values() if c.state == "dumping"]:
             w = self.state.workers.get(cap.worker_id)
             how = "worker unknown"
@@ -845,6 +849,7 @@ class SourceSide:
         """
         self._check_seal(cap)  # before the kill: refused, the source stays as it is (stopped)
         proctree.kill_and_wait(w.root_pid)
+        faults.hit("rollback:before_restore")
         restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
                                              stdio=cap.stdio, replace=True, output_base=self._output_end(w),
                                              gpu=cap.gpu, net=w.net, init_dir=w.init_dir)
@@ -952,22 +957,59 @@ class SourceSide:
             raise Conflict(f"capture {cid} is still dumping", action="retry when it has finished")
         w = self.state.worker(cap.worker_id)
         t0 = time.monotonic()
-        if cap.state in ("sent", "dumped"):
-            how = self._rollback_stopped(cap, w)
-        else:  # released: the source is gone; restore it here from our own images, lock still held
-            self._await_exit(cid)
-            self._check_seal(cap)
-            restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
-                                                 stdio=cap.stdio, replace=True, output_base=self._output_end(w),
-                                                 gpu=cap.gpu, net=w.net, init_dir=w.init_dir)
-            netlock.release(cap.run_id)
-            how = f"restored here as pid {restored.root_pid}"
+        try:
+            if cap.state in ("sent", "dumped"):
+                how = self._rollback_stopped(cap, w)
+            else:  # released: the source is gone; restore it here from our own images, lock still held
+                self._await_exit(cid)
+                self._check_seal(cap)
+                faults.hit("rollback:before_restore")
+                restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
+                                                     stdio=cap.stdio, replace=True, output_base=self._output_end(w),
+                                                     gpu=cap.gpu, net=w.net, init_dir=w.init_dir)
+                netlock.release(cap.run_id)
+                how = f"restored here as pid {restored.root_pid}"
+        except PitstopError as e:
+            self._keep_failed(cap, e)
+            raise
         self.page_sources.pop(cap.image_id or "", None)
         self._end_tracking(cid)
         shutil.rmtree(cap.image_dir, ignore_errors=True)
         self.state.update_capture(cap, state="rolled_back", phases={**cap.phases, "rollback": time.monotonic() - t0})
         log.info("rolled back", capture=cid, worker=w.id, how=how)
         return cap
+
+    def _keep_failed(self, cap: Capture, e: PitstopError) -> None:
+        """A rollback failed: its images stay for a retry or a look, then expire (they hold the
+        worker's whole memory, in RAM).  A retry that succeeds deletes them as usual."""
+        if cap.rollback_failed_at is None:
+            self.state.update_capture(cap, rollback_failed_at=time.time(), error=e.to_dict())
+        log.error("rollback failed; the source's images are kept for a while", capture=cap.id, error=e.message,
+                  keep_s=self.s.failed_rollback_keep_s)
+        self._expire_later(cap)
+
+    def _expire_later(self, cap: Capture) -> None:
+        left = (cap.rollback_failed_at or time.time()) + self.s.failed_rollback_keep_s - time.time()
+        t = threading.Timer(max(0.0, left), self._expire_failed, args=(cap.id,))
+        t.daemon = True
+        t.name = f"expire-{cap.id}"
+        t.start()
+
+    def _expire_failed(self, cid: str) -> None:
+        cap = self.state.captures.get(cid)
+        if cap is None or cap.state not in ("sent", "dumped", "released") or cap.rollback_failed_at is None:
+            return  # rolled back by a retry, or committed meanwhile
+        shutil.rmtree(cap.image_dir, ignore_errors=True)
+        netlock.release(cap.run_id)  # its peers then see the connections reset, not hang on them
+        self._end_tracking(cid)
+        w = self.state.workers.get(cap.worker_id)
+        if w is not None and not proctree.is_running(w.root_pid, w.start_time):
+            self.state.update_worker(w, state="lost")
+        err = {**(cap.error or {}), "details": {**(cap.error or {}).get("details", {}),
+                                                "images": f"deleted after {self.s.failed_rollback_keep_s:.0f} s"}}
+        self.state.update_capture(cap, state="failed", error=err)
+        log.error("the images of a capture whose rollback failed were deleted", capture=cid,
+                  after_s=self.s.failed_rollback_keep_s)
 
     def wait(self, cid: str, timeout_s: float) -> Capture:
         t = self._threads.get(cid)

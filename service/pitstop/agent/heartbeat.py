@@ -34,7 +34,7 @@ def payload(agent: Agent) -> dict:
     from ..gpu.inventory import inventory
 
     workers = [agent.refresh(w).model_dump(include={"id", "job", "rank", "state", "root_pid", "moved_to", "net",
-                                                      "exit_code", "caps"})
+                                                      "exit_code", "caps", "unmovable"})
                for w in list(agent.state.workers.values())]
     return {"name": agent.s.name, "url": agent.s.url, "spare": agent.s.spare, "workers": workers,
             "cap_bnd": f"{caps.bounding_set():x}", **inventory(), "gpu_health": readings()}

@@ -52,6 +52,9 @@ class AgentSettings(BaseSettings):
     # image directory is a tmpfs, the host's memory, and filling it would starve the jobs it hosts.
     image_free_reserve_mb: int = Field(default=256, ge=0)
     restore_timeout_s: float = 120.0
+    # A rollback that failed keeps the source's images this long (for a retry, or an operator's look),
+    # then deletes them: they hold the worker's whole memory, in the host's RAM
+    failed_rollback_keep_s: float = Field(default=3600.0, gt=0)
     heartbeat_s: float = 1.0
     # A connection's request line and headers must all arrive this long after its first byte (httpapi.py)
     header_timeout_s: float = Field(default=10.0, gt=0)

@@ -67,6 +67,7 @@ class Worker(BaseModel):
     caps: str | None = None
     fill: Fill | None = None              # a post-copy restore's fill, while and after it runs
     keeper: dict[str, int] | None = None  # holds its pidfd for an agent that restarts (agent/exitkeeper.py)
+    unmovable: str | None = None          # why it cannot be moved, as its NCCL shim knows (shimctl.unmovable)
     owner_uid: int | None = None          # who registered it on the local socket: only they (or root) may end it
     init_dir: str | None = None           # where its namespace's init works (nsinit.py): made again where it is restored
     registered_at: float = Field(default_factory=time.time)
@@ -95,6 +96,7 @@ class Capture(BaseModel):
     pre_copy: dict[str, Any] | None = None  # the delta against a pre-copy: bytes left in it, bytes sent now
     # the dump's files as CRIU left them (capture/seal.py), checked before a rollback restores them
     seal: dict[str, list] | None = None
+    rollback_failed_at: float | None = None  # when a rollback first failed: its images expire after a while
     created: float = Field(default_factory=time.time)
     updated: float = Field(default_factory=time.time)
 

@@ -25,7 +25,7 @@ from .driver import Driver
 from .fanout import in_parallel
 from .filecheck import check_files
 from .health_policy import AutoEvacuator
-from .planner import plan
+from .planner import plan, unmovable_workers
 from .settings import CoordinatorSettings
 from .store import LIVE, Store
 
@@ -59,6 +59,8 @@ class WorkerReport(BaseModel):
     state: str = Field(min_length=1, max_length=32)
     caps: str | None = Field(None, pattern=r"^[0-9a-f]{1,16}$",
                              description="capabilities a restore must grant it (hex; capture/caps.py)")
+    unmovable: str | None = Field(None, max_length=1000,
+                                  description="why it cannot be moved, as its NCCL shim knows; None: movable")
 
 
 class Heartbeat(BaseModel):
@@ -275,7 +277,8 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
             by.setdefault(w["job"], []).append(w)
         return [{"job": j, "workers": ws, "hosts": sorted({w["host"] for w in ws}),
                  "state": "running" if any(w["state"] in ("running", "paused", "capturing", "stopped")
-                                           for w in ws) else "finished"} for j, ws in sorted(by.items())]
+                                           for w in ws) else "finished",
+                 "movable": not unmovable_workers(ws)} for j, ws in sorted(by.items())]
 
     @ops.get("/operations")
     def operations() -> list[dict]:

@@ -67,6 +67,11 @@ def caps_mismatch(dst: dict[str, Any], leaving: list[dict[str, Any]]) -> Unfit |
     return None
 
 
+def unmovable_workers(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The live workers whose agent reported a reason they cannot be moved (agent: shimctl.unmovable)."""
+    return [w for w in workers if w.get("unmovable") and w["state"] in LIVE]
+
+
 def plan(store: Store, node: str, to: str | None, busy_hosts: dict[str, str], heartbeat_timeout_s: float) -> Plan:
     src = store.host(node)
     if src is None:
@@ -81,6 +86,15 @@ def plan(store: Store, node: str, to: str | None, busy_hosts: dict[str, str], he
                                  action="check `pitstop jobs`; workers register through `pitstop run`")
     jobs = sorted({w["job"] for w in leaving})
     peers = [w for j in jobs for w in store.workers(job=j) if w["host"] != node and w["state"] in LIVE]
+    stuck = unmovable_workers(leaving + peers)
+    if stuck:  # the cut would destroy and re-create their communicators: refused before any pause
+        raise FailedPrecondition(
+            f"job(s) {', '.join(sorted({w['job'] for w in stuck}))} cannot be moved: "
+            + "; ".join(f"{w['id']} on {w['host']}: {w['unmovable']}" for w in stuck[:4]),
+            code="unmovable_job", action="nothing was paused; the job keeps running where it is. Launch it so that "
+                                         "every NCCL call goes through libnccl's exported API (not a handle of its "
+                                         "own), or stop it before the host leaves",
+            details={"workers": {w["id"]: w["unmovable"] for w in stuck}})
     if to is not None:
         if to == node:
             raise InvalidRequest(f"cannot evacuate {node} to itself", action="name another host, or omit 'to'")

@@ -239,10 +239,14 @@ class Store:
         if job:
             q += " AND job=?"
             a.append(job)
-        return [{"id": r["id"], "job": r["job"], "rank": r["rank"], "host": r["host"], "state": r["state"],
-                 "updated": r["updated"], "address": (json.loads(r["info"]).get("net") or {}).get("address"),
-                 "caps": json.loads(r["info"]).get("caps")}
-                for r in self._x(q + " ORDER BY job, rank", tuple(a))]
+        return [self._worker(r) for r in self._x(q + " ORDER BY job, rank", tuple(a))]
+
+    @staticmethod
+    def _worker(r: sqlite3.Row) -> dict[str, Any]:
+        info = json.loads(r["info"])
+        return {"id": r["id"], "job": r["job"], "rank": r["rank"], "host": r["host"], "state": r["state"],
+                "updated": r["updated"], "address": (info.get("net") or {}).get("address"),
+                "caps": info.get("caps"), "unmovable": info.get("unmovable")}
 
     def set_worker_host(self, wid: str, host: str, state: str = "running") -> None:
         self._x("UPDATE workers SET host=?, state=?, updated=? WHERE id=?", (host, state, time.time(), wid))

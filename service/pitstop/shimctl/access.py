@@ -98,6 +98,38 @@ def blocks(root_pid: int) -> list[Block]:
     return list(out.values())
 
 
+def _header(pid: int, addr: int) -> dict[str, Any] | None:
+    try:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        h = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(os.pread(fd, L.HEADER.size, addr), 0)))
+    except (OSError, struct.error):
+        return None
+    finally:
+        os.close(fd)
+    return h if h["magic"].startswith(L.MAGIC) else None
+
+
+def unmovable(root_pid: int) -> str | None:
+    """Why the shim knows this tree cannot be moved, or None: some process used an NCCL
+    communicator the shim did not create (made by a call that bypassed it), which the cut could
+    neither destroy nor re-create.  Reads only the blocks' headers (a listing, not a pause)."""
+    seen: dict[int, int] = {}
+    for pid in proctree.tree(root_pid):
+        addr = _find(pid)
+        h = _header(pid, addr) if addr is not None else None
+        if h is not None:
+            seen[h["token"]] = h["foreign"]
+    n = sum(seen.values())
+    if not n:
+        return None
+    return (f"the NCCL shim saw {n} call(s) on communicators it did not create (made by a call that bypassed "
+            "it, e.g. through a library handle of its own): they could not be re-created after a move; "
+            "the worker's stderr names the first such call ('pitstop shim: ... did not create')")
+
+
 def _write(b: Block, offset: int, data: bytes) -> None:
     fd = os.open(f"/proc/{b.pid}/mem", os.O_WRONLY)
     try:
