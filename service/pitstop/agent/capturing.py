@@ -688,7 +688,7 @@ class SourceSide:
                 notes.append(f"{cap.id}: its dump, kept for a post-copy fill, removed")
         for cap in self.state.captures.values():  # failed rollbacks: their images still expire
             if cap.rollback_failed_at is not None and cap.state in ("sent", "dumped", "released"):
-                self._expire_later(cap)
+                self._expire_images_later(cap)
                 notes.append(f"{cap.id}: its rollback failed; its images expire as set")
         for cap in [c for c in self.state.captures.values() if c.state == "dumping"]:
             w = self.state.workers.get(cap.worker_id)
@@ -986,9 +986,9 @@ class SourceSide:
             self.state.update_capture(cap, rollback_failed_at=time.time(), error=e.to_dict())
         log.error("rollback failed; the source's images are kept for a while", capture=cap.id, error=e.message,
                   keep_s=self.s.failed_rollback_keep_s)
-        self._expire_later(cap)
+        self._expire_images_later(cap)
 
-    def _expire_later(self, cap: Capture) -> None:
+    def _expire_images_later(self, cap: Capture) -> None:
         left = (cap.rollback_failed_at or time.time()) + self.s.failed_rollback_keep_s - time.time()
         t = threading.Timer(max(0.0, left), self._expire_failed, args=(cap.id,))
         t.daemon = True
