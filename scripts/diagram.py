@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Draw docs/img/overview.svg: the parts of pitstop and what flows between them during a move.
+
+Plain SVG written by hand (no plotting library needed): `python3 scripts/diagram.py` redraws it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent.parent / "docs" / "img" / "overview.svg"
+W, H = 960, 520
+
+
+def box(x: int, y: int, w: int, h: int, title: str, lines: tuple[str, ...] = (), fill: str = "#eef3fb",
+        stroke: str = "#35598f") -> str:
+    out = [f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="8" fill="{fill}" stroke="{stroke}" stroke-width="1.5"/>',
+           f'<text x="{x + w / 2}" y="{y + 20}" text-anchor="middle" font-weight="bold">{title}</text>']
+    for i, ln in enumerate(lines):
+        out.append(f'<text x="{x + w / 2}" y="{y + 40 + 16 * i}" text-anchor="middle" font-size="12">{ln}</text>')
+    return "\n".join(out)
+
+
+def arrow(x1: float, y1: float, x2: float, y2: float, label: str = "", dx: int = 0, dy: int = -6,
+          color: str = "#444", dash: bool = False) -> str:
+    d = ' stroke-dasharray="6 4"' if dash else ""
+    out = [f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{color}" stroke-width="1.6" '
+           f'marker-end="url(#head)"{d}/>']
+    if label:
+        out.append(f'<text x="{(x1 + x2) / 2 + dx}" y="{(y1 + y2) / 2 + dy}" text-anchor="middle" '
+                   f'font-size="12" fill="{color}">{label}</text>')
+    return "\n".join(out)
+
+
+def draw() -> str:
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
+        'font-family="Helvetica, Arial, sans-serif" font-size="14">',
+        '<defs><marker id="head" markerWidth="10" markerHeight="8" refX="9" refY="4" orient="auto">'
+        '<path d="M0,0 L10,4 L0,8 z" fill="#444"/></marker></defs>',
+        '<rect width="100%" height="100%" fill="white"/>',
+        box(330, 20, 300, 80, "coordinator", ("REST API, SQLite, planner, driver", "consistent cut across every rank")),
+        box(20, 30, 230, 60, "operator / scheduler", ("pitstop evacuate NODE, drain",), fill="#f6f6f6", stroke="#777"),
+        arrow(250, 60, 330, 60, "evacuate"),
+        # leaving host
+        '<rect x="20" y="160" width="400" height="330" rx="10" fill="none" stroke="#999" stroke-dasharray="4 3"/>',
+        '<text x="30" y="180" font-size="13" fill="#666">leaving host</text>',
+        box(40, 195, 170, 110, "rank (unchanged)", ("pitstop run -- python train.py", "NCCL shim (LD_PRELOAD)",
+                                                    "pitstop-init, own PID ns"), fill="#fff6e6", stroke="#b07a1f"),
+        box(230, 195, 170, 110, "agent", ("pause at the cut", "capture, stream, commit", "or roll back")),
+        box(40, 330, 360, 140, "capture", ("cuda-checkpoint: device memory to host",
+                                           "CRIU dump (pre-copy: only pages written since)",
+                                           "seal + digests of every image file",
+                                           "images in /run/pitstop/images (tmpfs, root's)"), fill="#f2f8ee",
+            stroke="#4d7f35"),
+        arrow(230, 250, 210, 250, ""),
+        arrow(315, 305, 315, 330, ""),
+        # spare host
+        '<rect x="540" y="160" width="400" height="330" rx="10" fill="none" stroke="#999" stroke-dasharray="4 3"/>',
+        '<text x="550" y="180" font-size="13" fill="#666">spare host</text>',
+        box(560, 195, 170, 110, "agent", ("verify manifest", "restore (CRIU, UFFDIO_COPY)", "register the rank")),
+        box(750, 195, 170, 110, "rank, restored", ("same step, same handles", "communicators re-created",
+                                                   "with new unique ids"), fill="#fff6e6", stroke="#b07a1f"),
+        box(560, 330, 360, 140, "restore", ("CRIU restore from the received images",
+                                            "cuda-checkpoint restore (UUID remap)",
+                                            "post-copy: memory follows after resume"), fill="#f2f8ee",
+            stroke="#4d7f35"),
+        arrow(730, 250, 750, 250, ""),
+        arrow(645, 330, 645, 305, ""),
+        arrow(400, 400, 560, 400, "image stream (data port)", dy=-8),
+        arrow(400, 420, 560, 420, "pre-copy while training", dy=18, dash=True),
+        arrow(330, 100, 315, 195, "pause / resume", dx=-50),
+        arrow(630, 100, 645, 195, "restore / rewire", dx=55),
+        arrow(480, 320, 480, 100, "", color="#aaa", dash=True),
+        '<text x="486" y="140" font-size="12" fill="#888">heartbeats</text>',
+        '</svg>',
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def main() -> None:
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(draw())
+    print(OUT)
+
+
+if __name__ == "__main__":
+    main()
