@@ -841,8 +841,8 @@ class SourceSide:
 
         Resuming it in place would mean taking its sockets out of TCP repair mode by hand.
         Measured (test_corrupt_image_refused_before_criu_and_source_resumes, 2026-11-29):
-        that broke or silently corrupted a gloo stream in 3 of 15 runs (then 0 of 10; a rarer divergence
-        remains open, see README).  CRIU's restore
+        that broke or silently corrupted a gloo stream in 3 of 15 runs (then 0 of 10; the rarer
+        divergence seen later was torch's MKL race, docs/reliability.md).  CRIU's restore
         re-creates each connection exactly as dumped.  The dump's nftables lock stays until
         the restored sockets exist, so no peer packet ever meets a missing socket (an RST);
         killing the source first is silent, because its sockets are still in repair mode.
