@@ -96,14 +96,18 @@ _REF_CACHE: dict[tuple, Reference] = {}
 
 def _uninterrupted(out: Path, world: int, kw: dict) -> list[str]:
     port = free_port()
-    procs = []
+    procs, logs = [], []
+    out.mkdir(parents=True, exist_ok=True)
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), USE_LIBUV="0")
-        procs.append(subprocess.Popen(ddp_cmd(out, **dict(kw, step_sleep=0.0)), env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))
-    for p in procs:
-        assert p.wait(180 + kw.get("steps", 100) * 0.2) == 0, "reference run failed"
+        logs.append(out / f"reference-rank{r}.log")
+        with open(logs[-1], "wb") as log:  # kept: a failed reference says why (the abort at exit?)
+            procs.append(subprocess.Popen(ddp_cmd(out, **dict(kw, step_sleep=0.0)), env=env,
+                                          stdout=subprocess.DEVNULL, stderr=log))
+    for p, log in zip(procs, logs):
+        code = p.wait(180 + kw.get("steps", 100) * 0.2)
+        assert code == 0, f"reference run failed: exit {code}: {log.read_text(errors='replace')[-3000:]}"
     return [hash_of(out, r) for r in range(world)]
 
 

@@ -62,7 +62,10 @@ def _units(root: Path, cport: int, aport: int, token: str, op_token: str) -> dic
     if _under(sys.executable, "/tmp", "/var/tmp") or _under(str(ROOT), "/tmp", "/var/tmp"):
         coord_extra += "PrivateTmp=no\n"  # a checkout under /tmp (CI clones) would be hidden
     rt = runtime.locate()
-    agent_env = {**base, "PITSTOP_AGENT_DATA_LISTEN": "127.0.0.1:0"}
+    # the unit's own PITSTOP_AGENT_ADVERTISE_URL (http://%H:7070) is overridden by the environment
+    # file, as an operator's agent.env does
+    agent_env = {**base, "PITSTOP_AGENT_DATA_LISTEN": "127.0.0.1:0",
+                 "PITSTOP_AGENT_ADVERTISE_URL": f"http://127.0.0.1:{aport}"}
     if rt.source == "prefix":
         agent_env["PITSTOP_CRIU_PREFIX"] = str(runtime.default_prefix())
     elif rt.source == "env":

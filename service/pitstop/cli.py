@@ -15,8 +15,26 @@ from rich.table import Table
 from . import logs
 from .errors import InvalidRequest, PitstopError
 
+EXIT_FAILED, EXIT_USAGE, EXIT_STILL_RUNNING = 1, 2, 3
 app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="pitstop: move training workers between hosts without stopping the job.")
+                  help="pitstop: move training workers between hosts without stopping the job.\n\n"
+                       "Exit status: 0 done; 1 failed or refused (the error says why and what to do); "
+                       "2 a usage error (a flag or argument); 3 still running when --wait's --timeout ended "
+                       "(the operation goes on: follow it with `pitstop ops ID`).")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        print(f"pitstop {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print pitstop's version and exit")) -> None:
+    """pitstop: move training workers between hosts without stopping the job."""
 err = Console(stderr=True)
 out = Console()
 
@@ -71,16 +89,38 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="print the checks 
     raise typer.Exit(0 if ok else 1)
 
 
+def _logs(as_json: bool) -> None:
+    """A service's logging (PITSTOP_LOG_LEVEL sets the level); a bad level is said, not raised."""
+    try:
+        logs.setup(json=as_json)
+    except PitstopError as e:
+        _fail(e)
+
+
+def _given(**flags: Any) -> dict[str, Any]:
+    """The flags an operator actually gave: only these override the environment (PITSTOP_*),
+    which overrides the defaults.  A flag given its default value by the command line itself
+    would silently beat the environment (PITSTOP_AGENT_SPARE=true once left a host active)."""
+    return {k: v for k, v in flags.items() if v is not None}
+
+
 @app.command()
 def agent(
-    name: str = typer.Option(..., help="this host's name in the cluster"),
-    listen: str = typer.Option("127.0.0.1:7070", help="HOST:PORT for peers and the coordinator"),
+    name: Optional[str] = typer.Option(None, help="this host's name in the cluster (PITSTOP_AGENT_NAME; "
+                                       "default: the host name)"),
+    listen: Optional[str] = typer.Option(None, help="HOST:PORT for peers and the coordinator "
+                                         "(PITSTOP_AGENT_LISTEN; default 127.0.0.1:7070)"),
     coordinator: Optional[str] = typer.Option(None, envvar="PITSTOP_COORDINATOR", help="coordinator URL"),
-    state_dir: Path = typer.Option(Path("/var/lib/pitstop/agent"), help="where the agent keeps its state"),
-    image_dir: Optional[Path] = typer.Option(None, help="where images go (default /run/pitstop/images/NAME; only root may change it or any directory above it)"),
-    advertise_url: Optional[str] = typer.Option(None, help="URL peers use to reach this agent"),
-    spare: bool = typer.Option(False, "--spare", help="offer this host as a migration target"),
-    insecure: bool = typer.Option(False, "--insecure", help="allow running without PITSTOP_CLUSTER_TOKEN"),
+    state_dir: Optional[Path] = typer.Option(None, help="where the agent keeps its state "
+                                             "(PITSTOP_AGENT_STATE_DIR; default /var/lib/pitstop/agent)"),
+    image_dir: Optional[Path] = typer.Option(None, help="where images go (PITSTOP_AGENT_IMAGE_DIR; default "
+                                             "/run/pitstop/images/NAME; only root may change it or any directory above it)"),
+    advertise_url: Optional[str] = typer.Option(None, help="URL peers and the coordinator use to reach this agent "
+                                                "(PITSTOP_AGENT_ADVERTISE_URL; needed when --listen is a wildcard)"),
+    spare: Optional[bool] = typer.Option(None, "--spare/--active", help="offer this host as a migration target "
+                                         "(PITSTOP_AGENT_SPARE)", show_default=False),
+    insecure: Optional[bool] = typer.Option(None, "--insecure", help="allow running without PITSTOP_CLUSTER_TOKEN "
+                                            "(PITSTOP_AGENT_INSECURE)", show_default=False),
     worker_link: Optional[str] = typer.Option(None, help="uplink for workers' own addresses "
                                               "(`pitstop run --address`); default: the default route's link"),
     log_json: bool = typer.Option(False, "--log-json"),
@@ -89,16 +129,9 @@ def agent(
     from .agent.server import serve
     from .agent.settings import AgentSettings
 
-    logs.setup(json=log_json)
-    kw = dict(name=name, listen=listen, state_dir=state_dir, spare=spare, insecure=insecure)
-    if coordinator:
-        kw["coordinator"] = coordinator
-    if image_dir:
-        kw["image_dir"] = image_dir
-    if advertise_url:
-        kw["advertise_url"] = advertise_url
-    if worker_link:
-        kw["worker_link"] = worker_link
+    _logs(log_json)
+    kw = _given(name=name, listen=listen, coordinator=coordinator, state_dir=state_dir, image_dir=image_dir,
+                advertise_url=advertise_url, spare=spare, insecure=insecure, worker_link=worker_link)
     try:
         serve(_settings(AgentSettings, **kw))
     except PitstopError as e:
@@ -130,18 +163,21 @@ def run(
 
 @app.command()
 def coordinator(
-    listen: str = typer.Option("127.0.0.1:7000", help="HOST:PORT for operators and agents"),
-    db: Path = typer.Option(Path("/var/lib/pitstop/coordinator.db"), help="SQLite database file"),
-    insecure: bool = typer.Option(False, "--insecure", help="allow running without tokens"),
+    listen: Optional[str] = typer.Option(None, help="HOST:PORT for operators and agents "
+                                         "(PITSTOP_COORDINATOR_LISTEN; default 127.0.0.1:7000)"),
+    db: Optional[Path] = typer.Option(None, help="SQLite database file (PITSTOP_COORDINATOR_DB; "
+                                      "default /var/lib/pitstop/coordinator.db)"),
+    insecure: Optional[bool] = typer.Option(None, "--insecure", help="allow running without tokens "
+                                            "(PITSTOP_COORDINATOR_INSECURE)", show_default=False),
     log_json: bool = typer.Option(False, "--log-json"),
 ) -> None:
     """Run the coordinator (operator REST API, migration driver)."""
     from .coordinator.server import serve
     from .coordinator.settings import CoordinatorSettings
 
-    logs.setup(json=log_json)
+    _logs(log_json)
     try:
-        serve(_settings(CoordinatorSettings, listen=listen, db=db, insecure=insecure))
+        serve(_settings(CoordinatorSettings, **_given(listen=listen, db=db, insecure=insecure)))
     except PitstopError as e:
         _fail(e)
 
@@ -165,9 +201,17 @@ def _age(s: float) -> str:
     return f"{s:.1f}s" if s < 120 else f"{s / 60:.0f}m"
 
 
-@app.command()
-def hosts(as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = _coordinator_option()) -> None:
+hosts_app = typer.Typer(invoke_without_command=True, help="List hosts (role, health, GPUs, last heartbeat); "
+                        "return an evacuated host to service, change a role, forget a host that is gone.")
+app.add_typer(hosts_app, name="hosts")
+
+
+@hosts_app.callback()
+def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"),
+          coordinator: Optional[str] = _coordinator_option()) -> None:
     """List hosts: role, health, GPUs, last heartbeat."""
+    if ctx.invoked_subcommand:
+        return
     c = _client(coordinator, as_json)
     try:
         hs = c.hosts()
@@ -196,6 +240,48 @@ def hosts(as_json: bool = typer.Option(False, "--json"), coordinator: Optional[s
     out.print(t)
 
 
+def _host_verb(call: str, name: str, as_json: bool, coordinator: Optional[str], *args: str) -> None:
+    c = _client(coordinator, as_json)
+    try:
+        h = getattr(c, call)(name, *args)
+    except PitstopError as e:
+        _fail(e, as_json)
+    if as_json:
+        print(json.dumps(h, indent=1))
+    elif h.get("removed"):
+        out.print(f"{name} forgotten")
+    else:
+        out.print(f"{name} is {h['role']}")
+
+
+@hosts_app.command("uncordon")
+def hosts_uncordon(name: str = typer.Argument(..., help="an evacuated (drained) host"),
+                   as_json: bool = typer.Option(False, "--json"),
+                   coordinator: Optional[str] = _coordinator_option()) -> None:
+    """Return an evacuated host to service: a spare again if its agent runs with --spare, else active.
+    Until then it is never a destination."""
+    _host_verb("uncordon", name, as_json, coordinator)
+
+
+@hosts_app.command("set-role")
+def hosts_set_role(name: str = typer.Argument(..., help="a host in service"),
+                   role: str = typer.Argument(..., help="spare (takes evacuated workers) or active"),
+                   as_json: bool = typer.Option(False, "--json"),
+                   coordinator: Optional[str] = _coordinator_option()) -> None:
+    """Make a host in service a spare, or active."""
+    if role not in ("spare", "active"):
+        _fail(InvalidRequest(f"role {role!r} is not spare or active", action="pass spare or active"), as_json)
+    _host_verb("set_role", name, as_json, coordinator, role)
+
+
+@hosts_app.command("remove")
+def hosts_remove(name: str = typer.Argument(..., help="a host whose agent is gone"),
+                 as_json: bool = typer.Option(False, "--json"),
+                 coordinator: Optional[str] = _coordinator_option()) -> None:
+    """Forget a host that is gone (its agent silent past the heartbeat timeout, no live workers)."""
+    _host_verb("remove_host", name, as_json, coordinator)
+
+
 @app.command()
 def jobs(as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = _coordinator_option()) -> None:
     """List jobs and where their workers run."""
@@ -218,12 +304,19 @@ def jobs(as_json: bool = typer.Option(False, "--json"), coordinator: Optional[st
 
 
 @app.command()
-def ops(op_id: Optional[str] = typer.Argument(None, help="an operation id; omit to list all"),
+def ops(op_id: Optional[str] = typer.Argument(None, help="an operation id; omit to list them"),
+        node: Optional[str] = typer.Option(None, "--node", help="only operations from or to this host"),
+        running: Optional[bool] = typer.Option(None, "--running/--finished", help="only running, or finished, ones",
+                                               show_default=False),
+        limit: int = typer.Option(50, "--limit", min=1, max=1000, help="the newest this many"),
+        before: Optional[float] = typer.Option(None, "--before", help="the page before this creation time "
+                                               "(the oldest `created` of the last page, from --json)"),
         as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = _coordinator_option()) -> None:
-    """List operations, or show one."""
+    """List operations (the newest, filtered), or show one."""
     c = _client(coordinator, as_json)
     try:
-        data = c.op(op_id) if op_id else c.ops()
+        data = c.op(op_id) if op_id else c.ops(node=node, done=None if running is None else not running,
+                                                before=before, limit=limit)
     except PitstopError as e:
         _fail(e, as_json)
     if as_json:
@@ -233,13 +326,16 @@ def ops(op_id: Optional[str] = typer.Argument(None, help="an operation id; omit 
         _print_op(data)
         return
     t = Table(title="operations")
-    for c in ("operation", "node", "to", "phase", "result", "downtime"):
+    for c in ("operation", "node", "to", "phase", "result", "downtime", "why", "by"):
         t.add_column(c)
     for o in data:
         m = o["metadata"]
         t.add_row(o["name"], m["node"], m["destination"], m["phase"], m.get("result") or "running",
-                  f"{m['downtime_s']:.2f}s" if m.get("downtime_s") is not None else "")
+                  f"{m['downtime_s']:.2f}s" if m.get("downtime_s") is not None else "", m.get("reason") or "",
+                  m.get("requested_by") or "")
     out.print(t)
+    if len(data) == limit:
+        err.print(f"the newest {limit} shown; older ones: --before {min(o['metadata']['create_time'] for o in data)}")
 
 
 @app.command()
@@ -269,7 +365,7 @@ def cancel(op_id: str = typer.Argument(..., help="the operation to cancel (as `p
                   f"follow with `pitstop ops {o['name']}`")
     if wait and not o["done"]:
         err.print(f"[yellow]still rolling back after {timeout:.0f} s; follow with `pitstop ops {o['name']}`[/]")
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_STILL_RUNNING)
 
 
 def _print_op(o: dict) -> None:
@@ -324,6 +420,8 @@ def evacuate(
         False, "--dry-run", help="make every check an evacuation makes before anything pauses (the spare it "
                                  "would get, post-copy support, the spare's files) and say what would move; "
                                  "moves nothing"),
+    reason: Optional[str] = typer.Option(None, "--reason", help="why NODE must leave; kept with the operation "
+                                         "(`pitstop ops` shows it)"),
     coordinator: Optional[str] = _coordinator_option(),
 ) -> None:
     """Move every worker off NODE to a spare while its jobs keep training.
@@ -335,7 +433,8 @@ def evacuate(
 
     c = _client(coordinator, as_json)
     try:
-        o = c.evacuate(node, to, idempotency_key, post_copy=post_copy, pre_copy=pre_copy, validate_only=dry_run)
+        o = c.evacuate(node, to, idempotency_key, reason=reason, post_copy=post_copy, pre_copy=pre_copy,
+                       validate_only=dry_run)
     except PitstopError as e:
         _fail(e, as_json)
     if dry_run:
@@ -384,7 +483,7 @@ def evacuate(
         _print_op(o)
     if not o["done"]:
         err.print(f"[yellow]still running after {timeout:.0f} s; follow with `pitstop ops {o['name']}`[/]")
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_STILL_RUNNING)
     if o.get("error"):
         raise typer.Exit(1)
 

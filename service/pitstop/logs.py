@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import structlog
 
+from .errors import InvalidRequest
 
-def setup(level: str = "info", json: bool = False) -> None:
-    lvl = getattr(logging, level.upper(), logging.INFO)
+
+LEVELS = ("debug", "info", "warning", "error")
+
+
+def setup(level: str | None = None, json: bool = False) -> None:
+    """Logging for a service or the CLI; the level from `level`, else PITSTOP_LOG_LEVEL, else info."""
+    level = (level or os.environ.get("PITSTOP_LOG_LEVEL") or "info").lower()
+    if level not in LEVELS:
+        raise InvalidRequest(f"PITSTOP_LOG_LEVEL={level!r} is not one of {', '.join(LEVELS)}",
+                             action="set PITSTOP_LOG_LEVEL to debug, info, warning or error")
+    lvl = getattr(logging, level.upper())
     logging.basicConfig(level=lvl, stream=sys.stderr, format="%(message)s")
     for noisy in ("httpx", "httpcore"):  # one line per request drowns what matters
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,4 +1,5 @@
-"""Where pitstop's native libraries are: native/build (make native) or a path an operator set.
+"""Where pitstop's native libraries are: inside the installed package (a wheel built by setup.py),
+else native/build and shim/build of a checkout (make native), or a path an operator set.
 
 One place, so that a packaged install (libraries under /usr/lib, say) changes one variable per
 library and the launcher, the capture and `pitstop doctor` all follow it."""
@@ -9,7 +10,10 @@ import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-BUILD = REPO / "native" / "build"
+PACKAGED = Path(__file__).resolve().parent / "native"  # an installed wheel's (setup.py puts them there)
+_in_wheel = (PACKAGED / "pitstop-init").exists()
+BUILD = PACKAGED if _in_wheel else REPO / "native" / "build"
+SHIM_DIR = PACKAGED if _in_wheel else REPO / "shim" / "build"
 
 
 def built(var: str, name: str, default_dir: Path = BUILD) -> Path | None:

@@ -37,6 +37,7 @@ from .errors import FailedPrecondition, Forbidden
 ROLES = ("agent", "coordinator", "operator")
 _OU_PREFIX = "pitstop-"
 PEER_ROLE = "pitstop.peer_role"  # the ASGI scope key with_peer_role() fills in
+PEER_NAME = "pitstop.peer_name"  # and the certificate subject's common name, who the peer is
 
 
 def _paths() -> tuple[str | None, str | None, str | None]:
@@ -179,21 +180,33 @@ def role_of(peercert: dict | None) -> str | None:
     return None
 
 
+def name_of(peercert: dict | None) -> str | None:
+    """The common name of a verified peer certificate's subject (`pitstop pki issue NAME`)."""
+    for rdn in (peercert or {}).get("subject", ()):
+        for k, v in rdn:
+            if k == "commonName":
+                return v
+    return None
+
+
 def with_peer_role(base: type) -> type:
     """uvicorn's HTTP protocol class, putting the TLS peer's role into each request's scope."""
 
     class PeerRole(base):  # type: ignore[misc, valid-type]
         _peer_role: str | None = None
+        _peer_name: str | None = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             ssl_object = transport.get_extra_info("ssl_object")
             if ssl_object is not None:
-                self._peer_role = role_of(ssl_object.getpeercert())
+                cert = ssl_object.getpeercert()
+                self._peer_role, self._peer_name = role_of(cert), name_of(cert)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self.scope[PEER_ROLE] = self._peer_role
+            self.scope[PEER_NAME] = self._peer_name
 
     return PeerRole
 

@@ -17,7 +17,7 @@ import time
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field
@@ -38,6 +38,10 @@ from .settings import AgentSettings
 from .state import LIVE_STATES, AgentState, Capture, Worker
 
 
+COUNT_SUFFIXES = ("_bytes", "_threads", "_rounds", "_processes")
+"""Phase entries that count something rather than time it (capturing.py, receiving.py)."""
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -48,6 +52,14 @@ class Metrics:
                                ["phase"], registry=r, buckets=(.01, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60, 120))
         self.sent = Counter("pitstop_agent_sent_bytes_total", "Image bytes sent to peers", registry=r)
         self.received = Counter("pitstop_agent_received_bytes_total", "Image bytes received", registry=r)
+        Gauge("pitstop_build_info", "pitstop's version (always 1)", ["version", "service"],
+              registry=r).labels(__version__, "agent").set(1)
+
+    def phases(self, phases: dict[str, float]) -> None:
+        """Durations only: a capture's phases also carry counts (bytes, threads, rounds, processes)."""
+        for k, v in phases.items():
+            if not k.endswith(COUNT_SUFFIXES):
+                self.phase.labels(k).observe(v)
 
 
 class Agent:
@@ -77,8 +89,7 @@ class Agent:
         """Called once per capture, when its dump and stream are over (sent, dumped or failed)."""
         self.metrics.captures.labels("failed" if c.state == "failed" else "ok").inc()
         self.metrics.sent.inc(c.bytes_sent)
-        for k, v in c.phases.items():
-            self.metrics.phase.labels(k).observe(v)
+        self.metrics.phases(c.phases)
 
     def storage_error(self, slot: Slot, e: OSError) -> TransferFailed:
         """A write of a received image failed (ENOSPC above all): say where and how much."""
@@ -475,8 +486,7 @@ def peer_app(agent: Agent) -> FastAPI:
             agent.metrics.restores.labels("failed").inc()
             raise
         agent.metrics.restores.labels("ok").inc()
-        for k, v in phases.items():
-            agent.metrics.phase.labels(k).observe(v)
+        agent.metrics.phases(phases)
         return {"worker": w.model_dump(), "phases": phases}
 
     app.include_router(r)

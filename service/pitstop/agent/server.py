@@ -71,6 +71,23 @@ def check_security(s: AgentSettings) -> None:
                    "or pass --insecure for local development")
 
 
+WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+
+
+def check_advertised(s: AgentSettings) -> None:
+    """Peers and the coordinator dial the URL this agent registers: a wildcard there (listening on
+    0.0.0.0 with nothing else said) would make each of them dial itself."""
+    from urllib.parse import urlsplit
+
+    host = (urlsplit(s.url).hostname or "").strip("[]")
+    if host in WILDCARDS or host in ("0.0.0.0", "::"):
+        raise FailedPrecondition(
+            f"this agent would register as {s.url}, a wildcard address no peer can dial",
+            code="wildcard_advertise_url",
+            action="give --advertise-url http://THIS-HOST:PORT (or PITSTOP_AGENT_ADVERTISE_URL) with the name or "
+                   "address the coordinator and the other agents reach this host by")
+
+
 def check_lazy_restore(s: AgentSettings) -> None:
     """Post-copy asked for on a kernel that cannot do it: say so at start, not at the first move."""
     if not s.lazy_restore:
@@ -99,6 +116,7 @@ def serve(s: AgentSettings) -> None:
     priority.apply(s.nice, "agent", realtime=s.realtime)  # first: every thread started later inherits it
     os.umask(0o077)  # as the systemd unit's UMask=: what it writes (state, images, outputs) is its own
     check_security(s)
+    check_advertised(s)
     check_lazy_restore(s)
     _preload()
     become_subreaper()

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Literal
 
 import httpx
-from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,9 +25,14 @@ from .driver import Driver
 from .fanout import in_parallel
 from .filecheck import check_files
 from .health_policy import AutoEvacuator
+from . import lifecycle
 from .planner import plan, unmovable_workers
 from .settings import CoordinatorSettings
 from .store import LIVE, Store
+
+
+class SetRoleRequest(BaseModel):
+    role: Literal["active", "spare"] = Field(description="spare: takes evacuated workers; active: runs jobs")
 
 
 class EvacuateRequest(BaseModel):
@@ -92,6 +97,9 @@ class Beat(BaseModel):
         None, max_length=4096, description="present only when a reading changed enough to matter")
 
 
+ROLES = ("active", "spare", "draining", "drained")
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -103,6 +111,21 @@ class Metrics:
         self.heartbeats = Counter("pitstop_coordinator_heartbeats_total", "Agent heartbeats received, by kind "
                                   "(full report, beat over HTTP, beat over UDP)", ["kind"], registry=r)
         self.hosts = Gauge("pitstop_coordinator_hosts", "Known hosts by role", ["role"], registry=r)
+        self.downtime = Histogram("pitstop_coordinator_evacuation_downtime_seconds",
+                                  "Pause an evacuation's jobs saw, from the first rank's pause to the last one's "
+                                  "resume (succeeded evacuations)", registry=r,
+                                  buckets=(.1, .25, .5, 1, 2, 5, 10, 20, 30, 60, 120, 300))
+        self.in_flight = Gauge("pitstop_coordinator_operations_in_flight", "Evacuations not done yet", registry=r)
+        self.degraded = Gauge("pitstop_coordinator_hosts_degraded", "Hosts whose GPU health readings are degraded",
+                              registry=r)
+        Gauge("pitstop_build_info", "pitstop's version (always 1)", ["version", "service"],
+              registry=r).labels(__version__, "coordinator").set(1)
+
+    def result(self, result: str, nbytes: int, downtime_s: float | None = None) -> None:
+        self.ops.labels(result).inc()
+        self.bytes.inc(nbytes)
+        if downtime_s is not None:
+            self.downtime.observe(downtime_s)
 
 
 def operation_view(op: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +164,7 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
     store = store or Store(settings.db)
     metrics = Metrics()
     driver = Driver(store, settings, on_phase=lambda p, s: metrics.phase.labels(p).observe(s),
-                    on_result=lambda r, b: (metrics.ops.labels(r).inc(), metrics.bytes.inc(b)))
+                    on_result=metrics.result)
     app = FastAPI(title="pitstop coordinator", version=__version__,
                   description="Evacuate GPU hosts without stopping the training jobs on them.")
     install_error_handlers(app)
@@ -156,12 +179,13 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
 
     def start_evacuation(node: str, to: str | None, reason: str,
                          idempotency: tuple[str, str] | None = None, post_copy: bool | None = None,
-                         pre_copy: bool | None = None) -> str:
+                         pre_copy: bool | None = None, requested_by: str = "the coordinator") -> str:
         sync_workers(store, settings, node)
         p = plan(store, node, to, driver.busy_hosts(), settings.heartbeat_timeout_s)
         if post_copy:
             check_post_copy(p.node)
-        return driver.start(p, reason, idempotency, post_copy=post_copy, pre_copy=pre_copy)
+        return driver.start(p, reason, idempotency, post_copy=post_copy, pre_copy=pre_copy,
+                            requested_by=requested_by)
 
     def validate_evacuation(node: str, body: EvacuateRequest) -> dict[str, Any]:
         """Every check an evacuation makes before anything pauses, and the plan it would follow."""
@@ -200,14 +224,20 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
                                      code="post_copy_unavailable",
                                      action="evacuate without post-copy (the images travel whole)")
 
-    auto = AutoEvacuator(start=lambda node, reason: start_evacuation(node, None, reason),
+    auto = AutoEvacuator(start=lambda node, reason: start_evacuation(node, None, reason,
+                                                                     requested_by="the coordinator's health policy"),
                          busy=driver.busy_hosts,
                          has_workers=lambda node: any(w["state"] in LIVE for w in store.workers(host=node)),
                          retry_s=settings.health_retry_s)
 
     def operator(request: Request) -> None:
-        """Reads: the operator token or the read-only token.  Mutations: the operator token only."""
+        """Reads: the operator token or the read-only token.  Mutations: the operator token only.
+        Who asked is kept for the operation's record (requested_by): the certificate's name under
+        mutual TLS, and the token that opened the door."""
         tls.require_role(request.scope, ("operator",))
+        name = request.scope.get(tls.PEER_NAME)
+        who = [f"certificate {name}"] if name else []
+        request.state.requested_by = ", ".join(who + ["insecure mode"]) if settings.operator_token is None else ""
         if settings.operator_token is None:
             return  # insecure development mode
         if request.method in ("GET", "HEAD") and token_matches(request, settings.read_token):
@@ -216,6 +246,7 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
             raise Forbidden("this token may only read", code="read_only_token",
                             action="use the operator token (PITSTOP_TOKEN) for evacuations and cancels")
         require_token(request, settings.operator_token, "operator", "PITSTOP_TOKEN")
+        request.state.requested_by = ", ".join(who + ["the operator token (PITSTOP_TOKEN)"])
 
     async def cluster(request: Request) -> None:  # async: no thread hop on the hottest path (beats)
         tls.require_role(request.scope, ("agent",))
@@ -227,11 +258,14 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
 
     @app.get("/metrics")
     def prom() -> Response:
-        roles: dict[str, int] = {}
-        for h in store.hosts():
+        hs = store.hosts()
+        roles = dict.fromkeys(ROLES, 0)  # a role with no host left reads 0, so "no spare left" can alert
+        for h in hs:
             roles[h["role"]] = roles.get(h["role"], 0) + 1
         for role, n in roles.items():
             metrics.hosts.labels(role).set(n)
+        metrics.degraded.set(sum(1 for h in hs if (h.get("health") or {}).get("degraded")))
+        metrics.in_flight.set(len(store.ops(running_only=True)))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     agents = APIRouter(prefix="/v1", dependencies=[Depends(cluster)], tags=["agents"])
@@ -270,6 +304,20 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
                 h["auto_evacuation"] = auto.status[h["name"]]
         return hs
 
+    @ops.post("/hosts/{name}:uncordon")
+    def uncordon_host(name: str) -> dict:
+        """Return an evacuated (drained) host to service: spare if its agent offers itself, else active."""
+        return lifecycle.uncordon(store, name, driver.busy_hosts())
+
+    @ops.post("/hosts/{name}:setRole")
+    def set_host_role(name: str, body: SetRoleRequest) -> dict:
+        return lifecycle.set_role(store, name, body.role, driver.busy_hosts())
+
+    @ops.delete("/hosts/{name}")
+    def remove_host(name: str) -> dict:
+        """Forget a host whose agent is gone and that runs nothing."""
+        return lifecycle.remove(store, name, driver.busy_hosts(), settings.heartbeat_timeout_s)
+
     @ops.get("/jobs")
     def jobs() -> list[dict]:
         by: dict[str, list] = {}
@@ -281,8 +329,13 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
                  "movable": not unmovable_workers(ws)} for j, ws in sorted(by.items())]
 
     @ops.get("/operations")
-    def operations() -> list[dict]:
-        return [operation_view(o) for o in store.ops()]
+    def operations(node: str | None = Query(None, max_length=253, description="only those of this host"),
+                   done: bool | None = Query(None, description="true: finished ones only; false: running ones"),
+                   before: float | None = Query(None, description="a page: created before this time (the "
+                                                "oldest `created` of the previous page)"),
+                   limit: int | None = Query(None, ge=1, le=1000, description="at most this many, the newest")
+                   ) -> list[dict]:
+        return [operation_view(o) for o in store.ops(node=node, done=done, before=before, limit=limit)]
 
     @ops.get("/operations/{op_id}")
     def operation(op_id: str) -> dict:
@@ -292,7 +345,7 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
         return operation_view(op)
 
     @ops.post("/nodes/{node}:evacuate", status_code=202)
-    def evacuate(node: str, body: EvacuateRequest | None = None,
+    def evacuate(node: str, request: Request, body: EvacuateRequest | None = None,
                  idempotency_key: str | None = Header(None, max_length=200)) -> JSONResponse:
         body = body or EvacuateRequest()
         if body.validate_only:
@@ -312,7 +365,8 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
                                         action="use a new key for a new request", details={"operation": seen[1]})
                 return JSONResponse(operation_view(store.op(seen[1])), status_code=202)
         op_id = start_evacuation(node, body.to, body.reason, (idempotency_key, digest) if idempotency_key else None,
-                                 post_copy=body.post_copy, pre_copy=body.pre_copy)
+                                 post_copy=body.post_copy, pre_copy=body.pre_copy,
+                                 requested_by=getattr(request.state, "requested_by", "") or "unknown")
         return JSONResponse(operation_view(store.op(op_id)), status_code=202)
 
     @ops.post("/operations/{op_id}:cancel")

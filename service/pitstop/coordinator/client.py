@@ -44,8 +44,20 @@ class CoordinatorClient:
     def jobs(self) -> list[dict]:
         return self._req("GET", "/v1/jobs")
 
-    def ops(self) -> list[dict]:
-        return self._req("GET", "/v1/operations")
+    def ops(self, node: str | None = None, done: bool | None = None, before: float | None = None,
+            limit: int | None = None) -> list[dict]:
+        params = {k: v for k, v in (("node", node), ("done", None if done is None else str(done).lower()),
+                                    ("before", before), ("limit", limit)) if v is not None}
+        return self._req("GET", "/v1/operations", params=params)
+
+    def uncordon(self, host: str) -> dict:
+        return self._req("POST", f"/v1/hosts/{host}:uncordon")
+
+    def set_role(self, host: str, role: str) -> dict:
+        return self._req("POST", f"/v1/hosts/{host}:setRole", json={"role": role})
+
+    def remove_host(self, host: str) -> dict:
+        return self._req("DELETE", f"/v1/hosts/{host}")
 
     def op(self, op_id: str) -> dict:
         return self._req("GET", f"/v1/operations/{op_id.removeprefix('operations/')}")

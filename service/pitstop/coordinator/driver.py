@@ -60,10 +60,11 @@ class Cancelled(PitstopError):
 
 
 def new_metadata(plan: Any, reason: str, post_copy: bool | None = None,
-                 pre_copy: bool | None = None) -> dict[str, Any]:
+                 pre_copy: bool | None = None, requested_by: str = "") -> dict[str, Any]:
     return {
         "@type": "type.pitstop.dev/EvacuateMetadata",
         "node": plan.node["name"], "destination": plan.dest["name"], "reason": reason,
+        "requested_by": requested_by,  # the operator's certificate and token, or the health policy
         "post_copy": post_copy,  # as asked; None: each source agent's setting
         "pre_copy": pre_copy,  # as asked; None: the coordinator's setting
         "jobs": plan.jobs,
@@ -633,7 +634,7 @@ class OpRun:
             log.error("evacuated, but not every fill ended well", op=self.id, node=node, reason=failed.message)
             return
         self.condition("Succeeded", True, "Evacuated", f"downtime {self.md['downtime_s']} s")
-        self.d.count("succeeded", self.md["bytes_total"] or 0)
+        self.d.count("succeeded", self.md["bytes_total"] or 0, self.md.get("downtime_s"))
         self.finish(phase="done", done=True, result="succeeded", response=response)
         log.info("evacuated", op=self.id, node=node, dest=dest, downtime_s=self.md["downtime_s"],
                  **self.md["phases"])
@@ -980,9 +981,9 @@ class Driver:
         if self._on_phase:
             self._on_phase(phase, seconds)
 
-    def count(self, result: str, nbytes: int) -> None:
+    def count(self, result: str, nbytes: int, downtime_s: float | None = None) -> None:
         if self._on_result:
-            self._on_result(result, nbytes)
+            self._on_result(result, nbytes, downtime_s)
 
     def busy_hosts(self) -> dict[str, str]:
         out = {}
@@ -993,11 +994,11 @@ class Driver:
         return out
 
     def start(self, plan: Any, reason: str, idem: tuple[str, str] | None, post_copy: bool | None = None,
-              pre_copy: bool | None = None) -> str:
+              pre_copy: bool | None = None, requested_by: str = "") -> str:
         op_id = "op-" + uuid.uuid4().hex[:12]
         with self._runs_lock:
             self.store.create_op(op_id, plan.node["name"], plan.dest["name"],
-                                 new_metadata(plan, reason, post_copy, pre_copy), idem)
+                                 new_metadata(plan, reason, post_copy, pre_copy, requested_by), idem)
             self._spawn(op_id, lambda r: r.run())
         return op_id
 

@@ -15,6 +15,10 @@ from ..errors import Conflict, FailedPrecondition, InvalidRequest, NotFound
 from .store import LIVE, Store
 
 
+OUT_OF_SERVICE = ("draining", "drained")
+"""Roles of a host that was evacuated: never a destination until an operator returns it."""
+
+
 @dataclass
 class Plan:
     node: dict[str, Any]
@@ -133,6 +137,9 @@ def _unusable(h: dict[str, Any], src: dict[str, Any], leaving: list[dict[str, An
         return Unfit(f"no heartbeat for {h['age_s']:.0f} s")
     if h["name"] in busy:
         return Unfit(f"busy with operation {busy[h['name']]}")
+    if h["role"] in OUT_OF_SERVICE:  # emptied for maintenance: taken again only once returned to service
+        return Unfit(f"{h['role']}: it was evacuated and is out of service",
+                     remedy=f"return it with `pitstop hosts uncordon {h['name']}` once it may take workers again")
     if h.get("health", {}).get("degraded"):
         return Unfit("degraded: " + ", ".join(h["health"].get("reasons", [])))
     return gpu_mismatch(src, h, leaving) or caps_mismatch(h, leaving)

@@ -39,6 +39,18 @@ async def flush_loop(store: Store, every_s: float) -> None:
             log.warning("could not write heartbeats to the database; will retry", error=repr(e)[:200])
 
 
+async def prune_loop(store: Store, retention_s: float, every_s: float = 3600.0) -> None:
+    """Forget finished operations past their retention, hourly, off the event loop."""
+    while True:
+        try:
+            n = await asyncio.to_thread(store.prune_ops, retention_s)
+            if n:
+                log.info("finished operations past their retention forgotten", count=n, retention_s=retention_s)
+        except Exception as e:  # noqa: BLE001 - the next tick tries again
+            log.warning("could not prune old operations; will retry", error=repr(e)[:200])
+        await asyncio.sleep(every_s)
+
+
 async def watch_loop(driver: Driver, every_s: float) -> None:
     """The driver's watchdog (Driver.watch), off the event loop, until cancelled: an operation
     whose thread died is driven out (rolled back, or committed), and its record written once
@@ -94,12 +106,14 @@ def serve(s: CoordinatorSettings) -> None:
         dog = asyncio.create_task(watchdog_loop())
         flusher = asyncio.create_task(flush_loop(driver.store, s.flush_s))
         watcher = asyncio.create_task(watch_loop(driver, s.watchdog_s))
+        pruner = asyncio.create_task(prune_loop(driver.store, s.ops_retention_days * 86400))
         log.info("coordinator up", listen=s.listen, db=str(s.db), reconciled=touched)
         notify(f"READY=1\nSTATUS=coordinator serving {s.listen}")
         await serving
         notify("STOPPING=1")
         dog.cancel()
         flusher.cancel()
+        pruner.cancel()
         watcher.cancel()
         if udp is not None:
             udp.close()

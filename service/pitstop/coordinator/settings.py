@@ -24,6 +24,8 @@ class CoordinatorSettings(BaseSettings):
     operator_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_TOKEN"))
     # A connection's request line and headers must all arrive this long after its first byte (httpapi.py)
     header_timeout_s: float = Field(default=10.0, gt=0)
+    # Finished operations are forgotten this long after they ended (their record, their idempotency key)
+    ops_retention_days: float = Field(default=30.0, gt=0)
     read_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_READ_TOKEN"))  # reads only
     cluster_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_CLUSTER_TOKEN"))
     insecure: bool = False

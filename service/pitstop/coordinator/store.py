@@ -224,12 +224,23 @@ class Store:
         health = self.health.get(name)
         if health is not None:
             info["gpu_health"], info["health"] = health
-        return {"name": name, "url": r["url"], "role": r["role"], "last_seen": last_seen,
+        return {"name": name, "url": r["url"], "role": r["role"], "offers_spare": bool(info.get("spare")),
+                "last_seen": last_seen,
                 "age_s": round(time.time() - last_seen, 3), **{k: v for k, v in info.items()
                                                               if k not in ("name", "url", "spare")}}
 
     def set_role(self, name: str, role: str) -> None:
         self._x("UPDATE hosts SET role=? WHERE name=?", (role, name))
+
+    def remove_host(self, name: str) -> None:
+        """Forget a host and what it last reported (its agent, if it ever beats again, registers anew)."""
+        with self._tx():
+            self.db.execute("DELETE FROM workers WHERE host=?", (name,))
+            self.db.execute("DELETE FROM hosts WHERE name=?", (name,))
+        with self._live:
+            self.seen.pop(name, None)
+            self.health.pop(name, None)
+            self.generation.pop(name, None)
 
     def workers(self, host: str | None = None, job: str | None = None) -> list[dict[str, Any]]:
         q, a = "SELECT * FROM workers WHERE 1=1", []
@@ -270,9 +281,35 @@ class Store:
         r = self._x("SELECT * FROM operations WHERE id=?", (op_id,))
         return self._op(r[0]) if r else None
 
-    def ops(self, running_only: bool = False) -> list[dict[str, Any]]:
-        q = "SELECT * FROM operations" + (" WHERE done=0" if running_only else "") + " ORDER BY created"
-        return [self._op(r) for r in self._x(q)]
+    def ops(self, running_only: bool = False, *, node: str | None = None, done: bool | None = None,
+            before: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        """Operations, oldest first; or, with `limit`, the newest `limit` created before `before`
+        (a page: the next one is asked with `before` = the oldest `created` of this one)."""
+        q, a = "SELECT * FROM operations WHERE 1=1", []
+        if running_only or done is False:
+            q += " AND done=0"
+        elif done:
+            q += " AND done=1"
+        if node:
+            q += " AND (node=? OR dest=?)"
+            a += [node, node]
+        if before is not None:
+            q += " AND created<?"
+            a.append(before)
+        if limit is None:
+            return [self._op(r) for r in self._x(q + " ORDER BY created", tuple(a))]
+        rows = self._x(q + " ORDER BY created DESC LIMIT ?", (*a, limit))
+        return [self._op(r) for r in reversed(rows)]
+
+    def prune_ops(self, older_than_s: float) -> int:
+        """Forget finished operations (and their idempotency keys) older than `older_than_s`."""
+        cut = time.time() - older_than_s
+        with self._tx():
+            old = [r["id"] for r in self.db.execute("SELECT id FROM operations WHERE done=1 AND updated<?", (cut,))]
+            for op_id in old:
+                self.db.execute("DELETE FROM idempotency WHERE op_id=?", (op_id,))
+                self.db.execute("DELETE FROM operations WHERE id=?", (op_id,))
+        return len(old)
 
     @staticmethod
     def _op(r: sqlite3.Row) -> dict[str, Any]:

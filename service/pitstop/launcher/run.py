@@ -127,7 +127,7 @@ def _pump(fd: int, out) -> None:  # noqa: ANN001
 
 
 def shim_path() -> Path | None:
-    return nativelib.built("PITSTOP_SHIM", "libpitstop_shim.so", nativelib.REPO / "shim" / "build")
+    return nativelib.built("PITSTOP_SHIM", "libpitstop_shim.so", nativelib.SHIM_DIR)
 
 
 def host_nccl_dir() -> Path | None:
