@@ -137,7 +137,7 @@ def test_a_drained_host_is_no_destination_until_it_is_returned_to_service(cluste
     assert "b" not in {h["name"] for h in cc.hosts()}
 
     # --wait that runs out: exit 3, the operation goes on
-    p = _cli(cluster, "evacuate", "a", "--wait", "--timeout", "0")
+    p = _cli(cluster, "evacuate", "a", "--to", "s", "--wait", "--timeout", "0")
     assert p.returncode == 3, p.stdout + p.stderr
     _wait_op(cc, cc.ops(node="a")[-1]["name"])
 
