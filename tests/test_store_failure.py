@@ -284,3 +284,33 @@ def test_a_takeover_reaches_the_agents_though_the_database_cannot_even_be_read(w
     _read_only(s, False)
     d.watch()
     assert s.op("op-1")["result"] == "failed" and "RuntimeError: boom" in s.op("op-1")["error"]["message"]
+
+
+def test_a_database_of_an_earlier_release_is_migrated_in_order_and_a_newer_one_refused(tmp_path):
+    """Schema changes go through ordered migrations (PRAGMA user_version): a database written before
+    heartbeats had generations, at version 0, reaches the current version with its rows kept."""
+    import sqlite3
+
+    from pitstop.coordinator.store import MIGRATIONS, Store
+    from pitstop.errors import FailedPrecondition
+
+    old = tmp_path / "old.db"
+    db = sqlite3.connect(old)
+    db.executescript("""
+CREATE TABLE hosts (name TEXT PRIMARY KEY, url TEXT NOT NULL, role TEXT NOT NULL, info TEXT NOT NULL,
+  last_seen REAL NOT NULL);
+CREATE TABLE operations (id TEXT PRIMARY KEY, node TEXT NOT NULL, dest TEXT, done INTEGER NOT NULL DEFAULT 0,
+  result TEXT, phase TEXT NOT NULL, cancel_requested INTEGER NOT NULL DEFAULT 0, metadata TEXT NOT NULL,
+  error TEXT, response TEXT, created REAL NOT NULL, updated REAL NOT NULL);
+INSERT INTO hosts VALUES ('gpu-1', 'http://gpu-1:7070', 'spare', '{}', 1.0);
+""")
+    db.commit()
+    db.close()
+    s = Store(old)
+    assert s.db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+    assert "generation" in {r["name"] for r in s.db.execute("PRAGMA table_info(hosts)")}
+    assert s.host("gpu-1")["role"] == "spare"
+    s.db.execute(f"PRAGMA user_version={len(MIGRATIONS) + 1}")
+    s.db.close()
+    with pytest.raises(FailedPrecondition, match="newer than this pitstop"):
+        Store(old)

@@ -25,11 +25,11 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import Unavailable
+from ..errors import FailedPrecondition, Unavailable
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS hosts (
@@ -66,6 +66,41 @@ def _unavailable(e: sqlite3.Error) -> bool:
     return code is not None and code & 0xFF in _UNAVAILABLE
 
 
+def _add_generation(db: sqlite3.Connection) -> None:
+    if "generation" not in {r["name"] for r in db.execute("PRAGMA table_info(hosts)")}:
+        db.execute("ALTER TABLE hosts ADD COLUMN generation TEXT")  # a database from before beats
+
+
+def _index_operations(db: sqlite3.Connection) -> None:
+    db.execute("CREATE INDEX IF NOT EXISTS operations_by_created ON operations(created)")
+    db.execute("CREATE INDEX IF NOT EXISTS operations_by_node ON operations(node, created)")
+
+
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_add_generation, _index_operations)
+"""Ordered: a database at schema version N (PRAGMA user_version) gets MIGRATIONS[N:], each in its
+own transaction with the version it reaches.  Append only; never edit one that shipped."""
+
+
+def migrate(db: sqlite3.Connection) -> int:
+    """Bring a database written by any earlier release to this one's schema; the version reached.
+    A database from a newer release is refused rather than written in a shape it does not know."""
+    have = db.execute("PRAGMA user_version").fetchone()[0]
+    if have > len(MIGRATIONS):
+        raise FailedPrecondition(f"the coordinator's database is at schema version {have}, newer than this "
+                                 f"pitstop ({len(MIGRATIONS)})", code="database_too_new",
+                                 action="run the pitstop release that wrote it, or a newer one")
+    for version, step in enumerate(MIGRATIONS[have:], start=have + 1):
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            step(db)
+            db.execute(f"PRAGMA user_version={version}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+    return len(MIGRATIONS)
+
+
 class Store:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -80,8 +115,7 @@ class Store:
         self.seen: dict[str, float] = {}             # host -> last beat (unix time), newer than the table's
         self.health: dict[str, tuple[list, dict]] = {}  # host -> (gpu_health, verdict) from beats
         self._dirty: set[str] = set()
-        if "generation" not in {r["name"] for r in self.db.execute("PRAGMA table_info(hosts)")}:
-            self.db.execute("ALTER TABLE hosts ADD COLUMN generation TEXT")  # a database from before beats
+        migrate(self.db)
         # A restarted coordinator still holds every host's last full report, so it takes their beats
         # at once instead of asking 10,000 agents for full reports in the same second.
         self.generation: dict[str, str] = {r["name"]: r["generation"] for r in  # host -> its last report's
