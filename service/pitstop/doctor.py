@@ -51,6 +51,12 @@ def run_checks() -> list[Check]:
         checks.append(Check("criu", True, f"{rt.version_str} ({rt.source}: {rt.binary})"))
         ok, out = rt.check()
         checks.append(Check("criu check", ok, out.splitlines()[-1] if out else "(no output)"))
+        if ok and os.geteuid() == 0:
+            from .capture.criuprobe import passes
+
+            done, why = passes(rt.binary, rt.version)
+            checks.append(Check("criu dump and restore", done, f"{why}, with the {rt.source} CRIU {rt.version_str}"
+                                if done else f"{rt.binary}: {why}"))
         try:
             rt.import_pycriu()
             checks.append(Check("pycriu", True, rt.pycriu_path or "importable"))

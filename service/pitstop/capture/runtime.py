@@ -2,8 +2,9 @@
 
 pitstop needs CRIU >= 4.2 on Linux >= 6.16 (older releases fail `criu check`
 on the [vvar_vclock] mapping or cannot dump TCP sockets).  A host criu that is
-new enough wins; otherwise the private prefix made by scripts/provision-criu.sh
-is used.  pycriu is taken from the same place so the RPC schema always matches
+new enough wins, and so does an older one that passes a real dump and restore on
+this kernel (capture/criuprobe.py); otherwise the private prefix made by
+scripts/provision-criu.sh is used.  pycriu is taken from the same place so the RPC schema always matches
 the binary.
 """
 
@@ -92,6 +93,13 @@ def locate() -> CriuRuntime:
         seen.append(f"{binary}: {'.'.join(map(str, v)) if v else 'no version'}")
         if v and v >= MIN_VERSION:
             return CriuRuntime(binary, v, pyc, nft, source)
+        if v and source == "host":  # older than the floor, but it may work on this kernel: try it
+            from .criuprobe import passes
+
+            ok, why = passes(binary, v)
+            if ok:
+                return CriuRuntime(binary, v, pyc, nft, source)
+            seen[-1] += f" (probe: {why})"
     raise FailedPrecondition(
         "no CRIU >= 4.2 found" + (f" (tried {'; '.join(seen)})" if seen else ""),
         action="run `make criu` (scripts/provision-criu.sh) or set PITSTOP_CRIU to a criu >= 4.2",

@@ -1,0 +1,50 @@
+"""Which CRIU runs: a host CRIU older than pitstop's floor is used when a real dump and restore on
+this kernel passes (capture/criuprobe.py), and passed over, with the reason, when it fails.  The
+"older" host CRIU is the real one behind a wrapper that reports 4.1, so the probe is real."""
+
+from __future__ import annotations
+
+import pytest
+
+from pitstop.capture import criuprobe, runtime
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+def fake_host_criu(tmp_path, monkeypatch):
+    real = runtime.locate().binary
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+
+    def make(dump_fails: bool) -> str:
+        crippled = 'if [ "$1" = dump ]; then echo "Error (criu/sk-inet.c): Can\'t get 1:16 opt" >&2; exit 1; fi\n' \
+            if dump_fails else ""
+        f = bindir / "criu"
+        f.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo "Version: 4.1"; exit 0; fi\n{crippled}'
+                     f'exec "{real}" "$@"\n')
+        f.chmod(0o755)
+        runtime.locate.cache_clear()
+        criuprobe.passes.cache_clear()
+        return str(f)
+
+    monkeypatch.setenv("PATH", f"{bindir}:{__import__('os').environ['PATH']}")
+    monkeypatch.delenv("PITSTOP_CRIU", raising=False)
+    monkeypatch.delenv("PITSTOP_FORCE_PRIVATE_CRIU", raising=False)
+    yield make
+    runtime.locate.cache_clear()
+    criuprobe.passes.cache_clear()
+
+
+def test_an_older_host_criu_that_works_here_is_used(fake_host_criu):
+    host = fake_host_criu(dump_fails=False)
+    rt = runtime.locate()
+    assert (rt.binary, rt.version, rt.source) == (host, (4, 1), "host")
+
+
+def test_an_older_host_criu_that_fails_here_is_passed_over_for_the_private_one(fake_host_criu):
+    host = fake_host_criu(dump_fails=True)
+    ok, why = criuprobe.probe(host)
+    assert not ok and why.startswith("dump failed")
+    rt = runtime.locate()
+    assert rt.binary != host and rt.source != "host"
