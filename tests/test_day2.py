@@ -37,6 +37,9 @@ def _started(monkeypatch, module: str, args: list[str]):  # noqa: ANN202
     """Run `pitstop ARGS` with the service's serve() replaced: the settings it would have started with."""
     got = []
     monkeypatch.setattr(f"pitstop.{module}.server.serve", got.append)
+    # the runner's stderr is closed after it returns: a logging set up on it would break every later
+    # log line of this process (the suite's own teardowns log through the same structlog)
+    monkeypatch.setattr("pitstop.logs.setup", lambda **kw: None)
     r = CliRunner().invoke(cli.app, args)
     assert r.exit_code == 0, r.output
     return got[0]

@@ -126,6 +126,7 @@ def test_three_evacuations_in_a_row_one_back_to_its_first_host(cluster, tmp_path
     cc, ranks, out = _start(cluster, tmp_path, "nccl_tp_dp.py", spares=2, steps=500)
     wait_for_step(ranks[3].log, 20)
     assert _evacuate(cc, "host-b")["metadata"]["result"] == "succeeded"          # 2, 3 -> spare-1
+    cc.uncordon("host-b")  # drained by the evacuation: back in service before it takes them again
     assert _evacuate(cc, "spare-1", to="host-b")["metadata"]["result"] == "succeeded"  # back home
     assert _evacuate(cc, "host-a")["metadata"]["result"] == "succeeded"          # 0, 1 -> spare-2
     where = {w["id"]: w["host"] for j in cc.jobs() for w in j["workers"]}
