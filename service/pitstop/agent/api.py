@@ -38,6 +38,8 @@ from .settings import AgentSettings
 from .state import LIVE_STATES, AgentState, Capture, Worker
 
 
+UNMOVABLE_EVERY_S = 5.0  # how often a running worker's shim blocks are read for calls it could not track
+
 COUNT_SUFFIXES = ("_bytes", "_threads", "_rounds", "_processes")
 """Phase entries that count something rather than time it (capturing.py, receiving.py)."""
 
@@ -84,6 +86,7 @@ class Agent:
         self.started = time.time()
         self.data_port: int | None = None  # set by the server once transfer/dataport.py listens
         self.net_owners: dict[str, int] = {}  # worker id -> uid that prepared its network (local socket)
+        self._unmovable_looked: dict[str, float] = {}  # worker id -> when its shim blocks were last read
 
     def _count_capture(self, c: Capture) -> None:
         """Called once per capture, when its dump and stream are over (sent, dumped or failed)."""
@@ -134,8 +137,18 @@ class Agent:
                 w.caps = f"{caps.needs(w.root_pid):x}"
             except OSError:
                 pass  # it is exiting; the next listing says so
-            w.unmovable = shimctl.unmovable(w.root_pid)
+            self._look_for_unmovable(w)
         return w
+
+    def _look_for_unmovable(self, w: Worker) -> None:
+        """Whether the worker's NCCL shim saw communicators it did not create: once said it stays
+        said (the shim's count only grows), and the blocks are read at most every few seconds, not
+        at every beat (each look reads every process's memory map)."""
+        now = time.monotonic()
+        if w.unmovable or now - self._unmovable_looked.get(w.id, -UNMOVABLE_EVERY_S) < UNMOVABLE_EVERY_S:
+            return
+        self._unmovable_looked[w.id] = now
+        w.unmovable = shimctl.unmovable(w.root_pid)
 
     def drop_net(self, w: Worker) -> None:
         """A worker that ended takes its address with it."""
