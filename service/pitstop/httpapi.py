@@ -110,7 +110,7 @@ class RequestGuard:
         if length is not None and (length < 0 or length > limit):
             return await _refuse(send, 413, "body_too_large", f"the request body ({length} bytes) exceeds "
                                  f"{limit} bytes", "send a smaller request")
-        await self.app(scope, _capped(receive, send, limit), send)
+        await self.app(scope, _capped(receive, limit), send)
 
     def _authorized(self, auth: bytes) -> bool:
         expected = [t for t in self._tokens() if t]
@@ -122,7 +122,7 @@ class RequestGuard:
         return any(hmac.compare_digest(got, t.encode()) for t in expected)
 
 
-def _capped(receive: Any, send: Any, limit: int) -> Any:
+def _capped(receive: Any, limit: int) -> Any:
     """`receive`, failing the request once more than `limit` bytes arrived (a chunked body names
     no length up front)."""
     seen = 0

@@ -71,7 +71,7 @@ def check_security(s: AgentSettings) -> None:
                    "or pass --insecure for local development")
 
 
-WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+WILDCARDS = ("0.0.0.0", "::", "")  # brackets already stripped
 
 
 def check_advertised(s: AgentSettings) -> None:
@@ -80,7 +80,7 @@ def check_advertised(s: AgentSettings) -> None:
     from urllib.parse import urlsplit
 
     host = (urlsplit(s.url).hostname or "").strip("[]")
-    if host in WILDCARDS or host in ("0.0.0.0", "::"):
+    if host in WILDCARDS:
         raise FailedPrecondition(
             f"this agent would register as {s.url}, a wildcard address no peer can dial",
             code="wildcard_advertise_url",
