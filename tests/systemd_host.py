@@ -58,12 +58,51 @@ def _private_tmps() -> set[Path]:
     return {d for top in ("/tmp", "/var/tmp") for d in Path(top).glob("systemd-private-*-pitstop-*.service-*")}
 
 
+def installed_host(root: Path, interpreter_prefix: str, site_packages: str, checkout: Path,
+                   etc_files: dict[str, str]) -> str:
+    """Shell lines (for `SystemdHost(prepare=...)`) that make the namespace look like a host where
+    pitstop is installed as the units expect: /usr/local/bin/pitstop and /etc/pitstop/*.env.
+
+    Why: the units must run as shipped, ExecStart= included, and a test's interpreter and checkout
+    usually live under /root or /tmp, which the coordinator's sandbox hides (ProtectHome=yes,
+    PrivateTmp=yes, a dynamic user).  So the interpreter, its site-packages and the checkout are
+    bind-mounted under /usr/local/lib/pitstop-test (binds stay visible whatever hides their source
+    path), and /etc and /usr/local get overlays whose upper layers live on this namespace's /run:
+    the host's own /etc and /usr/local are read, never written.
+    """
+    stage = root / "etc-stage"
+    for name, text in etc_files.items():
+        (stage / name).parent.mkdir(parents=True, exist_ok=True)
+        (stage / name).write_text(text)
+        (stage / name).chmod(0o600)
+    lib = "/usr/local/lib/pitstop-test"
+    launcher = (f"#!/bin/sh\nexport PYTHONPATH={lib}/checkout/service:{lib}/site\n"
+                f"export LD_LIBRARY_PATH={lib}/python/lib\n"
+                f"exec {lib}/python/bin/python3 -m pitstop.cli \"$@\"\n")
+    (root / "pitstop-launcher").write_text(launcher)
+    lines = ["mkdir -p /run/.overlay/etc/up /run/.overlay/etc/work /run/.overlay/local/up /run/.overlay/local/work",
+             "mount -t overlay overlay -o lowerdir=/etc,upperdir=/run/.overlay/etc/up,workdir=/run/.overlay/etc/work /etc",
+             "mount -t overlay overlay -o lowerdir=/usr/local,upperdir=/run/.overlay/local/up,"
+             "workdir=/run/.overlay/local/work /usr/local",
+             f"mkdir -p /etc/pitstop {lib}/python {lib}/site {lib}/checkout /usr/local/bin",
+             f"cp -a {stage}/. /etc/pitstop/",
+             f"mount --bind -o ro {interpreter_prefix} {lib}/python",
+             f"mount --bind -o ro {site_packages} {lib}/site",
+             f"mount --bind -o ro {checkout} {lib}/checkout",
+             f"install -m 0755 {root / 'pitstop-launcher'} /usr/local/bin/pitstop"]
+    return "".join(line + "\n" for line in lines)
+
+
 class SystemdHost:
     """One booted systemd.  `units`: file name (or "name.d/drop-in.conf") -> text."""
 
-    def __init__(self, root: Path, units: dict[str, str], boot_timeout_s: float = 30.0) -> None:
+    def __init__(self, root: Path, units: dict[str, str], boot_timeout_s: float = 30.0,
+                 prepare: str = "") -> None:
+        """`prepare`: shell lines run inside the namespaces before systemd starts, with /run and
+        /var/lib already private (see `installed_host`)."""
         self.root = root
         self.units = units
+        self.prepare = prepare
         self.boot_timeout_s = boot_timeout_s
         self.cgroup = f"pitstop-test-{secrets.token_hex(4)}"
         self.proc: subprocess.Popen | None = None
@@ -97,7 +136,7 @@ class SystemdHost:
             "mkdir -p /run/systemd/system\n"
             "mount -t tmpfs -o mode=1777 tmpfs /dev/shm\n"
             "mount -t tmpfs -o mode=755 tmpfs /var/lib\n"
-            + cg +
+            + self.prepare + cg +
             f"mount --bind {units} {HOST_UNITS}\n"
             "mount -t tmpfs -o mode=755 tmpfs /etc/systemd/system\n"
             f"exec env container=pitstop-test {SYSTEMD} --system --unit=pitstop-test.target "

@@ -3,9 +3,12 @@ services (Type=notify, watchdog, sandbox, capabilities as shipped), a rank is ev
 that agent, lands in a scope of its own, and survives both a restart of the agent's unit and
 a watchdog kill of a hung agent; its final state is bitwise that of an uninterrupted run.
 
-The units are installed as shipped; a drop-in per unit says only what differs on a test
-host: the command line (this checkout's interpreter, free ports), an environment file, a
-log file, and a short watchdog so that a hung agent is caught within seconds.
+The units run exactly as shipped: ExecStart= (/usr/local/bin/pitstop, the fixed ports, the
+agent's --name %H), Environment=, EnvironmentFile=/etc/pitstop/*.env, the coordinator's dynamic
+user and sandbox.  The namespace is made to look like an installed host around them
+(systemd_host.installed_host), and the environment files hold what an operator writes there.
+A drop-in per unit says only where output goes (no journald here) and shortens the agent's
+watchdog so that a hung agent is caught within seconds.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -23,7 +28,7 @@ from pitstop.agent import exitkeeper
 from pitstop.agent.client import AgentClient
 from pitstop.capture import runtime
 from pitstop.coordinator.client import CoordinatorClient
-from pitstop.devcluster import free_port, wait_http
+from pitstop.devcluster import wait_http
 from pitstop.errors import PitstopError
 
 from . import systemd_host
@@ -37,52 +42,67 @@ WATCHDOG_S = 3
 SLEEPER = [sys.executable, str(WORKLOADS / "sleeper.py"), "120"]
 
 
-def _dropin(root: Path, name: str, cmd: list[str], env: dict[str, str], extra: str = "") -> str:
-    envfile = root / f"{name}.env"
-    envfile.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
-    envfile.chmod(0o600)
-    return ("[Service]\nEnvironmentFile=\nEnvironmentFile=" + str(envfile) + "\n"
-            "ExecStart=\nExecStart=" + " ".join(cmd) + "\n"
-            f"StandardOutput=append:{root / (name + '.log')}\nStandardError=inherit\n" + extra)
+# The shipped units' fixed ports (ExecStart= and Environment= as shipped).
+COORDINATOR_PORT, AGENT_PORT, DATA_PORT = 7000, 7070, 7071
 
 
-def _under(path: str, *tops: str) -> bool:
-    return any(Path(path).resolve().is_relative_to(t) or Path(path).absolute().is_relative_to(t) for t in tops)
+def _dropin(root: Path, name: str) -> str:
+    """All that differs from the shipped unit: where its output goes (no journald in the
+    namespace) and, for the agent, a watchdog short enough to catch a hung agent within seconds."""
+    extra = f"WatchdogSec={WATCHDOG_S}s\nTimeoutAbortSec=2s\n" if name == "agent" else ""
+    return f"[Service]\nStandardOutput=append:{root / (name + '.log')}\nStandardError=inherit\n" + extra
 
 
-def _units(root: Path, cport: int, aport: int, token: str, op_token: str) -> dict[str, str]:
-    exe = str(Path(sys.executable).with_name("pitstop"))
-    base = {"PITSTOP_CLUSTER_TOKEN": token, "PITSTOP_TOKEN": op_token, "PYTHONUNBUFFERED": "1"}
-    coord_extra = ""
-    if _under(sys.executable, "/root", "/home") or _under(str(ROOT), "/root", "/home"):
-        # The shipped unit runs /usr/local/bin/pitstop as a dynamic user with /root and /home
-        # hidden; this checkout's interpreter lives under one of them, so only here the
-        # coordinator runs as root with them read-only.  Every other hardening line applies.
-        coord_extra += "DynamicUser=no\nProtectHome=read-only\n"
-    if _under(sys.executable, "/tmp", "/var/tmp") or _under(str(ROOT), "/tmp", "/var/tmp"):
-        coord_extra += "PrivateTmp=no\n"  # a checkout under /tmp (CI clones) would be hidden
+def _env(values: dict[str, str]) -> str:
+    return "".join(f"{k}={v}\n" for k, v in values.items())
+
+
+def _advertised_host() -> str | None:
+    """The agent unit registers as http://%H:7070.  Where this host's name resolves, peers here
+    reach the agent by it, as they would on a cluster; otherwise agent.env names the address,
+    as the unit tells an operator to."""
+    try:
+        socket.getaddrinfo(socket.gethostname(), AGENT_PORT, type=socket.SOCK_STREAM)
+        return socket.gethostname()
+    except OSError:
+        return None
+
+
+def _setup(root: Path, token: str, op_token: str) -> tuple[dict[str, str], str]:
+    """The units as shipped, plus an installed host around them (systemd_host.installed_host):
+    /usr/local/bin/pitstop, /etc/pitstop/coordinator.env and agent.env as an operator writes them."""
+    busy = [p for p in (COORDINATOR_PORT, AGENT_PORT, DATA_PORT) if not _port_free(p)]
+    if busy:
+        pytest.fail(f"the shipped units listen on ports {busy}, which something else here holds")
+    coordinator_env = {"PITSTOP_CLUSTER_TOKEN": token, "PITSTOP_TOKEN": op_token, "PYTHONUNBUFFERED": "1"}
+    agent_env = {"PITSTOP_CLUSTER_TOKEN": token, "PITSTOP_COORDINATOR": f"http://127.0.0.1:{COORDINATOR_PORT}",
+                 "PITSTOP_AGENT_SPARE": "true", "PYTHONUNBUFFERED": "1"}
+    if _advertised_host() is None:
+        agent_env["PITSTOP_AGENT_ADVERTISE_URL"] = f"http://127.0.0.1:{AGENT_PORT}"
     rt = runtime.locate()
-    # the unit's own PITSTOP_AGENT_ADVERTISE_URL (http://%H:7070) is overridden by the environment
-    # file, as an operator's agent.env does
-    agent_env = {**base, "PITSTOP_AGENT_DATA_LISTEN": "127.0.0.1:0",
-                 "PITSTOP_AGENT_ADVERTISE_URL": f"http://127.0.0.1:{aport}"}
     if rt.source == "prefix":
         agent_env["PITSTOP_CRIU_PREFIX"] = str(runtime.default_prefix())
     elif rt.source == "env":
         agent_env.update({k: v for k, v in os.environ.items() if k in ("PITSTOP_CRIU", "PITSTOP_PYCRIU", "PITSTOP_NFT")})
-    return {
+    units = {
         "pitstop-coordinator.service": (ROOT / "systemd" / "pitstop-coordinator.service").read_text(),
         "pitstop-agent.service": (ROOT / "systemd" / "pitstop-agent.service").read_text(),
-        "pitstop-coordinator.service.d/test.conf": _dropin(
-            root, "coordinator", [exe, "coordinator", "--listen", f"127.0.0.1:{cport}",
-                                  "--db", "/var/lib/pitstop/coordinator/coordinator.db", "--log-json"],
-            base, coord_extra),
-        "pitstop-agent.service.d/test.conf": _dropin(
-            root, "agent", [exe, "agent", "--name", "spare-sd", "--listen", f"127.0.0.1:{aport}", "--spare",
-                            "--coordinator", f"http://127.0.0.1:{cport}",
-                            "--state-dir", "/var/lib/pitstop/agent", "--log-json"],
-            agent_env, f"WatchdogSec={WATCHDOG_S}s\nTimeoutAbortSec=2s\n"),
+        "pitstop-coordinator.service.d/test.conf": _dropin(root, "coordinator"),
+        "pitstop-agent.service.d/test.conf": _dropin(root, "agent"),
     }
+    prepare = systemd_host.installed_host(
+        root, sys.base_prefix, sysconfig.get_paths()["purelib"], ROOT,
+        {"coordinator.env": _env(coordinator_env), "agent.env": _env(agent_env)})
+    return units, prepare
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+            return True
+        except OSError:
+            return False
 
 
 def _unit_bounding_set() -> list[str]:
@@ -100,11 +120,13 @@ def _scopes(sd: systemd_host.SystemdHost) -> list[str]:
 
 
 def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
-    cport, aport = free_port(), free_port()
+    cport, aport = COORDINATOR_PORT, AGENT_PORT
     cluster.token, cluster.operator_token = secrets.token_hex(16), secrets.token_hex(16)
     sdroot = tmp_path / "systemd"
     sdroot.mkdir()
-    sd = systemd_host.SystemdHost(sdroot, _units(sdroot, cport, aport, cluster.token, cluster.operator_token))
+    units, prepare = _setup(sdroot, cluster.token, cluster.operator_token)
+    sd = systemd_host.SystemdHost(sdroot, units, prepare=prepare)
+    spare = socket.gethostname()  # the unit's --name %H
     try:
         sd.start()
         sd.ctl("start", "pitstop-coordinator.service")
@@ -113,6 +135,15 @@ def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
         c = sd.wait_active("pitstop-coordinator.service")
         a = sd.wait_active("pitstop-agent.service")
         assert c["NRestarts"] == a["NRestarts"] == "0"
+        # As shipped: the unit's own command line, the coordinator as a dynamic user.
+        for unit in ("coordinator", "agent"):
+            shipped = next(ln.split("=", 1)[1] for ln in (ROOT / "systemd" / f"pitstop-{unit}.service")
+                           .read_text().splitlines() if ln.startswith("ExecStart="))
+            pid = (c if unit == "coordinator" else a)["MainPID"]
+            argv = sd.enter("cat", f"/proc/{pid}/cmdline").stdout.split("\0")
+            want = shipped.replace("%H", spare).split()[1:]
+            assert argv[-len(want) - 1:-1] == want, (unit, argv, want)
+        assert sd.enter("stat", "-c", "%u", f"/proc/{c['MainPID']}").stdout.strip() != "0"
         # Neither unit holds CAP_SYS_NICE: LimitNICE= and LimitRTPRIO= give them nice -10 and the
         # SCHED_FIFO boost of the pause and resume rounds (pitstop/priority.py), which the
         # coordinator's RestrictRealtime= used to forbid.  A systemd without CAP_SYS_RESOURCE
@@ -144,6 +175,11 @@ def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
         assert sd.enter("stat", "-c", "%a %U", "/run/pitstop/images").stdout.split()[1] == "root"
 
         cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+        # It registered by the name and address the unit gives it (or agent.env's, where this
+        # host's name does not resolve), as a spare: agent.env's PITSTOP_AGENT_SPARE=true holds.
+        me = until(lambda: next((h for h in cc.hosts() if h["name"] == spare), None), 20, "the agent never registered")
+        assert me["url"] == f"http://{_advertised_host() or '127.0.0.1'}:{AGENT_PORT}", me
+        assert me["role"] == "spare", me
         # A worker holding capabilities the unit's agent cannot grant is refused before anything
         # pauses, by name (host-b's agent and its launcher keep every capability).
         cluster.start_agent("host-b")
@@ -151,7 +187,7 @@ def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
         until(lambda: any(w["job"] == "greedy" and w.get("caps") for j in cc.jobs() for w in j["workers"]),
               30, "the greedy worker was never reported")
         with pytest.raises(PitstopError) as refused:
-            cc.evacuate("host-b", to="spare-sd")
+            cc.evacuate("host-b", to=spare)
         assert refused.value.http_status == 412 and "cannot grant cap_" in refused.value.message, refused.value
         assert "cap_sys_module" in refused.value.message and "CapabilityBoundingSet" in refused.value.action
         assert greedy[0].proc.poll() is None and not cc.ops()
@@ -169,7 +205,7 @@ def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
         ranks = cluster.start_job("train", ddp_cmd(out, steps=300, state_mb=64, step_sleep=0.3)
                                   + ["--pace-file", str(pace)], 1, {0: "host-a"})
         wait_for_step(ranks[0].log, 10)
-        op = cc.evacuate("host-a", to="spare-sd")
+        op = cc.evacuate("host-a", to=spare)
         op = until(lambda: (o := cc.op(op["name"]))["done"] and o, 240, "evacuation did not finish")
         assert op["metadata"]["result"] == "succeeded", json.dumps(op, indent=1)
 
