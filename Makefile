@@ -1,6 +1,7 @@
 # pitstop: two commands do everything on a fresh machine.
 #   make demo   set up, then run a local cluster, a live training job and an evacuation
 #   make test   set up, then run the whole test suite
+#   make check  lint, type check and unit tests only (the edit loop)
 SHELL := /bin/bash
 PY ?= python3.11
 VENV := .venv
@@ -10,7 +11,7 @@ CRIU_STAMP := $(VENV)/.criu
 BENCH_STAMP := $(VENV)/.bench
 PYTEST_ARGS ?=
 
-.PHONY: all setup criu native test test-fast demo bench bench-compare bench-heartbeat doctor clean gpu-bundle gpu-check qualify
+.PHONY: all setup criu native check test test-fast demo bench bench-compare bench-heartbeat doctor clean gpu-bundle gpu-check qualify
 
 all: setup
 
@@ -37,6 +38,12 @@ setup: $(STAMP) $(CRIU_STAMP) native
 
 doctor: setup
 	$(BIN)/pitstop doctor
+
+# The edit loop: lint, type check and the unit tests (no CRIU, no end-to-end), in about two minutes.
+check: $(STAMP) native
+	$(BIN)/ruff check service tests bench scripts
+	$(BIN)/mypy service/pitstop
+	$(BIN)/python -m pytest -q -m "not e2e and not slow" -p no:cacheprovider --durations=5 $(PYTEST_ARGS)
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

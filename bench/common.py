@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from pitstop.devcluster import step_gaps, step_times
+from pitstop.dev.devcluster import step_gaps, step_times
 
 RECEIVER = r"""
 import socket, sys, time

@@ -8,7 +8,7 @@ The reference job is tests/workloads/ddp_train.py: torch gloo DDP, every rank ho
 ranks 0-1, host-b: ranks 2-3).  Methods, each on a fresh local cluster:
 
 - pitstop: host-b evacuated to a spare through the coordinator, as it does by default: the
-  leaving ranks' memory is pre-copied while the job trains (capture/precopy.py) and only
+  leaving ranks' memory is pre-copied while the job trains (memory/precopy.py) and only
   what changed travels during the pause; downtime (first rank paused to last rank resumed),
   every phase, and the pause the job saw (the longest gap between two consecutive steps of
   any rank).  The pre-copy's own time (before anything pauses) is reported beside it.
@@ -17,13 +17,13 @@ ranks 0-1, host-b: ranks 2-3).  Methods, each on a fresh local cluster:
 - floor: the leaving ranks' image bytes / raw TCP bandwidth between two processes,
   measured in this run (hosts here share one kernel: the link is loopback).
 - pitstop, post-copy: the stop-and-copy evacuation with the spare restoring lazily
-  (PITSTOP_AGENT_LAZY_RESTORE=1, capture/lazy_pages.py): the job resumes while CRIU's
+  (PITSTOP_AGENT_LAZY_RESTORE=1, memory/lazy_pages.py): the job resumes while CRIU's
   lazy-pages daemon fills the restored ranks' memory from the received images.
 - pitstop, pre-copy + post-copy: the default's pre-copy with the spare restoring lazily: CRIU's
   daemon cannot read the pre-copy as a parent image, so a local page server answers it from the
-  delta and the pre-copy (capture/lazydelta.py).  Nothing depends on the source after the commit.
+  delta and the pre-copy (memory/lazydelta.py).  Nothing depends on the source after the commit.
 - pitstop, network post-copy: the sources split their dumps (PITSTOP_AGENT_REMOTE_POST_COPY=1,
-  capture/postcopy.py): only the pages a restore must place travel before it; the spare's
+  memory/postcopy.py): only the pages a restore must place travel before it; the spare's
   lazy-pages daemon fetches the rest from the sources after the job resumes.  Its fill time
   and rate are reported next to the downtime.
 - naive CRIU, to disk: what issue 7 calls naive CRIU, with agents that keep their images
@@ -65,8 +65,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (evacuate_and_wait, first_divergent_step, keep_logs, machine,  # noqa: E402
                           moved_after_step, prewarm, raw_tcp_bandwidth, host_reclaimed_kib)
-from pitstop.coordinator.client import CoordinatorClient  # noqa: E402
-from pitstop.devcluster import LocalCluster, free_port, step_gaps, step_times, wait_for_step  # noqa: E402
+from pitstop.wire.coordinator_client import CoordinatorClient  # noqa: E402
+from pitstop.dev.devcluster import LocalCluster, free_port, step_gaps, step_times, wait_for_step  # noqa: E402
 from tests.helpers import ddp_cmd  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import write_ab  # noqa: E402
 from bench.compare import OUT  # noqa: E402
 from pitstop import priority  # noqa: E402
-from pitstop.devcluster import LocalCluster, wait_for_step  # noqa: E402
+from pitstop.dev.devcluster import LocalCluster, wait_for_step  # noqa: E402
 from tests.helpers import ddp_cmd  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 A torch process holding STATE MiB trains a small model between a pre-copy and a CRIU dump (as a
 rank does); then the delta is written against the pre-copy.  Each round does it both ways on
 the same process, interleaved: digests (every page of the dump hashed with xxh3-128) and write
-tracking (capture/writetrack.py: the kernel lists what was written).  The figure that matters is
+tracking (memory/writetrack.py: the kernel lists what was written).  The figure that matters is
 the delta's time, which the whole job waits for; the bytes that changed must come out alike.
 
     .venv/bin/python bench/delta_cost.py [--state-mb 512] [--rounds 3]
@@ -27,7 +27,9 @@ sys.path.insert(0, str(ROOT / "service"))
 sys.path.insert(0, str(ROOT))
 
 from bench.common import machine  # noqa: E402
-from pitstop.capture import criu_ops, netlock, precopy, proctree, writetrack  # noqa: E402
+from pitstop.criu import criu_ops, netlock
+from pitstop.memory import precopy, writetrack
+from pitstop.proc import proctree  # noqa: E402
 
 HOLDER = r"""
 import sys, time, torch

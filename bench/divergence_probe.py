@@ -10,11 +10,14 @@ With "rollback", host-b's agent breaks the image stream after 20 MB (fault hook
 transfer:cut_after), so every run is a rollback by restore on the source: where the
 divergence was last seen.  A divergent run's logs are copied to bench/out/divergence-<it>/.
 """
-import sys, time, tempfile, subprocess
+import sys
+import time
+import tempfile
+import subprocess
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pitstop.devcluster import LocalCluster, wait_for_step
-from pitstop.coordinator.client import CoordinatorClient
+from pitstop.dev.devcluster import LocalCluster, wait_for_step
+from pitstop.wire.coordinator_client import CoordinatorClient
 from tests.helpers import ddp_cmd
 from bench.common import first_divergent_step, keep_logs, moved_after_step
 

@@ -40,7 +40,7 @@ def _fresh_fill(nbytes: int) -> float:
     m.madvise(mmap.MADV_NOHUGEPAGE)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
     try:
-        return _rate(nbytes, lambda: ctypes.memset(addr, 1, nbytes))
+        return _rate(nbytes, lambda a=addr: ctypes.memset(a, 1, nbytes))
     finally:
         del addr
         m.close()
@@ -65,15 +65,15 @@ def measure(gib: float) -> dict:
     pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     pinned.fill_(0)
     d2h(pinned)  # warm the path once
-    out["d2h_pinned_touched_GBps"] = _rate(n, lambda: d2h(pinned))
-    out["h2d_pinned_GBps"] = _rate(n, lambda: (dev.copy_(pinned), torch.cuda.synchronize()))
+    out["d2h_pinned_touched_GBps"] = _rate(n, lambda p=pinned: d2h(p))
+    out["h2d_pinned_GBps"] = _rate(n, lambda p=pinned: (dev.copy_(p), torch.cuda.synchronize()))
     del pinned
     pageable = torch.empty(n, dtype=torch.uint8)
     pageable.fill_(0)
-    out["d2h_pageable_touched_GBps"] = _rate(n, lambda: d2h(pageable))
+    out["d2h_pageable_touched_GBps"] = _rate(n, lambda p=pageable: d2h(p))
     del pageable
     fresh = torch.empty(n, dtype=torch.uint8)  # malloc'd, untouched: the copy faults it in
-    out["d2h_pageable_fresh_GBps"] = _rate(n, lambda: d2h(fresh))
+    out["d2h_pageable_fresh_GBps"] = _rate(n, lambda p=fresh: d2h(p))
     del fresh
     out["host_fresh_fill_GBps"] = _fresh_fill(n)
     out["device"] = torch.cuda.get_device_name(0)

@@ -5,7 +5,7 @@
 Without the init, the command is the root of its tree and works in the job's directory, which
 the ranks of a host share; CRIU's parasite mounts a private /proc there under a fixed name, so
 the ranks' dumps take turns to start, and a later collision makes an incremental dump (which
-cannot be redone) fall back to a whole one (capture/procwindow.py).  Each pair runs the default
+cannot be redone) fall back to a whole one (proc/procwindow.py).  Each pair runs the default
 evacuation of bench/compare.py's reference job (512 MiB of state per rank, 4 GiB prewarm) once
 with the init switched off (PITSTOP_INIT naming no file: `pitstop run` then starts the command
 as the namespace's init) and once with it: 2 leaving ranks of a 4-rank job, then 4 leaving ranks

@@ -4,7 +4,7 @@
 
 A dump with --tcp-established adds an nftables table `CRIU-<run id>` that drops the dumped
 connections' packets, and CRIU leaves it for whoever restores them.  pitstop lifts its own
-(capture/netlock.py: commit, rollback, agent start); a table from another CRIU user, or from an
+(criu/netlock.py: commit, rollback, agent start); a table from another CRIU user, or from an
 agent whose state was wiped, stays, and `pitstop doctor` names it.  This measures why that
 matters: a process holding C loopback connections is dumped (CRIU's own frozen_time, from its
 stats) while L tables left by earlier real dumps sit in the ruleset.  Leftovers are made the way
@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine  # noqa: E402
-from pitstop.capture import criu_ops, netlock, runtime  # noqa: E402
+from pitstop.criu import criu_ops, netlock, runtime  # noqa: E402
 
 HOLDER = """
 import socket, sys, time

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import cpu_seconds, job_pause, machine, prewarm, raw_tcp_bandwidth  # noqa: E402
-from pitstop.devcluster import LocalCluster, wait_for_step  # noqa: E402
+from pitstop.dev.devcluster import LocalCluster, wait_for_step  # noqa: E402
 from pitstop.migration.move import move_worker  # noqa: E402
 
 WORKLOAD = Path(__file__).resolve().parent.parent / "tests" / "workloads" / "ddp_train.py"

@@ -103,7 +103,7 @@ def _load(measured: Path) -> dict:
     if deltas and not solo.get("pre_copy_tracked_tasks"):  # the dump's pages digested, per rank
         out["digest_Bps"] = per_rank / max(deltas)
     elif solo.get("bytes_pre_copied"):
-        # The kernel said what was written (capture/writetrack.py), and pitstop or CRIU itself
+        # The kernel said what was written (memory/writetrack.py), and pitstop or CRIU itself
         # cut the delta from that: nothing was digested in this run.  A GPU host's ranks map the
         # device, so they are not write-tracked and their deltas are digested: use the rate
         # measured for that on this VM.

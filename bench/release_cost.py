@@ -5,7 +5,7 @@
 The release kills the stopped source so that a restore of its connections on the same kernel
 finds their addresses free.  A killed process closes its sockets only after its memory is
 freed, so waiting for the exit costs time in proportion to the source's memory; let_go
-(capture/proctree.py) frees the sockets first and lets the memory go in the background.
+(proc/proctree.py) frees the sockets first and lets the memory go in the background.
 Each run: a process of N GiB of touched memory holding a TCP connection, stopped as a dump
 leaves it (sockets in repair mode); the time until a socket can be bound to its four-tuple, by each way, interleaved.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine  # noqa: E402
-from pitstop.capture import proctree  # noqa: E402
+from pitstop.proc import proctree  # noqa: E402
 
 SOURCE = """
 import mmap, socket, sys

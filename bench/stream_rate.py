@@ -141,7 +141,7 @@ def file_to_file(src_file: Path, dest_file: Path, cpu: dict[str, float]) -> floa
 def pitstop_stream(src: Path, port: int, image_id: str, dest: Path, cpu: dict[str, float] | None = None) -> float:
     """The image directory through the data port, as a move sends it; bytes/s (each end's CPU
     seconds into `cpu`, the sender's with its read-ahead thread)."""
-    from pitstop.capture.manifest import Manifest
+    from pitstop.transfer.manifest import Manifest
     from pitstop.transfer import dataport
     from pitstop.transfer.stream import DirectoryTail
 

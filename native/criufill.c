@@ -1,6 +1,6 @@
 /* libpitstop_criufill.so: CRIU's restore fills a worker's memory without zeroing it first.
  * Preloaded by the destination agent into CRIU (never into a worker) for an eager restore
- * (capture/criufill.py writes the wrapper that does it).
+ * (criu/criufill.py writes the wrapper that does it).
  *
  * Why: the restore dominates a pre-copied move's pause, and most of it is CRIU copying each
  * rank's pages from its images into fresh anonymous memory: preadv() into a premapped area

@@ -1,9 +1,9 @@
 /* libpitstop_criutrack.so: lets CRIU's own incremental dump use the pre-copy's write tracking.
  * Preloaded into CRIU (never into a worker) for the dump of a pre-copied worker only
- * (capture/criutrack.py writes the wrapper that does it).
+ * (criu/criutrack.py writes the wrapper that does it).
  *
  * Why: after a pre-copy, only the pages written since must travel in the pause.  pitstop
- * tracks those writes with an async userfaultfd (capture/writetrack.py), but CRIU knows only
+ * tracks those writes with an async userfaultfd (memory/writetrack.py), but CRIU knows only
  * soft-dirty, which this kernel lacks (CONFIG_MEM_SOFT_DIRTY off), so CRIU dumped all of a
  * rank's memory into its images during the pause and pitstop then cut the delta out of that
  * copy.  With `--track-mem --prev-images-dir`, CRIU itself writes only the pages it believes

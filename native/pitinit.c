@@ -11,7 +11,7 @@
  * parasite mounts a private one in the *root task's working directory* under a fixed name
  * ("proc.crtools", criu/pie/parasite.c get_proc_fd).  Ranks of a job on one host share a
  * working directory, so their dumps raced on that name and the agent lets the next one start
- * only once the previous one's mount point is gone again (capture/procwindow.py): 0.05-0.09 s
+ * only once the previous one's mount point is gone again (proc/procwindow.py): 0.05-0.09 s
  * per rank on the reference VM, so the last of 8 ranks on a GPU host would start its dump
  * 7 turns late.  This init is the root task and works in DIR, a directory of its own; CMD
  * keeps the working directory it was started in.  Dumps of ranks on one host then start at

@@ -4,14 +4,14 @@
  * Why: a pre-copy sends a running worker's memory ahead; at the pause only what changed since
  * must travel.  The kernel's own answer to "which pages were written" is soft-dirty, which this
  * kernel lacks, so the agent otherwise hashes every page of the dump during the pause
- * (capture/precopy.py).  Linux 6.7+ has a second answer: userfaultfd write-protection in async
+ * (memory/precopy.py).  Linux 6.7+ has a second answer: userfaultfd write-protection in async
  * mode (UFFD_FEATURE_WP_ASYNC), read back with the PAGEMAP_SCAN ioctl on /proc/<pid>/pagemap.
  * The kernel resolves each first write itself (no fault reaches anybody) and clears the page's
  * protection bit; PAGEMAP_SCAN lists the pages whose bit is gone.
  *
  * A userfaultfd serves the memory of the process that creates it, and only that process can
  * create it: that is all this library does.  The agent registers the memory and scans it from
- * outside through its own copy of the descriptor (capture/writetrack.py).
+ * outside through its own copy of the descriptor (memory/writetrack.py).
  *
  * The protocol: the agent binds a unix socket at WT_DIR/<16 hex digits>.sock and queues signal
  * SIGRTMAX-6 with that number as the signal's value (sigqueue).  The handler connects, checks

@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pitstop.devcluster import LocalCluster, free_port, pitstop_cmd, step_gaps, wait_for_step  # noqa: E402
+from pitstop.dev.devcluster import LocalCluster, free_port, pitstop_cmd, step_gaps, wait_for_step  # noqa: E402
 
 WORKLOAD = ROOT / "tests" / "workloads" / "ddp_train.py"
 STEPS = 200

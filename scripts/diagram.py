@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
-"""Draw docs/img/overview.svg: the parts of pitstop and what flows between them during a move.
+"""Draw docs/img/overview.svg (the parts of pitstop and what flows between them during a move)
+and docs/img/layers.svg (the packages of service/pitstop by layer, from the table that
+tests/test_layers.py holds the imports to).
 
-Plain SVG written by hand (no plotting library needed): `python3 scripts/diagram.py` redraws it.
+Plain SVG written by hand (no plotting library needed): `python3 scripts/diagram.py` redraws both.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "img" / "overview.svg"
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "img" / "overview.svg"
+LAYERS_OUT = ROOT / "docs" / "img" / "layers.svg"
 W, H = 960, 520
 
 
@@ -78,10 +83,51 @@ def draw() -> str:
     return "\n".join(parts) + "\n"
 
 
+def layers() -> list[tuple[str, set[str]]]:
+    spec = importlib.util.spec_from_file_location("test_layers", ROOT / "tests" / "test_layers.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.LAYERS
+
+
+def draw_layers() -> str:
+    rows = layers()
+    row_h, gap, left, width = 44, 14, 150, 780
+    h = 30 + len(rows) * (row_h + gap)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 30}" height="{h}" '
+             f'viewBox="0 0 {left + width + 30} {h}" font-family="Helvetica, Arial, sans-serif" font-size="13">',
+             '<defs><marker id="head" markerWidth="10" markerHeight="8" refX="9" refY="4" orient="auto">'
+             '<path d="M0,0 L10,4 L0,8 z" fill="#444"/></marker></defs>',
+             '<rect width="100%" height="100%" fill="white"/>',
+             arrow(22, 15, 22, h - 15, ""),
+             f'<text x="0" y="0" transform="translate(38 {h / 2}) rotate(-90)" text-anchor="middle" '
+             'font-size="12" fill="#444">imports go down, never up or sideways</text>']
+    for i, (name, units) in enumerate(rows):
+        y = 15 + i * (row_h + gap)
+        shown = sorted(u for u in units if u != "__init__")
+        ground = name == "ground"
+        parts.append(f'<text x="{left - 10}" y="{y + row_h / 2 + 5}" text-anchor="end" fill="#666">{name}</text>')
+        bw = (width - 8 * (len(shown) - 1)) / len(shown) if not ground else width
+        if ground:
+            parts.append(box(left, y, width, row_h, "", (" ".join(shown),), fill="#f6f6f6", stroke="#777")
+                         .replace('y="' + str(y + 40) + '"', 'y="' + str(y + 27) + '"'))
+            continue
+        for j, u in enumerate(shown):
+            x = left + j * (bw + 8)
+            parts.append(f'<rect x="{x:.0f}" y="{y}" width="{bw:.0f}" height="{row_h}" rx="6" fill="#eef3fb" '
+                         f'stroke="#35598f" stroke-width="1.3"/>')
+            parts.append(f'<text x="{x + bw / 2:.0f}" y="{y + row_h / 2 + 5}" text-anchor="middle" '
+                         f'font-weight="bold">{u}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
 def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(draw())
-    print(OUT)
+    LAYERS_OUT.write_text(draw_layers())
+    print(OUT, LAYERS_OUT)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pitstop import devleases
-from pitstop.capture import netlock, proctree, runtime
-from pitstop.devcluster import LocalCluster
+from pitstop.dev import devleases
+from pitstop.criu import netlock, runtime
+from pitstop.proc import proctree
+from pitstop.dev.devcluster import LocalCluster
 
 _suite_lock_fd: int | None = None
 
@@ -41,7 +42,7 @@ def pytest_sessionstart(session):  # noqa: ANN001, ANN201
 
 def _foreign_paths() -> list[str]:
     """What the live local clusters of other processes (a bench, the demo) hold: not this run's to
-    remove or to count as its leftovers (devleases.py)."""
+    remove or to count as its leftovers (dev/devleases.py)."""
     out: list[str] = []
     for lease in devleases.held_by_others():
         out += [str(p).rstrip("/") + "/" for p in lease.get("paths", [])]

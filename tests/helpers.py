@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from pitstop.devcluster import free_port, step_times, wait_for_step  # noqa: F401 (re-exported for tests)
+from pitstop.dev.devcluster import free_port, step_times, wait_for_step  # noqa: F401 (re-exported for tests)
 
 WORKLOADS = Path(__file__).parent / "workloads"
 DDP = str(WORKLOADS / "ddp_train.py")
@@ -203,7 +203,8 @@ class CuttingProxy:
 def end_dumped(p: subprocess.Popen, run_id: str) -> None:
     """After a test dumped p's tree with criu_ops.dump (which leaves it stopped, its network
     locked): lift the lock, kill the tree, reap p."""
-    from pitstop.capture import netlock, proctree
+    from pitstop.criu import netlock
+    from pitstop.proc import proctree
 
     if run_id:
         netlock.release(run_id)

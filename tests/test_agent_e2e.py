@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pitstop.capture import proctree
+from pitstop.proc import proctree
 from pitstop.errors import IntegrityError, PitstopError, TransferFailed
 from pitstop.migration.move import move_worker
 
@@ -255,7 +255,7 @@ def test_local_socket_checks_peer_credentials(tmp_path):
     import shutil
     import tempfile
 
-    from pitstop.devcluster import free_port, wait_http
+    from pitstop.dev.devcluster import free_port, wait_http
 
     state = Path(tempfile.mkdtemp(prefix="pitstop-peercred-", dir="/tmp"))
     state.chmod(0o711)

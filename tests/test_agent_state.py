@@ -74,6 +74,7 @@ def test_the_state_file_stays_small_whatever_the_history(tmp_path, history):
     assert "now" in raw["captures"] and len(raw["captures"]) <= st.KEEP_ENDED + 1
 
 
+@pytest.mark.slow
 def test_kept_pre_copies_expire_from_one_sweeper_that_holds_none_a_move_has_taken(tmp_path):
     """A kept pre-copy goes after precopy_keep_s unless its move takes it first; the sweeper is one
     thread for all of them and holds each by a weak reference (a timer thread per pre-copy kept
@@ -86,7 +87,7 @@ def test_kept_pre_copies_expire_from_one_sweeper_that_holds_none_a_move_has_take
 
     from pitstop.agent.capturing import SourceSide
     from pitstop.agent.settings import AgentSettings
-    from pitstop.capture.precopy import Basis
+    from pitstop.memory.precopy import Basis
 
     src = SourceSide(AgentSettings(state_dir=tmp_path / "s", image_dir=tmp_path / "i", precopy_keep_s=1.0),
                      AgentState(tmp_path), types.SimpleNamespace(gpu=None))

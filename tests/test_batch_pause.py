@@ -13,8 +13,8 @@ import sys
 import httpx
 import pytest
 
-from pitstop.agent.client import AgentClient
-from pitstop.capture import proctree
+from pitstop.wire.agent_client import AgentClient
+from pitstop.proc import proctree
 from pitstop.errors import PitstopError
 
 from .helpers import WORKLOADS, until

@@ -1,5 +1,5 @@
-"""Capabilities a restore must grant (capture/caps.py, coordinator/planner.py), the restore
-deadline (capture/criu_ops.py) and what an agent cleans up at start: logic with real processes,
+"""Capabilities a restore must grant (proc/caps.py, coordinator/planner.py), the restore
+deadline (criu/criu_ops.py) and what an agent cleans up at start: logic with real processes,
 no mocks of the kernel."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.capture import caps, criu_ops, proctree, runtime
+from pitstop.proc import caps, proctree
+from pitstop.criu import criu_ops, runtime
 from pitstop.coordinator import planner
 from pitstop.errors import FailedPrecondition, RestoreFailed
 
@@ -30,7 +31,7 @@ def test_names_and_missing():
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 def test_a_launcher_limits_what_its_workers_can_hold():
-    code = ("import subprocess, sys; from pitstop.capture import caps; "
+    code = ("import subprocess, sys; from pitstop.proc import caps; "
             f"dropped = caps.limit_bounding_set({UNIT_SET}); "
             # the child reports its own sets, after its exec (a look from outside could come
             # before it, while the child still holds the launcher's permitted set)

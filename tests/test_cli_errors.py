@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from pitstop.devcluster import pitstop_cmd
+from pitstop.dev.devcluster import pitstop_cmd
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,7 +87,7 @@ def agent_url(tmp_path_factory):
     import signal
     import tempfile
 
-    from pitstop.devcluster import free_port, wait_http
+    from pitstop.dev.devcluster import free_port, wait_http
 
     state = tempfile.mkdtemp(prefix="pitstop-cli-agent-", dir="/tmp")
     port = free_port()
@@ -104,6 +104,7 @@ def agent_url(tmp_path_factory):
         shutil.rmtree(state, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_a_command_that_ends_at_once_keeps_its_output_and_exit_status(agent_url):
     """Before: "the command did not start in its own PID namespace", exit 125, for any command
     done before the agent could register it."""

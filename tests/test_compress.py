@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import zstandard
 
-from pitstop.capture.manifest import Manifest
+from pitstop.transfer.manifest import Manifest
 from pitstop.errors import TransferFailed
-from pitstop.netns import NetHosts
+from pitstop.dev.netns import NetHosts
 from pitstop.transfer import compress, dataport
 from pitstop.transfer.compress import Compression, Link
 from pitstop.transfer.stream import _D, _L, _Z, DirectoryTail, StreamReceiver, verify_directory
@@ -69,6 +69,7 @@ def images(tmp_path):
     return src
 
 
+@pytest.mark.slow
 def test_compressed_pieces_arrive_whole_however_the_stream_is_cut(images, tmp_path):
     c = Compression("on")
     c.accept(["zstd"])

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from pitstop.agent import exitkeeper
-from pitstop.coordinator.client import CoordinatorClient
-from pitstop.capture import proctree
-from pitstop.devcluster import pitstop_cmd
+from pitstop.wire.coordinator_client import CoordinatorClient
+from pitstop.proc import proctree
+from pitstop.dev.devcluster import pitstop_cmd
 from pitstop.errors import PitstopError
 
 from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, step_times, wait_for_step

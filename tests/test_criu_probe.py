@@ -1,12 +1,12 @@
 """Which CRIU runs: a host CRIU older than pitstop's floor is used when a real dump and restore on
-this kernel passes (capture/criuprobe.py), and passed over, with the reason, when it fails.  The
+this kernel passes (criu/criuprobe.py), and passed over, with the reason, when it fails.  The
 "older" host CRIU is the real one behind a wrapper that reports 4.1, so the probe is real."""
 
 from __future__ import annotations
 
 import pytest
 
-from pitstop.capture import criuprobe, runtime
+from pitstop.criu import criuprobe, runtime
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -1,4 +1,4 @@
-"""native/criufill.c through capture/criufill.py: CRIU's large page reads become UFFDIO_COPY; every
+"""native/criufill.c through criu/criufill.py: CRIU's large page reads become UFFDIO_COPY; every
 read gives the bytes libc's would, the memory stays one mapping (CRIU's restorer moves it with
 mremap), and whatever the library cannot copy it reads.  (CRIU's restore with it, bitwise:
 tests/test_precopy.py, the tracked and "criu" cases; a whole move: tests/test_precopy_e2e.py.)"""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.capture import criufill, runtime
+from pitstop.criu import criufill, runtime
 
 pytestmark = [pytest.mark.timeout(60)]
 

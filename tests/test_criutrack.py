@@ -1,4 +1,4 @@
-"""native/criutrack.c through capture/criutrack.py: what CRIU reads as soft-dirty, with the library
+"""native/criutrack.c through criu/criutrack.py: what CRIU reads as soft-dirty, with the library
 preloaded, is exactly what the pre-copy's write tracking says was written; and what the library
 makes CRIU believe never reaches a CRIU without it.  (That CRIU's incremental dump built on it
 restores bitwise: tests/test_precopy.py, the "criu" cases; end to end: tests/test_precopy_e2e.py.)"""
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.capture import criutrack, runtime, writetrack
+from pitstop.criu import criutrack, runtime
+from pitstop.memory import writetrack
 
-from .test_writetrack import PAGE, Worker
+from .test_writetrack import Worker
 
 pytestmark = [pytest.mark.timeout(60)]
 

@@ -27,7 +27,7 @@ import pytest
 from pitstop.agent.receiving import DestinationSide
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import AgentState
-from pitstop.capture.manifest import Manifest
+from pitstop.transfer.manifest import Manifest
 from pitstop.errors import TransferFailed
 from pitstop.transfer import dataport
 from pitstop.transfer.compress import MAX_PIECE
@@ -184,6 +184,7 @@ port.close()
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_the_port_outlives_running_out_of_file_descriptors(tmp_path, clients):
     """Idle connections take every file descriptor the receiving process may open: accept()
     fails with EMFILE, which once ended the accept thread for good.  Now it is logged and waited
@@ -216,6 +217,7 @@ def test_the_port_outlives_running_out_of_file_descriptors(tmp_path, clients):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_slow_senders_are_closed_at_the_greeting_deadline(tmp_path, ports, clients):
     """40 peers each send their hello a byte at a time, well inside the per-read timeout: each
     is closed once the greeting deadline has passed, counted from its connect; meanwhile and
@@ -262,6 +264,7 @@ def test_slow_senders_are_closed_at_the_greeting_deadline(tmp_path, ports, clien
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_tls_handshake_sent_a_byte_at_a_time_ends_at_the_greeting_deadline(tmp_path, ports, clients, monkeypatch):
     """With TLS the greeting starts with the handshake, whose reads the per-read timeout bounded
     one by one: a ClientHello trickled in never ended.  The deadline covers it too; an agent with
@@ -406,6 +409,7 @@ def test_receptions_past_the_agents_limit_are_refused(tmp_path, dest, ports, cli
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_trickling_reception_ends_at_its_deadline(tmp_path, dest, ports, clients):
     """A peer with the token sends a valid stream a byte every 0.2 s, inside the per-read
     timeout: the reception fails at dump_timeout_s + transfer_timeout_s from its hello (the
@@ -437,6 +441,7 @@ def test_a_trickling_reception_ends_at_its_deadline(tmp_path, dest, ports, clien
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_trickling_http_upload_ends_at_its_deadline(tmp_path):
     """The same on the agent's HTTP fallback (PUT /v1/images/{id}): uvicorn never times out a
     body that trickles in; the route does, at dump_timeout_s + transfer_timeout_s, with a 504."""

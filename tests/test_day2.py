@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from pitstop import cli
 from pitstop.agent.server import check_advertised
 from pitstop.agent.settings import AgentSettings
-from pitstop.coordinator.client import CoordinatorClient
+from pitstop.wire.coordinator_client import CoordinatorClient
 from pitstop.errors import FailedPrecondition, PitstopError
 
 from .helpers import WORKLOADS, until
@@ -97,7 +97,7 @@ def test_a_drained_host_is_no_destination_until_it_is_returned_to_service(cluste
     cluster.start_coordinator(env={"PITSTOP_COORDINATOR_HEARTBEAT_TIMEOUT_S": "2"})
     with cluster.starting():
         a = cluster.start_agent("a")
-        b = cluster.start_agent("b")
+        cluster.start_agent("b")
         cluster.start_agent("s", spare=True)
     cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
     cluster.start_job("ja", SLEEPER, 1, {0: "a"})

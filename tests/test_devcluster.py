@@ -12,7 +12,7 @@ import socket
 
 import pytest
 
-from pitstop.devcluster import LocalCluster, _ephemeral_range, free_port
+from pitstop.dev.devcluster import LocalCluster, _ephemeral_range, free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from pitstop import devleases
-from pitstop.devcluster import LocalCluster
+from pitstop.dev import devleases
+from pitstop.dev.devcluster import LocalCluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 # a run holding a cluster, an agent in a namespace and its image mount, until it is killed
 CHILD = r"""
 import time
-from pitstop.devcluster import LocalCluster
-from pitstop.netns import NetHosts
+from pitstop.dev.devcluster import LocalCluster
+from pitstop.dev.netns import NetHosts
 with LocalCluster() as c:
     c.net = NetHosts()
     a = c.start_agent("host-a")

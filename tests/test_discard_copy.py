@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from pitstop.capture import proctree
+from pitstop.proc import proctree
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,6 +52,7 @@ def _peer_hears(sock: socket.socket, wait_s: float = 1.5) -> str:
         return "reset"
 
 
+@pytest.mark.slow
 def test_a_discarded_copy_leaves_its_connections_silent(connection):
     ours, p = connection
     pids = proctree.discard_copy(p.pid)

@@ -54,7 +54,7 @@ def test_a_missing_worker_init_is_named_with_its_remedy_and_blocks_nothing(monke
 def test_a_leftover_criu_lock_table_is_named_with_its_remedy_and_blocks_nothing():
     """A CRIU lock table nobody lifted (another CRIU user's, or from an agent whose state was
     wiped) slows every later dump inside the pause; doctor names it, and leaves it alone."""
-    from pitstop.capture import runtime
+    from pitstop.criu import runtime
     from pitstop.doctor import _lock_tables_left
 
     rt = runtime.locate()

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from pitstop.agent import exitkeeper
-from pitstop.capture import proctree
+from pitstop.proc import proctree
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not exitkeeper.supported(), reason="this kernel has no PIDFD_INFO_EXIT (Linux 6.15+)")]
@@ -34,6 +34,7 @@ def _orphan(code: str) -> int:
 @pytest.mark.parametrize("code, status", [("import time, sys; time.sleep(1); sys.exit(3)", 3),
                                           ("import time; time.sleep(1)", 0),
                                           ("import os, time; time.sleep(1); os.kill(os.getpid(), 9)", -9)])
+@pytest.mark.slow
 def test_the_status_of_a_process_someone_else_reaped(code, status):
     pid = _orphan(code)
     k = exitkeeper.start("w", pid, proctree.start_time(pid) or 0, owner="test")
@@ -47,6 +48,7 @@ def test_the_status_of_a_process_someone_else_reaped(code, status):
     assert not proctree.exists(k.pid)
 
 
+@pytest.mark.slow
 def test_the_status_survives_the_agent_that_started_the_keeper():
     """A keeper started by one process (an agent that then dies) serves another: the worker ends
     while nobody but the keeper holds its pidfd."""

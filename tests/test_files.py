@@ -1,4 +1,4 @@
-"""The paths a worker's restore needs, and what another host lacks of them (capture/files.py).
+"""The paths a worker's restore needs, and what another host lacks of them (proc/files.py).
 
 Real processes; the end-to-end refusal, with a spare whose agent sees a tmpfs over the job's
 directory, is in tests/test_coordinator_e2e.py."""
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pitstop.capture import files, proctree
+from pitstop.proc import files, proctree
 
 pytestmark = pytest.mark.timeout(60)
 

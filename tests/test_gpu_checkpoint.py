@@ -143,7 +143,7 @@ def test_the_processes_of_a_tree_are_locked_checkpointed_and_restored_at_once(pr
 
 
 def test_a_restored_trees_processes_are_restored_at_once():
-    from pitstop.capture import proctree
+    from pitstop.proc import proctree
 
     root = subprocess.Popen([sys.executable, "-c", "import signal, subprocess, sys, time\n"
                              "ks = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.coordinator.client import CoordinatorClient
+from pitstop.wire.coordinator_client import CoordinatorClient
 
 from .helpers import assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, until, wait_for_step
 from .test_coordinator_e2e import _cli, _wait_jobs, _wait_op

@@ -38,6 +38,7 @@ def test_bad_arguments_say_what_is_wrong(args, msg, tmp_path):
 
 
 @pytest.mark.skipif(_cuda(), reason="a GPU is present: run tests/gpu/run.sh for the real checks")
+@pytest.mark.slow
 def test_run_sh_without_a_gpu_skips_every_check_with_its_reason(tmp_path):
     scratch = set(Path("/tmp").glob("pitstop-gpu-run.*"))
     env = dict(os.environ, PYTHON=sys.executable)

@@ -9,7 +9,7 @@ import pytest
 
 from pitstop.agent.heartbeat import Reporter
 from pitstop.coordinator.store import Store
-from pitstop.devcluster import LocalCluster
+from pitstop.dev.devcluster import LocalCluster
 
 
 def _report(temp=48, state="running"):
@@ -81,6 +81,7 @@ def _beats(c: LocalCluster) -> dict[str, float]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_agent_beats_and_resyncs_after_a_coordinator_restart():
     """Real agent, real coordinator: beats in the steady state; a restarted coordinator takes the
     beats of the generation it has on disk at once, and one whose database was lost asks for a
@@ -93,7 +94,7 @@ def test_agent_beats_and_resyncs_after_a_coordinator_restart():
             time.sleep(0.2)
         n = _beats(c)
         assert n.get("full", 0) >= 1 and n.get("beat_udp", 0) >= 5 and not n.get("beat"), n
-        from pitstop.coordinator.client import CoordinatorClient
+        from pitstop.wire.coordinator_client import CoordinatorClient
 
         for lose_db, fulls in ((False, 0), (True, 1)):
             c.coordinator_proc.terminate()
@@ -115,6 +116,7 @@ def test_agent_beats_and_resyncs_after_a_coordinator_restart():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_agent_beats_over_http_where_the_coordinator_takes_no_datagrams():
     with LocalCluster() as c:
         c.start_coordinator(env={"PITSTOP_COORDINATOR_BEAT_UDP": "0"})
@@ -127,9 +129,8 @@ def test_agent_beats_over_http_where_the_coordinator_takes_no_datagrams():
 
 
 def test_datagram_beats_are_authenticated_and_never_replayed():
-    import asyncio
 
-    from pitstop.coordinator.beats import ACK_OK, ACK_RESYNC, BeatDatagrams, decode_ack, encode_beat
+    from pitstop.wire.beats import ACK_OK, ACK_RESYNC, BeatDatagrams, decode_ack, encode_beat
 
     known = {"gpu-1": "g-1"}
     counted = []
@@ -186,7 +187,7 @@ def test_fast_path_answers_plain_beats_alone_and_hands_on_everything_else_intact
     import asyncio
     import json as _json
 
-    from pitstop.coordinator.beats import PATH, BeatFastPath
+    from pitstop.wire.beats import PATH, BeatFastPath
 
     seen_by_app = []
 

@@ -56,6 +56,7 @@ def test_workloads_are_deterministic(script, tmp_path):
     assert hashes[0] == hashes[1]
 
 
+@pytest.mark.slow
 def test_a_peer_that_never_comes_is_an_error_not_a_hang(tmp_path):
     """Rank 1 of 2 never starts: rank 0 must fail within HOSTNCCL_TIMEOUT_S, saying why."""
     env = dict(_env(0, 2), HOSTNCCL_TIMEOUT_S="2")

@@ -1,4 +1,4 @@
-"""A local user must never reach what root dumps or restores (safepath.py, capture/seal.py).
+"""A local user must never reach what root dumps or restores (safepath.py, criu/seal.py).
 
 The attacks, as an audit ran them as `nobody` (uid 65534): create the agent's image directory
 before the agent does, inside a world-writable /dev/shm, and keep it; or change the bytes of a
@@ -18,8 +18,9 @@ import pytest
 
 from pitstop import safepath
 from pitstop.agent.settings import AgentSettings
-from pitstop.capture import netlock, proctree
-from pitstop.devcluster import free_port, pitstop_cmd
+from pitstop.criu import netlock
+from pitstop.proc import proctree
+from pitstop.dev.devcluster import free_port, pitstop_cmd
 from pitstop.errors import IntegrityError
 
 from .helpers import wait_for_step

@@ -1,4 +1,4 @@
-"""Post-copy restore from the local copy (capture/lazy_pages.py), end to end and real.
+"""Post-copy restore from the local copy (memory/lazy_pages.py), end to end and real.
 
 Invariant as everywhere: the moved job ends bit for bit as an uninterrupted run.  And the
 risk the mode carries: if the lazy-pages daemon dies before the worker's memory is all in
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pitstop.capture import proctree
+from pitstop.proc import proctree
 from pitstop.migration.move import move_worker
 
 from .helpers import assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, step_times, until, wait_for_step

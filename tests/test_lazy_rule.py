@@ -1,4 +1,4 @@
-"""pitstop's own lazy marks (capture/lazyrule.py): CRIU marks no page lazy when a thread's stack
+"""pitstop's own lazy marks (memory/lazyrule.py): CRIU marks no page lazy when a thread's stack
 pointer is page-aligned at the dump; pitstop marks them as CRIU meant to.
 
 Invariants: on a real dump of a worker with such a thread, CRIU's pagemap has no lazy page and
@@ -18,8 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pitstop.capture import criu_ops, dumpview, lazyrule, runtime
-from pitstop.capture.dumpview import PAGE, PE_LAZY, PE_PRESENT
+from pitstop.criu import criu_ops, runtime
+from pitstop.memory import dumpview, lazyrule
+from pitstop.memory.dumpview import PAGE, PE_LAZY, PE_PRESENT
 from pitstop.migration.move import move_worker
 
 from .helpers import WORKLOADS, end_dumped, until, wait_for_step

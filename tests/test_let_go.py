@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from pitstop.capture import proctree
+from pitstop.proc import proctree
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,6 @@ deleted its network link, and the coordinator then saw nothing to evacuate)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import stat
 import subprocess
@@ -70,7 +69,7 @@ def test_a_group_member_cannot_register_or_end_what_is_not_theirs(cluster, tmp_p
                                  "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"])
         try:
             from pitstop.agent import peercred
-            from pitstop.capture import proctree
+            from pitstop.proc import proctree
 
             until(lambda: proctree.children(mine.pid))  # unshare's child: init of its namespace
             init = proctree.children(mine.pid)[0]

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from pitstop import nsinit
-from pitstop.capture import proctree
-from pitstop.devcluster import pitstop_cmd
+from pitstop.proc import proctree
+from pitstop.dev.devcluster import pitstop_cmd
 
 from .helpers import until
 
@@ -67,6 +67,7 @@ def test_a_forwarded_signal_does_what_it_does_outside_a_namespace(tmp_path):
     assert handled.wait(30) == 7
 
 
+@pytest.mark.slow
 def test_orphans_are_reaped_and_a_missing_command_is_named(tmp_path):
     p, _ = _under_init(tmp_path, "sh", "-c", "(sleep 0.2 &); sleep 3")  # the inner sleep is orphaned
     root = _root(p)

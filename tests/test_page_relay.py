@@ -1,4 +1,4 @@
-"""The page relay (transfer/page_relay.py) against real sockets and real processes.
+"""The page relay (memory/page_relay.py) against real sockets and real processes.
 
 Invariant: while a reply is owed, the daemon's side is closed only after the guarded tree is
 gone, so the kernel never drops the userfaultfd of a process that still runs.  A clean close
@@ -17,10 +17,10 @@ import threading
 
 import pytest
 
-from pitstop.capture import proctree
-from pitstop.capture.postcopy import PAGE
-from pitstop.transfer.page_relay import Guardian, Relay, _Frames
-from pitstop.transfer.page_server import PS_IOV_ADD_F, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PSI
+from pitstop.proc import proctree
+from pitstop.memory.postcopy import PAGE
+from pitstop.memory.page_relay import Guardian, Relay, _Frames
+from pitstop.memory.page_server import PS_IOV_ADD_F, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PSI
 
 from .helpers import until
 
@@ -188,7 +188,7 @@ def test_relay_process_reports_its_end_as_one_json_line(tmp_path):
     """The module as the agent runs it: fds passed, a guard handshake, a JSON line at the end."""
     source, up = socket.socketpair()
     daemon, dn = socket.socketpair()
-    r = subprocess.Popen([sys.executable, "-m", "pitstop.transfer.page_relay", "--upstream-fd", str(up.fileno()),
+    r = subprocess.Popen([sys.executable, "-m", "pitstop.memory.page_relay", "--upstream-fd", str(up.fileno()),
                           "--daemon-fd", str(dn.fileno())], pass_fds=(up.fileno(), dn.fileno()),
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     up.close()
@@ -212,12 +212,12 @@ def test_relay_process_reports_its_end_as_one_json_line(tmp_path):
 def test_the_relay_process_leaves_its_verdict_for_an_agent_that_restarted(tmp_path):
     """The agent that started the relay may be gone when the fill ends (its pipe with it): the
     verdict is also written where the restarted agent looks (lazy_pages.ended_unwatched)."""
-    from pitstop.capture import lazy_pages
+    from pitstop.memory import lazy_pages
 
     source, up = socket.socketpair()
     daemon, dn = socket.socketpair()
     result = tmp_path / lazy_pages.RELAY_RESULT
-    p = subprocess.Popen([sys.executable, "-m", "pitstop.transfer.page_relay", "--upstream-fd", str(up.fileno()),
+    p = subprocess.Popen([sys.executable, "-m", "pitstop.memory.page_relay", "--upstream-fd", str(up.fileno()),
                           "--daemon-fd", str(dn.fileno()), "--result-file", str(result)],
                          pass_fds=(up.fileno(), dn.fileno()), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     try:
@@ -246,7 +246,7 @@ def test_the_relay_process_leaves_its_verdict_for_an_agent_that_restarted(tmp_pa
     (None, "", False, None),                    # nothing on record and the worker is gone
 ], ids=["relay ok", "local, worker alive", "daemon error", "nothing known"])
 def test_an_unwatched_fill_is_judged_by_what_it_left(tmp_path, relay, daemon_log, alive, expect):
-    from pitstop.capture import lazy_pages
+    from pitstop.memory import lazy_pages
 
     if relay is not None:
         (tmp_path / lazy_pages.RELAY_RESULT).write_text(json.dumps(relay))
@@ -260,15 +260,15 @@ def test_an_unwatched_fill_is_judged_by_what_it_left(tmp_path, relay, daemon_log
 @pytest.mark.parametrize("source_says", ["goodbye", "nothing"], ids=["fill over", "source gone"])
 def test_a_relay_that_ended_before_the_restore_returned_is_judged_by_its_verdict(tmp_path, source_says):
     """A dump can have no lazy pages at all (a worker whose memory is all locked or shared; once
-    also CRIU's stack test, capture/lazyrule.py): the daemon is done
+    also CRIU's stack test, memory/lazyrule.py): the daemon is done
     before the restore returns and the relay has ended.  Its verdict, not a missing "ok", decides: a fill that ended well leaves
     nothing to guard (CI failure of 2026-11-30: such a move was rolled back as if the source
     had gone), one whose source hung up refuses the tree."""
-    from pitstop.capture import lazy_pages
+    from pitstop.memory import lazy_pages
 
     source, up = socket.socketpair()
     daemon, dn = socket.socketpair()
-    r = subprocess.Popen([sys.executable, "-m", "pitstop.transfer.page_relay", "--upstream-fd", str(up.fileno()),
+    r = subprocess.Popen([sys.executable, "-m", "pitstop.memory.page_relay", "--upstream-fd", str(up.fileno()),
                           "--daemon-fd", str(dn.fileno()), "--guard-timeout", "0.5"],
                          pass_fds=(up.fileno(), dn.fileno()), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     fill = lazy_pages.LazyFill(proc=r, images=tmp_path, relay=r)

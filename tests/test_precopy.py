@@ -1,11 +1,11 @@
-"""Pre-copy (capture/precopy.py) against real CRIU: copy a running process's memory ahead, dump it
+"""Pre-copy (memory/precopy.py) against real CRIU: copy a running process's memory ahead, dump it
 once paused, send only what changed, restore from the delta with the pre-copy as its parent.
 
 Each case is a tiny process with an invariant (zdtm's way): it holds 64 MiB of numbered pages
 and reports a digest of all its memory on SIGUSR2; the restored copy must report the same
 digest as the original did just before its dump, whether memory changed after the pre-copy
 or not, restored eagerly (CRIU reads the parent) or lazily (pitstop's local page server answers
-CRIU's daemon from both files, capture/lazydelta.py)."""
+CRIU's daemon from both files, memory/lazydelta.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.capture import criu_ops, criufill, criutrack, lazy_pages, lazydelta, netlock, precopy, proctree, runtime
+from pitstop.criu import criu_ops, criufill, criutrack, netlock, runtime
+from pitstop.memory import lazy_pages, lazydelta, precopy
+from pitstop.proc import proctree
 
 HOLDER = r"""
 import hashlib, mmap, os, signal, sys, time
@@ -122,7 +124,7 @@ def held(script: str, report: Path) -> Iterator[_Held]:
 
 
 def _incremental_dump(root: int, images: Path, basis: precopy.Basis) -> criu_ops.DumpResult:
-    """CRIU's own incremental dump against the pre-copy in ../pre (capture/criutrack.py)."""
+    """CRIU's own incremental dump against the pre-copy in ../pre (criu/criutrack.py)."""
     binary, why = criutrack.binary(images.parent)
     assert binary, why
     res = criu_ops.dump(root, images, parent="../pre", binary=binary, log_level=criutrack.LOG_LEVEL)
@@ -141,9 +143,9 @@ def _incremental_dump(root: int, images: Path, basis: precopy.Basis) -> criu_ops
                               "unchanged-criu", "changed-criu", "changed-lazy-criu"])
 def test_restore_from_a_delta_and_its_pre_copy_is_the_process_as_dumped(tmp_path: Path, change: bool,
                                                                         lazy: bool, tracked: bool | str) -> None:
-    """Tracked: the kernel says what was written (capture/writetrack.py) instead of the digests.
+    """Tracked: the kernel says what was written (memory/writetrack.py) instead of the digests.
     "criu": and CRIU's own incremental dump writes only that, the rest left in the pre-copy as
-    its parent (capture/criutrack.py), instead of pitstop cutting the delta out of a full dump."""
+    its parent (criu/criutrack.py), instead of pitstop cutting the delta out of a full dump."""
     report = tmp_path / "digest"
     env = dict(os.environ, LD_PRELOAD=str(WRITETRACK)) if tracked else None
     p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", HOLDER, str(report)],

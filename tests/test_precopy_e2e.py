@@ -1,5 +1,5 @@
 """Pre-copy end to end: a real training job evacuated through the coordinator, its leaving ranks'
-memory sent while it trains, and only what changed sent during the pause (capture/precopy.py).
+memory sent while it trains, and only what changed sent during the pause (memory/precopy.py).
 
 The invariant is the job's own: every rank ends with the parameters of an uninterrupted run.
 The faults are the ways a pre-copy can go wrong; none may fail the move or lose the job."""
@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from pitstop.capture import proctree
-from pitstop.coordinator.client import CoordinatorClient
-from pitstop.devcluster import pitstop_cmd
+from pitstop.proc import proctree
+from pitstop.wire.coordinator_client import CoordinatorClient
+from pitstop.dev.devcluster import pitstop_cmd
 
 from .helpers import assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, until, wait_for_step
 from .test_coordinator_e2e import _wait_jobs, _wait_op
@@ -60,10 +60,10 @@ def _condition(op: dict, type_: str) -> dict:
 ])
 def test_only_what_changed_travels_during_the_pause(cluster, tmp_path, workers, by):
     """by: who cuts the delta.  CRIU's incremental dump against the pre-copy (the default where
-    capture/criutrack.py is available, as here), or pitstop, out of CRIU's full dump.  pitstop's
+    criu/criutrack.py is available, as here), or pitstop, out of CRIU's full dump.  pitstop's
     delta is moved with DataLoader children only: the tree holds the one-process case (its root),
     and a fourth case would add 25 s to the suite for nothing the tree does not cover.  The spare
-    fills the restored memory by UFFDIO_COPY (capture/criufill.py), except in the pitstop case,
+    fills the restored memory by UFFDIO_COPY (criu/criufill.py), except in the pitstop case,
     which restores with CRIU's own read (the setting off), so both ways end bitwise equal."""
     fill = by == "criu"
     cc, spare, op, out, kw, ranks = _evacuate(
@@ -78,7 +78,7 @@ def test_only_what_changed_travels_during_the_pause(cluster, tmp_path, workers, 
     pre, during = w["bytes_pre_copied"], md["bytes_total"]
     assert md["pre_copy_bytes"] >= 64 << 20 and pre >= 64 << 20
     assert during < pre / 3, (during, pre)  # the ballast does not change; the model and Python's heap do
-    # The kernel said what each process wrote (capture/writetrack.py): nothing hashed in the pause.
+    # The kernel said what each process wrote (memory/writetrack.py): nothing hashed in the pause.
     # (The DataLoader children may have ended by the dump when the job was near its last step.)
     assert w["pre_copy_tracked_tasks"] >= 1 and w["pre_copy_digested_tasks"] == 0, w
     assert w["pre_copy_by"] == by, w
@@ -114,7 +114,7 @@ LAZY = {"PITSTOP_AGENT_LAZY_RESTORE": "1"}
 @pytest.mark.parametrize("workers", [2], ids=["with DataLoader children"])
 def test_a_delta_restored_lazily_is_filled_from_its_pre_copy_here(cluster, tmp_path, workers):
     """CRIU's lazy-pages daemon cannot read a parent image: pitstop's local page server answers
-    it from the delta and the pre-copy (capture/lazydelta.py); the job ends bitwise equal.  With
+    it from the delta and the pre-copy (memory/lazydelta.py); the job ends bitwise equal.  With
     DataLoader children only: their parent is the one-process case, and the children add the
     copy-on-write pages and several tasks' views (the one-process case cost 21 s more)."""
     cc, spare, op, out, kw, ranks = _evacuate(cluster, tmp_path, dst_env=LAZY, workers=workers)

@@ -1,4 +1,4 @@
-"""A killed process is gone only when its last thread is (capture/proctree.py, exists).
+"""A killed process is gone only when its last thread is (proc/proctree.py, exists).
 
 The move kills the stopped source before the destination restores its TCP connections, and a
 rollback kills a restored copy before the source restores the same connections: each restore
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from pitstop.capture import proctree
+from pitstop.proc import proctree
 
 CHILD = r"""
 import socket, threading, time
@@ -37,6 +37,7 @@ time.sleep(100)
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kill", ["kill_and_wait", "kill_tree"])
+@pytest.mark.slow
 def test_a_killed_process_has_let_go_of_its_addresses_when_the_kill_returns(kill: str) -> None:
     for _ in range(10):
         p = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)

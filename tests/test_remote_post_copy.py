@@ -1,4 +1,4 @@
-"""Post-copy over the network (capture/postcopy.py, transfer/page_server.py), real and end to end.
+"""Post-copy over the network (memory/postcopy.py, memory/page_server.py), real and end to end.
 
 Invariants: the moved job ends bit for bit as an uninterrupted run while only the pages a
 restore must place travel before it; if the source stops serving mid-fill, the moved worker is
@@ -18,10 +18,12 @@ import threading
 
 import pytest
 
-from pitstop.capture import criu_ops, lazyrule, postcopy, proctree
+from pitstop.criu import criu_ops
+from pitstop.memory import lazyrule, postcopy
+from pitstop.proc import proctree
 from pitstop.errors import PitstopError
 from pitstop.migration.move import move_worker
-from pitstop.transfer import page_server
+from pitstop.memory import page_server
 
 from .helpers import assert_same_as_reference, ddp_cmd, let_finish, end_dumped, reference_hashes, step_times, until, wait_for_step
 
@@ -184,7 +186,7 @@ def test_failed_restore_rolls_back_from_the_full_dump(cluster, tmp_path):
 # -- dumps of ranks sharing a directory overlap after CRIU's /proc mount point is gone ---------
 
 def test_dump_start_window_releases_when_proc_mount_point_is_removed(tmp_path):
-    from pitstop.capture.procwindow import NAME, DumpStartWindow
+    from pitstop.proc.procwindow import NAME, DumpStartWindow
 
     lock = threading.Lock()
     second_in = threading.Event()
@@ -207,7 +209,7 @@ def test_dump_start_window_releases_when_proc_mount_point_is_removed(tmp_path):
 
 
 def test_dump_start_window_without_a_watchable_directory_holds_the_whole_block(tmp_path):
-    from pitstop.capture.procwindow import DumpStartWindow
+    from pitstop.proc.procwindow import DumpStartWindow
 
     lock = threading.Lock()
     with DumpStartWindow(lock, str(tmp_path / "gone")):
@@ -216,7 +218,7 @@ def test_dump_start_window_without_a_watchable_directory_holds_the_whole_block(t
 
 
 def test_a_collided_dump_is_recognised_and_its_directory_emptied_for_the_next_attempt(tmp_path):
-    from pitstop.capture import procwindow
+    from pitstop.proc import procwindow
 
     assert procwindow.collided({"criu_errors": [
         "pie: 1: Error (criu/pie/parasite.c:634): Can't create a directory (-17)", "Dumping FAILED."]})
@@ -282,7 +284,7 @@ def test_split_keeps_eager_pages_and_indexes_lazy_ones(dumped, tmp_path):
                 numbered += 1
     assert numbered >= (8 << 20) // 4096 - 1
     # the view's pagemap: the lazy entries are the index's, marked not present
-    from pitstop.capture import runtime
+    from pitstop.criu import runtime
     pycriu = runtime.locate().import_pycriu()
     with open(dumped / f"pagemap-{pid}.img", "rb") as f:
         before = [e for e in pycriu.images.load(f, pretty=False)["entries"][1:] if e["flags"] & postcopy.PE_LAZY]
@@ -293,7 +295,7 @@ def test_split_keeps_eager_pages_and_indexes_lazy_ones(dumped, tmp_path):
     def pages(entries) -> set[int]:  # noqa: ANN001
         return {int(e["vaddr"]) + k * 4096 for e in entries for k in range(int(e["nr_pages"]))}
 
-    # CRIU's lazy pages but the stack pages, which pitstop keeps eager (capture/lazyrule.py)
+    # CRIU's lazy pages but the stack pages, which pitstop keeps eager (memory/lazyrule.py)
     pinned = lazyrule.load(dumped, pid, pycriu).pinned
     assert pages(lazy_after) == pages(e for e in before if e["flags"] & postcopy.PE_PRESENT) - pinned
     assert [(e["vaddr"], e["nr_pages"]) for e in lazy_after] == [(v, n) for v, n, _, _ in task.entries]
@@ -390,7 +392,7 @@ def _coordinated(cluster, tmp_path, ranks_on_b: int, steps: int, b_env: dict | N
                  coordinator_env: dict | None = None):  # noqa: ANN202
     """host-a runs rank 0; host-b the rest; spare-1 waits.  host-b's agent has post-copy off
     by default: the evacuation asks for it."""
-    from pitstop.coordinator.client import CoordinatorClient
+    from pitstop.wire.coordinator_client import CoordinatorClient
 
     cluster.start_coordinator(env=coordinator_env)
     with cluster.starting():

@@ -163,6 +163,7 @@ def test_config_smaller_than_ours_is_never_read_past_its_size():
 
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(os.geteuid() != 0, reason="reads and writes other processes' memory (root)")
+@pytest.mark.slow
 def test_ranks_resume_by_themselves_when_the_agent_vanishes(tmp_path):
     """A quiesce is raised and then nobody ever speaks again: every rank parks, waits out
     PITSTOP_SHIM_DEADLINE_S and carries on; the job ends exactly as if nothing happened."""

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.coordinator.client import CoordinatorClient
+from pitstop.wire.coordinator_client import CoordinatorClient
 from pitstop.errors import PitstopError
-from pitstop.devcluster import free_port, pitstop_cmd
-from pitstop.netns import NetHosts
+from pitstop.dev.devcluster import pitstop_cmd
+from pitstop.dev.netns import NetHosts
 
 from .helpers import WORKLOADS, assert_same_as_reference, let_finish, pace_file, until, wait_for_step
 

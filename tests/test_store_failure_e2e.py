@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pitstop.capture import proctree
-from pitstop.coordinator.client import CoordinatorClient
+from pitstop.proc import proctree
+from pitstop.wire.coordinator_client import CoordinatorClient
 
 from .helpers import assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, step_times, until, wait_for_step
 from .test_coordinator_e2e import _wait_jobs, _wait_op

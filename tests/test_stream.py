@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from pitstop.capture.manifest import Manifest, verify
+from pitstop.transfer.manifest import Manifest, verify
 from pitstop.errors import IntegrityError, TransferFailed
 from pitstop.transfer.stream import DirectoryTail, StreamReceiver, verify_directory
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pitstop import devleases
-from pitstop.capture import proctree
+from pitstop.dev import devleases
+from pitstop.proc import proctree
 
 from .conftest import _foreign_paths
 
@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.mark.slow
 def test_a_second_run_of_the_suite_stops_at_once_and_says_why():
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_planner.py"],
                        cwd=ROOT, capture_output=True, text=True, timeout=100)

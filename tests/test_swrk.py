@@ -1,4 +1,4 @@
-"""CRIU's worker is started without forking the agent's Python (capture/swrk.py).
+"""CRIU's worker is started without forking the agent's Python (criu/swrk.py).
 
 The agent is multi-threaded. A fork copies every lock that another thread holds at that moment.
 pycriu's own start forks and then runs Python in the child, and on 2026-12-03 one such child
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.capture import criu_ops, proctree, runtime, swrk
+from pitstop.criu import criu_ops, runtime, swrk
+from pitstop.proc import proctree
 
 from .helpers import end_dumped
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.devcluster import free_port
+from pitstop.dev.devcluster import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(120)
@@ -53,6 +53,7 @@ def _collect(s: socket.socket, seconds: float) -> list[str]:
 
 
 @pytest.mark.parametrize("service", ["agent", "coordinator"])
+@pytest.mark.slow
 def test_ready_and_watchdog(service, tmp_path):
     s, path = _listen(tmp_path)
     port = free_port()

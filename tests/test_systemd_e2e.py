@@ -19,16 +19,15 @@ import secrets
 import socket
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
 
 from pitstop.agent import exitkeeper
-from pitstop.agent.client import AgentClient
-from pitstop.capture import runtime
-from pitstop.coordinator.client import CoordinatorClient
-from pitstop.devcluster import wait_http
+from pitstop.wire.agent_client import AgentClient
+from pitstop.criu import runtime
+from pitstop.wire.coordinator_client import CoordinatorClient
+from pitstop.dev.devcluster import wait_http
 from pitstop.errors import PitstopError
 
 from . import systemd_host

@@ -77,7 +77,7 @@ def test_evacuation_over_mutual_tls_and_strangers_refused(cluster, tmp_path, mon
 def test_certificates_are_issued_for_a_role(tmp_path):
     import subprocess
 
-    from pitstop.devcluster import pitstop_cmd
+    from pitstop.dev.devcluster import pitstop_cmd
 
     subprocess.run([*pitstop_cmd(), "pki", "init", str(tmp_path / "ca")], check=True, capture_output=True)
     p = subprocess.run([*pitstop_cmd(), "pki", "issue", str(tmp_path / "ca"), "gpu-1"], capture_output=True, text=True)

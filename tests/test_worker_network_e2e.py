@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from pitstop.coordinator.client import CoordinatorClient
-from pitstop.devcluster import step_gaps
-from pitstop.netns import NetHosts
+from pitstop.wire.coordinator_client import CoordinatorClient
+from pitstop.dev.devcluster import step_gaps
+from pitstop.dev.netns import NetHosts
 
 from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, wait_for_step
 from .test_coordinator_e2e import _wait_jobs, _wait_op
@@ -81,7 +81,7 @@ def test_torchrun_tree_moves_whole_and_the_job_finishes(cluster, tmp_path):
     """Two hosts, each one `pitstop run -- torchrun` with 2 local ranks; torchrun's agent on
     host-a serves the store.  Evacuating host-b moves its torchrun tree (agent and both
     workers), then evacuating host-a moves the store's."""
-    from pitstop.devcluster import free_port
+    from pitstop.dev.devcluster import free_port
 
     cc = _cluster(cluster, spares=2)
     out = tmp_path / "out"

@@ -18,6 +18,7 @@ PROBE = Path(__file__).resolve().parent.parent / "bench" / "vml_race_probe.py"
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow
 def test_the_jobs_warm_up_leaves_no_first_call_of_mkl_vml_to_race() -> None:
     r = subprocess.run([sys.executable, str(PROBE), "--trials", "400", "--threads", "8", "--warm"],
                        capture_output=True, text=True, timeout=170)

@@ -1,4 +1,4 @@
-"""capture/writetrack.py with native/writetrack.c: the kernel says which pages a running process
+"""memory/writetrack.py with native/writetrack.c: the kernel says which pages a running process
 wrote since its pre-copy began, and the process is left as it was (no userfaultfd of its own,
 so CRIU can dump it).  Real processes, the real kernel interface; every mistake allowed is
 toward "written" (a page sent again), never toward "unchanged"."""
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pitstop.capture import precopy, writetrack
+from pitstop.memory import precopy, writetrack
 
 from .helpers import WORKLOADS
 
@@ -126,6 +126,7 @@ def test_many_processes_are_asked_at_once_and_each_gets_its_own(worker):
             t.close()
 
 
+@pytest.mark.slow
 def test_overlapping_requests_leave_no_directory(worker):
     """The request that made /run/pitstop ends first, the other last: the last one out removes
     both directories (the maker could not: the other's socket was still in them)."""

@@ -189,7 +189,7 @@ def _coordinator_option() -> Any:
 
 def _client(url: str | None, as_json: bool = False):  # noqa: ANN202
     """The coordinator's client; a missing or malformed URL is said plainly, not raised."""
-    from .coordinator.client import CoordinatorClient
+    from pitstop.wire.coordinator_client import CoordinatorClient
 
     try:
         return CoordinatorClient(url)

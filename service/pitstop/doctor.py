@@ -10,7 +10,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .capture import lazy_pages, netlock, runtime
+from pitstop.memory import lazy_pages
+from pitstop.criu import netlock, runtime
 from .errors import PitstopError
 
 
@@ -52,7 +53,7 @@ def run_checks() -> list[Check]:
         ok, out = rt.check()
         checks.append(Check("criu check", ok, out.splitlines()[-1] if out else "(no output)"))
         if ok and os.geteuid() == 0:
-            from .capture.criuprobe import passes
+            from pitstop.criu.criuprobe import passes
 
             done, why = passes(rt.binary, rt.version)
             checks.append(Check("criu dump and restore", done, f"{why}, with the {rt.source} CRIU {rt.version_str}"
@@ -78,7 +79,7 @@ def run_checks() -> list[Check]:
                         cr or "kernel config not readable", required=cr is not None))
     sd = _kconfig("CONFIG_MEM_SOFT_DIRTY")
     checks.append(Check("soft-dirty", None, ("available" if sd == "y" else "not available")
-                        + " (not used: pitstop's pre-copy tracks writes with userfaultfd, capture/writetrack.py)",
+                        + " (not used: pitstop's pre-copy tracks writes with userfaultfd, memory/writetrack.py)",
                         required=False))
     checks.append(_write_tracking())
     checks.append(_incremental_dump())
@@ -166,9 +167,9 @@ def _worker_init() -> Check:
 
 
 def _write_tracking() -> Check:
-    """Whether a pre-copy can ask the kernel what a worker wrote (capture/writetrack.py), or must
+    """Whether a pre-copy can ask the kernel what a worker wrote (memory/writetrack.py), or must
     hash every page of the dump during the pause."""
-    from .capture import writetrack
+    from pitstop.memory import writetrack
     from .launcher.run import writetrack_path
 
     name = "pre-copy write tracking"
@@ -183,11 +184,11 @@ def _write_tracking() -> Check:
 
 
 def _incremental_dump() -> Check:
-    """Whether CRIU can dump a pre-copied worker incrementally (capture/criutrack.py), or dumps all
+    """Whether CRIU can dump a pre-copied worker incrementally (criu/criutrack.py), or dumps all
     its memory during the pause for pitstop to cut the delta from."""
     import tempfile
 
-    from .capture import criutrack
+    from pitstop.criu import criutrack
 
     name = "incremental dump after a pre-copy"
     with tempfile.TemporaryDirectory(prefix="pitstop-doctor-") as d:
@@ -202,8 +203,8 @@ def _incremental_dump() -> Check:
 
 def _restore_fill() -> Check:
     """Whether CRIU's restore of a pre-copied worker fills its memory by UFFDIO_COPY
-    (capture/criufill.py) or at the page-fault rate, each page zeroed first."""
-    from .capture import criufill, runtime
+    (criu/criufill.py) or at the page-fault rate, each page zeroed first."""
+    from pitstop.criu import criufill, runtime
 
     name = "restore fill by UFFDIO_COPY"
     try:

@@ -4,7 +4,7 @@
 directory of its own under init_dirs(), so that CRIU's parasite, which mounts a private /proc
 in the root task's working directory, never meets another rank's mount point there: dumps of
 ranks sharing a working directory start at once instead of taking turns
-(capture/procwindow.py remains for trees pitstop did not start).
+(proc/procwindow.py remains for trees pitstop did not start).
 
 That directory is in the worker's images (the root task's cwd), so it must exist wherever the
 worker is restored: the capture records it (`init_dir` in the manifest's worker) and the

@@ -30,6 +30,7 @@ import os
 import ssl
 import threading
 from pathlib import Path
+from collections.abc import MutableMapping
 from typing import Any
 
 from .errors import FailedPrecondition, Forbidden
@@ -211,11 +212,11 @@ def with_peer_role(base: type) -> type:
     return PeerRole
 
 
-def role_allowed(scope: dict, allowed: tuple[str, ...]) -> bool:
+def role_allowed(scope: MutableMapping[str, Any], allowed: tuple[str, ...]) -> bool:
     return not enabled() or scope.get(PEER_ROLE) in allowed
 
 
-def require_role(scope: dict, allowed: tuple[str, ...]) -> None:
+def require_role(scope: MutableMapping[str, Any], allowed: tuple[str, ...]) -> None:
     """With TLS on, refuse a peer whose certificate's role is not in `allowed` (403)."""
     if role_allowed(scope, allowed):
         return

@@ -171,7 +171,7 @@ def run_to_end(work: Path, name: str, args: list[str], env: dict[str, str] | Non
 def preflight() -> dict:
     info: dict = {"python": platform.python_version(), "kernel": platform.release()}
     try:
-        from pitstop.capture import runtime
+        from pitstop.criu import runtime
 
         rt = runtime.locate()
         info["criu"] = f"{rt.version_str} ({rt.source}: {rt.binary})"
@@ -246,7 +246,8 @@ def become_subreaper() -> None:
 
 
 def check_b(a: argparse.Namespace, work: Path, ref: str) -> dict:
-    from pitstop.capture import criu_ops, proctree, runtime
+    from pitstop.criu import criu_ops, runtime
+    from pitstop.proc import proctree
     from pitstop.errors import PitstopError
     from pitstop.gpu.checkpoint import GpuCheckpointer
 
@@ -451,8 +452,8 @@ def _parallel(drv, work: Path, key: str, gib: float, n: int) -> dict:  # noqa: A
 
 # -- (e) -------------------------------------------------------------------------------------------
 def check_e(a: argparse.Namespace, work: Path, ref: str, children: int = 0) -> dict:
-    from pitstop.coordinator.client import CoordinatorClient
-    from pitstop.devcluster import LocalCluster, wait_for_step
+    from pitstop.wire.coordinator_client import CoordinatorClient
+    from pitstop.dev.devcluster import LocalCluster, wait_for_step
 
     dev = ["--device", "cpu"] if a.cpu_dry_run else []
     tree = ["--cuda-children", str(children)] if children else []

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from bench.common import first_divergent_step
-from pitstop.capture import proctree
-from pitstop.coordinator.client import CoordinatorClient
+from pitstop.proc import proctree
+from pitstop.wire.coordinator_client import CoordinatorClient
 from pitstop.errors import PitstopError
 
 from ..helpers import assert_same_as_reference, ddp_cmd, reference_hashes, wait_for_step

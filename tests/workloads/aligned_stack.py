@@ -1,6 +1,6 @@
 """A worker one of whose threads waits with its stack pointer exactly on a page boundary.
 
-That is what makes CRIU mark no page lazy (capture/lazyrule.py): about one worker process in 256
+That is what makes CRIU mark no page lazy (memory/lazyrule.py): about one worker process in 256
 hits it; this one always does.  The thread runs twelve bytes of machine
 code (x86-64): `mov rsp, rdi`, then `pause()` forever, on a stack of its own whose top is
 page-aligned.  The main thread holds MB MiB of anonymous memory, every page numbered, and

@@ -2,7 +2,7 @@
 
 The child prints "child N" every --every seconds; the parent prints "step N t=..." for each line
 it reads and, at the end, "done in order n=N" when every line came, in order.  Both ends of that
-pipe are in the tree: a move must keep them joined (capture/proctree.py stdio_pipes).
+pipe are in the tree: a move must keep them joined (proc/proctree.py stdio_pipes).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ Two listeners, two audiences:
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import time
 
@@ -26,7 +25,8 @@ from starlette.concurrency import run_in_threadpool
 from .. import __version__
 from .. import nsinit, priority, safepath, shimctl, tls
 from ..network import workerns
-from ..capture import caps, files, proctree, runtime
+from pitstop.proc import caps, files, proctree
+from pitstop.criu import runtime
 from ..errors import Conflict, FailedPrecondition, Forbidden, PitstopError, TransferFailed
 from ..httpapi import install_error_handlers, require_token
 from ..transfer.stream import overdue, receive_into
@@ -35,7 +35,7 @@ from .peercred import caller_uid, privileged
 from .capturing import SourceSide
 from .receiving import DestinationSide, Slot
 from .settings import AgentSettings
-from .state import LIVE_STATES, AgentState, Capture, Worker
+from .state import LIVE_STATES, AgentState, Capture, Worker, WorkerState
 
 
 UNMOVABLE_EVERY_S = 5.0  # how often a running worker's shim blocks are read for calls it could not track
@@ -157,7 +157,7 @@ class Agent:
             workerns.destroy(wn)
 
 
-def _signal_trees(agent: Agent, ws: list[Worker], signal: Callable[[list[int]], None], state: str) -> None:
+def _signal_trees(agent: Agent, ws: list[Worker], signal: Callable[[list[int]], None], state: WorkerState) -> None:
     """Signal every process of the workers' trees, then record their new state in one write."""
     signal([p for w in ws for p in proctree.tree(w.root_pid)])
     with agent.state.lock:
@@ -305,7 +305,7 @@ def peer_app(agent: Agent) -> FastAPI:
 
     @r.get("/workers/{wid}/files")
     def worker_files(wid: str) -> dict:
-        """The paths a restore of this worker needs (capture/files.py): a spare checks them before
+        """The paths a restore of this worker needs (proc/files.py): a spare checks them before
         anything pauses (POST /v1/files:check)."""
         w = agent.refresh(agent.state.worker(wid))
         if w.state not in ("running", "paused"):

@@ -26,20 +26,26 @@ import uuid
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import structlog
 
 from .. import faults, nsinit, tls
-from ..capture import (criu_ops, criutrack, netlock, postcopy, precopy, proctree, procwindow, runtime, seal,
-                       writetrack)
-from ..capture.manifest import Manifest, check_image_id
+from pitstop.criu import criu_ops, criutrack, netlock, runtime, seal
+from pitstop.memory import postcopy, precopy, writetrack
+from pitstop.memory.precopy import Basis
+
+if TYPE_CHECKING:
+    from .receiving import DestinationSide
+from pitstop.proc import proctree, procwindow
+from pitstop.transfer.manifest import Manifest, StdioPipe, check_image_id
 from ..errors import (CaptureFailed, Conflict, DeadlineExceeded, FailedPrecondition, IntegrityError, NotFound,
                       PitstopError, TransferFailed)
 from ..gpu.checkpoint import GpuCheckpointer  # noqa: F401 - the type of self.gpu
 from ..network import workerns
-from ..transfer import compress, dataport, page_server
+from pitstop.transfer import compress, dataport
+from pitstop.memory import page_server
 from ..transfer.compress import Compression
 from ..transfer.stream import DirectoryTail
 from . import reclaim
@@ -48,8 +54,8 @@ from .state import AgentState, Capture, Worker
 
 log = structlog.get_logger("pitstop.agent.capture")
 
-VIEW = "post-copy-view"  # inside a capture's images: what travels before the restore (capture/postcopy.py)
-DELTA = "pre-copy-delta"  # inside a capture's images: what travels after a pre-copy (capture/precopy.py)
+VIEW = "post-copy-view"  # inside a capture's images: what travels before the restore (memory/postcopy.py)
+DELTA = "pre-copy-delta"  # inside a capture's images: what travels after a pre-copy (memory/precopy.py)
 PARENT = "parent"  # inside a capture's images: the pre-copy CRIU's incremental dump is against (criutrack.py)
 PRE_DIR_PREFIX = "pre-"  # a pre-copy's images here, while sent (and kept for its capture: criutrack.py)
 MAX_BASES = 64  # pre-copies whose capture has not come yet (an operation that died): the oldest go
@@ -73,11 +79,11 @@ class PageSource:
 
 
 class SourceSide:
-    def __init__(self, settings: AgentSettings, state: AgentState, restorer: "object") -> None:
+    def __init__(self, settings: AgentSettings, state: AgentState, restorer: "DestinationSide") -> None:
         self.s = settings
         self.state = state
         self.restorer = restorer  # ..receiving.DestinationSide, for rollback by local restore
-        self.gpu: GpuCheckpointer = restorer.gpu  # type: ignore[attr-defined] - one driver handle per agent
+        self.gpu: GpuCheckpointer = restorer.gpu  # one driver handle per agent
         self._threads: dict[str, threading.Thread] = {}
         self.on_finished: Callable[[Capture], None] | None = None  # metrics, once per capture
         self._cwd_locks: dict[str, threading.Lock] = {}
@@ -85,13 +91,13 @@ class SourceSide:
         self.data_port: int | None = None  # this agent's data port, where it serves lazy pages
         self.page_sources: dict[str, PageSource] = {}  # by image id
         self._exiting: dict[str, tuple[int, int | None]] = {}  # released captures' sources, still exiting
-        self.bases: dict[str, precopy.Basis] = {}  # pre-copies sent, by the image id of the move they serve
-        self._expiring: dict[str, tuple[weakref.ref[precopy.Basis], float]] = {}  # kept ones: when they go
+        self.bases: dict[str, Basis] = {}  # pre-copies sent, by the image id of the move they serve
+        self._expiring: dict[str, tuple[weakref.ref[Basis], float]] = {}  # kept ones: when they go
         self._sweeper: threading.Thread | None = None
         self.precopies: dict[str, dict[str, Any]] = {}  # pre-copies under way, by image id: what was sent
         self._precopy_stops: dict[str, threading.Event] = {}  # by image id: set to stop that pre-copy
         self._write_tracking_unavailable: str | None = None  # why not ("" when it is), once asked
-        self._tracking: dict[str, precopy.Basis] = {}  # by capture id: write tracking still open
+        self._tracking: dict[str, Basis] = {}  # by capture id: write tracking still open
         self._criu_parent_logged = False
 
     # -- capture -----------------------------------------------------------------------------
@@ -137,7 +143,7 @@ class SourceSide:
         return {"default": self.s.remote_post_copy, "unavailable": why}
 
     def precopy(self, worker_id: str, dest_url: str, image_id: str, post_copy: bool | None = None) -> dict[str, Any]:
-        """Send the running worker's memory to the destination ahead of its move (capture/precopy.py).
+        """Send the running worker's memory to the destination ahead of its move (memory/precopy.py).
 
         Nothing pauses: the worker runs while its pages are read.  The capture of the move that
         follows (same image id) then sends only the pages that changed.  Skipped, not refused,
@@ -223,7 +229,7 @@ class SourceSide:
             stop.set()
             return dict(self.precopies[image_id], stopping=True)
 
-    def _expire_later(self, image_id: str, basis: precopy.Basis) -> None:
+    def _expire_later(self, image_id: str, basis: Basis) -> None:
         """Drop this kept pre-copy after precopy_keep_s unless a move takes it first.
 
         One sweeper thread for all of them, holding each only by a weak reference: a timer
@@ -252,7 +258,7 @@ class SourceSide:
             if self._sweeper is not threading.current_thread():
                 return
 
-    def _expire_basis(self, image_id: str, basis: precopy.Basis) -> None:
+    def _expire_basis(self, image_id: str, basis: Basis) -> None:
         """A kept pre-copy whose move did not come within PITSTOP_AGENT_PRECOPY_KEEP_S (its
         coordinator died, say) must not hold its memory's worth of this host's RAM for ever."""
         with self.state.lock:
@@ -264,7 +270,7 @@ class SourceSide:
         basis.discard()
 
     def _send_pre_copy(self, w: Worker, pids: list[int], dest_url: str, image_id: str,
-                       pre_id: str, progress: dict[str, Any], stop: threading.Event) -> precopy.Basis:
+                       pre_id: str, progress: dict[str, Any], stop: threading.Event) -> Basis:
         """Write the pre-copy here while streaming it to the destination as image `pre_id`; the
         local copy goes once sent (its pages wait in this agent's image directory until then).
         `progress["bytes_sent"]` follows the stream: a host's memory can take minutes to send,
@@ -322,7 +328,7 @@ class SourceSide:
             return False
         return True
 
-    def _basis_for(self, cap: Capture, w: Worker) -> precopy.Basis | None:
+    def _basis_for(self, cap: Capture, w: Worker) -> Basis | None:
         with self.state.lock:
             b = self.bases.pop(cap.image_id or "", None)
         if b is not None and b.worker_id != w.id:
@@ -331,7 +337,7 @@ class SourceSide:
         return b
 
     def _track_writes(self) -> bool:
-        """Whether a pre-copy asks the kernel what the worker wrote (capture/writetrack.py); the
+        """Whether a pre-copy asks the kernel what the worker wrote (memory/writetrack.py); the
         kernel is asked once per agent."""
         if not self.s.precopy_write_tracking:
             return False
@@ -343,7 +349,7 @@ class SourceSide:
         return not self._write_tracking_unavailable
 
     def _criu_parent(self) -> str | None:
-        """The CRIU to dump a pre-copied worker incrementally with (capture/criutrack.py), or None
+        """The CRIU to dump a pre-copied worker incrementally with (criu/criutrack.py), or None
         where the full dump and pitstop's delta are used; the reason is logged once."""
         if not self.s.precopy_criu_parent:
             return None
@@ -355,7 +361,7 @@ class SourceSide:
         return path
 
     def _incremental_dump(self, cap: Capture, w: Worker, images: Path, own_net: bool, overlap: bool,
-                          basis: precopy.Basis, binary: str) -> criu_ops.DumpResult | None:
+                          basis: Basis, binary: str) -> criu_ops.DumpResult | None:
         """CRIU dumps only what the worker wrote since its pre-copy; the rest stays in the pre-copy,
         moved into the images as their `parent` (the source's own full copy until the move ends).
         None, with the images emptied, where CRIU could not: the caller dumps whole instead."""
@@ -380,8 +386,8 @@ class SourceSide:
             "pre_copied_bytes": basis.bytes, "by": "criu"})
         return res
 
-    def _delta(self, cap: Capture, images: Path, basis: precopy.Basis) -> None:
-        """Write the delta against the pre-copy (capture/precopy.py): what travels instead of the dump."""
+    def _delta(self, cap: Capture, images: Path, basis: Basis) -> None:
+        """Write the delta against the pre-copy (memory/precopy.py): what travels instead of the dump."""
         try:
             faults.hit("precopy:before_delta")
             self._tracking[cap.id] = basis  # ended once the source has exited (or resumed): _end_tracking
@@ -396,7 +402,7 @@ class SourceSide:
                                   phases={**cap.phases, "delta": d.seconds})
 
     def _split(self, cap: Capture, images: Path) -> dict:
-        """Split the dump (capture/postcopy.py) and offer its lazy pages on the data port."""
+        """Split the dump (memory/postcopy.py) and offer its lazy pages on the data port."""
         t0 = time.monotonic()
         try:
             sp = postcopy.split(images, images / VIEW)
@@ -410,7 +416,7 @@ class SourceSide:
                      made_lazy_bytes=sp.made_lazy_bytes, lazy_bytes=sp.lazy_bytes)
         if sp.lazy_bytes == 0 and sp.eager_bytes >= NO_LAZY_NOTICE_BYTES:
             # Only memory no lazy restore may leave out (locked, shared, huge-TLB) is left once
-            # pitstop has marked the dump (capture/lazyrule.py): keep the log to see what it was.
+            # pitstop has marked the dump (memory/lazyrule.py): keep the log to see what it was.
             log.warning("post-copy found no lazy pages in the dump: all of it travels before the restore",
                         capture=cap.id, worker=cap.worker_id, eager_bytes=sp.eager_bytes,
                         dump_log=str(self._keep_diagnostic(images / criu_ops.DUMP_LOG, f"{cap.id}-dump.log")))
@@ -575,7 +581,7 @@ class SourceSide:
         t_dump = time.monotonic()
         try:
             # Overlap with other dumps in its directory only where nothing streams while it
-            # dumps: a dump that collides is redone from scratch (capture/procwindow.py).
+            # dumps: a dump that collides is redone from scratch (proc/procwindow.py).
             overlap = not whole or not (sender is not None and self.s.stream_while_dumping)
             res = None
             if incremental and basis is not None:
@@ -634,7 +640,7 @@ class SourceSide:
                 return
         if basis or remote:  # their views hard-link the dump's files, which changes their ctime: sealed again
             self.state.update_capture(cap, seal=seal.take(images))
-        tail.manifest_base = Manifest(capture_id=cap.id, stdio=stdio, criu_version=runtime.locate().version_str,
+        tail.manifest_base = Manifest(capture_id=cap.id, stdio=[StdioPipe(**d) for d in stdio], criu_version=runtime.locate().version_str,
                                       output_base=self._output_end(w),
                                       worker={"id": w.id, "job": w.job, "rank": w.rank,
                                               **({"init_dir": w.init_dir} if w.init_dir else {})}, gpu=cap.gpu,
@@ -743,7 +749,7 @@ class SourceSide:
                 procwindow.clear_for_retry(images, attempt)
 
     def _cwd_lock(self, pid: int) -> tuple[threading.Lock, str]:
-        """One dump at a time per working directory *starts* (capture/procwindow.py).
+        """One dump at a time per working directory *starts* (proc/procwindow.py).
 
         A worker is not in the host's PID namespace, so CRIU's parasite mounts a private
         /proc at a fixed name ("proc.crtools") in the task's working directory; two
@@ -826,7 +832,7 @@ class SourceSide:
         return int(port) if isinstance(port, int) and 0 < port < 65536 else None
 
     def _fail(self, cap: Capture, w: Worker, e: BaseException, resumed_by: str) -> None:
-        err = e.to_dict() if isinstance(e, PitstopError) else {"code": "internal", "message": repr(e)}
+        err: dict[str, Any] = e.to_dict() if isinstance(e, PitstopError) else {"code": "internal", "message": repr(e)}
         err["details"] = {**err.get("details", {}), "source_resumed_by": resumed_by}
         self.page_sources.pop(cap.image_id or "", None)
         self.state.update_capture(cap, state="failed", error=err)

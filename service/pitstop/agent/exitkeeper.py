@@ -31,7 +31,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from ..capture import proctree
+from pitstop.proc import proctree
 
 KEEP_S = 7 * 24 * 3600
 KEEPER_NAME = "pitstop-exit-keeper"  # its argv[0]: `ps` says what it is, and for which worker

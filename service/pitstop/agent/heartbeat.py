@@ -22,8 +22,8 @@ import httpx
 import structlog
 
 from .. import tls
-from ..coordinator.beats import ACK_OK, ACK_RESYNC, decode_ack, encode_beat
-from ..capture import caps
+from pitstop.wire.beats import ACK_OK, ACK_RESYNC, decode_ack, encode_beat
+from pitstop.proc import caps
 from .api import Agent
 
 log = structlog.get_logger("pitstop.agent.heartbeat")
@@ -90,7 +90,7 @@ class Reporter:
 
 
 class UdpBeats:
-    """Beats as datagrams (coordinator/beats.py): one outstanding at a time, each acked."""
+    """Beats as datagrams (wire/beats.py): one outstanding at a time, each acked."""
 
     def __init__(self, host: str, port: int, token: str | None) -> None:
         self.addr = (host, port)
@@ -153,6 +153,7 @@ UDP_RETRY_AFTER_S = 60.0
 
 
 async def heartbeat_loop(agent: Agent) -> None:
+    assert agent.s.coordinator, "started only where a coordinator is configured (server.py)"
     base = agent.s.coordinator.rstrip("/")
     headers = {"Authorization": f"Bearer {agent.s.cluster_token}"} if agent.s.cluster_token else {}
     failing = False

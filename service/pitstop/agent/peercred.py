@@ -16,6 +16,8 @@ import os
 import pwd
 import socket
 import struct
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
 
@@ -26,7 +28,7 @@ PEER = "pitstop.peer"
 """Where each request's scope carries its connection's (pid, uid, gid), from the kernel."""
 
 
-def caller_uid(scope: dict) -> int:
+def caller_uid(scope: MutableMapping[str, Any]) -> int:
     """The uid of the process on the other end of the local socket (the agent's own uid where the
     request came in some other way, as in-process tests do)."""
     peer = scope.get(PEER)

@@ -23,12 +23,14 @@ from typing import Any
 import httpx
 import structlog
 
-from ..capture import criu_ops, criufill, lazy_pages, lazydelta, lazyrule, precopy, proctree
-from ..capture.dumpview import PAGE
-from ..capture.manifest import Manifest, check_image_id
+from pitstop.criu import criu_ops, criufill
+from pitstop.memory import lazy_pages, lazydelta, lazyrule, precopy
+from pitstop.proc import proctree
+from pitstop.memory.dumpview import PAGE
+from pitstop.transfer.manifest import Manifest, check_image_id
 from ..errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed, Unavailable
 from .. import faults, nsinit
-from ..capture import runtime
+from pitstop.criu import runtime
 from ..gpu.checkpoint import GpuCheckpointer
 from ..network import workerns
 from ..transfer import dataport
@@ -38,7 +40,7 @@ from .settings import AgentSettings
 from .state import Fill, LIVE_STATES, AgentState, Worker
 
 log = structlog.get_logger("pitstop.agent.restore")
-LAZY_VIEW = "lazy"  # in a delta's slot: what a lazy restore of it reads (capture/lazydelta.py)
+LAZY_VIEW = "lazy"  # in a delta's slot: what a lazy restore of it reads (memory/lazydelta.py)
 UNFILLED = "its memory could not be filled after a lazy restore: "  # a lost worker's reason
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -250,7 +252,7 @@ class DestinationSide:
 
     def _lazy_view(self, s: Slot, parent: Path) -> tuple[Path, Path]:
         """A delta restored lazily: CRIU's daemon cannot read its parent, so a local page server
-        answers it (capture/lazydelta.py).  The view to restore from, and the server's index."""
+        answers it (memory/lazydelta.py).  The view to restore from, and the server's index."""
         view = s.directory / LAZY_VIEW
         shutil.rmtree(view, ignore_errors=True)  # a restore tried before
         try:
@@ -263,7 +265,7 @@ class DestinationSide:
 
     def _marked_view(self, s: Slot) -> Path:
         """A whole dump restored lazily from here: its pagemaps with pitstop's lazy marks, not
-        CRIU's, which now and then mark nothing lazy (capture/lazyrule.py).  The view to restore from."""
+        CRIU's, which now and then mark nothing lazy (memory/lazyrule.py).  The view to restore from."""
         view = s.directory / LAZY_VIEW
         shutil.rmtree(view, ignore_errors=True)  # a restore tried before
         try:
@@ -317,7 +319,7 @@ class DestinationSide:
     def _criu_restore(self, directory: Path, inherit: dict[str, int], net_fd: int | None, lazy: bool,
                       abort: threading.Event | None, phases: dict[str, float] | None) -> tuple[int, float]:
         """CRIU's restore, its memory filled by UFFDIO_COPY where that is on and available
-        (capture/criufill.py); the bytes it filled so go into the phases."""
+        (criu/criufill.py); the bytes it filled so go into the phases."""
         rt = runtime.locate()
         fill = self.s.restore_uffd_fill and not lazy
         why = criufill.unavailable(rt) if fill else ""
@@ -418,7 +420,7 @@ class DestinationSide:
         except PitstopError:
             for fd in theirs + [o[0] for o in ours]:
                 os.close(fd)
-            if created:
+            if created and wn is not None:
                 workerns.destroy(wn)
             raise
         finally:
@@ -435,7 +437,7 @@ class DestinationSide:
                     fill.kill()
                 for fd, _, _ in ours:
                     os.close(fd)
-                if created:
+                if created and wn is not None:
                     workerns.destroy(wn)
                 raise
             if phases is not None:
@@ -492,7 +494,7 @@ class DestinationSide:
     def _reap(self, w: Worker, pumps: list[subprocess.Popen]) -> None:
         try:
             _, status = os.waitpid(w.root_pid, 0)
-            code = os.waitstatus_to_exitcode(status)
+            code: int | None = os.waitstatus_to_exitcode(status)
         except ChildProcessError:
             # Not our child (restore raced with CRIU's exit): poll until it is gone.
             while proctree.exists(w.root_pid):

@@ -15,7 +15,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from .. import tls
 from ..endpoints import listening_socket
 from ..transfer.dataport import DataPort
-from ..capture import lazy_pages, runtime
+from pitstop.memory import lazy_pages
+from pitstop.criu import runtime
 from ..errors import FailedPrecondition
 from ..httpapi import RequestGuard, with_header_deadline
 from ..sdnotify import notify, watchdog_loop

@@ -68,11 +68,11 @@ class AgentSettings(BaseSettings):
     # Image streams arrive on a plain socket of their own (transfer/dataport.py); port 0: any free
     # port, announced in /v1/info.  Set a fixed one (e.g. 0.0.0.0:7071) where firewalls need it.
     data_listen: DataListenAddress | None = None     # default: the listen host, port 0
-    # Post-copy from the local copy (capture/lazy_pages.py): the restored worker runs before its
+    # Post-copy from the local copy (memory/lazy_pages.py): the restored worker runs before its
     # memory is all in place; a lazy-pages daemon fills it.  Shorter downtime; after the commit
     # the worker depends on that daemon until the fill ends (it is stopped if the daemon fails).
     lazy_restore: bool = False
-    # Post-copy over the network (capture/postcopy.py), a setting of the *source*: only the pages
+    # Post-copy over the network (memory/postcopy.py), a setting of the *source*: only the pages
     # a restore must place travel before it; the destination's lazy-pages daemon fetches the rest
     # from this agent after the job resumes.  Shortest downtime; after the commit the moved worker
     # depends on this host until the fill ends (it is stopped, with the reason, if the fill fails).
@@ -80,7 +80,7 @@ class AgentSettings(BaseSettings):
     remote_post_copy: bool = False
     lazy_fill_timeout_s: float = 600.0
     # A source's page server silent this long while the destination waits on a page: the moved
-    # worker is stopped (transfer/page_relay.py) rather than left hanging or reading zeros.
+    # worker is stopped (memory/page_relay.py) rather than left hanging or reading zeros.
     lazy_page_idle_timeout_s: float = Field(default=60.0, gt=0)
     # A capture of a worker whose post-copy fill has not ended yet waits this long for it (a dump
     # before then would lose the pages not yet filled), then fails and leaves the worker running.
@@ -95,20 +95,20 @@ class AgentSettings(BaseSettings):
     compress: Literal["auto", "on", "off"] = "auto"
     compress_level: int = Field(default=1, ge=-7, le=19)
     compress_threads: int | None = Field(default=None, ge=0, le=64)  # zstd's workers; default: a quarter of the cores past 4
-    # A pre-copy asks the kernel which pages the worker wrote since (capture/writetrack.py: async
+    # A pre-copy asks the kernel which pages the worker wrote since (memory/writetrack.py: async
     # userfaultfd write-protection, Linux 6.7+) instead of hashing every page during the pause;
-    # off, or where the kernel or the worker cannot, it hashes (capture/precopy.py).
+    # off, or where the kernel or the worker cannot, it hashes (memory/precopy.py).
     precopy_write_tracking: bool = True
     # The release frees the stopped source's TCP ports and kills it without waiting for its exit,
-    # which frees its memory while the destination restores (capture/proctree.py let_go); set, it
+    # which frees its memory while the destination restores (proc/proctree.py let_go); set, it
     # waits for the exit first, as before (0.1-0.2 s per 770 MB rank on the test VM).
     release_wait_exit: bool = False
     # With the writes tracked, CRIU itself dumps only what changed since the pre-copy, the rest left
-    # in the pre-copy as its parent (capture/criutrack.py); off, or where that is unavailable, CRIU
-    # dumps everything and pitstop cuts the delta out of it (capture/precopy.py).
+    # in the pre-copy as its parent (criu/criutrack.py); off, or where that is unavailable, CRIU
+    # dumps everything and pitstop cuts the delta out of it (memory/precopy.py).
     precopy_criu_parent: bool = True
     # CRIU's eager restore of images with a parent fills the worker's memory with UFFDIO_COPY, not
-    # page faults into zeroed pages (capture/criufill.py); off: CRIU's own read.
+    # page faults into zeroed pages (criu/criufill.py); off: CRIU's own read.
     restore_uffd_fill: bool = True
     # How long a pre-copy kept for CRIU's incremental dump waits for its move (it holds as much of
     # the image directory as the worker's memory); longer than the coordinator's pre-copy deadline.

@@ -62,7 +62,7 @@ class Worker(BaseModel):
     reason: str | None = None             # why it is lost, where pitstop knows
     output_base: dict[str, int] = Field(default_factory=dict)  # output seen before it arrived here
     net: dict[str, str] | None = None     # network.workerns.WorkerNet: an address that moves with it
-    # What a restore must grant it (capture/caps.py, hex), as of the last listing: the coordinator
+    # What a restore must grant it (proc/caps.py, hex), as of the last listing: the coordinator
     # refuses, before anything pauses, a destination whose agent could not.
     caps: str | None = None
     fill: Fill | None = None              # a post-copy restore's fill, while and after it runs
@@ -94,7 +94,7 @@ class Capture(BaseModel):
     post_copy: dict[str, Any] | None = None
     want_post_copy: bool | None = None  # what the request asked; None: the agent's setting
     pre_copy: dict[str, Any] | None = None  # the delta against a pre-copy: bytes left in it, bytes sent now
-    # the dump's files as CRIU left them (capture/seal.py), checked before a rollback restores them
+    # the dump's files as CRIU left them (criu/seal.py), checked before a rollback restores them
     seal: dict[str, list] | None = None
     rollback_failed_at: float | None = None  # when a rollback first failed: its images expire after a while
     created: float = Field(default_factory=time.time)

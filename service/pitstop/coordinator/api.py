@@ -17,8 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import __version__, tls
-from ..agent.client import AgentClient
-from .beats import BeatFastPath
+from pitstop.wire.agent_client import AgentClient
+from pitstop.wire.beats import BeatFastPath
 from ..errors import Conflict, FailedPrecondition, Forbidden, NotFound, PitstopError, Unprocessable
 from ..httpapi import install_error_handlers, require_token, token_matches
 from .driver import Driver
@@ -63,7 +63,7 @@ class WorkerReport(BaseModel):
     rank: int = Field(ge=0, le=10_000_000)
     state: str = Field(min_length=1, max_length=32)
     caps: str | None = Field(None, pattern=r"^[0-9a-f]{1,16}$",
-                             description="capabilities a restore must grant it (hex; capture/caps.py)")
+                             description="capabilities a restore must grant it (hex; proc/caps.py)")
     unmovable: str | None = Field(None, max_length=1000,
                                   description="why it cannot be moved, as its NCCL shim knows; None: movable")
 
@@ -128,8 +128,11 @@ class Metrics:
             self.downtime.observe(downtime_s)
 
 
-def operation_view(op: dict[str, Any]) -> dict[str, Any]:
-    """An operation in the AIP-151 shape."""
+def operation_view(op: dict[str, Any] | None) -> dict[str, Any]:
+    """An operation in the AIP-151 shape (None: an operation just read back that is gone, which
+    only the retention's pruning between two reads can cause)."""
+    if op is None:
+        raise NotFound("the operation is no longer recorded", action="list operations with `pitstop ops`")
     md = dict(op["metadata"])
     md.update({"phase": op["phase"], "cancel_requested": op["cancel_requested"], "result": op["result"],
                "create_time": op["created"], "update_time": op["updated"]})

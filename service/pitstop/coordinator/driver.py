@@ -32,6 +32,7 @@ stays paused because a thread died.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import uuid
@@ -41,7 +42,7 @@ from typing import Any, Callable
 import structlog
 
 from .. import faults, priority
-from ..agent.client import AgentClient
+from pitstop.wire.agent_client import AgentClient
 from ..errors import DeadlineExceeded, PitstopError, Unavailable
 from .cut import Cut
 from .fanout import in_parallel
@@ -501,7 +502,7 @@ class OpRun:
 
     def _check_files(self, src: AgentClient, dst: AgentClient) -> None:
         """Refuse, before anything pauses, a destination that lacks files the leaving workers use
-        by path (their Python, libraries, working directories, open files: capture/files.py).
+        by path (their Python, libraries, working directories, open files: proc/files.py).
         CRIU's restore would fail on it after the pause and the move would roll back."""
         res = check_files(src, dst, list(self.md["workers"]))
         if res.unchecked:
@@ -515,7 +516,7 @@ class OpRun:
                        else "not checked: an agent predates the check")
 
     def _pre_copy(self, src: AgentClient, dst: AgentClient) -> None:
-        """Send the leaving workers' memory while the job still runs (capture/precopy.py).
+        """Send the leaving workers' memory while the job still runs (memory/precopy.py).
 
         Best effort by design: a pre-copy only shortens the pause that follows, so one that
         fails, passes its deadline or stalls is stopped, reported, and the move sends everything
@@ -599,7 +600,7 @@ class OpRun:
         self.enter("commit")
         faults.hit("after_commit_point")
         for wid in self.md["workers"]:  # the membership first: the coordinator's own record, no agent asked
-            self.record(lambda wid=wid: self.d.store.set_worker_host(wid, dest))
+            self.record(functools.partial(self.d.store.set_worker_host, wid, dest))
         self.record(lambda: self.d.store.set_role(dest, "active"))
         filling = bool(self.md.get("bytes_after_resume"))
         self.record(lambda: self.d.store.set_role(node, "draining" if filling else "drained"))
@@ -705,7 +706,7 @@ class OpRun:
         it.  Asks the destination's agent, which watches each fill (agent/receiving.py), with a
         short timeout per call; never raises (the commit is behind us); says what went wrong."""
         self.enter("fill")
-        url = self.d.store.host(dest)["url"]
+        url = self._url(dest)
         waiting = [wid for wid, w in self.md["workers"].items() if w.get("bytes_after_resume")]
         ended: dict[str, dict[str, Any]] = {}
         last_error = ""
@@ -827,6 +828,8 @@ class OpRun:
         node, dest = self.md["node"], self.md["destination"]
         problems: list[str] = []   # the job may not be whole where it was: the operator must act
         leftovers: list[str] = []  # the job is whole; the destination may hold a copy to clean up
+        src: AgentClient | None
+        dst: AgentClient | None
         try:
             src, dst = self.agent(node), self.agent(dest)
         except PitstopError as e:
@@ -927,7 +930,7 @@ def _op_error(e: PitstopError) -> dict[str, Any]:
 class Driver:
     def __init__(self, store: Store, settings: CoordinatorSettings,
                  on_phase: Callable[[str, float], None] | None = None,
-                 on_result: Callable[[str, int], None] | None = None) -> None:
+                 on_result: Callable[[str, int, float | None], None] | None = None) -> None:
         self.store = store
         self.s = settings
         self._on_phase = on_phase
@@ -1079,7 +1082,8 @@ class Driver:
             else:
                 phase = op["phase"]
                 log.info("reconcile: rolling back operation", op=op["id"], phase=phase)
-                self._spawn(op["id"], lambda r, p=phase: r.rollback(PitstopError(
-                    f"the coordinator restarted during phase {p!r}, before the commit point; rolled back",
-                    code="coordinator_restarted", action="evacuate again if the host must still be drained")))
+                restarted = PitstopError(
+                    f"the coordinator restarted during phase {phase!r}, before the commit point; rolled back",
+                    code="coordinator_restarted", action="evacuate again if the host must still be drained")
+                self._spawn(op["id"], functools.partial(OpRun.rollback, err=restarted))
         return touched

@@ -1,4 +1,4 @@
-"""Whether a destination has the files the leaving workers use by path (capture/files.py), asked
+"""Whether a destination has the files the leaving workers use by path (proc/files.py), asked
 of the agents before anything pauses: by the operation's first step, and by a validate-only
 evacuation request."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..agent.client import AgentClient
+from pitstop.wire.agent_client import AgentClient
 from ..errors import FailedPrecondition
 from .fanout import in_parallel
 

@@ -128,7 +128,7 @@ class AutoEvacuator:
         reason = "automatic: GPU health degraded: " + "; ".join(reasons)
         try:
             op = self._start(node, reason)
-            entry = {"state": "started", "operation": op}
+            entry: dict[str, Any] = {"state": "started", "operation": op}
             log.warning("host degraded; evacuation started", host=node, operation=op, reasons=reasons)
         except PitstopError as e:
             entry = {"state": "blocked", "error": e.to_dict()}

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..capture import caps
+from pitstop.proc import caps
 from ..errors import Conflict, FailedPrecondition, InvalidRequest, NotFound
 from .store import LIVE, Store
 
@@ -57,7 +57,7 @@ def gpu_mismatch(src: dict[str, Any], dst: dict[str, Any], leaving: list[dict[st
 
 
 def caps_mismatch(dst: dict[str, Any], leaving: list[dict[str, Any]]) -> Unfit | None:
-    """Why dst's agent could not give the leaving workers their capabilities back (capture/caps.py)."""
+    """Why dst's agent could not give the leaving workers their capabilities back (proc/caps.py)."""
     if not dst.get("cap_bnd"):
         return None  # an agent that does not report its set: CRIU's own error, if any, will say
     have = int(dst["cap_bnd"], 16)

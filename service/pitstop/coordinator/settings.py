@@ -30,7 +30,7 @@ class CoordinatorSettings(BaseSettings):
     cluster_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_CLUSTER_TOKEN"))
     insecure: bool = False
     heartbeat_timeout_s: float = 5.0      # a host silent this long is not offered as a spare
-    beat_udp: bool = True                 # also take beats as datagrams on the listen port (coordinator/beats.py)
+    beat_udp: bool = True                 # also take beats as datagrams on the listen port (wire/beats.py)
     flush_s: float = 1.0                  # how often beats kept in memory are written to the database
     # How often the coordinator looks for an operation whose driving thread ended without ending it
     # (driver.Driver.watch): its rollback (or commit) is then driven again, and a last write the
@@ -50,7 +50,7 @@ class CoordinatorSettings(BaseSettings):
     source_cleanup_deadline_s: float = 60.0
     source_cleanup_retry_s: float = 10.0
     fill_poll_s: float = 0.25
-    # Pre-copy (capture/precopy.py): before anything pauses, the leaving workers' memory is sent
+    # Pre-copy (memory/precopy.py): before anything pauses, the leaving workers' memory is sent
     # while the job runs; the pause then sends only what changed.  A pre-copy that fails, passes
     # its deadline, or sends nothing for precopy_stall_s is stopped and the move sends
     # everything, as without it.  The deadline is long because a GPU host's ranks can hold tens

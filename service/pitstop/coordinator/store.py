@@ -319,7 +319,7 @@ class Store:
             before: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
         """Operations, oldest first; or, with `limit`, the newest `limit` created before `before`
         (a page: the next one is asked with `before` = the oldest `created` of this one)."""
-        q, a = "SELECT * FROM operations WHERE 1=1", []
+        q, a = "SELECT * FROM operations WHERE 1=1", list[Any]()
         if running_only or done is False:
             q += " AND done=0"
         elif done:
@@ -356,15 +356,16 @@ class Store:
     def update_op(self, op_id: str, *, phase: str | None = None, metadata: dict | None = None,
                   done: bool | None = None, result: str | None = None, error: dict | None = None,
                   response: dict | None = None, dest: str | None = None) -> None:
-        sets, args = ["updated=?"], [time.time()]
+        sets: list[str] = ["updated=?"]
+        args: list[Any] = [time.time()]
         for col, val in (("phase", phase), ("result", result), ("dest", dest)):
             if val is not None:
                 sets.append(f"{col}=?")
                 args.append(val)
-        for col, val in (("metadata", metadata), ("error", error), ("response", response)):
-            if val is not None:
+        for col, doc in (("metadata", metadata), ("error", error), ("response", response)):
+            if doc is not None:
                 sets.append(f"{col}=?")
-                args.append(json.dumps(val))
+                args.append(json.dumps(doc))
         if done is not None:
             sets.append("done=?")
             args.append(int(done))

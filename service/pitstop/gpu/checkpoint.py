@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from ..capture import proctree
+from pitstop.proc import proctree
 from ..errors import CaptureFailed, RestoreFailed
 from .driver import CudaDriver, DriverError, NoDriver, load
 
@@ -280,15 +280,15 @@ class GpuCheckpointer:
         t0 = time.monotonic()
         _, failed = at_once(lambda n: drv.restore(by_ns[n], pairs), ns)
         if failed:
-            n, e = failed[0]
+            n, err = failed[0]
             raise RestoreFailed(f"cannot restore GPU memory of pid {by_ns[n]} onto "
-                                f"{', '.join(b for _, b in pairs) or 'its GPUs'}: {e}",
+                                f"{', '.join(b for _, b in pairs) or 'its GPUs'}: {err}",
                                 code="gpu_restore_failed",
                                 action="the restored copy is discarded and the source rolled back")
         t1 = time.monotonic()
         _, failed = at_once(lambda n: drv.unlock(by_ns[n]), ns)
         if failed:
-            n, e = failed[0]
-            raise RestoreFailed(f"cannot unlock CUDA in pid {by_ns[n]}: {e}", code="gpu_restore_failed",
+            n, err = failed[0]
+            raise RestoreFailed(f"cannot unlock CUDA in pid {by_ns[n]}: {err}", code="gpu_restore_failed",
                                 action="the restored copy is discarded and the source rolled back")
         return {"gpu_restore": t1 - t0, "gpu_unlock": time.monotonic() - t1}

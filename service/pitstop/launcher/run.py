@@ -47,8 +47,8 @@ from pathlib import Path
 
 import httpx
 
-from ..agent.client import AgentClient
-from ..capture import caps, proctree
+from pitstop.wire.agent_client import AgentClient
+from pitstop.proc import caps, proctree
 from .. import nativelib, nsinit, tls
 from ..endpoints import check_url
 from ..errors import PitstopError
@@ -330,7 +330,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
 
 
 def _limit_caps(info: dict) -> None:
-    """The worker may hold only what its agent can give back on a restore (capture/caps.py)."""
+    """The worker may hold only what its agent can give back on a restore (proc/caps.py)."""
     try:
         bnd = info.get("cap_bnd")
         if bnd:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
-from ..agent.client import AgentClient
+from pitstop.wire.agent_client import AgentClient
 from ..errors import PitstopError
 
 log = structlog.get_logger("pitstop.move")
@@ -45,7 +45,7 @@ def move_worker(src: AgentClient, dst: AgentClient, worker_id: str, *, dest_name
                 capture_deadline_s: float = 300.0,
                 on_progress: Callable[[dict[str, Any]], None] | None = None,
                 fault: Callable[[str], None] | None = None,
-                peers: list[tuple[AgentClient, str]] = (), post_copy: bool | None = None) -> MoveReport:
+                peers: Sequence[tuple[AgentClient, str]] = (), post_copy: bool | None = None) -> MoveReport:
     """Run the whole move; raise PitstopError (worker still running somewhere) on failure.
 
     post_copy: network post-copy for this move (None: the source agent's setting).

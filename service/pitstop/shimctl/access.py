@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..capture import proctree
+from pitstop.proc import proctree
 from . import layout as L
 
 

@@ -23,7 +23,7 @@ trickle in.
 
 Post-copy over the network uses the same port the other way round: the destination asks
   client: {"image_id": ..., "token": ..., "want": "pages"}\\n   server: {"ok": true}\\n
-and from then on the socket belongs to CRIU's page-server protocol (transfer/page_server.py),
+and from then on the socket belongs to CRIU's page-server protocol (memory/page_server.py),
 spoken by the destination's `criu lazy-pages` daemon, to which the destination hands it.
 """
 

@@ -48,11 +48,11 @@ import struct
 import threading
 import queue
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..capture.manifest import DIGEST, MANIFEST, FileEntry, Manifest, new_hasher, verify
+from pitstop.transfer.manifest import DIGEST, MANIFEST, FileEntry, Manifest, new_hasher, verify
 from ..errors import DeadlineExceeded, IntegrityError, TransferFailed
 from .compress import MAX_PIECE, Compression, Decoder
 from .dedup import PAGE, Copy, PageIndex
@@ -101,7 +101,7 @@ class DirectoryTail:
         self._maps: dict[str, memoryview] = {}  # name -> mapping of its sent bytes (the page index)
         self.manifest: Manifest | None = None
 
-    def _scan_once(self) -> Iterator[bytes]:
+    def _scan_once(self) -> Iterator[bytes | memoryview]:
         try:
             names = sorted(os.listdir(self.directory))
         except FileNotFoundError:
@@ -185,11 +185,11 @@ class DirectoryTail:
     def _sent_upto(self, name: str) -> int:
         return self._files[name][1]
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator[bytes | memoryview]:
         stop = threading.Event()
         return _ahead(_coalesced(self._counted(self._pieces(stop))), stop)
 
-    def _pieces(self, stop: threading.Event) -> Iterator[bytes]:
+    def _pieces(self, stop: threading.Event) -> Iterator[bytes | memoryview]:
         try:
             while not stop.is_set():
                 if self.failure is not None:
@@ -214,8 +214,8 @@ class DirectoryTail:
                 if not got:
                     time.sleep(self.poll_s)
         finally:
-            for m in self._maps.values():
-                m.release()  # the mmap itself goes with its last view
+            for view in self._maps.values():
+                view.release()  # the mmap itself goes with its last view
             self._maps.clear()
             for fd, _, _ in self._files.values():
                 os.close(fd)
@@ -484,7 +484,8 @@ def _read(fd: int, off: int, n: int) -> bytes | memoryview:
     return memoryview(m)[off - base:]
 
 
-def _coalesced(pieces: Iterator[bytes | memoryview], small: int = 64 << 10) -> Iterator[bytes | memoryview]:
+def _coalesced(pieces: Iterator[bytes | memoryview],
+               small: int = 64 << 10) -> Generator[bytes | memoryview, None, None]:
     """Join runs of small pieces (frame headers, references, a few pages between references) into
     one: each piece costs the sender a syscall, a TLS record or an HTTP chunk of its own."""
     buf = bytearray()
@@ -506,7 +507,8 @@ def _coalesced(pieces: Iterator[bytes | memoryview], small: int = 64 << 10) -> I
         pieces.close()  # type: ignore[attr-defined]
 
 
-def _ahead(pieces: Iterator[bytes], stop: threading.Event, depth: int = 8) -> Iterator[bytes]:
+def _ahead(pieces: Generator[bytes | memoryview, None, None], stop: threading.Event,
+           depth: int = 8) -> Iterator[bytes | memoryview]:
     """Run `pieces` in a thread, up to `depth` pieces ahead of the consumer.
 
     Closing this generator (the consumer gave up) sets `stop`, which `pieces`

@@ -1,1 +1,0 @@
-"""Capturing and restoring process trees: CRIU through pycriu, image layout, integrity."""

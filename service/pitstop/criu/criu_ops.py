@@ -1,0 +1,216 @@
+"""Dump and restore process trees through CRIU's RPC (pycriu, `criu swrk`).
+
+Options are fixed by what pitstop guarantees rather than left to callers:
+- dump leaves the source *stopped* (leave_stopped): until the move commits,
+  the source is the job's copy of record and can be resumed;
+- established TCP connections are dumped (tcp_established) and the network is
+  locked with nftables (iptables is not assumed to exist);
+- stdio pipes to outside the tree are handed back on restore (inherit_fd), as
+  runc and podman do, so output keeps flowing to whoever owns the new pipes.
+- a worker with its own network namespace (network/workerns.py) has that
+  namespace marked external (key "wnet") and is restored into a namespace the
+  agent prepared with the same address; the agent locks the whole namespace
+  itself, so CRIU's per-connection lock is skipped for it.
+Each call writes CRIU's log next to the images; failures quote its Error lines.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pitstop.errors import CaptureFailed, RestoreFailed
+from pitstop.criu import criulog, runtime, swrk
+from pitstop.proc import proctree
+
+DEVICE_MAPPING = "Can't handle non-regular mapping"  # CRIU's words (criu/proc_parse.c)
+DUMP_LOG = "dump.log"
+RESTORE_LOG = "restore.log"
+
+
+@dataclass
+class DumpResult:
+    seconds: float
+    frozen_s: float
+    memdump_s: float
+    pages_written: int
+    run_id: str
+    stats: dict[str, Any] = field(default_factory=dict)
+    pages_in_parent: int = 0  # an incremental dump's pages left in its parent image
+
+
+def _criu(rt: runtime.CriuRuntime, binary: str | None = None, pass_fds: tuple[int, ...] = ()):  # noqa: ANN202
+    """pycriu's client, with its worker started by subprocess, not os.fork (criu/swrk.py)."""
+    pycriu = rt.import_pycriu()
+    c = pycriu.criu()
+    c._comm = swrk.SpawnedSwrk(binary or rt.binary, pass_fds)
+    return pycriu, c
+
+
+def _load_image(rt: runtime.CriuRuntime, path: Path) -> dict[str, Any]:
+    pycriu = rt.import_pycriu()
+    with open(path, "rb") as f:
+        return pycriu.images.load(f)["entries"][0]
+
+
+NET_KEY = "wnet"
+
+
+def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | None = None,
+         rt: runtime.CriuRuntime | None = None, parent: str | None = None, binary: str | None = None,
+         log_level: int = 4) -> DumpResult:
+    """Dump the tree rooted at root_pid into `images`, leaving it stopped.
+
+    parent: an incremental dump (CRIU's --track-mem) against the image directory at this path
+    (relative to `images`); only with `binary`, a CRIU that can tell what changed
+    (criu/criutrack.py)."""
+    rt = rt or runtime.locate()
+    pycriu, c = _criu(rt, binary)
+    images.mkdir(parents=True, exist_ok=True)
+    dfd = os.open(images, os.O_DIRECTORY)
+    try:
+        c.opts.images_dir_fd = dfd
+        c.opts.pid = root_pid
+        c.opts.leave_stopped = True
+        c.opts.tcp_established = True
+        c.opts.network_lock = pycriu.rpc.NFTABLES
+        if own_netns is not None:  # the worker's namespace: external, locked whole by the agent
+            c.opts.external.append(f"net[{own_netns}]:{NET_KEY}")
+            c.opts.network_lock = pycriu.rpc.SKIP
+        if parent is not None:
+            c.opts.track_mem = True
+            c.opts.parent_img = parent
+        c.opts.log_file = DUMP_LOG
+        c.opts.log_level = log_level
+        c.opts.timeout = timeout_s  # bounds CRIU's freeze of the tree
+        t0 = time.monotonic()
+        try:
+            c.dump()
+        except Exception as e:  # pycriu raises its own exception types
+            lines = criulog.error_lines(images / DUMP_LOG)
+            raise CaptureFailed(
+                f"CRIU could not dump pid {root_pid}: {e}" + (": " + " | ".join(lines) if lines else ""),
+                action=_dump_action(lines, images / DUMP_LOG),
+                details={"criu_errors": lines, "log": str(images / DUMP_LOG)}) from None
+        seconds = time.monotonic() - t0
+    finally:
+        c._comm.close()
+        os.close(dfd)
+    stats = _load_image(rt, images / "stats-dump").get("dump", {})
+    inv = _load_image(rt, images / "inventory.img")
+    return DumpResult(seconds=seconds, frozen_s=stats.get("frozen_time", 0) / 1e6,
+                      memdump_s=stats.get("memdump_time", 0) / 1e6,
+                      pages_written=stats.get("pages_written", 0),
+                      run_id=inv.get("dump_criu_run_id", ""), stats=stats,
+                      pages_in_parent=stats.get("pages_skipped_parent", 0))
+
+
+class _Deadline:
+    """Cut a CRIU restore short: when it overruns `timeout_s`, or as soon as `abort` is set.
+
+    Why: a restore can wait forever (a restorer that hits a BUG leaves CRIU on a futex,
+    seen under a too-narrow capability set), and while it waits it holds the worker's
+    restored sockets on this host, so the rollback on the source could not bind them again.
+    Killing CRIU and everything it has forked so far is safe before the commit: that copy is
+    not the job's copy of record.  Killing is sticky: a CRIU that starts after the deadline
+    passed is killed too."""
+
+    def __init__(self, c: Any, timeout_s: float, abort: threading.Event | None) -> None:
+        self.c, self.timeout_s, self.abort = c, timeout_s, abort
+        self.done = threading.Event()
+        self.why: str | None = None
+        self._t = threading.Thread(target=self._watch, name="criu-deadline", daemon=True)
+
+    def __enter__(self) -> "_Deadline":
+        self._t.start()
+        return self
+
+    def __exit__(self, *a: object) -> None:
+        self.done.set()
+        self._t.join(5)
+
+    def _watch(self) -> None:
+        end = time.monotonic() + self.timeout_s
+        while not self.done.wait(0.05):
+            if self.why is None:
+                if self.abort is not None and self.abort.is_set():
+                    self.why = "the restore was abandoned (the move is being rolled back)"
+                elif time.monotonic() > end:
+                    self.why = f"CRIU did not finish restoring within {self.timeout_s:g} s"
+            if self.why is not None:
+                worker = getattr(getattr(self.c, "_comm", None), "swrk", None)
+                if worker:
+                    for pid in proctree.tree(worker):
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+
+
+def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None, lazy: bool = False,
+            rt: runtime.CriuRuntime | None = None, timeout_s: float = 120.0,
+            abort: threading.Event | None = None, binary: str | None = None) -> tuple[int, float]:
+    """Restore a tree detached from us; return (host pid of its root, seconds).
+
+    `inherit` maps CRIU external ids ("pipe:[ino]") to fds of ours that take
+    their place.  The caller should be a child subreaper so that the restored
+    root becomes its child once CRIU exits.  lazy: the tree's anonymous memory
+    is left to a lazy-pages daemon the caller started (memory/lazy_pages.py).
+    timeout_s, abort: CRIU and the partial tree are killed past the deadline or once
+    `abort` is set (_Deadline), and RestoreFailed says which.  binary: a CRIU to run instead of
+    rt's (one with a library preloaded: criu/criufill.py).
+    """
+    rt = rt or runtime.locate()
+    if net_fd is not None:
+        inherit = {**inherit, NET_KEY: net_fd}
+    # CRIU takes the inherited fds by number in its own process: they go to its worker alone
+    pycriu, c = _criu(rt, binary, pass_fds=tuple(inherit.values()))
+    dfd = os.open(images, os.O_DIRECTORY)  # CRIU reads it through /proc/<our pid>/fd
+    try:
+        c.opts.images_dir_fd = dfd
+        c.opts.tcp_established = True
+        c.opts.network_lock = pycriu.rpc.NFTABLES
+        if net_fd is not None:
+            c.opts.network_lock = pycriu.rpc.SKIP
+        c.opts.log_file = RESTORE_LOG
+        c.opts.log_level = 4
+        c.opts.lazy_pages = lazy
+        for key, fd in inherit.items():
+            i = c.opts.inherit_fd.add()
+            i.key = key
+            i.fd = fd
+        t0 = time.monotonic()
+        deadline = _Deadline(c, timeout_s, abort)
+        try:
+            with deadline:
+                resp = c.restore()
+            if deadline.why:  # it finished as the deadline passed: that copy must not run either
+                proctree.kill_and_wait(resp.pid)
+                raise RuntimeError("cut short")
+        except Exception as e:
+            lines = criulog.error_lines(images / RESTORE_LOG)
+            cause = deadline.why or f"CRIU could not restore: {e}"
+            raise RestoreFailed(
+                cause + (": " + " | ".join(lines) if lines else ""),
+                action=f"the images are kept for a retry or rollback; see {images / RESTORE_LOG}",
+                details={"criu_errors": lines, "log": str(images / RESTORE_LOG)}) from None
+        return resp.pid, time.monotonic() - t0
+    finally:
+        c._comm.close()
+        os.close(dfd)
+
+
+def _dump_action(lines: list[str], log: Path) -> str:
+    """What an operator does about a failed dump, from CRIU's own lines."""
+    if any(DEVICE_MAPPING in line for line in lines):
+        # CRIU met a device still mapped: a process that began to use the GPU after pitstop
+        # suspended the tree's CUDA processes (gpu/checkpoint.py), or a device nothing moves
+        return (f"the worker was resumed; a process of it mapped a device when CRIU froze it (a process "
+                f"that began to use the GPU during the pause, or a device pitstop cannot move): evacuate "
+                f"again, and see {log}")
+    return f"the worker was resumed; see {log}"

@@ -1,0 +1,124 @@
+"""Where CRIU is, which version it is, and whether this kernel can run it.
+
+pitstop needs CRIU >= 4.2 on Linux >= 6.16 (older releases fail `criu check`
+on the [vvar_vclock] mapping or cannot dump TCP sockets).  A host criu that is
+new enough wins, and so does an older one that passes a real dump and restore on
+this kernel (criu/criuprobe.py); otherwise the private prefix made by
+scripts/provision-criu.sh is used.  pycriu is taken from the same place so the RPC schema always matches
+the binary.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from pitstop.errors import FailedPrecondition
+
+MIN_VERSION = (4, 2)
+
+
+def default_prefix() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(os.environ.get("PITSTOP_CRIU_PREFIX") or Path(cache) / "pitstop" / "criu-4.2")
+
+
+def _parse_version(text: str) -> tuple[int, ...] | None:
+    m = re.search(r"Version:\s*([0-9.]+)", text)
+    if not m:
+        return None
+    return tuple(int(x) for x in m.group(1).split(".") if x.isdigit())
+
+
+@dataclass(frozen=True)
+class CriuRuntime:
+    """A usable CRIU: binary (or wrapper), version, pycriu location, nft helper."""
+
+    binary: str
+    version: tuple[int, ...]
+    pycriu_path: str | None
+    nft: str | None
+    source: str  # "host", "prefix" or "env"
+
+    @property
+    def version_str(self) -> str:
+        return ".".join(map(str, self.version))
+
+    def check(self) -> tuple[bool, str]:
+        """Run `criu check`; return (ok, CRIU's own words)."""
+        p = subprocess.run([self.binary, "check"], capture_output=True, text=True, timeout=60)
+        out = (p.stdout + p.stderr).strip()
+        return p.returncode == 0, out
+
+    def import_pycriu(self):  # noqa: ANN201 - pycriu has no types
+        if self.pycriu_path and self.pycriu_path not in sys.path:
+            sys.path.insert(0, self.pycriu_path)
+        import pycriu  # type: ignore[import-not-found]
+
+        return pycriu
+
+
+def _version_of(binary: str) -> tuple[int, ...] | None:
+    try:
+        p = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return _parse_version(p.stdout + p.stderr)
+
+
+@functools.lru_cache(maxsize=1)
+def locate() -> CriuRuntime:
+    """Find a CRIU >= 4.2; raise FailedPrecondition saying how to get one."""
+    prefix = default_prefix()
+    candidates: list[tuple[str, str, str | None, str | None]] = []
+    if os.environ.get("PITSTOP_CRIU"):
+        candidates.append((os.environ["PITSTOP_CRIU"], "env", os.environ.get("PITSTOP_PYCRIU"),
+                           os.environ.get("PITSTOP_NFT")))
+    host = shutil.which("criu")
+    if host and not os.environ.get("PITSTOP_FORCE_PRIVATE_CRIU"):
+        candidates.append((host, "host", None, shutil.which("nft")))
+    if (prefix / "bin" / "criu").exists():
+        candidates.append((str(prefix / "bin" / "criu"), "prefix", str(prefix / "pycriu"),
+                           str(prefix / "bin" / "nft") if (prefix / "bin" / "nft").exists() else None))
+    seen = []
+    for binary, source, pyc, nft in candidates:
+        v = _version_of(binary)
+        seen.append(f"{binary}: {'.'.join(map(str, v)) if v else 'no version'}")
+        if v and v >= MIN_VERSION:
+            return CriuRuntime(binary, v, pyc, nft, source)
+        if v and source == "host":  # older than the floor, but it may work on this kernel: try it
+            from pitstop.criu.criuprobe import passes
+
+            ok, why = passes(binary, v)
+            if ok:
+                return CriuRuntime(binary, v, pyc, nft, source)
+            seen[-1] += f" (probe: {why})"
+    raise FailedPrecondition(
+        "no CRIU >= 4.2 found" + (f" (tried {'; '.join(seen)})" if seen else ""),
+        action="run `make criu` (scripts/provision-criu.sh) or set PITSTOP_CRIU to a criu >= 4.2",
+        code="criu_missing")
+
+
+def preloaded_wrapper(rt: CriuRuntime, lib: Path, where: Path, stem: str, why: str,
+                      env: dict[str, str] | None = None) -> Path:
+    """A script in `where` that runs this CRIU with `lib` preloaded (and `env` set): pycriu starts
+    `criu swrk` from a path, with the caller's environment, so a preload for one CRIU run must be
+    in what it starts.  Named by its content, written once, atomically."""
+    where.mkdir(parents=True, exist_ok=True)
+    sets = "".join(f'{k}="{v}" ' for k, v in sorted((env or {}).items()))
+    text = f'#!/bin/sh\n# pitstop: CRIU with {why}\n' \
+           f'{sets}LD_PRELOAD="{lib}${{LD_PRELOAD:+:$LD_PRELOAD}}" exec "{rt.binary}" "$@"\n'
+    path = where / f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh"
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        os.replace(tmp, path)
+    return path

@@ -1,0 +1,204 @@
+"""A typed client for an agent's HTTP API (peers, the coordinator, tests, the launcher)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import httpx
+
+from pitstop import tls
+
+from pitstop.errors import DeadlineExceeded, PitstopError, Unavailable
+
+
+def raise_for(r: httpx.Response) -> Any:
+    """Turn a JSON problem back into the PitstopError it was."""
+    if r.status_code < 300:
+        return r.json() if r.content and r.headers.get("content-type", "").startswith("application/json") else None
+    try:
+        body = r.json()
+        err = body.get("error") if isinstance(body, dict) else None
+    except ValueError:
+        err = None
+    if not err:
+        err = {"code": "http_error", "message": f"HTTP {r.status_code}: {r.text[:300]}"}
+    raise PitstopError.from_dict(err, http_status=r.status_code)
+
+
+class AgentClient:
+    def __init__(self, url: str, token: str | None = None, *, uds: str | None = None,
+                 timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        transport = httpx.HTTPTransport(uds=uds) if uds else None
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
+                                 verify=tls.client_context())
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "AgentClient":
+        return self
+
+    def __exit__(self, *a: object) -> None:
+        self.close()
+
+    def _req(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            r = self.http.request(method, path, **kw)
+        except httpx.TimeoutException as e:
+            raise DeadlineExceeded(f"{method} {self.url}{path} timed out: {e!r}",
+                                   action="check that the agent is alive and not overloaded") from None
+        except httpx.HTTPError as e:
+            raise Unavailable(f"cannot reach agent at {self.url}: {e!r}",
+                              action="check that the agent runs and the address is right") from None
+        return raise_for(r)
+
+    # reading
+    def info(self, timeout: float | None = None) -> dict:
+        return self._req("GET", "/v1/info", **({"timeout": timeout} if timeout else {}))
+
+    def workers(self) -> list[dict]:
+        return self._req("GET", "/v1/workers")
+
+    def worker(self, wid: str) -> dict:
+        return self._req("GET", f"/v1/workers/{wid}")
+
+    # local (Unix socket) calls
+    def register(self, job: str, rank: int, pid: int, address: str | None = None) -> dict:
+        return self._req("POST", "/v1/workers", json={"job": job, "rank": rank, "pid": pid, "address": address})
+
+    def prepare_network(self, job: str, rank: int, address: str) -> dict:
+        return self._req("POST", "/v1/networks", json={"job": job, "rank": rank, "address": address})
+
+    def drop_network(self, wid: str) -> dict:
+        return self._req("DELETE", f"/v1/networks/{wid}")
+
+    def exited(self, wid: str, code: int) -> dict:
+        return self._req("POST", f"/v1/workers/{wid}:exited", json={"code": code})
+
+    def output(self, wid: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]:
+        try:
+            r = self.http.get(f"/v1/workers/{wid}/output", params={"stream": stream, "offset": offset})
+        except httpx.HTTPError as e:
+            raise Unavailable(f"cannot reach agent at {self.url}: {e!r}", action="check the agent") from None
+        if r.status_code >= 300:
+            raise_for(r)
+        return r.content, {k.lower(): v for k, v in r.headers.items()}
+
+    def worker_files(self, wid: str, timeout: float = 30.0) -> list[dict] | None:
+        """The paths a restore of the worker needs (proc/files.py); None from an agent that
+        predates the call."""
+        return self._or_each(lambda: self._req("GET", f"/v1/workers/{wid}/files", timeout=timeout)["files"],
+                             lambda: None)
+
+    def lacking_files(self, files: list[dict], timeout: float = 30.0) -> list[dict] | None:
+        """What this agent's host lacks of those paths, each with why; None from an agent that
+        predates the call."""
+        return self._or_each(lambda: self._req("POST", "/v1/files:check", json={"files": files},
+                                               timeout=timeout)["lacking"], lambda: None)
+
+    def pause(self, wid: str) -> dict:
+        return self._req("POST", f"/v1/workers/{wid}:pause")
+
+    def resume(self, wid: str) -> dict:
+        return self._req("POST", f"/v1/workers/{wid}:resume")
+
+    def pause_many(self, ids: list[str]) -> list[dict]:
+        """All of `ids` in one call; an agent older than the batch call gets one call each."""
+        return self._or_each(lambda: self._req("POST", "/v1/workers:batchPause", json={"ids": ids}),
+                             lambda: [self.pause(wid) for wid in ids])
+
+    def resume_many(self, ids: list[str]) -> list[dict]:
+        return self._or_each(lambda: self._req("POST", "/v1/workers:batchResume", json={"ids": ids}),
+                             lambda: [self.resume(wid) for wid in ids])
+
+    @staticmethod
+    def _or_each(batch: Callable[[], Any], each: Callable[[], Any]) -> Any:
+        """The call, or, where the agent predates it (its router has no such route, which is not
+        the same as an unknown worker), what `each` gives instead: the same work one call at a
+        time, or None where there is nothing to fall back on."""
+        try:
+            return batch()
+        except PitstopError as e:
+            if e.code not in ("http_404", "http_405"):
+                raise
+        return each()
+
+    def discard_worker(self, wid: str) -> dict:
+        return self._req("POST", f"/v1/workers/{wid}:discard")
+
+    def shim_blocks(self, wid: str) -> list[dict]:
+        return self._req("GET", f"/v1/workers/{wid}/shim")["blocks"]
+
+    def shim_blocks_many(self, ids: list[str]) -> dict[str, list[dict]]:
+        """Every worker's blocks in one call; an agent older than the batch call gets one call each."""
+        return self._or_each(lambda: self._req("GET", "/v1/workers:batchGetShim", params={"ids": ids})["blocks"],
+                             lambda: {wid: self.shim_blocks(wid) for wid in ids})
+
+    def shim_op(self, wid: str, body: dict) -> dict:
+        return self._req("POST", f"/v1/workers/{wid}/shim", json=body)
+
+    def captures(self) -> list[dict]:
+        return self._req("GET", "/v1/captures")
+
+    # the leaving side
+    def capture(self, worker_id: str, dest_url: str | None = None, image_id: str | None = None,
+                keep_peers: list[str] | None = None, post_copy: bool | None = None) -> dict:
+        return self._req("POST", "/v1/captures", json={"worker_id": worker_id, "dest_url": dest_url,
+                                                       "image_id": image_id, "keep_peers": keep_peers,
+                                                       "post_copy": post_copy})
+
+    def precopy(self, worker_id: str, dest_url: str, image_id: str, post_copy: bool | None = None,
+                timeout: float = 120.0) -> dict:
+        body = {"worker_id": worker_id, "dest_url": dest_url, "image_id": image_id, "post_copy": post_copy}
+        return self._req("POST", "/v1/precopies", json=body, timeout=timeout)
+
+    def precopies(self, timeout: float = 5.0) -> list[dict]:
+        """The pre-copies under way on this agent, with their progress."""
+        return self._req("GET", "/v1/precopies", timeout=timeout)["precopies"]
+
+    def stop_precopy(self, image_id: str, timeout: float = 5.0) -> dict:
+        return self._req("DELETE", f"/v1/precopies/{image_id}", timeout=timeout)
+
+    def get_capture(self, cid: str, wait: float = 0.0) -> dict:
+        return self._req("GET", f"/v1/captures/{cid}", params={"wait": wait} if wait else None,
+                         timeout=max(30.0, wait + 10))
+
+    def wait_capture(self, cid: str, deadline_s: float, on_progress: Any = None) -> dict:
+        end = time.monotonic() + deadline_s
+        while True:
+            c = self.get_capture(cid, wait=0.5)
+            if on_progress:
+                on_progress(c)
+            if c["state"] != "dumping":
+                return c
+            if time.monotonic() > end:
+                raise DeadlineExceeded(f"capture {cid} did not finish within {deadline_s:.0f} s",
+                                       action="the agent rolls the source back when its own deadlines pass")
+
+    def release(self, cid: str) -> dict:
+        return self._req("POST", f"/v1/captures/{cid}:release")
+
+    def commit(self, cid: str, moved_to: dict[str, str], timeout: float | None = None) -> dict:
+        return self._req("POST", f"/v1/captures/{cid}:commit", json={"moved_to": moved_to},
+                         **({"timeout": timeout} if timeout else {}))
+
+    def rollback(self, cid: str) -> dict:
+        return self._req("POST", f"/v1/captures/{cid}:rollback", timeout=180)
+
+    # the arriving side
+    def image(self, image_id: str) -> dict:
+        return self._req("GET", f"/v1/images/{image_id}")
+
+    def verify(self, image_id: str) -> dict:
+        return self._req("POST", f"/v1/images/{image_id}:verify", timeout=180)
+
+    def restore(self, image_id: str, timeout: float = 180.0) -> dict:
+        return self._req("POST", f"/v1/images/{image_id}:restore", timeout=timeout)
+
+    def discard(self, image_id: str, timeout: float = 60.0) -> dict:
+        """Longer than the agent's wait for an abandoned restore to stop (30 s): the caller
+        must not go on (resume the source) while that copy may still come up."""
+        return self._req("DELETE", f"/v1/images/{image_id}", timeout=timeout)

@@ -1,0 +1,81 @@
+"""Operator client for the coordinator's REST API (used by the CLI, the demo and tests)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import httpx
+
+from pitstop import tls
+
+from pitstop.wire.agent_client import raise_for
+from pitstop.endpoints import check_url
+from pitstop.errors import FailedPrecondition, InvalidRequest, Unavailable
+
+
+class CoordinatorClient:
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
+        url = url or os.environ.get("PITSTOP_COORDINATOR")
+        if not url:
+            raise FailedPrecondition("no coordinator given", code="no_coordinator",
+                                     action="set PITSTOP_COORDINATOR=http://HOST:PORT or pass --coordinator")
+        try:
+            check_url(url)
+        except ValueError as e:
+            raise InvalidRequest(f"coordinator URL {e}", code="bad_coordinator_url",
+                                 action="give the URL with its scheme, e.g. http://10.0.0.5:7000") from None
+        self.url = url.rstrip("/")
+        token = token if token is not None else os.environ.get("PITSTOP_TOKEN")
+        self.http = httpx.Client(base_url=self.url, timeout=timeout, verify=tls.client_context(),
+                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+
+    def _req(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            return raise_for(self.http.request(method, path, **kw))
+        except httpx.HTTPError as e:
+            raise Unavailable(f"cannot reach the coordinator at {self.url}: {e!r}",
+                              action="check the coordinator URL (--coordinator or PITSTOP_COORDINATOR) "
+                                     "and that the coordinator runs") from None
+
+    def hosts(self) -> list[dict]:
+        return self._req("GET", "/v1/hosts")
+
+    def jobs(self) -> list[dict]:
+        return self._req("GET", "/v1/jobs")
+
+    def ops(self, node: str | None = None, done: bool | None = None, before: float | None = None,
+            limit: int | None = None) -> list[dict]:
+        params = {k: v for k, v in (("node", node), ("done", None if done is None else str(done).lower()),
+                                    ("before", before), ("limit", limit)) if v is not None}
+        return self._req("GET", "/v1/operations", params=params)
+
+    def uncordon(self, host: str) -> dict:
+        return self._req("POST", f"/v1/hosts/{host}:uncordon")
+
+    def set_role(self, host: str, role: str) -> dict:
+        return self._req("POST", f"/v1/hosts/{host}:setRole", json={"role": role})
+
+    def remove_host(self, host: str) -> dict:
+        return self._req("DELETE", f"/v1/hosts/{host}")
+
+    def op(self, op_id: str) -> dict:
+        return self._req("GET", f"/v1/operations/{op_id.removeprefix('operations/')}")
+
+    def evacuate(self, node: str, to: str | None = None, idempotency_key: str | None = None,
+                 reason: str | None = None, post_copy: bool | None = None, pre_copy: bool | None = None,
+                 validate_only: bool = False) -> dict:
+        body: dict[str, Any] = {"validate_only": True} if validate_only else {}
+        if pre_copy is not None:
+            body["pre_copy"] = pre_copy
+        if post_copy is not None:
+            body["post_copy"] = post_copy
+        if to:
+            body["to"] = to
+        if reason:
+            body["reason"] = reason
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._req("POST", f"/v1/nodes/{node}:evacuate", json=body, headers=headers)
+
+    def cancel(self, op_id: str) -> dict:
+        return self._req("POST", f"/v1/operations/{op_id.removeprefix('operations/')}:cancel")
