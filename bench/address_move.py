@@ -21,9 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import evacuate_and_wait, job_pause, machine  # noqa: E402
-from pitstop.wire.coordinator_client import CoordinatorClient  # noqa: E402
 from pitstop.dev.devcluster import LocalCluster, wait_for_step  # noqa: E402
 from pitstop.dev.netns import NetHosts  # noqa: E402
+from pitstop.wire.coordinator_client import CoordinatorClient  # noqa: E402
 from tests.helpers import ddp_cmd  # noqa: E402
 
 

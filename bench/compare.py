@@ -63,10 +63,18 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (evacuate_and_wait, first_divergent_step, keep_logs, machine,  # noqa: E402
-                          moved_after_step, prewarm, raw_tcp_bandwidth, host_reclaimed_kib)
-from pitstop.wire.coordinator_client import CoordinatorClient  # noqa: E402
+from bench.common import (  # noqa: E402
+    evacuate_and_wait,
+    first_divergent_step,
+    host_reclaimed_kib,
+    keep_logs,
+    machine,
+    moved_after_step,
+    prewarm,
+    raw_tcp_bandwidth,
+)
 from pitstop.dev.devcluster import LocalCluster, free_port, step_gaps, step_times, wait_for_step  # noqa: E402
+from pitstop.wire.coordinator_client import CoordinatorClient  # noqa: E402
 from tests.helpers import ddp_cmd  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -38,12 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, stop_by_stdin  # noqa: E402
 from bench.stream_rate import _mount, _umount  # noqa: E402
 from pitstop.criu import runtime  # noqa: E402
-from pitstop.transfer.manifest import Manifest  # noqa: E402
 from pitstop.dev.devcluster import wait_for_step  # noqa: E402
-from pitstop.launcher.seccomp import deny_io_uring  # noqa: E402
 from pitstop.dev.netns import NetHosts  # noqa: E402
+from pitstop.launcher.seccomp import deny_io_uring  # noqa: E402
 from pitstop.transfer import compress, dataport  # noqa: E402
 from pitstop.transfer.compress import Compression, Link  # noqa: E402
+from pitstop.transfer.manifest import Manifest  # noqa: E402
 from pitstop.transfer.stream import DirectoryTail  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

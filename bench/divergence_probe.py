@@ -10,16 +10,17 @@ With "rollback", host-b's agent breaks the image stream after 20 MB (fault hook
 transfer:cut_after), so every run is a rollback by restore on the source: where the
 divergence was last seen.  A divergent run's logs are copied to bench/out/divergence-<it>/.
 """
-import sys
-import time
-import tempfile
 import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import first_divergent_step, keep_logs, moved_after_step
 from pitstop.dev.devcluster import LocalCluster, wait_for_step
 from pitstop.wire.coordinator_client import CoordinatorClient
 from tests.helpers import ddp_cmd
-from bench.common import first_divergent_step, keep_logs, moved_after_step
 
 N = int(sys.argv[1]); load = int(sys.argv[2]) if len(sys.argv) > 2 else 0
 rollback = len(sys.argv) > 3 and sys.argv[3] == "rollback"

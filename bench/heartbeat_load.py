@@ -30,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine  # noqa: E402
-from pitstop.wire.beats import ACK_OK, big_buffers, decode_ack, encode_beat  # noqa: E402
 from pitstop.dev.devcluster import LocalCluster  # noqa: E402
+from pitstop.wire.beats import ACK_OK, big_buffers, decode_ack, encode_beat  # noqa: E402
 
 
 def payload(i: int, generation: str) -> bytes:

@@ -26,11 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -141,8 +141,8 @@ def file_to_file(src_file: Path, dest_file: Path, cpu: dict[str, float]) -> floa
 def pitstop_stream(src: Path, port: int, image_id: str, dest: Path, cpu: dict[str, float] | None = None) -> float:
     """The image directory through the data port, as a move sends it; bytes/s (each end's CPU
     seconds into `cpu`, the sender's with its read-ahead thread)."""
-    from pitstop.transfer.manifest import Manifest
     from pitstop.transfer import dataport
+    from pitstop.transfer.manifest import Manifest
     from pitstop.transfer.stream import DirectoryTail
 
     tail = DirectoryTail(src)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.dev import devleases
 from pitstop.criu import netlock, runtime
-from pitstop.proc import proctree
+from pitstop.dev import devleases
 from pitstop.dev.devcluster import LocalCluster
+from pitstop.proc import proctree
 
 _suite_lock_fd: int | None = None
 

@@ -214,3 +214,24 @@ def end_dumped(p: subprocess.Popen, run_id: str) -> None:
         except ProcessLookupError:
             pass
     p.wait(10)
+
+
+def end_stdin_child(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """End a helper process that runs until its stdin closes; killed if it outlives `grace_s`."""
+    if proc.stdin:
+        proc.stdin.close()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def assert_job_ends_intact(out: Path, ranks: list, tmp: Path, last_step: int, **kw) -> None:  # noqa: ANN003
+    """Let the paced job finish: every rank exits 0, the moved one reaches `last_step`, and the
+    final state is bit for bit an uninterrupted run's (`kw`: the job's parameters)."""
+    let_finish(out)
+    codes = [r.proc.wait(120) for r in ranks]
+    assert codes == [0] * len(ranks), [r.log.read_text()[-1500:] for r in ranks]
+    assert [s for s, _ in step_times(ranks[-1].log)][-1] == last_step
+    assert_same_as_reference(out, reference_hashes(tmp, len(ranks), **kw))

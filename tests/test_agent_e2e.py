@@ -17,12 +17,21 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pitstop.proc import proctree
 from pitstop.errors import IntegrityError, PitstopError, TransferFailed
 from pitstop.migration.move import move_worker
+from pitstop.proc import proctree
 
-from .helpers import (WORKLOADS, CuttingProxy, free_port, assert_same_as_reference, ddp_cmd, let_finish,
-                      reference_hashes, step_times, wait_for_step)
+from .helpers import (
+    WORKLOADS,
+    CuttingProxy,
+    assert_same_as_reference,
+    ddp_cmd,
+    free_port,
+    let_finish,
+    reference_hashes,
+    step_times,
+    wait_for_step,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -13,9 +13,9 @@ import sys
 import httpx
 import pytest
 
-from pitstop.wire.agent_client import AgentClient
-from pitstop.proc import proctree
 from pitstop.errors import PitstopError
+from pitstop.proc import proctree
+from pitstop.wire.agent_client import AgentClient
 
 from .helpers import WORKLOADS, until
 

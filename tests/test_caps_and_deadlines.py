@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.proc import caps, proctree
-from pitstop.criu import criu_ops, runtime
 from pitstop.coordinator import planner
+from pitstop.criu import criu_ops, runtime
 from pitstop.errors import FailedPrecondition, RestoreFailed
+from pitstop.proc import caps, proctree
 
 pytestmark = pytest.mark.timeout(60)
 UNIT_SET = (1 << 40) | (1 << 21) | (1 << 19) | (1 << 8)  # checkpoint_restore, sys_admin, sys_ptrace, setpcap

@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 import zstandard
 
-from pitstop.transfer.manifest import Manifest
-from pitstop.errors import TransferFailed
 from pitstop.dev.netns import NetHosts
+from pitstop.errors import TransferFailed
 from pitstop.transfer import compress, dataport
 from pitstop.transfer.compress import Compression, Link
+from pitstop.transfer.manifest import Manifest
 from pitstop.transfer.stream import _D, _L, _Z, DirectoryTail, StreamReceiver, verify_directory
+
+from .helpers import end_stdin_child
 
 MiB = 1 << 20
 
@@ -271,12 +273,7 @@ def slow_host(tmp_path):
         yield addr, port, tmp_path / "rx"
     finally:
         if proc is not None:
-            proc.stdin.close()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            end_stdin_child(proc)
         net.close()
 
 

@@ -13,12 +13,20 @@ import httpx
 import pytest
 
 from pitstop.agent import exitkeeper
-from pitstop.wire.coordinator_client import CoordinatorClient
-from pitstop.proc import proctree
 from pitstop.dev.devcluster import pitstop_cmd
 from pitstop.errors import PitstopError
+from pitstop.proc import proctree
+from pitstop.wire.coordinator_client import CoordinatorClient
 
-from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, step_times, wait_for_step
+from .helpers import (
+    WORKLOADS,
+    assert_same_as_reference,
+    ddp_cmd,
+    let_finish,
+    reference_hashes,
+    step_times,
+    wait_for_step,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SLEEPER = [sys.executable, str(WORKLOADS / "sleeper.py"), "120"]
@@ -151,13 +159,19 @@ def test_refusals_change_nothing(cluster, tmp_path):
     assert p.returncode == 1 and "no compatible spare" in p.stderr and "what to do" in p.stderr
 
 
-def test_concurrent_evacuation_is_409_and_cancel_rolls_back(cluster, tmp_path):
+def _evacuating_a_training_job(cluster, tmp_path):
+    """A 2-rank job (150 steps, 300 MB a rank) training on host-a and host-b, and the evacuation of
+    host-b just started: the client, the job's output directory, its ranks, the operation."""
     cc = _cluster(cluster)
     out = tmp_path / "out"
     ranks = cluster.start_job("train", ddp_cmd(out, steps=150, state_mb=300), 2, {0: "host-a", 1: "host-b"})
     _wait_jobs(cc, "train", 2)
     wait_for_step(ranks[1].log, 5)
-    op = cc.evacuate("host-b")
+    return cc, out, ranks, cc.evacuate("host-b")
+
+
+def test_concurrent_evacuation_is_409_and_cancel_rolls_back(cluster, tmp_path):
+    cc, out, ranks, op = _evacuating_a_training_job(cluster, tmp_path)
     with pytest.raises(PitstopError) as e:
         cc.evacuate("host-b")
     assert e.value.http_status == 409 and op["name"].split("/")[1] in e.value.message
@@ -179,12 +193,7 @@ def test_concurrent_evacuation_is_409_and_cancel_rolls_back(cluster, tmp_path):
 
 
 def test_coordinator_killed_mid_operation_rolls_back_on_restart(cluster, tmp_path):
-    cc = _cluster(cluster)
-    out = tmp_path / "out"
-    ranks = cluster.start_job("train", ddp_cmd(out, steps=150, state_mb=300), 2, {0: "host-a", 1: "host-b"})
-    _wait_jobs(cc, "train", 2)
-    wait_for_step(ranks[1].log, 5)
-    op = cc.evacuate("host-b")
+    cc, out, ranks, op = _evacuating_a_training_job(cluster, tmp_path)
     _wait_op(cc, op["name"], until=lambda o: o["metadata"]["phase"] == "capture")
     port = int(cluster.coordinator_url.rsplit(":", 1)[1])
     os.killpg(cluster.coordinator_proc.pid, signal.SIGKILL)

@@ -27,14 +27,14 @@ import pytest
 from pitstop.agent.receiving import DestinationSide
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import AgentState
-from pitstop.transfer.manifest import Manifest
 from pitstop.errors import TransferFailed
 from pitstop.transfer import dataport
 from pitstop.transfer.compress import MAX_PIECE
 from pitstop.transfer.dataport import DataPort
+from pitstop.transfer.manifest import Manifest
 from pitstop.transfer.stream import MAX_MANIFEST, DirectoryTail, StreamReceiver
 
-from .helpers import until
+from .helpers import end_stdin_child, until
 
 TOKEN = "cluster-token"
 MiB = 1 << 20
@@ -205,12 +205,7 @@ def test_the_port_outlives_running_out_of_file_descriptors(tmp_path, clients):
         assert reply["bytes"] == 1 * MiB
         assert (tmp_path / "rx" / "after-the-flood" / "pages-1.img").stat().st_size == 1 * MiB
     finally:
-        proc.stdin.close()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        end_stdin_child(proc)
     assert proc.returncode == 0, "".join(out)
     errors = [ln for ln in out if "cannot accept" in ln]
     assert errors and "EMFILE" in errors[0], "".join(out)

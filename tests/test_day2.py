@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from pitstop import cli
 from pitstop.agent.server import check_advertised
 from pitstop.agent.settings import AgentSettings
-from pitstop.wire.coordinator_client import CoordinatorClient
 from pitstop.errors import FailedPrecondition, PitstopError
+from pitstop.wire.coordinator_client import CoordinatorClient
 
 from .helpers import WORKLOADS, until
 from .test_coordinator_e2e import _cli, _wait_jobs, _wait_op

@@ -7,9 +7,9 @@ import threading
 import numpy as np
 import pytest
 
-from pitstop.transfer.manifest import Manifest
 from pitstop.errors import TransferFailed
 from pitstop.transfer.dedup import PAGE, Copy, Data, PageIndex
+from pitstop.transfer.manifest import Manifest
 from pitstop.transfer.stream import DirectoryTail, StreamReceiver, verify_directory
 
 from .test_stream import _writer

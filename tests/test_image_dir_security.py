@@ -19,9 +19,9 @@ import pytest
 from pitstop import safepath
 from pitstop.agent.settings import AgentSettings
 from pitstop.criu import netlock
-from pitstop.proc import proctree
 from pitstop.dev.devcluster import free_port, pitstop_cmd
 from pitstop.errors import IntegrityError
+from pitstop.proc import proctree
 
 from .helpers import wait_for_step
 

@@ -7,13 +7,12 @@ place, the worker is stopped (never left to read zeros) and says why.
 
 from __future__ import annotations
 
-
 import pytest
 
-from pitstop.proc import proctree
 from pitstop.migration.move import move_worker
+from pitstop.proc import proctree
 
-from .helpers import assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, step_times, until, wait_for_step
+from .helpers import assert_job_ends_intact, ddp_cmd, until, wait_for_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -37,11 +36,7 @@ def test_lazy_restore_moves_rank_bitwise_equal(cluster, tmp_path, workers):
     # The fill ends by itself, and then the images go.
     until(lambda: "memory filled" in b.log.read_text(errors="replace"))
     until(lambda: not any(b.image_dir.iterdir()))
-    let_finish(out)
-    codes = [r.proc.wait(120) for r in ranks]
-    assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
-    assert [s for s, _ in step_times(ranks[1].log)][-1] == 80
-    assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))
+    assert_job_ends_intact(out, ranks, tmp_path, 80, **kw)
     assert b.client().worker("j.1")["state"] == "exited"
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from pitstop import nsinit
-from pitstop.proc import proctree
 from pitstop.dev.devcluster import pitstop_cmd
+from pitstop.proc import proctree
 
 from .helpers import until
 

@@ -17,10 +17,10 @@ import threading
 
 import pytest
 
-from pitstop.proc import proctree
-from pitstop.memory.postcopy import PAGE
 from pitstop.memory.page_relay import Guardian, Relay, _Frames
 from pitstop.memory.page_server import PS_IOV_ADD_F, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PSI
+from pitstop.memory.postcopy import PAGE
+from pitstop.proc import proctree
 
 from .helpers import until
 

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
+from pitstop.dev.devcluster import pitstop_cmd
 from pitstop.proc import proctree
 from pitstop.wire.coordinator_client import CoordinatorClient
-from pitstop.dev.devcluster import pitstop_cmd
 
 from .helpers import assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, until, wait_for_step
 from .test_coordinator_e2e import _wait_jobs, _wait_op
@@ -74,6 +74,7 @@ def test_only_what_changed_travels_during_the_pause(cluster, tmp_path, workers, 
     assert md["result"] == "succeeded", op
     assert _condition(op, "PreCopied")["status"] == "True"
     assert "precopy" in md["phases"]
+    assert md["plan"] == {"pre_copy": True, "post_copy": False, "pause": "sigstop"}  # settled once, recorded
     w = md["workers"]["train.1"]
     pre, during = w["bytes_pre_copied"], md["bytes_total"]
     assert md["pre_copy_bytes"] >= 64 << 20 and pre >= 64 << 20
@@ -192,6 +193,7 @@ def test_without_pre_copy_everything_travels_during_the_pause(cluster, tmp_path)
     md = op["metadata"]
     assert md["result"] == "succeeded", op
     assert "precopy" not in md["phases"] and not any(c["type"] == "PreCopied" for c in md["conditions"])
+    assert md["plan"] == {"pre_copy": False, "post_copy": False, "pause": "sigstop"}
     assert md["bytes_total"] >= 64 << 20
     _finish(tmp_path, out, kw, ranks)
 

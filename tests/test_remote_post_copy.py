@@ -19,13 +19,22 @@ import threading
 import pytest
 
 from pitstop.criu import criu_ops
-from pitstop.memory import lazyrule, postcopy
-from pitstop.proc import proctree
 from pitstop.errors import PitstopError
+from pitstop.memory import lazyrule, page_server, postcopy
 from pitstop.migration.move import move_worker
-from pitstop.memory import page_server
+from pitstop.proc import proctree
 
-from .helpers import assert_same_as_reference, ddp_cmd, let_finish, end_dumped, reference_hashes, step_times, until, wait_for_step
+from .helpers import (
+    assert_job_ends_intact,
+    assert_same_as_reference,
+    ddp_cmd,
+    end_dumped,
+    let_finish,
+    reference_hashes,
+    step_times,
+    until,
+    wait_for_step,
+)
 
 REMOTE = {"PITSTOP_AGENT_REMOTE_POST_COPY": "1"}
 
@@ -68,11 +77,7 @@ def test_moves_rank_bitwise_equal_sending_only_eager_pages(cluster, tmp_path, wo
     until(lambda: "lazy pages served" in a.log.read_text(errors="replace"))
     until(lambda: not any(a.image_dir.iterdir()), what="the source's dump deleted after the fill")
     until(lambda: not any(b.image_dir.iterdir()))
-    let_finish(out)
-    codes = [r.proc.wait(120) for r in ranks]
-    assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
-    assert [s for s, _ in step_times(ranks[1].log)][-1] == 80
-    assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))
+    assert_job_ends_intact(out, ranks, tmp_path, 80, **kw)
 
 
 FILL_FAILURES = [  # (source fault, destination settings, what the lost worker's reason says)

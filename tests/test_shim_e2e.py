@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.wire.coordinator_client import CoordinatorClient
-from pitstop.errors import PitstopError
 from pitstop.dev.devcluster import pitstop_cmd
 from pitstop.dev.netns import NetHosts
+from pitstop.errors import PitstopError
+from pitstop.wire.coordinator_client import CoordinatorClient
 
 from .helpers import WORKLOADS, assert_same_as_reference, let_finish, pace_file, until, wait_for_step
 
@@ -93,6 +93,7 @@ def test_evacuate_nccl_job_across_addresses(cluster, tmp_path, script):
     op = _evacuate(cc, "host-b")
     md = op["metadata"]
     assert md["result"] == "succeeded", op.get("error")
+    assert md["plan"]["pause"] == "nccl_cut", md["plan"]  # the shim's consistent cut, not SIGSTOP
     assert "rewire" in md["phases"] and md["cut"]["rewired"] and md["cut"]["new_ids"]
     assert any(c["type"] == "Quiesced" and c["reason"] == "ConsistentCut" for c in md["conditions"])
     assert any(c["type"] == "Rewired" and c["status"] == "True" for c in md["conditions"])

@@ -14,10 +14,11 @@ from fastapi.testclient import TestClient
 
 from pitstop.coordinator import driver as driver_mod
 from pitstop.coordinator.api import build
-from pitstop.coordinator.driver import Driver, OpRun, new_metadata
+from pitstop.coordinator.driver import Driver, OpRun
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import Store, StoreUnavailable
 from pitstop.errors import NotFound, PitstopError
+from pitstop.wire.evacuation import EvacuationState
 
 pytestmark = pytest.mark.timeout(60)
 CLUSTER, OPERATOR = "cluster-token", "op-token"
@@ -158,9 +159,10 @@ def world(tmp_path, monkeypatch):
     w = lambda wid, rank, host: {"id": wid, "job": "train", "rank": rank, "host": host, "address": None}  # noqa: E731
     plan = SimpleNamespace(node={"name": "host-b"}, dest={"name": "spare-1"}, jobs=["train"],
                            leaving=[w("train.1", 1, "host-b")], peers=[w("train.0", 0, "host-a")])
-    md = new_metadata(plan, "test")
-    md.update(phase="capture", paused=["train.0"], capture_begun=True)
-    md["workers"]["train.1"].update(capture_id="cap-1", state="capturing")
+    state = EvacuationState.new(plan, "test")
+    state.phase, state.paused, state.capture_begun = "capture", ["train.0"], True
+    state.workers["train.1"].capture_id, state.workers["train.1"].state = "cap-1", "capturing"
+    md = state.dump()
     store.create_op("op-1", "host-b", "spare-1", md, None)
     store.update_op("op-1", phase="capture", metadata=md)
     d = Driver(store, CoordinatorSettings(db=tmp_path / "c.db", watchdog_s=0.05))
@@ -209,7 +211,7 @@ def test_a_phase_that_cannot_be_recorded_is_not_started_and_the_move_rolls_back(
     _read_only(s, True)
     with pytest.raises(StoreUnavailable):
         run._pass_commit_point()
-    assert not run.md["committed"] and not run.best_effort
+    assert not run.md.committed and not run.best_effort
     _read_only(s, False)
     assert not s.op("op-1")["metadata"]["committed"]
 

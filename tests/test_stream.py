@@ -3,11 +3,12 @@
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from pitstop.transfer.manifest import Manifest, verify
 from pitstop.errors import IntegrityError, TransferFailed
+from pitstop.transfer.manifest import Manifest, verify
 from pitstop.transfer.stream import DirectoryTail, StreamReceiver, verify_directory
 
 
@@ -42,16 +43,22 @@ def test_tail_streams_files_while_they_are_written(tmp_path):
     assert tail.sent == m.total_bytes
 
 
+def _streamed(src: Path, dst: Path) -> StreamReceiver:
+    """`src`, a finished dump, streamed whole into `dst`."""
+    tail = DirectoryTail(src)
+    tail.finished.set()
+    rx = StreamReceiver(dst)
+    for piece in tail:
+        rx.feed(piece)
+    return rx
+
+
 def test_logs_and_manifest_names_are_not_streamed(tmp_path):
     src = tmp_path / "s"
     src.mkdir()
     (src / "dump.log").write_text("x")
     (src / "a.img").write_bytes(b"abc")
-    tail = DirectoryTail(src)
-    tail.finished.set()
-    rx = StreamReceiver(tmp_path / "d")
-    for p in tail:
-        rx.feed(p)
+    rx = _streamed(src, tmp_path / "d")
     assert [f.name for f in rx.manifest.files] == ["a.img"]
 
 
@@ -94,11 +101,7 @@ def test_verify_names_every_problem(tmp_path):
     d = tmp_path
     (d / "a.img").write_bytes(b"1234")
     (d / "b.img").write_bytes(b"5678")
-    tail = DirectoryTail(d)
-    tail.finished.set()
-    rx = StreamReceiver(tmp_path / "copy")
-    for p in tail:
-        rx.feed(p)
+    _streamed(d, tmp_path / "copy")
     copy = tmp_path / "copy"
     (copy / "a.img").write_bytes(b"1235")
     (copy / "b.img").unlink()

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 
 from pitstop.agent import exitkeeper
-from pitstop.wire.agent_client import AgentClient
 from pitstop.criu import runtime
-from pitstop.wire.coordinator_client import CoordinatorClient
 from pitstop.dev.devcluster import wait_http
 from pitstop.errors import PitstopError
+from pitstop.wire.agent_client import AgentClient
+from pitstop.wire.coordinator_client import CoordinatorClient
 
 from . import systemd_host
 from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, reference_hashes, until, wait_for_step

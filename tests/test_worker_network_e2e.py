@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from pitstop.wire.coordinator_client import CoordinatorClient
 from pitstop.dev.devcluster import step_gaps
 from pitstop.dev.netns import NetHosts
+from pitstop.wire.coordinator_client import CoordinatorClient
 
 from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, wait_for_step
 from .test_coordinator_e2e import _wait_jobs, _wait_op

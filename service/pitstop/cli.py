@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -12,8 +13,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import logs
-from .errors import InvalidRequest, PitstopError
+from pitstop import logs
+from pitstop.errors import InvalidRequest, PitstopError
 
 EXIT_FAILED, EXIT_USAGE, EXIT_STILL_RUNNING = 1, 2, 3
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -25,7 +26,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 def _version(value: bool) -> None:
     if value:
-        from . import __version__
+        from pitstop import __version__
 
         print(f"pitstop {__version__}")
         raise typer.Exit(0)
@@ -67,7 +68,7 @@ def _settings(cls, **kw):  # noqa: ANN001, ANN202 - a pydantic-settings class
 @app.command()
 def doctor(as_json: bool = typer.Option(False, "--json", help="print the checks as JSON")) -> None:
     """Check whether this host can capture and restore workers."""
-    from .doctor import ready, run_checks
+    from pitstop.doctor import ready, run_checks
 
     checks = run_checks()
     ok, reasons = ready(checks)
@@ -126,8 +127,8 @@ def agent(
     log_json: bool = typer.Option(False, "--log-json"),
 ) -> None:
     """Run the host agent."""
-    from .agent.server import serve
-    from .agent.settings import AgentSettings
+    from pitstop.agent.server import serve
+    from pitstop.agent.settings import AgentSettings
 
     _logs(log_json)
     kw = _given(name=name, listen=listen, coordinator=coordinator, state_dir=state_dir, image_dir=image_dir,
@@ -152,7 +153,7 @@ def run(
                                           "on that segment"),
 ) -> None:
     """Run COMMAND so that pitstop can move it: pitstop run --job J --agent URL -- COMMAND [ARGS...]"""
-    from .launcher.run import run as run_cmd
+    from pitstop.launcher.run import run as run_cmd
 
     args = list(ctx.args)
     if args and args[0] == "--":
@@ -172,8 +173,8 @@ def coordinator(
     log_json: bool = typer.Option(False, "--log-json"),
 ) -> None:
     """Run the coordinator (operator REST API, migration driver)."""
-    from .coordinator.server import serve
-    from .coordinator.settings import CoordinatorSettings
+    from pitstop.coordinator.server import serve
+    from pitstop.coordinator.settings import CoordinatorSettings
 
     _logs(log_json)
     try:
@@ -197,6 +198,20 @@ def _client(url: str | None, as_json: bool = False):  # noqa: ANN202
         _fail(e, as_json)
 
 
+def _ask(coordinator: str | None, as_json: bool, call: Callable[[Any], Any]) -> Any:
+    """One call to the coordinator: its answer, or the error said plainly (exit 1).  With --json
+    the answer is printed here and None returned: the caller has nothing left to show."""
+    c = _client(coordinator, as_json)
+    try:
+        data = call(c)
+    except PitstopError as e:
+        _fail(e, as_json)
+    if as_json:
+        print(json.dumps(data, indent=1))
+        return None
+    return data
+
+
 def _age(s: float) -> str:
     return f"{s:.1f}s" if s < 120 else f"{s / 60:.0f}m"
 
@@ -212,13 +227,8 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"),
     """List hosts: role, health, GPUs, last heartbeat."""
     if ctx.invoked_subcommand:
         return
-    c = _client(coordinator, as_json)
-    try:
-        hs = c.hosts()
-    except PitstopError as e:
-        _fail(e, as_json)
-    if as_json:
-        print(json.dumps(hs, indent=1))
+    hs = _ask(coordinator, as_json, lambda c: c.hosts())
+    if hs is None:
         return
     t = Table(title="hosts")
     for c in ("name", "role", "url", "gpus", "health", "last heartbeat"):
@@ -241,14 +251,10 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"),
 
 
 def _host_verb(call: str, name: str, as_json: bool, coordinator: Optional[str], *args: str) -> None:
-    c = _client(coordinator, as_json)
-    try:
-        h = getattr(c, call)(name, *args)
-    except PitstopError as e:
-        _fail(e, as_json)
-    if as_json:
-        print(json.dumps(h, indent=1))
-    elif h.get("removed"):
+    h = _ask(coordinator, as_json, lambda c: getattr(c, call)(name, *args))
+    if h is None:
+        return
+    if h.get("removed"):
         out.print(f"{name} forgotten")
     else:
         out.print(f"{name} is {h['role']}")
@@ -285,13 +291,8 @@ def hosts_remove(name: str = typer.Argument(..., help="a host whose agent is gon
 @app.command()
 def jobs(as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = _coordinator_option()) -> None:
     """List jobs and where their workers run."""
-    c = _client(coordinator, as_json)
-    try:
-        js = c.jobs()
-    except PitstopError as e:
-        _fail(e, as_json)
-    if as_json:
-        print(json.dumps(js, indent=1))
+    js = _ask(coordinator, as_json, lambda c: c.jobs())
+    if js is None:
         return
     t = Table(title="jobs")
     for c in ("job", "state", "movable", "workers (rank@host: state)"):
@@ -313,14 +314,9 @@ def ops(op_id: Optional[str] = typer.Argument(None, help="an operation id; omit 
                                                "(the oldest `created` of the last page, from --json)"),
         as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = _coordinator_option()) -> None:
     """List operations (the newest, filtered), or show one."""
-    c = _client(coordinator, as_json)
-    try:
-        data = c.op(op_id) if op_id else c.ops(node=node, done=None if running is None else not running,
-                                                before=before, limit=limit)
-    except PitstopError as e:
-        _fail(e, as_json)
-    if as_json:
-        print(json.dumps(data, indent=1))
+    data = _ask(coordinator, as_json, lambda c: c.op(op_id) if op_id else c.ops(
+        node=node, done=None if running is None else not running, before=before, limit=limit))
+    if data is None:
         return
     if op_id:
         _print_op(data)
@@ -503,7 +499,7 @@ app.add_typer(pki, name="pki")
 @pki.command("init")
 def pki_init(directory: Path = typer.Argument(..., help="where the CA's ca.pem and ca.key go (keep ca.key offline)")) -> None:
     """Create the cluster's CA."""
-    from . import tls
+    from pitstop import tls
 
     try:
         print(tls.init_ca(directory))
@@ -526,8 +522,8 @@ def pki_issue(directory: Path = typer.Argument(..., help="the CA's directory"),
               san: list[str] = typer.Option([], "--san", help="a DNS name or IP address peers use for it (repeat)"),
               days: int = typer.Option(365, min=1, max=3650)) -> None:
     """Issue NAME.pem and NAME.key; point PITSTOP_TLS_CA/CERT/KEY at them on that host."""
-    from . import tls
-    from .endpoints import check_host_name
+    from pitstop import tls
+    from pitstop.endpoints import check_host_name
 
     try:
         check_host_name(name)

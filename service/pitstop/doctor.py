@@ -10,9 +10,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pitstop.memory import lazy_pages
 from pitstop.criu import netlock, runtime
-from .errors import PitstopError
+from pitstop.errors import PitstopError
+from pitstop.memory import lazy_pages
 
 
 @dataclass
@@ -102,8 +102,8 @@ def run_checks() -> list[Check]:
 
 def _image_root() -> Check:
     """The default image directory's parents: only root may change them (safepath.py)."""
-    from .agent.settings import IMAGE_ROOT
-    from .safepath import UnsafePath, check_parents
+    from pitstop.agent.settings import IMAGE_ROOT
+    from pitstop.safepath import UnsafePath, check_parents
 
     try:
         check_parents(IMAGE_ROOT)
@@ -117,7 +117,7 @@ def _image_root() -> Check:
 def _procself(unshare: str | None) -> Check:
     """A worker is init of its own pid namespace under the host's /proc; CUDA needs the
     preloaded fix-up (native/procself.c) to find /proc/self/task/<its tid>."""
-    from .launcher.run import procself_path
+    from pitstop.launcher.run import procself_path
 
     name = "worker /proc fix-up"
     lib = procself_path()
@@ -138,7 +138,7 @@ def _procself(unshare: str | None) -> Check:
 def _worker_init() -> Check:
     """pitstop's init at the root of every worker's tree (native/pitinit.c, nsinit.py): without it
     a worker still runs and moves, but ranks sharing a directory take turns to be dumped."""
-    from . import nsinit
+    from pitstop import nsinit
 
     name = "worker init"
     init = nsinit.binary()
@@ -169,8 +169,8 @@ def _worker_init() -> Check:
 def _write_tracking() -> Check:
     """Whether a pre-copy can ask the kernel what a worker wrote (memory/writetrack.py), or must
     hash every page of the dump during the pause."""
+    from pitstop.launcher.run import writetrack_path
     from pitstop.memory import writetrack
-    from .launcher.run import writetrack_path
 
     name = "pre-copy write tracking"
     why = writetrack.unavailable()
@@ -264,7 +264,7 @@ def _huge_tmpfs() -> Check:
 
 def _exit_status_kept() -> Check:
     """Whether a restored worker's exit status survives a restart of its agent (agent/exitkeeper.py)."""
-    from .agent import exitkeeper
+    from pitstop.agent import exitkeeper
 
     if exitkeeper.supported():
         return Check("exit status after an agent restart", True, "kept: a pidfd tells a non-parent "
@@ -286,7 +286,7 @@ def gpu_checks() -> list[Check]:
         out.append(Check("gpus", None, f"{n} x {', '.join(map(str, names))}, driver {drv}", required=False))
     except Exception as e:  # noqa: BLE001 - NVML raises many types when absent
         out.append(Check("gpus", None, f"not present ({type(e).__name__})", required=False))
-    from .gpu.driver import NoDriver, load
+    from pitstop.gpu.driver import NoDriver, load
 
     try:
         v = load().version()

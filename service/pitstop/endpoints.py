@@ -15,7 +15,7 @@ from typing import Annotated
 import httpx
 from pydantic import AfterValidator
 
-from .errors import FailedPrecondition
+from pitstop.errors import FailedPrecondition
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,62})$")
 _LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")

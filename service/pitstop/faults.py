@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import time
 
-from .errors import PitstopError
+from pitstop.errors import PitstopError
 
 
 def _table() -> dict[str, str]:

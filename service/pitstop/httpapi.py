@@ -8,13 +8,12 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .errors import PitstopError, Unauthenticated
+from pitstop.errors import PitstopError, Unauthenticated
 
 log = structlog.get_logger("pitstop.httpapi")
 

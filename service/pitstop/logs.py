@@ -8,8 +8,7 @@ import sys
 
 import structlog
 
-from .errors import InvalidRequest
-
+from pitstop.errors import InvalidRequest
 
 LEVELS = ("debug", "info", "warning", "error")
 

@@ -25,7 +25,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from . import nativelib
+from pitstop import nativelib
 
 BINARY = "pitstop-init"
 PREFIX = "pitstop-init."

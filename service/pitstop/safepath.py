@@ -23,7 +23,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import FailedPrecondition
+from pitstop.errors import FailedPrecondition
 
 _DIR = os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 

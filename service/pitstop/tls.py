@@ -29,11 +29,11 @@ import ipaddress
 import os
 import ssl
 import threading
-from pathlib import Path
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import Any
 
-from .errors import FailedPrecondition, Forbidden
+from pitstop.errors import FailedPrecondition, Forbidden
 
 ROLES = ("agent", "coordinator", "operator")
 _OU_PREFIX = "pitstop-"

@@ -247,9 +247,9 @@ def become_subreaper() -> None:
 
 def check_b(a: argparse.Namespace, work: Path, ref: str) -> dict:
     from pitstop.criu import criu_ops, runtime
-    from pitstop.proc import proctree
     from pitstop.errors import PitstopError
     from pitstop.gpu.checkpoint import GpuCheckpointer
+    from pitstop.proc import proctree
 
     try:
         rt = runtime.locate()
@@ -360,6 +360,7 @@ def mem_available_gib() -> float:
 
 def check_d(a: argparse.Namespace, work: Path) -> dict:
     import torch
+
     from pitstop.gpu.driver import load
 
     drv = load()
@@ -452,8 +453,8 @@ def _parallel(drv, work: Path, key: str, gib: float, n: int) -> dict:  # noqa: A
 
 # -- (e) -------------------------------------------------------------------------------------------
 def check_e(a: argparse.Namespace, work: Path, ref: str, children: int = 0) -> dict:
-    from pitstop.wire.coordinator_client import CoordinatorClient
     from pitstop.dev.devcluster import LocalCluster, wait_for_step
+    from pitstop.wire.coordinator_client import CoordinatorClient
 
     dev = ["--device", "cpu"] if a.cpu_dry_run else []
     tree = ["--cuda-children", str(children)] if children else []

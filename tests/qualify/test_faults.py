@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from bench.common import first_divergent_step
+from pitstop.errors import PitstopError
 from pitstop.proc import proctree
 from pitstop.wire.coordinator_client import CoordinatorClient
-from pitstop.errors import PitstopError
 
 from ..helpers import assert_same_as_reference, ddp_cmd, reference_hashes, wait_for_step
 from ..test_coordinator_e2e import _wait_jobs, _wait_op

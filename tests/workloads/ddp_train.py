@@ -25,9 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from pace import pause
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 ABORT_TRACE = Path(__file__).resolve().parents[2] / "native" / "build" / "libpitstop_aborttrace.so"
 

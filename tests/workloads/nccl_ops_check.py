@@ -6,9 +6,8 @@ Prints one line "ok <n>" when all checks pass on this rank; raises otherwise.
 import os
 import sys
 
-import numpy as np
-
 import ncclpy
+import numpy as np
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 comm = ncclpy.init(world, ncclpy.share_id(os.path.join(sys.argv[1], "ops.id"), rank), rank)

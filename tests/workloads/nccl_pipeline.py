@@ -2,9 +2,8 @@
 
 import os
 
-import numpy as np
-
 import ncclpy
+import numpy as np
 from nccl_common import args, finish, pause, step_line
 
 a = args()

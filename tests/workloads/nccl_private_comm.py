@@ -7,9 +7,8 @@ must then call the job unmovable.  No pitstop code."""
 import ctypes
 import os
 
-import numpy as np
-
 import ncclpy
+import numpy as np
 from nccl_common import args, finish, pause, step_line
 
 a = args()

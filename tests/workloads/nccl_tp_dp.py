@@ -7,9 +7,8 @@ all-reduces gradients; the world broadcasts a scalar from rank 0.
 
 import os
 
-import numpy as np
-
 import ncclpy
+import numpy as np
 from nccl_common import args, finish, pause, step_line
 
 a = args()

@@ -12,31 +12,31 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from typing import Any, Callable, Literal
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from typing import Any, Callable, Literal
-
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from .. import __version__
-from .. import nsinit, priority, safepath, shimctl, tls
-from ..network import workerns
-from pitstop.proc import caps, files, proctree
+from pitstop import __version__, nsinit, priority, safepath, shimctl, tls
+from pitstop.agent import imagefs, peercred, reclaim
+from pitstop.agent.capturing import SourceSide
+from pitstop.agent.peercred import caller_uid, privileged
+from pitstop.agent.receiving import DestinationSide, Slot
+from pitstop.agent.settings import AgentSettings
+from pitstop.agent.state import LIVE_STATES, AgentState, Capture, Worker, WorkerState
 from pitstop.criu import runtime
-from ..errors import Conflict, FailedPrecondition, Forbidden, PitstopError, TransferFailed
-from ..httpapi import install_error_handlers, require_token
-from ..transfer.stream import overdue, receive_into
-from . import imagefs, peercred, reclaim
-from .peercred import caller_uid, privileged
-from .capturing import SourceSide
-from .receiving import DestinationSide, Slot
-from .settings import AgentSettings
-from .state import LIVE_STATES, AgentState, Capture, Worker, WorkerState
+from pitstop.errors import Conflict, FailedPrecondition, Forbidden, PitstopError, TransferFailed
+from pitstop.httpapi import install_error_handlers, require_token
+from pitstop.network import workerns
+from pitstop.proc import caps, files, proctree
+from pitstop.transfer.stream import overdue, receive_into
+from pitstop.wire.auth import bearer
 
+FOLLOW_OUTPUT_TIMEOUT_S = 10.0  # a moved worker's output, fetched from the agent it moved to
 
 UNMOVABLE_EVERY_S = 5.0  # how often a running worker's shim blocks are read for calls it could not track
 
@@ -272,6 +272,27 @@ class FilesCheckRequest(BaseModel):
                                        description="paths a worker's restore needs (GET /v1/workers/{id}/files)")
 
 
+def _reads(agent: Agent) -> APIRouter:
+    """What both of the agent's doors answer alike: its info, one worker, a worker's output.  The
+    peer door adds the cluster token in front; the local door (the Unix socket, whose file mode and
+    SO_PEERCRED guard it) serves them to `pitstop run` as they are."""
+    r = APIRouter()
+
+    @r.get("/info")
+    def info() -> dict:
+        return agent.info()
+
+    @r.get("/workers/{wid}")
+    def worker(wid: str) -> Worker:
+        return agent.refresh(agent.state.worker(wid))
+
+    @r.get("/workers/{wid}/output")
+    async def output(wid: str, stream: str = "stdout", offset: int = 0) -> Response:
+        return await _output(agent, wid, stream, offset)
+
+    return r
+
+
 def peer_app(agent: Agent) -> FastAPI:
     app = FastAPI(title="pitstop agent", version=__version__)
     install_error_handlers(app)
@@ -285,23 +306,12 @@ def peer_app(agent: Agent) -> FastAPI:
         # The socket path is public knowledge: its file mode guards it.
         return {"ok": True, "name": agent.s.name, "socket": str(agent.s.sock)}
 
+    app.include_router(_reads(agent), prefix="/v1", dependencies=[Depends(auth)])
     r = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
-
-    @r.get("/info")
-    def info() -> dict:
-        return agent.info()
 
     @r.get("/workers")
     def workers() -> list[Worker]:
         return [agent.refresh(w) for w in list(agent.state.workers.values())]
-
-    @r.get("/workers/{wid}")
-    def worker(wid: str) -> Worker:
-        return agent.refresh(agent.state.worker(wid))
-
-    @r.get("/workers/{wid}/output")
-    async def output(wid: str, stream: str = "stdout", offset: int = 0) -> Response:
-        return await _output(agent, wid, stream, offset)
 
     @r.get("/workers/{wid}/files")
     def worker_files(wid: str) -> dict:
@@ -518,9 +528,9 @@ async def _output(agent: Agent, wid: str, stream: str, offset: int) -> Response:
     w = agent.refresh(agent.state.worker(wid))
     agent.state.read(wid)
     if w.state == "moved" and w.moved_to:
-        headers = {"Authorization": f"Bearer {agent.s.cluster_token}"} if agent.s.cluster_token else {}
+        headers = bearer(agent.s.cluster_token)
         try:
-            async with httpx.AsyncClient(timeout=10, verify=tls.client_context()) as c:
+            async with httpx.AsyncClient(timeout=FOLLOW_OUTPUT_TIMEOUT_S, verify=tls.client_context()) as c:
                 r = await c.get(f"{w.moved_to['url'].rstrip('/')}/v1/workers/{wid}/output",
                                 params={"stream": stream, "offset": offset}, headers=headers)
         except httpx.HTTPError as e:
@@ -623,17 +633,6 @@ def local_app(agent: Agent) -> FastAPI:
         workerns.destroy(wn)
         return {"deleted": wn.netns}
 
-    @app.get("/v1/workers/{wid}")
-    def worker(wid: str) -> Worker:
-        return agent.refresh(agent.state.worker(wid))
-
-    @app.get("/v1/workers/{wid}/output")
-    async def output(wid: str, stream: str = "stdout", offset: int = 0) -> Response:
-        return await _output(agent, wid, stream, offset)
-
-    @app.get("/v1/info")
-    def info() -> dict:
-        return agent.info()
-
+    app.include_router(_reads(agent), prefix="/v1")
     return app
 

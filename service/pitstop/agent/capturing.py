@@ -31,36 +31,57 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import structlog
 
-from .. import faults, nsinit, tls
+from pitstop import faults, nsinit, tls
+from pitstop.agent import reclaim
+from pitstop.agent.capture_kinds import (
+    DELTA,
+    PARENT,
+    VIEW,
+    CaptureKind,
+    CriuIncremental,
+    PostCopyView,
+    PreCopyDelta,
+    Whole,
+)
+from pitstop.agent.settings import AgentSettings
+from pitstop.agent.state import AgentState, Capture, Worker
 from pitstop.criu import criu_ops, criutrack, netlock, runtime, seal
-from pitstop.memory import postcopy, precopy, writetrack
+from pitstop.errors import (
+    CaptureFailed,
+    Conflict,
+    DeadlineExceeded,
+    FailedPrecondition,
+    IntegrityError,
+    NotFound,
+    PitstopError,
+    TransferFailed,
+    Unavailable,
+)
+from pitstop.gpu.checkpoint import GpuCheckpointer  # noqa: F401 - the type of self.gpu
+from pitstop.memory import page_server, postcopy, precopy, writetrack
 from pitstop.memory.precopy import Basis
+from pitstop.network import workerns
+from pitstop.proc import proctree, procwindow
+from pitstop.transfer import compress, dataport
+from pitstop.transfer.compress import Compression
+from pitstop.transfer.manifest import Manifest, StdioPipe, check_image_id
+from pitstop.transfer.stream import DirectoryTail
+from pitstop.undo import Undo
+from pitstop.wire.agent_client import AgentClient
 
 if TYPE_CHECKING:
-    from .receiving import DestinationSide
-from pitstop.proc import proctree, procwindow
-from pitstop.transfer.manifest import Manifest, StdioPipe, check_image_id
-from ..errors import (CaptureFailed, Conflict, DeadlineExceeded, FailedPrecondition, IntegrityError, NotFound,
-                      PitstopError, TransferFailed)
-from ..gpu.checkpoint import GpuCheckpointer  # noqa: F401 - the type of self.gpu
-from ..network import workerns
-from pitstop.transfer import compress, dataport
-from pitstop.memory import page_server
-from ..transfer.compress import Compression
-from ..transfer.stream import DirectoryTail
-from . import reclaim
-from .settings import AgentSettings
-from .state import AgentState, Capture, Worker
+    from pitstop.agent.receiving import DestinationSide
 
 log = structlog.get_logger("pitstop.agent.capture")
 
-VIEW = "post-copy-view"  # inside a capture's images: what travels before the restore (memory/postcopy.py)
-DELTA = "pre-copy-delta"  # inside a capture's images: what travels after a pre-copy (memory/precopy.py)
-PARENT = "parent"  # inside a capture's images: the pre-copy CRIU's incremental dump is against (criutrack.py)
 PRE_DIR_PREFIX = "pre-"  # a pre-copy's images here, while sent (and kept for its capture: criutrack.py)
 MAX_BASES = 64  # pre-copies whose capture has not come yet (an operation that died): the oldest go
 NO_LAZY_NOTICE_BYTES = 16 << 20  # a post-copy dump this big with no lazy page is odd: its CRIU log is kept
 DIAGNOSTICS_KEPT = 8
+
+STREAM_STOP_WAIT_S = 30.0  # a failed capture's stream, told to end with an error frame, to finish sending it
+PRECOPY_STREAM_STOP_WAIT_S = 10.0  # an abandoned pre-copy's stream to end (it stops within one piece)
+DISCARD_TIMEOUT_S = 10.0  # asking a destination to drop a pre-copy nobody will use (best effort)
 
 
 class PageSource:
@@ -76,6 +97,45 @@ class PageSource:
     def progress(self, served: page_server.Served) -> None:
         if self.cap.post_copy is not None:
             self.cap.post_copy["pages_served"] = served.pages
+
+
+class _Sender:
+    """The thread that streams one capture's images to its destination, and its way back."""
+
+    def __init__(self, side: "SourceSide", cap: Capture, tail: DirectoryTail, t0: float) -> None:
+        self.tail = tail
+        self.errors: list[BaseException] = []
+        self._done = [t0]
+        self.thread = threading.Thread(target=side._send, args=(cap, tail, self.errors, self._done),
+                                       name=f"send-{cap.id}", daemon=True)
+        self.started = False
+        self.dest = cap.dest_url
+        self._abandoned = False  # it outlived the transfer's deadline: not waited for again
+
+    @property
+    def done(self) -> float:
+        return self._done[0]
+
+    def start(self) -> None:
+        self.started = True
+        self.thread.start()
+
+    def finish(self, timeout_s: float) -> None:
+        """Wait for the stream to end; raise what went wrong (its error, or the deadline)."""
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            self._abandoned = True
+            raise TransferFailed(f"transfer to {self.dest} did not finish within {timeout_s:.0f} s",
+                                 action="check the destination agent and the network between the hosts")
+        if self.errors:
+            e = self.errors[0]
+            raise e if isinstance(e, PitstopError) else TransferFailed(f"transfer to {self.dest} failed: {e!r}")
+
+    def stop(self, error: BaseException) -> None:
+        """Undo: the stream ends with an error frame (the destination discards what it got)."""
+        self.tail.failure = error if isinstance(error, Exception) else Exception(str(error))
+        if self.started and not self._abandoned and self.thread.is_alive():
+            self.thread.join(STREAM_STOP_WAIT_S)
 
 
 class SourceSide:
@@ -103,19 +163,14 @@ class SourceSide:
     # -- capture -----------------------------------------------------------------------------
     def start(self, worker_id: str, dest_url: str | None, image_id: str | None,
               keep_peers: list[str] | None = None, post_copy: bool | None = None) -> Capture:
-        if post_copy and dest_url:
-            why = self.post_copy_support()["unavailable"]
-            if why:
-                raise FailedPrecondition(f"post-copy over the network was asked for, but {why}",
-                                         code="post_copy_unavailable",
-                                         action="evacuate without post-copy (the images travel whole)")
+        remote = self.settle_post_copy(post_copy, dest_url)
         with self.state.lock:
             w = self.state.worker(worker_id)
             self._check_capturable(w)
             cid = "cap-" + uuid.uuid4().hex[:12]
             cap = Capture(id=cid, worker_id=w.id, image_dir=str(self.s.images / cid),
                           dest_url=dest_url, image_id=image_id or (cid if dest_url else None),
-                          keep_peers=keep_peers, want_post_copy=post_copy)
+                          keep_peers=keep_peers, want_post_copy=remote)
             self.state.captures[cid] = cap
             self.state.update_worker(w, state="capturing")
         t = threading.Thread(target=self._run_and_report, args=(cap, w), name=f"capture-{cid}", daemon=True)
@@ -142,14 +197,31 @@ class SourceSide:
             why = "this agent has no plain data port (PITSTOP_AGENT_DATA_STREAM=0)"
         return {"default": self.s.remote_post_copy, "unavailable": why}
 
+    def settle_post_copy(self, want: bool | None, dest_url: str | None, strict: bool = True) -> bool:
+        """Whether a move from here goes network post-copy: the one place it is decided, from what
+        the caller asked (None: this agent's PITSTOP_AGENT_REMOTE_POST_COPY) and what this agent
+        can do.  Asked for and impossible: refused where `strict` (before anything stops); only the
+        agent's own default gives way quietly, logged."""
+        if not dest_url or not (self.s.remote_post_copy if want is None else want):
+            return False
+        why = self.post_copy_support()["unavailable"]
+        if not why:
+            return True
+        if want and strict:
+            raise FailedPrecondition(f"post-copy over the network was asked for, but {why}",
+                                     code="post_copy_unavailable",
+                                     action="evacuate without post-copy (the images travel whole)")
+        if want is None:
+            log.warning("post-copy over the network is unavailable; the images travel whole", reason=why)
+        return False
+
     def precopy(self, worker_id: str, dest_url: str, image_id: str, post_copy: bool | None = None) -> dict[str, Any]:
         """Send the running worker's memory to the destination ahead of its move (memory/precopy.py).
 
         Nothing pauses: the worker runs while its pages are read.  The capture of the move that
         follows (same image id) then sends only the pages that changed.  Skipped, not refused,
         where it would not help: a move with network post-copy sends no memory before the resume."""
-        wanted_remote = self.s.remote_post_copy if post_copy is None else post_copy
-        if wanted_remote and not self.post_copy_support()["unavailable"]:
+        if self.settle_post_copy(post_copy, dest_url, strict=False):
             return {"image_id": image_id, "skipped": "the move uses network post-copy: no memory travels before "
                                                      "the resume"}
         check_image_id(image_id)
@@ -313,20 +385,9 @@ class SourceSide:
         finally:
             if sender.is_alive():
                 tail.failure = tail.failure or TransferFailed("pre-copy abandoned", action="none")
-                sender.join(10)
+                sender.join(PRECOPY_STREAM_STOP_WAIT_S)
             if not keep:
                 shutil.rmtree(d, ignore_errors=True)
-
-    def _remote_post_copy(self, cap: Capture) -> bool:
-        wanted = self.s.remote_post_copy if cap.want_post_copy is None else cap.want_post_copy
-        if not (wanted and cap.dest_url):
-            return False
-        why = self.post_copy_support()["unavailable"]
-        if why:  # only the agent's default gets here (an explicit request was refused at start)
-            log.warning("post-copy over the network is unavailable; the images travel whole",
-                        capture=cap.id, reason=why)
-            return False
-        return True
 
     def _basis_for(self, cap: Capture, w: Worker) -> Basis | None:
         with self.state.lock:
@@ -522,84 +583,74 @@ class SourceSide:
                      seconds=round(waited, 3))
             self.state.update_capture(cap, phases={**cap.phases, "wait_fill": waited})
 
+    def _choose(self, cap: Capture, w: Worker) -> CaptureKind:
+        """How this capture travels (agent/capture_kinds.py), decided once, before anything stops."""
+        if cap.want_post_copy:  # settled as the capture began (settle_post_copy)
+            return PostCopyView()
+        basis = self._basis_for(cap, w) if cap.dest_url else None
+        if basis is None:
+            return Whole()
+        binary = self._criu_parent() if basis.local is not None else None
+        return CriuIncremental(basis, binary) if binary else PreCopyDelta(basis)
+
     def _run(self, cap: Capture, w: Worker) -> None:
+        """The capture's steps; each one that changes something pushes its way back onto one undo
+        stack (pitstop/undo.py), which a failure unwinds before the capture is recorded failed."""
+        undo = Undo(resumed_by="nobody (it was never stopped)")
         try:
-            self._wait_for_fill(cap, w)
+            self._capture(cap, w, undo)
         except PitstopError as e:
-            self._fail(cap, w, e, resumed_by="nobody (it was never stopped)")
-            return
+            undo.unwind(e)  # a refused rollback (IntegrityError) goes up: the source is left stopped
+            self._fail(cap, w, e, resumed_by=undo.resumed_by)
+
+    def _capture(self, cap: Capture, w: Worker, undo: Undo) -> None:
+        self._wait_for_fill(cap, w)
         images = Path(cap.image_dir)
         images.mkdir(parents=True, exist_ok=True)
         images.chmod(0o700)
         pids = proctree.tree(w.root_pid)
         stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
         self.state.update_capture(cap, stdio=stdio)
-        remote = self._remote_post_copy(cap)
-        basis = None if remote or not cap.dest_url else self._basis_for(cap, w)
-        incremental = self._criu_parent() if basis is not None and basis.local is not None else None
-        whole = not (remote or basis)  # the dump itself travels (else a view of it, written after it)
-        # An incremental dump travels as CRIU writes it (its `parent` is a directory: not streamed)
-        tail = DirectoryTail(images / VIEW if remote else images / DELTA if basis and not incremental else images,
-                             on_progress=lambda n: setattr(cap, "bytes_sent", n),
-                             dedup=dedup_pages(self.s.dedup_pages, len(pids), tls.enabled()) and whole,
+        kind = self._choose(cap, w)
+        swd = self.s.stream_while_dumping
+        tail = DirectoryTail(kind.streamed(images), on_progress=lambda n: setattr(cap, "bytes_sent", n),
+                             dedup=dedup_pages(self.s.dedup_pages, len(pids), tls.enabled()) and kind.whole,
                              compression=self._compression(cap.dest_url) if cap.dest_url else None)
-        sender: threading.Thread | None = None
-        send_error: list[BaseException] = []
         t0 = time.monotonic()
-        send_done = [t0]
-        if cap.dest_url:
-            sender = threading.Thread(target=self._send, args=(cap, tail, send_error, send_done),
-                                      name=f"send-{cap.id}", daemon=True)
-            if self.s.stream_while_dumping and whole:
-                sender.start()
+        sender = _Sender(self, cap, tail, t0) if cap.dest_url else None
+        undo.push("stream", sender.stop if sender else lambda e: setattr(tail, "failure", e))
+        if sender and kind.stream_start(swd) == "before_dump":
+            sender.start()
+
+        # Stop the worker's world: its own network namespace (nothing in or out until it runs
+        # again, here or there), then its GPUs (CRIU must see a process that holds none).
         net = workerns.from_dict(w.net)
         nft = runtime.locate().nft if net else None
-        try:  # its own namespace: nothing goes in or out until it runs again, here or there
-            if net:
-                workerns.lock(net, nft)
-            # GPU state first: CRIU must see a process that no longer holds a GPU
-            suspended = self.gpu.suspend(pids, rescan=lambda: proctree.tree(w.root_pid))
-        except PitstopError as e:  # undone already: the worker never stopped
-            if net:
-                workerns.unlock(net, nft)
-            tail.failure = e
-            if sender and sender.is_alive():
-                sender.join(30)
-            self._fail(cap, w, e, resumed_by="pitstop (GPU lock undone)")
-            return
+        undo.stage("pitstop (GPU lock undone)",
+                   push=(("network", lambda e: workerns.unlock(net, nft)),) if net else ())
+        if net:
+            workerns.lock(net, nft)
+        suspended = self.gpu.suspend(pids, rescan=lambda: proctree.tree(w.root_pid))  # undone if it fails
         if suspended:
+            undo.push("gpu", lambda e: self._resume_gpu(cap))  # after CRIU let the tree run again
             self.state.update_capture(cap, gpu=suspended.record())
-            if basis is not None and basis.distrust({p.pid for p in suspended.procs},
-                                                    "it began to use a GPU after its pre-copy"):
+            if isinstance(kind, (PreCopyDelta, CriuIncremental)) and kind.basis.distrust(
+                    {p.pid for p in suspended.procs}, "it began to use a GPU after its pre-copy"):
                 # its pre-copied memory may have been written by the device unseen: its delta is
                 # cut by digest from a full dump (CRIU's incremental dump would trust the tracking)
-                if incremental:
-                    incremental = None
-                    tail.directory = images / DELTA
-                    basis.drop_local()
+                kind = kind.distrusted()
+                tail.directory = kind.streamed(images)
         faults.hit("capture:before_dump")
+
+        # The dump: CRIU stops the tree; should it fail, CRIU lets the tree run again.
+        undo.stage("criu")
         t_dump = time.monotonic()
-        try:
-            # Overlap with other dumps in its directory only where nothing streams while it
-            # dumps: a dump that collides is redone from scratch (proc/procwindow.py).
-            overlap = not whole or not (sender is not None and self.s.stream_while_dumping)
-            res = None
-            if incremental and basis is not None:
-                res = self._incremental_dump(cap, w, images, net is not None, overlap, basis, incremental)
-                if res is None:  # dumped whole after all: the delta is cut from it, as without CRIU's help
-                    incremental = None
-                    tail.directory = images / DELTA
-            if res is None:
-                res = self._dump(cap, w, images, net is not None, overlap)
-        except PitstopError as e:
-            tail.failure = e
-            if sender and sender.is_alive():
-                sender.join(30)
-            if net:
-                workerns.unlock(net, nft)
-            self._resume_gpu(cap)  # CRIU let the tree run again; now give it its GPUs back
-            self._fail(cap, w, e, resumed_by="criu")
-            return
+        # Overlap with other dumps in its directory only where nothing streams while it dumps: a
+        # dump that collides is redone from scratch (proc/procwindow.py).
+        overlap = not (sender is not None and kind.stream_start(swd) == "before_dump")
+        dumped = kind.dump(self, cap, w, images, net is not None, overlap)
+        res, kind = dumped.result, dumped.kind
+        tail.directory = kind.streamed(images)
         dump_end = time.monotonic()
         gpu_phases = {"gpu_lock": suspended.lock_s, "gpu_checkpoint": suspended.checkpoint_s,
                       "gpu_rounds": float(suspended.rounds), "gpu_processes": float(len(suspended.procs))} \
@@ -609,70 +660,41 @@ class SourceSide:
             "freeze": res.stats.get("freezing_time", 0) / 1e6, "dump": res.seconds,
             "frozen": res.frozen_s, "memdump": res.memdump_s})
         self.state.update_worker(w, state="stopped")
-        pages_from, parent = None, None
-        # pitstop's delta is written append-only, file by file, as CRIU writes a dump: the view is
-        # tailed while it is cut, so the stream does not wait for the whole delta (for a GPU process,
-        # whose delta is digested whole in the pause, the cut took 0.98 s of a 3.1 s capture)
-        streams_delta = sender is not None and basis is not None and not incremental and self.s.stream_while_dumping
-        if streams_delta:
-            sender.start()  # type: ignore[union-attr]
-        if basis:
-            try:
-                if incremental:  # CRIU wrote the delta itself
-                    faults.hit("precopy:before_delta")
-                else:
-                    self._delta(cap, images, basis)
-                parent = cap.image_id + precopy.PRE_SUFFIX  # type: ignore[operator]
-            except PitstopError as e:  # the source is stopped and whole: restore it from its own dump
-                tail.failure = e
-                if streams_delta and sender.is_alive():  # type: ignore[union-attr]
-                    sender.join(30)  # type: ignore[union-attr]  # it sends the E frame: the spare discards
-                self._rollback_stopped(cap, w)
-                self._fail(cap, w, e, resumed_by="pitstop")
-                return
-        if remote:
-            try:
-                pages_from = self._split(cap, images)
-            except PitstopError as e:  # the source is stopped and whole: restore it from its own dump
-                tail.failure = e
-                self._rollback_stopped(cap, w)
-                self._fail(cap, w, e, resumed_by="pitstop")
-                return
-        if basis or remote:  # their views hard-link the dump's files, which changes their ctime: sealed again
+        # From here the source is stopped and whole: the way back is restoring it from its own
+        # dump (which takes its network and GPUs back with it), after the stream has stopped.
+        undo.stage("pitstop", replace=("gpu", "network", "stream"),
+                   push=(("rollback", lambda e: self._rollback_stopped(cap, w)),
+                         ("stream", sender.stop if sender else lambda e: setattr(tail, "failure", e))))
+        if sender and kind.stream_start(swd) == "after_dump":
+            sender.start()
+        pages_from, parent = kind.after_dump(self, cap, images)
+        if not kind.whole:  # their views hard-link the dump's files, which changes their ctime: sealed again
             self.state.update_capture(cap, seal=seal.take(images))
-        tail.manifest_base = Manifest(capture_id=cap.id, stdio=[StdioPipe(**d) for d in stdio], criu_version=runtime.locate().version_str,
-                                      output_base=self._output_end(w),
+        tail.manifest_base = Manifest(capture_id=cap.id, stdio=[StdioPipe(**d) for d in stdio],
+                                      criu_version=runtime.locate().version_str, output_base=self._output_end(w),
                                       worker={"id": w.id, "job": w.job, "rank": w.rank,
                                               **({"init_dir": w.init_dir} if w.init_dir else {})}, gpu=cap.gpu,
                                       net=w.net, keep_peers=cap.keep_peers, pages_from=pages_from, parent=parent)
         tail.finished.set()
-        if sender is not None and not streams_delta and (not whole or not self.s.stream_while_dumping):
-            sender.start()
         if sender is None:
             total = sum(f.stat().st_size for f in images.iterdir() if not f.name.endswith(".log"))
             self.state.update_capture(cap, state="dumped", bytes_total=total)
-            log.info("captured", capture=cap.id, worker=w.id, **cap.phases)
+            log.info("captured", capture=cap.id, worker=w.id, kind=kind.name, **cap.phases)
             return
-        sender.join(self.s.transfer_timeout_s)
-        if sender.is_alive() or send_error:
-            err = send_error[0] if send_error else TransferFailed(
-                f"transfer to {cap.dest_url} did not finish within {self.s.transfer_timeout_s:.0f} s",
-                action="check the destination agent and the network between the hosts")
-            tail.failure = err if isinstance(err, Exception) else Exception(str(err))
-            self._rollback_stopped(cap, w)
-            self._fail(cap, w, err, resumed_by="pitstop")
-            return
+        if not sender.started:
+            sender.start()
+        sender.finish(self.s.transfer_timeout_s)  # raises what went wrong; the undo restores the source
         sealed = cap.seal
         if tail.manifest is not None and tail.directory == images and sealed is not None:
             sealed = seal.add_digests(sealed, {f.name: f.digest for f in tail.manifest.files})
         ph = dict(cap.phases)
-        ph["transfer"] = send_done[0] - t0
-        ph["transfer_after_dump"] = max(0.0, send_done[0] - dump_end)
+        ph["transfer"] = sender.done - t0
+        ph["transfer_after_dump"] = max(0.0, sender.done - dump_end)
         self.state.update_capture(cap, state="sent", phases=ph, seal=sealed,
                                   bytes_total=tail.manifest.total_bytes if tail.manifest else cap.bytes_sent,
                                   bytes_deduplicated=tail.index.bytes_saved if tail.index else 0,
                                   compression=tail.compression.summary() if tail.compression else None)
-        log.info("captured and sent", capture=cap.id, worker=w.id, dest=cap.dest_url,
+        log.info("captured and sent", capture=cap.id, worker=w.id, dest=cap.dest_url, kind=kind.name,
                  bytes=cap.bytes_total, deduplicated=cap.bytes_deduplicated,
                  **{k: round(v, 4) for k, v in ph.items()})
 
@@ -777,25 +799,25 @@ class SourceSide:
 
     def _send_to(self, dest_url: str, image_id: str, tail: DirectoryTail, errors: list[BaseException],
                  done: list[float]) -> None:
-        headers = {"Authorization": f"Bearer {self.s.cluster_token}"} if self.s.cluster_token else {}
         url = f"{dest_url.rstrip('/')}/v1/images/{image_id}"
         try:
-            with httpx.Client(timeout=httpx.Timeout(self.s.transfer_timeout_s, connect=10),
-                              verify=tls.client_context()) as c:
-                port = self._data_port(c, dest_url, headers) if self.s.data_stream else None
+            with AgentClient(dest_url, self.s.cluster_token, timeout=self.s.transfer_timeout_s) as dest:
+                port = dest.data_port() if self.s.data_stream else None
+                pieces = _cut(iter(tail), faults.value("transfer:cut_after"))
                 if port:  # the fast path: a socket of its own (transfer/dataport.py)
-                    dataport.send(_cut(iter(tail), faults.value("transfer:cut_after")), httpx.URL(url).host, port,
-                                  image_id, self.s.cluster_token, timeout_s=self.s.transfer_timeout_s,
-                                  compression=tail.compression)
+                    dataport.send(pieces, httpx.URL(url).host, port, image_id, self.s.cluster_token,
+                                  timeout_s=self.s.transfer_timeout_s, compression=tail.compression)
                     return
-                r = c.put(url, content=_cut(iter(tail), faults.value("transfer:cut_after")), headers=headers)
-            if r.status_code >= 300:
-                body = _error_body(r)
-                errors.append(TransferFailed(f"destination refused the images: {body.get('message', r.text)}",
-                                             action=body.get("action", "check the destination agent"),
-                                             details={"status": r.status_code}))
-        except httpx.HTTPError as e:
-            errors.append(TransferFailed(f"transfer to {url} failed: {e!r}",
+                try:
+                    dest.put_images(image_id, pieces, timeout=httpx.Timeout(self.s.transfer_timeout_s, connect=10))
+                except (Unavailable, DeadlineExceeded):
+                    raise
+                except PitstopError as e:
+                    errors.append(TransferFailed(f"destination refused the images: {e.message}",
+                                                 action=e.action or "check the destination agent",
+                                                 details={"status": e.http_status}))
+        except (Unavailable, DeadlineExceeded) as e:
+            errors.append(TransferFailed(f"transfer to {url} failed: {e.message}",
                                          action="the source was resumed; check the destination agent"))
         except PitstopError as e:
             errors.append(e)
@@ -806,12 +828,11 @@ class SourceSide:
             done[0] = time.monotonic()
 
     def _discard_at(self, dest_url: str, image_id: str) -> None:
-        headers = {"Authorization": f"Bearer {self.s.cluster_token}"} if self.s.cluster_token else {}
         try:
-            with httpx.Client(timeout=10, verify=tls.client_context()) as c:
-                c.delete(f"{dest_url.rstrip('/')}/v1/images/{image_id}", headers=headers)
-        except httpx.HTTPError as e:
-            log.warning("could not discard a pre-copy nobody will use", dest=dest_url, image=image_id, error=repr(e))
+            with AgentClient(dest_url, self.s.cluster_token, timeout=DISCARD_TIMEOUT_S) as dest:
+                dest.discard(image_id, timeout=DISCARD_TIMEOUT_S)
+        except PitstopError as e:
+            log.warning("could not discard a pre-copy nobody will use", dest=dest_url, image=image_id, error=e.message)
 
     def _compression(self, dest_url: str) -> Compression:
         """A stream's compression, with what this agent learned of sending to `dest_url` before;
@@ -821,15 +842,6 @@ class SourceSide:
             mode, why = "off", "auto: the destination is on this machine's loopback"
         return Compression(mode, level=self.s.compress_level, threads=self.s.compress_threads,
                            link=compress.link_for(dest_url), reason=why)
-
-    @staticmethod
-    def _data_port(c: httpx.Client, dest_url: str, headers: dict[str, str]) -> int | None:
-        """The destination's data port (None: an agent without one; the images go as an HTTP PUT)."""
-        r = c.get(f"{dest_url.rstrip('/')}/v1/info", headers=headers, timeout=10)
-        if r.status_code >= 300:
-            return None
-        port = r.json().get("data_port")
-        return int(port) if isinstance(port, int) and 0 < port < 65536 else None
 
     def _fail(self, cap: Capture, w: Worker, e: BaseException, resumed_by: str) -> None:
         err: dict[str, Any] = e.to_dict() if isinstance(e, PitstopError) else {"code": "internal", "message": repr(e)}
@@ -1038,11 +1050,3 @@ def _cut(chunks, after: str | None):  # noqa: ANN001, ANN202 - a fault hook: the
         if after and sent > int(after):
             raise TransferFailed(f"injected fault: stream cut after {after} bytes", action="this is a test")
         yield c
-
-
-def _error_body(r: httpx.Response) -> dict:
-    try:
-        b = r.json()
-        return b.get("error", b) if isinstance(b, dict) else {}
-    except ValueError:
-        return {}

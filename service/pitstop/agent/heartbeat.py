@@ -21,17 +21,18 @@ from typing import Any
 import httpx
 import structlog
 
-from .. import tls
-from pitstop.wire.beats import ACK_OK, ACK_RESYNC, decode_ack, encode_beat
+from pitstop import tls
+from pitstop.agent.api import Agent
 from pitstop.proc import caps
-from .api import Agent
+from pitstop.wire.auth import bearer
+from pitstop.wire.beats import ACK_OK, ACK_RESYNC, decode_ack, encode_beat
 
 log = structlog.get_logger("pitstop.agent.heartbeat")
 
 
 def payload(agent: Agent) -> dict:
-    from ..gpu.health import readings
-    from ..gpu.inventory import inventory
+    from pitstop.gpu.health import readings
+    from pitstop.gpu.inventory import inventory
 
     workers = [agent.refresh(w).model_dump(include={"id", "job", "rank", "state", "root_pid", "moved_to", "net",
                                                       "exit_code", "caps", "unmovable"})
@@ -155,7 +156,7 @@ UDP_RETRY_AFTER_S = 60.0
 async def heartbeat_loop(agent: Agent) -> None:
     assert agent.s.coordinator, "started only where a coordinator is configured (server.py)"
     base = agent.s.coordinator.rstrip("/")
-    headers = {"Authorization": f"Bearer {agent.s.cluster_token}"} if agent.s.cluster_token else {}
+    headers = bearer(agent.s.cluster_token)
     failing = False
     rep = Reporter(agent.s.full_report_s)
     udp: UdpBeats | None = None

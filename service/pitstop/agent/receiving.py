@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -23,21 +23,21 @@ from typing import Any
 import httpx
 import structlog
 
-from pitstop.criu import criu_ops, criufill
+from pitstop import faults, nsinit
+from pitstop.agent import exitkeeper, peercred, reclaim, scope
+from pitstop.agent.settings import AgentSettings
+from pitstop.agent.state import LIVE_STATES, AgentState, Fill, Worker
+from pitstop.criu import criu_ops, criufill, runtime
+from pitstop.errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed, Unavailable
+from pitstop.gpu.checkpoint import GpuCheckpointer
 from pitstop.memory import lazy_pages, lazydelta, lazyrule, precopy
-from pitstop.proc import proctree
 from pitstop.memory.dumpview import PAGE
+from pitstop.network import workerns
+from pitstop.proc import proctree
+from pitstop.transfer import dataport
 from pitstop.transfer.manifest import Manifest, check_image_id
-from ..errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed, Unavailable
-from .. import faults, nsinit
-from pitstop.criu import runtime
-from ..gpu.checkpoint import GpuCheckpointer
-from ..network import workerns
-from ..transfer import dataport
-from ..transfer.stream import FreeSpace, StreamReceiver, file_stats, verify_directory
-from . import exitkeeper, peercred, reclaim, scope
-from .settings import AgentSettings
-from .state import Fill, LIVE_STATES, AgentState, Worker
+from pitstop.transfer.stream import FreeSpace, StreamReceiver, file_stats, verify_directory
+from pitstop.undo import Undo
 
 log = structlog.get_logger("pitstop.agent.restore")
 LAZY_VIEW = "lazy"  # in a delta's slot: what a lazy restore of it reads (memory/lazydelta.py)
@@ -388,60 +388,56 @@ class DestinationSide:
                 inherit[p["key"]] = r
                 theirs.append(r)
                 os.close(wfd)  # the worker reads EOF: stdin is never forwarded
+        # Each step that leaves something behind pushes its way back; a failure unwinds them all
+        # (pitstop/undo.py): the pipes, a namespace made here, the fill, a restored copy.
+        undo = Undo(resumed_by="")
+
+        def close_pipes(e: BaseException) -> None:
+            for fd in theirs + [o[0] for o in ours]:
+                os.close(fd)
+            theirs.clear()
+
+        undo.push("pipes", close_pipes)
         wn = workerns.from_dict(net)
         nft = runtime.locate().nft if wn else None
-        net_fd, created = None, False
+        net_fd = None
         try:
             if wn:  # the worker's address, here, locked until its sockets exist again
                 if workerns.exists(wn):
                     workerns.lock(wn, nft)  # a rollback on the source: its namespace is still here
                 else:
                     workerns.create(wn, self.s.worker_link, locked=True, nft=nft)
-                    created = True
+                    undo.push("network", lambda e: workerns.destroy(wn))
                 net_fd = os.open(wn.path, os.O_RDONLY)
             t_fill = time.monotonic()
             fill = self._start_fill(directory, pages_from, local_index) if lazy else None
-            if fill and phases is not None:
-                phases["fill_start"] = time.monotonic() - t_fill
-            try:
-                pid, secs = self._criu_restore(directory, inherit, net_fd, fill is not None, abort, phases)
-                if fill and faults.value("restore:kill_fill"):  # held, so that it cannot finish first
-                    os.kill(fill.pid, signal.SIGSTOP)
-                gone = fill.guard(pid) if fill else None
-                if gone:  # the source stopped serving while the tree was restored: it must not run
-                    proctree.kill_tree(pid)
-                    raise RestoreFailed(f"the source stopped serving this worker's memory during its restore: {gone}",
-                                        action="the move rolls back and the worker runs on from the source's "
-                                               "full dump; check the source agent and the link, then retry")
-            except PitstopError:
-                if fill:
-                    fill.kill()
-                raise
-        except PitstopError:
-            for fd in theirs + [o[0] for o in ours]:
+            if fill:
+                undo.push("fill", lambda e: fill.kill())
+                if phases is not None:
+                    phases["fill_start"] = time.monotonic() - t_fill
+            pid, secs = self._criu_restore(directory, inherit, net_fd, fill is not None, abort, phases)
+            if fill and faults.value("restore:kill_fill"):  # held, so that it cannot finish first
+                os.kill(fill.pid, signal.SIGSTOP)
+            gone = fill.guard(pid) if fill else None
+            if gone:  # the source stopped serving while the tree was restored: it must not run
+                proctree.kill_tree(pid)
+                raise RestoreFailed(f"the source stopped serving this worker's memory during its restore: {gone}",
+                                    action="the move rolls back and the worker runs on from the source's "
+                                           "full dump; check the source agent and the link, then retry")
+            undo.push("copy", lambda e: proctree.discard_copy(pid))  # a copy without its GPU memory must never run
+            for fd in theirs:  # the restored tree holds its ends now
                 os.close(fd)
-            if created and wn is not None:
-                workerns.destroy(wn)
+            theirs.clear()
+            if gpu:
+                timings = self.gpu.resume_restored(pid, gpu)
+                if phases is not None:
+                    phases.update(timings)
+        except PitstopError as e:
+            undo.unwind(e)
             raise
         finally:
             if net_fd is not None:
                 os.close(net_fd)
-        for fd in theirs:
-            os.close(fd)
-        if gpu:
-            try:
-                timings = self.gpu.resume_restored(pid, gpu)
-            except PitstopError:
-                proctree.discard_copy(pid)  # a copy without its GPU memory must never run
-                if fill:
-                    fill.kill()
-                for fd, _, _ in ours:
-                    os.close(fd)
-                if created and wn is not None:
-                    workerns.destroy(wn)
-                raise
-            if phases is not None:
-                phases.update(timings)
         if wn:
             reset = workerns.reset_unrelated(wn, keep_peers) if keep_peers is not None else 0
             workerns.announce(wn)

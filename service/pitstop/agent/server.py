@@ -12,21 +12,20 @@ import uvicorn
 import uvloop
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .. import tls
-from ..endpoints import listening_socket
-from ..transfer.dataport import DataPort
-from pitstop.memory import lazy_pages
+from pitstop import priority, tls
+from pitstop.agent import imagefs, reclaim
+from pitstop.agent.api import Agent, local_app, peer_app
+from pitstop.agent.peercred import checked
+from pitstop.agent.receiving import become_subreaper
+from pitstop.agent.settings import AgentSettings
 from pitstop.criu import runtime
-from ..errors import FailedPrecondition
-from ..httpapi import RequestGuard, with_header_deadline
-from ..sdnotify import notify, watchdog_loop
-from . import imagefs, reclaim
-from .. import priority
-from ..stopping import STOP_S, leave_within
-from .api import Agent, local_app, peer_app
-from .peercred import checked
-from .receiving import become_subreaper
-from .settings import AgentSettings
+from pitstop.endpoints import listening_socket
+from pitstop.errors import FailedPrecondition
+from pitstop.httpapi import RequestGuard, with_header_deadline
+from pitstop.memory import lazy_pages
+from pitstop.sdnotify import notify, watchdog_loop
+from pitstop.stopping import STOP_S, leave_within
+from pitstop.transfer.dataport import DataPort
 
 log = structlog.get_logger("pitstop.agent")
 
@@ -156,7 +155,7 @@ def serve(s: AgentSettings) -> None:
     agent.data_port = agent.source.data_port = s.data_advertise_port or port_.port
     extra = []
     if s.coordinator:
-        from .heartbeat import heartbeat_loop
+        from pitstop.agent.heartbeat import heartbeat_loop
 
         extra.append(heartbeat_loop(agent))
 

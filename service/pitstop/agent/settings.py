@@ -9,8 +9,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ..endpoints import DataListenAddress, HostName, ListenAddress, ServiceURL, split_host_port
-
+from pitstop.endpoints import DataListenAddress, HostName, ListenAddress, ServiceURL, split_host_port
 
 IMAGE_ROOT = Path("/run/pitstop/images")
 """Not /dev/shm: any local user may create entries there, a directory the agent would then
@@ -121,7 +120,7 @@ class AgentSettings(BaseSettings):
 
     @property
     def url(self) -> str:
-        from ..tls import scheme
+        from pitstop.tls import scheme
 
         return self.advertise_url or f"{scheme()}://{self.listen}"
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field
 
-from ..errors import NotFound
+from pitstop.errors import NotFound
 
 WorkerState = Literal["running", "paused", "capturing", "stopped", "released", "moved", "exited", "lost"]
 LIVE_STATES = ("running", "paused", "capturing", "stopped")  # a process exists for these
@@ -92,7 +92,7 @@ class Capture(BaseModel):
     keep_peers: list[str] | None = None  # addresses whose connections survive the move; None: all
     # post-copy over the network: the split (eager/lazy bytes) and what the fill has fetched so far
     post_copy: dict[str, Any] | None = None
-    want_post_copy: bool | None = None  # what the request asked; None: the agent's setting
+    want_post_copy: bool | None = None  # network post-copy, as settled when the capture began
     pre_copy: dict[str, Any] | None = None  # the delta against a pre-copy: bytes left in it, bytes sent now
     # the dump's files as CRIU left them (criu/seal.py), checked before a rollback restores them
     seal: dict[str, list] | None = None

@@ -16,19 +16,22 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from .. import __version__, tls
+from pitstop import __version__, tls
+from pitstop.coordinator import lifecycle
+from pitstop.coordinator.driver import Driver
+from pitstop.coordinator.fanout import in_parallel
+from pitstop.coordinator.filecheck import check_files
+from pitstop.coordinator.health_policy import AutoEvacuator
+from pitstop.coordinator.planner import plan, unmovable_workers
+from pitstop.coordinator.settings import CoordinatorSettings
+from pitstop.coordinator.store import LIVE, Store
+from pitstop.errors import Conflict, FailedPrecondition, Forbidden, NotFound, PitstopError, Unprocessable
+from pitstop.httpapi import install_error_handlers, require_token, token_matches
 from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.beats import BeatFastPath
-from ..errors import Conflict, FailedPrecondition, Forbidden, NotFound, PitstopError, Unprocessable
-from ..httpapi import install_error_handlers, require_token, token_matches
-from .driver import Driver
-from .fanout import in_parallel
-from .filecheck import check_files
-from .health_policy import AutoEvacuator
-from . import lifecycle
-from .planner import plan, unmovable_workers
-from .settings import CoordinatorSettings
-from .store import LIVE, Store
+
+PLAN_SYNC_TIMEOUT_S = 3.0  # each agent's worker list, asked in parallel while a request waits to be planned
+POST_COPY_CHECK_TIMEOUT_S = 5.0  # the source's post-copy support, asked before anything pauses
 
 
 class SetRoleRequest(BaseModel):
@@ -154,7 +157,7 @@ def sync_workers(store: Store, settings: CoordinatorSettings, node: str) -> None
 
     def one(h: dict) -> None:
         try:
-            with AgentClient(h["url"], settings.cluster_token, timeout=3.0) as a:
+            with AgentClient(h["url"], settings.cluster_token, timeout=PLAN_SYNC_TIMEOUT_S) as a:
                 store.sync_workers(h["name"], a.workers())
         except (PitstopError, httpx.HTTPError, httpx.InvalidURL, ValueError):
             pass  # planned with what its heartbeats said
@@ -211,7 +214,7 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
     def check_post_copy(host: dict[str, Any]) -> None:
         """Refuse post-copy the source cannot serve before anything pauses, not mid-move."""
         try:
-            with AgentClient(host["url"], settings.cluster_token, timeout=5.0) as a:
+            with AgentClient(host["url"], settings.cluster_token, timeout=POST_COPY_CHECK_TIMEOUT_S) as a:
                 support = a.info().get("post_copy") or {}
         except (PitstopError, httpx.HTTPError, ValueError) as e:
             raise FailedPrecondition(f"cannot ask {host['name']}'s agent whether it can serve post-copy: "

@@ -30,8 +30,8 @@ from typing import Any
 
 import structlog
 
-from ..errors import DeadlineExceeded, PitstopError
-from .fanout import in_parallel
+from pitstop.coordinator.fanout import in_parallel
+from pitstop.errors import DeadlineExceeded, PitstopError
 
 log = structlog.get_logger("pitstop.cut")
 

@@ -37,49 +37,32 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import structlog
 
-from .. import faults, priority
+from pitstop import faults, priority
+from pitstop.coordinator.cut import Cut
+from pitstop.coordinator.fanout import in_parallel
+from pitstop.coordinator.filecheck import check_files
+from pitstop.coordinator.settings import CoordinatorSettings
+from pitstop.coordinator.store import Store, StoreUnavailable
+from pitstop.errors import DeadlineExceeded, NotFound, PitstopError, Unavailable
 from pitstop.wire.agent_client import AgentClient
-from ..errors import DeadlineExceeded, PitstopError, Unavailable
-from .cut import Cut
-from .fanout import in_parallel
-from .filecheck import check_files
-from .settings import CoordinatorSettings
-from .store import Store, StoreUnavailable
+from pitstop.wire.evacuation import CutRecord, EvacuationState, MovePlan
 
 log = structlog.get_logger("pitstop.coordinator.driver")
 PRECOPY_PROGRESS_EVERY_S = 1.0  # how often a pre-copy's progress is read from the source
 PRECOPY_STOP_WAIT_S = 15.0  # how long a stopped pre-copy may take to end (it stops within a 4 MiB read)
 TAKEOVER_BACKOFF_MAX_S = 300.0  # the watchdog's longest wait between two takeovers of one operation
 
+AGENT_QUESTION_TIMEOUT_S = 10.0  # one quick question to a live agent (its info, a worker's fill): no answer
+                                 # by then means it is not answering, not that it is busy
+
 class Cancelled(PitstopError):
     http_status = 409
     code = "cancelled"
-
-
-def new_metadata(plan: Any, reason: str, post_copy: bool | None = None,
-                 pre_copy: bool | None = None, requested_by: str = "") -> dict[str, Any]:
-    return {
-        "@type": "type.pitstop.dev/EvacuateMetadata",
-        "node": plan.node["name"], "destination": plan.dest["name"], "reason": reason,
-        "requested_by": requested_by,  # the operator's certificate and token, or the health policy
-        "post_copy": post_copy,  # as asked; None: each source agent's setting
-        "pre_copy": pre_copy,  # as asked; None: the coordinator's setting
-        "jobs": plan.jobs,
-        "workers": {w["id"]: {"job": w["job"], "rank": w["rank"], "state": "pending", "capture_id": None,
-                              "bytes_done": 0, "bytes_total": None} for w in plan.leaving},
-        "peers": {w["id"]: w["host"] for w in plan.peers},
-        # Workers with their own addresses keep their connections to each other; any other
-        # connection of a moved worker is reset at the destination (network/workerns.py).
-        "keep_peers": sorted({w["address"].split("/")[0] for w in plan.leaving + plan.peers if w.get("address")})
-        or None,
-        "paused": [], "committed": False, "capture_begun": False, "phases": {}, "bytes_done": 0,
-        "bytes_total": None,
-        "conditions": [], "downtime_s": None,
-    }
 
 
 class OpRun:
@@ -91,7 +74,7 @@ class OpRun:
         op = driver.store.op(op_id)
         assert op is not None
         self.op = op
-        self.md: dict[str, Any] = op["metadata"]
+        self.md = EvacuationState.load(op["metadata"])
         self.lock = threading.RLock()
         self._phase_t0 = time.monotonic()
         self.started = time.monotonic()
@@ -118,7 +101,7 @@ class OpRun:
         with self.lock:
             try:
                 self._write_unwritten()
-                self.d.store.update_op(self.id, metadata=self.md, **kw)
+                self.d.store.update_op(self.id, metadata=self.md.dump(), **kw)
             except StoreUnavailable as e:
                 if not self.best_effort:
                     raise
@@ -151,7 +134,7 @@ class OpRun:
                 return self.finished
             try:
                 self._write_unwritten()
-                self.d.store.update_op(self.id, metadata=self.md, **self.final)
+                self.d.store.update_op(self.id, metadata=self.md.dump(), **self.final)
             except StoreUnavailable as e:
                 self._refused(e)
                 return False
@@ -173,7 +156,7 @@ class OpRun:
 
     def enter(self, phase: str) -> None:
         with self.lock:
-            self.md["phase"] = phase
+            self.md.phase = phase
             self._phase_t0 = time.monotonic()
             self.save(phase=phase)
         log.info("phase", op=self.id, phase=phase)
@@ -182,17 +165,13 @@ class OpRun:
     def leave(self, phase: str) -> None:
         with self.lock:
             dt = time.monotonic() - self._phase_t0
-            self.md["phases"][phase] = round(dt, 4)
+            self.md.phases[phase] = round(dt, 4)
             self.d.observe_phase(phase, dt)
             self.save()
 
     def condition(self, type_: str, status: bool, reason: str, message: str = "") -> None:
         with self.lock:
-            conds = [c for c in self.md["conditions"] if c["type"] != type_]
-            conds.append({"type": type_, "status": "True" if status else "False", "reason": reason,
-                          "message": message,
-                          "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-            self.md["conditions"] = conds
+            self.md.set_condition(type_, status, reason, message)
             self.save()
 
     def check(self) -> None:
@@ -232,9 +211,9 @@ class OpRun:
         """The consistent-cut driver over every worker of the affected jobs, through their agents.
 
         moved: the leaving workers are addressed at the destination (after restore)."""
-        hosts = dict(self.md["peers"])
-        for wid in self.md["workers"]:
-            hosts[wid] = self.md["destination"] if moved else self.md["node"]
+        hosts = dict(self.md.peers)
+        for wid in self.md.workers:
+            hosts[wid] = self.md.destination if moved else self.md.node
 
         def get_all(workers: list[str]) -> dict[str, list[dict[str, Any]]]:
             groups = _by_agent([(w, hosts[w]) for w in workers])
@@ -252,7 +231,7 @@ class OpRun:
 
     def each(self, fn: Callable[[str], Any]) -> None:
         """Run fn for every leaving worker in parallel; raise the first failure."""
-        in_parallel(fn, list(self.md["workers"]))
+        in_parallel(fn, list(self.md.workers))
 
     # -- the forward path ---------------------------------------------------------------------
     def run(self) -> None:
@@ -261,34 +240,50 @@ class OpRun:
         except Exception as e:  # noqa: BLE001 - every failure before commit rolls back
             err = e if isinstance(e, PitstopError) else PitstopError(f"internal error: {e!r}",
                                                                      action="see the coordinator's log")
-            if self.md.get("committed"):
+            if self.md.committed:
                 self._finish_commit(err)
             else:
                 self.rollback(err)
 
     def _forward(self) -> None:
-        node, dest = self.md["node"], self.md["destination"]
-        src, dst = self.agent(node), self.agent(dest)
-        self.condition("Planned", True, "SpareSelected", f"{len(self.md['workers'])} worker(s) of "
-                       f"{', '.join(self.md['jobs'])} move from {node} to {dest}")
-        self._check_files(src, dst)
-        self._pre_copy(src, dst)
-        # pause: persisted intent first, so a restart knows whom to resume.
+        """The move, phase by phase (FORWARD).  Any failure before the commit point goes to
+        `rollback`, which undoes on the agents what the record says was done, whichever phase
+        it stopped in (it may run in a restarted coordinator, from the record alone)."""
+        m = _Move(node=self.md.node, dest=self.md.destination, src=self.agent(self.md.node),
+                  dst=self.agent(self.md.destination))
+        for step in FORWARD:
+            step(self, m)
+        self._commit()
+
+    def _plan(self, m: "_Move") -> None:
+        self.condition("Planned", True, "SpareSelected", f"{len(self.md.workers)} worker(s) of "
+                       f"{', '.join(self.md.jobs)} move from {m.node} to {m.dest}")
+        self._check_files(m.src, m.dst)
+        m.plan = self._settle(m.src)
+
+    def _precopy_phase(self, m: "_Move") -> None:
+        assert m.plan is not None
+        self._pre_copy(m.src, m.dst, m.plan)
+
+    def _pause(self, m: "_Move") -> None:
+        """Pause: the intent persisted first, so a restart knows whom to resume."""
+        assert m.plan is not None
         self.enter("pause")
         cut = self.cut()
         shim = cut.uses_shim()  # asked while the job runs: the downtime starts at the first pause below
+        m.plan.pause = "nccl_cut" if shim else "sigstop"
         if shim:
-            self.md["first_pause"] = time.time()
+            self.md.first_pause = time.time()
             self.save()
             # NCCL jobs: every rank parks at one consistent point between collectives, then the
             # real communicators are destroyed, so no NCCL socket crosses the capture.
             with self.lock:
-                self.md["cut"] = {"used": True, "destroyed": False}
+                self.md.cut = CutRecord(used=True, destroyed=False)
                 self.save()
             res = cut.quiesce()
             cut.destroy()
             with self.lock:
-                self.md["cut"].update(destroyed=True, rounds=res.rounds, seconds=round(res.seconds, 4))
+                self.md.cut = CutRecord(used=True, destroyed=True, rounds=res.rounds, seconds=round(res.seconds, 4))
                 self.save()
             self.leave("pause")
             self.condition("Quiesced", True, "ConsistentCut",
@@ -300,111 +295,105 @@ class OpRun:
             # and resumes every peer, so a restart between here and the save below leaves nothing
             # stopped.  This thread (and the calls' threads, which inherit it) on SCHED_FIFO: the
             # ranks still run and would otherwise take their turns between its steps.
-            peers = list(self.md["peers"].items())
+            peers = list(self.md.peers.items())
             with priority.critical():
-                self.md["first_pause"] = time.time()
+                self.md.first_pause = time.time()
                 self.save()
                 in_parallel(lambda g: self.agent(g[0]).pause_many(g[1]), _by_agent(peers))
                 with self.lock:  # leave() writes them: one state write after the round, not two
-                    self.md["paused"].extend(wid for wid, _ in peers)
+                    self.md.paused.extend(wid for wid, _ in peers)
                     # the round alone: the phase also holds the shim check, made while the job runs
-                    self.md["pause_round_s"] = round(time.time() - self.md["first_pause"], 4)
+                    self.md.pause_round_s = round(time.time() - self.md.first_pause, 4)
                     self.leave("pause")
-            self.condition("Quiesced", True, "PeersPaused", f"{len(self.md['paused'])} peer(s) paused (SIGSTOP)")
+            self.condition("Quiesced", True, "PeersPaused", f"{len(self.md.paused)} peer(s) paused (SIGSTOP)")
         self.check()
 
+    def _capture(self, m: "_Move") -> None:
+        assert m.plan is not None
+        plan, src, dst = m.plan, m.src, m.dst
         self.enter("capture")
         with self.lock:  # from here a rollback must look for captures on the node, even unrecorded ones
-            self.md["capture_begun"] = True
+            self.md.capture_begun = True
             self.save()
 
         def capture(wid: str) -> None:
-            w = self.md["workers"][wid]
+            w = self.md.workers[wid]
             cap = src.capture(wid, dest_url=dst.url, image_id=self.image_id(wid),
-                              keep_peers=self.md.get("keep_peers"), post_copy=self.md.get("post_copy"))
+                              keep_peers=self.md.keep_peers, post_copy=plan.post_copy)
             with self.lock:
-                w["capture_id"], w["state"] = cap["id"], "capturing"
+                w.capture_id, w.state = cap["id"], "capturing"
                 self.save()
 
             def progress(c: dict) -> None:
                 with self.lock:
-                    w["bytes_done"], w["bytes_total"] = c.get("bytes_sent", 0), c.get("bytes_total")
-                    self.md["bytes_done"] = sum(x["bytes_done"] for x in self.md["workers"].values())
+                    w.bytes_done, w.bytes_total = c.get("bytes_sent", 0), c.get("bytes_total")
+                    self.md.bytes_done = sum(x.bytes_done for x in self.md.workers.values())
                     self.save()
 
             cap = src.wait_capture(cap["id"], self.d.s.capture_deadline_s, progress)
             if cap["state"] == "failed":
                 raise PitstopError.from_dict(cap.get("error") or {"message": "capture failed"})
             with self.lock:
-                w["state"], w["bytes_total"] = "captured", cap.get("bytes_total")
-                w["bytes_done"] = w["bytes_total"] or w["bytes_done"]
-                w["capture_phases"] = cap.get("phases", {})
-                w["bytes_deduplicated"] = cap.get("bytes_deduplicated", 0)
-                if cap.get("compression"):  # what went compressed, and the rates the source measured
-                    w["compression"] = cap["compression"]
-                if cap.get("pre_copy"):  # sent ahead, while the job ran; not again now
-                    w["bytes_pre_copied"] = cap["pre_copy"].get("parent_bytes", 0)
-                    # how the source told what changed: the kernel's write tracking, or digests
-                    w["pre_copy_tracked_tasks"] = cap["pre_copy"].get("tracked_tasks", 0)
-                    w["pre_copy_digested_tasks"] = cap["pre_copy"].get("digested_tasks", 0)
-                    # who cut the delta: CRIU's incremental dump ("criu") or pitstop from a full one
-                    w["pre_copy_by"] = cap["pre_copy"].get("by")
-                    if cap["pre_copy"].get("untracked_reason"):
-                        w["pre_copy_untracked_reason"] = cap["pre_copy"]["untracked_reason"]
-                if cap.get("post_copy"):  # network post-copy: these follow after the resume
-                    w["bytes_after_resume"] = cap["post_copy"].get("lazy_bytes", 0)
-                self.md["bytes_done"] = sum(x["bytes_done"] for x in self.md["workers"].values())
-                self.md["bytes_total"] = sum(x["bytes_total"] or 0 for x in self.md["workers"].values())
-                self.md["bytes_after_resume"] = sum(x.get("bytes_after_resume", 0) for x in self.md["workers"].values())
+                w.captured(cap)
+                self.md.totals()
                 self.save()
 
         self.each(capture)
         self.leave("capture")
-        later = self.md.get("bytes_after_resume") or 0
-        self.condition("Transferred", True, "ImagesStreamed", f"{self.md['bytes_total']} bytes"
+        later = self.md.bytes_after_resume or 0
+        self.condition("Transferred", True, "ImagesStreamed", f"{self.md.bytes_total} bytes"
                        + (f"; {later} bytes of memory follow after the resume (network post-copy)" if later else ""))
         self.check()
 
+    def _verify(self, m: "_Move") -> None:
         self.enter("verify")
-        self.each(lambda wid: dst.verify(self.image_id(wid)))
+        self.each(lambda wid: m.dst.verify(self.image_id(wid)))
         self.leave("verify")
         self.check()
 
+    def _release(self, m: "_Move") -> None:
         self.enter("release")
 
         def release(wid: str) -> None:
-            src.release(self.md["workers"][wid]["capture_id"])
+            cid = self.md.workers[wid].capture_id
+            assert cid is not None, "every leaving worker is captured before the release"
+            m.src.release(cid)
             with self.lock:
-                self.md["workers"][wid]["state"] = "released"
+                self.md.workers[wid].state = "released"
                 self.save()
 
         self.each(release)
         self.leave("release")
 
+    def _restore(self, m: "_Move") -> None:
         self.enter("restore")
 
         def restore(wid: str) -> None:
-            r = dst.restore(self.image_id(wid), timeout=self.d.s.step_timeout_s)
+            r = m.dst.restore(self.image_id(wid), timeout=self.d.s.step_timeout_s)
             with self.lock:
-                self.md["workers"][wid]["state"] = "restored"
-                self.md["workers"][wid]["restored_pid"] = r["worker"]["root_pid"]
-                self.md["workers"][wid]["restore_phases"] = r.get("phases", {})
+                self.md.workers[wid].state = "restored"
+                self.md.workers[wid].restored_pid = r["worker"]["root_pid"]
+                self.md.workers[wid].restore_phases = r.get("phases", {})
                 self.save()
 
         self.each(restore)
         self.leave("restore")
-        self.condition("Restored", True, "WorkersRestored", f"on {dest}")
-        if self.md.get("cut", {}).get("destroyed"):
+        self.condition("Restored", True, "WorkersRestored", f"on {m.dest}")
+
+    def _rewire(self, m: "_Move") -> None:
+        """NCCL jobs: communicators re-created behind the same handles, at the new addresses."""
+        if self.md.cut and self.md.cut.destroyed:
             self.enter("rewire")
             secs, ids = self.cut(moved=True).rewire()
             with self.lock:
-                self.md["cut"].update(destroyed=False, rewired=True, new_ids={k: v[:32] for k, v in ids.items()})
+                assert self.md.cut is not None
+                self.md.cut.destroyed, self.md.cut.rewired = False, True
+                self.md.cut.new_ids = {k: v[:32] for k, v in ids.items()}
                 self.save()
             self.leave("rewire")
             self.condition("Rewired", True, "CommunicatorsRecreated",
                            f"{len(ids)} communicator(s) re-created with new unique ids")
         self.check()
-        self._commit()
 
     @contextlib.contextmanager
     def _precopy_progress(self, src: AgentClient) -> Iterator[Callable[[], float]]:
@@ -414,7 +403,7 @@ class OpRun:
         (time.monotonic()): how the wait tells a slow pre-copy from a stalled one.  Best
         effort: a missed reading only leaves the figures where they were."""
         stop = threading.Event()
-        ours = {self.image_id(w) for w in self.md["workers"]}
+        ours = {self.image_id(w) for w in self.md.workers}
         moved = [time.monotonic(), -1]  # when, and the bytes then
 
         def follow() -> None:
@@ -428,8 +417,8 @@ class OpRun:
                     if sent > moved[1]:
                         moved[:] = [time.monotonic(), sent]
                     with self.lock:
-                        self.md["pre_copy_bytes"] = sent
-                        self.md["pre_copy_bytes_total"] = sum(int(p.get("bytes_total") or 0) for p in got)
+                        self.md.pre_copy_bytes = sent
+                        self.md.pre_copy_bytes_total = sum(int(p.get("bytes_total") or 0) for p in got)
                         try:
                             self.save()
                         except StoreUnavailable:
@@ -482,7 +471,7 @@ class OpRun:
         what was there.  Best effort: nothing running is the usual answer."""
         if src is None:
             return
-        ours = {self.image_id(w) for w in self.md["workers"]}
+        ours = {self.image_id(w) for w in self.md.workers}
         try:
             running = {p["image_id"] for p in src.precopies() if p.get("image_id") in ours}
         except PitstopError:
@@ -504,38 +493,50 @@ class OpRun:
         """Refuse, before anything pauses, a destination that lacks files the leaving workers use
         by path (their Python, libraries, working directories, open files: proc/files.py).
         CRIU's restore would fail on it after the pause and the move would roll back."""
-        res = check_files(src, dst, list(self.md["workers"]))
+        res = check_files(src, dst, list(self.md.workers))
         if res.unchecked:
             log.warning("an agent predates the file check; the restore will say what is missing, if anything",
                         op=self.id, workers=res.unchecked)
-        err = res.error(self.md["destination"])
+        err = res.error(self.md.destination)
         if err:
             raise err
         self.condition("FilesPresent", True, "DestinationHasFiles",
-                       f"{self.md['destination']} has every path the leaving workers use" if not res.unchecked
+                       f"{self.md.destination} has every path the leaving workers use" if not res.unchecked
                        else "not checked: an agent predates the check")
 
-    def _pre_copy(self, src: AgentClient, dst: AgentClient) -> None:
+    def _settle(self, src: AgentClient) -> MovePlan:
+        """The move's plan, decided here once and recorded: what the request asked, else the
+        coordinator's setting (pre-copy) or the source agent's (post-copy, asked of it now)."""
+        post = self.md.post_copy
+        if post is None:
+            support = src.info(timeout=AGENT_QUESTION_TIMEOUT_S).get("post_copy") or {}
+            post = bool(support.get("default")) and not support.get("unavailable")
+        pre = (self.d.s.pre_copy if self.md.pre_copy is None else self.md.pre_copy) and not post
+        with self.lock:
+            self.md.plan = MovePlan(pre_copy=pre, post_copy=post)
+            self.save()
+        return self.md.plan
+
+    def _pre_copy(self, src: AgentClient, dst: AgentClient, plan: MovePlan) -> None:
         """Send the leaving workers' memory while the job still runs (memory/precopy.py).
 
         Best effort by design: a pre-copy only shortens the pause that follows, so one that
         fails, passes its deadline or stalls is stopped, reported, and the move sends everything
         instead."""
-        wanted = self.md.get("pre_copy")
-        if not (self.d.s.pre_copy if wanted is None else wanted):
+        if not plan.pre_copy:
             return
         self.enter("precopy")
         results: dict[str, Any] = {}
 
         def one(wid: str) -> None:
             try:
-                results[wid] = src.precopy(wid, dst.url, self.image_id(wid), post_copy=self.md.get("post_copy"),
+                results[wid] = src.precopy(wid, dst.url, self.image_id(wid), post_copy=plan.post_copy,
                                            timeout=self.d.s.precopy_deadline_s + 30)
             except PitstopError as e:
                 results[wid] = {"error": e.message}
                 log.warning("pre-copy failed; the move sends everything", op=self.id, worker=wid, error=e.message)
 
-        ids = list(self.md["workers"])
+        ids = list(self.md.workers)
         running = {wid: threading.Thread(target=one, args=(wid,), name=f"precopy-{wid}", daemon=True) for wid in ids}
         for t in running.values():
             t.start()
@@ -556,18 +557,18 @@ class OpRun:
         failed = {w: r["error"] for w, r in final.items() if "error" in r}
         if failed:  # a source that stopped answering would fail the move after the pause: stop before it
             try:
-                src.info(timeout=10)
+                src.info(timeout=AGENT_QUESTION_TIMEOUT_S)
             except PitstopError as e:
-                raise Unavailable(f"the agent on {self.md['node']} stopped answering during the pre-copy "
+                raise Unavailable(f"the agent on {self.md.node} stopped answering during the pre-copy "
                                   f"({e.message}); nothing was paused", code="source_unavailable",
-                                  action=f"check the agent on {self.md['node']}, then evacuate again") from None
+                                  action=f"check the agent on {self.md.node}, then evacuate again") from None
         skipped = {r["skipped"] for r in final.values() if "skipped" in r}
         with self.lock:
-            self.md["pre_copy_bytes"] = sent
+            self.md.pre_copy_bytes = sent
             for wid, r in final.items():
                 if r.get("compression"):
-                    self.md["workers"][wid]["pre_copy_compression"] = r["compression"]
-            self.md.pop("pre_copy_bytes_total", None)  # an estimate, for the progress while it ran
+                    self.md.workers[wid].pre_copy_compression = r["compression"]
+            self.md.unset("pre_copy_bytes_total")  # an estimate, for the progress while it ran
             self.save()
         self.leave("precopy")
         if failed:
@@ -585,24 +586,24 @@ class OpRun:
         the metadata says not committed).  From here on, only forward, and the agents' side
         never waits on the database (best_effort)."""
         with self.lock:
-            if not self.md.get("committed"):
-                self.md["committed"] = True
+            if not self.md.committed:
+                self.md.committed = True
                 try:
                     self.save()
                 except StoreUnavailable:
-                    self.md["committed"] = False
+                    self.md.committed = False
                     raise
             self.best_effort = True
 
     def _commit(self) -> None:
-        node, dest = self.md["node"], self.md["destination"]
+        node, dest = self.md.node, self.md.destination
         self._pass_commit_point()
         self.enter("commit")
         faults.hit("after_commit_point")
-        for wid in self.md["workers"]:  # the membership first: the coordinator's own record, no agent asked
+        for wid in self.md.workers:  # the membership first: the coordinator's own record, no agent asked
             self.record(functools.partial(self.d.store.set_worker_host, wid, dest))
         self.record(lambda: self.d.store.set_role(dest, "active"))
-        filling = bool(self.md.get("bytes_after_resume"))
+        filling = bool(self.md.bytes_after_resume)
         self.record(lambda: self.d.store.set_role(node, "draining" if filling else "drained"))
         self.save()
         self.leave("commit")
@@ -615,30 +616,31 @@ class OpRun:
             raise Unavailable("peers could not be resumed: " + "; ".join(stuck),
                               action="check those peers' agents; the coordinator keeps trying")
         self.leave("resume")
-        if self.md.get("last_resume") is None:  # a restarted coordinator finishing this op keeps the first
-            self.md["last_resume"] = resumed_at
-            self.md["downtime_s"] = round(self.md["last_resume"] - self.md["first_pause"], 4)
+        if self.md.last_resume is None:  # a restarted coordinator finishing this op keeps the first
+            self.md.last_resume = resumed_at
+            if self.md.first_pause is not None:  # recorded as the pause began: always, but say none if not
+                self.md.downtime_s = round(self.md.last_resume - self.md.first_pause, 4)
         self._check_replacements(dest)  # after the last resume: nobody waits for this look
         self.clean_source()
         failed = self._await_fills(node, dest) if filling else None
         response = {"@type": "type.pitstop.dev/EvacuateResponse", "node": node, "destination": dest,
-                    "workers": sorted(self.md["workers"]), "downtime_s": self.md["downtime_s"],
-                    "bytes": self.md["bytes_total"]}
+                    "workers": sorted(self.md.workers), "downtime_s": self.md.downtime_s,
+                    "bytes": self.md.bytes_total}
         if filling:
-            response.update(bytes_after_resume=self.md["bytes_after_resume"], fill_s=self.md.get("fill_s"))
-        if self.md.get("source_cleanup_pending"):
-            response["source_cleanup_pending"] = self.md["source_cleanup_pending"]
+            response.update(bytes_after_resume=self.md.bytes_after_resume, fill_s=self.md.fill_s)
+        if self.md.source_cleanup_pending:
+            response["source_cleanup_pending"] = self.md.source_cleanup_pending
         if failed:
             self.condition("Succeeded", False, failed.code, failed.message)
-            self.d.count("failed", self.md["bytes_total"] or 0)
+            self.d.count("failed", self.md.bytes_total or 0)
             self.finish(phase="done", done=True, result="failed", error=_op_error(failed), response=response)
             log.error("evacuated, but not every fill ended well", op=self.id, node=node, reason=failed.message)
             return
-        self.condition("Succeeded", True, "Evacuated", f"downtime {self.md['downtime_s']} s")
-        self.d.count("succeeded", self.md["bytes_total"] or 0, self.md.get("downtime_s"))
+        self.condition("Succeeded", True, "Evacuated", f"downtime {self.md.downtime_s} s")
+        self.d.count("succeeded", self.md.bytes_total or 0, self.md.downtime_s)
         self.finish(phase="done", done=True, result="succeeded", response=response)
-        log.info("evacuated", op=self.id, node=node, dest=dest, downtime_s=self.md["downtime_s"],
-                 **self.md["phases"])
+        log.info("evacuated", op=self.id, node=node, dest=dest, downtime_s=self.md.downtime_s,
+                 **self.md.phases)
 
     def clean_source(self, later: bool = False) -> bool:
         """Past the resume: the node's agent frees each moved worker's images and CRIU's network lock.
@@ -650,35 +652,37 @@ class OpRun:
         `source_cleanup_pending` and tried again whenever the node's agent reports
         (Driver.node_seen, with `later`: the operation is done and keeps its phase).  Whether
         nothing is left."""
-        node, dest = self.md["node"], self.md["destination"]
+        node, dest = self.md.node, self.md.destination
         moved_to = {"agent": dest, "url": (self.d.store.host(dest) or {}).get("url", "")}
         deadline = time.monotonic() + self.d.s.source_cleanup_deadline_s
         if not later:
             self.enter("cleanup")
         problems: list[str] = []
         while True:
-            pending = [wid for wid, w in self.md["workers"].items() if w.get("state") != "committed"]
+            pending = self.md.pending_cleanup()
             if not pending or time.monotonic() >= deadline:
                 break
 
             def commit(wid: str) -> str | None:
-                w = self.md["workers"][wid]
+                w = self.md.workers[wid]
                 try:
-                    self.agent(node).commit(w["capture_id"], moved_to,
+                    if w.capture_id is None:  # no capture of it on the node: nothing to free
+                        raise NotFound(f"{wid} has no capture on record")
+                    self.agent(node).commit(w.capture_id, moved_to,
                                             timeout=max(1.0, min(10.0, deadline - time.monotonic())))
                 except PitstopError as e:
                     if e.http_status != 404:  # 404: the node has no such capture, so nothing to free
                         return f"{wid}: {e.message}"
                 with self.lock:
-                    w["state"] = "committed"
+                    w.state = "committed"
                 return None
 
             problems = [p for p in in_parallel(commit, pending) if p]
             if problems and time.monotonic() < deadline:
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-        pending = [wid for wid, w in self.md["workers"].items() if w.get("state") != "committed"]
+        pending = self.md.pending_cleanup()
         with self.lock:
-            self.md["source_cleanup_pending"] = pending
+            self.md.source_cleanup_pending = pending
             resp = self.op.get("response") if later else None
             if resp and not pending and "source_cleanup_pending" in resp:
                 resp = {k: v for k, v in resp.items() if k != "source_cleanup_pending"}
@@ -707,11 +711,11 @@ class OpRun:
         short timeout per call; never raises (the commit is behind us); says what went wrong."""
         self.enter("fill")
         url = self._url(dest)
-        waiting = [wid for wid, w in self.md["workers"].items() if w.get("bytes_after_resume")]
+        waiting = [wid for wid, w in self.md.workers.items() if w.bytes_after_resume]
         ended: dict[str, dict[str, Any]] = {}
         last_error = ""
         deadline = time.monotonic() + self.d.s.fill_deadline_s
-        with AgentClient(url, self.d.s.cluster_token, timeout=10.0) as a:
+        with AgentClient(url, self.d.s.cluster_token, timeout=AGENT_QUESTION_TIMEOUT_S) as a:
             while waiting and time.monotonic() < deadline:
                 for wid in list(waiting):
                     try:
@@ -723,13 +727,13 @@ class OpRun:
                         ended[wid] = f or {"state": "unknown", "reason": f"{dest} has no fill on record for it"}
                         waiting.remove(wid)
                         with self.lock:
-                            self.md["workers"][wid]["fill"] = ended[wid]
+                            self.md.workers[wid].fill = ended[wid]
                             self.save()
                 if waiting:
                     time.sleep(self.d.s.fill_poll_s)
         self.leave("fill")
         with self.lock:
-            self.md["fill_s"] = round(time.time() - self.md["last_resume"], 4)
+            self.md.fill_s = round(time.time() - (self.md.last_resume or time.time()), 4)
             self.save()
         if waiting:
             why = (f"{', '.join(waiting)} still filling after {self.d.s.fill_deadline_s:.0f} s"
@@ -749,7 +753,7 @@ class OpRun:
                                 action="the job's state was moved, but those workers were stopped rather than run "
                                        f"on missing memory: restart the job from its last checkpoint; {node} may leave")
         self.condition("MemoryFilled", True, "Filled", f"every moved worker's memory is on {dest} "
-                       f"{self.md['fill_s']} s after the resume; {node} may leave")
+                       f"{self.md.fill_s} s after the resume; {node} may leave")
         return None
 
     def _check_replacements(self, dest: str) -> None:
@@ -758,7 +762,7 @@ class OpRun:
         Past the commit point there is nothing to roll back to; the job's own recovery (its
         checkpoint-restart) is out of pitstop's scope, but the operation must not hide it."""
         gone = []
-        for wid in self.md["workers"]:
+        for wid in self.md.workers:
             try:
                 w = self.agent(dest).worker(wid)
             except PitstopError as e:
@@ -787,7 +791,7 @@ class OpRun:
                 time.sleep(1 + attempt)
         self.condition("Succeeded", False, "CommitIncomplete", str(err))
         self.finish(done=True, result="failed", error=_op_error(PitstopError(
-            f"the workers run on {self.md['destination']}, but finishing the commit failed: {err}",
+            f"the workers run on {self.md.destination}, but finishing the commit failed: {err}",
             code="commit_incomplete", action="the error names what failed: peers whose agent could not be reached "
                                              "may still be paused (SIGSTOP) and continue when sent SIGCONT")))
 
@@ -801,7 +805,7 @@ class OpRun:
                 return f"{', '.join(group[1])}: {e.message}"
             return None
 
-        return [p for p in in_parallel(resume, _by_agent(list(self.md["peers"].items()))) if p]
+        return [p for p in in_parallel(resume, _by_agent(list(self.md.peers.items()))) if p]
 
     # -- the way back -------------------------------------------------------------------------
     def recover(self) -> None:
@@ -809,12 +813,12 @@ class OpRun:
         without ending it.  Before the commit point: roll back (or finish the rollback it
         began); past it: finish the commit."""
         why = self.crash or "it ended without a word"
-        if self.md.get("committed"):
+        if self.md.committed:
             self._finish_commit(PitstopError(f"the coordinator's driver of this operation stopped past the "
                                              f"commit point: {why}"))
             return
         self.rollback(self.undoing or PitstopError(
-            f"the coordinator's driver of this operation stopped in phase {self.md.get('phase')!r}, before "
+            f"the coordinator's driver of this operation stopped in phase {self.md.phase!r}, before "
             f"the commit point ({why}); the coordinator's watchdog rolled it back", code="driver_stopped",
             action="evacuate again if the host must still be drained; the coordinator's log has the error"))
 
@@ -825,7 +829,7 @@ class OpRun:
         self.best_effort = True
         self.undoing = self.undoing or err
         self.enter("rollback")
-        node, dest = self.md["node"], self.md["destination"]
+        node, dest = self.md.node, self.md.destination
         problems: list[str] = []   # the job may not be whole where it was: the operator must act
         leftovers: list[str] = []  # the job is whole; the destination may hold a copy to clean up
         src: AgentClient | None
@@ -836,7 +840,7 @@ class OpRun:
             src = dst = None
             problems.append(e.message)
         self._end_precopies(src)  # one still sending (a coordinator restarted mid-way) would land after the discard
-        for wid, w in self.md["workers"].items():
+        for wid, w in self.md.workers.items():
             if dst is not None:
                 try:  # a copy the spare already restored is discarded
                     got = dst.worker(wid)
@@ -851,12 +855,12 @@ class OpRun:
                     leftovers.append(f"{wid}'s images on {dest}: {e.message}")
             if src is None:
                 continue
-            if not (w.get("capture_id") or self.md.get("capture_begun", True)):  # (absent: an older op)
-                w["state"] = "rolled_back"  # never asked to capture: nothing to undo on the node
+            if not (w.capture_id or self.md.capture_begun):
+                w.state = "rolled_back"  # never asked to capture: nothing to undo on the node
                 continue
             in_flight = False
             try:
-                cid = w.get("capture_id") or next((c["id"] for c in src.captures()
+                cid = w.capture_id or next((c["id"] for c in src.captures()
                                                    if c.get("image_id") == self.image_id(wid)), None)
                 if cid:
                     c = src.get_capture(cid)
@@ -865,7 +869,7 @@ class OpRun:
                         c = src.wait_capture(cid, self.d.s.capture_deadline_s)
                     if c["state"] not in ("failed", "rolled_back", "committed"):
                         src.rollback(cid)
-                w["state"] = "rolled_back"
+                w.state = "rolled_back"
             except PitstopError as e:
                 problems.append(f"{wid} on {node}: {e.message}")
             if in_flight and dst is not None:
@@ -874,13 +878,13 @@ class OpRun:
                 except PitstopError as e:
                     leftovers.append(f"{wid}'s images on {dest}: {e.message}")
         problems += self._resume_peers()
-        cutmd = self.md.get("cut") or {}
-        if cutmd.get("used"):
+        cutmd = self.md.cut
+        if cutmd is not None and cutmd.used:
             try:
-                if cutmd.get("destroyed"):
+                if cutmd.destroyed:
                     # the workers run where they were: give them communicators again
                     self.cut().rewire()
-                    cutmd["destroyed"] = False
+                    cutmd.destroyed = False
                 else:
                     self.cut().release()
             except PitstopError as e:
@@ -895,7 +899,7 @@ class OpRun:
                            action=(err.action + "; " if err.action else "") +
                            (f"the job keeps running on {node}" if not problems else
                             "some workers may still be stopped: see the problems listed and the agents' logs")
-                           + (f"; on {dest}, check that no copy of {', '.join(sorted(self.md['workers']))} "
+                           + (f"; on {dest}, check that no copy of {', '.join(sorted(self.md.workers))} "
                               f"runs there; {dest}'s agent removes the images of this move when it starts again"
                               if leftovers and not problems else ""),
                            details={**err.details, "rollback_problems": problems,
@@ -903,6 +907,24 @@ class OpRun:
                                     **({"database_error": self.store_error} if self.store_error else {})})
         self.d.count("cancelled" if cancelled else "failed", 0)
         self.finish(phase="done", done=True, result="cancelled" if cancelled else "failed", error=_op_error(out))
+
+
+@dataclass
+class _Move:
+    """What every forward phase of one operation works with."""
+
+    node: str
+    dest: str
+    src: AgentClient
+    dst: AgentClient
+    plan: MovePlan | None = None
+
+
+# The forward phases, in order, up to the commit point (OpRun._commit and after: only forward).
+# The way back from any of them is OpRun.rollback, driven by the record each phase writes.
+FORWARD: tuple[Callable[[OpRun, _Move], None], ...] = (
+    OpRun._plan, OpRun._precopy_phase, OpRun._pause, OpRun._capture, OpRun._verify, OpRun._release,
+    OpRun._restore, OpRun._rewire)
 
 
 _GRPC = {"invalid_request": (3, "INVALID_ARGUMENT"), "not_found": (5, "NOT_FOUND"), "conflict": (10, "ABORTED"),
@@ -1001,7 +1023,7 @@ class Driver:
         op_id = "op-" + uuid.uuid4().hex[:12]
         with self._runs_lock:
             self.store.create_op(op_id, plan.node["name"], plan.dest["name"],
-                                 new_metadata(plan, reason, post_copy, pre_copy, requested_by), idem)
+                                 EvacuationState.new(plan, reason, post_copy, pre_copy, requested_by).dump(), idem)
             self._spawn(op_id, lambda r: r.run())
         return op_id
 
@@ -1064,7 +1086,7 @@ class Driver:
         run.takeovers += 1
         run.next_takeover = time.monotonic() + min(TAKEOVER_BACKOFF_MAX_S, self.s.watchdog_s * 2 ** run.takeovers)
         log.error("watchdog: an operation's driver ended without ending it; driving its way out", op=run.id,
-                  phase=run.md.get("phase"), committed=bool(run.md.get("committed")), crash=run.crash,
+                  phase=run.md.phase, committed=run.md.committed, crash=run.crash,
                   takeover=run.takeovers)
         self._spawn(run.id, lambda r: r.recover(), run)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pitstop.coordinator.fanout import in_parallel
+from pitstop.errors import FailedPrecondition
 from pitstop.wire.agent_client import AgentClient
-from ..errors import FailedPrecondition
-from .fanout import in_parallel
 
 
 @dataclass

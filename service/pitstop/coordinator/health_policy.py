@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from ..errors import PitstopError
+from pitstop.errors import PitstopError
 
 log = structlog.get_logger("pitstop.coordinator.health")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from ..errors import Conflict, FailedPrecondition, NotFound
-from .planner import OUT_OF_SERVICE, healthy
-from .store import LIVE, Store
+from pitstop.coordinator.planner import OUT_OF_SERVICE, healthy
+from pitstop.coordinator.store import LIVE, Store
+from pitstop.errors import Conflict, FailedPrecondition, NotFound
 
 Role = Literal["active", "spare"]
 

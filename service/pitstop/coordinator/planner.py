@@ -10,10 +10,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pitstop.coordinator.store import LIVE, Store
+from pitstop.errors import Conflict, FailedPrecondition, InvalidRequest, NotFound
 from pitstop.proc import caps
-from ..errors import Conflict, FailedPrecondition, InvalidRequest, NotFound
-from .store import LIVE, Store
-
 
 OUT_OF_SERVICE = ("draining", "drained")
 """Roles of a host that was evacuated: never a destination until an operator returns it."""

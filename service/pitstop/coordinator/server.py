@@ -10,17 +10,16 @@ import structlog
 import uvicorn
 import uvloop
 
-from .. import priority, tls
-
-from ..endpoints import listening_socket
-from ..errors import FailedPrecondition
-from ..httpapi import RequestGuard, with_header_deadline
-from ..sdnotify import notify, watchdog_loop
-from ..stopping import STOP_S, leave_within
-from .api import build
-from .driver import Driver
-from .settings import CoordinatorSettings
-from .store import Store
+from pitstop import priority, tls
+from pitstop.coordinator.api import build
+from pitstop.coordinator.driver import Driver
+from pitstop.coordinator.settings import CoordinatorSettings
+from pitstop.coordinator.store import Store
+from pitstop.endpoints import listening_socket
+from pitstop.errors import FailedPrecondition
+from pitstop.httpapi import RequestGuard, with_header_deadline
+from pitstop.sdnotify import notify, watchdog_loop
+from pitstop.stopping import STOP_S, leave_within
 
 CONCURRENCY = 4096
 """Connections and requests at once; past it uvicorn answers 503.  Each agent keeps one

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ..endpoints import ListenAddress, split_host_port
+from pitstop.endpoints import ListenAddress, split_host_port
 
 if TYPE_CHECKING:
-    from .health_policy import HealthPolicy
+    from pitstop.coordinator.health_policy import HealthPolicy
 
 
 class CoordinatorSettings(BaseSettings):
@@ -69,7 +69,7 @@ class CoordinatorSettings(BaseSettings):
     health_retry_s: float = 30.0          # a blocked automatic evacuation is tried again after this
 
     def health_policy(self) -> "HealthPolicy":
-        from .health_policy import HealthPolicy
+        from pitstop.coordinator.health_policy import HealthPolicy
 
         return HealthPolicy(max_temperature_c=self.health_max_temperature_c,
                             max_ecc_uncorrected=self.health_max_ecc_uncorrected,

@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import FailedPrecondition, Unavailable
+from pitstop.errors import FailedPrecondition, Unavailable
+from pitstop.wire.evacuation import EvacuationState
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS hosts (
@@ -76,7 +77,22 @@ def _index_operations(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX IF NOT EXISTS operations_by_node ON operations(node, created)")
 
 
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_add_generation, _index_operations)
+def _typed_operation_state(db: sqlite3.Connection) -> None:
+    """Every operation's metadata through the typed evacuation state (wire/evacuation.py): a record
+    of an earlier release gets its schema version, and one this release cannot read stops the
+    upgrade here, naming the operation, rather than the driver that would reconcile it later."""
+    for r in db.execute("SELECT id, metadata FROM operations").fetchall():
+        try:
+            md = EvacuationState.load(json.loads(r["metadata"])).dump()
+        except (ValueError, TypeError) as e:
+            raise FailedPrecondition(f"operation {r['id']} in the coordinator's database cannot be read by this "
+                                     f"release: {e}", code="database_unreadable",
+                                     action="run the release that wrote it, or remove that operation's row") from None
+        db.execute("UPDATE operations SET metadata=? WHERE id=?", (json.dumps(md), r["id"]))
+
+
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_add_generation, _index_operations,
+                                                               _typed_operation_state)
 """Ordered: a database at schema version N (PRAGMA user_version) gets MIGRATIONS[N:], each in its
 own transaction with the version it reaches.  Append only; never edit one that shipped."""
 

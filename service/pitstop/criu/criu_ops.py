@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pitstop.errors import CaptureFailed, RestoreFailed
 from pitstop.criu import criulog, runtime, swrk
+from pitstop.errors import CaptureFailed, RestoreFailed
 from pitstop.proc import proctree
 
 DEVICE_MAPPING = "Can't handle non-regular mapping"  # CRIU's words (criu/proc_parse.c)

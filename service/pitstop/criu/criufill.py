@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pitstop import nativelib
-from pitstop.proc import proctree
 from pitstop.criu import runtime
+from pitstop.proc import proctree
 
 LIBRARY = "libpitstop_criufill.so"
 # CRIU minors whose restore (criu/mem.c, criu/pagemap.c) the library was written against and

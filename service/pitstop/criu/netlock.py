@@ -14,13 +14,15 @@ import subprocess
 
 from pitstop.criu import runtime
 
+NFT_TIMEOUT_S = 30  # one `nft` command: milliseconds unless the kernel is stuck
+
 
 def tables(rt: runtime.CriuRuntime | None = None) -> list[tuple[str, str]]:
     """Every CRIU lock table on this host's ruleset, as (family, name)."""
     rt = rt or runtime.locate()
     if not rt.nft:
         return []
-    p = subprocess.run([rt.nft, "list", "tables"], capture_output=True, text=True, timeout=30)
+    p = subprocess.run([rt.nft, "list", "tables"], capture_output=True, text=True, timeout=NFT_TIMEOUT_S)
     out = []
     for line in p.stdout.splitlines():
         parts = line.split()
@@ -40,6 +42,6 @@ def release(run_id: str, rt: runtime.CriuRuntime | None = None) -> list[str]:
     for family, name in tables(rt):
         suffix = name[len("CRIU-"):]
         if suffix and run_id.startswith(suffix):
-            subprocess.run([rt.nft, "delete", "table", family, name], capture_output=True, timeout=30)
+            subprocess.run([rt.nft, "delete", "table", family, name], capture_output=True, timeout=NFT_TIMEOUT_S)
             removed.append(name)
     return removed

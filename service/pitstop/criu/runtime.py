@@ -22,6 +22,9 @@ from pathlib import Path
 
 from pitstop.errors import FailedPrecondition
 
+CHECK_TIMEOUT_S = 60  # `criu check` probes many kernel features; seconds on a loaded host
+VERSION_TIMEOUT_S = 30  # `criu --version`
+
 MIN_VERSION = (4, 2)
 
 
@@ -53,7 +56,7 @@ class CriuRuntime:
 
     def check(self) -> tuple[bool, str]:
         """Run `criu check`; return (ok, CRIU's own words)."""
-        p = subprocess.run([self.binary, "check"], capture_output=True, text=True, timeout=60)
+        p = subprocess.run([self.binary, "check"], capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
         out = (p.stdout + p.stderr).strip()
         return p.returncode == 0, out
 
@@ -67,7 +70,7 @@ class CriuRuntime:
 
 def _version_of(binary: str) -> tuple[int, ...] | None:
     try:
-        p = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+        p = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return _parse_version(p.stdout + p.stderr)

@@ -28,12 +28,11 @@ from pathlib import Path
 
 import httpx
 
-from pitstop.dev import devleases
 from pitstop.agent import imagefs
-from pitstop.wire.agent_client import AgentClient
-from pitstop.proc import proctree
+from pitstop.dev import devleases
 from pitstop.dev.netns import NetHosts
-
+from pitstop.proc import proctree
+from pitstop.wire.agent_client import AgentClient
 
 _handed_out: set[int] = set()
 

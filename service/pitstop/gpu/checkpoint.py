@@ -28,9 +28,9 @@ from typing import Any, TypeVar
 
 import structlog
 
+from pitstop.errors import CaptureFailed, RestoreFailed
+from pitstop.gpu.driver import CudaDriver, DriverError, NoDriver, load
 from pitstop.proc import proctree
-from ..errors import CaptureFailed, RestoreFailed
-from .driver import CudaDriver, DriverError, NoDriver, load
 
 log = structlog.get_logger("pitstop.gpu.checkpoint")
 
@@ -144,7 +144,7 @@ class GpuCheckpointer:
         self._factory = driver
         self._driver: CudaDriver | None = None
         if inventory is None:
-            from .inventory import inventory as inv
+            from pitstop.gpu.inventory import inventory as inv
             inventory = inv
         self._inventory = inventory
 

@@ -30,7 +30,7 @@ def _try(fn: Any, *args: Any) -> Any:
 
 def readings() -> list[dict[str, Any]]:
     """One dict per GPU; [] where there is no NVML (the heartbeat then says "not present")."""
-    from .inventory import nvml
+    from pitstop.gpu.inventory import nvml
 
     try:
         pynvml = nvml()

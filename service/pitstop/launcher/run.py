@@ -47,12 +47,16 @@ from pathlib import Path
 
 import httpx
 
-from pitstop.wire.agent_client import AgentClient
+from pitstop import nativelib, nsinit, tls
+from pitstop.endpoints import check_url
+from pitstop.errors import PitstopError
+from pitstop.launcher.seccomp import deny_io_uring
 from pitstop.proc import caps, proctree
-from .. import nativelib, nsinit, tls
-from ..endpoints import check_url
-from ..errors import PitstopError
-from .seccomp import deny_io_uring
+from pitstop.wire.agent_client import AgentClient
+
+AGENT_QUESTION_TIMEOUT_S = 10  # the agent's health or info, asked before the command starts
+PUMP_DRAIN_S = 5  # the output pumps, to pass on what the ended command wrote last
+ENDED_AT_ONCE_WAIT_S = 10  # a command the agent refused because it had just ended: its exit status
 
 MOVING = ("capturing", "stopped", "released", "moved")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
@@ -64,7 +68,7 @@ def agent_client(agent_url: str) -> AgentClient:
     if agent_url.startswith("unix:"):
         return AgentClient("http://agent", uds=agent_url[len("unix:"):])
     try:
-        h = httpx.get(agent_url.rstrip("/") + "/healthz", timeout=5, verify=tls.client_context()).json()
+        h = httpx.get(agent_url.rstrip("/") + "/healthz", timeout=AGENT_QUESTION_TIMEOUT_S, verify=tls.client_context()).json()
         sock = h.get("socket")
         if sock and os.access(sock, os.W_OK):
             return AgentClient("http://agent", uds=sock)
@@ -228,7 +232,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         return 2
     client = agent_client(agent_url)
     try:  # before the command starts: a worker its agent cannot take in is one nobody can move
-        info = client.info(timeout=10)
+        info = client.info(timeout=AGENT_QUESTION_TIMEOUT_S)
     except PitstopError as e:
         print(f"pitstop run: {e}; the command was not started", file=sys.stderr)
         return 125
@@ -278,13 +282,13 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
             if proctree.exists(root):
                 raise
             try:
-                p.wait(10)  # it ended while the agent looked at it: the refusal is only that
+                p.wait(ENDED_AT_ONCE_WAIT_S)  # it ended while the agent looked at it: the refusal is only that
             except subprocess.TimeoutExpired:
                 raise refused from None  # not ended after all: the refusal stands
             raise EndedAtOnce() from None
     except EndedAtOnce:
         for t in pumps:
-            t.join(5)
+            t.join(PUMP_DRAIN_S)
         print(f"pitstop run: {cmd[0]} ended before its agent could take it in (exit status "
               f"{shell_code(p.returncode)}); nothing to move", file=sys.stderr)
         nsinit.remove(init_dir)
@@ -320,7 +324,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
 
     code = p.wait()
     for t in pumps:
-        t.join(5)
+        t.join(PUMP_DRAIN_S)
     info = _safe(client.worker, wid) or {}
     if info.get("state") not in MOVING and not info.get("restored"):
         _safe(client.exited, wid, code)

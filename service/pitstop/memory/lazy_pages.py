@@ -36,8 +36,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pitstop.errors import RestoreFailed
 from pitstop.criu import criulog, runtime
+from pitstop.errors import RestoreFailed
+
+STOP_WAIT_S = 10  # a lazy-pages daemon or page relay, killed, to be reaped
+CHECK_TIMEOUT_S = 60  # CRIU's lazy-pages support probe
 
 LOG = "lazy-pages.log"
 RELAY_LOG = "page-relay.log"  # the relay's stderr: empty unless it crashed
@@ -142,7 +145,7 @@ class LazyFill:
             self.relay.wait(RELAY_END_S)
         except subprocess.TimeoutExpired:
             self.relay.kill()
-            self.relay.wait(10)
+            self.relay.wait(STOP_WAIT_S)
         try:
             return json.loads(line) if line else None
         except ValueError:
@@ -153,7 +156,7 @@ class LazyFill:
         for p in (self.proc, self.relay):
             if p is not None and p.poll() is None:
                 p.kill()
-                p.wait(10)
+                p.wait(STOP_WAIT_S)
 
     @property
     def seconds(self) -> float:
@@ -205,7 +208,7 @@ def start(images: Path, *, ready_timeout_s: float = 10.0, rt: runtime.CriuRuntim
     except OSError:
         if relay is not None:
             relay.kill()
-            relay.wait(10)
+            relay.wait(STOP_WAIT_S)
         raise
     finally:
         if fds:
@@ -259,5 +262,5 @@ def supported(rt: runtime.CriuRuntime | None = None) -> tuple[bool, str]:
     """Whether this kernel can serve restores lazily: CRIU's uffd checks, in its words."""
     rt = rt or runtime.locate()
     p = subprocess.run([rt.binary, "check", "--feature", "uffd-noncoop"],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
     return p.returncode == 0, (p.stdout + p.stderr).strip()

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pitstop.criu import runtime
 from pitstop.errors import RestoreFailed
 from pitstop.memory import lazyrule
-from pitstop.criu import runtime
 from pitstop.memory.dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, dump_pagemap, link_the_rest, load_pagemap
 from pitstop.memory.postcopy import LazySplit, TaskPages, copy_range, split_present
 

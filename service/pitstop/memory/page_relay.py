@@ -36,13 +36,13 @@ import socket
 import sys
 import time
 from collections import deque
-from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from pitstop.proc import proctree
-from pitstop.memory.postcopy import PAGE
 from pitstop.memory.page_server import PS_CMD_MASK, PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PSI
+from pitstop.memory.postcopy import PAGE
+from pitstop.proc import proctree
 
 CLOSE_REPLY = 4  # int32 status after PS_IOV_CLOSE / FORCE_CLOSE
 

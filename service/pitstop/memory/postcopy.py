@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pitstop.criu import runtime
 from pitstop.errors import CaptureFailed
 from pitstop.memory import lazyrule
-from pitstop.criu import runtime
 from pitstop.memory.dumpview import PAGE, PE_LAZY, PE_PRESENT, dump_pagemap, link_the_rest
 
 

@@ -47,12 +47,12 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from pitstop.errors import CaptureFailed
 from pitstop import nsinit
-from pitstop.memory import lazyrule, writetrack
-from pitstop.proc import proctree
 from pitstop.criu import runtime
+from pitstop.errors import CaptureFailed
+from pitstop.memory import lazyrule, writetrack
 from pitstop.memory.dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, dump_pagemap, link_the_rest
+from pitstop.proc import proctree
 
 BLOCK_PAGES = 16
 BLOCK = PAGE * BLOCK_PAGES

@@ -23,8 +23,8 @@ from typing import Any
 
 import structlog
 
+from pitstop.errors import PitstopError
 from pitstop.wire.agent_client import AgentClient
-from ..errors import PitstopError
 
 log = structlog.get_logger("pitstop.move")
 

@@ -31,7 +31,10 @@ import sys
 import zlib
 from dataclasses import asdict, dataclass
 
-from ..errors import FailedPrecondition, InvalidRequest, PitstopError
+from pitstop.errors import FailedPrecondition, InvalidRequest, PitstopError
+
+IP_TIMEOUT_S = 30  # one `ip` or `nft` command: they answer in milliseconds unless the kernel is stuck
+IP_QUERY_TIMEOUT_S = 10  # one `ip ... show` read
 
 LOCK_TABLE = "pitstop_move_lock"
 LINK_IN_NS = "eth0"
@@ -100,7 +103,7 @@ def default_link() -> str | None:
     """The link of this namespace's default route: the uplink workers hang off by default."""
     try:
         out = subprocess.run(["ip", "-j", "route", "show", "default"], capture_output=True, text=True,
-                             timeout=10).stdout
+                             timeout=IP_QUERY_TIMEOUT_S).stdout
         routes = json.loads(out or "[]")
         return routes[0].get("dev") if routes else None
     except (OSError, ValueError, subprocess.TimeoutExpired):
@@ -115,7 +118,7 @@ def check_on_link(n: WorkerNet, link: str | None) -> None:
         return  # create() says what is wrong
     try:
         out = subprocess.run(["ip", "-j", "-4", "addr", "show", "dev", link], capture_output=True, text=True,
-                             timeout=10).stdout
+                             timeout=IP_QUERY_TIMEOUT_S).stdout
         held = [ipaddress.ip_interface(f"{a['local']}/{a['prefixlen']}")
                 for i in json.loads(out or "[]") for a in i.get("addr_info", [])]
     except (OSError, ValueError, KeyError, subprocess.TimeoutExpired):
@@ -167,8 +170,8 @@ def destroy(n: WorkerNet) -> None:
     The link goes first: a namespace lives on while a process is in it (a released source
     still exiting), and its address must leave the segment now, not when that exit ends."""
     if exists(n):
-        subprocess.run(["ip", "-n", n.netns, "link", "del", LINK_IN_NS], capture_output=True, timeout=30)
-        subprocess.run(["ip", "netns", "delete", n.netns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "-n", n.netns, "link", "del", LINK_IN_NS], capture_output=True, timeout=IP_TIMEOUT_S)
+        subprocess.run(["ip", "netns", "delete", n.netns], capture_output=True, timeout=IP_TIMEOUT_S)
 
 
 def lock(n: WorkerNet, nft: str | None) -> None:
@@ -179,13 +182,13 @@ def lock(n: WorkerNet, nft: str | None) -> None:
     rules = (f"table inet {LOCK_TABLE} {{\n"
              "  chain in { type filter hook input priority -300; policy drop; iif lo accept; }\n"
              "  chain out { type filter hook output priority -300; policy drop; oif lo accept; }\n}\n")
-    subprocess.run([*_in(n), nft, "delete", "table", "inet", LOCK_TABLE], capture_output=True, timeout=30)
+    subprocess.run([*_in(n), nft, "delete", "table", "inet", LOCK_TABLE], capture_output=True, timeout=IP_TIMEOUT_S)
     _run([*_in(n), nft, "-f", "-"], "lock the worker's network", input_=rules)
 
 
 def unlock(n: WorkerNet, nft: str | None) -> None:
     if nft and exists(n):
-        subprocess.run([*_in(n), nft, "delete", "table", "inet", LOCK_TABLE], capture_output=True, timeout=30)
+        subprocess.run([*_in(n), nft, "delete", "table", "inet", LOCK_TABLE], capture_output=True, timeout=IP_TIMEOUT_S)
 
 
 def reset_unrelated(n: WorkerNet, keep: list[str]) -> int:

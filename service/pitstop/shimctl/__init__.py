@@ -1,3 +1,3 @@
 """The agent's side of the shim's control block (shim/ctl.h): find, read, write."""
 
-from .access import blocks, command, quiesce, set_targets, unmovable  # noqa: F401
+from pitstop.shimctl.access import blocks, command, quiesce, set_targets, unmovable  # noqa: F401

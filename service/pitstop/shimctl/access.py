@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pitstop.proc import proctree
-from . import layout as L
+from pitstop.shimctl import layout as L
 
 
 @dataclass

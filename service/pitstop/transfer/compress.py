@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import zstandard
 
-from ..errors import TransferFailed
+from pitstop.errors import TransferFailed
 
 ENCODING = "zstd"
 Mode = Literal["auto", "on", "off"]

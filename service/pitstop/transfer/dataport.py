@@ -43,10 +43,10 @@ from typing import Any
 
 import structlog
 
-from .. import tls
-from ..errors import DeadlineExceeded, PitstopError, TransferFailed, Unavailable
-from .compress import ENCODING, Compression
-from .stream import StreamReceiver, overdue
+from pitstop import tls
+from pitstop.errors import DeadlineExceeded, PitstopError, TransferFailed, Unavailable
+from pitstop.transfer.compress import ENCODING, Compression
+from pitstop.transfer.stream import StreamReceiver, overdue
 
 log = structlog.get_logger("pitstop.transfer.dataport")
 

@@ -43,19 +43,19 @@ import asyncio
 import json
 import mmap
 import os
+import queue
 import stat
 import struct
 import threading
-import queue
 import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
+from pitstop.errors import DeadlineExceeded, IntegrityError, TransferFailed
+from pitstop.transfer.compress import MAX_PIECE, Compression, Decoder
+from pitstop.transfer.dedup import PAGE, Copy, PageIndex
 from pitstop.transfer.manifest import DIGEST, MANIFEST, FileEntry, Manifest, new_hasher, verify
-from ..errors import DeadlineExceeded, IntegrityError, TransferFailed
-from .compress import MAX_PIECE, Compression, Decoder
-from .dedup import PAGE, Copy, PageIndex
 
 _D = struct.Struct("!HQI")
 _C = struct.Struct("!HQIHQ")

@@ -8,8 +8,11 @@ from typing import Any, Callable
 import httpx
 
 from pitstop import tls
-
 from pitstop.errors import DeadlineExceeded, PitstopError, Unavailable
+from pitstop.wire.auth import bearer
+
+ROLLBACK_TIMEOUT_S = 180.0  # a rollback may restore the source from its own dump: a restore's time
+VERIFY_TIMEOUT_S = 180.0  # digests of every image file, read back from the destination's disk
 
 
 def raise_for(r: httpx.Response) -> Any:
@@ -30,7 +33,7 @@ class AgentClient:
     def __init__(self, url: str, token: str | None = None, *, uds: str | None = None,
                  timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = bearer(token)
         transport = httpx.HTTPTransport(uds=uds) if uds else None
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
                                  verify=tls.client_context())
@@ -186,17 +189,31 @@ class AgentClient:
                          **({"timeout": timeout} if timeout else {}))
 
     def rollback(self, cid: str) -> dict:
-        return self._req("POST", f"/v1/captures/{cid}:rollback", timeout=180)
+        return self._req("POST", f"/v1/captures/{cid}:rollback", timeout=ROLLBACK_TIMEOUT_S)
 
     # the arriving side
     def image(self, image_id: str) -> dict:
         return self._req("GET", f"/v1/images/{image_id}")
 
     def verify(self, image_id: str) -> dict:
-        return self._req("POST", f"/v1/images/{image_id}:verify", timeout=180)
+        return self._req("POST", f"/v1/images/{image_id}:verify", timeout=VERIFY_TIMEOUT_S)
 
     def restore(self, image_id: str, timeout: float = 180.0) -> dict:
         return self._req("POST", f"/v1/images/{image_id}:restore", timeout=timeout)
+
+    def data_port(self, timeout: float = 10.0) -> int | None:
+        """The agent's image data port; None where it has none (the images then go as an HTTP PUT)."""
+        try:
+            port = self.info(timeout=timeout).get("data_port")
+        except (Unavailable, DeadlineExceeded):
+            raise
+        except PitstopError:
+            return None
+        return int(port) if isinstance(port, int) and 0 < port < 65536 else None
+
+    def put_images(self, image_id: str, content: Any, timeout: httpx.Timeout | float) -> dict:
+        """Stream a capture's images (transfer/stream.py's frames) in one HTTP request."""
+        return self._req("PUT", f"/v1/images/{image_id}", content=content, timeout=timeout)
 
     def discard(self, image_id: str, timeout: float = 60.0) -> dict:
         """Longer than the agent's wait for an abandoned restore to stop (30 s): the caller

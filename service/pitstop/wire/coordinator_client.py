@@ -8,10 +8,10 @@ from typing import Any
 import httpx
 
 from pitstop import tls
-
-from pitstop.wire.agent_client import raise_for
 from pitstop.endpoints import check_url
 from pitstop.errors import FailedPrecondition, InvalidRequest, Unavailable
+from pitstop.wire.agent_client import raise_for
+from pitstop.wire.auth import bearer
 
 
 class CoordinatorClient:
@@ -28,7 +28,7 @@ class CoordinatorClient:
         self.url = url.rstrip("/")
         token = token if token is not None else os.environ.get("PITSTOP_TOKEN")
         self.http = httpx.Client(base_url=self.url, timeout=timeout, verify=tls.client_context(),
-                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+                                 headers=bearer(token))
 
     def _req(self, method: str, path: str, **kw: Any) -> Any:
         try:
