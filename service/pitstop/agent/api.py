@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from pitstop import __version__, nsinit, priority, safepath, shimctl, tls
@@ -34,6 +33,17 @@ from pitstop.httpapi import install_error_handlers, require_token
 from pitstop.network import workerns
 from pitstop.proc import caps, files, proctree
 from pitstop.transfer.stream import overdue, receive_into
+from pitstop.wire.agent_requests import (
+    CaptureRequest,
+    CommitRequest,
+    ExitedRequest,
+    FilesCheckRequest,
+    NetworkRequest,
+    PreCopyRequest,
+    RegisterRequest,
+    ShimOp,
+    WorkersRequest,
+)
 from pitstop.wire.auth import bearer
 
 FOLLOW_OUTPUT_TIMEOUT_S = 10.0  # a moved worker's output, fetched from the agent it moved to
@@ -207,69 +217,6 @@ def _signalled(work: Callable[[], list[Worker]]) -> Response:
 def _shim_views(w: Worker) -> list[dict]:
     """The NCCL shim's control blocks in the worker's processes; none once it no longer runs."""
     return [b.view() for b in shimctl.blocks(w.root_pid)] if w.state in LIVE_STATES else []
-
-
-class CaptureRequest(BaseModel):
-    worker_id: str
-    dest_url: str | None = Field(None, description="peer agent to stream the images to, while dumping")
-    image_id: str | None = None
-    keep_peers: list[str] | None = Field(None, description="addresses of the job's workers: the worker's "
-                                         "connections to any other address are reset at the destination")
-    post_copy: bool | None = Field(None, description="send only the pages a restore must place; the "
-                                   "destination fetches the rest after the job resumes.  Default: this "
-                                   "agent's PITSTOP_AGENT_REMOTE_POST_COPY")
-
-
-class PreCopyRequest(BaseModel):
-    worker_id: str
-    dest_url: str = Field(..., description="the peer agent the move will go to")
-    image_id: str = Field(..., description="the image id the move's capture will use")
-    post_copy: bool | None = Field(None, description="what the move will ask; with network post-copy "
-                                   "nothing is pre-copied")
-
-
-class ShimOp(BaseModel):
-    op: Literal["quiesce", "targets", "command"]
-    gen: int = Field(0, ge=0, le=2**31 - 1)
-    targets: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    command: Literal["destroy", "genids", "rebuild", "resume", "release"] = "release"
-    ids: dict[str, str] = Field(default_factory=dict)
-
-
-class CommitRequest(BaseModel):
-    moved_to: dict[str, str] = Field(default_factory=dict)
-
-
-class RegisterRequest(BaseModel):
-    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
-    rank: int = Field(ge=0, le=10_000_000)
-    pid: int = Field(gt=1, le=2**22)
-    address: str | None = Field(None, description="the worker's own address, prepared with POST /v1/networks")
-
-
-class NetworkRequest(BaseModel):
-    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
-    rank: int = Field(ge=0, le=10_000_000)
-    address: str = Field(min_length=9, max_length=18, description="A.B.C.D/P inside the uplink's subnet")
-
-
-class WorkersRequest(BaseModel):
-    ids: list[str] = Field(min_length=1, max_length=4096, description="worker ids on this agent")
-
-
-class ExitedRequest(BaseModel):
-    code: int
-
-
-class UsedFileModel(BaseModel):
-    path: str = Field(min_length=2, max_length=4096, pattern=r"^/[^\x00]*$", description="an absolute path")
-    kind: Literal["mapped", "open", "dir"]
-    size: int | None = Field(None, ge=0, description="bytes, for a mapped file")
-
-
-class FilesCheckRequest(BaseModel):
-    files: list[UsedFileModel] = Field(max_length=files.MAX_FILES,
-                                       description="paths a worker's restore needs (GET /v1/workers/{id}/files)")
 
 
 def _reads(agent: Agent) -> APIRouter:

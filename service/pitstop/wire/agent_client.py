@@ -9,6 +9,18 @@ import httpx
 
 from pitstop import tls
 from pitstop.errors import DeadlineExceeded, PitstopError, Unavailable
+from pitstop.wire.agent_requests import (
+    CaptureRequest,
+    CommitRequest,
+    ExitedRequest,
+    FilesCheckRequest,
+    NetworkRequest,
+    PreCopyRequest,
+    RegisterRequest,
+    ShimOp,
+    WorkersRequest,
+    body,
+)
 from pitstop.wire.auth import bearer
 
 ROLLBACK_TIMEOUT_S = 180.0  # a rollback may restore the source from its own dump: a restore's time
@@ -70,16 +82,16 @@ class AgentClient:
 
     # local (Unix socket) calls
     def register(self, job: str, rank: int, pid: int, address: str | None = None) -> dict:
-        return self._req("POST", "/v1/workers", json={"job": job, "rank": rank, "pid": pid, "address": address})
+        return self._req("POST", "/v1/workers", json=body(RegisterRequest, job=job, rank=rank, pid=pid, address=address))
 
     def prepare_network(self, job: str, rank: int, address: str) -> dict:
-        return self._req("POST", "/v1/networks", json={"job": job, "rank": rank, "address": address})
+        return self._req("POST", "/v1/networks", json=body(NetworkRequest, job=job, rank=rank, address=address))
 
     def drop_network(self, wid: str) -> dict:
         return self._req("DELETE", f"/v1/networks/{wid}")
 
     def exited(self, wid: str, code: int) -> dict:
-        return self._req("POST", f"/v1/workers/{wid}:exited", json={"code": code})
+        return self._req("POST", f"/v1/workers/{wid}:exited", json=body(ExitedRequest, code=code))
 
     def output(self, wid: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]:
         try:
@@ -99,7 +111,7 @@ class AgentClient:
     def lacking_files(self, files: list[dict], timeout: float = 30.0) -> list[dict] | None:
         """What this agent's host lacks of those paths, each with why; None from an agent that
         predates the call."""
-        return self._or_each(lambda: self._req("POST", "/v1/files:check", json={"files": files},
+        return self._or_each(lambda: self._req("POST", "/v1/files:check", json=body(FilesCheckRequest, files=files),
                                                timeout=timeout)["lacking"], lambda: None)
 
     def pause(self, wid: str) -> dict:
@@ -110,11 +122,11 @@ class AgentClient:
 
     def pause_many(self, ids: list[str]) -> list[dict]:
         """All of `ids` in one call; an agent older than the batch call gets one call each."""
-        return self._or_each(lambda: self._req("POST", "/v1/workers:batchPause", json={"ids": ids}),
+        return self._or_each(lambda: self._req("POST", "/v1/workers:batchPause", json=body(WorkersRequest, ids=ids)),
                              lambda: [self.pause(wid) for wid in ids])
 
     def resume_many(self, ids: list[str]) -> list[dict]:
-        return self._or_each(lambda: self._req("POST", "/v1/workers:batchResume", json={"ids": ids}),
+        return self._or_each(lambda: self._req("POST", "/v1/workers:batchResume", json=body(WorkersRequest, ids=ids)),
                              lambda: [self.resume(wid) for wid in ids])
 
     @staticmethod
@@ -140,8 +152,8 @@ class AgentClient:
         return self._or_each(lambda: self._req("GET", "/v1/workers:batchGetShim", params={"ids": ids})["blocks"],
                              lambda: {wid: self.shim_blocks(wid) for wid in ids})
 
-    def shim_op(self, wid: str, body: dict) -> dict:
-        return self._req("POST", f"/v1/workers/{wid}/shim", json=body)
+    def shim_op(self, wid: str, op: dict) -> dict:
+        return self._req("POST", f"/v1/workers/{wid}/shim", json=body(ShimOp, **op))
 
     def captures(self) -> list[dict]:
         return self._req("GET", "/v1/captures")
@@ -149,14 +161,14 @@ class AgentClient:
     # the leaving side
     def capture(self, worker_id: str, dest_url: str | None = None, image_id: str | None = None,
                 keep_peers: list[str] | None = None, post_copy: bool | None = None) -> dict:
-        return self._req("POST", "/v1/captures", json={"worker_id": worker_id, "dest_url": dest_url,
-                                                       "image_id": image_id, "keep_peers": keep_peers,
-                                                       "post_copy": post_copy})
+        return self._req("POST", "/v1/captures", json=body(CaptureRequest, worker_id=worker_id, dest_url=dest_url,
+                                                            image_id=image_id, keep_peers=keep_peers,
+                                                            post_copy=post_copy))
 
     def precopy(self, worker_id: str, dest_url: str, image_id: str, post_copy: bool | None = None,
                 timeout: float = 120.0) -> dict:
-        body = {"worker_id": worker_id, "dest_url": dest_url, "image_id": image_id, "post_copy": post_copy}
-        return self._req("POST", "/v1/precopies", json=body, timeout=timeout)
+        req = body(PreCopyRequest, worker_id=worker_id, dest_url=dest_url, image_id=image_id, post_copy=post_copy)
+        return self._req("POST", "/v1/precopies", json=req, timeout=timeout)
 
     def precopies(self, timeout: float = 5.0) -> list[dict]:
         """The pre-copies under way on this agent, with their progress."""
@@ -185,7 +197,7 @@ class AgentClient:
         return self._req("POST", f"/v1/captures/{cid}:release")
 
     def commit(self, cid: str, moved_to: dict[str, str], timeout: float | None = None) -> dict:
-        return self._req("POST", f"/v1/captures/{cid}:commit", json={"moved_to": moved_to},
+        return self._req("POST", f"/v1/captures/{cid}:commit", json=body(CommitRequest, moved_to=moved_to),
                          **({"timeout": timeout} if timeout else {}))
 
     def rollback(self, cid: str) -> dict:

@@ -1,0 +1,89 @@
+"""What the agent's API takes: the requests its peers, the coordinator and `pitstop run` send.
+
+One home for the models both sides use: the agent validates with them (agent/api.py) and the
+clients build their bodies from them (wire/agent_client.py), so a field renamed on one side is a
+failure in a test, not a 422 in production.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from pitstop.errors import InvalidRequest
+from pitstop.proc import files
+
+
+def body(model: type[BaseModel], **fields: Any) -> dict[str, Any]:
+    """A request body built and checked as the agent will check it: a bad value is refused in the
+    caller's process, in the agent's own words (httpapi.py), before anything is sent."""
+    try:
+        return model(**fields).model_dump(mode="json")
+    except ValidationError as e:
+        problems = [f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}" for err in e.errors()]
+        raise InvalidRequest("invalid request: " + "; ".join(problems), action="fix the request and send it again",
+                             details={"problems": problems}) from None
+
+
+class CaptureRequest(BaseModel):
+    worker_id: str
+    dest_url: str | None = Field(None, description="peer agent to stream the images to, while dumping")
+    image_id: str | None = None
+    keep_peers: list[str] | None = Field(None, description="addresses of the job's workers: the worker's "
+                                         "connections to any other address are reset at the destination")
+    post_copy: bool | None = Field(None, description="send only the pages a restore must place; the "
+                                   "destination fetches the rest after the job resumes.  Default: this "
+                                   "agent's PITSTOP_AGENT_REMOTE_POST_COPY")
+
+
+class PreCopyRequest(BaseModel):
+    worker_id: str
+    dest_url: str = Field(..., description="the peer agent the move will go to")
+    image_id: str = Field(..., description="the image id the move's capture will use")
+    post_copy: bool | None = Field(None, description="what the move will ask; with network post-copy "
+                                   "nothing is pre-copied")
+
+
+class ShimOp(BaseModel):
+    op: Literal["quiesce", "targets", "command"]
+    gen: int = Field(0, ge=0, le=2**31 - 1)
+    targets: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    command: Literal["destroy", "genids", "rebuild", "resume", "release"] = "release"
+    ids: dict[str, str] = Field(default_factory=dict)
+
+
+class CommitRequest(BaseModel):
+    moved_to: dict[str, str] = Field(default_factory=dict)
+
+
+class RegisterRequest(BaseModel):
+    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    rank: int = Field(ge=0, le=10_000_000)
+    pid: int = Field(gt=1, le=2**22)
+    address: str | None = Field(None, description="the worker's own address, prepared with POST /v1/networks")
+
+
+class NetworkRequest(BaseModel):
+    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    rank: int = Field(ge=0, le=10_000_000)
+    address: str = Field(min_length=9, max_length=18, description="A.B.C.D/P inside the uplink's subnet")
+
+
+class WorkersRequest(BaseModel):
+    ids: list[str] = Field(min_length=1, max_length=4096, description="worker ids on this agent")
+
+
+class ExitedRequest(BaseModel):
+    code: int
+
+
+class UsedFileModel(BaseModel):
+    path: str = Field(min_length=2, max_length=4096, pattern=r"^/[^\x00]*$", description="an absolute path")
+    kind: Literal["mapped", "open", "dir"]
+    size: int | None = Field(None, ge=0, description="bytes, for a mapped file")
+
+
+class FilesCheckRequest(BaseModel):
+    files: list[UsedFileModel] = Field(max_length=files.MAX_FILES,
+                                       description="paths a worker's restore needs (GET /v1/workers/{id}/files)")

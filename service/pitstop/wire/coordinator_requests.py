@@ -1,0 +1,77 @@
+"""What the coordinator's API takes: operators' requests and the agents' heartbeats.
+
+The agents build their reports from these models (agent/heartbeat.py) and the coordinator
+validates with them (coordinator/api.py): one definition of the contract.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SetRoleRequest(BaseModel):
+    role: Literal["active", "spare"] = Field(description="spare: takes evacuated workers; active: runs jobs")
+
+
+class EvacuateRequest(BaseModel):
+    to: str | None = Field(None, description="host to move the workers to; default: a compatible spare")
+    reason: str = Field("operator request", max_length=500)
+    post_copy: bool | None = Field(
+        None, description="network post-copy: only the pages a restore must place travel before the job "
+        "resumes; the rest follow from the node afterwards, and the operation (and the node, `draining`) "
+        "stays open until they have.  Shortest pause; the node must stay up until the operation is done. "
+        "Default: each source agent's PITSTOP_AGENT_REMOTE_POST_COPY")
+    pre_copy: bool | None = Field(
+        None, description="pre-copy: the leaving workers' memory is sent while the job still runs, and only "
+        "what changed travels during the pause.  Skipped for a move with network post-copy; a pre-copy "
+        "that fails only makes the move send everything.  Default: PITSTOP_COORDINATOR_PRE_COPY")
+    validate_only: bool = Field(
+        False, description="check the request as far as can be without moving anything (AIP-163): the "
+        "host, the spare it would get, post-copy support, and whether that spare has every file the "
+        "leaving workers use; answers 200 with the plan, or the refusal the request would get.  Creates "
+        "no operation and pauses nothing")
+
+
+class WorkerReport(BaseModel):
+    """One worker as its agent reports it; fields beyond these are kept as they come."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str = Field(min_length=1, max_length=200)
+    job: str = Field(min_length=1, max_length=128)
+    rank: int = Field(ge=0, le=10_000_000)
+    state: str = Field(min_length=1, max_length=32)
+    caps: str | None = Field(None, pattern=r"^[0-9a-f]{1,16}$",
+                             description="capabilities a restore must grant it (hex; proc/caps.py)")
+    unmovable: str | None = Field(None, max_length=1000,
+                                  description="why it cannot be moved, as its NCCL shim knows; None: movable")
+
+
+class Heartbeat(BaseModel):
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    url: str = Field(max_length=2048, pattern=r"^https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?/?$",
+                     description="how peers and the coordinator reach this agent: http(s)://HOST:PORT")
+    spare: bool = False
+    workers: list[WorkerReport] = Field(default_factory=list)
+    gpus: list[dict[str, Any]] = Field(default_factory=list)
+    gpu_model: str | None = None
+    gpu_count: int = Field(0, ge=0, le=4096)
+    gpu_note: str = ""
+    driver: str | None = None
+    cap_bnd: str | None = Field(None, pattern=r"^[0-9a-f]{1,16}$",
+                                description="the agent's capability bounding set (hex): what it can give a "
+                                            "restored worker")
+    gpu_health: list[dict[str, Any]] = Field(default_factory=list, description="NVML readings, one per GPU")
+    generation: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+                                   description="names this report; later beats that carry it mean 'nothing "
+                                               "changed but GPU health' (POST /v1/agents:beat)")
+
+
+class Beat(BaseModel):
+    """Between full reports: 'alive, and what I reported as `generation` still holds'."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    generation: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    gpu_health: list[dict[str, Any]] | None = Field(
+        None, max_length=4096, description="present only when a reading changed enough to matter")
