@@ -125,7 +125,7 @@ def main() -> None:
     print(f"{'phase':<22}{'seconds':>10}")
     for k, v in rep.phases.items():
         print(f"{k:<22}{v:>10.3f}")
-    print(f"{'downtime (API)':<22}{rep.downtime_s:>10.3f}   (warm-up moves: {', '.join(f'{x:.3f}' for x in warm)})")
+    print(f"{'downtime':<22}{rep.downtime_s:>10.3f}   (warm-up moves: {', '.join(f'{x:.3f}' for x in warm)})")
     print(f"{'pause seen by the job':<22}{pause:>10.3f}   (a normal step: {step:.3f} s)")
     print(f"raw TCP bandwidth      {bw / 1e9:.2f} GB/s   floor = bytes / bandwidth = {floor:.3f} s")
     print(f"downtime / floor       {rep.downtime_s / floor:.2f}")

@@ -19,8 +19,8 @@ PKG = Path(__file__).resolve().parent.parent / "service" / "pitstop"
 # Top to bottom.  A new package or top-level module must be placed here (see the last test).
 LAYERS: list[tuple[str, set[str]]] = [
     ("entry", {"cli"}),
-    ("tools", {"dev", "doctor"}),
-    ("services", {"agent", "coordinator", "launcher", "migration"}),
+    ("tools", {"dev", "doctor", "migration"}),
+    ("services", {"agent", "coordinator", "launcher"}),
     ("wire", {"wire"}),
     ("mechanisms", {"gpu", "shimctl", "network", "memory"}),
     ("criu", {"criu"}),

@@ -1,32 +1,38 @@
-"""Move one worker from a source agent to a destination agent.
+"""Move one worker from a source agent to a destination agent, by the coordinator's own driver.
 
-The order of steps is the safety argument:
- 1. capture on the source, streamed to the destination while dumping; the
-    source is left stopped.  Failure: the source agent resumes it by itself.
- 3. verify the copy at rest on the destination (sizes, digests).  Failure:
-    the copy is discarded and the stopped source resumed in place.
- 4. release: the stopped source is killed, its images kept (same-network TCP
-    restore needs the four-tuples free, see agent/capturing.py).
- 5. restore on the destination.
-    Failure: roll back, i.e. the source agent restores its own images.
- 6. commit on the source: lock lifted, images deleted, worker marked moved.
-Until step 6 returns, every failure leaves the worker running where it was.
+Tests and benchmarks move a single worker between two agents without a running coordinator.
+They do it with the same code an evacuation runs (coordinator/driver.py): a one-worker plan,
+driven over a throwaway store in this process, through the same phases (check the files,
+settle the plan, pause the job's other workers, capture, verify, release, restore, commit,
+resume, clean the source) and the same way back.  So there is one step order and one rollback
+in pitstop, and every test that moves a worker exercises them.
+
+What differs from an evacuation, by design: the worker is named rather than its host emptied,
+nothing is pre-copied unless asked, and the move returns once the worker runs at the destination
+rather than waiting for a network post-copy's fill to end (a test may want to watch the fill).
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import structlog
 
-from pitstop.errors import PitstopError
+from pitstop.coordinator.driver import Driver
+from pitstop.coordinator.settings import CoordinatorSettings
+from pitstop.coordinator.store import Store
+from pitstop.errors import DeadlineExceeded, PitstopError
 from pitstop.wire.agent_client import AgentClient
+from pitstop.wire.evacuation import EvacuationState
 
 log = structlog.get_logger("pitstop.move")
+
+MOVE_SLACK_S = 120.0  # beyond the capture's deadline: verify, restore, commit and the resume
 
 
 @dataclass
@@ -37,78 +43,89 @@ class MoveReport:
     destination: str
     phases: dict[str, float] = field(default_factory=dict)
     bytes: int = 0
-    downtime_s: float = 0.0
+    downtime_s: float = 0.0  # from the first pause to the last resume, as the job saw it
     restored_pid: int | None = None
 
 
 def move_worker(src: AgentClient, dst: AgentClient, worker_id: str, *, dest_name: str = "",
-                capture_deadline_s: float = 300.0,
-                on_progress: Callable[[dict[str, Any]], None] | None = None,
-                fault: Callable[[str], None] | None = None,
-                peers: Sequence[tuple[AgentClient, str]] = (), post_copy: bool | None = None) -> MoveReport:
-    """Run the whole move; raise PitstopError (worker still running somewhere) on failure.
+                capture_deadline_s: float = 300.0, peers: Sequence[tuple[AgentClient, str]] = (),
+                post_copy: bool | None = None, pre_copy: bool = False) -> MoveReport:
+    """Run the whole move; raise PitstopError (the worker still running where it was) on failure.
 
     post_copy: network post-copy for this move (None: the source agent's setting).
-
-    peers: the job's other workers (agent, worker id), paused (SIGSTOP) for the duration, as
-    the coordinator does: nothing is sent into the worker's connections while it is dumped.
+    peers: the job's other workers (agent, worker id), paused for the move as an evacuation
+    pauses them: nothing is sent into the worker's connections while it is dumped.
+    dest_name: the destination's name, as the source records where the worker went (default:
+    the name the destination agent gives itself).
     """
-    for a, wid in peers:
-        a.pause(wid)
-    try:
-        return _move(src, dst, worker_id, dest_name, capture_deadline_s, on_progress, fault, post_copy)
-    finally:
-        for a, wid in peers:
-            _quiet(a.resume, wid)
+    with tempfile.TemporaryDirectory(prefix="pitstop-move-") as tmp:
+        store = Store(Path(tmp) / "move.db")
+        try:
+            return _move(store, Path(tmp), src, dst, worker_id, dest_name, capture_deadline_s, peers,
+                         post_copy, pre_copy)
+        finally:
+            store.db.close()
 
 
-def _move(src: AgentClient, dst: AgentClient, worker_id: str, dest_name: str, capture_deadline_s: float,
-          on_progress: Callable[[dict[str, Any]], None] | None,
-          fault: Callable[[str], None] | None, post_copy: bool | None = None) -> MoveReport:
-    image_id = "img-" + uuid.uuid4().hex[:12]
-    t0 = time.monotonic()
-    cap = src.capture(worker_id, dest_url=dst.url, image_id=image_id, post_copy=post_copy)
-    cap = src.wait_capture(cap["id"], capture_deadline_s, on_progress)
-    if cap["state"] == "failed":
-        _quiet(dst.discard, image_id)
-        e = cap["error"] or {}
-        raise PitstopError.from_dict(e)
-    report = MoveReport(worker_id, cap["id"], src.url, dst.url, bytes=cap.get("bytes_total") or 0)
-    report.phases.update({k: v for k, v in cap["phases"].items()})
-    if fault:
-        fault("before_verify")
-    try:
-        v = dst.verify(image_id)
-    except PitstopError:
-        _quiet(dst.discard, image_id)
-        src.rollback(cap["id"])  # still stopped: resumed in place
-        raise
-    report.phases["verify"] = v["seconds"]
-    if fault:
-        fault("before_release")
-    src.release(cap["id"])
-    t_restore = time.monotonic()
-    try:
-        if fault:
-            fault("before_restore")
-        r = dst.restore(image_id)
-    except PitstopError as e:
-        log.warning("restore failed; rolling back to the source", worker=worker_id, error=str(e))
-        _quiet(dst.discard, image_id)
-        src.rollback(cap["id"])
-        raise
-    report.phases.update({k: v for k, v in r["phases"].items() if k != "verify"})
-    report.phases["restore_call"] = time.monotonic() - t_restore
-    report.restored_pid = r["worker"]["root_pid"]
-    src.commit(cap["id"], {"agent": dest_name or dst.url, "url": dst.url})
-    report.downtime_s = time.monotonic() - t0
+def _move(store: Store, tmp: Path, src: AgentClient, dst: AgentClient, worker_id: str, dest_name: str,
+          capture_deadline_s: float, peers: Sequence[tuple[AgentClient, str]], post_copy: bool | None,
+          pre_copy: bool) -> MoveReport:
+    names: dict[str, str] = {}  # agent URL -> the name it is known by in this move
+    for c, name in ((src, None), (dst, dest_name or None), *((p, None) for p, _ in peers)):
+        if c.url not in names:
+            names[c.url] = name or c.info()["name"]
+            store.heartbeat({"name": names[c.url], "url": c.url, "spare": c is dst,
+                             "workers": [_report(w) for w in c.workers()]})
+    w = src.worker(worker_id)
+    node, dest = names[src.url], names[dst.url]
+    plan = SimpleNamespace(
+        node={"name": node}, dest={"name": dest}, jobs=[w["job"]],
+        leaving=[{"id": worker_id, "job": w["job"], "rank": w["rank"], "host": node, "address": None}],
+        peers=[{"id": wid, "host": names[p.url], "address": None} for p, wid in peers])
+    settings = CoordinatorSettings(db=tmp / "move.db", cluster_token=src.token, pre_copy=pre_copy,
+                                   capture_deadline_s=capture_deadline_s)
+    driver = Driver(store, settings, await_fills=False)
+    op_id = driver.start(plan, "one-worker move", None, post_copy=post_copy)
+    t = driver.threads[op_id]
+    t.join(capture_deadline_s + MOVE_SLACK_S)
+    if t.is_alive():
+        raise DeadlineExceeded(f"the move of {worker_id} did not end within {capture_deadline_s + MOVE_SLACK_S:.0f} s",
+                               action="the driver goes on in the background; see the agents' logs")
+    op = store.op(op_id)
+    assert op is not None
+    md = EvacuationState.load(op["metadata"])
+    if not op["done"]:  # its thread ended without ending it; no watchdog here to drive it out
+        run = driver.runs.get(op_id)
+        raise PitstopError(f"the move of {worker_id} stopped in phase {md.phase!r}: "
+                           f"{run.crash if run else 'no word'}", action="see the agents' logs")
+    if op["result"] != "succeeded":
+        raise _error(op.get("error") or {})
+    wp = md.workers[worker_id]
+    seconds = {**wp.capture_phases, "verify": md.phases.get("verify", 0.0),
+               **{k: v for k, v in wp.restore_phases.items() if k != "verify"},
+               "restore_call": md.phases.get("restore", 0.0)}
+    # the agents' phases also carry counts (bytes, threads, rounds): a report of seconds leaves them out
+    phases = {k: v for k, v in seconds.items() if not k.endswith(("_bytes", "_threads", "_rounds", "_processes",
+                                                                   "_attempts", "_failed"))}
+    report = MoveReport(worker_id, wp.capture_id or "", src.url, dst.url, phases=phases, bytes=wp.bytes_total or 0,
+                        downtime_s=md.downtime_s or 0.0, restored_pid=wp.restored_pid)
     log.info("moved", worker=worker_id, src=src.url, dst=dst.url, downtime_s=round(report.downtime_s, 3),
-             bytes=report.bytes, **{k: round(v, 4) for k, v in report.phases.items()})
+             bytes=report.bytes, **{k: round(v, 4) for k, v in phases.items()})
     return report
 
 
-def _quiet(fn: Callable[..., Any], *a: Any) -> None:
-    try:
-        fn(*a)
-    except PitstopError:
-        pass
+def _report(w: dict[str, Any]) -> dict[str, Any]:
+    return {k: w.get(k) for k in ("id", "job", "rank", "state")} | {"caps": w.get("caps")}
+
+
+def _error(status: dict[str, Any]) -> PitstopError:
+    """The operation's error (google.rpc.Status-shaped) as the PitstopError it began as."""
+    info = (status.get("details") or [{}])[0]
+    return PitstopError.from_dict({"code": info.get("reason", "internal"), "message": status.get("message", ""),
+                                   "action": info.get("action", ""), "details": info.get("metadata") or {}},
+                                  http_status=_HTTP.get(status.get("status", ""), 500))
+
+
+_HTTP = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "ABORTED": 409, "CANCELLED": 409, "DEADLINE_EXCEEDED": 504,
+         "UNAVAILABLE": 503, "DATA_LOSS": 422, "FAILED_PRECONDITION": 412, "INTERNAL": 500}
+

@@ -45,6 +45,7 @@ class AgentClient:
     def __init__(self, url: str, token: str | None = None, *, uds: str | None = None,
                  timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
+        self.token = token  # the cluster token its calls carry (None: none, or mutual TLS alone)
         headers = bearer(token)
         transport = httpx.HTTPTransport(uds=uds) if uds else None
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
