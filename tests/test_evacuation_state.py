@@ -18,6 +18,7 @@ import pytest
 from pitstop.coordinator.api import operation_view
 from pitstop.coordinator.store import MIGRATIONS, Store
 from pitstop.errors import FailedPrecondition
+from pitstop.wire.capture_report import CaptureReport
 from pitstop.wire.evacuation import SCHEMA_VERSION, EvacuationState
 
 OLD_DB = Path(__file__).parent / "data" / "coordinator-0.1.0.db"
@@ -95,8 +96,9 @@ def test_what_the_driver_changes_in_place_is_written_and_fields_appear_once_set(
     st.phases["pause"] = 0.1  # in place, never through __setattr__
     st.paused.append("j.0")
     st.cut = {"used": True, "destroyed": True}  # validated into the typed record
-    st.workers["j.1"].captured({"bytes_total": 100, "phases": {"dump": 0.2}, "post_copy": {"lazy_bytes": 40},
-                                "pre_copy": {"parent_bytes": 60, "by": "criu"}})
+    st.workers["j.1"].captured(CaptureReport(id="cap-1", worker_id="j.1", state="sent", bytes_total=100,
+                                             phases={"dump": 0.2}, post_copy={"lazy_bytes": 40},
+                                             pre_copy={"parent_bytes": 60, "by": "criu"}))
     st.totals()
     st.set_condition("Planned", True, "SpareSelected", "1 worker")
     st.set_condition("Planned", False, "Changed")  # one condition per type: the latest word

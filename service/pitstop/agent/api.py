@@ -33,17 +33,7 @@ from pitstop.httpapi import install_error_handlers, require_token
 from pitstop.network import workerns
 from pitstop.proc import caps, files, proctree
 from pitstop.transfer.stream import overdue, receive_into
-from pitstop.wire.agent_requests import (
-    CaptureRequest,
-    CommitRequest,
-    ExitedRequest,
-    FilesCheckRequest,
-    NetworkRequest,
-    PreCopyRequest,
-    RegisterRequest,
-    ShimOp,
-    WorkersRequest,
-)
+from pitstop.wire import agent_requests
 from pitstop.wire.auth import bearer
 
 FOLLOW_OUTPUT_TIMEOUT_S = 10.0  # a moved worker's output, fetched from the agent it moved to
@@ -271,7 +261,7 @@ def peer_app(agent: Agent) -> FastAPI:
         return {"files": [f.as_dict() for f in files.used_files(proctree.tree(w.root_pid))]}
 
     @r.post("/files:check")
-    def check_files(req: FilesCheckRequest) -> dict:
+    def check_files(req: agent_requests.FilesCheckRequest) -> dict:
         """What this host lacks of the paths a worker's restore would need: each with why."""
         return {"lacking": files.lacking([files.UsedFile(f.path, f.kind, f.size) for f in req.files])}
 
@@ -289,7 +279,7 @@ def peer_app(agent: Agent) -> FastAPI:
         return w
 
     @r.post("/workers:batchPause", response_model=list[Worker])
-    async def batch_pause(req: WorkersRequest) -> Response:
+    async def batch_pause(req: agent_requests.WorkersRequest) -> Response:
         """Stop several workers' trees in one call, one state write: a coordinator pausing the
         peers of an 8-rank job spent 0.09-0.17 s on 7 calls to one agent on 2 cores.
         All or nothing: one worker that cannot be paused (unknown, not running) fails the call
@@ -306,7 +296,7 @@ def peer_app(agent: Agent) -> FastAPI:
         return _signalled(work)
 
     @r.post("/workers:batchResume", response_model=list[Worker])
-    async def batch_resume(req: WorkersRequest) -> Response:
+    async def batch_resume(req: agent_requests.WorkersRequest) -> Response:
         """Resume several workers; idempotent, and unknown ids fail the call before any resumes."""
         def work() -> list[Worker]:
             ws = [agent.state.worker(wid) for wid in dict.fromkeys(req.ids)]
@@ -348,7 +338,7 @@ def peer_app(agent: Agent) -> FastAPI:
         return {"blocks": _shim_views(agent.state.worker(wid))}
 
     @r.post("/workers/{wid}/shim")
-    def shim_op(wid: str, req: ShimOp) -> dict:
+    def shim_op(wid: str, req: agent_requests.ShimOp) -> dict:
         w = agent.state.worker(wid)
         if w.state not in LIVE_STATES:
             raise Conflict(f"worker {wid} is {w.state}", action="only live workers have a shim to talk to")
@@ -363,7 +353,7 @@ def peer_app(agent: Agent) -> FastAPI:
         return {"blocks": len(bs)}
 
     @r.post("/precopies")
-    def precopy(req: PreCopyRequest) -> dict:
+    def precopy(req: agent_requests.PreCopyRequest) -> dict:
         """Blocking: it returns when the worker's memory is at the destination (or why not)."""
         return agent.source.precopy(req.worker_id, req.dest_url, req.image_id, post_copy=req.post_copy)
 
@@ -380,7 +370,7 @@ def peer_app(agent: Agent) -> FastAPI:
         return agent.source.stop_precopy(image_id)
 
     @r.post("/captures", status_code=202)
-    def capture(req: CaptureRequest) -> dict:
+    def capture(req: agent_requests.CaptureRequest) -> dict:
         return agent.source.start(req.worker_id, req.dest_url, req.image_id, req.keep_peers,
                                   post_copy=req.post_copy).model_dump()
 
@@ -400,7 +390,7 @@ def peer_app(agent: Agent) -> FastAPI:
         return agent.source.release(cid).model_dump()
 
     @r.post("/captures/{cid}:commit")
-    def commit(cid: str, req: CommitRequest) -> dict:
+    def commit(cid: str, req: agent_requests.CommitRequest) -> dict:
         return agent.source.commit(cid, req.moved_to).model_dump()
 
     @r.post("/captures/{cid}:rollback")
@@ -504,7 +494,7 @@ def local_app(agent: Agent) -> FastAPI:
         return uid
 
     @app.post("/v1/workers", status_code=201)
-    def register(req: RegisterRequest, request: Request) -> Worker:
+    def register(req: agent_requests.RegisterRequest, request: Request) -> Worker:
         pid = req.pid
         if not proctree.exists(pid):
             raise FailedPrecondition(f"pid {pid} does not exist", code="no_such_process",
@@ -544,7 +534,7 @@ def local_app(agent: Agent) -> FastAPI:
         return w
 
     @app.post("/v1/workers/{wid}:exited")
-    def exited(wid: str, req: ExitedRequest, request: Request) -> Worker:
+    def exited(wid: str, req: agent_requests.ExitedRequest, request: Request) -> Worker:
         w = agent.state.worker(wid)
         own(request, f"worker {wid}", w.owner_uid)
         if w.state in ("running", "lost"):
@@ -553,7 +543,7 @@ def local_app(agent: Agent) -> FastAPI:
         return w
 
     @app.post("/v1/networks", status_code=201)
-    def prepare_network(req: NetworkRequest, request: Request) -> dict:
+    def prepare_network(req: agent_requests.NetworkRequest, request: Request) -> dict:
         """A network namespace with the worker's own address, for `pitstop run --address` to start it in."""
         wid = f"{req.job}.{req.rank}"
         wn = workerns.spec(wid, req.address)

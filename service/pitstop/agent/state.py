@@ -22,11 +22,11 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, Field
 
 from pitstop.errors import NotFound
+from pitstop.wire.capture_report import CaptureReport, CaptureState  # noqa: F401 - CaptureState re-exported
 
 WorkerState = Literal["running", "paused", "capturing", "stopped", "released", "moved", "exited", "lost"]
 LIVE_STATES = ("running", "paused", "capturing", "stopped")  # a process exists for these
 ENDED_WORKERS = ("moved", "exited", "lost")  # nothing runs here: kept only to be asked about
-CaptureState = Literal["dumping", "dumped", "sent", "released", "committed", "rolled_back", "failed"]
 ENDED_CAPTURES = ("committed", "rolled_back", "failed")  # nothing more can be done with these
 KEEP_ENDED = 64  # ended captures, and ended workers, kept whatever their age (inspection, retried calls)
 # An ended worker is forgotten only once nobody has read its output for this long: a moved
@@ -73,32 +73,18 @@ class Worker(BaseModel):
     registered_at: float = Field(default_factory=time.time)
 
 
-class Capture(BaseModel):
-    id: str
-    worker_id: str
-    state: CaptureState = "dumping"
+class Capture(CaptureReport):
+    """The agent's record of a capture: the report peers see (wire/capture_report.py), and what only
+    this agent needs to finish or undo it."""
+
     image_dir: str
-    dest_url: str | None = None
-    image_id: str | None = None
     run_id: str = ""
-    phases: dict[str, float] = Field(default_factory=dict)
-    bytes_total: int | None = None
-    bytes_sent: int = 0
-    bytes_deduplicated: int = 0  # image bytes sent as references to pages sent before (transfer/dedup.py)
-    compression: dict[str, Any] | None = None  # what the stream compressed, and the rates it measured (transfer/compress.py)
-    error: dict[str, Any] | None = None
     stdio: list[dict[str, Any]] = Field(default_factory=list)
-    gpu: dict[str, Any] = Field(default_factory=dict)  # gpu.checkpoint.Suspended.record(); empty: no CUDA
     keep_peers: list[str] | None = None  # addresses whose connections survive the move; None: all
-    # post-copy over the network: the split (eager/lazy bytes) and what the fill has fetched so far
-    post_copy: dict[str, Any] | None = None
     want_post_copy: bool | None = None  # network post-copy, as settled when the capture began
-    pre_copy: dict[str, Any] | None = None  # the delta against a pre-copy: bytes left in it, bytes sent now
     # the dump's files as CRIU left them (criu/seal.py), checked before a rollback restores them
     seal: dict[str, list] | None = None
     rollback_failed_at: float | None = None  # when a rollback first failed: its images expire after a while
-    created: float = Field(default_factory=time.time)
-    updated: float = Field(default_factory=time.time)
 
 
 class AgentState:

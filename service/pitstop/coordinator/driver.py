@@ -50,6 +50,7 @@ from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import Store, StoreUnavailable
 from pitstop.errors import DeadlineExceeded, NotFound, PitstopError, Unavailable
 from pitstop.wire.agent_client import AgentClient
+from pitstop.wire.capture_report import CaptureReport
 from pitstop.wire.evacuation import CutRecord, EvacuationState, MovePlan
 
 log = structlog.get_logger("pitstop.coordinator.driver")
@@ -330,11 +331,11 @@ class OpRun:
                     self.md.bytes_done = sum(x.bytes_done for x in self.md.workers.values())
                     self.save()
 
-            cap = src.wait_capture(cap["id"], self.d.s.capture_deadline_s, progress)
-            if cap["state"] == "failed":
-                raise PitstopError.from_dict(cap.get("error") or {"message": "capture failed"})
+            report = CaptureReport.model_validate(src.wait_capture(cap["id"], self.d.s.capture_deadline_s, progress))
+            if report.state == "failed":
+                raise PitstopError.from_dict(report.error or {"message": "capture failed"})
             with self.lock:
-                w.captured(cap)
+                w.captured(report)
                 self.md.totals()
                 self.save()
 

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pitstop.wire.capture_report import CaptureReport
+
 SCHEMA_VERSION = 1
 TYPE_URL = "type.pitstop.dev/EvacuateMetadata"
 
@@ -77,16 +79,16 @@ class WorkerProgress(_Record):
     restore_phases: dict[str, Any] = Field(default_factory=dict)
     fill: dict[str, Any] | None = None  # network post-copy: how the destination's fill ended
 
-    def captured(self, cap: dict[str, Any]) -> None:
-        """Take in the source agent's finished capture (agent/state.Capture, as the wire carries it)."""
+    def captured(self, cap: CaptureReport) -> None:
+        """Take in the source agent's report of the finished capture."""
         self.state = "captured"
-        self.bytes_total = cap.get("bytes_total")
+        self.bytes_total = cap.bytes_total
         self.bytes_done = self.bytes_total or self.bytes_done
-        self.capture_phases = cap.get("phases", {})
-        self.bytes_deduplicated = cap.get("bytes_deduplicated", 0)
-        if cap.get("compression"):
-            self.compression = cap["compression"]
-        pre = cap.get("pre_copy")
+        self.capture_phases = cap.phases
+        self.bytes_deduplicated = cap.bytes_deduplicated
+        if cap.compression:
+            self.compression = cap.compression
+        pre = cap.pre_copy
         if pre:
             self.bytes_pre_copied = pre.get("parent_bytes", 0)
             self.pre_copy_tracked_tasks = pre.get("tracked_tasks", 0)
@@ -94,8 +96,8 @@ class WorkerProgress(_Record):
             self.pre_copy_by = pre.get("by")
             if pre.get("untracked_reason"):
                 self.pre_copy_untracked_reason = pre["untracked_reason"]
-        if cap.get("post_copy"):
-            self.bytes_after_resume = cap["post_copy"].get("lazy_bytes", 0)
+        if cap.post_copy:
+            self.bytes_after_resume = cap.post_copy.get("lazy_bytes", 0)
 
 
 class CutRecord(_Record):
