@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from pitstop import faults
 from pitstop.criu import criu_ops
@@ -29,7 +29,6 @@ from pitstop.memory import precopy
 from pitstop.memory.precopy import Basis
 
 if TYPE_CHECKING:
-    from pitstop.agent.capturing import SourceSide
     from pitstop.agent.state import Capture, Worker
 
 VIEW = "post-copy-view"  # inside a capture's images: what travels before the restore (memory/postcopy.py)
@@ -37,6 +36,21 @@ DELTA = "pre-copy-delta"  # inside a capture's images: what travels after a pre-
 PARENT = "parent"  # inside a capture's images: the pre-copy CRIU's incremental dump is against (criutrack.py)
 
 StreamStart = Literal["before_dump", "after_dump", "at_end"]
+
+
+class SourceSide(Protocol):
+    """What a kind asks of the capturing agent (agent/capturing.py SourceSide), and no more: the
+    kinds stay below the agent's capture loop, which imports them."""
+
+    def _dump(self, cap: "Capture", w: "Worker", images: Path, own_net: bool, overlap: bool,
+              parent: str | None = None, binary: str | None = None) -> criu_ops.DumpResult: ...
+
+    def _incremental_dump(self, cap: "Capture", w: "Worker", images: Path, own_net: bool, overlap: bool,
+                          basis: Basis, binary: str) -> criu_ops.DumpResult | None: ...
+
+    def _delta(self, cap: "Capture", images: Path, basis: Basis) -> None: ...
+
+    def _split(self, cap: "Capture", images: Path) -> dict: ...
 
 
 @dataclass
