@@ -618,7 +618,8 @@ class SourceSide:
                              compression=self._compression(cap.dest_url) if cap.dest_url else None)
         t0 = time.monotonic()
         sender = _Sender(self, cap, tail, t0) if cap.dest_url else None
-        undo.push("stream", sender.stop if sender else lambda e: setattr(tail, "failure", e))
+        stop_stream = sender.stop if sender else lambda e: setattr(tail, "failure", e)
+        undo.push("stream", stop_stream)
         if sender and kind.stream_start(swd) == "before_dump":
             sender.start()
 
@@ -664,7 +665,7 @@ class SourceSide:
         # dump (which takes its network and GPUs back with it), after the stream has stopped.
         undo.stage("pitstop", replace=("gpu", "network", "stream"),
                    push=(("rollback", lambda e: self._rollback_stopped(cap, w)),
-                         ("stream", sender.stop if sender else lambda e: setattr(tail, "failure", e))))
+                         ("stream", stop_stream)))
         if sender and kind.stream_start(swd) == "after_dump":
             sender.start()
         pages_from, parent = kind.after_dump(self, cap, images)
