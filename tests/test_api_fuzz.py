@@ -13,7 +13,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from pitstop.agent.api import Agent, peer_app
+from pitstop.agent.agent import Agent
+from pitstop.agent.api import peer_app
 from pitstop.agent.settings import AgentSettings
 from pitstop.coordinator.api import build
 from pitstop.coordinator.settings import CoordinatorSettings

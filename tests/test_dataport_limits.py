@@ -442,7 +442,8 @@ def test_a_trickling_http_upload_ends_at_its_deadline(tmp_path):
     body that trickles in; the route does, at dump_timeout_s + transfer_timeout_s, with a 504."""
     import uvicorn
 
-    from pitstop.agent.api import Agent, peer_app
+    from pitstop.agent.agent import Agent
+    from pitstop.agent.api import peer_app
 
     s = AgentSettings(name="rx", state_dir=tmp_path / "state", image_dir=tmp_path / "images", cluster_token=TOKEN,
                       image_mount=False, dump_timeout_s=1, transfer_timeout_s=0.5)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pitstop.coordinator.api import operation_view
+from pitstop.coordinator.service import operation_view
 from pitstop.coordinator.store import MIGRATIONS, Store
 from pitstop.errors import FailedPrecondition
 from pitstop.wire.capture_report import CaptureReport

@@ -22,7 +22,7 @@ import httpx
 import structlog
 
 from pitstop import tls
-from pitstop.agent.api import Agent
+from pitstop.agent.agent import Agent
 from pitstop.proc import caps
 from pitstop.wire.auth import bearer
 from pitstop.wire.beats import ACK_OK, ACK_RESYNC, decode_ack, encode_beat

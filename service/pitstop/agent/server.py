@@ -14,7 +14,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pitstop import priority, tls
 from pitstop.agent import imagefs, reclaim
-from pitstop.agent.api import Agent, local_app, peer_app
+from pitstop.agent.agent import Agent
+from pitstop.agent.api import local_app, peer_app
 from pitstop.agent.peercred import checked
 from pitstop.agent.receiving import become_subreaper
 from pitstop.agent.settings import AgentSettings

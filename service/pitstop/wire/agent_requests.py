@@ -1,6 +1,6 @@
 """What the agent's API takes: the requests its peers, the coordinator and `pitstop run` send.
 
-One home for the models both sides use: the agent validates with them (agent/api.py) and the
+One home for the models both sides use: the agent validates with them (agent/peer_routes.py, local_routes.py) and the
 clients build their bodies from them (wire/agent_client.py), so a field renamed on one side is a
 failure in a test, not a 422 in production.
 """

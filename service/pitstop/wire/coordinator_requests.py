@@ -1,7 +1,7 @@
 """What the coordinator's API takes: operators' requests and the agents' heartbeats.
 
 The agents build their reports from these models (agent/heartbeat.py) and the coordinator
-validates with them (coordinator/api.py): one definition of the contract.
+validates with them (coordinator/routes.py): one definition of the contract.
 """
 
 from __future__ import annotations

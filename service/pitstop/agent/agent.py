@@ -1,0 +1,154 @@
+"""The agent process's state: what both of its HTTP doors (agent/api.py) serve.
+
+One `Agent` per process, built once by agent/server.py and reached by every route through the
+app's state (`AgentDep`), so that the routes can be declared once, at module level, and the
+same router serve both doors where they answer alike.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from typing import Annotated
+
+from fastapi import Depends, Request
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pitstop import __version__, safepath, shimctl
+from pitstop.agent import imagefs, reclaim
+from pitstop.agent.capturing import SourceSide
+from pitstop.agent.receiving import DestinationSide, Slot
+from pitstop.agent.settings import AgentSettings
+from pitstop.agent.state import LIVE_STATES, AgentState, Capture, Worker
+from pitstop.criu import runtime
+from pitstop.errors import PitstopError, TransferFailed
+from pitstop.network import workerns
+from pitstop.proc import caps, proctree
+
+UNMOVABLE_EVERY_S = 5.0  # how often a running worker's shim blocks are read for calls it could not track
+
+COUNT_SUFFIXES = ("_bytes", "_threads", "_rounds", "_processes")
+"""Phase entries that count something rather than time it (capturing.py, receiving.py)."""
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.captures = Counter("pitstop_agent_captures_total", "Captures by result", ["result"], registry=r)
+        self.restores = Counter("pitstop_agent_restores_total", "Restores by result", ["result"], registry=r)
+        self.phase = Histogram("pitstop_agent_phase_duration_seconds", "Duration of capture/restore phases",
+                               ["phase"], registry=r, buckets=(.01, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60, 120))
+        self.sent = Counter("pitstop_agent_sent_bytes_total", "Image bytes sent to peers", registry=r)
+        self.received = Counter("pitstop_agent_received_bytes_total", "Image bytes received", registry=r)
+        Gauge("pitstop_build_info", "pitstop's version (always 1)", ["version", "service"],
+              registry=r).labels(__version__, "agent").set(1)
+
+    def phases(self, phases: dict[str, float]) -> None:
+        """Durations only: a capture's phases also carry counts (bytes, threads, rounds, processes)."""
+        for k, v in phases.items():
+            if not k.endswith(COUNT_SUFFIXES):
+                self.phase.labels(k).observe(v)
+
+
+class Agent:
+    """Everything one agent process holds; shared by both listeners."""
+
+    def __init__(self, settings: AgentSettings) -> None:
+        self.s = settings
+        # before anything is read from or written to them: nobody else may be able to change them
+        safepath.private_dir(settings.state_dir, mode=0o755, what="the agent's state directory")
+        safepath.private_dir(settings.images, what="the agent's image directory")
+        self.state = AgentState(settings.state_dir)
+        self.dest = DestinationSide(settings, self.state)
+        self.state.on_forget = self.dest.forget_output
+        self.source = SourceSide(settings, self.state, self.dest)
+        self.metrics = Metrics()
+        self.source.on_finished = self._count_capture
+        reclaim.sweep(settings.images)
+        self.source.reconcile()
+        self.dest.remove_stale_slots()
+        self.image_fs = imagefs.prepare(settings.images, enabled=settings.image_mount, size=settings.image_mount_size)
+        self.dest.adopt()
+        self.started = time.time()
+        self.data_port: int | None = None  # set by the server once transfer/dataport.py listens
+        self.net_owners: dict[str, int] = {}  # worker id -> uid that prepared its network (local socket)
+        self._unmovable_looked: dict[str, float] = {}  # worker id -> when its shim blocks were last read
+
+    def _count_capture(self, c: Capture) -> None:
+        """Called once per capture, when its dump and stream are over (sent, dumped or failed)."""
+        self.metrics.captures.labels("failed" if c.state == "failed" else "ok").inc()
+        self.metrics.sent.inc(c.bytes_sent)
+        self.metrics.phases(c.phases)
+
+    def storage_error(self, slot: Slot, e: OSError) -> TransferFailed:
+        """A write of a received image failed (ENOSPC above all): say where and how much."""
+        free = shutil.disk_usage(self.s.images).free
+        return TransferFailed(
+            f"cannot store image {slot.image_id} on {self.s.name}: {e.strerror} in {self.s.images} "
+            f"after {slot.receiver.received} bytes ({free // 2**20} MiB free there now)",
+            code="destination_storage", http_status=507,
+            action="the copy is discarded and the source resumed; free space in the "
+                   "destination's image directory or pick another spare")
+
+    def finish_slot(self, slot: Slot) -> dict:
+        slot.state = "complete"
+        slot.finished = time.monotonic()
+        rx = slot.receiver
+        self.metrics.received.inc(rx.received)
+        m = rx.manifest
+        return {"image_id": slot.image_id, "bytes": rx.received, "files": len(m.files) if m else 0,
+                "seconds": slot.finished - slot.started}
+
+    def info(self) -> dict:
+        try:
+            rt = runtime.locate()
+            criu = {"path": rt.binary, "version": rt.version_str}
+        except PitstopError as e:
+            criu = {"error": e.message}
+        return {"name": self.s.name, "url": self.s.url, "spare": self.s.spare, "version": __version__,
+                "data_port": self.data_port, "cap_bnd": f"{caps.bounding_set():x}",
+                "post_copy": self.source.post_copy_support(), "image_fs": self.image_fs.describe(),
+                "criu": criu, "workers": len([w for w in self.state.workers.values()
+                                              if w.state in LIVE_STATES])}
+
+    def refresh(self, w: Worker, needs: bool = True) -> Worker:
+        """needs: also read what capabilities its tree holds (every process's status): for
+        listings, not for a pause, whose time the job waits on."""
+        if w.state == "running" and not w.restored and (
+                not proctree.is_running(w.root_pid, w.start_time)):
+            self.state.update_worker(w, state="exited" if w.exit_code is not None else "lost")
+            self.drop_net(w)
+        if w.state == "running" and needs:
+            try:
+                w.caps = f"{caps.needs(w.root_pid):x}"
+            except OSError:
+                pass  # it is exiting; the next listing says so
+            self._look_for_unmovable(w)
+        return w
+
+    def _look_for_unmovable(self, w: Worker) -> None:
+        """Whether the worker's NCCL shim saw communicators it did not create: once said it stays
+        said (the shim's count only grows), and the blocks are read at most every few seconds, not
+        at every beat (each look reads every process's memory map)."""
+        now = time.monotonic()
+        if w.unmovable or now - self._unmovable_looked.get(w.id, -UNMOVABLE_EVERY_S) < UNMOVABLE_EVERY_S:
+            return
+        self._unmovable_looked[w.id] = now
+        w.unmovable = shimctl.unmovable(w.root_pid)
+
+    def drop_net(self, w: Worker) -> None:
+        """A worker that ended takes its address with it."""
+        wn = workerns.from_dict(w.net)
+        if wn and w.state in ("exited", "lost"):
+            workerns.destroy(wn)
+
+
+async def current(request: Request) -> Agent:
+    """The agent behind the app that received the request (async: resolved on the event loop,
+    without a hop to the thread pool on the pause path)."""
+    agent: Agent = request.app.state.agent
+    return agent
+
+
+AgentDep = Annotated[Agent, Depends(current)]

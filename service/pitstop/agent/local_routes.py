@@ -1,0 +1,111 @@
+"""The agent's door for `pitstop run` on its own host (a Unix socket): registration, exit,
+and a worker's own network.  The socket's file mode (0660, root) admits the caller; SO_PEERCRED
+says who it is, and a caller acts only on what is its own (root and the agent's user act for all).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from pitstop import nsinit
+from pitstop.agent import peercred
+from pitstop.agent.agent import AgentDep
+from pitstop.agent.peercred import caller_uid, privileged
+from pitstop.agent.state import LIVE_STATES, Worker
+from pitstop.errors import Conflict, FailedPrecondition, Forbidden
+from pitstop.network import workerns
+from pitstop.proc import proctree
+from pitstop.wire import agent_requests
+
+
+def own(request: Request, what: str, owner: int | None) -> int:
+    """The caller's uid, refused unless it is `owner`'s (root and the agent's user act for all)."""
+    uid = caller_uid(request.scope)
+    if not privileged(uid) and owner is not None and owner != uid:
+        raise Forbidden(f"uid {uid} may not act on {what}: it belongs to uid {owner}", code="not_your_worker",
+                        action="act only on your own workers, or ask root")
+    return uid
+
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post("/workers", status_code=201)
+def register(agent: AgentDep, req: agent_requests.RegisterRequest, request: Request) -> Worker:
+    pid = req.pid
+    if not proctree.exists(pid):
+        raise FailedPrecondition(f"pid {pid} does not exist", code="no_such_process",
+                                 action="register the worker's tree root while it runs")
+    uid = caller_uid(request.scope)
+    uids = peercred.process_uids(pid)
+    if not privileged(uid) and uids != {uid}:
+        raise Forbidden(f"uid {uid} may not register pid {pid}: it runs as uid {sorted(uids)}",
+                        code="not_your_process",
+                        action="register only processes you started (`pitstop run` does), or run as root")
+    nsp = proctree.ns_pids(pid)
+    if len(nsp) < 2 or nsp[-1] != 1 or proctree.session_id(pid) != pid:
+        raise FailedPrecondition(
+            f"pid {pid} is not the init of its own PID namespace and session",
+            code="not_capturable", action="start the worker with `pitstop run`")
+    wid = f"{req.job}.{req.rank}"
+    with agent.state.lock:
+        old = agent.state.workers.get(wid)
+        if old and old.state in LIVE_STATES and proctree.exists(old.root_pid):
+            raise Conflict(f"worker {wid} is already registered (pid {old.root_pid})",
+                           action="each rank of a job registers once")
+        if req.address:
+            own(request, f"the network of {wid}", agent.net_owners.get(wid))
+        net = None
+        if req.address:
+            wn = workerns.spec(wid, req.address)
+            if not workerns.exists(wn) or workerns.netns_inode(pid) != workerns.path_inode(wn):
+                raise FailedPrecondition(f"pid {pid} does not run in the network prepared for {req.address}",
+                                         code="network_mismatch",
+                                         action="prepare it with POST /v1/networks and start the worker in it "
+                                                "(`pitstop run --address` does both)")
+            net = wn.to_dict()
+        w = Worker(id=wid, job=req.job, rank=req.rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
+                   net=net, init_dir=nsinit.owned_dir(pid), owner_uid=uid)
+        agent.state.workers[wid] = w
+        agent.state.save()
+    return w
+
+
+@router.post("/workers/{wid}:exited")
+def exited(agent: AgentDep, wid: str, req: agent_requests.ExitedRequest, request: Request) -> Worker:
+    w = agent.state.worker(wid)
+    own(request, f"worker {wid}", w.owner_uid)
+    if w.state in ("running", "lost"):
+        agent.state.update_worker(w, state="exited", exit_code=req.code)
+        agent.drop_net(w)
+    return w
+
+
+@router.post("/networks", status_code=201)
+def prepare_network(agent: AgentDep, req: agent_requests.NetworkRequest, request: Request) -> dict:
+    """A network namespace with the worker's own address, for `pitstop run --address` to start it in."""
+    wid = f"{req.job}.{req.rank}"
+    wn = workerns.spec(wid, req.address)
+    workerns.check_on_link(wn, agent.s.worker_link)
+    with agent.state.lock:
+        uid = own(request, f"the network of {wid}", agent.net_owners.get(wid))
+        for o in agent.state.workers.values():
+            if o.net and o.state in LIVE_STATES and (o.net["address"].split("/")[0] == wn.ip or o.id == wid):
+                raise Conflict(f"{wn.ip} or {wid} is already in use by worker {o.id} here",
+                               action="give each worker its own address")
+        if workerns.exists(wn):  # left by a launch that never registered
+            workerns.destroy(wn)
+        workerns.create(wn, agent.s.worker_link, locked=False, nft=None)
+        agent.net_owners[wid] = uid
+    return wn.to_dict() | {"path": wn.path}
+
+
+@router.delete("/networks/{wid}")
+def drop_network(agent: AgentDep, wid: str, request: Request) -> dict:
+    w = agent.state.workers.get(wid)
+    own(request, f"the network of {wid}", w.owner_uid if w else agent.net_owners.get(wid))
+    if w and w.state in LIVE_STATES:
+        raise Conflict(f"worker {wid} still runs in it", action="stop the worker first")
+    wn = workerns.WorkerNet("", "", workerns.netns_name(wid))
+    workerns.destroy(wn)
+    return {"deleted": wn.netns}

@@ -1,0 +1,55 @@
+"""What both of the agent's doors answer alike: its info, one worker, a worker's output.
+
+The peer door (peer_routes.py) puts the cluster token in front; the local door (the Unix
+socket, whose file mode and SO_PEERCRED guard it; local_routes.py) serves them to `pitstop run`
+as they are.  agent/api.py mounts this router on both.
+"""
+
+from __future__ import annotations
+
+import httpx
+from fastapi import APIRouter, Response
+
+from pitstop import tls
+from pitstop.agent.agent import AgentDep
+from pitstop.agent.state import Worker
+from pitstop.errors import FailedPrecondition
+from pitstop.wire.auth import bearer
+
+FOLLOW_OUTPUT_TIMEOUT_S = 10.0  # a moved worker's output, fetched from the agent it moved to
+
+router = APIRouter()
+
+
+@router.get("/info")
+def info(agent: AgentDep) -> dict:
+    return agent.info()
+
+
+@router.get("/workers/{wid}")
+def worker(agent: AgentDep, wid: str) -> Worker:
+    return agent.refresh(agent.state.worker(wid))
+
+
+@router.get("/workers/{wid}/output")
+async def output(agent: AgentDep, wid: str, stream: str = "stdout", offset: int = 0) -> Response:
+    """Output of a worker from `offset`; follows the worker to wherever it moved."""
+    if stream not in ("stdout", "stderr"):
+        raise FailedPrecondition(f"unknown stream {stream!r}", action="use stdout or stderr")
+    w = agent.refresh(agent.state.worker(wid))
+    agent.state.read(wid)
+    if w.state == "moved" and w.moved_to:
+        headers = bearer(agent.s.cluster_token)
+        try:
+            async with httpx.AsyncClient(timeout=FOLLOW_OUTPUT_TIMEOUT_S, verify=tls.client_context()) as c:
+                r = await c.get(f"{w.moved_to['url'].rstrip('/')}/v1/workers/{wid}/output",
+                                params={"stream": stream, "offset": offset}, headers=headers)
+        except httpx.HTTPError as e:
+            return Response(b"", headers={"X-Pitstop-State": "unreachable", "X-Pitstop-Error": repr(e)[:200]})
+        return Response(r.content, status_code=r.status_code,
+                        headers={k: v for k, v in r.headers.items() if k.lower().startswith("x-pitstop")})
+    data = agent.dest.read_output(wid, stream, offset) if w.restored else b""
+    headers = {"X-Pitstop-State": w.state, "X-Pitstop-Agent": agent.s.name}
+    if w.exit_code is not None:
+        headers["X-Pitstop-Exit-Code"] = str(w.exit_code)
+    return Response(data, media_type="application/octet-stream", headers=headers)

@@ -1,0 +1,198 @@
+"""The coordinator's routes, declared once: the operators' REST API (versioned, OpenAPI at
+/openapi.json), the agents' heartbeat endpoints, /healthz and /metrics.
+
+Operators authenticate with PITSTOP_TOKEN (or the read-only token for reads), agents with
+PITSTOP_CLUSTER_TOKEN; nothing under /v1 is served without one or the other.  Every route
+reaches the process's `Coordinator` (service.py) through the app's state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pitstop import tls
+from pitstop.coordinator import lifecycle
+from pitstop.coordinator.planner import unmovable_workers
+from pitstop.coordinator.service import ROLES, CoordinatorDep, operation_view
+from pitstop.errors import Conflict, Forbidden, NotFound, Unprocessable
+from pitstop.httpapi import require_token, token_matches
+from pitstop.wire.coordinator_requests import Beat, EvacuateRequest, Heartbeat, SetRoleRequest
+
+
+def operator(request: Request, c: CoordinatorDep) -> None:
+    """Reads: the operator token or the read-only token.  Mutations: the operator token only.
+    Who asked is kept for the operation's record (requested_by): the certificate's name under
+    mutual TLS, and the token that opened the door."""
+    settings = c.settings
+    tls.require_role(request.scope, ("operator",))
+    name = request.scope.get(tls.PEER_NAME)
+    who = [f"certificate {name}"] if name else []
+    request.state.requested_by = ", ".join(who + ["insecure mode"]) if settings.operator_token is None else ""
+    if settings.operator_token is None:
+        return  # insecure development mode
+    if request.method in ("GET", "HEAD") and token_matches(request, settings.read_token):
+        return
+    if request.method not in ("GET", "HEAD") and token_matches(request, settings.read_token):
+        raise Forbidden("this token may only read", code="read_only_token",
+                        action="use the operator token (PITSTOP_TOKEN) for evacuations and cancels")
+    require_token(request, settings.operator_token, "operator", "PITSTOP_TOKEN")
+    request.state.requested_by = ", ".join(who + ["the operator token (PITSTOP_TOKEN)"])
+
+
+async def cluster(request: Request, c: CoordinatorDep) -> None:  # async: no thread hop on the hottest path (beats)
+    tls.require_role(request.scope, ("agent",))
+    require_token(request, c.settings.cluster_token, "cluster", "PITSTOP_CLUSTER_TOKEN")
+
+
+open_routes = APIRouter()
+"""What a load balancer or Prometheus reaches without a token."""
+
+
+@open_routes.get("/healthz")
+def healthz() -> dict:
+    return {"ok": True}
+
+
+@open_routes.get("/metrics")
+def prom(c: CoordinatorDep) -> Response:
+    hs = c.store.hosts()
+    roles = dict.fromkeys(ROLES, 0)  # a role with no host left reads 0, so "no spare left" can alert
+    for h in hs:
+        roles[h["role"]] = roles.get(h["role"], 0) + 1
+    m = c.metrics
+    for role, n in roles.items():
+        m.hosts.labels(role).set(n)
+    m.degraded.set(sum(1 for h in hs if (h.get("health") or {}).get("degraded")))
+    m.in_flight.set(len(c.store.ops(running_only=True)))
+    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+agents = APIRouter(prefix="/v1", dependencies=[Depends(cluster)], tags=["agents"])
+
+
+@agents.post("/agents:heartbeat")
+def heartbeat(c: CoordinatorDep, hb: Heartbeat) -> dict:
+    reasons = c.policy.evaluate(hb.gpu_health)
+    c.store.heartbeat({**hb.model_dump(), "health": {"degraded": bool(reasons), "reasons": reasons}})
+    c.driver.node_seen(hb.name)
+    c.metrics.heartbeats.labels("full").inc()
+    c.health_verdict(hb.name, reasons)
+    return {"ok": True, "beat_udp_port": c.settings.host_port()[1] if c.settings.beat_udp else None}
+
+
+@agents.post("/agents:beat", responses={409: {"description": "no full report of this generation: send one"}})
+async def beat(c: CoordinatorDep, b: Beat) -> dict:
+    """Runs on the event loop and touches only memory (Store.beat): 10,000 agents send one a second."""
+    if not c.beat_seen(b.name, b.generation):
+        raise Conflict(f"no full report of generation {b.generation} from {b.name}", code="resync",
+                       action="send a full report (POST /v1/agents:heartbeat), then beat again")
+    c.metrics.heartbeats.labels("beat").inc()
+    if b.gpu_health is not None:
+        reasons = c.policy.evaluate(b.gpu_health)
+        c.store.set_health(b.name, b.gpu_health, {"degraded": bool(reasons), "reasons": reasons})
+        c.health_verdict(b.name, reasons)
+    return {"ok": True}
+
+
+operators = APIRouter(prefix="/v1", dependencies=[Depends(operator)], tags=["operators"])
+
+
+@operators.get("/hosts")
+def hosts(c: CoordinatorDep) -> list[dict]:
+    hs = c.store.hosts()
+    for h in hs:
+        if h["name"] in c.auto.status:
+            h["auto_evacuation"] = c.auto.status[h["name"]]
+    return hs
+
+
+@operators.post("/hosts/{name}:uncordon")
+def uncordon_host(c: CoordinatorDep, name: str) -> dict:
+    """Return an evacuated (drained) host to service: spare if its agent offers itself, else active."""
+    return lifecycle.uncordon(c.store, name, c.driver.busy_hosts())
+
+
+@operators.post("/hosts/{name}:setRole")
+def set_host_role(c: CoordinatorDep, name: str, body: SetRoleRequest) -> dict:
+    return lifecycle.set_role(c.store, name, body.role, c.driver.busy_hosts())
+
+
+@operators.delete("/hosts/{name}")
+def remove_host(c: CoordinatorDep, name: str) -> dict:
+    """Forget a host whose agent is gone and that runs nothing."""
+    return lifecycle.remove(c.store, name, c.driver.busy_hosts(), c.settings.heartbeat_timeout_s)
+
+
+@operators.get("/jobs")
+def jobs(c: CoordinatorDep) -> list[dict]:
+    by: dict[str, list] = {}
+    for w in c.store.workers():
+        by.setdefault(w["job"], []).append(w)
+    return [{"job": j, "workers": ws, "hosts": sorted({w["host"] for w in ws}),
+             "state": "running" if any(w["state"] in ("running", "paused", "capturing", "stopped")
+                                       for w in ws) else "finished",
+             "movable": not unmovable_workers(ws)} for j, ws in sorted(by.items())]
+
+
+@operators.get("/operations")
+def operations(c: CoordinatorDep,
+               node: str | None = Query(None, max_length=253, description="only those of this host"),
+               done: bool | None = Query(None, description="true: finished ones only; false: running ones"),
+               before: float | None = Query(None, description="a page: created before this time (the "
+                                            "oldest `created` of the previous page)"),
+               limit: int | None = Query(None, ge=1, le=1000, description="at most this many, the newest")
+               ) -> list[dict]:
+    return [operation_view(o) for o in c.store.ops(node=node, done=done, before=before, limit=limit)]
+
+
+@operators.get("/operations/{op_id}")
+def operation(c: CoordinatorDep, op_id: str) -> dict:
+    op = c.store.op(op_id.removeprefix("operations/"))
+    if op is None:
+        raise NotFound(f"no operation {op_id!r}", action="list operations with `pitstop ops`")
+    return operation_view(op)
+
+
+@operators.post("/nodes/{node}:evacuate", status_code=202)
+def evacuate(c: CoordinatorDep, node: str, request: Request, body: EvacuateRequest | None = None,
+             idempotency_key: str | None = Header(None, max_length=200)) -> JSONResponse:
+    body = body or EvacuateRequest()
+    if body.validate_only:
+        return JSONResponse(c.validate_evacuation(node, body))
+    fields = body.model_dump()
+    del fields["validate_only"]
+    for f in ("post_copy", "pre_copy"):  # unset as before the field existed: a retry across an upgrade matches
+        if fields[f] is None:
+            del fields[f]
+    digest = hashlib.sha256(json.dumps({"node": node, **fields}, sort_keys=True).encode()).hexdigest()
+    if idempotency_key:
+        seen = c.store.idempotent(idempotency_key)
+        if seen:
+            if seen[0] != digest:
+                raise Unprocessable("this Idempotency-Key was used with a different request",
+                                    code="idempotency_key_reused",
+                                    action="use a new key for a new request", details={"operation": seen[1]})
+            return JSONResponse(operation_view(c.store.op(seen[1])), status_code=202)
+    op_id = c.start_evacuation(node, body.to, body.reason, (idempotency_key, digest) if idempotency_key else None,
+                               post_copy=body.post_copy, pre_copy=body.pre_copy,
+                               requested_by=getattr(request.state, "requested_by", "") or "unknown")
+    return JSONResponse(operation_view(c.store.op(op_id)), status_code=202)
+
+
+@operators.post("/operations/{op_id}:cancel")
+def cancel(c: CoordinatorDep, op_id: str) -> dict:
+    op = c.store.op(op_id.removeprefix("operations/"))
+    if op is None:
+        raise NotFound(f"no operation {op_id!r}", action="list operations with `pitstop ops`")
+    if op["done"]:
+        raise Conflict(f"operation {op['id']} is already done ({op['result']})", action="nothing to cancel")
+    if op["metadata"].get("committed"):
+        raise Conflict(f"operation {op['id']} is past its commit point", code="past_commit_point",
+                       action="it will finish; evacuate the destination to move the workers again")
+    c.store.request_cancel(op["id"])
+    return operation_view(c.store.op(op["id"]))

@@ -1,0 +1,184 @@
+"""The coordinator process: its store, driver, metrics and health policy, and the decisions the
+operator API asks of them (plan and start an evacuation, or only validate one).
+
+One `Coordinator` per process, built by coordinator/api.py and reached by every route through
+the app's state (`CoordinatorDep`), so that routes are declared once, at module level
+(coordinator/routes.py), and the decisions live here rather than in closures around them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import httpx
+from fastapi import Depends, Request
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pitstop import __version__
+from pitstop.coordinator.driver import Driver
+from pitstop.coordinator.fanout import in_parallel
+from pitstop.coordinator.filecheck import check_files
+from pitstop.coordinator.health_policy import AutoEvacuator
+from pitstop.coordinator.planner import plan
+from pitstop.coordinator.settings import CoordinatorSettings
+from pitstop.coordinator.store import LIVE, Store
+from pitstop.errors import FailedPrecondition, NotFound, PitstopError
+from pitstop.wire.agent_client import AgentClient
+from pitstop.wire.coordinator_requests import EvacuateRequest
+
+PLAN_SYNC_TIMEOUT_S = 3.0  # each agent's worker list, asked in parallel while a request waits to be planned
+POST_COPY_CHECK_TIMEOUT_S = 5.0  # the source's post-copy support, asked before anything pauses
+
+
+ROLES = ("active", "spare", "draining", "drained")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ops = Counter("pitstop_coordinator_operations_total", "Evacuations by result", ["result"], registry=r)
+        self.phase = Histogram("pitstop_coordinator_phase_duration_seconds", "Evacuation phase durations",
+                               ["phase"], registry=r, buckets=(.01, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60, 120))
+        self.bytes = Counter("pitstop_coordinator_transferred_bytes_total", "Image bytes moved by evacuations",
+                             registry=r)
+        self.heartbeats = Counter("pitstop_coordinator_heartbeats_total", "Agent heartbeats received, by kind "
+                                  "(full report, beat over HTTP, beat over UDP)", ["kind"], registry=r)
+        self.hosts = Gauge("pitstop_coordinator_hosts", "Known hosts by role", ["role"], registry=r)
+        self.downtime = Histogram("pitstop_coordinator_evacuation_downtime_seconds",
+                                  "Pause an evacuation's jobs saw, from the first rank's pause to the last one's "
+                                  "resume (succeeded evacuations)", registry=r,
+                                  buckets=(.1, .25, .5, 1, 2, 5, 10, 20, 30, 60, 120, 300))
+        self.in_flight = Gauge("pitstop_coordinator_operations_in_flight", "Evacuations not done yet", registry=r)
+        self.degraded = Gauge("pitstop_coordinator_hosts_degraded", "Hosts whose GPU health readings are degraded",
+                              registry=r)
+        Gauge("pitstop_build_info", "pitstop's version (always 1)", ["version", "service"],
+              registry=r).labels(__version__, "coordinator").set(1)
+
+    def result(self, result: str, nbytes: int, downtime_s: float | None = None) -> None:
+        self.ops.labels(result).inc()
+        self.bytes.inc(nbytes)
+        if downtime_s is not None:
+            self.downtime.observe(downtime_s)
+
+
+def operation_view(op: dict[str, Any] | None) -> dict[str, Any]:
+    """An operation in the AIP-151 shape (None: an operation just read back that is gone, which
+    only the retention's pruning between two reads can cause)."""
+    if op is None:
+        raise NotFound("the operation is no longer recorded", action="list operations with `pitstop ops`")
+    md = dict(op["metadata"])
+    md.update({"phase": op["phase"], "cancel_requested": op["cancel_requested"], "result": op["result"],
+               "create_time": op["created"], "update_time": op["updated"]})
+    out: dict[str, Any] = {"name": f"operations/{op['id']}", "done": op["done"], "metadata": md}
+    if op["error"]:
+        out["error"] = op["error"]
+    elif op["response"]:
+        out["response"] = op["response"]
+    return out
+
+
+def sync_workers(store: Store, settings: CoordinatorSettings, node: str) -> None:
+    """Ask the agents what they run right now: heartbeats may lag a job that just started, and
+    the plan (and the consistent cut) must know every rank of the affected jobs.  Each host
+    that has heartbeated recently is asked, in parallel, with a short deadline; an agent that
+    does not answer is planned with what its heartbeats said.  (For very large fleets this
+    should narrow to the hosts of the affected jobs.)"""
+    hosts = [h for h in store.hosts() if h["name"] == node or h["age_s"] <= settings.heartbeat_timeout_s]
+
+    def one(h: dict) -> None:
+        try:
+            with AgentClient(h["url"], settings.cluster_token, timeout=PLAN_SYNC_TIMEOUT_S) as a:
+                store.sync_workers(h["name"], a.workers())
+        except (PitstopError, httpx.HTTPError, httpx.InvalidURL, ValueError):
+            pass  # planned with what its heartbeats said
+
+    in_parallel(one, hosts)
+
+
+class Coordinator:
+    """Everything one coordinator process holds; shared by every route."""
+
+    def __init__(self, settings: CoordinatorSettings, store: Store | None = None) -> None:
+        self.settings = settings
+        self.store = store or Store(settings.db)
+        self.metrics = Metrics()
+        self.driver = Driver(self.store, settings, on_phase=lambda p, s: self.metrics.phase.labels(p).observe(s),
+                             on_result=self.metrics.result)
+        self.policy = settings.health_policy()
+        self.auto = AutoEvacuator(
+            start=lambda node, reason: self.start_evacuation(node, None, reason,
+                                                             requested_by="the coordinator's health policy"),
+            busy=self.driver.busy_hosts,
+            has_workers=lambda node: any(w["state"] in LIVE for w in self.store.workers(host=node)),
+            retry_s=settings.health_retry_s)
+
+    def beat_seen(self, name: str, generation: str) -> bool:
+        """A beat noted in memory; a node that reports again is asked to finish earlier moves' cleanup."""
+        if not self.store.beat(name, generation):
+            return False
+        self.driver.node_seen(name)
+        return True
+
+    def start_evacuation(self, node: str, to: str | None, reason: str,
+                         idempotency: tuple[str, str] | None = None, post_copy: bool | None = None,
+                         pre_copy: bool | None = None, requested_by: str = "the coordinator") -> str:
+        s = self.settings
+        sync_workers(self.store, s, node)
+        p = plan(self.store, node, to, self.driver.busy_hosts(), s.heartbeat_timeout_s)
+        if post_copy:
+            self.check_post_copy(p.node)
+        return self.driver.start(p, reason, idempotency, post_copy=post_copy, pre_copy=pre_copy,
+                                 requested_by=requested_by)
+
+    def validate_evacuation(self, node: str, body: EvacuateRequest) -> dict[str, Any]:
+        """Every check an evacuation makes before anything pauses, and the plan it would follow."""
+        s = self.settings
+        sync_workers(self.store, s, node)
+        p = plan(self.store, node, body.to, self.driver.busy_hosts(), s.heartbeat_timeout_s)
+        if body.post_copy:
+            self.check_post_copy(p.node)
+        ids = [w["id"] for w in p.leaving]
+        t = min(30.0, s.step_timeout_s)  # an answer now, not a move's patience
+        with AgentClient(p.node["url"], s.cluster_token, timeout=t) as src, \
+                AgentClient(p.dest["url"], s.cluster_token, timeout=t) as dst:
+            files = check_files(src, dst, ids)
+        err = files.error(p.dest["name"])
+        if err:
+            raise err
+        return {"validate_only": True, "node": node, "destination": p.dest["name"], "workers": ids,
+                "jobs": p.jobs, "peers": [w["id"] for w in p.peers],
+                "files": {"checked": [w for w in ids if w not in files.unchecked], "unchecked": files.unchecked}}
+
+    def check_post_copy(self, host: dict[str, Any]) -> None:
+        """Refuse post-copy the source cannot serve before anything pauses, not mid-move."""
+        try:
+            with AgentClient(host["url"], self.settings.cluster_token, timeout=POST_COPY_CHECK_TIMEOUT_S) as a:
+                support = a.info().get("post_copy") or {}
+        except (PitstopError, httpx.HTTPError, ValueError) as e:
+            raise FailedPrecondition(f"cannot ask {host['name']}'s agent whether it can serve post-copy: "
+                                     f"{getattr(e, 'message', None) or e}", code="post_copy_unconfirmed",
+                                     action="check that the agent runs and is reachable, or evacuate "
+                                            "without post-copy") from None
+        if "unavailable" not in support:
+            raise FailedPrecondition(f"{host['name']}'s agent is too old to serve post-copy",
+                                     code="post_copy_unavailable",
+                                     action="upgrade it, or evacuate without post-copy")
+        if support["unavailable"]:
+            raise FailedPrecondition(f"{host['name']} cannot serve post-copy: {support['unavailable']}",
+                                     code="post_copy_unavailable",
+                                     action="evacuate without post-copy (the images travel whole)")
+
+    def health_verdict(self, name: str, reasons: list[str]) -> None:
+        """What the health policy concluded of a host's readings, acted on when auto-evacuation is on."""
+        if self.settings.auto_evacuate:
+            self.auto.verdict(name, reasons)
+
+
+async def current(request: Request) -> Coordinator:
+    """The coordinator behind the app that received the request (async: resolved on the event
+    loop, without a hop to the thread pool on the beats' path)."""
+    c: Coordinator = request.app.state.coordinator
+    return c
+
+
+CoordinatorDep = Annotated[Coordinator, Depends(current)]
