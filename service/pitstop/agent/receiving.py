@@ -25,6 +25,7 @@ import structlog
 
 from pitstop import faults, nsinit
 from pitstop.agent import exitkeeper, peercred, reclaim, scope
+from pitstop.agent.restore_kinds import PageFill, RestorePlan
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import LIVE_STATES, AgentState, Fill, Worker
 from pitstop.criu import criu_ops, criufill, runtime
@@ -191,15 +192,9 @@ class DestinationSide:
         if m.pre_copy_of:
             raise InvalidRequest(f"image {image_id} is a pre-copy, not a capture: it is restored as the parent "
                                  f"of image {m.pre_copy_of}", action=f"restore {m.pre_copy_of} instead")
-        lazy = bool(m.pages_from or self.s.lazy_restore)
-        directory, index = s.directory, None
+        plan = RestorePlan.of(m, self.s.lazy_restore)
         t_view = time.monotonic()
-        if m.parent:
-            parent = self._link_parent(s, m.parent)
-            if lazy and not m.pages_from:
-                directory, index = self._lazy_view(s, parent)
-        elif lazy and not m.pages_from:
-            directory = self._marked_view(s)
+        directory, index = self._restore_from(s, plan)
         t1 = time.monotonic()
         sub_phases: dict[str, float] = {"lazy_view": t1 - t_view} if directory != s.directory else {}
         faults.hit("restore:before_criu")
@@ -210,7 +205,9 @@ class DestinationSide:
                                     stdio=[p.model_dump() for p in m.stdio], replace=True,
                                     output_base=m.output_base, gpu=m.gpu, phases=sub_phases, net=m.net,
                                     keep_peers=m.keep_peers, init_dir=wk.get("init_dir"),
-                                    lazy=lazy, abort=s.abort, pages_from=m.pages_from, local_index=index)
+                                    lazy=plan.lazy, abort=s.abort,
+                                    pages_from=m.pages_from if plan.fill is PageFill.REMOTE else None,
+                                    local_index=index)
             with self.lock:
                 s.restored = w.id
                 abandoned = s.abort.is_set()  # discard() sets it under this lock
@@ -234,6 +231,16 @@ class DestinationSide:
         else:
             self.discard(image_id, abandon=False)
         return w, phases
+
+    def _restore_from(self, s: Slot, plan: RestorePlan) -> tuple[Path, Path | None]:
+        """The directory CRIU restores from, and the local page server's index where a delta is
+        filled lazily here: the slot itself, or a view of it that the plan's fill needs."""
+        parent = self._link_parent(s, plan.parent) if plan.parent else None
+        if plan.fill is not PageFill.LOCAL:
+            return s.directory, None
+        if parent is not None:
+            return self._lazy_view(s, parent)
+        return self._marked_view(s), None
 
     def _link_parent(self, s: Slot, parent_id: str) -> Path:
         """A delta's PE_PARENT pages are read from its pre-copy: CRIU follows `parent` in the images.
