@@ -20,7 +20,7 @@ PKG = Path(__file__).resolve().parent.parent / "service" / "pitstop"
 LAYERS: list[tuple[str, set[str]]] = [
     ("entry", {"cli"}),
     ("tools", {"dev", "doctor", "migration"}),
-    ("services", {"agent", "coordinator", "launcher"}),
+    ("services", {"agent", "coordinator", "launcher", "slurm"}),
     ("wire", {"wire"}),
     ("mechanisms", {"gpu", "shimctl", "network", "memory"}),
     ("criu", {"criu"}),

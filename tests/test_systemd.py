@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
-@pytest.mark.parametrize("unit", ["pitstop-agent.service", "pitstop-coordinator.service"])
+@pytest.mark.parametrize("unit", ["pitstop-agent.service", "pitstop-coordinator.service", "pitstop-slurm-watch.service"])
 def test_unit_lints_clean(unit, tmp_path):
     exe = Path(sys.executable).with_name("pitstop")
     text = (ROOT / "systemd" / unit).read_text().replace("/usr/local/bin/pitstop", str(exe))

@@ -124,6 +124,8 @@ def agent(
                                             "(PITSTOP_AGENT_INSECURE)", show_default=False),
     worker_link: Optional[str] = typer.Option(None, help="uplink for workers' own addresses "
                                               "(`pitstop run --address`); default: the default route's link"),
+    slurm_node: Optional[str] = typer.Option(None, help="the Slurm node this host is, for `pitstop slurm-watch` "
+                                             "(PITSTOP_AGENT_SLURM_NODE; default: the short host name)"),
     log_json: bool = typer.Option(False, "--log-json"),
 ) -> None:
     """Run the host agent."""
@@ -132,7 +134,8 @@ def agent(
 
     _logs(log_json)
     kw = _given(name=name, listen=listen, coordinator=coordinator, state_dir=state_dir, image_dir=image_dir,
-                advertise_url=advertise_url, spare=spare, insecure=insecure, worker_link=worker_link)
+                advertise_url=advertise_url, spare=spare, insecure=insecure, worker_link=worker_link,
+                slurm_node=slurm_node)
     try:
         serve(_settings(AgentSettings, **kw))
     except PitstopError as e:
@@ -145,7 +148,8 @@ def run(
     job: str = typer.Option(..., help="job id shared by all ranks of the job"),
     agent_url: str = typer.Option(os.environ.get("PITSTOP_AGENT", "http://127.0.0.1:7070"), "--agent",
                                   help="this host's agent (http://HOST:PORT or unix:/path)"),
-    rank: Optional[int] = typer.Option(None, help="rank of this process tree (default: $RANK, else 0)"),
+    rank: Optional[int] = typer.Option(None, help="rank of this process tree (default: $RANK, else $GROUP_RANK, "
+                                      "else $SLURM_PROCID under srun, else 0)"),
     host_nccl: bool = typer.Option(False, "--host-nccl", help="use pitstop's host NCCL (TCP, CPU) as libnccl.so.2"),
     no_shim: bool = typer.Option(False, "--no-shim", help="do not preload the NCCL shim"),
     address: Optional[str] = typer.Option(None, help="give the worker its own address A.B.C.D/P on the host's "
@@ -302,6 +306,69 @@ def jobs(as_json: bool = typer.Option(False, "--json"), coordinator: Optional[st
         t.add_row(j["job"], j["state"], "yes" if j.get("movable", True) else f"no, because {why}",
                   ", ".join(f"{w['rank']}@{w['host']}: {w['state']}" for w in j["workers"]))
     out.print(t)
+
+
+def _signal_job(job: str, sig: int, wait: bool, timeout: float, as_json: bool, coordinator: Optional[str]) -> None:
+    """Signal every rank of a job where it runs now; with --wait, until none runs."""
+    import time
+
+    c = _client(coordinator, as_json)
+    try:
+        r = c.signal_job(job, sig)
+        end = time.monotonic() + timeout
+        running = wait
+        while running:
+            running = any(j["job"] == job and j["state"] == "running" for j in c.jobs())
+            if not running or time.monotonic() >= end:
+                break
+            time.sleep(0.5)
+    except PitstopError as e:
+        _fail(e, as_json)
+    failed = [w for w in r["workers"] if w.get("error")]
+    if as_json:
+        print(json.dumps(r | {"running": running}, indent=1))
+    else:
+        for w in r["workers"]:
+            said = "signalled" if w["delivered"] else w.get("error") or "no longer running"
+            out.print(f"{w['worker']}@{w['host']}: {said}")
+        if wait and not running:
+            out.print(f"job {job} has no running rank left")
+    if failed:
+        err.print(f"[red]{len(failed)} rank(s) not signalled[/]: send it again (a rank in the middle of a move "
+                  "is signalled once the move has ended)")
+        raise typer.Exit(1)
+    if wait and running:
+        err.print(f"[yellow]job {job} still runs after {timeout:.0f} s[/]; `pitstop kill {job}` ends it")
+        raise typer.Exit(EXIT_STILL_RUNNING)
+
+
+@app.command()
+def stop(job: str = typer.Argument(..., help="the job (as `pitstop jobs` lists it)"),
+         signal_name: str = typer.Option("TERM", "--signal", help="the signal, by name or number"),
+         wait: bool = typer.Option(False, "--wait", help="wait until no rank of the job runs"),
+         timeout: float = typer.Option(60.0, min=0, help="seconds to wait with --wait"),
+         as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = _coordinator_option()) -> None:
+    """Send SIGTERM (or --signal) to every rank of a job, wherever each runs now, moved ranks
+    included: what a scheduler's cancel does to the ranks it still knows."""
+    from pitstop.proc import signals
+
+    try:
+        sig = signals.parse(signal_name)
+    except ValueError as e:
+        err.print(f"[red]--signal: {e}[/]")
+        raise typer.Exit(2) from None
+    _signal_job(job, sig, wait, timeout, as_json, coordinator)
+
+
+@app.command()
+def kill(job: str = typer.Argument(..., help="the job (as `pitstop jobs` lists it)"),
+         wait: bool = typer.Option(False, "--wait", help="wait until no rank of the job runs"),
+         timeout: float = typer.Option(60.0, min=0, help="seconds to wait with --wait"),
+         as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = _coordinator_option()) -> None:
+    """SIGKILL every rank of a job, wherever each runs now."""
+    import signal
+
+    _signal_job(job, signal.SIGKILL, wait, timeout, as_json, coordinator)
 
 
 @app.command()
@@ -490,6 +557,33 @@ def _progress(m: dict) -> tuple[int, int | None]:
     if m.get("phase") == "precopy":
         return int(m.get("pre_copy_bytes") or 0), m.get("pre_copy_bytes_total") or None
     return int(m.get("bytes_done") or 0), m.get("bytes_total") or None
+
+
+@app.command("slurm-watch")
+def slurm_watch(
+    coordinator: Optional[str] = _coordinator_option(),
+    reason_prefix: str = typer.Option("", "--reason-prefix", envvar="PITSTOP_SLURM_REASON_PREFIX",
+                                      help="act only on drains whose reason starts with this (default: every drain)"),
+    reservation: str = typer.Option("pitstop_spares", "--reservation", envvar="PITSTOP_SLURM_RESERVATION",
+                                    help="the Slurm reservation that keeps ordinary jobs off the spares "
+                                         "('' to manage none)"),
+    interval: float = typer.Option(1.0, "--interval", min=0.1, max=60.0, help="seconds between looks"),
+    log_json: bool = typer.Option(False, "--log-json"),
+) -> None:
+    """Move the ranks off Slurm nodes as they are drained, hold the spares back from Slurm's
+    other jobs, and drain in Slurm the hosts pitstop finds degraded.  One per cluster; reads Slurm
+    through its usual client configuration (SLURM_CONF), the coordinator with PITSTOP_TOKEN."""
+    import signal as signals
+
+    from pitstop.slurm.watch import SlurmCommands, Watcher
+
+    _logs(log_json)
+    c = _client(coordinator)
+    stop: list[int] = []
+    for sig in (signals.SIGTERM, signals.SIGINT):
+        signals.signal(sig, lambda n, _f: stop.append(n))
+    Watcher(SlurmCommands(), c, reason_prefix=reason_prefix, reservation=reservation or None).run(
+        interval, until=lambda: bool(stop))
 
 
 pki = typer.Typer(no_args_is_help=True, help="A private CA for mutual TLS between pitstop's services.")

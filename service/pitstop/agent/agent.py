@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pitstop import __version__, safepath, shimctl
 from pitstop.agent import imagefs, reclaim
 from pitstop.agent.capturing import SourceSide
+from pitstop.agent.handles import Handles
 from pitstop.agent.receiving import DestinationSide, Slot
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import LIVE_STATES, AgentState, Capture, Worker
@@ -70,6 +71,8 @@ class Agent:
         self.dest.remove_stale_slots()
         self.image_fs = imagefs.prepare(settings.images, enabled=settings.image_mount, size=settings.image_mount_size)
         self.dest.adopt()
+        self.handles = Handles(settings, self.state)
+        self.handles.adopt()
         self.started = time.time()
         self.data_port: int | None = None  # set by the server once transfer/dataport.py listens
         self.net_owners: dict[str, int] = {}  # worker id -> uid that prepared its network (local socket)

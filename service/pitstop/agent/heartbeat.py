@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import socket
 import time
 from typing import Any
 
@@ -38,6 +39,7 @@ def payload(agent: Agent) -> dict:
                                                       "exit_code", "caps", "unmovable"})
                for w in list(agent.state.workers.values())]
     return {"name": agent.s.name, "url": agent.s.url, "spare": agent.s.spare, "workers": workers,
+            "slurm_node": agent.s.slurm_node or socket.gethostname().split(".")[0],
             "cap_bnd": f"{caps.bounding_set():x}", **inventory(), "gpu_health": readings()}
 
 

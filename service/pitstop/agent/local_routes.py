@@ -5,17 +5,23 @@ says who it is, and a caller acts only on what is its own (root and the agent's 
 
 from __future__ import annotations
 
+import structlog
 from fastapi import APIRouter, Request
 
 from pitstop import nsinit
 from pitstop.agent import peercred
-from pitstop.agent.agent import AgentDep
-from pitstop.agent.peercred import caller_uid, privileged
+from pitstop.agent.agent import Agent, AgentDep
+from pitstop.agent.peercred import caller_pid, caller_uid, privileged
 from pitstop.agent.state import LIVE_STATES, Worker
-from pitstop.errors import Conflict, FailedPrecondition, Forbidden
+from pitstop.errors import Conflict, FailedPrecondition, Forbidden, PitstopError
 from pitstop.network import workerns
 from pitstop.proc import proctree
 from pitstop.wire import agent_requests
+from pitstop.wire.coordinator_client import CoordinatorClient
+
+log = structlog.get_logger("pitstop.agent.local_routes")
+
+CLAIM_TIMEOUT_S = 3.0  # the coordinator, asked at registration whether another host runs the rank
 
 
 def own(request: Request, what: str, owner: int | None) -> int:
@@ -48,6 +54,7 @@ def register(agent: AgentDep, req: agent_requests.RegisterRequest, request: Requ
             f"pid {pid} is not the init of its own PID namespace and session",
             code="not_capturable", action="start the worker with `pitstop run`")
     wid = f"{req.job}.{req.rank}"
+    claim_rank(agent, req.job, req.rank)  # before the lock: a network call must not hold up pauses
     with agent.state.lock:
         old = agent.state.workers.get(wid)
         if old and old.state in LIVE_STATES and proctree.exists(old.root_pid):
@@ -65,10 +72,43 @@ def register(agent: AgentDep, req: agent_requests.RegisterRequest, request: Requ
                                                 "(`pitstop run --address` does both)")
             net = wn.to_dict()
         w = Worker(id=wid, job=req.job, rank=req.rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
-                   net=net, init_dir=nsinit.owned_dir(pid), owner_uid=uid)
+                   net=net, init_dir=nsinit.owned_dir(pid), owner_uid=uid, world=req.world,
+                   launcher=_launcher(request))
         agent.state.workers[wid] = w
         agent.state.save()
+    agent.handles.watch(w)
     return w
+
+
+def claim_rank(agent: Agent, job: str, rank: int) -> None:
+    """Refuse a rank that another host runs already, as the coordinator knows it: this host alone
+    cannot see it, and a job with two rank 0s can neither train nor be moved.  A coordinator that
+    does not answer in time refuses nothing: agents never depend on it."""
+    if not agent.s.coordinator:
+        return
+    try:
+        with CoordinatorClient(agent.s.coordinator, agent.s.cluster_token, timeout=CLAIM_TIMEOUT_S) as c:
+            c.claim(agent.s.name, job, rank)
+    except PitstopError as e:
+        if e.code == "duplicate_rank":
+            raise Conflict(e.message, code=e.code, action=e.action) from None
+        log.warning("the coordinator could not be asked whether another host runs this rank; registered anyway",
+                    job=job, rank=rank, error=e.message)
+
+
+def _launcher(request: Request) -> dict[str, int] | None:
+    """The process that registered the worker (`pitstop run`), as the kernel names it: its end
+    ends the worker while the worker runs here (agent/handles.py)."""
+    pid = caller_pid(request.scope)
+    start = proctree.start_time(pid) if pid else None
+    return {"pid": pid, "start": start} if pid and start is not None else None
+
+
+@router.post("/workers/{wid}:signal")
+def signal_worker(agent: AgentDep, wid: str, req: agent_requests.SignalRequest, request: Request) -> dict:
+    """A signal from the worker's launcher, delivered wherever the worker runs now."""
+    own(request, f"worker {wid}", agent.state.worker(wid).owner_uid)
+    return agent.handles.signal(wid, req.signal)
 
 
 @router.post("/workers/{wid}:exited")

@@ -173,6 +173,13 @@ def resume(agent: AgentDep, wid: str) -> Worker:
     return w
 
 
+@router.post("/workers/{wid}:signal")
+def signal_worker(agent: AgentDep, wid: str, req: agent_requests.SignalRequest) -> dict:
+    """A signal for a worker, from the coordinator (`pitstop stop|kill JOB`) or from the agent it
+    moved away from (its launcher's): delivered here, or passed on to where it moved next."""
+    return agent.handles.signal(wid, req.signal)
+
+
 @router.post("/workers/{wid}:discard")
 def discard_worker(agent: AgentDep, wid: str) -> Worker:
     """Kill a copy this agent restored (a move being rolled back); refuses original workers."""

@@ -35,6 +35,13 @@ def caller_uid(scope: MutableMapping[str, Any]) -> int:
     return peer[1] if peer else os.getuid()
 
 
+def caller_pid(scope: MutableMapping[str, Any]) -> int | None:
+    """The pid of the process on the other end of the local socket (None where the request came
+    in some other way)."""
+    peer = scope.get(PEER)
+    return peer[0] if peer else None
+
+
 def privileged(uid: int) -> bool:
     """Root and the agent's own user act for anyone; the group's members only for themselves."""
     return uid in (0, os.getuid())

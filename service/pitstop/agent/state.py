@@ -70,6 +70,10 @@ class Worker(BaseModel):
     unmovable: str | None = None          # why it cannot be moved, as its NCCL shim knows (shimctl.unmovable)
     owner_uid: int | None = None          # who registered it on the local socket: only they (or root) may end it
     init_dir: str | None = None           # where its namespace's init works (nsinit.py): made again where it is restored
+    # The `pitstop run` that registered it here ({"pid", "start"}): its end ends the worker while
+    # the worker runs here (agent/handles.py).  None: registered over TCP, or restored here.
+    launcher: dict[str, int] | None = None
+    world: int | None = None              # the job's number of ranks, as its launcher was told (WORLD_SIZE, SLURM_NTASKS)
     registered_at: float = Field(default_factory=time.time)
 
 

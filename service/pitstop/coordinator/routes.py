@@ -21,7 +21,14 @@ from pitstop.coordinator.planner import unmovable_workers
 from pitstop.coordinator.service import ROLES, CoordinatorDep, operation_view
 from pitstop.errors import Conflict, Forbidden, NotFound, Unprocessable
 from pitstop.httpapi import require_token, token_matches
-from pitstop.wire.coordinator_requests import Beat, EvacuateRequest, Heartbeat, SetRoleRequest
+from pitstop.wire.coordinator_requests import (
+    Beat,
+    ClaimRequest,
+    EvacuateRequest,
+    Heartbeat,
+    SetRoleRequest,
+    SignalJobRequest,
+)
 
 
 def operator(request: Request, c: CoordinatorDep) -> None:
@@ -99,6 +106,12 @@ async def beat(c: CoordinatorDep, b: Beat) -> dict:
     return {"ok": True}
 
 
+@agents.post("/agents:claim", responses={409: {"description": "another live host runs this rank"}})
+def claim(c: CoordinatorDep, body: ClaimRequest) -> dict:
+    """An agent about to register a rank: refused if another live host runs it already."""
+    return c.claim(body.host, body.job, body.rank)
+
+
 operators = APIRouter(prefix="/v1", dependencies=[Depends(operator)], tags=["operators"])
 
 
@@ -137,6 +150,12 @@ def jobs(c: CoordinatorDep) -> list[dict]:
              "state": "running" if any(w["state"] in ("running", "paused", "capturing", "stopped")
                                        for w in ws) else "finished",
              "movable": not unmovable_workers(ws)} for j, ws in sorted(by.items())]
+
+
+@operators.post("/jobs/{job}:signal")
+def signal_job(c: CoordinatorDep, job: str, body: SignalJobRequest) -> dict:
+    """Send a signal to every rank of a job, wherever each runs now (`pitstop stop|kill JOB`)."""
+    return c.signal_job(job, body.signal)
 
 
 @operators.get("/operations")

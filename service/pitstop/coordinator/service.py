@@ -22,12 +22,13 @@ from pitstop.coordinator.health_policy import AutoEvacuator
 from pitstop.coordinator.planner import plan
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import LIVE, Store
-from pitstop.errors import FailedPrecondition, NotFound, PitstopError
+from pitstop.errors import Conflict, FailedPrecondition, NotFound, PitstopError
 from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.coordinator_requests import EvacuateRequest
 
 PLAN_SYNC_TIMEOUT_S = 3.0  # each agent's worker list, asked in parallel while a request waits to be planned
 POST_COPY_CHECK_TIMEOUT_S = 5.0  # the source's post-copy support, asked before anything pauses
+SIGNAL_TIMEOUT_S = 15.0  # each agent asked to deliver a signal to a job's rank (it may pass it on once)
 
 
 ROLES = ("active", "spare", "draining", "drained")
@@ -167,6 +168,44 @@ class Coordinator:
             raise FailedPrecondition(f"{host['name']} cannot serve post-copy: {support['unavailable']}",
                                      code="post_copy_unavailable",
                                      action="evacuate without post-copy (the images travel whole)")
+
+    def signal_job(self, job: str, sig: int) -> dict[str, Any]:
+        """A signal for every rank of a job (`pitstop stop|kill JOB`), delivered by the agent each
+        rank runs under now: what each agent said, per rank.  The agents are asked what they run
+        first, so a rank that just moved or started is not missed."""
+        sync_workers(self.store, self.settings, "")
+        ws = [w for w in self.store.workers(job=job) if w["state"] in LIVE]
+        if not ws:
+            raise NotFound(f"job {job!r} has no running ranks", code="no_such_job",
+                           action="list jobs and their ranks with `pitstop jobs`")
+        urls = {h["name"]: h["url"] for h in self.store.hosts()}
+        results: list[dict[str, Any]] = []
+
+        def one(w: dict[str, Any]) -> None:
+            r: dict[str, Any] = {"worker": w["id"], "host": w["host"], "delivered": False}
+            try:
+                with AgentClient(urls[w["host"]], self.settings.cluster_token, timeout=SIGNAL_TIMEOUT_S) as a:
+                    r["delivered"] = bool(a.signal(w["id"], sig).get("delivered"))
+            except PitstopError as e:
+                r.update(error=e.message, code=e.code)
+            except (httpx.HTTPError, KeyError, ValueError) as e:
+                r.update(error=f"cannot reach {w['host']}'s agent: {e!r}", code="unavailable")
+            results.append(r)
+
+        in_parallel(one, ws)
+        return {"job": job, "signal": sig, "workers": sorted(results, key=lambda r: r["worker"])}
+
+    def claim(self, host: str, job: str, rank: int) -> dict[str, Any]:
+        """Refuse a rank that another live host runs already (every srun task registering as
+        rank 0, a launcher started twice); else record it on `host` at once."""
+        wid = f"{job}.{rank}"
+        other = self.store.claim_worker(host, wid, job, rank, self.settings.heartbeat_timeout_s)
+        if other:
+            raise Conflict(f"rank {rank} of job {job} already runs on {other} (worker {wid})",
+                           code="duplicate_rank",
+                           action="give each process of the job its own rank: --rank N, or RANK (torchrun), or "
+                                  "SLURM_PROCID (srun) reaching `pitstop run`; or use another job id")
+        return {"worker": wid, "host": host}
 
     def health_verdict(self, name: str, reasons: list[str]) -> None:
         """What the health policy concluded of a host's readings, acted on when auto-evacuation is on."""

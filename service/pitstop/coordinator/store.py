@@ -48,6 +48,7 @@ CREATE TABLE IF NOT EXISTS idempotency (
 """
 
 LIVE = ("running", "paused", "capturing", "stopped")  # "released": the process is gone
+CLAIMED = "claimed"  # a rank an agent is about to register (Store.claim_worker), until its report says more
 
 # What the file system or the disk did to SQLite, not a mistake in pitstop's SQL: these pass
 # once an operator (or time) fixes the database's file system, so they are answered as 503.
@@ -184,6 +185,29 @@ class Store:
         if h is not None:
             info = {k: v for k, v in h.items() if k not in ("role", "last_seen", "age_s")}
             self.heartbeat({**info, "name": host, "url": h["url"], "workers": workers}, touch=False)
+
+    def claim_worker(self, host: str, wid: str, job: str, rank: int, max_age_s: float) -> str | None:
+        """A rank about to register on `host`: recorded there at once, unless another host whose
+        agent was heard from within `max_age_s` already runs it (that host's name is returned).
+        One transaction, so that two hosts claiming the same rank at once cannot both win."""
+        now = time.time()
+        with self._tx():
+            cur = self.db.execute("SELECT host, state, updated FROM workers WHERE id=?", (wid,)).fetchone()
+            if cur and cur["host"] != host:
+                seen = self.db.execute("SELECT last_seen FROM hosts WHERE name=?", (cur["host"],)).fetchone()
+                last = max(seen["last_seen"] if seen else 0.0, self.seen.get(cur["host"], 0.0))
+                # a claim that its host's reports never confirmed (the registration failed there)
+                # lapses after the same time as a silent host
+                held = cur["state"] in LIVE or (cur["state"] == CLAIMED and now - cur["updated"] <= max_age_s)
+                if held and now - last <= max_age_s:
+                    return str(cur["host"])
+            w = {"id": wid, "job": job, "rank": rank, "state": CLAIMED}
+            self.db.execute(
+                "INSERT INTO workers(id,job,rank,host,state,info,updated) VALUES(?,?,?,?,?,?,?) "
+                "ON CONFLICT(id) DO UPDATE SET job=excluded.job, rank=excluded.rank, host=excluded.host, "
+                "state=excluded.state, info=excluded.info, updated=excluded.updated",
+                (wid, job, rank, host, CLAIMED, json.dumps(w), now))
+        return None
 
     def beat(self, name: str, generation: str) -> bool:
         """A beat from an agent whose last full report we hold; False: ask it for a full report."""

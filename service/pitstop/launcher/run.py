@@ -43,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -51,7 +52,7 @@ from pitstop import nativelib, nsinit, tls
 from pitstop.endpoints import check_url
 from pitstop.errors import PitstopError
 from pitstop.launcher.seccomp import deny_io_uring
-from pitstop.proc import caps, proctree
+from pitstop.proc import caps, proctree, signals
 from pitstop.wire.agent_client import AgentClient
 
 AGENT_QUESTION_TIMEOUT_S = 10  # the agent's health or info, asked before the command starts
@@ -75,16 +76,6 @@ def agent_client(agent_url: str) -> AgentClient:
     except (httpx.HTTPError, ValueError):
         pass
     return AgentClient(agent_url, token)
-
-
-def _handles(pid: int, sig: int) -> bool:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) & (1 << (sig - 1)))
-    except OSError:
-        pass
-    return False
 
 
 class EndedAtOnce(Exception):
@@ -208,9 +199,12 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         print("pitstop run: no command given; usage: pitstop run --job JOB --agent URL -- CMD [ARGS...]",
               file=sys.stderr)
         return 2
-    if rank is None:
-        rank = int(os.environ.get("RANK", os.environ.get("GROUP_RANK", "0")))
-    env = without_secrets(dict(os.environ))
+    try:
+        rank, world = rank_and_world(os.environ, rank)
+    except ValueError as e:
+        print(f"pitstop run: {e}", file=sys.stderr)
+        return 2
+    env = scheduler_env(without_secrets(dict(os.environ)))
     env.setdefault("USE_LIBUV", "0")
     why = deny_io_uring()  # CRIU cannot dump io_uring (launcher/seccomp.py); inherited by the worker
     if why:
@@ -274,10 +268,11 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
              threading.Thread(target=_pump, args=(rerr, sys.stderr), daemon=True)]
     for t in pumps:
         t.start()
+    root: int | None = None
     try:
         root = _find_ns_init(p)
         try:
-            w = client.register(job, rank, root, address)
+            w = client.register(job, rank, root, address, world=world)
         except PitstopError as refused:
             if proctree.exists(root):
                 raise
@@ -296,7 +291,10 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
             _safe(client.drop_network, f"{job}.{rank}")
         return shell_code(p.returncode)
     except PitstopError as e:
-        print(f"pitstop run: could not register with the agent: {e}", file=sys.stderr)
+        print(f"pitstop run: could not register with the agent: {e}" + (f"; {e.action}" if e.action else ""),
+              file=sys.stderr)
+        if root is not None:  # the command runs as the namespace's init's child: the outer process alone
+            proctree.kill_tree(root)  # would leave them both running
         p.kill()
         p.wait()
         nsinit.remove(init_dir)
@@ -307,17 +305,10 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
 
     def forward(sig: int, _frame: object) -> None:
         info = _safe(client.worker, wid) or {}
-        pid = info.get("root_pid", root)
-        if info.get("state") in ("moved",):
-            return  # the worker runs elsewhere; only the operator's tools reach it there
-        # pitstop's init passes a signal on to CMD, where it does what it does outside a namespace;
-        # CMD as the namespace's init would ignore one it has no handler for
-        s = sig if (init_dir or _handles(pid, sig) or sig not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)) \
-            else signal.SIGKILL
-        try:
-            os.kill(pid, s)
-        except ProcessLookupError:
-            pass
+        if info.get("state") in MOVING:  # its agent delivers it where the worker runs now (agent/handles.py)
+            threading.Thread(target=_signal_moved, args=(client, wid, sig), daemon=True).start()
+            return
+        signals.send(info.get("root_pid", root), sig, under_init=bool(init_dir))
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
@@ -331,6 +322,65 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         nsinit.remove(init_dir)  # its init's, where the tree was killed
         return code
     return shell_code(_follow(client, wid))
+
+
+def rank_and_world(environ: Mapping[str, str], rank: int | None = None) -> tuple[int, int | None]:
+    """This process tree's rank and the job's number of ranks, from what launched it: --rank,
+    else torchrun's RANK (or GROUP_RANK where `pitstop run` wraps each node's torchrun), else
+    Slurm's SLURM_PROCID (`srun pitstop run -- ...`), else 0.  The world from WORLD_SIZE, else
+    SLURM_NTASKS; None where nothing says.  ValueError naming the variable that is not a number."""
+    def number(name: str) -> int | None:
+        v = environ.get(name)
+        if v is None or v == "":
+            return None
+        try:
+            n = int(v)
+        except ValueError:
+            raise ValueError(f"${name}={v!r} is not a rank number; pass --rank N") from None
+        if n < 0:
+            raise ValueError(f"${name}={v!r} is negative; pass --rank N")
+        return n
+
+    if rank is None:
+        rank = next((n for n in map(number, ("RANK", "GROUP_RANK", "SLURM_PROCID")) if n is not None), 0)
+    world = number("WORLD_SIZE")
+    if world is None:
+        world = number("SLURM_NTASKS")
+    if world is not None and world < 1:
+        world = None
+    if world is not None and rank >= world:
+        raise ValueError(f"rank {rank} is not below the job's {world} ranks (WORLD_SIZE or SLURM_NTASKS)")
+    return rank, world
+
+
+def scheduler_env(env: dict[str, str]) -> dict[str, str]:
+    """Under `srun pitstop run -- python train.py`, torch.distributed's env:// finds its rank and
+    world where torchrun would have put them: RANK, WORLD_SIZE and LOCAL_RANK from Slurm's
+    SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID, unless they are set already."""
+    for ours, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"), ("LOCAL_RANK", "SLURM_LOCALID")):
+        if slurm in env and ours not in env:
+            env[ours] = env[slurm]
+    return env
+
+
+SIGNAL_MOVING_FOR_S = 120.0  # a signal for a worker in the middle of a move, retried until the move has ended
+
+
+def _signal_moved(client: AgentClient, wid: str, sig: int) -> None:
+    """Deliver a signal to a worker that moved or is moving: through this host's agent, which
+    passes it on to the agent the worker runs under now.  Mid-move the agent answers `moving`:
+    asked again until the move has committed or rolled back."""
+    end = time.monotonic() + SIGNAL_MOVING_FOR_S
+    while True:
+        try:
+            client.signal(wid, sig)
+            return
+        except PitstopError as e:
+            if e.code != "moving" or time.monotonic() > end:
+                print(f"pitstop run: could not pass signal {signal.Signals(sig).name} on to worker {wid}: "
+                      f"{e.message}", file=sys.stderr)
+                return
+        time.sleep(0.2)
 
 
 def _limit_caps(info: dict) -> None:

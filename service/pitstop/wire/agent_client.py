@@ -18,6 +18,7 @@ from pitstop.wire.agent_requests import (
     PreCopyRequest,
     RegisterRequest,
     ShimOp,
+    SignalRequest,
     WorkersRequest,
     body,
 )
@@ -82,8 +83,13 @@ class AgentClient:
         return self._req("GET", f"/v1/workers/{wid}")
 
     # local (Unix socket) calls
-    def register(self, job: str, rank: int, pid: int, address: str | None = None) -> dict:
-        return self._req("POST", "/v1/workers", json=body(RegisterRequest, job=job, rank=rank, pid=pid, address=address))
+    def register(self, job: str, rank: int, pid: int, address: str | None = None, world: int | None = None) -> dict:
+        return self._req("POST", "/v1/workers", json=body(RegisterRequest, job=job, rank=rank, pid=pid,
+                                                          address=address, world=world))
+
+    def signal(self, wid: str, sig: int) -> dict:
+        """Deliver a signal to the worker wherever it runs now (agent/handles.py); both doors."""
+        return self._req("POST", f"/v1/workers/{wid}:signal", json=body(SignalRequest, signal=sig))
 
     def prepare_network(self, job: str, rank: int, address: str) -> dict:
         return self._req("POST", "/v1/networks", json=body(NetworkRequest, job=job, rank=rank, address=address))

@@ -62,6 +62,11 @@ class RegisterRequest(BaseModel):
     rank: int = Field(ge=0, le=10_000_000)
     pid: int = Field(gt=1, le=2**22)
     address: str | None = Field(None, description="the worker's own address, prepared with POST /v1/networks")
+    world: int | None = Field(None, ge=1, le=10_000_000, description="the job's number of ranks, where known")
+
+
+class SignalRequest(BaseModel):
+    signal: int = Field(ge=1, le=64, description="the signal's number (15: SIGTERM, 9: SIGKILL)")
 
 
 class NetworkRequest(BaseModel):

@@ -1,4 +1,5 @@
-"""Operator client for the coordinator's REST API (used by the CLI, the demo and tests)."""
+"""Client for the coordinator's REST API: the operators' calls (the CLI, the demo, tests) and the one an
+agent makes outside its heartbeats (`claim`, with the cluster token)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ class CoordinatorClient:
         token = token if token is not None else os.environ.get("PITSTOP_TOKEN")
         self.http = httpx.Client(base_url=self.url, timeout=timeout, verify=tls.client_context(),
                                  headers=bearer(token))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *a: object) -> None:
+        self.close()
 
     def _req(self, method: str, path: str, **kw: Any) -> Any:
         try:
@@ -76,6 +86,15 @@ class CoordinatorClient:
             body["reason"] = reason
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return self._req("POST", f"/v1/nodes/{node}:evacuate", json=body, headers=headers)
+
+    def signal_job(self, job: str, sig: int) -> dict:
+        """A signal for every rank of the job, delivered where each runs now."""
+        return self._req("POST", f"/v1/jobs/{job}:signal", json={"signal": sig})
+
+    def claim(self, host: str, job: str, rank: int) -> dict:
+        """An agent's question before it registers a rank (the cluster token): 409 duplicate_rank
+        where another live host runs it."""
+        return self._req("POST", "/v1/agents:claim", json={"host": host, "job": job, "rank": rank})
 
     def cancel(self, op_id: str) -> dict:
         return self._req("POST", f"/v1/operations/{op_id.removeprefix('operations/')}:cancel")

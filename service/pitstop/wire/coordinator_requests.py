@@ -15,6 +15,17 @@ class SetRoleRequest(BaseModel):
     role: Literal["active", "spare"] = Field(description="spare: takes evacuated workers; active: runs jobs")
 
 
+class ClaimRequest(BaseModel):
+    """An agent about to register a rank asks whether another host runs it already."""
+    host: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    rank: int = Field(ge=0, le=10_000_000)
+
+
+class SignalJobRequest(BaseModel):
+    signal: int = Field(ge=1, le=64, description="the signal's number (15: SIGTERM, 9: SIGKILL)")
+
+
 class EvacuateRequest(BaseModel):
     to: str | None = Field(None, description="host to move the workers to; default: a compatible spare")
     reason: str = Field("operator request", max_length=500)
@@ -53,6 +64,8 @@ class Heartbeat(BaseModel):
     url: str = Field(max_length=2048, pattern=r"^https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?/?$",
                      description="how peers and the coordinator reach this agent: http(s)://HOST:PORT")
     spare: bool = False
+    slurm_node: str | None = Field(None, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                   description="the Slurm node this host is (`pitstop agent --slurm-node`)")
     workers: list[WorkerReport] = Field(default_factory=list)
     gpus: list[dict[str, Any]] = Field(default_factory=list)
     gpu_model: str | None = None

@@ -1,0 +1,1 @@
+"""pitstop and Slurm: a drained node's ranks moved by themselves (`pitstop slurm-watch`)."""

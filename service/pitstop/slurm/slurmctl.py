@@ -1,0 +1,111 @@
+"""Slurm as pitstop reads and changes it: its own commands (sinfo, scontrol) with their usual client
+configuration (SLURM_CONF included), each with a deadline, and their errors quoted.
+
+Why the commands and not slurmrestd: every Slurm cluster has them, they need no daemon or token
+of their own, and slurmrestd of Slurm 22.05 can neither update a node nor push events.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+
+from pitstop.errors import PitstopError
+
+SLURM_COMMAND_TIMEOUT_S = 15.0  # one sinfo or scontrol call (slurmctld's own MessageTimeout is 10 s by default)
+
+
+class SlurmError(PitstopError):
+    code = "slurm"
+    http_status = 502
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    state: str                 # idle, mixed, allocated, down, ...
+    flags: tuple[str, ...]     # DRAIN, ...
+    reason: str
+    reason_changed_at: int
+    comment: str
+    extra: str
+
+    @property
+    def draining(self) -> bool:
+        """Drained or draining: the operator (or a health check) wants the node empty."""
+        return "DRAIN" in self.flags or self.state.upper().startswith("DRAIN")
+
+
+def _run(args: list[str], what: str) -> str:
+    try:
+        p = subprocess.run(args, capture_output=True, text=True, timeout=SLURM_COMMAND_TIMEOUT_S)
+    except FileNotFoundError:
+        raise SlurmError(f"{args[0]} is not installed here", code="slurm_missing",
+                         action="install Slurm's client commands (Debian: slurm-client) where this runs") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{what} did not answer within {SLURM_COMMAND_TIMEOUT_S:g} s ({' '.join(args)})",
+                         code="slurm_timeout", action="check that slurmctld runs and SLURM_CONF points at it") from None
+    if p.returncode != 0:
+        said = (p.stderr or p.stdout).strip().splitlines()
+        raise SlurmError(f"{what} failed (exit {p.returncode}): {' / '.join(said[-3:]) or 'no output'}",
+                         action="check Slurm's controller and this host's Slurm client configuration (SLURM_CONF)")
+    return p.stdout
+
+
+def nodes() -> list[Node]:
+    """Every node, as `sinfo --json` describes it."""
+    out = _run(["sinfo", "--json"], "sinfo")
+    try:
+        raw = json.loads(out)["nodes"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SlurmError(f"sinfo --json printed something unexpected: {e!r}",
+                         action="check the Slurm version (21.08 or later has --json)") from None
+    return [Node(name=str(n.get("name", "")), state=str(n.get("state", "")),
+                 flags=tuple(str(f).upper() for f in n.get("state_flags") or ()),
+                 reason=str(n.get("reason") or ""), reason_changed_at=int(n.get("reason_changed_at") or 0),
+                 comment=str(n.get("comment") or ""), extra=str(n.get("extra") or ""))
+            for n in raw if n.get("name")]
+
+
+def drain(node: str, reason: str) -> None:
+    """Drain `node` (again) with `reason`: Slurm places no new work there and says why."""
+    _run(["scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}"], f"draining {node}")
+
+
+def reservation_nodes(name: str) -> list[str] | None:
+    """The nodes of reservation `name`, expanded; None if there is no such reservation."""
+    try:
+        out = _run(["scontrol", "-o", "show", "reservation", name], f"reading reservation {name}")
+    except SlurmError as e:
+        if "not found" in e.message.lower() or "invalid reservation" in e.message.lower():
+            return None
+        raise
+    if "not found" in out.lower() or not out.strip():
+        return None
+    for field in out.split():
+        if field.startswith("Nodes="):
+            spec = field.removeprefix("Nodes=")
+            if spec in ("", "(null)"):
+                return []
+            return _run(["scontrol", "show", "hostnames", spec], "expanding a node list").split()
+    return []
+
+
+def set_reservation(name: str, nodes: list[str], users: str = "root") -> None:
+    """Reservation `name` holds exactly `nodes` (made, changed or deleted as needed): ordinary jobs
+    cannot be placed there, so a spare stays free for the ranks it may take."""
+    have = reservation_nodes(name)
+    want = sorted(set(nodes))
+    if have is not None and sorted(have) == want:
+        return
+    if not want:
+        if have is not None:
+            _run(["scontrol", "delete", f"ReservationName={name}"], f"deleting reservation {name}")
+        return
+    spec = ",".join(want)
+    if have is None:
+        _run(["scontrol", "create", "reservation", f"ReservationName={name}", f"Nodes={spec}", f"Users={users}",
+              "StartTime=now", "Duration=infinite", "Flags=IGNORE_JOBS"], f"creating reservation {name}")
+    else:
+        _run(["scontrol", "update", f"ReservationName={name}", f"Nodes={spec}"], f"updating reservation {name}")

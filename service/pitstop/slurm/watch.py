@@ -1,0 +1,240 @@
+"""`pitstop slurm-watch`: operators drain nodes in Slurm, and the ranks move by themselves.
+
+One watcher per cluster polls Slurm's nodes and the coordinator's hosts, and:
+
+- **A drained node's ranks move.**  When a node that runs ranks of a pitstop job is drained (all
+  drains, or only those whose reason starts with `--reason-prefix`), it asks the coordinator to
+  evacuate the node's host, and writes the move's progress into the node's reason after the
+  operator's own: `maintenance | pitstop: moving its ranks (operations/ID, phase restore)`, then
+  `... | pitstop: moved its ranks to spare-1 (operations/ID, 0.61 s pause)` or
+  `... | pitstop: cannot move its ranks: <why>; they run here still`.  A drain pitstop cannot act on
+  (no agent is that node, nothing runs there) says so the same way.
+- **Node to host**, never guessed from addresses (several nodes may share one): `pitstop_host=NAME`
+  in the node's Extra= or Comment=, else the host whose agent reports that Slurm node name
+  (`pitstop agent --slurm-node`, default the short host name).
+- **Undrain during a move**: the operation is cancelled.  Before its commit point it rolls back
+  and the ranks stay on the node; past it the move finishes, and the node, back in service, is
+  empty of them.
+- **Spares are held back** in a Slurm reservation (`--reservation`, default `pitstop_spares`) that
+  the watcher keeps equal to the spares' nodes plus the nodes that run ranks a move put there:
+  ordinary jobs are not placed on them.
+- **Health to Slurm**: a host the coordinator's health policy finds degraded is drained in Slurm
+  with the policy's reasons (`pitstop health: ...`), so that Slurm stops placing work there; the
+  coordinator's own policy moves its ranks, so such a drain does not start a second move.
+
+The watcher keeps no state that matters across restarts: a move's operation is found again by
+its idempotency key (the node and the time of its drain) or among the host's running operations.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from pitstop.errors import Conflict, PitstopError
+from pitstop.slurm import slurmctl
+from pitstop.slurm.slurmctl import Node
+
+log = structlog.get_logger("pitstop.slurm.watch")
+
+OURS = " | pitstop: "  # what separates the operator's reason from pitstop's note on it
+HEALTH_PREFIX = "pitstop health:"
+HOST_KEY = "pitstop_host="
+LIVE = ("running", "paused", "capturing", "stopped")
+
+
+class Slurm(Protocol):
+    def nodes(self) -> list[Node]: ...
+    def drain(self, node: str, reason: str) -> None: ...
+    def set_reservation(self, name: str, nodes: list[str]) -> None: ...
+
+
+class Coordinator(Protocol):
+    def hosts(self) -> list[dict]: ...
+    def jobs(self) -> list[dict]: ...
+    def ops(self, node: str | None = None, done: bool | None = None, before: float | None = None,
+            limit: int | None = None) -> list[dict]: ...
+    def op(self, op_id: str) -> dict: ...
+    def evacuate(self, node: str, to: str | None = None, idempotency_key: str | None = None,
+                 reason: str | None = None, post_copy: bool | None = None, pre_copy: bool | None = None,
+                 validate_only: bool = False) -> dict: ...
+    def cancel(self, op_id: str) -> dict: ...
+
+
+class SlurmCommands:
+    """The real Slurm, through its commands (slurmctl.py)."""
+
+    def nodes(self) -> list[Node]:
+        return slurmctl.nodes()
+
+    def drain(self, node: str, reason: str) -> None:
+        slurmctl.drain(node, reason)
+
+    def set_reservation(self, name: str, nodes: list[str]) -> None:
+        slurmctl.set_reservation(name, nodes)
+
+
+def split_reason(reason: str) -> tuple[str, str | None]:
+    """The operator's reason and pitstop's note on it (None: no note yet)."""
+    if OURS in reason:
+        own, note = reason.split(OURS, 1)
+        return own, note
+    return reason, None
+
+
+@dataclass
+class Move:
+    op: str
+    host: str
+    reason: str            # the operator's, as the drain gave it
+    said: str = ""         # the note last written
+
+
+@dataclass
+class Watcher:
+    slurm: Slurm
+    coordinator: Coordinator
+    reason_prefix: str = ""
+    reservation: str | None = "pitstop_spares"
+    moves: dict[str, Move] = field(default_factory=dict)      # node -> its move under way
+    handled: dict[str, str] = field(default_factory=dict)     # node -> the drain reason already acted on
+    hosted: set[str] = field(default_factory=set)             # nodes reserved because they took moved ranks
+    health_drained: set[str] = field(default_factory=set)     # nodes drained for their host's health
+
+    def step(self) -> None:
+        """One look at Slurm and the coordinator, and whatever follows from it."""
+        nodes = self.slurm.nodes()
+        hosts = self.coordinator.hosts()
+        live = {w["host"] for j in self.coordinator.jobs() for w in j["workers"] if w["state"] in LIVE}
+        host_of = self._hosts_by_node(nodes, hosts)
+        self._reserve(nodes, hosts, host_of, live)
+        self._drain_unhealthy(nodes, hosts, host_of)
+        for n in nodes:
+            try:
+                self._look(n, host_of.get(n.name), live)
+            except PitstopError as e:
+                log.warning("could not act on a node", node=n.name, error=e.message)
+
+    def run(self, interval_s: float = 1.0, until: Any = None) -> None:
+        """Step every `interval_s` until `until()` says to stop; a step that fails is logged and
+        the next one tries again (Slurm or the coordinator may be restarting)."""
+        while not (until and until()):
+            try:
+                self.step()
+            except PitstopError as e:
+                log.warning("slurm-watch could not look", error=e.message, action=e.action)
+            time.sleep(interval_s)
+
+    # one node
+    def _look(self, n: Node, host: str | None, live: set[str]) -> None:
+        own, note = split_reason(n.reason)
+        if not n.draining:
+            self.handled.pop(n.name, None)
+            if n.name in self.moves:
+                self._undrained(n.name)
+            return
+        if n.name in self.moves:
+            self._follow(n, own)
+            return
+        if self.handled.get(n.name) == own:
+            return
+        self.handled[n.name] = own
+        if own.startswith(HEALTH_PREFIX) or not own.startswith(self.reason_prefix):
+            return  # the coordinator's health policy moves its ranks; other drains are not ours
+        if host is None:
+            self._say(n, own, f"no pitstop agent is Slurm node {n.name}; nothing moved "
+                              f"(set {HOST_KEY}HOST in its Extra= or run the agent with --slurm-node)")
+            return
+        if note is not None:  # a watcher before this one acted on this drain: follow what it started
+            running = self.coordinator.ops(node=host, done=False)
+            if running:
+                self.moves[n.name] = Move(running[0]["name"], host, own, note)
+            return
+        if host not in live:
+            self._say(n, own, f"no ranks of pitstop jobs run on {host}; nothing to move")
+            return
+        try:
+            op = self.coordinator.evacuate(host, reason=f"Slurm drain of {n.name}: {own}"[:500],
+                                           idempotency_key=f"slurm-watch-{n.name}-{n.reason_changed_at}")
+        except PitstopError as e:
+            self._say(n, own, f"cannot move its ranks: {e.message}; they run here still")
+            return
+        log.info("a drained node's ranks are moving", node=n.name, host=host, operation=op["name"])
+        self.moves[n.name] = Move(op["name"], host, own)
+        self._follow(n, own, op)
+
+    def _follow(self, n: Node, own: str, op: dict | None = None) -> None:
+        m = self.moves[n.name]
+        op = op or self.coordinator.op(m.op)
+        md = op.get("metadata", {})
+        if not op.get("done"):
+            self._say(n, own, f"moving its ranks ({m.op}, phase {md.get('phase')})", m)
+            return
+        del self.moves[n.name]
+        if md.get("result") == "succeeded":
+            pause = f", {md['downtime_s']:.2f} s pause" if md.get("downtime_s") is not None else ""
+            self._say(n, own, f"moved its ranks to {md.get('destination')} ({m.op}{pause})", m)
+            self.hosted.add(str(md.get("destination")))
+        else:
+            why = (op.get("error") or {}).get("message") or md.get("result")
+            self._say(n, own, f"could not move its ranks ({m.op}): {why}; they run here still", m)
+
+    def _undrained(self, node: str) -> None:
+        """The node came back into service while its ranks moved: cancel.  Before the commit point
+        the move rolls back and the ranks stay; past it the move finishes."""
+        m = self.moves.pop(node)
+        try:
+            self.coordinator.cancel(m.op)
+            log.info("a node was returned to service during its move: the move is cancelled", node=node,
+                     operation=m.op)
+        except Conflict as e:
+            log.info("a node was returned to service during its move, past the point of no return: the move "
+                     "finishes", node=node, operation=m.op, why=e.message)
+
+    def _say(self, n: Node, own: str, note: str, m: Move | None = None) -> None:
+        if m is not None and m.said == note:
+            return
+        self.slurm.drain(n.name, f"{own}{OURS}{note}")
+        if m is not None:
+            m.said = note
+
+    # the cluster
+    @staticmethod
+    def _hosts_by_node(nodes: list[Node], hosts: list[dict]) -> dict[str, str]:
+        names = {h["name"] for h in hosts}
+        by_report = {h["slurm_node"]: h["name"] for h in hosts if h.get("slurm_node")}
+        out: dict[str, str] = {}
+        for n in nodes:
+            said = next((tok.removeprefix(HOST_KEY) for text in (n.extra, n.comment) for tok in text.split()
+                         if tok.startswith(HOST_KEY)), None)
+            if said is not None and said in names:
+                out[n.name] = said
+            elif n.name in by_report:
+                out[n.name] = by_report[n.name]
+        return out
+
+    def _reserve(self, nodes: list[Node], hosts: list[dict], host_of: dict[str, str], live: set[str]) -> None:
+        if not self.reservation:
+            return
+        role = {h["name"]: h["role"] for h in hosts}
+        self.hosted = {h for h in self.hosted if h in live}  # ranks gone: the node may take jobs again
+        keep = [n.name for n in nodes if n.name in host_of and
+                (role.get(host_of[n.name]) == "spare" or host_of[n.name] in self.hosted)]
+        self.slurm.set_reservation(self.reservation, keep)
+
+    def _drain_unhealthy(self, nodes: list[Node], hosts: list[dict], host_of: dict[str, str]) -> None:
+        health = {h["name"]: h.get("health") or {} for h in hosts}
+        for n in nodes:
+            h = health.get(host_of.get(n.name, ""), {})
+            if not h.get("degraded"):
+                self.health_drained.discard(n.name)
+                continue
+            if n.draining or n.name in self.health_drained:
+                continue
+            reasons = "; ".join(h.get("reasons") or ["degraded"])
+            self.slurm.drain(n.name, f"{HEALTH_PREFIX} {reasons}"[:250])
+            self.health_drained.add(n.name)
+            log.warning("a degraded host's node drained in Slurm", node=n.name, reasons=reasons)

@@ -1,0 +1,105 @@
+"""Slurm drains, pitstop moves: a real Slurm (tests/slurm_cluster.py: slurmctld and a slurmd for
+nodes a, b and spare1), real agents, a 4-rank gloo DDP job started with `srun ... pitstop run`, and
+`pitstop slurm-watch` as an operator would run it.  No pitstop command is given to move anything."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+
+import pytest
+
+from pitstop.dev.devcluster import free_port, pitstop_cmd
+from pitstop.wire.coordinator_client import CoordinatorClient
+
+from .helpers import assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, until, wait_for_step
+from .slurm_cluster import SlurmCluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+STEPS = 80
+
+
+@pytest.fixture
+def slurm():
+    c = SlurmCluster(["a", "b", "spare1"])
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _note(slurm, name):
+    return slurm.node(name)["reason"]
+
+
+def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm, tmp_path):
+    cluster.start_coordinator()
+    with cluster.starting():
+        for host, node in (("host-a", "a"), ("host-b", "b")):
+            cluster.start_agent(host, env={"PITSTOP_AGENT_SLURM_NODE": node})
+        cluster.start_agent("spare-1", spare=True, env={"PITSTOP_AGENT_SLURM_NODE": "spare1"})
+    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+    until(lambda: {h.get("slurm_node") for h in cc.hosts()} == {"a", "b", "spare1"}, what="agents report their nodes")
+    watch_log = tmp_path / "slurm-watch.log"
+    watch = subprocess.Popen([*pitstop_cmd(), "slurm-watch", "--coordinator", cluster.coordinator_url,
+                              "--interval", "0.3"], env=slurm.env(cluster.env()),
+                             stdout=open(watch_log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    job = None
+    try:
+        # the spare is held back from Slurm's ordinary jobs
+        until(lambda: "spare1" in slurm.run("scontrol", "-o", "show", "reservation", "pitstop_spares",
+                                            check=False).stdout, what="the spares' reservation")
+        other = slurm.run("srun", "-w", "spare1", "--immediate=3", "true", check=False)
+        assert other.returncode != 0 and "reserved" in other.stderr, other.stderr
+        # the job, as a Slurm user starts it: each task runs `pitstop run` with its node's agent
+        agents = tmp_path / "agents"
+        agents.mkdir()
+        for host, node in (("host-a", "a"), ("host-b", "b")):
+            (agents / node).write_text(cluster.agents[host].url)
+        out = tmp_path / "out"
+        task = (f'exec {shlex.join(pitstop_cmd())} run --job train --agent "$(cat {agents}/$SLURMD_NODENAME)" -- '
+                f'{shlex.join(ddp_cmd(out, steps=STEPS))}')
+        env = slurm.env(cluster.env())
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            env.pop(k, None)
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        job = subprocess.Popen(["srun", "-N2", "-n4", "--ntasks-per-node=2", "-w", "a,b",
+                                f"--output={tmp_path}/train.rank%t.log", "sh", "-c", task], env=env,
+                               stdout=open(tmp_path / "srun.log", "ab"), stderr=subprocess.STDOUT,
+                               start_new_session=True)
+        wait_for_step(tmp_path / "train.rank3.log", 5)
+        ranks = {w["rank"]: w["host"] for j in cc.jobs() if j["job"] == "train" for w in j["workers"]}
+        assert ranks == {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}, ranks  # SLURM_PROCID
+        # the operator drains b in Slurm, and does nothing else
+        slurm.run("scontrol", "update", "nodename=b", "state=drain", "reason=maintenance")
+        until(lambda: "pitstop: moved its ranks to spare-1" in _note(slurm, "b"), timeout=180,
+              what=f"the move, as b's reason says it: {_note(slurm, 'b')!r}")
+        assert _note(slurm, "b").startswith("maintenance | pitstop: moved its ranks to spare-1 (operations/")
+        op = next(o for o in cc.ops(node="host-b"))
+        assert op["metadata"]["result"] == "succeeded" and "Slurm drain of b" in op["metadata"]["reason"], op
+        def running():
+            return {w["rank"]: w["host"] for j in cc.jobs() if j["job"] == "train" for w in j["workers"]
+                    if w["state"] == "running"}
+        until(lambda: running() == {0: "host-a", 1: "host-a", 2: "spare-1", 3: "spare-1"},
+              what="ranks 2 and 3 on the spare, 0 and 1 where they were (as the agents report)")
+        # a drain whose ranks cannot move (no spare left) leaves them running and says why
+        slurm.run("scontrol", "update", "nodename=a", "state=drain", "reason=maintenance")
+        until(lambda: "pitstop: cannot move its ranks" in _note(slurm, "a"), what="a's reason")
+        assert "they run here still" in _note(slurm, "a")
+        assert running() == {0: "host-a", 1: "host-a", 2: "spare-1", 3: "spare-1"}
+        # the node that took the ranks stays held back while it runs them
+        assert "spare1" in slurm.run("scontrol", "-o", "show", "reservation", "pitstop_spares").stdout
+        slurm.run("scontrol", "update", "nodename=a", "state=resume")
+        let_finish(out)
+        assert job.wait(180) == 0, (tmp_path / "srun.log").read_text(errors="replace")[-2000:]
+        assert_same_as_reference(out, reference_hashes(tmp_path, 4, steps=STEPS))
+    finally:
+        if job is not None and job.poll() is None:
+            job.terminate()
+            job.wait(30)
+        watch.terminate()
+        try:
+            watch.wait(15)
+        except subprocess.TimeoutExpired:
+            watch.kill()
+            watch.wait(5)
