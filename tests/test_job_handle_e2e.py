@@ -85,7 +85,8 @@ def test_a_launcher_killed_outright_ends_the_rank_beside_it(cluster):
 
 def test_the_evacuated_host_can_go_and_the_operator_ends_moved_ranks(cluster, tmp_path):
     """host-b is evacuated, then its agent stops and its launcher is killed (as a reboot would):
-    the moved rank goes on and the 2-rank job finishes bitwise equal.  A second job is then ended
+    the moved rank goes on, `pitstop attach` gives its output and exit status to whoever lost the
+    launcher, and the 2-rank job finishes bitwise equal.  A second job is then ended
     by the operator, wherever its ranks run."""
     cc = _cluster(cluster)
     out = tmp_path / "out"
@@ -100,12 +101,21 @@ def test_the_evacuated_host_can_go_and_the_operator_ends_moved_ranks(cluster, tm
         rk.proc.wait(10)
     spare = cluster.agents["spare-1"].client()
     seen = len(spare.output("train.1", "stdout", 0)[0])
+    # whoever held the killed launcher takes the job's handle back through the coordinator
+    attach_out = tmp_path / "attach.out"
+    attach = subprocess.Popen([*pitstop_cmd(), "attach", "train.1"], env=cluster.env(),
+                              stdout=open(attach_out, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     let_finish(out)
     assert train[0].proc.wait(180) == 0, train[0].log.read_text(errors="replace")[-2000:]
     w = until(lambda: (x := _worker(cluster, "spare-1", "train.1")) and x["state"] == "exited" and x,
               timeout=60, what="the moved rank finished on the spare")
     assert w["exit_code"] == 0, w
     assert len(spare.output("train.1", "stdout", 0)[0]) > seen  # it went on writing there
+    assert attach.wait(60) == 0  # the rank's exit status
+    said = attach_out.read_text(errors="replace")
+    assert "done rank=1 steps=80" in said, said[-2000:]
+    r = _cli(cluster, "attach", "nope.3")
+    assert r.returncode == 1 and "no worker 'nope.3'" in r.stderr and "pitstop jobs" in r.stderr, r.stderr
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80))
     # `pitstop stop`: SIGTERM to every rank of the job, the one on host-a and the one on the spare
     r = _cli(cluster, "stop", "idle", "--wait", "--timeout", "60", "--json")

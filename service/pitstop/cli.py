@@ -343,6 +343,21 @@ def _signal_job(job: str, sig: int, wait: bool, timeout: float, as_json: bool, c
 
 
 @app.command()
+def attach(worker: str = typer.Argument(..., help="a worker, JOB.RANK (as `pitstop jobs` lists them)"),
+           coordinator: Optional[str] = _coordinator_option()) -> None:
+    """Follow a worker's output wherever it runs, and exit with its status: the job's handle for
+    whoever lost its launcher (the host it was started on went away after an evacuation)."""
+    from pitstop.launcher.run import follow, shell_code
+
+    c = _client(coordinator)
+    try:
+        c.output(worker, "stdout", 0)  # an unknown worker is said plainly, before any following
+    except PitstopError as e:
+        _fail(e)
+    raise typer.Exit(shell_code(follow(c, worker)))
+
+
+@app.command()
 def stop(job: str = typer.Argument(..., help="the job (as `pitstop jobs` lists it)"),
          signal_name: str = typer.Option("TERM", "--signal", help="the signal, by name or number"),
          wait: bool = typer.Option(False, "--wait", help="wait until no rank of the job runs"),

@@ -50,6 +50,8 @@ async def output(agent: AgentDep, wid: str, stream: str = "stdout", offset: int 
                         headers={k: v for k, v in r.headers.items() if k.lower().startswith("x-pitstop")})
     data = agent.dest.read_output(wid, stream, offset) if w.restored else b""
     headers = {"X-Pitstop-State": w.state, "X-Pitstop-Agent": agent.s.name}
+    if w.restored:  # where this host's copy begins: what came before went to the hosts it left
+        headers["X-Pitstop-Output-Start"] = str(w.output_base.get(stream, 0))
     if w.exit_code is not None:
         headers["X-Pitstop-Exit-Code"] = str(w.exit_code)
     return Response(data, media_type="application/octet-stream", headers=headers)

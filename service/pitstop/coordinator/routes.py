@@ -158,6 +158,17 @@ def signal_job(c: CoordinatorDep, job: str, body: SignalJobRequest) -> dict:
     return c.signal_job(job, body.signal)
 
 
+@operators.get("/workers/{wid}/output")
+def worker_output(c: CoordinatorDep, wid: str,
+                  stream: str = Query("stdout", pattern="^(stdout|stderr)$"),
+                  offset: int = Query(0, ge=0)) -> Response:
+    """A worker's output from `offset`, wherever it runs (`pitstop attach`); its state and, once
+    it ended, its exit code in the X-Pitstop-* headers."""
+    data, headers = c.worker_output(wid, stream, offset)
+    return Response(data, media_type="application/octet-stream",
+                    headers={k: v for k, v in headers.items() if k.lower().startswith("x-pitstop")})
+
+
 @operators.get("/operations")
 def operations(c: CoordinatorDep,
                node: str | None = Query(None, max_length=253, description="only those of this host"),

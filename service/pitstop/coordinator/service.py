@@ -28,6 +28,7 @@ from pitstop.wire.coordinator_requests import EvacuateRequest
 
 PLAN_SYNC_TIMEOUT_S = 3.0  # each agent's worker list, asked in parallel while a request waits to be planned
 POST_COPY_CHECK_TIMEOUT_S = 5.0  # the source's post-copy support, asked before anything pauses
+OUTPUT_TIMEOUT_S = 10.0  # a worker's output, read from its agent for `pitstop attach`
 SIGNAL_TIMEOUT_S = 15.0  # each agent asked to deliver a signal to a job's rank (it may pass it on once)
 
 
@@ -206,6 +207,24 @@ class Coordinator:
                            action="give each process of the job its own rank: --rank N, or RANK (torchrun), or "
                                   "SLURM_PROCID (srun) reaching `pitstop run`; or use another job id")
         return {"worker": wid, "host": host}
+
+    def worker_output(self, wid: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]:
+        """A worker's output from `offset` and its state (exit code once it ended), from the agent
+        of the host it runs on now or ran on last: the job's handle for whoever no longer has its
+        launcher (`pitstop attach`)."""
+        job = wid.rpartition(".")[0]
+        w = next((x for x in self.store.workers(job=job) if x["id"] == wid), None)
+        if w is None:
+            raise NotFound(f"no worker {wid!r} is known", code="no_such_worker",
+                           action="list jobs and their ranks with `pitstop jobs` (a worker is JOB.RANK)")
+        h = self.store.host(w["host"])
+        if h is None:
+            return b"", {"x-pitstop-state": "unreachable", "x-pitstop-error": f"host {w['host']} is not known"}
+        try:
+            with AgentClient(h["url"], self.settings.cluster_token, timeout=OUTPUT_TIMEOUT_S) as a:
+                return a.output(wid, stream, offset)
+        except PitstopError as e:
+            return b"", {"x-pitstop-state": "unreachable", "x-pitstop-error": e.message[:200]}
 
     def health_verdict(self, name: str, reasons: list[str]) -> None:
         """What the health policy concluded of a host's readings, acted on when auto-evacuation is on."""

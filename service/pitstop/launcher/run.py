@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -321,7 +322,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         _safe(client.exited, wid, code)
         nsinit.remove(init_dir)  # its init's, where the tree was killed
         return code
-    return shell_code(_follow(client, wid))
+    return shell_code(follow(client, wid))
 
 
 def rank_and_world(environ: Mapping[str, str], rank: int | None = None) -> tuple[int, int | None]:
@@ -399,8 +400,13 @@ def shell_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _follow(client: AgentClient, wid: str) -> int:
-    """Stream the output of a worker that moved, until it exits; return its code."""
+class OutputSource(Protocol):
+    def output(self, wid: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]: ...
+
+
+def follow(client: OutputSource, wid: str) -> int:
+    """Stream the output of a worker that runs elsewhere, until it exits; return its code.  The
+    source is this host's agent (a launcher whose worker moved) or the coordinator (`pitstop attach`)."""
     offsets = {"stdout": 0, "stderr": 0}
     outs = {"stdout": sys.stdout, "stderr": sys.stderr}
     unreachable_since: float | None = None
@@ -423,6 +429,9 @@ def _follow(client: AgentClient, wid: str) -> int:
                 outs[stream].flush()
                 offsets[stream] += len(data)
                 got = True
+            start = int(h.get("x-pitstop-output-start") or 0)
+            if not data and start > offsets[stream]:  # written where the worker ran before: not held here
+                offsets[stream] = start
             if "x-pitstop-exit-code" in h:
                 known = int(h["x-pitstop-exit-code"])
         if code is not None and not got:

@@ -91,6 +91,17 @@ class CoordinatorClient:
         """A signal for every rank of the job, delivered where each runs now."""
         return self._req("POST", f"/v1/jobs/{job}:signal", json={"signal": sig})
 
+    def output(self, wid: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]:
+        """A worker's output from `offset` and its X-Pitstop-* headers, wherever it runs."""
+        try:
+            r = self.http.get(f"/v1/workers/{wid}/output", params={"stream": stream, "offset": offset})
+        except httpx.HTTPError as e:
+            raise Unavailable(f"cannot reach the coordinator at {self.url}: {e!r}",
+                              action="check the coordinator and its URL") from None
+        if r.status_code >= 300:
+            raise_for(r)
+        return r.content, {k.lower(): v for k, v in r.headers.items()}
+
     def claim(self, host: str, job: str, rank: int) -> dict:
         """An agent's question before it registers a rank (the cluster token): 409 duplicate_rank
         where another live host runs it."""
