@@ -50,6 +50,7 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none", "MpiDefault=none", "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core", "SlurmdParameters=config_overrides", "ReturnToService=2",
             "SlurmdTimeout=10", "MessageTimeout=5", "KillWait=2", "MinJobAge=60",
+            "SchedulerParameters=permit_job_expansion",
         ]
         lines += [f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports[n]} CPUs={cpus} "
                   f"RealMemory=1000" for n in nodes]

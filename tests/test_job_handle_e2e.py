@@ -58,9 +58,14 @@ def test_a_signal_to_the_launcher_reaches_the_rank_that_moved(cluster):
     ranks = cluster.start_job("h", SLEEPER, 1, {0: "host-a"})
     cluster.wait_registered("host-a", "h.0")
     until(lambda: b"tick 3" in ranks[0].log.read_bytes(), what="the rank ticks")
-    _evacuated(cc, "host-a")
+    op = _evacuated(cc, "host-a")
     w = _worker(cluster, "spare-1", "h.0")
     assert w["state"] == "running" and w["restored"], w
+    # the fleet replay prices a history with this coordinator's measured moves
+    (trace := cluster.root / "trace.csv").write_text("time_h,host,kind,domain\n1,host-a,planned,rack-1\n")
+    r = _cli(cluster, "replay", str(trace), "--hosts", "2", "--moves-from", cluster.coordinator_url, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["inputs"]["move_pause_s"] == op["metadata"]["downtime_s"]
     ranks[0].proc.send_signal(signal.SIGTERM)  # as a scheduler's cancel or Ctrl-C would
     # the launcher passes it to its agent, which passes it to the spare's: the rank dies of it there,
     # and the launcher exits as the rank did (128 + 15)

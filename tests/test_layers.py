@@ -19,7 +19,7 @@ PKG = Path(__file__).resolve().parent.parent / "service" / "pitstop"
 # Top to bottom.  A new package or top-level module must be placed here (see the last test).
 LAYERS: list[tuple[str, set[str]]] = [
     ("entry", {"cli"}),
-    ("tools", {"dev", "doctor", "migration"}),
+    ("tools", {"dev", "doctor", "migration", "replay"}),
     ("services", {"agent", "coordinator", "launcher", "slurm"}),
     ("wire", {"wire"}),
     ("mechanisms", {"gpu", "shimctl", "network", "memory"}),

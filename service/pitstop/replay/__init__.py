@@ -1,0 +1,1 @@
+"""`pitstop replay`: an operator's own failure history priced with and without pitstop."""
