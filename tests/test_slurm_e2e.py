@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+import sys
 
 import pytest
 
 from pitstop.dev.devcluster import free_port, pitstop_cmd
 from pitstop.wire.coordinator_client import CoordinatorClient
 
-from .helpers import assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, until, wait_for_step
+from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, until, wait_for_step
 from .slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 STEPS = 80
+SLEEPER = [sys.executable, str(WORKLOADS / "sleeper.py"), "300"]
 
 
 @pytest.fixture
@@ -44,7 +46,7 @@ def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm
     watch = subprocess.Popen([*pitstop_cmd(), "slurm-watch", "--coordinator", cluster.coordinator_url,
                               "--interval", "0.3"], env=slurm.env(cluster.env()),
                              stdout=open(watch_log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    job = None
+    job = idle = None
     try:
         # the spare is held back from Slurm's ordinary jobs
         until(lambda: "spare1" in slurm.run("scontrol", "-o", "show", "reservation", "pitstop_spares",
@@ -67,7 +69,15 @@ def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm
                                 f"--output={tmp_path}/train.rank%t.log", "sh", "-c", task], env=env,
                                stdout=open(tmp_path / "srun.log", "ab"), stderr=subprocess.STDOUT,
                                start_new_session=True)
+        idle_task = (f'exec {shlex.join(pitstop_cmd())} run --job idle --agent "$(cat {agents}/$SLURMD_NODENAME)" '
+                     f'-- {shlex.join(SLEEPER)}')
+        idle = subprocess.Popen(["srun", "-N2", "-n2", "--ntasks-per-node=1", "-w", "a,b", "--job-name=idle",
+                                 f"--output={tmp_path}/idle.rank%t.log", "sh", "-c", idle_task], env=env,
+                                stdout=open(tmp_path / "idle-srun.log", "ab"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
         wait_for_step(tmp_path / "train.rank3.log", 5)
+        until(lambda: len([w for j in cc.jobs() if j["job"] == "idle" for w in j["workers"]
+                           if w["state"] == "running"]) == 2, what="the idle job's two ranks")
         ranks = {w["rank"]: w["host"] for j in cc.jobs() if j["job"] == "train" for w in j["workers"]}
         assert ranks == {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}, ranks  # SLURM_PROCID
         # the operator drains b in Slurm, and does nothing else
@@ -82,6 +92,14 @@ def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm
                     if w["state"] == "running"}
         until(lambda: running() == {0: "host-a", 1: "host-a", 2: "spare-1", 3: "spare-1"},
               what="ranks 2 and 3 on the spare, 0 and 1 where they were (as the agents report)")
+        # scancel of a job whose rank moved ends every rank, the moved one on the spare included
+        assert {w["host"] for j in cc.jobs() if j["job"] == "idle" for w in j["workers"]
+                if w["state"] == "running"} == {"host-a", "spare-1"}
+        slurm.run("scancel", "--name=idle")
+        idle.wait(60)
+        until(lambda: not [w for j in cc.jobs() if j["job"] == "idle" for w in j["workers"]
+                           if w["state"] in ("running", "paused")], timeout=30,
+              what="every rank of the cancelled job ended, wherever it ran")
         # a drain whose ranks cannot move (no spare left) leaves them running and says why
         slurm.run("scontrol", "update", "nodename=a", "state=drain", "reason=maintenance")
         until(lambda: "pitstop: cannot move its ranks" in _note(slurm, "a"), what="a's reason")
@@ -94,6 +112,9 @@ def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm
         assert job.wait(180) == 0, (tmp_path / "srun.log").read_text(errors="replace")[-2000:]
         assert_same_as_reference(out, reference_hashes(tmp_path, 4, steps=STEPS))
     finally:
+        if idle is not None and idle.poll() is None:
+            idle.terminate()
+            idle.wait(30)
         if job is not None and job.poll() is None:
             job.terminate()
             job.wait(30)
