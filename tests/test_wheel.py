@@ -40,6 +40,8 @@ def test_the_wheel_carries_its_native_parts_and_a_host_installed_from_it_passes_
                   "libpitstop_criufill.so", "libpitstop_shim.so", "libnccl.so.2", "pitstop-init"):
             assert f"pitstop/native/{n}" in names, n
         assert (z.getinfo("pitstop/native/pitstop-init").external_attr >> 16) & stat.S_IXUSR
+        for n in ("dashboard.html", "dashboard.js"):  # the coordinator's dashboard (package data)
+            assert f"pitstop/coordinator/{n}" in names, n
 
     site = tmp_path / "site"
     p = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(whl)],

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from pitstop import __version__
-from pitstop.coordinator import routes
+from pitstop.coordinator import dashboard, routes
 from pitstop.coordinator.driver import Driver
 from pitstop.coordinator.service import Coordinator
 from pitstop.coordinator.settings import CoordinatorSettings
@@ -24,6 +24,7 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
     install_error_handlers(app)
     app.state.coordinator = c
     app.include_router(routes.open_routes)
+    app.include_router(dashboard.router)
     app.include_router(routes.agents)
     app.include_router(routes.operators)
     beats = c.metrics.heartbeats
