@@ -61,6 +61,14 @@ def test_a_signal_to_the_launcher_reaches_the_rank_that_moved(cluster):
     op = _evacuated(cc, "host-a")
     w = _worker(cluster, "spare-1", "h.0")
     assert w["state"] == "running" and w["restored"], w
+    # the ledger has it; a job whose collectives the shim does not count shows no progress, and says so
+    m = until(lambda: next((x for x in cc.moves() if x["operation"] == op["name"] and x["after_move"]), None),
+              what="the ledger's entry")
+    assert not m["after_move"]["measured"] and "gloo" in m["after_move"]["why_not"], m
+    assert m["result"] == "succeeded" and m["decision"]["destination"] == "spare-1"
+    r = subprocess.run([*pitstop_cmd(), "moves", "--node", "host-a"], env=dict(cluster.env(), COLUMNS="250"),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "host-a -> spare-1" in r.stdout and "not measured" in r.stdout, r.stdout + r.stderr
     # the fleet replay prices a history with this coordinator's measured moves
     (trace := cluster.root / "trace.csv").write_text("time_h,host,kind,domain\n1,host-a,planned,rack-1\n")
     r = _cli(cluster, "replay", str(trace), "--hosts", "2", "--moves-from", cluster.coordinator_url, "--json")

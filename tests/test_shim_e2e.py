@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pitstop.dev.devcluster import pitstop_cmd
@@ -100,6 +101,19 @@ def test_evacuate_nccl_job_across_addresses(cluster, tmp_path, script):
     # the new unique id names the new rendezvous address: another host's own address
     addrs = {h["name"]: h["url"].split("//")[1].split(":")[0] for h in cc.hosts()}
     assert addrs["host-b"] != addrs["spare-1"] != addrs["host-a"]
+    # the ledger: the job's time to useful progress after the move, measured from its collectives
+    entry = until(lambda: next((m for m in cc.moves() if m["operation"] == op["name"] and m["after_move"]), None),
+                  timeout=30, what="the move's entry in the ledger, with what the job did after it")
+    a = entry["after_move"]
+    assert a["measured"] and a["ranks"] == 4, a
+    assert 0 < a["first_collectives_s"] < 10 and a["first_collectives_s"] != md["downtime_s"], a
+    assert a["collectives_per_s_after"] > 0, a
+    if "collectives_per_s_before" in a:  # measured where the move's start and its cut were far enough apart
+        assert a["collectives_per_s_before"] > 0 and a["step_time_ratio"] > 0, a
+    assert entry["decision"]["destination"] == "spare-1" and entry["pause_s"] == md["downtime_s"]
+    assert entry["bytes"]["during_pause"] > 0 and entry["leaving"] == ["nccl.2", "nccl.3"]
+    metrics = httpx.get(cluster.coordinator_url + "/metrics", timeout=10).text
+    assert "pitstop_coordinator_move_first_collectives_seconds_count 1.0" in metrics
     let_finish(out)
     assert [r.proc.wait(180) for r in ranks] == [0] * 4
     assert_same_as_reference(out, reference(script))

@@ -417,6 +417,34 @@ def ops(op_id: Optional[str] = typer.Argument(None, help="an operation id; omit 
 
 
 @app.command()
+def moves(node: Optional[str] = typer.Option(None, "--node", help="only moves from or to this host"),
+          result: Optional[str] = typer.Option(None, "--result", help="succeeded, failed or cancelled"),
+          limit: int = typer.Option(50, "--limit", min=1, max=1000),
+          as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = _coordinator_option()) -> None:
+    """The ledger of finished moves: why, where to, bytes, the pause, and the job's time to useful
+    progress after it (first collectives, back to speed, step time after over before)."""
+    data = _ask(coordinator, as_json, lambda c: c.moves(node=node, result=result, limit=limit))
+    if data is None:
+        return
+    t = Table(title="moves")
+    for col in ("operation", "from -> to", "result", "pause", "bytes before / in pause", "first collectives",
+                "back to speed", "step time after/before", "why"):
+        t.add_column(col)
+
+    def s(v: Any, unit: str = " s") -> str:
+        return "" if v is None else f"{v:.2f}{unit}"
+
+    for m in data:
+        a = m.get("after_move") or {}
+        t.add_row(m["operation"].removeprefix("operations/"), f"{m['decision']['node']} -> {m['decision']['destination']}",
+                  m["result"] or "", s(m["pause_s"]),
+                  f"{m['bytes']['before_pause'] / 2**20:.0f} / {(m['bytes']['during_pause'] or 0) / 2**20:.0f} MiB",
+                  s(a.get("first_collectives_s")) if a.get("measured") else ("not measured" if a else "watching"),
+                  s(a.get("back_to_speed_s")), s(a.get("step_time_ratio"), " x"), m["why"]["reason"])
+    out.print(t)
+
+
+@app.command()
 def cancel(op_id: str = typer.Argument(..., help="the operation to cancel (as `pitstop ops` lists it)"),
            wait: bool = typer.Option(False, "--wait", help="wait until it has rolled back"),
            timeout: float = typer.Option(300.0, min=0, help="seconds to wait with --wait"),

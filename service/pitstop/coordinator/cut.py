@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -51,6 +51,17 @@ class CutResult:
     targets: dict[str, int]
     rounds: int
     seconds: float
+    issued: dict[str, int] = field(default_factory=dict)  # per worker, its collectives issued so far (progress.py)
+
+
+def issued_by_worker(blocks: list[tuple[str, dict[str, Any]]]) -> dict[str, int]:
+    """Each worker's NCCL operations issued so far (collectives, sends and receives), over all its
+    processes and communicators: the shim's counters, which its communicators keep across a move
+    (re-created behind the same slots)."""
+    out: dict[str, int] = defaultdict(int)
+    for w, b in blocks:
+        out[w] += sum(int(c["issued"]) + sum(c["sent"]) + sum(c["recvd"]) for c in b["comms"])
+    return dict(out)
 
 
 class Cut:
@@ -107,7 +118,7 @@ class Cut:
                 _, stable2, _ = self._targets(again)
                 stable = stable2 and snap2 == snap
             if stable:
-                res = CutResult(targets, rounds, time.monotonic() - t0)
+                res = CutResult(targets, rounds, time.monotonic() - t0, issued=issued_by_worker(again))
                 log.info("consistent cut reached", rounds=rounds, seconds=round(res.seconds, 4),
                          communicators=len(targets))
                 return res

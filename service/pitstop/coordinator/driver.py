@@ -40,10 +40,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import httpx
 import structlog
 
 from pitstop import faults, priority
-from pitstop.coordinator.cut import Cut
+from pitstop.coordinator import progress
+from pitstop.coordinator.cut import Cut, issued_by_worker
 from pitstop.coordinator.fanout import in_parallel
 from pitstop.coordinator.filecheck import check_files
 from pitstop.coordinator.settings import CoordinatorSettings
@@ -51,7 +53,7 @@ from pitstop.coordinator.store import Store, StoreUnavailable
 from pitstop.errors import DeadlineExceeded, NotFound, PitstopError, Unavailable
 from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.capture_report import CaptureReport
-from pitstop.wire.evacuation import CutRecord, EvacuationState, MovePlan
+from pitstop.wire.evacuation import AfterMove, CutRecord, EvacuationState, MovePlan
 
 log = structlog.get_logger("pitstop.coordinator.driver")
 PRECOPY_PROGRESS_EVERY_S = 1.0  # how often a pre-copy's progress is read from the source
@@ -60,6 +62,9 @@ TAKEOVER_BACKOFF_MAX_S = 300.0  # the watchdog's longest wait between two takeov
 
 AGENT_QUESTION_TIMEOUT_S = 10.0  # one quick question to a live agent (its info, a worker's fill): no answer
                                  # by then means it is not answering, not that it is busy
+
+PROGRESS_READ_TIMEOUT_S = 2.0  # one read of the job's collective counts after a move: a late one is a missed sample
+
 
 class Cancelled(PitstopError):
     http_status = 409
@@ -92,6 +97,9 @@ class OpRun:
         self.crash: str | None = None  # what ended the driving thread, when something did (Driver.watch)
         self.takeovers = 0
         self.next_takeover = 0.0  # time.monotonic() before which the watchdog leaves it alone
+        # the job's collectives counted while it ran and at the cut (coordinator/progress.py)
+        self.progress_before: progress.Sample | None = None
+        self.progress_cut: progress.Sample | None = None
 
     # -- bookkeeping --------------------------------------------------------------------------
     def save(self, **kw: Any) -> None:
@@ -259,8 +267,20 @@ class OpRun:
     def _plan(self, m: "_Move") -> None:
         self.condition("Planned", True, "SpareSelected", f"{len(self.md.workers)} worker(s) of "
                        f"{', '.join(self.md.jobs)} move from {m.node} to {m.dest}")
+        self.progress_before = self._count_collectives(self.cut())
         self._check_files(m.src, m.dst)
         m.plan = self._settle(m.src)
+
+    @staticmethod
+    def _count_collectives(cut: Cut) -> progress.Sample | None:
+        """Every worker's collectives so far, for the job's rate before the move; None where it
+        cannot be read now (it is only a measurement: the move does not wait on it)."""
+        try:
+            at = time.time()
+            got = cut.get_all(cut.workers) if cut.get_all else {}
+        except (PitstopError, httpx.HTTPError):
+            return None
+        return progress.Sample(at, issued_by_worker([(w, b) for w, bs in got.items() for b in bs]))
 
     def _precopy_phase(self, m: "_Move") -> None:
         assert m.plan is not None
@@ -282,6 +302,7 @@ class OpRun:
                 self.md.cut = CutRecord(used=True, destroyed=False)
                 self.save()
             res = cut.quiesce()
+            self.progress_cut = progress.Sample(time.time(), res.issued)
             cut.destroy()
             with self.lock:
                 self.md.cut = CutRecord(used=True, destroyed=True, rounds=res.rounds, seconds=round(res.seconds, 4))
@@ -642,6 +663,54 @@ class OpRun:
         self.finish(phase="done", done=True, result="succeeded", response=response)
         log.info("evacuated", op=self.id, node=node, dest=dest, downtime_s=self.md.downtime_s,
                  **self.md.phases)
+        self._measure_after(resumed_at)
+
+    def _measure_after(self, resumed_at: float) -> None:
+        """The job's time to useful progress after the move (coordinator/progress.py), watched on a
+        thread of its own after the operation is done, and added to its record when known: nobody
+        waits for it."""
+        if self.d.s.progress_window_s <= 0:
+            return
+        if self.progress_cut is None:
+            why = ("the job's ranks use no NCCL communicator the shim counts (gloo, or none): nothing shows "
+                   "its progress without a change to it" if self.md.plan and self.md.plan.pause == "sigstop"
+                   else "the move was finished by a coordinator that did not see its cut")
+            self._record_after(progress.not_measured(why))
+            return
+        cut, before, window = self.progress_cut, self.progress_before, self.d.s.progress_window_s
+        hosts = dict(self.md.peers) | {wid: self.md.destination for wid in self.md.workers}
+        groups = _by_agent(list(hosts.items()))
+        urls = {h: self._url(h) for h, _ in groups}
+        token = self.d.s.cluster_token
+
+        def body() -> None:
+            # clients of its own: the operation's close when its thread ends
+            clients = {h: AgentClient(u, token, timeout=PROGRESS_READ_TIMEOUT_S) for h, u in urls.items()}
+
+            def read() -> dict[str, int]:
+                got: dict[str, list[dict[str, Any]]] = {}
+                for part in in_parallel(lambda g: clients[g[0]].shim_blocks_many(g[1]), groups):
+                    got.update(part)
+                return issued_by_worker([(w, b) for w, bs in got.items() for b in bs])
+
+            try:
+                self._record_after(progress.watch(read, cut, resumed_at, before, window_s=window))
+            except Exception as e:  # noqa: BLE001 - a measurement: it must never take the coordinator down
+                log.warning("could not measure the job's progress after the move", op=self.id, error=repr(e))
+            finally:
+                for c in clients.values():
+                    c.close()
+
+        threading.Thread(target=body, daemon=True, name=f"progress-{self.id}").start()
+
+    def _record_after(self, after: AfterMove) -> None:
+        with self.lock:
+            self.md.after_move = after
+            self.best_effort = True  # the operation is done: a refused write only delays this one
+            self.save()
+        if self.d.on_after_move:
+            self.d.on_after_move(after)
+        log.info("the job after the move", op=self.id, **after.model_dump(exclude_none=True))
 
     def clean_source(self, later: bool = False) -> bool:
         """Past the resume: the node's agent frees each moved worker's images and CRIU's network lock.
@@ -954,6 +1023,7 @@ class Driver:
     def __init__(self, store: Store, settings: CoordinatorSettings,
                  on_phase: Callable[[str, float], None] | None = None,
                  on_result: Callable[[str, int, float | None], None] | None = None,
+                 on_after_move: Callable[[AfterMove], None] | None = None,
                  await_fills: bool = True) -> None:
         self.store = store
         self.s = settings
@@ -962,6 +1032,7 @@ class Driver:
         self.await_fills = await_fills
         self._on_phase = on_phase
         self._on_result = on_result
+        self.on_after_move = on_after_move
         self.threads: dict[str, threading.Thread] = {}
         self.runs: dict[str, OpRun] = {}  # operations this process drives, until their last write is in
         self._runs_lock = threading.Lock()  # an operation being started is not one to adopt (watch)

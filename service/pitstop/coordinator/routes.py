@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pitstop import tls
-from pitstop.coordinator import lifecycle
+from pitstop.coordinator import ledger, lifecycle
 from pitstop.coordinator.planner import unmovable_workers
 from pitstop.coordinator.service import ROLES, CoordinatorDep, operation_view
 from pitstop.errors import Conflict, Forbidden, NotFound, Unprocessable
@@ -178,6 +178,18 @@ def operations(c: CoordinatorDep,
                limit: int | None = Query(None, ge=1, le=1000, description="at most this many, the newest")
                ) -> list[dict]:
     return [operation_view(o) for o in c.store.ops(node=node, done=done, before=before, limit=limit)]
+
+
+@operators.get("/moves")
+def moves(c: CoordinatorDep,
+          node: str | None = Query(None, max_length=253, description="only moves from or to this host"),
+          result: str | None = Query(None, pattern="^(succeeded|failed|cancelled)$"),
+          before: float | None = Query(None, description="a page: created before this time"),
+          limit: int = Query(100, ge=1, le=1000, description="at most this many, the newest")) -> list[dict]:
+    """The ledger: every finished move, newest first (coordinator/ledger.py)."""
+    ops = c.store.ops(node=node, done=True, before=before, limit=limit if result is None else 1000)
+    out = [ledger.entry(o) for o in ops if result is None or o["result"] == result]
+    return out[:limit]
 
 
 @operators.get("/operations/{op_id}")

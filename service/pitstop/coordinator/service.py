@@ -25,6 +25,7 @@ from pitstop.coordinator.store import LIVE, Store
 from pitstop.errors import Conflict, FailedPrecondition, NotFound, PitstopError
 from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.coordinator_requests import EvacuateRequest
+from pitstop.wire.evacuation import AfterMove
 
 PLAN_SYNC_TIMEOUT_S = 3.0  # each agent's worker list, asked in parallel while a request waits to be planned
 POST_COPY_CHECK_TIMEOUT_S = 5.0  # the source's post-copy support, asked before anything pauses
@@ -50,11 +51,32 @@ class Metrics:
                                   "Pause an evacuation's jobs saw, from the first rank's pause to the last one's "
                                   "resume (succeeded evacuations)", registry=r,
                                   buckets=(.1, .25, .5, 1, 2, 5, 10, 20, 30, 60, 120, 300))
+        self.first_collectives = Histogram(
+            "pitstop_coordinator_move_first_collectives_seconds",
+            "From a move's last resume until every rank's first collective after it had returned "
+            "(jobs whose collectives the NCCL shim counts)", registry=r,
+            buckets=(.01, .025, .05, .1, .25, .5, 1, 2, 5, 10, 30))
+        self.back_to_speed = Histogram(
+            "pitstop_coordinator_move_back_to_speed_seconds",
+            "From a move's last resume until the job's collective rate was back to 90 % of its rate before",
+            registry=r, buckets=(.1, .25, .5, 1, 2, 5, 10, 30, 60))
+        self.step_time_ratio = Histogram(
+            "pitstop_coordinator_move_step_time_ratio",
+            "A job's step time after a move over its step time before (its collective rate before over after)",
+            registry=r, buckets=(.5, .8, .9, .95, 1.0, 1.05, 1.1, 1.25, 1.5, 2, 4))
         self.in_flight = Gauge("pitstop_coordinator_operations_in_flight", "Evacuations not done yet", registry=r)
         self.degraded = Gauge("pitstop_coordinator_hosts_degraded", "Hosts whose GPU health readings are degraded",
                               registry=r)
         Gauge("pitstop_build_info", "pitstop's version (always 1)", ["version", "service"],
               registry=r).labels(__version__, "coordinator").set(1)
+
+    def after_move(self, a: AfterMove) -> None:
+        if a.first_collectives_s is not None:
+            self.first_collectives.observe(a.first_collectives_s)
+        if a.back_to_speed_s is not None:
+            self.back_to_speed.observe(a.back_to_speed_s)
+        if a.step_time_ratio is not None:
+            self.step_time_ratio.observe(a.step_time_ratio)
 
     def result(self, result: str, nbytes: int, downtime_s: float | None = None) -> None:
         self.ops.labels(result).inc()
@@ -105,7 +127,7 @@ class Coordinator:
         self.store = store or Store(settings.db)
         self.metrics = Metrics()
         self.driver = Driver(self.store, settings, on_phase=lambda p, s: self.metrics.phase.labels(p).observe(s),
-                             on_result=self.metrics.result)
+                             on_result=self.metrics.result, on_after_move=self.metrics.after_move)
         self.policy = settings.health_policy()
         self.auto = AutoEvacuator(
             start=lambda node, reason: self.start_evacuation(node, None, reason,

@@ -40,6 +40,9 @@ class CoordinatorSettings(BaseSettings):
     step_timeout_s: float = 180.0         # any other single agent call
     operation_deadline_s: float = 900.0   # the whole evacuation, before commit
     cut_deadline_s: float = 30.0          # every rank of an NCCL job reaches the consistent cut
+    # After a move, how long the job's collectives are watched for its time to useful progress
+    # (coordinator/progress.py; 0: not watched)
+    progress_window_s: float = Field(default=10.0, ge=0, le=600)
     # Network post-copy: after the resume, how long the operation waits for the moved workers'
     # fills (their memory still comes from the node).  Past it the operation ends saying so and
     # the node stays `draining`: powering it off could still take a rank with it.

@@ -60,6 +60,10 @@ class CoordinatorClient:
                                     ("before", before), ("limit", limit)) if v is not None}
         return self._req("GET", "/v1/operations", params=params)
 
+    def moves(self, node: str | None = None, result: str | None = None, limit: int | None = None) -> list[dict]:
+        params = {k: v for k, v in (("node", node), ("result", result), ("limit", limit)) if v is not None}
+        return self._req("GET", "/v1/moves", params=params)
+
     def uncordon(self, host: str) -> dict:
         return self._req("POST", f"/v1/hosts/{host}:uncordon")
 

@@ -130,6 +130,25 @@ class MovePlan(_Record):
     pause: Literal["nccl_cut", "sigstop"] | None = None  # who stops the job; known as the pause begins
 
 
+class AfterMove(_Record):
+    """What the job did once it ran again (coordinator/progress.py): the time to useful progress,
+    measured from the NCCL shim's counters of collectives each rank issued, not copied from the
+    pause.  None of it where the job's collectives are not the shim's to count (`why_not`)."""
+
+    measured: bool
+    why_not: str | None = None
+    ranks: int | None = None
+    # every rank issued two collectives (or sends, receives) after the last resume: its first one had
+    # returned (on a CPU, or a GPU job that waits on its results; a GPU launch alone returns at once)
+    first_collectives_s: float | None = None
+    # the job's collective rate over the trailing second first back to 90 % of its rate before
+    back_to_speed_s: float | None = None
+    collectives_per_s_before: float | None = None  # per rank, between the move's start and the cut
+    collectives_per_s_after: float | None = None  # per rank, over the watch after the first collectives
+    step_time_ratio: float | None = None  # the rate before over the rate after: > 1, each step is slower now
+    watched_s: float | None = None
+
+
 class EvacuationState(_Record):
     """The operation's metadata: what the request asked, the plan, and where the move stands."""
 
@@ -168,6 +187,7 @@ class EvacuationState(_Record):
     bytes_after_resume: int | None = None
     fill_s: float | None = None
     source_cleanup_pending: list[str] | None = None
+    after_move: AfterMove | None = None  # written once the job has run a while after the move
 
     @classmethod
     def new(cls, plan: Any, reason: str, post_copy: bool | None = None, pre_copy: bool | None = None,
