@@ -80,6 +80,11 @@ def test_the_dashboard_shows_an_evacuation_as_it_happens(cluster, chromium, tmp_
     assert "succeeded" in dom and "host-b → spare-1" in dom, dom[-3000:]
     assert 'data-phase="capture: dump"' in dom and re.search(r'data-phase="restore: [a-z_]+"', dom), dom[-3000:]
     assert "0@spare-1: running" in dom
+    # the ledger's word on the job after the move, once written (a gloo job: why it is not measured)
+    end = time.monotonic() + 30
+    while 'data-after="false"' not in dom and time.monotonic() < end:
+        dom = _dom(chromium, profile, page + "#token=" + READ_TOKEN)
+    assert "the job after it: not measured" in dom and "gloo" in dom, dom[-3000:]
 
     shot = tmp_path / "dashboard.png"
     p = _browser(chromium, profile, "--window-size=1100,760", f"--screenshot={shot}", page + "#token=" + READ_TOKEN)

@@ -119,6 +119,12 @@ function opView(op) {
                el("div", {}, el("b", {}, `${md.node} → ${md.destination}`), " ", state, pause + why,
                   el("span", {class: "muted"}, ` ${op.name}, by ${md.requested_by || "?"}`)));
   if (op.error) d.append(el("div", {class: "bad"}, op.error.message));
+  const a = md.after_move;
+  if (a) d.append(el("div", {class: "muted", "data-after": String(a.measured)}, a.measured
+    ? `the job after it: first NCCL calls back in ${a.first_collectives_s.toFixed(3)} s` +
+      (a.back_to_speed_s != null ? `, back to speed in ${a.back_to_speed_s.toFixed(2)} s` : "") +
+      (a.step_time_ratio != null ? `, steps ${a.step_time_ratio.toFixed(2)} x as long as before` : "")
+    : "the job after it: not measured (" + a.why_not + ")"));
   d.append(...gantt(op));
   return d;
 }
