@@ -1,0 +1,126 @@
+"""Commands about the fleet as a whole: `pitstop slurm-watch` (Slurm drains become moves) and
+`pitstop replay` (a failure history priced)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from pitstop.cli.common import (
+    app,
+    client,
+    coordinator_option,
+    err,
+    fail,
+    setup_logs,
+)
+from pitstop.errors import PitstopError
+
+
+@app.command("slurm-watch")
+def slurm_watch(
+    coordinator: Optional[str] = coordinator_option(),
+    reason_prefix: str = typer.Option("", "--reason-prefix", envvar="PITSTOP_SLURM_REASON_PREFIX",
+                                      help="act only on drains whose reason starts with this (default: every drain)"),
+    reservation: str = typer.Option("pitstop_spares", "--reservation", envvar="PITSTOP_SLURM_RESERVATION",
+                                    help="the Slurm reservation that keeps ordinary jobs off the spares "
+                                         "('' to manage none)"),
+    interval: float = typer.Option(1.0, "--interval", min=0.1, max=60.0, help="seconds between looks"),
+    log_json: bool = typer.Option(False, "--log-json"),
+) -> None:
+    """Move the ranks off Slurm nodes as they are drained, hold the spares back from Slurm's
+    other jobs, and drain in Slurm the hosts pitstop finds degraded.  One per cluster; reads Slurm
+    through its usual client configuration (SLURM_CONF), the coordinator with PITSTOP_TOKEN."""
+    import signal as signals
+
+    from pitstop.slurm.watch import SlurmCommands, Watcher
+
+    setup_logs(log_json)
+    c = client(coordinator)
+    stop: list[int] = []
+    for sig in (signals.SIGTERM, signals.SIGINT):
+        signals.signal(sig, lambda n, _f: stop.append(n))
+    Watcher(SlurmCommands(), c, reason_prefix=reason_prefix, reservation=reservation or None).run(
+        interval, until=lambda: bool(stop))
+
+
+@app.command()
+def replay(
+    trace_file: Path = typer.Argument(..., help="the failure and maintenance history: CSV or JSON with "
+                                      "time_h, host, kind (planned|unplanned), domain"),
+    hosts: int = typer.Option(..., min=1, help="hosts the job runs on"),
+    gpus_per_host: int = typer.Option(8, min=1),
+    spares_per_domain: int = typer.Option(0, min=0, help="spares held in each failure domain"),
+    pooled_spares: int = typer.Option(1, min=0, help="spares held for any domain"),
+    repair_h: float = typer.Option(24.0, min=0, help="hours until a used spare is back (the host repaired)"),
+    move_pause_s: Optional[float] = typer.Option(None, min=0, help="pitstop's pause for one host's move "
+                                                 "(default: --moves-from's median, else bench/projection.py's "
+                                                 "199 s for a 1,024-GPU job)"),
+    moves_from: Optional[str] = typer.Option(None, help="a coordinator URL: the median pause of its succeeded "
+                                             "evacuations is the move pause (PITSTOP_TOKEN)"),
+    restart_s: float = typer.Option(90.0, min=0, help="checkpoint-restart: relaunch, NCCL init and load"),
+    checkpoint_save_s: float = typer.Option(10.0, min=0, help="the job's pause for one checkpoint"),
+    checkpoint_interval_h: float = typer.Option(1.0, min=0.001, help="hours between the job's checkpoints"),
+    duration_h: Optional[float] = typer.Option(None, min=0, help="the trace's span (default: its last event)"),
+    as_json: bool = typer.Option(False, "--json"),
+    chart: Optional[Path] = typer.Option(None, help="also write an SVG chart here"),
+) -> None:
+    """Price a failure history: GPU-hours lost with pitstop and with checkpoint-restart, what is
+    common to both (checkpoints, idle spares), the sensitivity to each input, and each failure
+    domain's coverage by its spares."""
+    from pitstop.replay import model, report, trace
+
+    try:
+        events = trace.read(trace_file)
+        source = str(trace_file)
+        pause = move_pause_s
+        if pause is None and moves_from:
+            from pitstop.wire.coordinator_client import CoordinatorClient
+
+            with CoordinatorClient(moves_from) as c:
+                pause = model.median_move_pause_s(c.ops(done=True, limit=1000))
+            if pause is None:
+                raise PitstopError(f"the coordinator at {moves_from} has no succeeded evacuation to measure",
+                                   code="no_moves", action="give --move-pause-s")
+            source += f"; move pause: the median of {moves_from}'s succeeded evacuations ({pause:.2f} s)"
+        i = model.Inputs(hosts=hosts, gpus_per_host=gpus_per_host, spares_per_domain=spares_per_domain,
+                         pooled_spares=pooled_spares, repair_h=repair_h,
+                         move_pause_s=model.DEFAULT_MOVE_PAUSE_S if pause is None else pause,
+                         restart_s=restart_s, checkpoint_save_s=checkpoint_save_s,
+                         checkpoint_interval_h=checkpoint_interval_h, duration_h=duration_h)
+        r = model.replay(events, i)
+        sens = model.sensitivity(events, i)
+    except PitstopError as e:
+        fail(e, as_json)
+    if chart:
+        chart.write_text(report.svg(r, sens))
+    if as_json:
+        print(json.dumps(report.as_dict(r, sens), indent=1))
+    else:
+        print(report.markdown(r, sens, source), end="")
+
+
+@app.command("replay-synth")
+def replay_synth(
+    out_file: Path = typer.Argument(..., help="where the trace goes (.csv or .json)"),
+    hosts: int = typer.Option(..., min=1),
+    days: float = typer.Option(..., min=0.01),
+    seed: int = typer.Option(0),
+    hosts_per_rack: int = typer.Option(16, min=1, help="a host's failure domain is its rack"),
+) -> None:
+    """Write a synthetic trace at the failure rates of a public report (Meta's Llama 3 paper:
+    419 unexpected and 47 planned interruptions in 54 days on 2,048 hosts); pitstop/replay/trace.py
+    documents every rate and what is assumed."""
+    from pitstop.replay import trace
+
+    try:
+        events = trace.synthesize(hosts, days, seed=seed, hosts_per_rack=hosts_per_rack)
+    except PitstopError as e:
+        fail(e)
+    trace.write(events, out_file)
+    planned = sum(1 for e in events if e.kind == "planned")
+    err.print(f"{len(events)} events ({planned} planned, {len(events) - planned} unplanned) over {days:g} days "
+              f"on {hosts} hosts written to {out_file}")

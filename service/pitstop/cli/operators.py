@@ -1,0 +1,405 @@
+"""The operator's commands against the coordinator: hosts, jobs, evacuations and their ledger,
+and the job's handle (attach, stop, kill)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import typer
+from rich.table import Table
+
+from pitstop.cli.common import (
+    EXIT_STILL_RUNNING,
+    age,
+    app,
+    ask,
+    client,
+    coordinator_option,
+    err,
+    fail,
+    out,
+)
+from pitstop.errors import InvalidRequest, PitstopError
+
+hosts_app = typer.Typer(invoke_without_command=True, help="List hosts (role, health, GPUs, last heartbeat); "
+                        "return an evacuated host to service, change a role, forget a host that is gone.")
+app.add_typer(hosts_app, name="hosts")
+
+
+@hosts_app.callback()
+def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"),
+          coordinator: Optional[str] = coordinator_option()) -> None:
+    """List hosts: role, health, GPUs, last heartbeat."""
+    if ctx.invoked_subcommand:
+        return
+    hs = ask(coordinator, as_json, lambda c: c.hosts())
+    if hs is None:
+        return
+    t = Table(title="hosts")
+    for c in ("name", "role", "url", "gpus", "health", "last heartbeat"):
+        t.add_column(c)
+    for h in hs:
+        gpus = f"{h.get('gpu_count')} x {h.get('gpu_model')}" if h.get("gpu_count") else \
+            (h.get("gpu_note") or "not present")
+        temps = [g["temperature_c"] for g in h.get("gpu_health") or [] if g.get("temperature_c") is not None]
+        if temps:
+            gpus += f", {max(temps)} C max"
+        health = h.get("health") or {}
+        status = "degraded: " + "; ".join(health.get("reasons", [])) if health.get("degraded") else "ok"
+        auto = h.get("auto_evacuation")
+        if auto:
+            status += f"\nauto-evacuation {auto.get('state')}" + (
+                f" ({auto['operation']})" if auto.get("operation") else
+                f": {auto['error']['message']}" if auto.get("error") else "")
+        t.add_row(h["name"], h["role"], h["url"], gpus, status, age(h["age_s"]) + " ago")
+    out.print(t)
+
+
+def _host_verb(call: str, name: str, as_json: bool, coordinator: Optional[str], *args: str) -> None:
+    h = ask(coordinator, as_json, lambda c: getattr(c, call)(name, *args))
+    if h is None:
+        return
+    if h.get("removed"):
+        out.print(f"{name} forgotten")
+    else:
+        out.print(f"{name} is {h['role']}")
+
+
+@hosts_app.command("uncordon")
+def hosts_uncordon(name: str = typer.Argument(..., help="an evacuated (drained) host"),
+                   as_json: bool = typer.Option(False, "--json"),
+                   coordinator: Optional[str] = coordinator_option()) -> None:
+    """Return an evacuated host to service: a spare again if its agent runs with --spare, else active.
+    Until then it is never a destination."""
+    _host_verb("uncordon", name, as_json, coordinator)
+
+
+@hosts_app.command("set-role")
+def hosts_set_role(name: str = typer.Argument(..., help="a host in service"),
+                   role: str = typer.Argument(..., help="spare (takes evacuated workers) or active"),
+                   as_json: bool = typer.Option(False, "--json"),
+                   coordinator: Optional[str] = coordinator_option()) -> None:
+    """Make a host in service a spare, or active."""
+    if role not in ("spare", "active"):
+        fail(InvalidRequest(f"role {role!r} is not spare or active", action="pass spare or active"), as_json)
+    _host_verb("set_role", name, as_json, coordinator, role)
+
+
+@hosts_app.command("remove")
+def hosts_remove(name: str = typer.Argument(..., help="a host whose agent is gone"),
+                 as_json: bool = typer.Option(False, "--json"),
+                 coordinator: Optional[str] = coordinator_option()) -> None:
+    """Forget a host that is gone (its agent silent past the heartbeat timeout, no live workers)."""
+    _host_verb("remove_host", name, as_json, coordinator)
+
+
+@app.command()
+def jobs(as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = coordinator_option()) -> None:
+    """List jobs and where their workers run."""
+    js = ask(coordinator, as_json, lambda c: c.jobs())
+    if js is None:
+        return
+    t = Table(title="jobs")
+    for c in ("job", "state", "movable", "workers (rank@host: state)"):
+        t.add_column(c)
+    for j in js:
+        why = next((w["unmovable"] for w in j["workers"] if w.get("unmovable")), None)
+        t.add_row(j["job"], j["state"], "yes" if j.get("movable", True) else f"no, because {why}",
+                  ", ".join(f"{w['rank']}@{w['host']}: {w['state']}" for w in j["workers"]))
+    out.print(t)
+
+
+def _signal_job(job: str, sig: int, wait: bool, timeout: float, as_json: bool, coordinator: Optional[str]) -> None:
+    """Signal every rank of a job where it runs now; with --wait, until none runs."""
+    import time
+
+    c = client(coordinator, as_json)
+    try:
+        r = c.signal_job(job, sig)
+        end = time.monotonic() + timeout
+        running = wait
+        while running:
+            running = any(j["job"] == job and j["state"] == "running" for j in c.jobs())
+            if not running or time.monotonic() >= end:
+                break
+            time.sleep(0.5)
+    except PitstopError as e:
+        fail(e, as_json)
+    failed = [w for w in r["workers"] if w.get("error")]
+    if as_json:
+        print(json.dumps(r | {"running": running}, indent=1))
+    else:
+        for w in r["workers"]:
+            said = "signalled" if w["delivered"] else w.get("error") or "no longer running"
+            out.print(f"{w['worker']}@{w['host']}: {said}")
+        if wait and not running:
+            out.print(f"job {job} has no running rank left")
+    if failed:
+        err.print(f"[red]{len(failed)} rank(s) not signalled[/]: send it again (a rank in the middle of a move "
+                  "is signalled once the move has ended)")
+        raise typer.Exit(1)
+    if wait and running:
+        err.print(f"[yellow]job {job} still runs after {timeout:.0f} s[/]; `pitstop kill {job}` ends it")
+        raise typer.Exit(EXIT_STILL_RUNNING)
+
+
+@app.command()
+def attach(worker: str = typer.Argument(..., help="a worker, JOB.RANK (as `pitstop jobs` lists them)"),
+           coordinator: Optional[str] = coordinator_option()) -> None:
+    """Follow a worker's output wherever it runs, and exit with its status: the job's handle for
+    whoever lost its launcher (the host it was started on went away after an evacuation)."""
+    from pitstop.launcher.run import follow, shell_code
+
+    c = client(coordinator)
+    try:
+        c.output(worker, "stdout", 0)  # an unknown worker is said plainly, before any following
+    except PitstopError as e:
+        fail(e)
+    raise typer.Exit(shell_code(follow(c, worker)))
+
+
+@app.command()
+def stop(job: str = typer.Argument(..., help="the job (as `pitstop jobs` lists it)"),
+         signal_name: str = typer.Option("TERM", "--signal", help="the signal, by name or number"),
+         wait: bool = typer.Option(False, "--wait", help="wait until no rank of the job runs"),
+         timeout: float = typer.Option(60.0, min=0, help="seconds to wait with --wait"),
+         as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = coordinator_option()) -> None:
+    """Send SIGTERM (or --signal) to every rank of a job, wherever each runs now, moved ranks
+    included: what a scheduler's cancel does to the ranks it still knows."""
+    from pitstop.proc import signals
+
+    try:
+        sig = signals.parse(signal_name)
+    except ValueError as e:
+        err.print(f"[red]--signal: {e}[/]")
+        raise typer.Exit(2) from None
+    _signal_job(job, sig, wait, timeout, as_json, coordinator)
+
+
+@app.command()
+def kill(job: str = typer.Argument(..., help="the job (as `pitstop jobs` lists it)"),
+         wait: bool = typer.Option(False, "--wait", help="wait until no rank of the job runs"),
+         timeout: float = typer.Option(60.0, min=0, help="seconds to wait with --wait"),
+         as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = coordinator_option()) -> None:
+    """SIGKILL every rank of a job, wherever each runs now."""
+    import signal
+
+    _signal_job(job, signal.SIGKILL, wait, timeout, as_json, coordinator)
+
+
+@app.command()
+def ops(op_id: Optional[str] = typer.Argument(None, help="an operation id; omit to list them"),
+        node: Optional[str] = typer.Option(None, "--node", help="only operations from or to this host"),
+        running: Optional[bool] = typer.Option(None, "--running/--finished", help="only running, or finished, ones",
+                                               show_default=False),
+        limit: int = typer.Option(50, "--limit", min=1, max=1000, help="the newest this many"),
+        before: Optional[float] = typer.Option(None, "--before", help="the page before this creation time "
+                                               "(the oldest `created` of the last page, from --json)"),
+        as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = coordinator_option()) -> None:
+    """List operations (the newest, filtered), or show one."""
+    data = ask(coordinator, as_json, lambda c: c.op(op_id) if op_id else c.ops(
+        node=node, done=None if running is None else not running, before=before, limit=limit))
+    if data is None:
+        return
+    if op_id:
+        _print_op(data)
+        return
+    t = Table(title="operations")
+    for c in ("operation", "node", "to", "phase", "result", "downtime", "why", "by"):
+        t.add_column(c)
+    for o in data:
+        m = o["metadata"]
+        t.add_row(o["name"], m["node"], m["destination"], m["phase"], m.get("result") or "running",
+                  f"{m['downtime_s']:.2f}s" if m.get("downtime_s") is not None else "", m.get("reason") or "",
+                  m.get("requested_by") or "")
+    out.print(t)
+    if len(data) == limit:
+        err.print(f"the newest {limit} shown; older ones: --before {min(o['metadata']['create_time'] for o in data)}")
+
+
+@app.command()
+def moves(node: Optional[str] = typer.Option(None, "--node", help="only moves from or to this host"),
+          result: Optional[str] = typer.Option(None, "--result", help="succeeded, failed or cancelled"),
+          limit: int = typer.Option(50, "--limit", min=1, max=1000),
+          as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = coordinator_option()) -> None:
+    """The ledger of finished moves: why, where to, bytes, the pause, and the job's time to useful
+    progress after it (first collectives, back to speed, step time after over before)."""
+    data = ask(coordinator, as_json, lambda c: c.moves(node=node, result=result, limit=limit))
+    if data is None:
+        return
+    t = Table(title="moves")
+    for col in ("operation", "from -> to", "result", "pause", "bytes before / in pause", "first collectives",
+                "back to speed", "step time after/before", "why"):
+        t.add_column(col)
+
+    def s(v: Any, unit: str = " s") -> str:
+        return "" if v is None else f"{v:.2f}{unit}"
+
+    for m in data:
+        a = m.get("after_move") or {}
+        t.add_row(m["operation"].removeprefix("operations/"), f"{m['decision']['node']} -> {m['decision']['destination']}",
+                  m["result"] or "", s(m["pause_s"]),
+                  f"{m['bytes']['before_pause'] / 2**20:.0f} / {(m['bytes']['during_pause'] or 0) / 2**20:.0f} MiB",
+                  s(a.get("first_collectives_s")) if a.get("measured") else ("not measured" if a else "watching"),
+                  s(a.get("back_to_speed_s")), s(a.get("step_time_ratio"), " x"), m["why"]["reason"])
+    out.print(t)
+
+
+@app.command()
+def cancel(op_id: str = typer.Argument(..., help="the operation to cancel (as `pitstop ops` lists it)"),
+           wait: bool = typer.Option(False, "--wait", help="wait until it has rolled back"),
+           timeout: float = typer.Option(300.0, min=0, help="seconds to wait with --wait"),
+           as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = coordinator_option()) -> None:
+    """Cancel an evacuation before its commit point: it rolls back and every worker keeps running
+    where it was.  Past the commit point it is refused (the move finishes)."""
+    import time
+
+    c = client(coordinator, as_json)
+    try:
+        o = c.cancel(op_id)
+        end = time.monotonic() + timeout
+        while wait and not o["done"] and time.monotonic() < end:
+            time.sleep(0.2)
+            o = c.op(o["name"])
+    except PitstopError as e:
+        fail(e, as_json)
+    if as_json:
+        print(json.dumps(o, indent=1))
+    elif o["done"]:
+        _print_op(o)
+    else:
+        out.print(f"cancelling {o['name']} (phase {o['metadata']['phase']}): it rolls back; "
+                  f"follow with `pitstop ops {o['name']}`")
+    if wait and not o["done"]:
+        err.print(f"[yellow]still rolling back after {timeout:.0f} s; follow with `pitstop ops {o['name']}`[/]")
+        raise typer.Exit(EXIT_STILL_RUNNING)
+
+
+def _print_op(o: dict) -> None:
+    m = o["metadata"]
+    t = Table(title=f"{o['name']}: {m['node']} -> {m['destination']} ({m.get('result') or m['phase']})")
+    t.add_column("phase")
+    t.add_column("seconds", justify="right")
+    outside = {"precopy": "precopy (before the pause)", "cleanup": "cleanup (after the resume)",
+               "fill": "fill (after the resume)"}
+    for k, v in m.get("phases", {}).items():
+        t.add_row(outside.get(k, k), f"{v:.3f}")
+    if m.get("downtime_s") is not None:
+        t.add_row("[bold]downtime (first pause -> last resume)[/]", f"[bold]{m['downtime_s']:.3f}[/]")
+    if m.get("pre_copy_bytes"):
+        t.add_row("bytes sent ahead, while the job ran (pre-copy; phase precopy, before the pause)",
+                  f"{m['pre_copy_bytes']:,}")
+    if m.get("bytes_total"):
+        t.add_row("bytes moved during the pause" if m.get("pre_copy_bytes") else "bytes moved",
+                  f"{m['bytes_total']:,}")
+        if m.get("bytes_after_resume"):
+            t.add_row("bytes fetched after the resume (network post-copy)", f"{m['bytes_after_resume']:,}")
+            if m.get("fill_s") is not None:
+                t.add_row(f"memory all on {m['destination']} (after the resume; {m['node']} may leave)",
+                          f"{m['fill_s']:.3f}")
+    out.print(t)
+    if o.get("error"):
+        how = "cancelled" if m.get("result") == "cancelled" else "failed"
+        err.print(f"[bold red]{how}:[/] {o['error']['message']}", soft_wrap=True)
+        for d in o["error"].get("details", []):
+            if d.get("action"):
+                err.print(f"[bold]what to do:[/] {d['action']}", soft_wrap=True)
+
+
+@app.command()
+def evacuate(
+    node: str = typer.Argument(..., help="the host to drain"),
+    to: Optional[str] = typer.Option(None, "--to", help="destination host (default: a compatible spare)"),
+    wait: bool = typer.Option(False, "--wait", help="wait for the operation to finish"),
+    as_json: bool = typer.Option(False, "--json", help="print the (final) Operation as JSON"),
+    idempotency_key: Optional[str] = typer.Option(None, "--idempotency-key", help="retry-safe request key"),
+    timeout: float = typer.Option(900.0, min=0, help="seconds to wait with --wait"),
+    post_copy: Optional[bool] = typer.Option(
+        None, "--post-copy/--no-post-copy",
+        help="network post-copy: the job resumes before most of the moved memory has travelled; it follows "
+             "from NODE, which must stay up until the operation is done.  Default: the source agent's "
+             "PITSTOP_AGENT_REMOTE_POST_COPY"),
+    pre_copy: Optional[bool] = typer.Option(
+        None, "--pre-copy/--no-pre-copy",
+        help="send the leaving workers' memory while the job still runs, then only what changed during the "
+             "pause.  Default: the coordinator's PITSTOP_COORDINATOR_PRE_COPY"),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="make every check an evacuation makes before anything pauses (the spare it "
+                                 "would get, post-copy support, the spare's files) and say what would move; "
+                                 "moves nothing"),
+    reason: Optional[str] = typer.Option(None, "--reason", help="why NODE must leave; kept with the operation "
+                                         "(`pitstop ops` shows it)"),
+    coordinator: Optional[str] = coordinator_option(),
+) -> None:
+    """Move every worker off NODE to a spare while its jobs keep training.
+
+    Done when NODE may leave: with post-copy, once the moved memory has all arrived."""
+    import time
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+    c = client(coordinator, as_json)
+    try:
+        o = c.evacuate(node, to, idempotency_key, reason=reason, post_copy=post_copy, pre_copy=pre_copy,
+                       validate_only=dry_run)
+    except PitstopError as e:
+        fail(e, as_json)
+    if dry_run:
+        if as_json:
+            print(json.dumps(o, indent=1))
+            return
+        out.print(f"{node} could be evacuated now: {len(o['workers'])} worker(s) of {', '.join(o['jobs'])} "
+                  f"would move to {o['destination']}" + (f", {len(o['peers'])} peer(s) pausing meanwhile"
+                                                         if o["peers"] else ""))
+        if o["files"]["unchecked"]:
+            out.print(f"not checked: the files of {', '.join(o['files']['unchecked'])} (an agent predates the "
+                      "check; the restore would say what is missing)")
+        else:
+            out.print(f"{o['destination']} has every file the leaving workers use")
+        return
+    if not wait:
+        print(json.dumps(o, indent=1)) if as_json else out.print(f"started {o['name']}")
+        return
+    end = time.monotonic() + timeout
+    show = not as_json and err.is_terminal or os.environ.get("PITSTOP_PROGRESS") == "1"
+    with Progress(TextColumn("[bold]{task.fields[phase]:<9}"), BarColumn(), DownloadColumn(),
+                  TimeElapsedColumn(), console=err, disable=not show, transient=False) as prog:
+        task = prog.add_task("evacuate", total=None, phase="pending")
+        last: tuple[str, int] | None = None
+        last_line = 0.0
+        while True:
+            try:
+                o = c.op(o["name"])
+            except PitstopError as e:
+                fail(e, as_json)
+            m = o["metadata"]
+            done, total = _progress(m)
+            prog.update(task, phase=m["phase"], completed=done, total=total)
+            # without a terminal: a line per phase, and one every 10 s while the bytes move
+            if not show and not as_json and (last is None or m["phase"] != last[0]
+                                             or (done != last[1] and time.monotonic() - last_line >= 10)):
+                of = " of about" if m["phase"] == "precopy" else " of"  # a pre-copy's total is an estimate
+                err.print(f"phase: {m['phase']}  bytes: {done:,}" + (f"{of} {total:,}" if total else ""))
+                last, last_line = (m["phase"], done), time.monotonic()
+            if o["done"] or time.monotonic() > end:
+                break
+            time.sleep(0.2)
+    if as_json:
+        print(json.dumps(o, indent=1))
+    else:
+        _print_op(o)
+    if not o["done"]:
+        err.print(f"[yellow]still running after {timeout:.0f} s; follow with `pitstop ops {o['name']}`[/]")
+        raise typer.Exit(EXIT_STILL_RUNNING)
+    if o.get("error"):
+        raise typer.Exit(1)
+
+
+def _progress(m: dict) -> tuple[int, int | None]:
+    """Bytes done and expected in the operation's current phase: the pre-copy's own while it
+    runs (memory sent while the job trains), otherwise those moved during the pause."""
+    if m.get("phase") == "precopy":
+        return int(m.get("pre_copy_bytes") or 0), m.get("pre_copy_bytes_total") or None
+    return int(m.get("bytes_done") or 0), m.get("bytes_total") or None

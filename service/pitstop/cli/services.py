@@ -1,0 +1,130 @@
+"""The services' commands: `pitstop agent`, `pitstop coordinator`, `pitstop run` (the launcher)
+and `pitstop doctor`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from pitstop.cli.common import (
+    app,
+    fail,
+    given,
+    out,
+    settings_of,
+    setup_logs,
+)
+from pitstop.errors import PitstopError
+
+
+@app.command()
+def doctor(as_json: bool = typer.Option(False, "--json", help="print the checks as JSON")) -> None:
+    """Check whether this host can capture and restore workers."""
+    from pitstop.doctor import ready, run_checks
+
+    checks = run_checks()
+    ok, reasons = ready(checks)
+    if as_json:
+        print(json.dumps({"ready": ok, "reasons": reasons,
+                          "checks": [c.__dict__ for c in checks]}, indent=1))
+    else:
+        t = Table(title="pitstop doctor")
+        t.add_column("check")
+        t.add_column("")
+        t.add_column("detail")
+        for c in checks:
+            mark = {True: "[green]ok[/]", False: "[red]FAIL[/]" if c.required else "[yellow]warn[/]",
+                    None: "[dim]-[/]"}[c.ok]
+            t.add_row(c.name, mark, c.detail)
+        out.print(t)
+        out.print("[green]this host can migrate workers[/]" if ok else
+                  "[red]this host cannot migrate workers:[/] " + "; ".join(reasons))
+    raise typer.Exit(0 if ok else 1)
+
+
+
+@app.command()
+def agent(
+    name: Optional[str] = typer.Option(None, help="this host's name in the cluster (PITSTOP_AGENT_NAME; "
+                                       "default: the host name)"),
+    listen: Optional[str] = typer.Option(None, help="HOST:PORT for peers and the coordinator "
+                                         "(PITSTOP_AGENT_LISTEN; default 127.0.0.1:7070)"),
+    coordinator: Optional[str] = typer.Option(None, envvar="PITSTOP_COORDINATOR", help="coordinator URL"),
+    state_dir: Optional[Path] = typer.Option(None, help="where the agent keeps its state "
+                                             "(PITSTOP_AGENT_STATE_DIR; default /var/lib/pitstop/agent)"),
+    image_dir: Optional[Path] = typer.Option(None, help="where images go (PITSTOP_AGENT_IMAGE_DIR; default "
+                                             "/run/pitstop/images/NAME; only root may change it or any directory above it)"),
+    advertise_url: Optional[str] = typer.Option(None, help="URL peers and the coordinator use to reach this agent "
+                                                "(PITSTOP_AGENT_ADVERTISE_URL; needed when --listen is a wildcard)"),
+    spare: Optional[bool] = typer.Option(None, "--spare/--active", help="offer this host as a migration target "
+                                         "(PITSTOP_AGENT_SPARE)", show_default=False),
+    insecure: Optional[bool] = typer.Option(None, "--insecure", help="allow running without PITSTOP_CLUSTER_TOKEN "
+                                            "(PITSTOP_AGENT_INSECURE)", show_default=False),
+    worker_link: Optional[str] = typer.Option(None, help="uplink for workers' own addresses "
+                                              "(`pitstop run --address`); default: the default route's link"),
+    slurm_node: Optional[str] = typer.Option(None, help="the Slurm node this host is, for `pitstop slurm-watch` "
+                                             "(PITSTOP_AGENT_SLURM_NODE; default: the short host name)"),
+    log_json: bool = typer.Option(False, "--log-json"),
+) -> None:
+    """Run the host agent."""
+    from pitstop.agent.server import serve
+    from pitstop.agent.settings import AgentSettings
+
+    setup_logs(log_json)
+    kw = given(name=name, listen=listen, coordinator=coordinator, state_dir=state_dir, image_dir=image_dir,
+                advertise_url=advertise_url, spare=spare, insecure=insecure, worker_link=worker_link,
+                slurm_node=slurm_node)
+    try:
+        serve(settings_of(AgentSettings, **kw))
+    except PitstopError as e:
+        fail(e)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    ctx: typer.Context,
+    job: str = typer.Option(..., help="job id shared by all ranks of the job"),
+    agent_url: str = typer.Option(os.environ.get("PITSTOP_AGENT", "http://127.0.0.1:7070"), "--agent",
+                                  help="this host's agent (http://HOST:PORT or unix:/path)"),
+    rank: Optional[int] = typer.Option(None, help="rank of this process tree (default: $RANK, else $GROUP_RANK, "
+                                      "else $SLURM_PROCID under srun, else 0)"),
+    host_nccl: bool = typer.Option(False, "--host-nccl", help="use pitstop's host NCCL (TCP, CPU) as libnccl.so.2"),
+    no_shim: bool = typer.Option(False, "--no-shim", help="do not preload the NCCL shim"),
+    address: Optional[str] = typer.Option(None, help="give the worker its own address A.B.C.D/P on the host's "
+                                          "uplink subnet: its TCP connections then survive a move to any host "
+                                          "on that segment"),
+) -> None:
+    """Run COMMAND so that pitstop can move it: pitstop run --job J --agent URL -- COMMAND [ARGS...]"""
+    from pitstop.launcher.run import run as run_cmd
+
+    args = list(ctx.args)
+    if args and args[0] == "--":
+        args = args[1:]
+    raise typer.Exit(run_cmd(args, job=job, agent_url=agent_url, rank=rank, shim=not no_shim,
+                             host_nccl=host_nccl, address=address))
+
+
+@app.command()
+def coordinator(
+    listen: Optional[str] = typer.Option(None, help="HOST:PORT for operators and agents "
+                                         "(PITSTOP_COORDINATOR_LISTEN; default 127.0.0.1:7000)"),
+    db: Optional[Path] = typer.Option(None, help="SQLite database file (PITSTOP_COORDINATOR_DB; "
+                                      "default /var/lib/pitstop/coordinator.db)"),
+    insecure: Optional[bool] = typer.Option(None, "--insecure", help="allow running without tokens "
+                                            "(PITSTOP_COORDINATOR_INSECURE)", show_default=False),
+    log_json: bool = typer.Option(False, "--log-json"),
+) -> None:
+    """Run the coordinator (operator REST API, migration driver)."""
+    from pitstop.coordinator.server import serve
+    from pitstop.coordinator.settings import CoordinatorSettings
+
+    setup_logs(log_json)
+    try:
+        serve(settings_of(CoordinatorSettings, **given(listen=listen, db=db, insecure=insecure)))
+    except PitstopError as e:
+        fail(e)
