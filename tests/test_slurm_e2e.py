@@ -7,6 +7,7 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -118,6 +119,66 @@ def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm
         if job is not None and job.poll() is None:
             job.terminate()
             job.wait(30)
+        watch.terminate()
+        try:
+            watch.wait(15)
+        except subprocess.TimeoutExpired:
+            watch.kill()
+            watch.wait(5)
+
+
+def test_a_released_node_leaves_the_job_and_can_reboot(cluster, slurm, tmp_path):
+    """`slurm-watch --release-nodes`: once b's rank moved, b leaves the job's allocation and ends
+    DRAINED with no job; the moved rank outlives its launcher there (Slurm ended it), and a
+    scancel of the job still ends it, through the watcher."""
+    cluster.start_coordinator()
+    with cluster.starting():
+        for host, node in (("host-a", "a"), ("host-b", "b")):
+            cluster.start_agent(host, env={"PITSTOP_AGENT_SLURM_NODE": node})
+        cluster.start_agent("spare-1", spare=True, env={"PITSTOP_AGENT_SLURM_NODE": "spare1"})
+    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+    until(lambda: {h.get("slurm_node") for h in cc.hosts()} == {"a", "b", "spare1"}, what="agents report their nodes")
+    watch = subprocess.Popen([*pitstop_cmd(), "slurm-watch", "--coordinator", cluster.coordinator_url,
+                              "--interval", "0.3", "--release-nodes"], env=slurm.env(cluster.env()),
+                             stdout=open(tmp_path / "slurm-watch.log", "ab"), stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    idle = None
+    try:
+        agents = tmp_path / "agents"
+        agents.mkdir()
+        for host, node in (("host-a", "a"), ("host-b", "b")):
+            (agents / node).write_text(cluster.agents[host].url)
+        task = (f'exec {shlex.join(pitstop_cmd())} run --job idle --agent "$(cat {agents}/$SLURMD_NODENAME)" '
+                f'-- {shlex.join(SLEEPER)}')
+        idle = subprocess.Popen(["srun", "-N2", "-n2", "--ntasks-per-node=1", "-w", "a,b", "--job-name=idle",
+                                 f"--output={tmp_path}/idle.rank%t.log", "sh", "-c", task], env=slurm.env(cluster.env()),
+                                stdout=open(tmp_path / "idle-srun.log", "ab"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+        def running():
+            return {w["rank"]: w["host"] for j in cc.jobs() if j["job"] == "idle" for w in j["workers"]
+                    if w["state"] == "running"}
+        until(lambda: running() == {0: "host-a", 1: "host-b"}, what="the idle job's two ranks")
+        (job_id,) = slurm.run("squeue", "-h", "--name=idle", "-o", "%i").stdout.split()
+        assert {w.get("slurm_job") for j in cc.jobs() for w in j["workers"]} == {job_id}
+        slurm.run("scontrol", "update", "nodename=b", "state=drain", "reason=maintenance")
+        until(lambda: f"freed from job {job_id}" in _note(slurm, "b"), timeout=120,
+              what=f"b moved and freed: {_note(slurm, 'b')!r}")
+        # b has no job left: DRAINED, it could reboot; the job now runs on a alone, its rank 1 on the spare
+        until(lambda: slurm.node("b")["state"] == "idle" and "DRAIN" in slurm.node("b")["state_flags"],
+              what=f"b drained: {slurm.node('b')}")
+        assert slurm.run("squeue", "-h", "--name=idle", "-o", "%N").stdout.strip() == "a"
+        until(lambda: running() == {0: "host-a", 1: "spare-1"}, what="rank 1 on the spare")
+        time.sleep(1.0)
+        assert running() == {0: "host-a", 1: "spare-1"}  # its launcher on b is gone; it is not
+        # scancel: the rank on a ends with its task, the moved one through the watcher
+        slurm.run("scancel", job_id)
+        until(lambda: not running(), timeout=30, what="every rank of the cancelled job ended")
+        idle.wait(60)
+    finally:
+        if idle is not None and idle.poll() is None:
+            idle.terminate()
+            idle.wait(30)
         watch.terminate()
         try:
             watch.wait(15)

@@ -5,10 +5,11 @@ in test_slurm_e2e.py."""
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field, replace
 
 from pitstop.errors import Conflict, FailedPrecondition
-from pitstop.slurm.slurmctl import Node
+from pitstop.slurm.slurmctl import Job, Node
 from pitstop.slurm.watch import OURS, Watcher, split_reason
 
 
@@ -22,6 +23,14 @@ class FakeSlurm:
     nodes_: dict[str, Node]
     drains: list[tuple[str, str]] = field(default_factory=list)
     reserved: list[str] | None = None
+    jobs_: list[Job] = field(default_factory=list)
+    shrunk: list[tuple[str, list[str]]] = field(default_factory=list)
+
+    def jobs(self) -> list[Job]:
+        return self.jobs_
+
+    def shrink(self, job: str, nodes: list[str]) -> None:
+        self.shrunk.append((job, nodes))
 
     def nodes(self) -> list[Node]:
         return list(self.nodes_.values())
@@ -43,6 +52,7 @@ class FakeCoordinator:
     evacuations: list[tuple[str, str | None, str | None]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     past_commit: bool = False
+    signalled: list[tuple[str, int]] = field(default_factory=list)
 
     def hosts(self) -> list[dict]:
         return self.hosts_
@@ -64,6 +74,10 @@ class FakeCoordinator:
               "metadata": {"node": host, "phase": "precopy", "destination": "spare-1"}}
         self.ops_[op["name"]] = op
         return op
+
+    def signal_job(self, job: str, sig: int) -> dict:
+        self.signalled.append((job, sig))
+        return {"job": job, "workers": []}
 
     def cancel(self, op_id: str) -> dict:
         if self.past_commit:
@@ -192,3 +206,46 @@ def test_a_degraded_host_is_drained_in_slurm_once_and_not_moved_twice():
     assert s.drains == [("a", "pitstop health: GPU 0: 12 uncorrectable ECC errors")]
     w.step()
     assert len(s.drains) == 1 and c.evacuations == []  # the coordinator's policy moves it, not us
+
+
+def test_released_nodes_leave_the_allocations_of_the_jobs_whose_ranks_moved():
+    s, c, w = world(b=node("b", True, "maintenance"))
+    w.release_nodes = True
+    c.workers[1]["slurm_job"] = "41"
+    s.jobs_ = [Job("41", "RUNNING", ("a", "b"), "a"), Job("7", "RUNNING", ("b",), "b")]  # 7: not pitstop's
+    w.step()
+    c.ops_["operations/1"].update(done=True)
+    c.ops_["operations/1"]["metadata"].update(result="succeeded", workers={"j.1": {}})
+    c.workers[1]["host"] = "spare-1"
+    w.step()
+    assert s.shrunk == [("41", ["a"])]
+    assert note(s, "b") == "moved its ranks to spare-1 (operations/1); freed from job 41"
+    # a job whose batch host is the node keeps it, and the reason says so
+    s, c, w = world(b=node("b", True, "maintenance"))
+    w.release_nodes = True
+    c.workers[1]["slurm_job"] = "42"
+    s.jobs_ = [Job("42", "RUNNING", ("b", "a"), "b")]
+    w.step()
+    c.ops_["operations/1"].update(done=True)
+    c.ops_["operations/1"]["metadata"].update(result="succeeded", workers={"j.1": {}})
+    c.workers[1]["host"] = "spare-1"
+    w.step()
+    assert s.shrunk == [] and note(s, "b").endswith("job 42 keeps it (its batch host cannot leave it)")
+
+
+def test_a_slurm_job_that_ends_ends_its_moved_ranks_once():
+    s, c, w = world()
+    for x in c.workers:
+        x["slurm_job"] = "43"
+    s.jobs_ = [Job("43", "RUNNING", ("a", "b"), "a")]
+    w.step()
+    assert c.signalled == []
+    s.jobs_ = [Job("43", "CANCELLED", ("a", "b"), "a")]  # scancel
+    w.step()
+    w.step()
+    assert c.signalled == [("j", signal.SIGKILL)]
+    # a job never seen running is not taken for one that ended (a watcher started after it)
+    s, c, w = world()
+    c.workers[0]["slurm_job"] = "44"
+    w.step()
+    assert c.signalled == []

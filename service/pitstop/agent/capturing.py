@@ -674,7 +674,8 @@ class SourceSide:
         tail.manifest_base = Manifest(capture_id=cap.id, stdio=[StdioPipe(**d) for d in stdio],
                                       criu_version=runtime.locate().version_str, output_base=self._output_end(w),
                                       worker={"id": w.id, "job": w.job, "rank": w.rank,
-                                              **({"init_dir": w.init_dir} if w.init_dir else {})}, gpu=cap.gpu,
+                                              **({"init_dir": w.init_dir} if w.init_dir else {}),
+                                              **({"slurm_job": w.slurm_job} if w.slurm_job else {})}, gpu=cap.gpu,
                                       net=w.net, keep_peers=cap.keep_peers, pages_from=pages_from, parent=parent)
         tail.finished.set()
         if sender is None:

@@ -74,7 +74,7 @@ class Handles:
     # launchers
     def watch(self, w: Worker) -> None:
         """Watch the worker's launcher, once per worker, for as long as it runs."""
-        if not w.launcher or w.restored:
+        if not w.launcher:  # registered over TCP, or restored here having never run here before
             return
         with self._lock:
             if w.id in self._watched:

@@ -36,7 +36,7 @@ def payload(agent: Agent) -> dict:
     from pitstop.gpu.inventory import inventory
 
     workers = [agent.refresh(w).model_dump(include={"id", "job", "rank", "state", "root_pid", "moved_to", "net",
-                                                      "exit_code", "caps", "unmovable"})
+                                                      "exit_code", "caps", "unmovable", "slurm_job"})
                for w in list(agent.state.workers.values())]
     return {"name": agent.s.name, "url": agent.s.url, "spare": agent.s.spare, "workers": workers,
             "slurm_node": agent.s.slurm_node or socket.gethostname().split(".")[0],

@@ -204,7 +204,7 @@ class DestinationSide:
             w, fill = self._restore(directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
                                     stdio=[p.model_dump() for p in m.stdio], replace=True,
                                     output_base=m.output_base, gpu=m.gpu, phases=sub_phases, net=m.net,
-                                    keep_peers=m.keep_peers, init_dir=wk.get("init_dir"),
+                                    keep_peers=m.keep_peers, init_dir=wk.get("init_dir"), slurm_job=wk.get("slurm_job"),
                                     lazy=plan.lazy, abort=s.abort,
                                     pages_from=m.pages_from if plan.fill is PageFill.REMOTE else None,
                                     local_index=index)
@@ -357,7 +357,7 @@ class DestinationSide:
                              output_base=output_base, gpu=gpu, net=net, init_dir=init_dir)[0]
 
     def _restore(self, directory: Path, *, worker_id: str, job: str, rank: int,
-                 stdio: list[dict[str, Any]], replace: bool = False,
+                 stdio: list[dict[str, Any]], replace: bool = False, slurm_job: str | None = None,
                  output_base: dict[str, int] | None = None, gpu: dict[str, Any] | None = None,
                  phases: dict[str, float] | None = None, net: dict[str, str] | None = None,
                  keep_peers: list[str] | None = None, lazy: bool = False,
@@ -462,7 +462,12 @@ class DestinationSide:
             scope.place(worker_id + "-fill", fill.pid, more=fill.pids[1:])
         faults.hit("restore:before_register")  # the worker runs; a rollback may look for it meanwhile
         uids = peercred.process_uids(pid)  # the restored tree's owner, as the local socket checks callers
+        # what the record held of its launcher and scheduler where it ran here before (a rollback):
+        # the launcher still ends it, the Slurm job still owns it
+        was = self.state.workers.get(worker_id)
         w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=started,
+                   launcher=was.launcher if was else None, world=was.world if was else None,
+                   slurm_job=slurm_job or (was.slurm_job if was else None),
                    owner_uid=uids.pop() if len(uids) == 1 else 0,
                    restored=True, output_base=output_base or {}, net=net, init_dir=init_dir,
                    keeper=keeper.to_dict() if keeper else None,

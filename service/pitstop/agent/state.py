@@ -74,6 +74,7 @@ class Worker(BaseModel):
     # the worker runs here (agent/handles.py).  None: registered over TCP, or restored here.
     launcher: dict[str, int] | None = None
     world: int | None = None              # the job's number of ranks, as its launcher was told (WORLD_SIZE, SLURM_NTASKS)
+    slurm_job: str | None = None          # the Slurm job whose task started it (SLURM_JOB_ID): travels with it
     registered_at: float = Field(default_factory=time.time)
 
 

@@ -29,6 +29,9 @@ def slurm_watch(
                                     help="the Slurm reservation that keeps ordinary jobs off the spares "
                                          "('' to manage none)"),
     interval: float = typer.Option(1.0, "--interval", min=0.1, max=60.0, help="seconds between looks"),
+    release_nodes: bool = typer.Option(False, "--release-nodes", envvar="PITSTOP_SLURM_RELEASE_NODES",
+                                       help="once a node's ranks moved, take it out of their Slurm jobs' allocations "
+                                            "so that it drains fully (their srun then reports those tasks killed)"),
     log_json: bool = typer.Option(False, "--log-json"),
 ) -> None:
     """Move the ranks off Slurm nodes as they are drained, hold the spares back from Slurm's
@@ -43,7 +46,8 @@ def slurm_watch(
     stop: list[int] = []
     for sig in (signals.SIGTERM, signals.SIGINT):
         signals.signal(sig, lambda n, _f: stop.append(n))
-    Watcher(SlurmCommands(), c, reason_prefix=reason_prefix, reservation=reservation or None).run(
+    Watcher(SlurmCommands(), c, reason_prefix=reason_prefix, reservation=reservation or None,
+            release_nodes=release_nodes).run(
         interval, until=lambda: bool(stop))
 
 

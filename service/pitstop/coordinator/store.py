@@ -331,7 +331,7 @@ class Store:
         info = json.loads(r["info"])
         return {"id": r["id"], "job": r["job"], "rank": r["rank"], "host": r["host"], "state": r["state"],
                 "updated": r["updated"], "address": (info.get("net") or {}).get("address"),
-                "caps": info.get("caps"), "unmovable": info.get("unmovable")}
+                "caps": info.get("caps"), "unmovable": info.get("unmovable"), "slurm_job": info.get("slurm_job")}
 
     def set_worker_host(self, wid: str, host: str, state: str = "running") -> None:
         self._x("UPDATE workers SET host=?, state=?, updated=? WHERE id=?", (host, state, time.time(), wid))

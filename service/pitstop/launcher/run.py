@@ -273,7 +273,8 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     try:
         root = _find_ns_init(p)
         try:
-            w = client.register(job, rank, root, address, world=world)
+            w = client.register(job, rank, root, address, world=world,
+                                slurm_job=os.environ.get("SLURM_JOB_ID") or None)
         except PitstopError as refused:
             if proctree.exists(root):
                 raise

@@ -68,6 +68,44 @@ def nodes() -> list[Node]:
             for n in raw if n.get("name")]
 
 
+@dataclass(frozen=True)
+class Job:
+    id: str
+    state: str                 # RUNNING, PENDING, COMPLETED, CANCELLED, ...
+    nodes: tuple[str, ...]     # expanded
+    batch_host: str
+
+    @property
+    def running(self) -> bool:
+        return self.state.upper() in ("RUNNING", "SUSPENDED", "COMPLETING")
+
+
+def hostnames(spec: str) -> tuple[str, ...]:
+    """A Slurm host list (`a,b`, `n[1-3]`) expanded."""
+    if not spec or spec == "(null)":
+        return ()
+    if "[" not in spec:
+        return tuple(x for x in spec.split(",") if x)
+    return tuple(_run(["scontrol", "show", "hostnames", spec], "expanding a node list").split())
+
+
+def jobs() -> list[Job]:
+    """Every job Slurm knows, as `squeue --json` describes it."""
+    out = _run(["squeue", "--json"], "squeue")
+    try:
+        raw = json.loads(out)["jobs"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SlurmError(f"squeue --json printed something unexpected: {e!r}",
+                         action="check the Slurm version (21.08 or later has --json)") from None
+    return [Job(id=str(j["job_id"]), state=str(j.get("job_state", "")), nodes=hostnames(str(j.get("nodes") or "")),
+                batch_host=str(j.get("batch_host") or "")) for j in raw if "job_id" in j]
+
+
+def shrink(job: str, nodes: list[str]) -> None:
+    """Job `job` keeps only `nodes`: Slurm ends its tasks on the others, which leave the job."""
+    _run(["scontrol", "update", f"jobid={job}", f"NodeList={','.join(nodes)}"], f"shrinking job {job}")
+
+
 def drain(node: str, reason: str) -> None:
     """Drain `node` (again) with `reason`: Slurm places no new work there and says why."""
     _run(["scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}"], f"draining {node}")

@@ -18,6 +18,12 @@ One watcher per cluster polls Slurm's nodes and the coordinator's hosts, and:
 - **Spares are held back** in a Slurm reservation (`--reservation`, default `pitstop_spares`) that
   the watcher keeps equal to the spares' nodes plus the nodes that run ranks a move put there:
   ordinary jobs are not placed on them.
+- **Freeing the node** (`--release-nodes`): once a node's ranks moved, the node is taken out of
+  the allocations of the Slurm jobs those ranks belong to, so it drains fully and may reboot.
+  Slurm then ends those jobs' tasks on it (the launchers; the moved ranks outlive them) and the
+  job's `srun` reports them killed.  Off by default: it trades the job's exit status for the node.
+- **A Slurm job that ends ends its moved ranks** (scancel, a time limit), whose launchers may be
+  gone with the node they left.
 - **Health to Slurm**: a host the coordinator's health policy finds degraded is drained in Slurm
   with the policy's reasons (`pitstop health: ...`), so that Slurm stops placing work there; the
   coordinator's own policy moves its ranks, so such a drain does not start a second move.
@@ -28,6 +34,7 @@ its idempotency key (the node and the time of its drain) or among the host's run
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,7 +43,7 @@ import structlog
 
 from pitstop.errors import Conflict, PitstopError
 from pitstop.slurm import slurmctl
-from pitstop.slurm.slurmctl import Node
+from pitstop.slurm.slurmctl import Job, Node
 
 log = structlog.get_logger("pitstop.slurm.watch")
 
@@ -48,7 +55,9 @@ LIVE = ("running", "paused", "capturing", "stopped")
 
 class Slurm(Protocol):
     def nodes(self) -> list[Node]: ...
+    def jobs(self) -> list[Job]: ...
     def drain(self, node: str, reason: str) -> None: ...
+    def shrink(self, job: str, nodes: list[str]) -> None: ...
     def set_reservation(self, name: str, nodes: list[str]) -> None: ...
 
 
@@ -62,6 +71,7 @@ class Coordinator(Protocol):
                  reason: str | None = None, post_copy: bool | None = None, pre_copy: bool | None = None,
                  validate_only: bool = False) -> dict: ...
     def cancel(self, op_id: str) -> dict: ...
+    def signal_job(self, job: str, sig: int) -> dict: ...
 
 
 class SlurmCommands:
@@ -70,8 +80,14 @@ class SlurmCommands:
     def nodes(self) -> list[Node]:
         return slurmctl.nodes()
 
+    def jobs(self) -> list[Job]:
+        return slurmctl.jobs()
+
     def drain(self, node: str, reason: str) -> None:
         slurmctl.drain(node, reason)
+
+    def shrink(self, job: str, nodes: list[str]) -> None:
+        slurmctl.shrink(job, nodes)
 
     def set_reservation(self, name: str, nodes: list[str]) -> None:
         slurmctl.set_reservation(name, nodes)
@@ -103,12 +119,18 @@ class Watcher:
     handled: dict[str, str] = field(default_factory=dict)     # node -> the drain reason already acted on
     hosted: set[str] = field(default_factory=set)             # nodes reserved because they took moved ranks
     health_drained: set[str] = field(default_factory=set)     # nodes drained for their host's health
+    release_nodes: bool = False                               # free a drained node from its jobs' allocations
+    seen_running: set[str] = field(default_factory=set)       # Slurm jobs seen running
+    ended: set[str] = field(default_factory=set)              # pitstop jobs ended because their Slurm job did
+    workers: list[dict] = field(default_factory=list)         # the coordinator's, as of this step
 
     def step(self) -> None:
         """One look at Slurm and the coordinator, and whatever follows from it."""
         nodes = self.slurm.nodes()
         hosts = self.coordinator.hosts()
-        live = {w["host"] for j in self.coordinator.jobs() for w in j["workers"] if w["state"] in LIVE}
+        self.workers = [w | {"job": j["job"]} for j in self.coordinator.jobs() for w in j["workers"]]
+        live = {w["host"] for w in self.workers if w["state"] in LIVE}
+        self._end_with_slurm(self.slurm.jobs())
         host_of = self._hosts_by_node(nodes, hosts)
         self._reserve(nodes, hosts, host_of, live)
         self._drain_unhealthy(nodes, hosts, host_of)
@@ -176,7 +198,8 @@ class Watcher:
         del self.moves[n.name]
         if md.get("result") == "succeeded":
             pause = f", {md['downtime_s']:.2f} s pause" if md.get("downtime_s") is not None else ""
-            self._say(n, own, f"moved its ranks to {md.get('destination')} ({m.op}{pause})", m)
+            freed = self._release(n.name, m.host, set(md.get("workers") or ())) if self.release_nodes else ""
+            self._say(n, own, f"moved its ranks to {md.get('destination')} ({m.op}{pause}){freed}", m)
             self.hosted.add(str(md.get("destination")))
         else:
             why = (op.get("error") or {}).get("message") or md.get("result")
@@ -200,6 +223,47 @@ class Watcher:
         self.slurm.drain(n.name, f"{own}{OURS}{note}")
         if m is not None:
             m.said = note
+
+    # Slurm's jobs
+    def _release(self, node: str, host: str, moved: set[str]) -> str:
+        """Free the drained node from the allocations of the Slurm jobs whose ranks just left it,
+        so that it drains fully and may reboot.  Slurm ends those jobs' tasks on it (the launchers:
+        the moved ranks outlive them, agent/handles.py); a job's srun then reports those tasks
+        killed.  A job's batch host cannot leave it (Slurm refuses), nor can its only node."""
+        theirs = {w.get("slurm_job") for w in self.workers if w["id"] in moved and w.get("slurm_job")}
+        said = []
+        for j in self.slurm.jobs():
+            if not j.running or node not in j.nodes or j.id not in theirs:
+                continue
+            if any(w.get("slurm_job") == j.id and w["host"] == host and w["state"] in LIVE for w in self.workers):
+                said.append(f"job {j.id} still has ranks here")
+            elif j.batch_host == node:
+                said.append(f"job {j.id} keeps it (its batch host cannot leave it)")
+            elif set(j.nodes) == {node}:
+                said.append(f"job {j.id} keeps it (its only node)")
+            else:
+                self.slurm.shrink(j.id, [x for x in j.nodes if x != node])
+                said.append(f"freed from job {j.id}")
+                log.info("a drained node freed from a Slurm job whose ranks moved", node=node, slurm_job=j.id)
+        return ("; " + ", ".join(said)) if said else ""
+
+    def _end_with_slurm(self, jobs: list[Job]) -> None:
+        """A Slurm job that ended (scancel, its time limit) takes its moved ranks along: their
+        launchers may be gone with the node they left, and nothing else would end them."""
+        running = {j.id for j in jobs if j.running}
+        by_job: dict[str, list[dict]] = {}
+        for w in self.workers:
+            if w["state"] in LIVE and w.get("slurm_job"):
+                by_job.setdefault(w["job"], []).append(w)
+        for job, ws in by_job.items():
+            slurm_jobs = {w["slurm_job"] for w in ws}
+            if job in self.ended or slurm_jobs & running or not slurm_jobs <= self.seen_running:
+                continue
+            self.ended.add(job)
+            log.warning("a Slurm job ended: its ranks that still run are ended too", job=job,
+                        slurm_jobs=sorted(slurm_jobs), ranks=[w["id"] for w in ws])
+            self.coordinator.signal_job(job, int(signal.SIGKILL))
+        self.seen_running |= running
 
     # the cluster
     @staticmethod

@@ -83,9 +83,10 @@ class AgentClient:
         return self._req("GET", f"/v1/workers/{wid}")
 
     # local (Unix socket) calls
-    def register(self, job: str, rank: int, pid: int, address: str | None = None, world: int | None = None) -> dict:
+    def register(self, job: str, rank: int, pid: int, address: str | None = None, world: int | None = None,
+                 slurm_job: str | None = None) -> dict:
         return self._req("POST", "/v1/workers", json=body(RegisterRequest, job=job, rank=rank, pid=pid,
-                                                          address=address, world=world))
+                                                          address=address, world=world, slurm_job=slurm_job))
 
     def signal(self, wid: str, sig: int) -> dict:
         """Deliver a signal to the worker wherever it runs now (agent/handles.py); both doors."""

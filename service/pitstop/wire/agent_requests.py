@@ -63,6 +63,8 @@ class RegisterRequest(BaseModel):
     pid: int = Field(gt=1, le=2**22)
     address: str | None = Field(None, description="the worker's own address, prepared with POST /v1/networks")
     world: int | None = Field(None, ge=1, le=10_000_000, description="the job's number of ranks, where known")
+    slurm_job: str | None = Field(None, max_length=64, pattern=r"^[0-9]+(_[0-9]+)?(\+[0-9]+)?$",
+                                  description="the Slurm job whose task started it (SLURM_JOB_ID)")
 
 
 class SignalRequest(BaseModel):

@@ -57,6 +57,7 @@ class WorkerReport(BaseModel):
                              description="capabilities a restore must grant it (hex; proc/caps.py)")
     unmovable: str | None = Field(None, max_length=1000,
                                   description="why it cannot be moved, as its NCCL shim knows; None: movable")
+    slurm_job: str | None = Field(None, max_length=64, description="the Slurm job whose task started it")
 
 
 class Heartbeat(BaseModel):
