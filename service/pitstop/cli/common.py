@@ -14,7 +14,7 @@ from pitstop import logs
 from pitstop.errors import InvalidRequest, PitstopError
 
 EXIT_FAILED, EXIT_USAGE, EXIT_STILL_RUNNING = 1, 2, 3
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="pitstop: move training workers between hosts without stopping the job.\n\n"
                        "Exit status: 0 done; 1 failed or refused (the error says why and what to do); "
                        "2 a usage error (a flag or argument); 3 still running when --wait's --timeout ended "
