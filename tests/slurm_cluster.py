@@ -103,9 +103,32 @@ class SlurmCluster:
             out.append(f"--- {f.name}\n{text[-1500:]}")
         return "\n".join(out)
 
+    def _ours(self) -> list[int]:
+        """Every process of this cluster's (tasks, steps, a step's slurmstepd) by the SLURM_CONF
+        each one carries: a slurmstepd whose slurmd is gone outlives it, orphaned, otherwise."""
+        key = f"SLURM_CONF={self.conf}".encode()
+        out = []
+        for d in os.listdir("/proc"):
+            if not d.isdigit() or int(d) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if key in f.read().split(b"\0"):
+                        out.append(int(d))
+            except OSError:
+                continue
+        return out
+
     def close(self) -> None:
         if self.procs and self.procs[0].poll() is None:
             subprocess.run(["scancel", "--full", "--user=root"], env=self.env(), capture_output=True, timeout=30)
+            end = time.monotonic() + 20  # the jobs end (KillWait=2) while their slurmds can still see to it
+            while time.monotonic() < end:
+                p = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env(), capture_output=True, text=True,
+                                   timeout=30)
+                if p.returncode != 0 or not p.stdout.strip():
+                    break
+                time.sleep(0.3)
         for p in reversed(self.procs):
             if p.poll() is None:
                 try:
@@ -118,4 +141,9 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(5)
+        for pid in self._ours():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         shutil.rmtree(self.dir, ignore_errors=True)
