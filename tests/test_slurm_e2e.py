@@ -35,7 +35,8 @@ def _note(slurm, name):
     return slurm.node(name)["reason"]
 
 
-def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm, tmp_path):
+def _pitstop(cluster):
+    """A coordinator, agents for Slurm nodes a and b, and a spare for node spare1."""
     cluster.start_coordinator()
     with cluster.starting():
         for host, node in (("host-a", "a"), ("host-b", "b")):
@@ -43,10 +44,39 @@ def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm
         cluster.start_agent("spare-1", spare=True, env={"PITSTOP_AGENT_SLURM_NODE": "spare1"})
     cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
     until(lambda: {h.get("slurm_node") for h in cc.hosts()} == {"a", "b", "spare1"}, what="agents report their nodes")
-    watch_log = tmp_path / "slurm-watch.log"
-    watch = subprocess.Popen([*pitstop_cmd(), "slurm-watch", "--coordinator", cluster.coordinator_url,
-                              "--interval", "0.3"], env=slurm.env(cluster.env()),
-                             stdout=open(watch_log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    return cc
+
+
+def _agent_files(cluster, tmp_path):
+    """Each node's agent URL in a file named for the node: a Slurm task reads its own by $SLURMD_NODENAME."""
+    agents = tmp_path / "agents"
+    agents.mkdir()
+    for host, node in (("host-a", "a"), ("host-b", "b")):
+        (agents / node).write_text(cluster.agents[host].url)
+    return agents
+
+
+def _watch(cluster, slurm, tmp_path, *args):
+    return subprocess.Popen([*pitstop_cmd(), "slurm-watch", "--coordinator", cluster.coordinator_url,
+                             "--interval", "0.3", *args], env=slurm.env(cluster.env()),
+                            stdout=open(tmp_path / "slurm-watch.log", "ab"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _stop(p):
+    if p is None or p.poll() is not None:
+        return
+    p.terminate()
+    try:
+        p.wait(15)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(5)
+
+
+def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm, tmp_path):
+    cc = _pitstop(cluster)
+    watch = _watch(cluster, slurm, tmp_path)
     job = idle = None
     try:
         # the spare is held back from Slurm's ordinary jobs
@@ -55,10 +85,7 @@ def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm
         other = slurm.run("srun", "-w", "spare1", "--immediate=3", "true", check=False)
         assert other.returncode != 0 and "reserved" in other.stderr, other.stderr
         # the job, as a Slurm user starts it: each task runs `pitstop run` with its node's agent
-        agents = tmp_path / "agents"
-        agents.mkdir()
-        for host, node in (("host-a", "a"), ("host-b", "b")):
-            (agents / node).write_text(cluster.agents[host].url)
+        agents = _agent_files(cluster, tmp_path)
         out = tmp_path / "out"
         task = (f'exec {shlex.join(pitstop_cmd())} run --job train --agent "$(cat {agents}/$SLURMD_NODENAME)" -- '
                 f'{shlex.join(ddp_cmd(out, steps=STEPS))}')
@@ -113,41 +140,20 @@ def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm
         assert job.wait(180) == 0, (tmp_path / "srun.log").read_text(errors="replace")[-2000:]
         assert_same_as_reference(out, reference_hashes(tmp_path, 4, steps=STEPS))
     finally:
-        if idle is not None and idle.poll() is None:
-            idle.terminate()
-            idle.wait(30)
-        if job is not None and job.poll() is None:
-            job.terminate()
-            job.wait(30)
-        watch.terminate()
-        try:
-            watch.wait(15)
-        except subprocess.TimeoutExpired:
-            watch.kill()
-            watch.wait(5)
+        _stop(idle)
+        _stop(job)
+        _stop(watch)
 
 
 def test_a_released_node_leaves_the_job_and_can_reboot(cluster, slurm, tmp_path):
     """`slurm-watch --release-nodes`: once b's rank moved, b leaves the job's allocation and ends
     DRAINED with no job; the moved rank outlives its launcher there (Slurm ended it), and a
     scancel of the job still ends it, through the watcher."""
-    cluster.start_coordinator()
-    with cluster.starting():
-        for host, node in (("host-a", "a"), ("host-b", "b")):
-            cluster.start_agent(host, env={"PITSTOP_AGENT_SLURM_NODE": node})
-        cluster.start_agent("spare-1", spare=True, env={"PITSTOP_AGENT_SLURM_NODE": "spare1"})
-    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
-    until(lambda: {h.get("slurm_node") for h in cc.hosts()} == {"a", "b", "spare1"}, what="agents report their nodes")
-    watch = subprocess.Popen([*pitstop_cmd(), "slurm-watch", "--coordinator", cluster.coordinator_url,
-                              "--interval", "0.3", "--release-nodes"], env=slurm.env(cluster.env()),
-                             stdout=open(tmp_path / "slurm-watch.log", "ab"), stderr=subprocess.STDOUT,
-                             start_new_session=True)
+    cc = _pitstop(cluster)
+    watch = _watch(cluster, slurm, tmp_path, "--release-nodes")
     idle = None
     try:
-        agents = tmp_path / "agents"
-        agents.mkdir()
-        for host, node in (("host-a", "a"), ("host-b", "b")):
-            (agents / node).write_text(cluster.agents[host].url)
+        agents = _agent_files(cluster, tmp_path)
         task = (f'exec {shlex.join(pitstop_cmd())} run --job idle --agent "$(cat {agents}/$SLURMD_NODENAME)" '
                 f'-- {shlex.join(SLEEPER)}')
         idle = subprocess.Popen(["srun", "-N2", "-n2", "--ntasks-per-node=1", "-w", "a,b", "--job-name=idle",
@@ -176,12 +182,5 @@ def test_a_released_node_leaves_the_job_and_can_reboot(cluster, slurm, tmp_path)
         until(lambda: not running(), timeout=30, what="every rank of the cancelled job ended")
         idle.wait(60)
     finally:
-        if idle is not None and idle.poll() is None:
-            idle.terminate()
-            idle.wait(30)
-        watch.terminate()
-        try:
-            watch.wait(15)
-        except subprocess.TimeoutExpired:
-            watch.kill()
-            watch.wait(5)
+        _stop(idle)
+        _stop(watch)

@@ -53,19 +53,24 @@ def _run(args: list[str], what: str) -> str:
     return p.stdout
 
 
+def _listed(command: str, key: str) -> list[dict]:
+    """What `command --json` lists under `key` (sinfo's nodes, squeue's jobs)."""
+    out = _run([command, "--json"], command)
+    try:
+        raw = json.loads(out)[key]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SlurmError(f"{command} --json printed something unexpected: {e!r}",
+                         action="check the Slurm version (21.08 or later has --json)") from None
+    return [x for x in raw if isinstance(x, dict)]
+
+
 def nodes() -> list[Node]:
     """Every node, as `sinfo --json` describes it."""
-    out = _run(["sinfo", "--json"], "sinfo")
-    try:
-        raw = json.loads(out)["nodes"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise SlurmError(f"sinfo --json printed something unexpected: {e!r}",
-                         action="check the Slurm version (21.08 or later has --json)") from None
     return [Node(name=str(n.get("name", "")), state=str(n.get("state", "")),
                  flags=tuple(str(f).upper() for f in n.get("state_flags") or ()),
                  reason=str(n.get("reason") or ""), reason_changed_at=int(n.get("reason_changed_at") or 0),
                  comment=str(n.get("comment") or ""), extra=str(n.get("extra") or ""))
-            for n in raw if n.get("name")]
+            for n in _listed("sinfo", "nodes") if n.get("name")]
 
 
 @dataclass(frozen=True)
@@ -91,14 +96,8 @@ def hostnames(spec: str) -> tuple[str, ...]:
 
 def jobs() -> list[Job]:
     """Every job Slurm knows, as `squeue --json` describes it."""
-    out = _run(["squeue", "--json"], "squeue")
-    try:
-        raw = json.loads(out)["jobs"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise SlurmError(f"squeue --json printed something unexpected: {e!r}",
-                         action="check the Slurm version (21.08 or later has --json)") from None
     return [Job(id=str(j["job_id"]), state=str(j.get("job_state", "")), nodes=hostnames(str(j.get("nodes") or "")),
-                batch_host=str(j.get("batch_host") or "")) for j in raw if "job_id" in j]
+                batch_host=str(j.get("batch_host") or "")) for j in _listed("squeue", "jobs") if "job_id" in j]
 
 
 def shrink(job: str, nodes: list[str]) -> None:
@@ -123,10 +122,7 @@ def reservation_nodes(name: str) -> list[str] | None:
         return None
     for field in out.split():
         if field.startswith("Nodes="):
-            spec = field.removeprefix("Nodes=")
-            if spec in ("", "(null)"):
-                return []
-            return _run(["scontrol", "show", "hostnames", spec], "expanding a node list").split()
+            return list(hostnames(field.removeprefix("Nodes=")))
     return []
 
 

@@ -123,6 +123,7 @@ class Watcher:
     seen_running: set[str] = field(default_factory=set)       # Slurm jobs seen running
     ended: set[str] = field(default_factory=set)              # pitstop jobs ended because their Slurm job did
     workers: list[dict] = field(default_factory=list)         # the coordinator's, as of this step
+    slurm_jobs: list[Job] = field(default_factory=list)       # Slurm's, as of this step
 
     def step(self) -> None:
         """One look at Slurm and the coordinator, and whatever follows from it."""
@@ -130,7 +131,8 @@ class Watcher:
         hosts = self.coordinator.hosts()
         self.workers = [w | {"job": j["job"]} for j in self.coordinator.jobs() for w in j["workers"]]
         live = {w["host"] for w in self.workers if w["state"] in LIVE}
-        self._end_with_slurm(self.slurm.jobs())
+        self.slurm_jobs = self.slurm.jobs()
+        self._end_with_slurm(self.slurm_jobs)
         host_of = self._hosts_by_node(nodes, hosts)
         self._reserve(nodes, hosts, host_of, live)
         self._drain_unhealthy(nodes, hosts, host_of)
@@ -232,7 +234,7 @@ class Watcher:
         killed.  A job's batch host cannot leave it (Slurm refuses), nor can its only node."""
         theirs = {w.get("slurm_job") for w in self.workers if w["id"] in moved and w.get("slurm_job")}
         said = []
-        for j in self.slurm.jobs():
+        for j in self.slurm_jobs:
             if not j.running or node not in j.nodes or j.id not in theirs:
                 continue
             if any(w.get("slurm_job") == j.id and w["host"] == host and w["state"] in LIVE for w in self.workers):
