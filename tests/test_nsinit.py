@@ -57,14 +57,22 @@ def test_a_forwarded_signal_does_what_it_does_outside_a_namespace(tmp_path):
     os.kill(root, signal.SIGTERM)
     assert plain.wait(30) == 128 + signal.SIGTERM
     (tmp_path / "init.0").mkdir()
+    # Short sleeps, as a real main loop: CPython runs a handler only between bytecodes, so a SIGTERM
+    # landing between the print and a long sleep's syscall would wait out the whole sleep.
     handled = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", str(INIT), str(tmp_path / "init.0"), "--",
                                 sys.executable, "-c", "import signal, sys, time\n"
                                 "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
-                                "print('ready', flush=True)\ntime.sleep(60)"],
+                                "print('ready', flush=True)\nwhile True: time.sleep(0.1)"],
                                stdout=subprocess.PIPE, text=True)
-    assert handled.stdout.readline().strip() == "ready"
-    os.kill(_root(handled), signal.SIGTERM)
-    assert handled.wait(30) == 7
+    try:
+        assert handled.stdout.readline().strip() == "ready"
+        os.kill(_root(handled), signal.SIGTERM)
+        assert handled.wait(30) == 7
+    finally:
+        if handled.poll() is None:
+            for p in reversed(proctree.tree(handled.pid)):
+                os.kill(p, signal.SIGKILL)
+            handled.wait(10)
 
 
 @pytest.mark.slow

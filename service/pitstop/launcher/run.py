@@ -315,7 +315,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     for sig in FORWARDED:
         signal.signal(sig, forward)
 
-    code = p.wait()
+    code = _wait_handling_signals(p)
     for t in pumps:
         t.join(PUMP_DRAIN_S)
     info = _safe(client.worker, wid) or {}
@@ -324,6 +324,17 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         nsinit.remove(init_dir)  # its init's, where the tree was killed
         return code
     return shell_code(follow(client, wid))
+
+
+def _wait_handling_signals(p: subprocess.Popen) -> int:
+    """p's exit status, waited for in short turns.  CPython runs a Python signal handler only between
+    bytecodes: a SIGTERM that lands just before a blocking waitpid() would be forwarded only once
+    the rank had ended, that is never.  Popen.wait(timeout) polls, so `forward` runs within 50 ms."""
+    while True:
+        try:
+            return p.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def rank_and_world(environ: Mapping[str, str], rank: int | None = None) -> tuple[int, int | None]:
