@@ -16,6 +16,7 @@
 #define PITSTOP_MAX_COMMS 64
 #define PITSTOP_TARGET_UNSET UINT64_MAX
 #define PITSTOP_MAX_PEERS 32   /* point-to-point tracked per peer rank below this */
+#define PITSTOP_TRAIL 256      /* the last operations' signatures kept (version 2) */
 
 enum { ST_RUNNING = 0, ST_PARKED = 1, ST_DESTROYED = 2, ST_IDS_READY = 3, ST_REBUILT = 4, ST_FAILED = 5 };
 enum { CMD_NONE = 0, CMD_DESTROY = 1, CMD_GENIDS = 2, CMD_REBUILD = 3, CMD_RESUME = 4, CMD_RELEASE = 5 };
@@ -43,7 +44,7 @@ struct pitstop_comm_ctl {           /* 1344 bytes */
 
 struct pitstop_ctl {
   char magic[16];                   /* S: PITSTOP_CTL_MAGIC */
-  uint32_t version;                 /* S: 1 */
+  uint32_t version;                 /* S: 2 (1: no trail, no pause times) */
   volatile uint32_t ncomms;         /* S */
   volatile uint32_t request;        /* A: quiesce generation; 0 = none */
   volatile uint32_t ack;            /* S: the generation the shim has seen */
@@ -60,6 +61,15 @@ struct pitstop_ctl {
   volatile int32_t foreign;         /* S: calls seen on communicators the shim did not make */
   char note[176];                   /* S: last thing the shim did, for logs */
   struct pitstop_comm_ctl comms[PITSTOP_MAX_COMMS];
+  /* Version 2, appended so that a version-1 block reads as before.  What the job's progress
+   * shows without a change to it (service/pitstop/coordinator/progress.py): */
+  volatile uint64_t trail_n;        /* S: operations signed into trail so far */
+  volatile uint32_t trail[PITSTOP_TRAIL]; /* S: signature of operation i at i % PITSTOP_TRAIL
+                                     * (call, communicator, peer, count, type): a training step
+                                     * repeats the same run of them, so its length is a step */
+  volatile uint64_t parked_ns;      /* S: CLOCK_REALTIME when the rank last parked at a cut */
+  volatile uint64_t resumed_ns;     /* S: ... and when it left that park: the pause this rank saw */
+  volatile uint64_t trail_ns[PITSTOP_TRAIL]; /* S: CLOCK_REALTIME when operation i was issued */
 };
 
 #endif

@@ -6,6 +6,7 @@
 
 #include <pthread.h>
 #include <stddef.h>
+#include <time.h>
 
 #define VCOMM_MAGIC 0x70697473u /* "pits" */
 #define PITSTOP_MAX_CONFIG 4096 /* bytes of a caller's ncclConfig_t kept for replay */
@@ -52,10 +53,21 @@ static inline ncclResult_t pitstop_enter(struct vcomm *v, int op, int peer) {
   return pitstop_enter_slow(v, op, peer);
 }
 
-static inline void pitstop_count(struct vcomm *v, int op, int peer) {
-  struct pitstop_comm_ctl *cc = &pitstop_ctl->comms[v->idx];
+/* Count the operation, and sign it into the trail: `call` names the NCCL function (a constant
+ * gen_wrappers.py derives from its name), count and type are its arguments (0 where it has none). */
+static inline void pitstop_count(struct vcomm *v, int op, int peer, uint32_t call, uint64_t count, int type) {
+  struct pitstop_ctl *c = pitstop_ctl;
+  struct pitstop_comm_ctl *cc = &c->comms[v->idx];
   if (op == OP_COLL) cc->issued++;
   else if (peer >= 0 && peer < PITSTOP_MAX_PEERS) { if (op == OP_SEND) cc->sent[peer]++; else cc->recvd[peer]++; }
+  uint32_t h = call ^ ((uint32_t)v->idx * 0x9e3779b1u) ^ ((uint32_t)(peer + 1) * 0x85ebca6bu);
+  h ^= (uint32_t)count * 0xc2b2ae35u ^ (uint32_t)(count >> 32) ^ ((uint32_t)type << 24);
+  uint64_t n = c->trail_n;
+  struct timespec t;
+  clock_gettime(CLOCK_REALTIME, &t); /* the vDSO: no system call */
+  c->trail[n % PITSTOP_TRAIL] = h;
+  c->trail_ns[n % PITSTOP_TRAIL] = (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+  c->trail_n = n + 1;
 }
 void pitstop_group_start(void);
 void pitstop_group_end(void);

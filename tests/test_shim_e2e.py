@@ -108,12 +108,22 @@ def test_evacuate_nccl_job_across_addresses(cluster, tmp_path, script):
     assert a["measured"] and a["ranks"] == 4, a
     assert 0 < a["first_collectives_s"] < 10 and a["first_collectives_s"] != md["downtime_s"], a
     assert a["collectives_per_s_after"] > 0, a
+    # a step's run of NCCL calls, found in the shim's trail before the move: dp 2 all-reduces; tp_dp an
+    # all-gather, 2 all-reduces and a broadcast; the pipeline's middle stages 2 sends and 2 receives
+    assert a["ops_per_step"] == {"nccl_dp.py": 2, "nccl_tp_dp.py": 4, "nccl_pipeline.py": 4}[script], a
+    # timed by each rank's shim (its operations' stamps), not by the coordinator's reads
+    assert a["timed_by"] == "shim" and a["first_collectives_s"] <= a["first_step_s"] < 10, a
+    # the pause each rank saw, from its own shim: all four, each about the move's
+    pauses = entry["rank_pause_s"]
+    assert sorted(pauses) == [f"nccl.{r}" for r in range(4)], entry
+    assert all(0 < p < md["downtime_s"] + 1.0 for p in pauses.values()) and max(pauses.values()) > md["downtime_s"] / 2
     if "collectives_per_s_before" in a:  # measured where the move's start and its cut were far enough apart
         assert a["collectives_per_s_before"] > 0 and a["step_time_ratio"] > 0, a
     assert entry["decision"]["destination"] == "spare-1" and entry["pause_s"] == md["downtime_s"]
     assert entry["bytes"]["during_pause"] > 0 and entry["leaving"] == ["nccl.2", "nccl.3"]
     metrics = httpx.get(cluster.coordinator_url + "/metrics", timeout=10).text
     assert "pitstop_coordinator_move_first_collectives_seconds_count 1.0" in metrics
+    assert "pitstop_coordinator_move_first_step_seconds_count 1.0" in metrics
     let_finish(out)
     assert [r.proc.wait(180) for r in ranks] == [0] * 4
     assert_same_as_reference(out, reference(script))

@@ -92,9 +92,9 @@ def _signalled(work: Callable[[], list[Worker]]) -> Response:
         raise
 
 
-def _shim_views(w: Worker) -> list[dict]:
+def _shim_views(w: Worker, trail: bool = False) -> list[dict]:
     """The NCCL shim's control blocks in the worker's processes; none once it no longer runs."""
-    return [b.view() for b in shimctl.blocks(w.root_pid)] if w.state in LIVE_STATES else []
+    return [b.view(trail=trail) for b in shimctl.blocks(w.root_pid)] if w.state in LIVE_STATES else []
 
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
@@ -195,11 +195,13 @@ def discard_worker(agent: AgentDep, wid: str) -> Worker:
 
 
 @router.get("/workers:batchGetShim")
-def batch_shim_blocks(agent: AgentDep, ids: list[str] = Query(min_length=1, max_length=4096)) -> dict:
+def batch_shim_blocks(agent: AgentDep, ids: list[str] = Query(min_length=1, max_length=4096),
+                      trail: bool = False) -> dict:
     """The shim's control blocks of several workers in one call: the coordinator reads every
-    rank's before each pause, and 8 ranks read one by one cost 0.04-0.10 s of it."""
+    rank's before each pause, and 8 ranks read one by one cost 0.04-0.10 s of it.  trail: with
+    the last operations' signatures (1 KiB a block), read once before a move."""
     ws = {wid: agent.state.worker(wid) for wid in dict.fromkeys(ids)}  # an unknown id: 404, nothing read
-    return {"blocks": {wid: _shim_views(w) for wid, w in ws.items()}}
+    return {"blocks": {wid: _shim_views(w, trail) for wid, w in ws.items()}}
 
 
 @router.get("/workers/{wid}/shim")

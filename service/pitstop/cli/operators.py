@@ -225,13 +225,13 @@ def moves(node: Optional[str] = typer.Option(None, "--node", help="only moves fr
           limit: int = typer.Option(50, "--limit", min=1, max=1000),
           as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = coordinator_option()) -> None:
     """The ledger of finished moves: why, where to, bytes, the pause, and the job's time to useful
-    progress after it (first collectives, back to speed, step time after over before)."""
+    progress after it (first collectives, first full step, back to speed, step time after over before)."""
     data = ask(coordinator, as_json, lambda c: c.moves(node=node, result=result, limit=limit))
     if data is None:
         return
     t = Table(title="moves")
     for col in ("operation", "from -> to", "result", "pause", "bytes before / in pause", "first collectives",
-                "back to speed", "step time after/before", "why"):
+                "first step", "back to speed", "step time after/before", "why"):
         t.add_column(col)
 
     def s(v: Any, unit: str = " s") -> str:
@@ -243,7 +243,7 @@ def moves(node: Optional[str] = typer.Option(None, "--node", help="only moves fr
                   m["result"] or "", s(m["pause_s"]),
                   f"{m['bytes']['before_pause'] / 2**20:.0f} / {(m['bytes']['during_pause'] or 0) / 2**20:.0f} MiB",
                   s(a.get("first_collectives_s")) if a.get("measured") else ("not measured" if a else "watching"),
-                  s(a.get("back_to_speed_s")), s(a.get("step_time_ratio"), " x"), m["why"]["reason"])
+                  s(a.get("first_step_s")), s(a.get("back_to_speed_s")), s(a.get("step_time_ratio"), " x"), m["why"]["reason"])
     out.print(t)
 
 

@@ -26,7 +26,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -37,7 +37,11 @@ log = structlog.get_logger("pitstop.cut")
 
 # transport: list the blocks of a worker; post an operation to a worker's blocks
 GetBlocks = Callable[[str], list[dict[str, Any]]]
-GetAllBlocks = Callable[[list[str]], dict[str, list[dict[str, Any]]]]
+class GetAllBlocks(Protocol):
+    """Every worker's blocks in as few calls as the transport allows; with each block's trail of
+    operations where asked (coordinator/progress.py reads it once, before the move)."""
+
+    def __call__(self, workers: list[str], trail: bool = False) -> dict[str, list[dict[str, Any]]]: ...
 Post = Callable[[str, dict[str, Any]], Any]
 
 

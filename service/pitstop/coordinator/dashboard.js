@@ -122,6 +122,7 @@ function opView(op) {
   const a = md.after_move;
   if (a) d.append(el("div", {class: "muted", "data-after": String(a.measured)}, a.measured
     ? `the job after it: first NCCL calls back in ${a.first_collectives_s.toFixed(3)} s` +
+      (a.first_step_s != null ? `, first full step (${a.ops_per_step} calls) in ${a.first_step_s.toFixed(3)} s` : "") +
       (a.back_to_speed_s != null ? `, back to speed in ${a.back_to_speed_s.toFixed(2)} s` : "") +
       (a.step_time_ratio != null ? `, steps ${a.step_time_ratio.toFixed(2)} x as long as before` : "")
     : "the job after it: not measured (" + a.why_not + ")"));

@@ -224,10 +224,10 @@ class OpRun:
         for wid in self.md.workers:
             hosts[wid] = self.md.destination if moved else self.md.node
 
-        def get_all(workers: list[str]) -> dict[str, list[dict[str, Any]]]:
+        def get_all(workers: list[str], trail: bool = False) -> dict[str, list[dict[str, Any]]]:
             groups = _by_agent([(w, hosts[w]) for w in workers])
             out: dict[str, list[dict[str, Any]]] = {}
-            for got in in_parallel(lambda g: self.agent(g[0]).shim_blocks_many(g[1]), groups):
+            for got in in_parallel(lambda g: self.agent(g[0]).shim_blocks_many(g[1], trail=trail), groups):
                 out.update(got)
             return out
 
@@ -273,14 +273,16 @@ class OpRun:
 
     @staticmethod
     def _count_collectives(cut: Cut) -> progress.Sample | None:
-        """Every worker's collectives so far, for the job's rate before the move; None where it
-        cannot be read now (it is only a measurement: the move does not wait on it)."""
+        """Every worker's collectives so far, for the job's rate before the move, and its operations
+        per step from their trail; None where they cannot be read now (it is only a measurement:
+        the move does not wait on it)."""
         try:
             at = time.time()
-            got = cut.get_all(cut.workers) if cut.get_all else {}
+            got = cut.get_all(cut.workers, trail=True) if cut.get_all else {}
         except (PitstopError, httpx.HTTPError):
             return None
-        return progress.Sample(at, issued_by_worker([(w, b) for w, bs in got.items() for b in bs]))
+        return progress.Sample(at, issued_by_worker([(w, b) for w, bs in got.items() for b in bs]),
+                               per_step=progress.per_step_by_worker(got))
 
     def _precopy_phase(self, m: "_Move") -> None:
         assert m.plan is not None
@@ -687,14 +689,27 @@ class OpRun:
             # clients of its own: the operation's close when its thread ends
             clients = {h: AgentClient(u, token, timeout=PROGRESS_READ_TIMEOUT_S) for h, u in urls.items()}
 
+            last: dict[str, list[dict[str, Any]]] = {}
+            per_step = before.per_step if before else None
+            times: dict[str, tuple] = {}
+
             def read() -> dict[str, int]:
                 got: dict[str, list[dict[str, Any]]] = {}
-                for part in in_parallel(lambda g: clients[g[0]].shim_blocks_many(g[1]), groups):
+                trail = len(times) < len(cut.issued)  # until every rank's operations are timed
+                for part in in_parallel(lambda g: clients[g[0]].shim_blocks_many(g[1], trail=trail), groups):
                     got.update(part)
+                last.clear()
+                last.update(got)
+                if trail:
+                    times.update(progress.op_times(got, cut, per_step))
                 return issued_by_worker([(w, b) for w, bs in got.items() for b in bs])
 
             try:
-                self._record_after(progress.watch(read, cut, resumed_at, before, window_s=window))
+                after = progress.watch(read, cut, resumed_at, before, window_s=window)
+                # the pause times are written by the shims at the resume, and read since
+                after = progress.with_op_times(after, times, progress.last_resume(last))
+                pauses = progress.rank_pauses(last)
+                self._record_after(after.model_copy(update={"rank_pause_s": pauses or None}))
             except Exception as e:  # noqa: BLE001 - a measurement: it must never take the coordinator down
                 log.warning("could not measure the job's progress after the move", op=self.id, error=repr(e))
             finally:

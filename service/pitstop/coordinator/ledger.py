@@ -37,6 +37,8 @@ def entry(op: dict[str, Any]) -> dict[str, Any]:
         # how long the pause and the resume rounds took to go round them all.
         "pause_s": md.downtime_s,
         "pause_spread_s": round(spread, 4) if md.downtime_s is not None else None,
+        # ... and as each rank saw it, where its shim kept the times (NCCL jobs)
+        "rank_pause_s": md.after_move.rank_pause_s if md.after_move else None,
         "after_move": after,
         "error": op.get("error"),
     }

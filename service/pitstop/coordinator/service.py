@@ -60,6 +60,11 @@ class Metrics:
             "pitstop_coordinator_move_back_to_speed_seconds",
             "From a move's last resume until the job's collective rate was back to 90 % of its rate before",
             registry=r, buckets=(.1, .25, .5, 1, 2, 5, 10, 30, 60))
+        self.first_step = Histogram(
+            "pitstop_coordinator_move_first_step_seconds",
+            "From a move's last resume until every rank had done a whole step's work (its operations per "
+            "step, from the NCCL shim's trail of them, and one more)", registry=r,
+            buckets=(.05, .1, .25, .5, 1, 2, 5, 10, 30, 60))
         self.step_time_ratio = Histogram(
             "pitstop_coordinator_move_step_time_ratio",
             "A job's step time after a move over its step time before (its collective rate before over after)",
@@ -75,6 +80,8 @@ class Metrics:
             self.first_collectives.observe(a.first_collectives_s)
         if a.back_to_speed_s is not None:
             self.back_to_speed.observe(a.back_to_speed_s)
+        if a.first_step_s is not None:
+            self.first_step.observe(a.first_step_s)
         if a.step_time_ratio is not None:
             self.step_time_ratio.observe(a.step_time_ratio)
 

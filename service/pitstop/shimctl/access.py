@@ -22,10 +22,19 @@ class Block:
     addr: int
     header: dict[str, Any]
     comms: list[dict[str, Any]] = field(default_factory=list)
+    trail: list[int] | None = None  # the last operations' signatures, oldest first (version 2)
+    trail_n: int = 0  # operations signed so far
+    trail_at: list[float] | None = None  # when each of the trail's operations was issued (wall clock)
+    parked_ns: int = 0  # CLOCK_REALTIME of the rank's last park at a cut, and of its leaving it
+    resumed_ns: int = 0
 
-    def view(self) -> dict[str, Any]:
+    def view(self, trail: bool = False) -> dict[str, Any]:
+        """As the coordinator reads it; the trail (1 KiB of numbers) only where asked for."""
         h = self.header
-        return {"pid": self.pid, "token": f"{h['token']:016x}", "state": L.STATES.get(h["state"], str(h["state"])),
+        extra: dict[str, Any] = {"pause": self.pause()}
+        if trail and self.trail is not None:
+            extra |= {"trail": self.trail, "trail_at": self.trail_at, "trail_n": self.trail_n}
+        return extra | {"pid": self.pid, "token": f"{h['token']:016x}", "state": L.STATES.get(h["state"], str(h["state"])),
                 "request": h["request"], "ack": h["ack"], "parked_comm": h["parked_comm"],
                 "parked_op": L.OPS.get(h["parked_op"], "?"), "parked_peer": h["parked_peer"],
                 "in_call": bool(h["in_call"]), "foreign": h["foreign"],
@@ -38,6 +47,15 @@ class Block:
                            "sent": _trim(c["sent"]), "recvd": _trim(c["recvd"]),
                            "myid": c["myid"].hex() if c["myid_set"] else None}
                           for i, c in enumerate(self.comms)]}
+
+
+    def pause(self) -> dict[str, float | None] | None:
+        """The rank's own last pause at a cut, in wall-clock seconds: parked, resumed (None while it
+        is still parked), as the shim wrote them; None before any cut or from a version-1 shim."""
+        if not self.parked_ns:
+            return None
+        return {"parked": self.parked_ns / 1e9,
+                "resumed": self.resumed_ns / 1e9 if self.resumed_ns >= self.parked_ns else None}
 
 
 def _trim(xs: list[int]) -> list[int]:
@@ -65,12 +83,13 @@ def read_block(pid: int, addr: int) -> Block | None:
     except OSError:
         return None
     try:
-        raw = os.pread(fd, L.SIZE, addr)
-    except OSError:
+        raw = os.pread(fd, L.SIZE_V1, addr)
+        h = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0)))
+        tail = os.pread(fd, L.TAIL.size, addr + L.OFF_TAIL) if h["version"] >= 2 else b""
+    except (OSError, struct.error):
         return None
     finally:
         os.close(fd)
-    h = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0)))
     if not h["magic"].startswith(L.MAGIC):
         return None
     n = min(h["ncomms"], L.MAX_COMMS)
@@ -83,7 +102,17 @@ def read_block(pid: int, addr: int) -> Block | None:
         c["sent"], c["recvd"] = list(rest[:m]), list(rest[m:2 * m])
         c["send_target"], c["recv_target"] = list(rest[2 * m:3 * m]), list(rest[3 * m:])
         comms.append(c)
-    return Block(pid, addr, h, comms)
+    b = Block(pid, addr, h, comms)
+    if len(tail) == L.TAIL.size:
+        vals = L.TAIL.unpack(tail)
+        n, ring = vals[0], vals[1:1 + L.TRAIL_LEN]
+        b.parked_ns, b.resumed_ns = vals[1 + L.TRAIL_LEN], vals[2 + L.TRAIL_LEN]
+        at = vals[3 + L.TRAIL_LEN:]
+        k = min(n, L.TRAIL_LEN)
+        b.trail = [ring[i % L.TRAIL_LEN] for i in range(n - k, n)]
+        b.trail_at = [at[i % L.TRAIL_LEN] / 1e9 for i in range(n - k, n)]
+        b.trail_n = n
+    return b
 
 
 def blocks(root_pid: int) -> list[Block]:

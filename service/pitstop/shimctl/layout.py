@@ -1,4 +1,6 @@
-"""Byte layout of shim/ctl.h's struct pitstop_ctl (tests/test_shim.py checks it against the C compiler)."""
+"""Byte layout of shim/ctl.h's struct pitstop_ctl (tests/test_shim.py checks it against the C compiler).
+
+A version-1 block (a shim built before the trail) is SIZE_V1 long: read as far as its version says."""
 
 from __future__ import annotations
 
@@ -20,7 +22,12 @@ COMM_OFF_RECVD = COMM_OFF_SENT + 8 * MAX_PEERS
 COMM_OFF_SEND_TARGET = COMM_OFF_RECVD + 8 * MAX_PEERS
 COMM_OFF_RECV_TARGET = COMM_OFF_SEND_TARGET + 8 * MAX_PEERS
 OPS = {0: "coll", 1: "send", 2: "recv"}
-SIZE = HEADER.size + MAX_COMMS * COMM.size
+SIZE_V1 = HEADER.size + MAX_COMMS * COMM.size
+# Version 2 appends the trail of operation signatures and the rank's own pause times (ctl.h).
+TRAIL_LEN = 256
+TAIL = struct.Struct(f"<Q{TRAIL_LEN}IQQ{TRAIL_LEN}Q")  # trail_n, trail, parked_ns, resumed_ns, trail_ns
+OFF_TAIL = SIZE_V1
+SIZE = SIZE_V1 + TAIL.size
 
 # offsets used for single-field writes
 OFF_REQUEST = 24

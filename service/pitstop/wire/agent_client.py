@@ -155,9 +155,11 @@ class AgentClient:
     def shim_blocks(self, wid: str) -> list[dict]:
         return self._req("GET", f"/v1/workers/{wid}/shim")["blocks"]
 
-    def shim_blocks_many(self, ids: list[str]) -> dict[str, list[dict]]:
-        """Every worker's blocks in one call; an agent older than the batch call gets one call each."""
-        return self._or_each(lambda: self._req("GET", "/v1/workers:batchGetShim", params={"ids": ids})["blocks"],
+    def shim_blocks_many(self, ids: list[str], trail: bool = False) -> dict[str, list[dict]]:
+        """Every worker's blocks in one call; an agent older than the batch call gets one call each.
+        trail: with each block's trail of operation signatures (coordinator/progress.py)."""
+        params: dict[str, Any] = {"ids": ids} | ({"trail": "true"} if trail else {})
+        return self._or_each(lambda: self._req("GET", "/v1/workers:batchGetShim", params=params)["blocks"],
                              lambda: {wid: self.shim_blocks(wid) for wid in ids})
 
     def shim_op(self, wid: str, op: dict) -> dict:

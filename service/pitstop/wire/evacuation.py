@@ -143,6 +143,12 @@ class AfterMove(_Record):
     first_collectives_s: float | None = None
     # the job's collective rate over the trailing second first back to 90 % of its rate before
     back_to_speed_s: float | None = None
+    # every rank did a whole step's work after the move: its operations per step (the period of the
+    # shim's trail of them before the move) and one more, issued since the cut
+    first_step_s: float | None = None
+    ops_per_step: int | None = None  # the most any rank issues per step
+    rank_pause_s: dict[str, float] | None = None  # per worker, from its parking at the cut to leaving it
+    timed_by: Literal["reads", "shim"] = "reads"  # who timed first_*: the watcher's reads, or each op's stamp
     collectives_per_s_before: float | None = None  # per rank, between the move's start and the cut
     collectives_per_s_after: float | None = None  # per rank, over the watch after the first collectives
     step_time_ratio: float | None = None  # the rate before over the rate after: > 1, each step is slower now
