@@ -25,6 +25,7 @@ from .helpers import (
     let_finish,
     reference_hashes,
     step_times,
+    until,
     wait_for_step,
 )
 
@@ -97,6 +98,14 @@ def test_demo_scenario_through_the_cli(cluster, tmp_path):
     assert 0 < md["pause_round_s"] <= md["phases"]["pause"] + 0.01 and md["pause_round_s"] < md["downtime_s"]
     assert {c["type"] for c in md["conditions"] if c["status"] == "True"} >= {"Quiesced", "Restored", "Committed",
                                                                                "Succeeded"}
+    # the pause each rank saw, as its agents timed it (gloo: SIGSTOP for the peers, the capture and
+    # the restore for the leaving ranks, which stop after the peers and run again before them)
+    entry = until(lambda: next((m for m in cc.moves() if m["operation"] == op["name"] and m["after_move"]), None),
+                  what="the move's entry in the ledger")
+    pauses = entry["rank_pause_s"]
+    assert sorted(pauses) == [f"train.{r}" for r in range(4)], entry
+    assert all(0 < p <= md["downtime_s"] + 0.05 for p in pauses.values()), (pauses, md["downtime_s"])
+    assert max(pauses["train.2"], pauses["train.3"]) < min(pauses["train.0"], pauses["train.1"]), pauses
     # Retried with the same key and body: the same operation, no second evacuation.
     again = cc.evacuate("host-b", idempotency_key="k-1")
     assert again["name"] == op["name"]

@@ -65,6 +65,8 @@ def test_a_signal_to_the_launcher_reaches_the_rank_that_moved(cluster):
     m = until(lambda: next((x for x in cc.moves() if x["operation"] == op["name"] and x["after_move"]), None),
               what="the ledger's entry")
     assert not m["after_move"]["measured"] and "gloo" in m["after_move"]["why_not"], m
+    # ... but its pause, from the capture stopping it to its restore on the spare, by the agents' clocks
+    assert 0 < m["rank_pause_s"]["h.0"] <= op["metadata"]["downtime_s"] + 0.05, m
     assert m["result"] == "succeeded" and m["decision"]["destination"] == "spare-1"
     r = subprocess.run([*pitstop_cmd(), "moves", "--node", "host-a"], env=dict(cluster.env(), COLUMNS="250"),
                        capture_output=True, text=True, timeout=60)

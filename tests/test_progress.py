@@ -132,6 +132,12 @@ def test_no_first_step_unless_every_rank_shows_its_period():
     assert a.measured and a.first_step_s is None and a.ops_per_step is None
 
 
+def test_a_sigstop_pause_per_rank_is_from_its_agents_stop_to_its_running_again():
+    stopped = {"a.0": 10.0, "a.1": 10.2, "a.2": 10.3}
+    running = {"a.0": 11.0, "a.1": 10.9, "a.2": 10.1}  # a.2's clocks disagree: left out, not negative
+    assert progress.pauses_between(stopped, running) == {"a.0": 1.0, "a.1": 0.7}
+
+
 def test_the_pause_each_rank_saw_is_its_first_park_to_its_last_resume():
     blocks = {"w.0": [{"pause": {"parked": 10.0, "resumed": 11.5}}, {"pause": {"parked": 10.2, "resumed": 11.7}}],
               "w.1": [{"pause": {"parked": 10.1, "resumed": None}}],  # still parked: left out

@@ -48,9 +48,14 @@ def metrics(agent: AgentDep) -> Response:
 def _signal_trees(agent: Agent, ws: list[Worker], signal: Callable[[list[int]], None], state: WorkerState) -> None:
     """Signal every process of the workers' trees, then record their new state in one write."""
     signal([p for w in ws for p in proctree.tree(w.root_pid)])
+    now = time.time()
     with agent.state.lock:
         for w in ws:
             w.state = state
+            if state == "paused":
+                w.paused_at = now
+            else:
+                w.running_since = now
         agent.state.save()
 
 
@@ -132,7 +137,7 @@ def pause(agent: AgentDep, wid: str) -> Worker:
         raise Conflict(f"worker {wid} is {w.state}; only a running worker can be paused",
                        action="check the worker's state")
     proctree.stop(proctree.tree(w.root_pid))
-    agent.state.update_worker(w, state="paused")
+    agent.state.update_worker(w, state="paused", paused_at=time.time())
     return w
 
 
@@ -169,7 +174,7 @@ def resume(agent: AgentDep, wid: str) -> Worker:
     w = agent.state.worker(wid)
     if w.state == "paused":
         proctree.resume(proctree.tree(w.root_pid))
-        agent.state.update_worker(w, state="running")
+        agent.state.update_worker(w, state="running", running_since=time.time())
     return w
 
 

@@ -450,6 +450,7 @@ class DestinationSide:
             workerns.announce(wn)
             workerns.unlock(wn, nft)
             log.info("worker address up here", worker=worker_id, address=wn.address, reset_connections=reset)
+        running = time.time()  # restored and reachable: its pause is over (the ledger's rank_pause_s)
         for stream in ("stdout", "stderr"):  # a fresh file: offsets are relative to output_base
             (self.outputs / f"{worker_id}.{stream}").unlink(missing_ok=True)
         pumps = [_start_pump(fd, self.outputs / f"{worker_id}.{stream}") for fd, stream, _ in ours]
@@ -469,7 +470,7 @@ class DestinationSide:
                    launcher=was.launcher if was else None, world=was.world if was else None,
                    slurm_job=slurm_job or (was.slurm_job if was else None),
                    owner_uid=uids.pop() if len(uids) == 1 else 0,
-                   restored=True, output_base=output_base or {}, net=net, init_dir=init_dir,
+                   restored=True, output_base=output_base or {}, net=net, init_dir=init_dir, running_since=running,
                    keeper=keeper.to_dict() if keeper else None,
                    fill=Fill(source=(pages_from or {}).get("url"), images=str(directory)) if fill else None)
         with self.state.lock:

@@ -75,6 +75,10 @@ class Worker(BaseModel):
     launcher: dict[str, int] | None = None
     world: int | None = None              # the job's number of ranks, as its launcher was told (WORLD_SIZE, SLURM_NTASKS)
     slurm_job: str | None = None          # the Slurm job whose task started it (SLURM_JOB_ID): travels with it
+    # Wall clock of its last stop for a peer's move (SIGSTOP) and of its running again (SIGCONT, or
+    # its restore here): the pause this rank saw, for the coordinator's ledger.
+    paused_at: float | None = None
+    running_since: float | None = None
     registered_at: float = Field(default_factory=time.time)
 
 

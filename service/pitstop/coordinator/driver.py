@@ -100,6 +100,10 @@ class OpRun:
         # the job's collectives counted while it ran and at the cut (coordinator/progress.py)
         self.progress_before: progress.Sample | None = None
         self.progress_cut: progress.Sample | None = None
+        # Where the job is stopped with SIGSTOP, each rank's pause as its agents timed it (wall
+        # clock): stopped (SIGSTOP, or the capture stopping a leaving rank) and running again.
+        self.rank_stopped: dict[str, float] = {}
+        self.rank_running: dict[str, float] = {}
 
     # -- bookkeeping --------------------------------------------------------------------------
     def save(self, **kw: Any) -> None:
@@ -323,7 +327,8 @@ class OpRun:
             with priority.critical():
                 self.md.first_pause = time.time()
                 self.save()
-                in_parallel(lambda g: self.agent(g[0]).pause_many(g[1]), _by_agent(peers))
+                got = in_parallel(lambda g: self.agent(g[0]).pause_many(g[1]), _by_agent(peers))
+                self.rank_stopped.update(_times(got, "paused_at"))
                 with self.lock:  # leave() writes them: one state write after the round, not two
                     self.md.paused.extend(wid for wid, _ in peers)
                     # the round alone: the phase also holds the shim check, made while the job runs
@@ -357,6 +362,8 @@ class OpRun:
             report = CaptureReport.model_validate(src.wait_capture(cap["id"], self.d.s.capture_deadline_s, progress))
             if report.state == "failed":
                 raise PitstopError.from_dict(report.error or {"message": "capture failed"})
+            if report.stopped_at:
+                self.rank_stopped[wid] = report.stopped_at
             with self.lock:
                 w.captured(report)
                 self.md.totals()
@@ -399,6 +406,7 @@ class OpRun:
                 self.md.workers[wid].restored_pid = r["worker"]["root_pid"]
                 self.md.workers[wid].restore_phases = r.get("phases", {})
                 self.save()
+            self.rank_running.update(_times([[r["worker"]]], "running_since"))
 
         self.each(restore)
         self.leave("restore")
@@ -677,7 +685,8 @@ class OpRun:
             why = ("the job's ranks use no NCCL communicator the shim counts (gloo, or none): nothing shows "
                    "its progress without a change to it" if self.md.plan and self.md.plan.pause == "sigstop"
                    else "the move was finished by a coordinator that did not see its cut")
-            self._record_after(progress.not_measured(why))
+            pauses = progress.pauses_between(self.rank_stopped, self.rank_running)
+            self._record_after(progress.not_measured(why).model_copy(update={"rank_pause_s": pauses or None}))
             return
         cut, before, window = self.progress_cut, self.progress_before, self.d.s.progress_window_s
         hosts = dict(self.md.peers) | {wid: self.md.destination for wid in self.md.workers}
@@ -885,9 +894,10 @@ class OpRun:
         first failure only."""
         def resume(group: tuple[str, list[str]]) -> str | None:
             try:
-                self.agent(group[0]).resume_many(group[1])
+                got = self.agent(group[0]).resume_many(group[1])
             except PitstopError as e:
                 return f"{', '.join(group[1])}: {e.message}"
+            self.rank_running.update(_times([got], "running_since"))
             return None
 
         return [p for p in in_parallel(resume, _by_agent(list(self.md.peers.items()))) if p]
@@ -1016,6 +1026,11 @@ _GRPC = {"invalid_request": (3, "INVALID_ARGUMENT"), "not_found": (5, "NOT_FOUND
          "cancelled": (1, "CANCELLED"), "deadline_exceeded": (4, "DEADLINE_EXCEEDED"),
          "unavailable": (14, "UNAVAILABLE"), "database_unavailable": (14, "UNAVAILABLE"),
          "image_integrity": (15, "DATA_LOSS")}
+
+
+def _times(answers: list[list[dict[str, Any]]], key: str) -> dict[str, float]:
+    """Each worker's `key` (a wall-clock time its agent wrote) from the agents' answers, where given."""
+    return {w["id"]: float(w[key]) for ws in answers for w in (ws or []) if isinstance(w, dict) and w.get(key)}
 
 
 def _by_agent(peers: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:

@@ -31,7 +31,9 @@ the last resume the coordinator reads them again every few milliseconds for a wh
   the ranks run again).  Wall clocks: a moved rank's times are its new host's, good to the hosts'
   clock sync.
 - `rank_pause_s`: the pause each rank saw, as its own shim wrote it: from parking at the cut to
-  leaving it (wall clock: a moved rank parks on one host and leaves on another).
+  leaving it (wall clock: a moved rank parks on one host and leaves on another).  In a job paused
+  with SIGSTOP, as its agents timed it instead (pauses_between): a peer from its SIGSTOP to its
+  SIGCONT, a leaving rank from its capture stopping it to its restore running it on the spare.
 
 A job without the shim's communicators (gloo) shows no progress the coordinator can see without
 a change to it: `measured` is false, with why.
@@ -124,6 +126,13 @@ def op_times(blocks: dict[str, list[dict]], cut: Sample, per_step: dict[str, int
         if second is not None and (step is not None or not k):
             out[w] = (second, step)
     return out
+
+
+def pauses_between(stopped: dict[str, float], running: dict[str, float]) -> dict[str, float]:
+    """The pause each worker saw where its agents timed it: stopped (SIGSTOP, or its capture
+    stopping it) to running again (SIGCONT, or its restore).  Wall clocks of two hosts for a moved
+    rank, good to their clock sync."""
+    return {w: round(running[w] - t, 4) for w, t in stopped.items() if w in running and running[w] >= t}
 
 
 def last_resume(blocks: dict[str, list[dict]]) -> float | None:

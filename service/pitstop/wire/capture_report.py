@@ -34,5 +34,6 @@ class CaptureReport(BaseModel):
     # post-copy over the network: the split (eager/lazy bytes) and what the fill has fetched so far
     post_copy: dict[str, Any] | None = None
     pre_copy: dict[str, Any] | None = None  # the delta against a pre-copy: bytes left in it, bytes sent now
+    stopped_at: float | None = None  # wall clock: the worker stopped making progress (its network, GPUs, dump)
     created: float = Field(default_factory=time.time)
     updated: float = Field(default_factory=time.time)
