@@ -87,6 +87,8 @@ def main() -> int:
                   f"(a normal step: {sorted(gaps)[len(gaps) // 2]:.3f} s)")
         time.sleep(2.5)  # a heartbeat or two, so the coordinator has seen the workers exit
         cli(c, "jobs")
+        say("the ledger of moves, with the pause each rank saw: pitstop moves")
+        cli(c, "moves")
         say("checking the final parameters against an uninterrupted run of the same job")
         want = reference(c.root)
         got = [(out / f"rank{r}.sha256").read_text().strip() if (out / f"rank{r}.sha256").exists() else "missing"

@@ -230,22 +230,36 @@ def moves(node: Optional[str] = typer.Option(None, "--node", help="only moves fr
     if data is None:
         return
     t = Table(title="moves")
-    for col in ("operation", "from -> to", "result", "pause", "bytes before / in pause", "first collectives",
-                "first step", "back to speed", "step time after/before", "why"):
+    t.add_column("operation", no_wrap=True)
+    for col in ("move", "pause (ranks)", "MiB before / in pause", "the job after it", "why"):
         t.add_column(col)
-
-    def s(v: Any, unit: str = " s") -> str:
-        return "" if v is None else f"{v:.2f}{unit}"
-
     for m in data:
-        a = m.get("after_move") or {}
-        t.add_row(m["operation"].removeprefix("operations/"), f"{m['decision']['node']} -> {m['decision']['destination']}",
-                  m["result"] or "", s(m["pause_s"]),
-                  f"{m['bytes']['before_pause'] / 2**20:.0f} / {(m['bytes']['during_pause'] or 0) / 2**20:.0f} MiB",
-                  s(a.get("first_collectives_s")) if a.get("measured") else ("not measured" if a else "watching"),
-                  s(a.get("first_step_s")), s(a.get("back_to_speed_s")), s(a.get("step_time_ratio"), " x"), m["why"]["reason"])
+        d = m["decision"]
+        t.add_row(m["operation"].removeprefix("operations/"),
+                  f"{d['node']} -> {d['destination']}\n{m['result'] or ''}",
+                  (f"{m['pause_s']:.2f} s" if m["pause_s"] is not None else "") + _spread(m.get("rank_pause_s")),
+                  f"{m['bytes']['before_pause'] / 2**20:.0f} / {(m['bytes']['during_pause'] or 0) / 2**20:.0f}",
+                  _after(m.get("after_move")), m["why"]["reason"])
     out.print(t)
 
+
+def _after(a: dict[str, Any] | None) -> str:
+    """The job's time to useful progress after a move, one figure a line."""
+    if not a:
+        return "watching"
+    if not a.get("measured"):
+        return "not measured (no NCCL calls to count)"
+    lines = [("first calls", a.get("first_collectives_s"), "s"), ("first step", a.get("first_step_s"), "s"),
+             ("back to speed", a.get("back_to_speed_s"), "s"), ("step time", a.get("step_time_ratio"), "x before")]
+    return "\n".join(f"{k} {v:.3f} {u}" for k, v, u in lines if v is not None)
+
+
+def _spread(pauses: dict[str, float] | None) -> str:
+    """The shortest and longest pause the job's ranks saw, where the ledger has them."""
+    if not pauses:
+        return ""
+    lo, hi = min(pauses.values()), max(pauses.values())
+    return f"\nranks {lo:.2f} s" if hi - lo < 0.005 else f"\nranks {lo:.2f}-{hi:.2f} s"
 
 @app.command()
 def cancel(op_id: str = typer.Argument(..., help="the operation to cancel (as `pitstop ops` lists it)"),
