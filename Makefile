@@ -11,7 +11,7 @@ CRIU_STAMP := $(VENV)/.criu
 BENCH_STAMP := $(VENV)/.bench
 PYTEST_ARGS ?=
 
-.PHONY: all setup criu native check test test-fast demo bench bench-compare bench-heartbeat doctor clean gpu-bundle gpu-check qualify
+.PHONY: all setup criu native check test test-fast demo bench bench-compare bench-heartbeat bench-projection doctor clean gpu-bundle gpu-check qualify
 
 all: setup
 
@@ -66,6 +66,10 @@ bench: setup
 # times (about 18 min); writes bench/out/compare.json and compare.png.  BENCH_ARGS="--repeats 3"
 # for medians of the 4-rank methods too (about 37 min), "--state-mb 2048" for bigger ranks.
 # Each finished run is kept in bench/out/compare.partial.json as it ends (removed at the end).
+# The at-scale projection from kept measurements (no run needed): its table and its chart.
+bench-projection: setup $(BENCH_STAMP)
+	$(BIN)/python bench/projection.py --markdown --chart bench/out/projection.png
+
 bench-compare: setup $(BENCH_STAMP)
 	$(BIN)/python bench/compare.py $(BENCH_ARGS)
 

@@ -1,20 +1,19 @@
 """A projection, not a measurement: pitstop vs checkpoint-restart for one host leaving a job of
 64, 1,024 and 16,384 GPUs.
 
-    .venv/bin/python bench/projection.py [--measured bench/out/compare-warm.json]
-        [--gpu-report docs/img/gpu-2026-11-30-h200.json] [--markdown]
+    .venv/bin/python bench/projection.py [--json | --markdown] [--chart docs/img/projection.png]
+        [--measured docs/img/compare-2026-12-03-evening.json] [--gpu-report docs/img/gpu-2026-11-30-h200.json]
 
-The model is made of the components bench/compare.py measures on this machine (rates of
-CRIU's dump and restore, pitstop's stream, torch.save/torch.load, a relaunch's start-up,
-the coordinator's cost per host contacted), of the CUDA checkpoint rates measured on a GPU
-(--gpu-report: tests/gpu's check (d); else an assumed PCIe rate) and of GPU-cluster inputs
-that nobody has measured here (each is named in ASSUMED with where it comes from).
-Every GPU of the job waits while either method runs, so the cost of an evacuation is its
-pause times the job's GPUs.
+Runs as checked in: its measured inputs default to a kept full comparison (bench/compare.py's
+JSON, kept in docs/img/) and to the H200 VM's CUDA checkpoint rates (tests/gpu's check (d)).
+Every input is one of three kinds, and says which and where it comes from (INPUTS): measured
+(here, or on the lent H200 VM, with the date), cited (a public figure, with the publication), or
+assumed (a guess, with why).  Every GPU of the job waits while either method runs, so the cost of
+an evacuation is its pause times the job's GPUs.
 
 pitstop, one host of 8 GPUs leaving (cost follows the leaving host; only control grows):
     control   = 3 rounds (pause, commit, resume) x (measured round latency + hosts x RPC CPU)
-    gpu       = device memory in use / checkpoint rate (out) + / restore rate (back in)
+    gpu       = device bytes moved / CUDA checkpoint rate (out) + / restore rate (back in)
     data      = leaving bytes (device + host memory) / min(8 x stream rate per rank, NIC)
     restore   = leaving bytes / (8 x CRIU restore rate per rank)
     rewire    = NCCL communicator re-creation at the job's size
@@ -23,48 +22,86 @@ checkpoint-restart of the same planned evacuation (cost follows the whole job):
     relaunch  = scheduler, process start, imports, CUDA init, every rank in parallel
     nccl_init = NCCL communicator creation at the job's size
     load      = every shard / aggregate read rate
-Asymmetry worth knowing: a checkpoint holds parameters and optimizer state only, a shard
-per GPU, while pitstop moves all device memory in use (activations and caches included),
-but only the leaving host's.
+Device bytes moved: every byte a rank has reserved (`device_reserved_gb`, what a move takes
+today), or only its live bytes (`device_live_gb`, once the caching allocator's free blocks are
+released at the cut).  A checkpoint holds parameters and optimizer state only, a shard per GPU;
+pitstop moves only the leaving host's bytes, but all of them.
 
 Post-copy applies to host memory only.  cuda-checkpoint parks device memory in the process's
-host memory and copies it back to the device before the rank can run, which would fault
-every page of it in first: device memory stays on the critical path in every variant, and
-only host_state_gb is restored (local post-copy) or moved (network post-copy) after the job
-resumes.
+host memory and copies it back to the device before the rank can run: device memory stays on the
+critical path in every variant.
+
+The sensitivity table gives, for each input and job size, the value at which pitstop and
+checkpoint-restart break even (every other input as it is), or none within 1/1000 to 1000 x.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 GPUS_PER_HOST = 8
 SIZES = (64, 1024, 16384)
+ROOT = Path(__file__).resolve().parent.parent
+MEASURED = ROOT / "docs" / "img" / "compare-2026-12-03-evening.json"
+GPU_REPORT = ROOT / "docs" / "img" / "gpu-2026-11-30-h200.json"
+TRAINMOVER_S = 20.0  # planned or unplanned interruption at 1,024 GPUs (cited below)
 
-ASSUMED = {
-    # name: (value, unit, source)
-    "device_in_use_gb": (100.0, "GB per GPU", "H200 has 141 GB; a large job keeps most of it busy"),
-    "host_state_gb": (20.0, "GB per GPU", "host memory per rank (pinned buffers, loaders, Python)"),
-    "checkpoint_shard_gb": (10.0, "GB per GPU", "parameters + Adam state (16 B/param), sharded across the job"),
-    "cuda_checkpoint_gbps": (20.0, "GB/s per GPU",
-                             "device-to-host over PCIe Gen5, bare metal; used when no --gpu-report is given"),
-    "cuda_restore_gbps": (20.0, "GB/s per GPU",
-                          "host-to-device over PCIe Gen5, bare metal; used when no --gpu-report is given"),
-    "nic_gbps": (50.0, "GB/s per host", "one 400 Gb/s front-end NIC; pitstop's stream is TCP, not RDMA"),
-    "storage_write_gbps": (1000.0, "GB/s aggregate", "a large parallel file system"),
-    "storage_read_gbps": (2000.0, "GB/s aggregate", "a large parallel file system"),
-    "relaunch_s": (60.0, "s", "scheduler, containers, imports, CUDA contexts (4.6 s here for a toy job)"),
-    "nccl_init_s_per_log2": (2.5, "s per doubling",
-                             "NCCL init at 16k GPUs takes tens of seconds in public reports; modelled as "
-                             "a log2(N) bootstrap"),
-    "digest_gbps": (6.8, "GB/s per rank",
-                    "a pre-copy's delta by digests (810 MB in 0.09-0.14 s alone, docs/benchmarks.md, 2026-12-01 "
-                    "03:55): what a GPU host's ranks pay, since a process that maps a device is not write-tracked"),
-    "rpc_cpu_s": (0.0017, "s per host per round",
-                  "coordinator CPU per agent call, as measured for a full heartbeat (bench/heartbeat_load.py)"),
+
+@dataclass(frozen=True)
+class Input:
+    value: float
+    unit: str
+    kind: str  # "measured", "cited" or "assumed"
+    source: str
+
+
+LLAMA3 = "Meta, The Llama 3 Herd of Models, arXiv:2407.21783 (2024), section 3.3"
+INPUTS: dict[str, Input] = {
+    "device_reserved_gb": Input(100.0, "GB per GPU", "assumed",
+                                "what a rank's caching allocator holds reserved: most of an H200's 141 GB in a "
+                                "large job; a move takes all of it today"),
+    "device_live_gb": Input(16.0, "GB per GPU", "assumed",
+                            "what holds live data between steps: parameters, gradients and Adam state at 16 B "
+                            "a parameter for a 1 B-parameter shard (the checkpoint shard below, plus gradients); "
+                            "to be measured on a GPU with the release at the cut"),
+    "host_state_gb": Input(20.0, "GB per GPU", "assumed", "host memory per rank (pinned buffers, loaders, Python)"),
+    "checkpoint_shard_gb": Input(10.0, "GB per GPU", "assumed",
+                                 "parameters + Adam state (16 B/param) of a sharded model, per GPU"),
+    "cuda_checkpoint_gbps": Input(0.52, "GB/s per GPU", "measured",
+                                  "cuda-checkpoint out, 32 GiB, one process, lent H200 VM, 2026-11-30 (tests/gpu "
+                                  "check d; docs/img/gpu-2026-11-30-h200.json); 8 processes at once: 3.59 GB/s "
+                                  "together, 2026-12-04"),
+    "cuda_restore_gbps": Input(1.60, "GB/s per GPU", "measured",
+                               "cuda-checkpoint back in, same run; 8 processes at once: 4.82 GB/s together"),
+    "pcie_gbps": Input(55.3, "GB/s per GPU", "measured",
+                       "device to pinned host memory, lent H200 VM, 2026-12-04 (bench/gpu_host_copy.py); PCIe Gen5 "
+                       "x16 carries 63 GB/s a direction (32 GT/s x 16 lanes, 128b/130b): the bound a "
+                       "checkpoint path that copies to pinned memory could reach"),
+    "nic_gbps": Input(50.0, "GB/s per host", "assumed", "one 400 Gb/s front-end NIC; pitstop's stream is TCP"),
+    "storage_write_gbps": Input(2000.0, "GB/s aggregate", "cited",
+                                f"Meta's Tectonic for Llama 3 training: 2 TB/s sustained, 7 TB/s peak ({LLAMA3})"),
+    "storage_read_gbps": Input(2000.0, "GB/s aggregate", "cited", f"the same file system's sustained rate ({LLAMA3})"),
+    "relaunch_s": Input(60.0, "s", "assumed",
+                        "scheduler, containers, imports, CUDA contexts (4.6 s here for a toy job); no public "
+                        "breakdown at scale could be read here"),
+    "nccl_init_s_per_log2": Input(2.5, "s per doubling", "assumed",
+                                  "a log2(N) bootstrap: 35 s at 16,384 GPUs, 42 s at 131,072, in line with "
+                                  "'several dozens of seconds at 100K scale' (NVIDIA/nccl pull request 1789, Meta, "
+                                  "2025)"),
+    "digest_gbps": Input(6.8, "GB/s per rank", "measured",
+                         "a pre-copy's delta by digests, 810 MB in 0.09-0.14 s, this VM, 2026-12-01 "
+                         "(docs/benchmarks.md): what a GPU host's ranks pay, not being write-tracked"),
+    "rpc_cpu_s": Input(0.0017, "s per host per round", "measured",
+                       "coordinator CPU per agent call, a full heartbeat's (bench/heartbeat_load.py, 2026-11-29)"),
 }
+# kept for callers of the earlier module: name -> (value, unit, source)
+ASSUMED = {k: (v.value, v.unit, v.source) for k, v in INPUTS.items()}
+MEASURED_HERE = {"stream_Bps": "pitstop's stream per rank", "restore_Bps": "CRIU restore per rank",
+                 "round_s": "a control round"}
 
 
 def _load(measured: Path) -> dict:
@@ -134,20 +171,39 @@ def load_gpu(report: Path) -> dict:
     raise SystemExit(f"{report}: no passed checkpoint-throughput check (d) in it; run tests/gpu/run.sh --only d")
 
 
-def project(m: dict, gpus: int, gpu: dict | None = None) -> dict:
-    a = {k: v[0] for k, v in ASSUMED.items()}
+SCENARIOS = {
+    "today": "every reserved device byte, at the CUDA checkpoint rates measured on the H200 VM",
+    "live": "live device bytes only, at the same rates",
+    "live_at_pcie": "live device bytes only, with the CUDA checkpoint at the PCIe link's measured rate",
+}
+
+
+def values(gpu: dict | None = None, **overrides: float) -> dict[str, float]:
+    """Every input's value: INPUTS, the GPU rates of a tests/gpu report where given, then overrides."""
+    a = {k: v.value for k, v in INPUTS.items()}
     if gpu:
         a["cuda_checkpoint_gbps"], a["cuda_restore_gbps"] = gpu["checkpoint_GBps"], gpu["restore_GBps"]
+    a.update(overrides)
+    return a
+
+
+def project(m: dict, gpus: int, gpu: dict | None = None, scenario: str = "today", **overrides: float) -> dict:
+    """One job size under one scenario (SCENARIOS); overrides replace inputs (sensitivity)."""
+    a = values(gpu, **overrides)
+    m = {**m, **{k: v for k, v in overrides.items() if k in MEASURED_HERE}}
+    device_gb = a["device_live_gb"] if scenario in ("live", "live_at_pcie") else a["device_reserved_gb"]
+    out_gbps, in_gbps = ((a["pcie_gbps"], a["pcie_gbps"]) if scenario == "live_at_pcie"
+                         else (a["cuda_checkpoint_gbps"], a["cuda_restore_gbps"]))
     hosts = gpus // GPUS_PER_HOST
     gb = 1e9
-    leaving = GPUS_PER_HOST * (a["device_in_use_gb"] + a["host_state_gb"]) * gb
+    leaving = GPUS_PER_HOST * (device_gb + a["host_state_gb"]) * gb
     # Measured per rank on 2 shared cores; a GPU host streams and restores its 8 ranks on cores
     # of their own, so the per-rank rates add up, until the NIC caps the stream.
     stream = min(m["stream_Bps"] * GPUS_PER_HOST, a["nic_gbps"] * gb)
     log2 = max(1.0, gpus.bit_length() - 1)
     pit = {
         "control": 3 * (m["round_s"] + hosts * a["rpc_cpu_s"]),
-        "gpu": a["device_in_use_gb"] / a["cuda_checkpoint_gbps"] + a["device_in_use_gb"] / a["cuda_restore_gbps"],
+        "gpu": device_gb / out_gbps + device_gb / in_gbps,
         "data": leaving / stream,
         "restore": leaving / (m["restore_Bps"] * GPUS_PER_HOST),
         "rewire": a["nccl_init_s_per_log2"] * log2,
@@ -160,7 +216,7 @@ def project(m: dict, gpus: int, gpu: dict | None = None) -> dict:
         "load": shards / a["storage_read_gbps"],
     }
     tp, tc = sum(pit.values()), sum(ck.values())
-    device = GPUS_PER_HOST * a["device_in_use_gb"] * gb
+    device = GPUS_PER_HOST * device_gb * gb
     nic = a["nic_gbps"] * gb
     at_nic = tp - pit["data"] + leaving / nic
     host_share = 1 - device / leaving  # of the restore, what post-copy can take off the path
@@ -170,61 +226,167 @@ def project(m: dict, gpus: int, gpu: dict | None = None) -> dict:
     # pre-copy: host memory crossed the NIC before the pause; during it, it is digested instead.
     # Device memory gains nothing: cuda-checkpoint writes it into the process at the pause.
     host = leaving - device
-    pre = at_nic - host / nic + host / (m["digest_Bps"] * GPUS_PER_HOST) if m.get("digest_Bps") else None
-    return {"gpus": gpus, "pitstop_s": tp, "checkpoint_restart_s": tc, "pitstop": pit, "checkpoint_restart": ck,
-            "pitstop_dominant": max(pit, key=pit.get), "restart_dominant": max(ck, key=ck.get),
+    digest = a["digest_gbps"] * gb if "digest_gbps" in overrides else m.get("digest_Bps")
+    pre = at_nic - host / nic + host / (digest * GPUS_PER_HOST) if digest else None
+    return {"gpus": gpus, "scenario": scenario, "pitstop_s": tp, "checkpoint_restart_s": tc, "pitstop": pit,
+            "checkpoint_restart": ck, "pitstop_dominant": max(pit, key=lambda k: pit[k]),
+            "restart_dominant": max(ck, key=lambda k: ck[k]),
             "gpu_hours_pitstop": gpus * tp / 3600, "gpu_hours_restart": gpus * tc / 3600,
             "pitstop_at_nic_speed_s": at_nic, "pitstop_at_nic_speed_post_copy_s": local_pc,
             "pitstop_at_nic_speed_network_post_copy_s": network_pc, "pitstop_at_nic_speed_pre_copy_s": pre}
 
 
-def markdown(m: dict, rows: list[dict], gpu: dict | None = None) -> str:
-    rates = (f"CUDA checkpoint {gpu['checkpoint_GBps']:.2f} GB/s out and {gpu['restore_GBps']:.2f} GB/s back in, "
-             f"measured with {gpu['at_gib']:g} GiB ({gpu['source']})" if gpu else
-             f"CUDA checkpoint {ASSUMED['cuda_checkpoint_gbps'][0]:g} GB/s out and "
-             f"{ASSUMED['cuda_restore_gbps'][0]:g} GB/s back in, assumed (PCIe Gen5, bare metal)")
-    out = [f"GPU rates: {rates}.", "",f"Measured inputs ({m['date']}, {m['machine']}, bench/compare.py, rates from the run "
-           f"'{m['rates_from']}'): per leaving rank, CRIU dump "
-           f"{m['dump_Bps'] / 1e9:.2f} GB/s, pitstop stream {m['stream_Bps'] / 1e9:.2f} GB/s, CRIU restore "
-           f"{m['restore_Bps'] / 1e9:.2f} GB/s"
-           + (f", pre-copy digest {m['digest_Bps'] / 1e9:.2f} GB/s" if m.get("digest_Bps") else "")
-           + (f" (assumed: this run's deltas were write-tracked, at {m['tracked_delta_Bps'] / 1e9:.0f} GB/s "
-              "a rank, which a GPU host's ranks are not)" if m.get("tracked_delta_Bps") else "")
-           + f"; a control round (pause, commit or resume) {m['round_s']:.2f} s.", "",
-           f"A post-copy restore left {m.get('post_copy_restore_ratio', 1.0):.0%} of the eager restore on the "
-           "critical path in the same run.", "",
-           "| GPUs | pitstop (s) | its largest term | pitstop with a NIC-speed stream (s) | ... and local post-copy "
-           "(s) | ... or network post-copy (s) | ... or pre-copy (s) | checkpoint-restart (s) | its largest term | "
-           "GPU-hours per evacuation: pitstop / restart |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['gpus']:,} | {r['pitstop_s']:.0f} | {r['pitstop_dominant']} "
-                   f"({r['pitstop'][r['pitstop_dominant']]:.0f} s) | {r['pitstop_at_nic_speed_s']:.0f} | "
-                   f"{r['pitstop_at_nic_speed_post_copy_s']:.0f} | {r['pitstop_at_nic_speed_network_post_copy_s']:.0f} | "
-                   + (f"{r['pitstop_at_nic_speed_pre_copy_s']:.0f} | " if r["pitstop_at_nic_speed_pre_copy_s"] else "- | ")
-                   + f"{r['checkpoint_restart_s']:.0f} | "
-                   f"{r['restart_dominant']} ({r['checkpoint_restart'][r['restart_dominant']]:.0f} s) | "
-                   f"{r['gpu_hours_pitstop']:.1f} / {r['gpu_hours_restart']:.1f} |")
-    out += ["", "Assumed (not measured here):", ""]
-    out += [f"- {k} = {v} {u}: {src}" for k, (v, u, src) in ASSUMED.items()]
+def best(r: dict) -> float:
+    """pitstop's pause in its best variant of this scenario: the stream at the NIC's speed where
+    that is faster, and network post-copy (host memory after the resume)."""
+    return min(r["pitstop_s"], r["pitstop_at_nic_speed_network_post_copy_s"])
+
+
+def break_even(m: dict, gpus: int, gpu: dict | None, scenario: str, name: str) -> float | None:
+    """The value of input `name` at which pitstop's best variant and checkpoint-restart break even,
+    everything else as it is; None where they do not within 1/1000 to 1000 x its value."""
+    base = {**values(gpu), **{k: m[k] for k in MEASURED_HERE}}[name]
+
+    def gap(x: float) -> float:
+        r = project(m, gpus, gpu, scenario, **{name: x})
+        return best(r) - r["checkpoint_restart_s"]
+
+    lo, hi = base / 1000, base * 1000
+    glo, ghi = gap(lo), gap(hi)
+    if glo == 0:
+        return lo
+    if (glo < 0) == (ghi < 0):
+        return None
+    for _ in range(80):  # bisection in log space
+        mid = math.sqrt(lo * hi)
+        gm = gap(mid)
+        if (gm < 0) == (glo < 0):
+            lo, glo = mid, gm
+        else:
+            hi = mid
+    return math.sqrt(lo * hi)
+
+
+def sensitivity(m: dict, gpu: dict | None, scenario: str = "live") -> list[dict]:
+    names = [*INPUTS, *MEASURED_HERE]
+    rows = []
+    for n in names:
+        now = {**values(gpu), **{k: m[k] for k in MEASURED_HERE}}[n]
+        unit = INPUTS[n].unit if n in INPUTS else {"stream_Bps": "B/s", "restore_Bps": "B/s", "round_s": "s"}[n]
+        rows.append({"input": n, "now": now, "unit": unit,
+                     "break_even": {g: break_even(m, g, gpu, scenario, n) for g in SIZES}})
+    return rows
+
+
+def report(m: dict, gpu: dict | None) -> dict:
+    """What --json prints: for each size, each scenario's pause against checkpoint-restart's, and
+    every input with its kind and source, so a script can read where pitstop stands."""
+    sizes = []
+    for n in SIZES:
+        rs = {sc: project(m, n, gpu, sc) for sc in SCENARIOS}
+        sizes.append({"gpus": n, "checkpoint_restart_s": round(rs["today"]["checkpoint_restart_s"], 1),
+                      **{f"pitstop_{sc}_s": round(best(r), 1) for sc, r in rs.items()},
+                      "trainmover_s": TRAINMOVER_S if n == 1024 else None,
+                      "terms": {sc: {k: round(v, 2) for k, v in r["pitstop"].items()} for sc, r in rs.items()},
+                      "restart_terms": {k: round(v, 2) for k, v in rs["today"]["checkpoint_restart"].items()}})
+    inputs = {k: asdict(v) for k, v in INPUTS.items()}
+    if gpu:
+        for k, v in (("cuda_checkpoint_gbps", gpu["checkpoint_GBps"]), ("cuda_restore_gbps", gpu["restore_GBps"])):
+            inputs[k] = {**inputs[k], "value": v, "source": f"tests/gpu check d, {gpu['at_gib']:g} GiB, {gpu['source']}"}
+    for k, what in MEASURED_HERE.items():
+        inputs[k] = {"value": m[k], "unit": "s" if k == "round_s" else "B/s", "kind": "measured",
+                     "source": f"{what}, {m['machine']}, {m['date']} (bench/compare.py: {m['rates_from']})"}
+    return {"scenarios": SCENARIOS, "pitstop_is": "its best variant: the stream at the NIC's speed where faster, "
+            "host memory after the resume (network post-copy)", "sizes": sizes, "inputs": inputs,
+            "trainmover": {"seconds": TRAINMOVER_S, "gpus": 1024, "source": "TrainMover, arXiv:2412.12636 "
+                           "(Harvard, Alibaba, UT Austin): around 20 s of downtime at 1,024 GPUs"},
+            "sensitivity": sensitivity(m, gpu)}
+
+
+def chart(rep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [("checkpoint-restart", "checkpoint_restart_s", "#888888"),
+              ("pitstop today (every reserved byte)", "pitstop_today_s", "#d62728"),
+              ("pitstop, live bytes only", "pitstop_live_s", "#ff7f0e"),
+              ("pitstop, live bytes at the PCIe link's rate", "pitstop_live_at_pcie_s", "#2ca02c")]
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    xs = range(len(rep["sizes"]))
+    w = 0.2
+    for i, (label, key, color) in enumerate(series):
+        ys = [s[key] for s in rep["sizes"]]
+        bars = ax.bar([x + (i - 1.5) * w for x in xs], ys, w, label=label, color=color)
+        ax.bar_label(bars, labels=[f"{y:.0f}" for y in ys], fontsize=7, padding=1)
+    ax.axhline(TRAINMOVER_S, color="#1f77b4", linestyle="--", linewidth=1, label="TrainMover at 1,024 GPUs "
+               "(published): 20 s")
+    ax.set_yscale("log")
+    ax.set_ylim(8, 1500)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xticks(list(xs), [f"{s['gpus']:,} GPUs" for s in rep["sizes"]])
+    ax.set_ylabel("job-observed pause, s (log scale)")
+    ax.set_title("One 8-GPU host leaving: a projection, not a measurement")
+    ax.legend(fontsize=8, loc="upper left", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def markdown(m: dict, rep: dict) -> str:
+    out = [f"Measured here ({m['date']}, {m['machine']}, bench/compare.py, rates from '{m['rates_from']}'): "
+           f"per leaving rank, CRIU dump {m['dump_Bps'] / 1e9:.2f} GB/s, pitstop stream {m['stream_Bps'] / 1e9:.2f} "
+           f"GB/s, CRIU restore {m['restore_Bps'] / 1e9:.2f} GB/s; a control round {m['round_s']:.3f} s.", "",
+           "Projected job-observed pause, seconds (pitstop: " + rep["pitstop_is"] + "):", "",
+           "| GPUs | checkpoint-restart | pitstop today | ... live bytes only | ... and at the PCIe link's rate "
+           "| TrainMover (published) |", "|---|---|---|---|---|---|"]
+    for s in rep["sizes"]:
+        out.append(f"| {s['gpus']:,} | {s['checkpoint_restart_s']:.0f} | {s['pitstop_today_s']:.0f} | "
+                   f"{s['pitstop_live_s']:.0f} | {s['pitstop_live_at_pcie_s']:.0f} | "
+                   + (f"{s['trainmover_s']:.0f}" if s["trainmover_s"] else "-") + " |")
+    out += ["", "Terms of pitstop's pause (s) and of checkpoint-restart's:", "",
+            "| GPUs | scenario | control | gpu | data | restore | rewire | restart: save / relaunch / nccl_init / load |",
+            "|---|---|---|---|---|---|---|---|"]
+    for s in rep["sizes"]:
+        rt = s["restart_terms"]
+        for sc, t in s["terms"].items():
+            out.append(f"| {s['gpus']:,} | {sc} | {t['control']:.2f} | {t['gpu']:.1f} | {t['data']:.1f} | "
+                       f"{t['restore']:.1f} | {t['rewire']:.1f} | {rt['save']:.0f} / {rt['relaunch']:.0f} / "
+                       f"{rt['nccl_init']:.0f} / {rt['load']:.0f} |")
+    out += ["", "Break-even (live bytes only): the value of each input at which pitstop and checkpoint-restart "
+            "take as long, the others as they are; 'none' where none within 1/1000 to 1000 x today's.", "",
+            "| input | today | 64 GPUs | 1,024 GPUs | 16,384 GPUs |", "|---|---|---|---|---|"]
+
+    def fmt(v: float | None) -> str:
+        return "none" if v is None else f"{v:.3g}"
+
+    for r in rep["sensitivity"]:
+        be = r["break_even"]
+        out.append(f"| {r['input']} ({r['unit']}) | {fmt(r['now'])} | {fmt(be[64])} | {fmt(be[1024])} | "
+                   f"{fmt(be[16384])} |")
+    out += ["", "Inputs:", ""]
+    out += [f"- {k} = {v['value']:g} {v['unit']}, {v['kind']}: {v['source']}" for k, v in rep["inputs"].items()]
     return "\n".join(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--measured", default=str(Path(__file__).resolve().parent / "out" / "compare-warm.json"))
-    ap.add_argument("--gpu-report", type=Path, default=None,
-                    help="a tests/gpu report (or a file of several under 'runs') whose check (d) gives the "
-                         "CUDA checkpoint and restore rates; without it they are assumed")
+    ap.add_argument("--measured", type=Path, default=MEASURED, help="a full comparison's JSON (bench/compare.py)")
+    ap.add_argument("--gpu-report", type=Path, default=GPU_REPORT,
+                    help="a tests/gpu report whose check (d) gives the CUDA checkpoint and restore rates")
+    ap.add_argument("--json", action="store_true", help="the report as JSON (the default output)")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--chart", type=Path, help="write the chart here (PNG; needs the bench extra's matplotlib)")
     a = ap.parse_args()
-    m = _load(Path(a.measured))
+    m = _load(a.measured)
     gpu = load_gpu(a.gpu_report) if a.gpu_report else None
-    rows = [project(m, n, gpu) for n in SIZES]
+    rep = report(m, gpu)
+    if a.chart:
+        chart(rep, a.chart)
     if a.markdown:
-        print(markdown(m, rows, gpu))
+        print(markdown(m, rep))
         return
-    print(json.dumps({"measured": m, "gpu": gpu, "assumed": ASSUMED, "projection": rows}, indent=1))
+    print(json.dumps({"measured": m, "gpu": gpu, **rep}, indent=1))
 
 
 if __name__ == "__main__":
