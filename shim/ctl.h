@@ -19,7 +19,9 @@
 #define PITSTOP_TRAIL 256      /* the last operations' signatures kept (version 2) */
 
 enum { ST_RUNNING = 0, ST_PARKED = 1, ST_DESTROYED = 2, ST_IDS_READY = 3, ST_REBUILT = 4, ST_FAILED = 5 };
-enum { CMD_NONE = 0, CMD_DESTROY = 1, CMD_GENIDS = 2, CMD_REBUILD = 3, CMD_RESUME = 4, CMD_RELEASE = 5 };
+enum { CMD_NONE = 0, CMD_DESTROY = 1, CMD_GENIDS = 2, CMD_REBUILD = 3, CMD_RESUME = 4, CMD_RELEASE = 5, CMD_TRIM = 6 };
+enum { TRIM_TORCH = 1, TRIM_MEMPOOL = 2 };               /* trim_how: what was released */
+enum { TRIM_OK = 0, TRIM_TIMED_OUT = 1, TRIM_RAISED = 2 }; /* trim_error */
 enum { KIND_INIT = 1, KIND_SPLIT = 2 };
 enum { OP_COLL = 0, OP_SEND = 1, OP_RECV = 2 };
 
@@ -70,6 +72,13 @@ struct pitstop_ctl {
   volatile uint64_t parked_ns;      /* S: CLOCK_REALTIME when the rank last parked at a cut */
   volatile uint64_t resumed_ns;     /* S: ... and when it left that park: the pause this rank saw */
   volatile uint64_t trail_ns[PITSTOP_TRAIL]; /* S: CLOCK_REALTIME when operation i was issued */
+  /* CMD_TRIM (shim/trim.c): device memory that holds no live data released at the cut, before a
+   * move's CUDA checkpoint, so that only live bytes travel. */
+  volatile int32_t trim_how;        /* S: TRIM_* bits of what could be reached and was released */
+  volatile int32_t trim_error;      /* S: TRIM_OK, or why the release did not finish */
+  volatile int64_t trim_before;     /* S: device bytes the caching allocator held reserved before; -1 unknown */
+  volatile int64_t trim_after;      /* S: ... and after */
+  char trim_note[128];              /* S: what happened, for the operation's record */
 };
 
 #endif

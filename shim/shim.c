@@ -300,6 +300,9 @@ static void runCommand(uint32_t cmd) {
       }
       c->state = ST_IDS_READY;
       break;
+    case CMD_TRIM:
+      pitstop_trim(c);
+      break;
     case CMD_REBUILD: {
       ncclResult_t r = rebuildAll();
       c->error = (int32_t)r;

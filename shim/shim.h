@@ -70,6 +70,7 @@ static inline void pitstop_count(struct vcomm *v, int op, int peer, uint32_t cal
   c->trail_n = n + 1;
 }
 void pitstop_group_start(void);
+void pitstop_trim(struct pitstop_ctl *c); /* trim.c */
 void pitstop_group_end(void);
 
 /* resolve.c: the real definition of an NCCL function, or NULL; said once when none. */

@@ -294,3 +294,19 @@ def test_bindings_restore_args_layout_matches_the_driver_abi():
 
     check_layout(cu)  # pair pointer at 0, count at 8, zeroed 64 bytes: what every driver reads
     assert uuid_bytes("GPU-12345678-1234-1234-1234-123456789abc").hex() == "12345678123412341234123456789abc"
+
+
+def test_the_device_bytes_the_checkpoint_copies_are_recorded(procs):
+    """NVML's per-process figure as the processes were suspended: what moved (the ledger's
+    `checkpointed`, beside what the release at the cut freed)."""
+    drv = MeetingDriver(len(procs))
+    seen = []
+
+    def used(pids):
+        seen.append(list(pids))
+        return {p: 3 * 2**30 for p in pids}
+
+    g = ck.GpuCheckpointer(lock_timeout_s=2, driver=lambda: drv, inventory=lambda: H200, used_memory=used)
+    s = g.suspend(procs)
+    assert s is not None and s.record()["device_bytes"] == 3 * 2**30 * len(procs) and seen == [procs]
+    g.resume_in_place(s.record())

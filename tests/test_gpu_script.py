@@ -23,7 +23,7 @@ def _cuda() -> bool:
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--only", "x"], "--only takes letters from a,b,c,d,e,f"),
+    (["--only", "x"], "--only takes letters from a,b,c,d,e,f,g"),
     (["--sizes-gib", "1,lots"], "--sizes-gib takes numbers"),
     (["--sizes-gib", "0"], "between 0 and 1024"),
     (["--steps", "10"], "--steps must be at least 100"),
@@ -48,7 +48,7 @@ def test_run_sh_without_a_gpu_skips_every_check_with_its_reason(tmp_path):
     r = json.loads((tmp_path / "gpu-report.json").read_text())
     assert set(r["checks"]) == {"a_cuda_checkpoint_roundtrip", "b_criu_with_cuda", "c_shim_under_processgroupnccl",
                                 "d_checkpoint_throughput", "e_evacuation_through_agents",
-                                "f_cuda_tree_evacuation_through_agents"}
+                                "f_cuda_tree_evacuation_through_agents", "g_live_device_bytes"}
     for c in r["checks"].values():
         assert c["status"] == "skipped" and c["reason"].startswith("no CUDA device"), c
     assert r["machine"]["torch"] and r["date"] and "criu" in r["machine"]

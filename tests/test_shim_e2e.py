@@ -96,6 +96,8 @@ def test_evacuate_nccl_job_across_addresses(cluster, tmp_path, script):
     assert md["result"] == "succeeded", op.get("error")
     assert md["plan"]["pause"] == "nccl_cut", md["plan"]  # the shim's consistent cut, not SIGSTOP
     assert "rewire" in md["phases"] and md["cut"]["rewired"] and md["cut"]["new_ids"]
+    # no allocator the shim could reach (no torch, no CUDA runtime): nothing released, the move as before
+    assert md["workers"]["nccl.2"]["device_memory"] == {"released_by": ["nothing reachable"]}, md["workers"]
     assert any(c["type"] == "Quiesced" and c["reason"] == "ConsistentCut" for c in md["conditions"])
     assert any(c["type"] == "Rewired" and c["status"] == "True" for c in md["conditions"])
     # the new unique id names the new rendezvous address: another host's own address
@@ -175,6 +177,52 @@ def test_rank_that_never_reaches_the_cut_fails_cleanly(cluster, tmp_path):
     assert_same_as_reference(out, reference("nccl_dp.py"))
     where = {w["id"]: w["host"] for j in cc.jobs() for w in j["workers"]}
     assert where["nccl.2"] == "host-b"
+
+
+# -- only live device bytes move: the allocators' unused memory released at the cut ---------------
+
+FAKE_ALLOCATOR = WORKLOADS / "fake_cuda_allocator"
+
+
+def test_the_leaving_ranks_release_unused_device_memory_at_the_cut_and_only_they(cluster, tmp_path):
+    """A stand-in for PyTorch's caching allocator (1000 MiB reserved, 200 MiB live) in every rank:
+    the shim empties the leaving ranks' caches once, while they are parked at the cut, before
+    their capture; the peers' are left alone.  The job finishes as if nothing happened."""
+    log = tmp_path / "empty_cache.log"
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_dp.py",
+                            job_env={"PYTHONPATH": f"{FAKE_ALLOCATOR}:{WORKLOADS}", "FAKE_ALLOC_LOG": str(log)})
+    wait_for_step(ranks[3].log, 20)
+    op = _evacuate(cc, "host-b")
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op.get("error")
+    calls = [line.split() for line in log.read_text().splitlines()]
+    assert sorted(rank for rank, _ in calls) == ["2", "3"], calls  # once each, the leaving ranks only
+    assert all(md["first_pause"] < float(t) < md["last_resume"] for _, t in calls), (calls, md)
+    for wid in ("nccl.2", "nccl.3"):
+        assert md["workers"][wid]["device_memory"] == {
+            "released_by": ["torch"], "reserved_before": 1000 * 2**20, "reserved_after": 200 * 2**20,
+            "released": 800 * 2**20}, md["workers"][wid]
+    assert md["cut"]["trim_s"] > 0
+    let_finish(out)
+    assert [r.proc.wait(180) for r in ranks] == [0] * 4
+    assert_same_as_reference(out, reference("nccl_dp.py"))
+
+
+def test_a_release_that_fails_rolls_the_move_back_and_the_job_runs_on(cluster, tmp_path):
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_dp.py",
+                            job_env={"PYTHONPATH": f"{FAKE_ALLOCATOR}:{WORKLOADS}",
+                                     "FAKE_ALLOC_LOG": str(tmp_path / "empty_cache.log"), "FAKE_ALLOC_FAIL": "1"})
+    wait_for_step(ranks[3].log, 20)
+    op = _evacuate(cc, "host-b")
+    assert op["metadata"]["result"] == "failed"
+    msg = op["error"]["message"]
+    assert "release of unused device memory failed" in msg and "illegal memory access" in msg, msg
+    assert "nccl.2" in msg and "runs on where it was" in op["error"]["details"][0]["action"]
+    let_finish(out)
+    assert [r.proc.wait(180) for r in ranks] == [0] * 4
+    assert_same_as_reference(out, reference("nccl_dp.py"))
+    where = {w["id"]: w["host"] for j in cc.jobs() for w in j["workers"]}
+    assert where["nccl.2"] == "host-b" and where["nccl.3"] == "host-b"
 
 
 # -- an unchanged C program, and one the shim can only half see ----------------------------------

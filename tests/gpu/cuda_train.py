@@ -29,6 +29,9 @@ p.add_argument("--hold-gib", type=float, default=0.0)
 p.add_argument("--device", default="cuda", help="cpu: exercise the harness on a machine without a GPU")
 p.add_argument("--cuda-children", type=int, default=0, help="the same loop in this many child processes too")
 p.add_argument("--quiet", action="store_true", help="print only the final line (the children)")
+p.add_argument("--cache-gib", type=float, default=0.0,
+               help="each step also fills and frees a temporary of this many GiB, as large activations do: "
+                    "PyTorch's caching allocator keeps it reserved between steps (check g)")
 a = p.parse_args()
 children = []
 if a.cuda_children:
@@ -79,6 +82,10 @@ for step in range(1, a.steps + 1):
         for prm in model.parameters():
             dist.all_reduce(prm.grad)  # SUM over one rank: the same values, through NCCL
     opt.step()
+    if a.cache_gib:  # freed at once, kept reserved by the caching allocator: no effect on the results
+        tmp = torch.empty(int(a.cache_gib * 2**30) // 4, dtype=torch.float32, device=dev)
+        tmp.fill_(float(step))
+        del tmp
     if not a.quiet:
         print(f"step {step} t={time.time():.6f} loss={loss.item():.6f}", flush=True)
     time.sleep(a.step_sleep)

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "service"))
 TRAIN = HERE / "cuda_train.py"
 CHECKS = {"a": "cuda_checkpoint_roundtrip", "b": "criu_with_cuda", "c": "shim_under_processgroupnccl",
           "d": "checkpoint_throughput", "e": "evacuation_through_agents",
-          "f": "cuda_tree_evacuation_through_agents"}
+          "f": "cuda_tree_evacuation_through_agents", "g": "live_device_bytes"}
 
 
 class Skip(Exception):
@@ -52,7 +52,9 @@ class Skip(Exception):
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="gpu_check.py")
     p.add_argument("--report", type=Path, default=Path("gpu-report.json"), help="JSON report to write")
-    p.add_argument("--only", default="a,b,c,d,e,f", help="checks to run, comma separated, from a,b,c,d,e,f")
+    p.add_argument("--only", default="a,b,c,d,e,f,g", help="checks to run, comma separated, from a,b,c,d,e,f,g")
+    p.add_argument("--g-cache-gib", type=float, default=8.0,
+                   help="(g): the free cache the job's allocator holds at the cut, GiB")
     p.add_argument("--sizes-gib", default="1,8,32", help="device memory sizes for (d), GiB, comma separated")
     p.add_argument("--host-gib", type=float, default=None,
                    help="host memory (d) may use, GiB (default: MemAvailable; give it on a VM whose memory "
@@ -498,6 +500,55 @@ def check_e(a: argparse.Namespace, work: Path, ref: str, children: int = 0) -> d
     return res
 
 
+def check_g(a: argparse.Namespace, work: Path) -> dict:
+    """Only live device bytes move: an NCCL job (ProcessGroupNCCL, world of 1) whose caching
+    allocator holds a large free cache at every step's end is evacuated through the product; at
+    the cut the shim empties the leaving rank's cache (shim/trim.c) before its CUDA checkpoint.
+    Reports the bytes reserved before and after the release and what the checkpoint copied, the
+    downtime, and the job's first step after the move; bitwise equal to the same run uninterrupted."""
+    from pitstop.dev.devcluster import LocalCluster, wait_for_step
+    from pitstop.wire.coordinator_client import CoordinatorClient
+
+    job = ["--steps", str(a.steps), "--pg", "nccl", "--cache-gib", str(a.g_cache_gib)]
+    store = work / "g-store"
+    ref, _ = run_to_end(work, "g-reference", [*job, "--step-sleep", "0"], env={"PG_STORE": str(work / "g-ref-store")})
+    root = work / "cluster-g"
+    root.mkdir(parents=True, exist_ok=True)
+    with LocalCluster(root=root) as c:
+        c.start_coordinator()
+        c.start_agent("gpu-a")
+        c.start_agent("gpu-spare", spare=True)
+        ranks = c.start_job("g", [sys.executable, str(TRAIN), *job], 1, {0: "gpu-a"}, env={"PG_STORE": str(store)})
+        wait_for_step(ranks[0].log, 50, timeout_s=180)
+        cc = CoordinatorClient(c.coordinator_url, c.operator_token)
+        op = cc.evacuate("gpu-a")
+        end = time.monotonic() + 300
+        while not op["done"] and time.monotonic() < end:
+            time.sleep(0.2)
+            op = cc.op(op["name"])
+        md = op.get("metadata", {})
+        moves = []
+        end = time.monotonic() + 30  # the ledger's word on the job after the move
+        while time.monotonic() < end and not (moves and moves[0].get("after_move")):
+            moves = [m for m in cc.moves() if m["operation"] == op["name"]]
+            time.sleep(0.5)
+        rc = ranks[0].proc.wait(300)
+        text = ranks[0].log.read_text(errors="replace")
+    got = final_hash(text)
+    w = (md.get("workers") or {}).get("g.0", {})
+    mem = w.get("device_memory") or {}
+    res = {"result": md.get("result"), "error": op.get("error"), "downtime_s": md.get("downtime_s"),
+           "phases": md.get("phases"), "bytes": md.get("bytes_total"), "cache_gib": a.g_cache_gib,
+           "device_memory": mem, "trim_s": (md.get("cut") or {}).get("trim_s"),
+           "capture_phases": w.get("capture_phases"), "after_move": moves[0].get("after_move") if moves else None,
+           "exit": rc, "sha256": got, "reference_sha256": ref}
+    released = mem.get("released") or 0
+    if md.get("result") != "succeeded" or rc != 0 or got != ref or released < 0.9 * a.g_cache_gib * 2**30:
+        raise AssertionError(f"only live bytes did not move, or not transparently: {res}; "
+                             f"the job's output ends: {text[-1500:]}")
+    return res
+
+
 # -- main --------------------------------------------------------------------------------------------
 def main(argv: list[str]) -> int:
     a = parse(argv)
@@ -524,7 +575,8 @@ def main(argv: list[str]) -> int:
             res = {"status": "passed", **{"a": lambda: check_a(a, work, ref), "b": lambda: check_b(a, work, ref),
                                           "c": lambda: check_c(a, work), "d": lambda: check_d(a, work),
                                           "e": lambda: check_e(a, work, ref),
-                                          "f": lambda: check_e(a, work, ref, children=2)}[letter]()}
+                                          "f": lambda: check_e(a, work, ref, children=2),
+                                          "g": lambda: check_g(a, work)}[letter]()}
         except Skip as e:
             res = {"status": "skipped", "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - every failure is reported, then the next check runs

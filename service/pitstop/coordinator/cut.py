@@ -266,6 +266,32 @@ class Cut:
                  ids={k: v[:16] + "…" for k, v in ids.items()})
         return time.monotonic() - t0, ids
 
+    def trim(self, workers: list[str], deadline_s: float = 60.0) -> dict[str, list[dict[str, Any]]]:
+        """Release the device memory the given (leaving) workers hold reserved without using it
+        (shim/trim.c), once their communicators are destroyed and before their CUDA checkpoint:
+        only live bytes travel.  Each worker's blocks' results; CutFailed naming the worker where a
+        release did not finish (the move rolls back, the job runs on where it was)."""
+        for w in workers:
+            self.post(w, {"op": "command", "command": "trim", "ids": {}})
+        end = time.monotonic() + deadline_s
+        while True:
+            got = {w: self.get(w) for w in workers}
+            if all(b["done_seq"] == b["command_seq"] for bs in got.values() for b in bs):
+                break
+            if time.monotonic() > end:
+                raise DeadlineExceeded(f"the release of unused device memory did not finish within {deadline_s:.0f} s "
+                                       "on " + ", ".join(w for w, bs in got.items()
+                                                         if any(b["done_seq"] != b["command_seq"] for b in bs)),
+                                       action="see the workers' agents' logs; the move is rolled back")
+            time.sleep(self.poll_s)
+        failed = [f"{w} (pid {b['pid']}): {b['trim']['error']}: {b['trim']['note']}" for w, bs in got.items()
+                  for b in bs if (b.get("trim") or {}).get("error")]
+        if failed:
+            raise CutFailed("the release of unused device memory failed on " + "; ".join(failed),
+                            action="the job runs on where it was; set PITSTOP_COORDINATOR_RELEASE_DEVICE_CACHE=false "
+                                   "to move every reserved byte instead")
+        return got
+
     def release(self) -> None:
         """Abandon a quiesce whose communicators still exist: every rank carries on."""
         for w in self.workers:

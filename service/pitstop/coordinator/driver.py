@@ -313,6 +313,8 @@ class OpRun:
             with self.lock:
                 self.md.cut = CutRecord(used=True, destroyed=True, rounds=res.rounds, seconds=round(res.seconds, 4))
                 self.save()
+            if self.d.s.release_device_cache:
+                self._release_device_cache(cut)
             self.leave("pause")
             self.condition("Quiesced", True, "ConsistentCut",
                            f"{len(cut.workers)} worker(s) parked at a consistent cut after {res.rounds} round(s); "
@@ -336,6 +338,20 @@ class OpRun:
                     self.leave("pause")
             self.condition("Quiesced", True, "PeersPaused", f"{len(self.md.paused)} peer(s) paused (SIGSTOP)")
         self.check()
+
+    def _release_device_cache(self, cut: Cut) -> None:
+        """The leaving ranks, parked with their communicators gone, release what their allocators
+        hold reserved without using it: their CUDA checkpoint then carries live bytes only.  Peers
+        keep their caches (nothing of theirs is checkpointed).  A failure raises: the move rolls
+        back and the job runs on where it was."""
+        t0 = time.monotonic()
+        got = cut.trim(sorted(self.md.workers), deadline_s=self.d.s.cut_deadline_s)
+        with self.lock:
+            for wid, blocks in got.items():
+                self.md.workers[wid].device_memory = _device_memory(blocks)
+            assert self.md.cut is not None
+            self.md.cut.trim_s = round(time.monotonic() - t0, 4)
+            self.save()
 
     def _capture(self, m: "_Move") -> None:
         assert m.plan is not None
@@ -364,6 +380,9 @@ class OpRun:
                 raise PitstopError.from_dict(report.error or {"message": "capture failed"})
             if report.stopped_at:
                 self.rank_stopped[wid] = report.stopped_at
+            if report.gpu.get("device_bytes") is not None:  # what its CUDA checkpoint copied out
+                with self.lock:
+                    w.device_memory = {**(w.device_memory or {}), "checkpointed": report.gpu["device_bytes"]}
             with self.lock:
                 w.captured(report)
                 self.md.totals()
@@ -1026,6 +1045,19 @@ _GRPC = {"invalid_request": (3, "INVALID_ARGUMENT"), "not_found": (5, "NOT_FOUND
          "cancelled": (1, "CANCELLED"), "deadline_exceeded": (4, "DEADLINE_EXCEEDED"),
          "unavailable": (14, "UNAVAILABLE"), "database_unavailable": (14, "UNAVAILABLE"),
          "image_integrity": (15, "DATA_LOSS")}
+
+
+def _device_memory(blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One worker's release at the cut, over its processes' blocks: what released memory, and the
+    bytes its allocators held reserved before and after (None where no allocator said)."""
+    trims = [b["trim"] for b in blocks if b.get("trim")]
+    before = [t["reserved_before"] for t in trims if t["reserved_before"] is not None]
+    after = [t["reserved_after"] for t in trims if t["reserved_after"] is not None]
+    how = sorted({h for t in trims for h in t["how"]})
+    out: dict[str, Any] = {"released_by": how or ["nothing reachable"]}
+    if before and after:
+        out.update(reserved_before=sum(before), reserved_after=sum(after), released=sum(before) - sum(after))
+    return out
 
 
 def _times(answers: list[list[dict[str, Any]]], key: str) -> dict[str, float]:

@@ -40,6 +40,10 @@ class CoordinatorSettings(BaseSettings):
     step_timeout_s: float = 180.0         # any other single agent call
     operation_deadline_s: float = 900.0   # the whole evacuation, before commit
     cut_deadline_s: float = 30.0          # every rank of an NCCL job reaches the consistent cut
+    # At the cut, the leaving ranks release the device memory their allocators hold reserved but
+    # unused (PyTorch's cache, CUDA's memory pools: shim/trim.c) before their CUDA checkpoint, so
+    # that only live bytes move.  False: every reserved byte moves, as a job that cannot be reached.
+    release_device_cache: bool = True
     # After a move, how long the job's collectives are watched for its time to useful progress
     # (coordinator/progress.py; 0: not watched)
     progress_window_s: float = Field(default=10.0, ge=0, le=600)

@@ -110,11 +110,13 @@ class Suspended:
     checkpoint_s: float
     source: dict[str, Any] = field(default_factory=dict)  # GPU model, UUIDs, driver, CUDA version
     rounds: int = 1  # looks at the tree it took to find every CUDA process (suspend's `rescan`)
+    device_bytes: int | None = None  # device memory its processes held as they were checkpointed (NVML)
 
     def record(self) -> dict[str, Any]:
         """The image manifest's "gpu" section."""
         return {**self.source, "processes": [p.ns_pid for p in self.procs], "host_pids": [p.pid for p in self.procs],
-                "lock_s": self.lock_s, "checkpoint_s": self.checkpoint_s, "rounds": self.rounds}
+                "lock_s": self.lock_s, "checkpoint_s": self.checkpoint_s, "rounds": self.rounds,
+                "device_bytes": self.device_bytes}
 
 
 def remap_pairs(src: dict[str, Any], dst_inventory: dict[str, Any]) -> list[tuple[str, str]]:
@@ -139,14 +141,19 @@ def remap_pairs(src: dict[str, Any], dst_inventory: dict[str, Any]) -> list[tupl
 
 class GpuCheckpointer:
     def __init__(self, lock_timeout_s: float = 10.0, driver: Callable[[], CudaDriver] = load,
-                 inventory: Callable[[], dict[str, Any]] | None = None) -> None:
+                 inventory: Callable[[], dict[str, Any]] | None = None,
+                 used_memory: Callable[[list[int]], dict[int, int]] | None = None) -> None:
         self.lock_timeout_s = lock_timeout_s
         self._factory = driver
         self._driver: CudaDriver | None = None
         if inventory is None:
             from pitstop.gpu.inventory import inventory as inv
             inventory = inv
+        if used_memory is None:
+            from pitstop.gpu.inventory import used_device_memory
+            used_memory = used_device_memory
         self._inventory = inventory
+        self._used_memory: Callable[[list[int]], dict[int, int]] = used_memory
 
     def driver(self) -> CudaDriver:
         if self._driver is None:
@@ -176,7 +183,9 @@ class GpuCheckpointer:
                                        "the worker keeps running") from None
         done: list[GpuProcess] = []
         lock_s = checkpoint_s = 0.0
+        used: dict[int, int] = {}
         for rounds in range(1, SUSPEND_ROUNDS + 1):
+            used |= self._used_memory(targets)  # what the checkpoint will copy out (the released cache gone)
             procs = [GpuProcess(p, (proctree.ns_pids(p) or [p])[-1]) for p in targets]
             t0 = time.monotonic()
             self._lock(drv, procs, done)
@@ -202,7 +211,8 @@ class GpuCheckpointer:
                "driver": inv.get("driver"), "cuda": drv.version()}
         log.info("gpu state checkpointed", pids=[p.pid for p in done], lock_s=round(lock_s, 4),
                  checkpoint_s=round(checkpoint_s, 4), rounds=rounds)
-        return Suspended(done, lock_s, checkpoint_s, src, rounds)
+        return Suspended(done, lock_s, checkpoint_s, src, rounds,
+                         device_bytes=sum(used.values()) if used else None)
 
     def _lock(self, drv: CudaDriver, procs: list[GpuProcess], before: list[GpuProcess]) -> None:
         """All at once: processes of one tree may wait on each other's kernels (ranks of a torchrun

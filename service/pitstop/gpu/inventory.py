@@ -34,3 +34,19 @@ def inventory() -> dict[str, Any]:
     model = gpus[0]["name"] if gpus else None
     return {"gpus": gpus, "gpu_model": model, "gpu_count": len(gpus),
             "driver": pynvml.nvmlSystemGetDriverVersion(), "gpu_note": ""}
+
+
+def used_device_memory(pids: list[int]) -> dict[int, int]:
+    """Device bytes each of `pids` holds, as NVML's compute-process list says (what a CUDA
+    checkpoint of it will copy out); pids it does not list, or no NVML at all, are left out."""
+    want = set(pids)
+    try:
+        pynvml = nvml()
+        out: dict[int, int] = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i)):
+                if p.pid in want and p.usedGpuMemory is not None:
+                    out[p.pid] = out.get(p.pid, 0) + int(p.usedGpuMemory)
+        return out
+    except Exception:  # noqa: BLE001 - a measurement: NVML raises its own family
+        return {}

@@ -27,11 +27,12 @@ class Block:
     trail_at: list[float] | None = None  # when each of the trail's operations was issued (wall clock)
     parked_ns: int = 0  # CLOCK_REALTIME of the rank's last park at a cut, and of its leaving it
     resumed_ns: int = 0
+    trim: dict[str, Any] | None = None  # the last release of unused device memory (shim/trim.c)
 
     def view(self, trail: bool = False) -> dict[str, Any]:
         """As the coordinator reads it; the trail (1 KiB of numbers) only where asked for."""
         h = self.header
-        extra: dict[str, Any] = {"pause": self.pause()}
+        extra: dict[str, Any] = {"pause": self.pause(), "trim": self.trim}
         if trail and self.trail is not None:
             extra |= {"trail": self.trail, "trail_at": self.trail_at, "trail_n": self.trail_n}
         return extra | {"pid": self.pid, "token": f"{h['token']:016x}", "state": L.STATES.get(h["state"], str(h["state"])),
@@ -107,7 +108,12 @@ def read_block(pid: int, addr: int) -> Block | None:
         vals = L.TAIL.unpack(tail)
         n, ring = vals[0], vals[1:1 + L.TRAIL_LEN]
         b.parked_ns, b.resumed_ns = vals[1 + L.TRAIL_LEN], vals[2 + L.TRAIL_LEN]
-        at = vals[3 + L.TRAIL_LEN:]
+        at = vals[3 + L.TRAIL_LEN:3 + 2 * L.TRAIL_LEN]
+        how, err, before, after, note = vals[3 + 2 * L.TRAIL_LEN:]
+        b.trim = {"how": [name for bit, name in L.TRIM_HOW.items() if how & bit],
+                  "error": L.TRIM_ERRORS.get(err, str(err)) if err else None,
+                  "reserved_before": before if before >= 0 else None, "reserved_after": after if after >= 0 else None,
+                  "note": note.split(b"\0", 1)[0].decode(errors="replace")}
         k = min(n, L.TRAIL_LEN)
         b.trail = [ring[i % L.TRAIL_LEN] for i in range(n - k, n)]
         b.trail_at = [at[i % L.TRAIL_LEN] / 1e9 for i in range(n - k, n)]

@@ -25,7 +25,11 @@ OPS = {0: "coll", 1: "send", 2: "recv"}
 SIZE_V1 = HEADER.size + MAX_COMMS * COMM.size
 # Version 2 appends the trail of operation signatures and the rank's own pause times (ctl.h).
 TRAIL_LEN = 256
-TAIL = struct.Struct(f"<Q{TRAIL_LEN}IQQ{TRAIL_LEN}Q")  # trail_n, trail, parked_ns, resumed_ns, trail_ns
+# trail_n, trail, parked_ns, resumed_ns, trail_ns; then the release at the cut (CMD_TRIM, shim/trim.c):
+# trim_how, trim_error, trim_before, trim_after, trim_note
+TAIL = struct.Struct(f"<Q{TRAIL_LEN}IQQ{TRAIL_LEN}Qiiqq128s")
+TRIM_HOW = {1: "torch", 2: "cuda_mempool"}
+TRIM_ERRORS = {1: "timed_out", 2: "raised"}
 OFF_TAIL = SIZE_V1
 SIZE = SIZE_V1 + TAIL.size
 
@@ -38,7 +42,7 @@ COMM_OFF_NEWID_SET = 52
 COMM_OFF_NEWID = 56
 
 STATES = {0: "running", 1: "parked", 2: "destroyed", 3: "ids_ready", 4: "rebuilt", 5: "failed"}
-COMMANDS = {"destroy": 1, "genids": 2, "rebuild": 3, "resume": 4, "release": 5}
+COMMANDS = {"destroy": 1, "genids": 2, "rebuild": 3, "resume": 4, "release": 5, "trim": 6}
 KINDS = {1: "init", 2: "split"}
 
 

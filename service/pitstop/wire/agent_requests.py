@@ -49,7 +49,7 @@ class ShimOp(BaseModel):
     op: Literal["quiesce", "targets", "command"]
     gen: int = Field(0, ge=0, le=2**31 - 1)
     targets: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    command: Literal["destroy", "genids", "rebuild", "resume", "release"] = "release"
+    command: Literal["destroy", "genids", "rebuild", "resume", "release", "trim"] = "release"
     ids: dict[str, str] = Field(default_factory=dict)
 
 

@@ -78,6 +78,9 @@ class WorkerProgress(_Record):
     restored_pid: int | None = None
     restore_phases: dict[str, Any] = Field(default_factory=dict)
     fill: dict[str, Any] | None = None  # network post-copy: how the destination's fill ended
+    # Device memory released at the cut before the CUDA checkpoint (shim/trim.c): what released it
+    # ("torch", "cuda_mempool"; none: nothing reachable), bytes reserved before and after.
+    device_memory: dict[str, Any] | None = None
 
     def captured(self, cap: CaptureReport) -> None:
         """Take in the source agent's report of the finished capture."""
@@ -109,6 +112,7 @@ class CutRecord(_Record):
     seconds: float | None = None
     rewired: bool | None = None
     new_ids: dict[str, str] | None = None  # communicator -> the first 32 hex digits of its new unique id
+    trim_s: float | None = None  # the leaving ranks' release of unused device memory (in the pause)
 
 
 class Condition(_Record):
