@@ -98,8 +98,6 @@ INPUTS: dict[str, Input] = {
     "rpc_cpu_s": Input(0.0017, "s per host per round", "measured",
                        "coordinator CPU per agent call, a full heartbeat's (bench/heartbeat_load.py, 2026-11-29)"),
 }
-# kept for callers of the earlier module: name -> (value, unit, source)
-ASSUMED = {k: (v.value, v.unit, v.source) for k, v in INPUTS.items()}
 MEASURED_HERE = {"stream_Bps": "pitstop's stream per rank", "restore_Bps": "CRIU restore per rank",
                  "round_s": "a control round"}
 
@@ -144,7 +142,7 @@ def _load(measured: Path) -> dict:
         # cut the delta from that: nothing was digested in this run.  A GPU host's ranks map the
         # device, so they are not write-tracked and their deltas are digested: use the rate
         # measured for that on this VM.
-        out["digest_Bps"] = ASSUMED["digest_gbps"][0] * 1e9
+        out["digest_Bps"] = INPUTS["digest_gbps"].value * 1e9
         if deltas:
             out["tracked_delta_Bps"] = per_rank / max(deltas)
     out["post_copy_restore_ratio"] = post["phases"]["restore"] / p["phases"]["restore"] if post else 1.0

@@ -61,11 +61,6 @@ static const char TRIM_PY[] =
     "finally:\n"
     "    del __pitstop_trim\n";
 
-struct job {
-  struct pitstop_ctl *c;
-  volatile int done;
-};
-
 static void trim_torch(struct pitstop_ctl *c) {
   isinit_fn isinit = (isinit_fn)dlsym(RTLD_DEFAULT, "Py_IsInitialized");
   gil_ensure_fn ensure = (gil_ensure_fn)dlsym(RTLD_DEFAULT, "PyGILState_Ensure");
@@ -104,10 +99,9 @@ static void trim_mempools(struct pitstop_ctl *c) {
 }
 
 static void *worker(void *arg) {
-  struct job *j = arg;
-  trim_torch(j->c);
-  if (j->c->trim_error == TRIM_OK) trim_mempools(j->c);
-  __atomic_store_n(&j->done, 1, __ATOMIC_RELEASE);
+  struct pitstop_ctl *c = arg;
+  trim_torch(c);
+  if (c->trim_error == TRIM_OK) trim_mempools(c);
   return NULL;
 }
 
@@ -122,14 +116,10 @@ void pitstop_trim(struct pitstop_ctl *c) {
   c->trim_error = TRIM_OK;
   c->trim_before = c->trim_after = -1;
   c->trim_note[0] = 0;
-  /* The job outlives a timed-out call: it is left to finish on its own thread (a release of
-   * unused cache is harmless whenever it lands), so the struct is not on this stack. */
-  struct job *j = calloc(1, sizeof *j);
-  if (!j) { c->trim_error = TRIM_RAISED; snprintf(c->trim_note, sizeof c->trim_note, "out of memory"); return; }
-  j->c = c;
+  /* A timed-out call is left to finish on its own thread: a release of unused cache is harmless
+   * whenever it lands, and the control block it writes lives as long as the process. */
   pthread_t t;
-  if (pthread_create(&t, NULL, worker, j) != 0) {
-    free(j);
+  if (pthread_create(&t, NULL, worker, c) != 0) {
     c->trim_error = TRIM_RAISED;
     snprintf(c->trim_note, sizeof c->trim_note, "cannot start the release's thread");
     return;
@@ -140,11 +130,8 @@ void pitstop_trim(struct pitstop_ctl *c) {
   end.tv_sec += (time_t)d;
   end.tv_nsec += (long)((d - (double)(time_t)d) * 1e9);
   if (end.tv_nsec >= 1000000000L) { end.tv_sec++; end.tv_nsec -= 1000000000L; }
-  if (pthread_timedjoin_np(t, NULL, &end) == 0) {
-    free(j);
-    return;
-  }
-  pthread_detach(t); /* j leaks with it: a few bytes, once, on a move that is rolled back anyway */
+  if (pthread_timedjoin_np(t, NULL, &end) == 0) return;
+  pthread_detach(t);
   c->trim_error = TRIM_TIMED_OUT;
   snprintf(c->trim_note, sizeof c->trim_note, "the release did not finish within %.0f s "
            "(the interpreter's lock held elsewhere?)", d);

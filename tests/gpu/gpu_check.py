@@ -453,21 +453,20 @@ def _parallel(drv, work: Path, key: str, gib: float, n: int) -> dict:  # noqa: A
     return res
 
 
-# -- (e) -------------------------------------------------------------------------------------------
-def check_e(a: argparse.Namespace, work: Path, ref: str, children: int = 0) -> dict:
+# -- (e), (f), (g): the product on a GPU --------------------------------------------------------------
+def evacuate_job(root: Path, cmd: list[str], env: dict[str, str] | None = None, ledger: bool = False) -> dict:
+    """A coordinator and two agents (gpu-a, gpu-spare) under `root`; a one-rank job of `cmd` on
+    gpu-a, evacuated to the spare at step 50; the operation, the job's exit and output, where its
+    worker ended, and (ledger) the move's ledger entry once it says what the job did after it."""
     from pitstop.dev.devcluster import LocalCluster, wait_for_step
     from pitstop.wire.coordinator_client import CoordinatorClient
 
-    dev = ["--device", "cpu"] if a.cpu_dry_run else []
-    tree = ["--cuda-children", str(children)] if children else []
-    root = work / ("cluster" if not children else "cluster-tree")
     root.mkdir(parents=True, exist_ok=True)
     with LocalCluster(root=root) as c:
         c.start_coordinator()
         c.start_agent("gpu-a")
         c.start_agent("gpu-spare", spare=True)
-        ranks = c.start_job("g", [sys.executable, str(TRAIN), "--steps", str(a.steps), *dev, *tree], 1,
-                            {0: "gpu-a"})
+        ranks = c.start_job("g", cmd, 1, {0: "gpu-a"}, env=env)
         wait_for_step(ranks[0].log, 50, timeout_s=180)
         cc = CoordinatorClient(c.coordinator_url, c.operator_token)
         op = cc.evacuate("gpu-a")
@@ -475,10 +474,25 @@ def check_e(a: argparse.Namespace, work: Path, ref: str, children: int = 0) -> d
         while not op["done"] and time.monotonic() < end:
             time.sleep(0.2)
             op = cc.op(op["name"])
-        md = op.get("metadata", {})
+        moves: list[dict] = []
+        end = time.monotonic() + 30  # the ledger's word on the job after the move
+        while ledger and time.monotonic() < end and not (moves and moves[0].get("after_move")):
+            moves = [m for m in cc.moves() if m["operation"] == op["name"]]
+            time.sleep(0.5)
         rc = ranks[0].proc.wait(300)
         text = ranks[0].log.read_text(errors="replace")
         where = {w["id"]: w["host"] for j in cc.jobs() for w in j["workers"]}
+    return {"op": op, "md": op.get("metadata", {}), "exit": rc, "text": text, "host": where.get("g.0"),
+            "move": moves[0] if moves else None}
+
+
+# -- (e) -------------------------------------------------------------------------------------------
+def check_e(a: argparse.Namespace, work: Path, ref: str, children: int = 0) -> dict:
+    dev = ["--device", "cpu"] if a.cpu_dry_run else []
+    tree = ["--cuda-children", str(children)] if children else []
+    e = evacuate_job(work / ("cluster" if not children else "cluster-tree"),
+                     [sys.executable, str(TRAIN), "--steps", str(a.steps), *dev, *tree])
+    op, md, rc, text, where = e["op"], e["md"], e["exit"], e["text"], {"g.0": e["host"]}
     got = final_hash(text)
     res = {"result": md.get("result"), "error": op.get("error"), "downtime_s": md.get("downtime_s"),
            "phases": md.get("phases"), "bytes": md.get("bytes_total"), "worker_host": where.get("g.0"), "exit": rc,
@@ -506,34 +520,12 @@ def check_g(a: argparse.Namespace, work: Path) -> dict:
     the cut the shim empties the leaving rank's cache (shim/trim.c) before its CUDA checkpoint.
     Reports the bytes reserved before and after the release and what the checkpoint copied, the
     downtime, and the job's first step after the move; bitwise equal to the same run uninterrupted."""
-    from pitstop.dev.devcluster import LocalCluster, wait_for_step
-    from pitstop.wire.coordinator_client import CoordinatorClient
-
     job = ["--steps", str(a.steps), "--pg", "nccl", "--cache-gib", str(a.g_cache_gib)]
     store = work / "g-store"
     ref, _ = run_to_end(work, "g-reference", [*job, "--step-sleep", "0"], env={"PG_STORE": str(work / "g-ref-store")})
-    root = work / "cluster-g"
-    root.mkdir(parents=True, exist_ok=True)
-    with LocalCluster(root=root) as c:
-        c.start_coordinator()
-        c.start_agent("gpu-a")
-        c.start_agent("gpu-spare", spare=True)
-        ranks = c.start_job("g", [sys.executable, str(TRAIN), *job], 1, {0: "gpu-a"}, env={"PG_STORE": str(store)})
-        wait_for_step(ranks[0].log, 50, timeout_s=180)
-        cc = CoordinatorClient(c.coordinator_url, c.operator_token)
-        op = cc.evacuate("gpu-a")
-        end = time.monotonic() + 300
-        while not op["done"] and time.monotonic() < end:
-            time.sleep(0.2)
-            op = cc.op(op["name"])
-        md = op.get("metadata", {})
-        moves = []
-        end = time.monotonic() + 30  # the ledger's word on the job after the move
-        while time.monotonic() < end and not (moves and moves[0].get("after_move")):
-            moves = [m for m in cc.moves() if m["operation"] == op["name"]]
-            time.sleep(0.5)
-        rc = ranks[0].proc.wait(300)
-        text = ranks[0].log.read_text(errors="replace")
+    e = evacuate_job(work / "cluster-g", [sys.executable, str(TRAIN), *job], env={"PG_STORE": str(store)},
+                     ledger=True)
+    op, md, rc, text, moves = e["op"], e["md"], e["exit"], e["text"], [e["move"]] if e["move"] else []
     got = final_hash(text)
     w = (md.get("workers") or {}).get("g.0", {})
     mem = w.get("device_memory") or {}

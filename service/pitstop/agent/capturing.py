@@ -627,7 +627,7 @@ class SourceSide:
         # again, here or there), then its GPUs (CRIU must see a process that holds none).
         net = workerns.from_dict(w.net)
         nft = runtime.locate().nft if net else None
-        self.state.update_capture(cap, stopped_at=time.time())  # the pause this rank saw begins (ledger)
+        cap.stopped_at = time.time()  # the pause this rank saw begins (ledger); saved with the dump's record
         undo.stage("pitstop (GPU lock undone)",
                    push=(("network", lambda e: workerns.unlock(net, nft)),) if net else ())
         if net:

@@ -64,8 +64,13 @@ def issued_by_worker(blocks: list[tuple[str, dict[str, Any]]]) -> dict[str, int]
     (re-created behind the same slots)."""
     out: dict[str, int] = defaultdict(int)
     for w, b in blocks:
-        out[w] += sum(int(c["issued"]) + sum(c["sent"]) + sum(c["recvd"]) for c in b["comms"])
+        out[w] += block_ops(b)
     return dict(out)
+
+
+def block_ops(b: dict[str, Any]) -> int:
+    """One process's NCCL operations issued so far, over its communicators."""
+    return sum(int(c["issued"]) + sum(c["sent"]) + sum(c["recvd"]) for c in b.get("comms", []))
 
 
 class Cut:
@@ -79,17 +84,18 @@ class Cut:
         self.poll_s = poll_s
         self.gen = int(time.time() * 1000) & 0x7FFFFFFF or 1
 
-    def _all(self) -> list[tuple[str, dict[str, Any]]]:
-        """Every worker's blocks, read at once: one round trip per round, not one per rank (a
-        gloo job's 8 ranks, read one by one to learn that none uses NCCL, took 0.07-0.13 s of
-        its pause on 2 cores)."""
+    def _all(self, workers: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+        """Every worker's blocks (or those of `workers`), read at once: one round trip per round,
+        not one per rank (a gloo job's 8 ranks, read one by one to learn that none uses NCCL,
+        took 0.07-0.13 s of its pause on 2 cores)."""
+        ws = self.workers if workers is None else workers
         if self.get_all is not None:
-            got = self.get_all(self.workers)
-            return [(w, b) for w in self.workers for b in got[w]]
-        return [(w, b) for w, bs in zip(self.workers, in_parallel(self.get, self.workers)) for b in bs]
+            got = self.get_all(ws)
+            return [(w, b) for w in ws for b in got[w]]
+        return [(w, b) for w, bs in zip(ws, in_parallel(self.get, ws)) for b in bs]
 
-    def _post_all(self, body: dict[str, Any]) -> None:
-        in_parallel(lambda w: self.post(w, body), self.workers)
+    def _post_all(self, body: dict[str, Any], workers: list[str] | None = None) -> None:
+        in_parallel(lambda w: self.post(w, body), self.workers if workers is None else workers)
 
     def uses_shim(self) -> bool:
         return any(b["comms"] for _, b in self._all())
@@ -224,11 +230,13 @@ class Cut:
         return targets, False, lagging
 
     def _command(self, name: str, want: set[str], ids: dict[str, str] | None = None,
-                 deadline_s: float | None = None) -> list[tuple[str, dict[str, Any]]]:
-        self._post_all({"op": "command", "command": name, "ids": ids or {}})
+                 deadline_s: float | None = None, workers: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+        """Have every worker (or those of `workers`) carry out a command; their blocks once all
+        have, each in one of the `want` states."""
+        self._post_all({"op": "command", "command": name, "ids": ids or {}}, workers)
         end = time.monotonic() + (deadline_s or self.deadline_s)
         while True:
-            blocks = self._all()
+            blocks = self._all(workers)
             failed = [f"{w} (pid {b['pid']}): {b['note']}" for w, b in blocks if b["state"] == "failed"]
             if failed:
                 raise CutFailed(f"{name} failed on " + "; ".join(failed), action="see the workers' agents' logs")
@@ -271,21 +279,12 @@ class Cut:
         (shim/trim.c), once their communicators are destroyed and before their CUDA checkpoint:
         only live bytes travel.  Each worker's blocks' results; CutFailed naming the worker where a
         release did not finish (the move rolls back, the job runs on where it was)."""
-        for w in workers:
-            self.post(w, {"op": "command", "command": "trim", "ids": {}})
-        end = time.monotonic() + deadline_s
-        while True:
-            got = {w: self.get(w) for w in workers}
-            if all(b["done_seq"] == b["command_seq"] for bs in got.values() for b in bs):
-                break
-            if time.monotonic() > end:
-                raise DeadlineExceeded(f"the release of unused device memory did not finish within {deadline_s:.0f} s "
-                                       "on " + ", ".join(w for w, bs in got.items()
-                                                         if any(b["done_seq"] != b["command_seq"] for b in bs)),
-                                       action="see the workers' agents' logs; the move is rolled back")
-            time.sleep(self.poll_s)
-        failed = [f"{w} (pid {b['pid']}): {b['trim']['error']}: {b['trim']['note']}" for w, bs in got.items()
-                  for b in bs if (b.get("trim") or {}).get("error")]
+        blocks = self._command("trim", {"destroyed"}, deadline_s=deadline_s, workers=workers)
+        got: dict[str, list[dict[str, Any]]] = {w: [] for w in workers}
+        for w, b in blocks:
+            got[w].append(b)
+        failed = [f"{w} (pid {b['pid']}): {b['trim']['error']}: {b['trim']['note']}" for w, b in blocks
+                  if (b.get("trim") or {}).get("error")]
         if failed:
             raise CutFailed("the release of unused device memory failed on " + "; ".join(failed),
                             action="the job runs on where it was; set PITSTOP_COORDINATOR_RELEASE_DEVICE_CACHE=false "

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from pitstop.coordinator.cut import block_ops
 from pitstop.wire.evacuation import AfterMove
 
 log = structlog.get_logger("pitstop.progress")
@@ -83,14 +84,10 @@ def per_step_by_worker(blocks: dict[str, list[dict]]) -> dict[str, int]:
     for the workers where every block that issued anything shows a period."""
     out: dict[str, int] = {}
     for w, bs in blocks.items():
-        ks = [ops_per_step(b["trail"]) if b.get("trail") else None for b in bs if b.get("trail") or _issued(b)]
+        ks = [ops_per_step(b["trail"]) if b.get("trail") else None for b in bs if b.get("trail") or block_ops(b)]
         if ks and all(k is not None for k in ks):
             out[w] = sum(k for k in ks if k is not None)
     return out
-
-
-def _issued(b: dict) -> int:
-    return sum(int(c["issued"]) + sum(c["sent"]) + sum(c["recvd"]) for c in b.get("comms", []))
 
 
 TORN = 16  # the trail's oldest entries may be overwritten while it is read: not trusted
@@ -102,11 +99,8 @@ def _issued_at(b: dict, index: int) -> float | None:
     at, n = b.get("trail_at"), b.get("trail_n", 0)
     if not at or not index < n:
         return None
-    first = n - len(at)
-    return at[index - first] if index >= first + (TORN if len(at) == RING else 0) else None
-
-
-RING = 256  # shim/ctl.h PITSTOP_TRAIL
+    first = n - len(at)  # > 0: the ring has wrapped, and its oldest entries are the torn ones
+    return at[index - first] if index >= first + (TORN if first else 0) else None
 
 
 def op_times(blocks: dict[str, list[dict]], cut: Sample, per_step: dict[str, int] | None) -> dict[str, tuple]:
@@ -137,9 +131,8 @@ def pauses_between(stopped: dict[str, float], running: dict[str, float]) -> dict
 
 def last_resume(blocks: dict[str, list[dict]]) -> float | None:
     """When the last rank left its park, by its own shim; None unless every worker's shim says."""
-    got = [max((b["pause"]["resumed"] or 0.0) for b in bs if b.get("pause")) if any(b.get("pause") for b in bs)
-           else None for bs in blocks.values()]
-    return max(got) if got and all(got) else None  # type: ignore[type-var]
+    got = [max((b["pause"]["resumed"] or 0.0 for b in bs if b.get("pause")), default=0.0) for bs in blocks.values()]
+    return max(got) if got and all(got) else None
 
 
 def with_op_times(after: AfterMove, times: dict[str, tuple], resumed_at: float | None) -> AfterMove:
