@@ -98,6 +98,49 @@ def test_a_launcher_killed_outright_ends_the_rank_beside_it(cluster):
     until(lambda: not any(proctree.exists(p) for p in tree), timeout=10, what="the rank's processes are gone")
 
 
+def test_a_moved_ranks_handle_is_taken_up_where_it_runs_now(cluster, tmp_path):
+    """`pitstop hold` on the spare takes the place of the launcher left on the evacuated host (what
+    the Slurm watcher starts as a step of the job there): it shows the rank's output, passes it a
+    SIGTERM and exits with its status; killed outright, it ends the rank, as a launcher would.  A
+    second holder, or one on a host where the rank does not run, is refused."""
+    cc = _cluster(cluster)
+    ranks = cluster.start_job("t", SLEEPER, 2, {0: "host-b", 1: "host-b"})
+    for r in (0, 1):
+        cluster.wait_registered("host-b", f"t.{r}")
+    _evacuated(cc, "host-b")
+    for rk in ranks:  # the evacuated host reboots: its launchers are gone
+        rk.proc.kill()
+        rk.proc.wait(10)
+    r = _cli(cluster, "hold", "t.0", "--agent", cluster.agents["host-a"].url)
+    assert r.returncode == 125 and "no worker 't.0'" in r.stderr, r.stderr
+    spare = cluster.agents["spare-1"].url
+    holders = [subprocess.Popen([*pitstop_cmd(), "hold", f"t.{r}", "--agent", spare], env=cluster.env(),
+                                stdout=open(tmp_path / f"hold{r}.out", "wb"), stderr=subprocess.STDOUT,
+                                start_new_session=True) for r in (0, 1)]
+    try:
+        for r, h in enumerate(holders):
+            until(lambda r=r, h=h: (_worker(cluster, "spare-1", f"t.{r}")["launcher"] or {}).get("pid") == h.pid,
+                  what=f"the holder of t.{r} took up its handle")
+        r = _cli(cluster, "hold", "t.0", "--agent", spare)
+        assert r.returncode == 125 and "already has a launcher on this host" in r.stderr, r.stderr
+        until(lambda: b"tick" in (tmp_path / "hold0.out").read_bytes(), what="the rank's output through its holder")
+        holders[0].send_signal(signal.SIGTERM)  # as scancel does to a step
+        assert holders[0].wait(60) == 128 + signal.SIGTERM
+        w = until(lambda: (x := _worker(cluster, "spare-1", "t.0")) and x["state"] == "exited" and x,
+                  what="the rank ended by its holder's signal")
+        assert w["exit_code"] == 128 + signal.SIGTERM, w
+        holders[1].kill()  # SIGKILL: nothing passed on; the agent sees its holder go
+        holders[1].wait(10)
+        w = until(lambda: (x := _worker(cluster, "spare-1", "t.1")) and x["state"] == "exited" and x,
+                  timeout=15, what="the rank of a holder that died")
+        assert w["exit_code"] == 128 + signal.SIGKILL and "launcher" in w["reason"], w
+    finally:
+        for h in holders:
+            if h.poll() is None:
+                h.kill()
+                h.wait(10)
+
+
 def test_the_evacuated_host_can_go_and_the_operator_ends_moved_ranks(cluster, tmp_path):
     """host-b is evacuated, then its agent stops and its launcher is killed (as a reboot would):
     the moved rank goes on, `pitstop attach` gives its output and exit status to whoever lost the

@@ -120,6 +120,12 @@ def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm
                     if w["state"] == "running"}
         until(lambda: running() == {0: "host-a", 1: "host-a", 2: "spare-1", 3: "spare-1"},
               what="ranks 2 and 3 on the spare, 0 and 1 where they were (as the agents report)")
+        # the spare is the job's now: in its allocation, with a step holding each moved rank
+        (train_id,) = slurm.run("squeue", "-h", "--name=sh", "-o", "%i").stdout.split()
+        until(lambda: f"spare1 added to job {train_id}" in _note(slurm, "b"), what="the spare joined the job")
+        assert slurm.run("squeue", "-h", "-j", train_id, "-o", "%N").stdout.strip() == "a,b,spare1"
+        steps = slurm.run("squeue", "-h", "-s", "-j", train_id, "-o", "%j %N").stdout.split("\n")
+        assert {"pitstop-hold-train.2 spare1", "pitstop-hold-train.3 spare1"} <= set(steps), steps
         # scancel of a job whose rank moved ends every rank, the moved one on the spare included
         assert {w["host"] for j in cc.jobs() if j["job"] == "idle" for w in j["workers"]
                 if w["state"] == "running"} == {"host-a", "spare-1"}
@@ -147,8 +153,8 @@ def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm
 
 def test_a_released_node_leaves_the_job_and_can_reboot(cluster, slurm, tmp_path):
     """`slurm-watch --release-nodes`: once b's rank moved, b leaves the job's allocation and ends
-    DRAINED with no job; the moved rank outlives its launcher there (Slurm ended it), and a
-    scancel of the job still ends it, through the watcher."""
+    DRAINED with no job, and the spare joins it; the moved rank outlives its launcher on b (Slurm
+    ended it), runs as a step of the job on the spare, and a scancel of the job ends it there."""
     cc = _pitstop(cluster)
     watch = _watch(cluster, slurm, tmp_path, "--release-nodes")
     idle = None
@@ -168,19 +174,26 @@ def test_a_released_node_leaves_the_job_and_can_reboot(cluster, slurm, tmp_path)
         (job_id,) = slurm.run("squeue", "-h", "--name=idle", "-o", "%i").stdout.split()
         assert {w.get("slurm_job") for j in cc.jobs() for w in j["workers"]} == {job_id}
         slurm.run("scontrol", "update", "nodename=b", "state=drain", "reason=maintenance")
-        until(lambda: f"freed from job {job_id}" in _note(slurm, "b"), timeout=120,
-              what=f"b moved and freed: {_note(slurm, 'b')!r}")
-        # b has no job left: DRAINED, it could reboot; the job now runs on a alone, its rank 1 on the spare
+        until(lambda: f"spare1 added to job {job_id}" in _note(slurm, "b"), timeout=120,
+              what=f"b moved and freed, the spare added: {_note(slurm, 'b')!r}")
+        assert f"freed from job {job_id}; spare1 added to job {job_id}" in _note(slurm, "b")
+        # b has no job left: DRAINED, it could reboot; the job runs on a and the spare, its rank 1 there
         until(lambda: slurm.node("b")["state"] == "idle" and "DRAIN" in slurm.node("b")["state_flags"],
               what=f"b drained: {slurm.node('b')}")
-        assert slurm.run("squeue", "-h", "--name=idle", "-o", "%N").stdout.strip() == "a"
+        assert slurm.run("squeue", "-h", "--name=idle", "-o", "%N").stdout.strip() == "a,spare1"
+        assert "NodeList=a,spare1" in slurm.run("scontrol", "show", "job", job_id).stdout
+        steps = slurm.run("squeue", "-h", "-s", "-j", job_id, "-o", "%j %N").stdout.split("\n")
+        assert "pitstop-hold-idle.1 spare1" in steps, steps  # the moved rank is a step of the job there
         until(lambda: running() == {0: "host-a", 1: "spare-1"}, what="rank 1 on the spare")
         time.sleep(1.0)
         assert running() == {0: "host-a", 1: "spare-1"}  # its launcher on b is gone; it is not
-        # scancel: the rank on a ends with its task, the moved one through the watcher
+        # scancel, with no watcher left to help: the rank on a ends with its task, the moved one
+        # with its step on the spare
+        _stop(watch)
         slurm.run("scancel", job_id)
         until(lambda: not running(), timeout=30, what="every rank of the cancelled job ended")
         idle.wait(60)
+        assert not slurm.run("squeue", "-h", "-s", "-o", "%i").stdout.strip()
     finally:
         _stop(idle)
         _stop(watch)

@@ -8,9 +8,17 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field, replace
 
+import pytest
+
 from pitstop.errors import Conflict, FailedPrecondition
-from pitstop.slurm.slurmctl import Job, Node
+from pitstop.slurm import watch
+from pitstop.slurm.slurmctl import Job, Node, SlurmError
 from pitstop.slurm.watch import OURS, Watcher, split_reason
+
+
+@pytest.fixture(autouse=True)
+def _quick_hold(monkeypatch):
+    monkeypatch.setattr(watch, "HOLD_SETTLE_S", 0.0)
 
 
 def node(name: str, drained: bool = False, reason: str = "", at: int = 0, extra: str = "") -> Node:
@@ -41,6 +49,41 @@ class FakeSlurm:
 
     def set_reservation(self, name: str, nodes: list[str]) -> None:
         self.reserved = sorted(nodes)
+
+    expanded: list[tuple[str, str, str | None]] = field(default_factory=list)
+    refuse_expand: str | None = None
+    started: list[dict] = field(default_factory=list)
+    step_exits: tuple[int, bytes] | None = None  # a step that ends at once: its status and what it printed
+
+    def expand(self, job: str, node_: str, reservation: str | None) -> None:
+        if self.refuse_expand:
+            raise SlurmError(self.refuse_expand)
+        self.expanded.append((job, node_, reservation))
+        self.jobs_ = [replace(j, nodes=(*j.nodes, node_)) if j.id == job else j for j in self.jobs_]
+
+    def steps(self, job: str) -> list[str]:
+        return [x["name"] for x in self.started if x["job"] == job]
+
+    def start_step(self, job, node_, name, cmd, env, out):  # noqa: ANN001, ANN201
+        self.started.append({"job": job, "node": node_, "name": name, "cmd": cmd, "env": env})
+        if self.step_exits:
+            out.write(self.step_exits[1])
+        return FakeStep(self.step_exits[0] if self.step_exits else None)
+
+
+@dataclass
+class FakeStep:
+    code: int | None
+
+    def poll(self) -> int | None:
+        return self.code
+
+    @property
+    def returncode(self) -> int | None:
+        return self.code
+
+    def kill(self) -> None:
+        self.code = -9
 
 
 @dataclass
@@ -89,9 +132,10 @@ class FakeCoordinator:
 def world(**nodes: Node) -> tuple[FakeSlurm, FakeCoordinator, Watcher]:
     s = FakeSlurm({"a": node("a"), "b": node("b"), "spare1": node("spare1"), **nodes})
     c = FakeCoordinator(
-        hosts_=[{"name": "host-a", "role": "active", "slurm_node": "a"},
-                {"name": "host-b", "role": "active", "slurm_node": "b"},
-                {"name": "spare-1", "role": "spare", "slurm_node": "spare1"}],
+        hosts_=[{"name": "host-a", "role": "active", "slurm_node": "a", "url": "http://a:7070"},
+                {"name": "host-b", "role": "active", "slurm_node": "b", "url": "http://b:7070"},
+                {"name": "spare-1", "role": "spare", "slurm_node": "spare1", "url": "http://spare:7070",
+                 "socket": "/run/pitstop/agent.sock"}],
         workers=[{"id": "j.0", "host": "host-a", "state": "running"},
                  {"id": "j.1", "host": "host-b", "state": "running"}])
     return s, c, Watcher(s, c)
@@ -219,7 +263,7 @@ def test_released_nodes_leave_the_allocations_of_the_jobs_whose_ranks_moved():
     c.workers[1]["host"] = "spare-1"
     w.step()
     assert s.shrunk == [("41", ["a"])]
-    assert note(s, "b") == "moved its ranks to spare-1 (operations/1); freed from job 41"
+    assert note(s, "b") == "moved its ranks to spare-1 (operations/1); freed from job 41; spare1 added to job 41"
     # a job whose batch host is the node keeps it, and the reason says so
     s, c, w = world(b=node("b", True, "maintenance"))
     w.release_nodes = True
@@ -230,7 +274,7 @@ def test_released_nodes_leave_the_allocations_of_the_jobs_whose_ranks_moved():
     c.ops_["operations/1"]["metadata"].update(result="succeeded", workers={"j.1": {}})
     c.workers[1]["host"] = "spare-1"
     w.step()
-    assert s.shrunk == [] and note(s, "b").endswith("job 42 keeps it (its batch host cannot leave it)")
+    assert s.shrunk == [] and "job 42 keeps it (its batch host cannot leave it)" in note(s, "b")
 
 
 def test_a_slurm_job_that_ends_ends_its_moved_ranks_once():
@@ -249,3 +293,57 @@ def test_a_slurm_job_that_ends_ends_its_moved_ranks_once():
     c.workers[0]["slurm_job"] = "44"
     w.step()
     assert c.signalled == []
+
+
+def _moved(s: FakeSlurm, c: FakeCoordinator, w: Watcher, slurm_job: str = "41") -> None:
+    c.workers[1]["slurm_job"] = slurm_job
+    s.jobs_ = [Job(slurm_job, "RUNNING", ("a", "b"), "a")]
+    w.step()
+    c.ops_["operations/1"].update(done=True)
+    c.ops_["operations/1"]["metadata"].update(result="succeeded", workers={"j.1": {}})
+    w.step()
+
+
+def test_a_spare_that_took_ranks_joins_their_slurm_job_with_a_step_holding_each(monkeypatch):
+    monkeypatch.setenv("PITSTOP_TOKEN", "operator-secret")
+    s, c, w = world(b=node("b", True, "maintenance"))
+    _moved(s, c, w)
+    assert s.expanded == [("41", "spare1", "pitstop_spares")]  # from the spares' reservation
+    (st,) = s.started
+    assert (st["job"], st["node"], st["name"]) == ("41", "spare1", "pitstop-hold-j.1")
+    assert st["cmd"][-5:] == ["hold", "j.1", "--agent", "unix:/run/pitstop/agent.sock", "--no-output"]
+    assert "PITSTOP_TOKEN" not in st["env"]  # the step runs as the job's user: no operator credential
+    assert note(s, "b") == "moved its ranks to spare-1 (operations/1); spare1 added to job 41"
+    w.step()
+    assert len(s.started) == 1 and len(s.expanded) == 1  # once
+
+
+def test_a_spare_slurm_cannot_add_stays_held_and_the_reason_says_why():
+    s, c, w = world(b=node("b", True, "maintenance"))
+    s.refuse_expand = "Job update not available right now, the DB index is being set"
+    _moved(s, c, w)
+    assert s.started == []
+    assert note(s, "b") == ("moved its ranks to spare-1 (operations/1); spare1 not added to job 41 (Job update "
+                            "not available right now, the DB index is being set); held in reservation pitstop_spares")
+    assert s.reserved == ["spare1"]
+
+
+def test_a_hold_step_that_ends_at_once_is_said_in_the_reason():
+    s, c, w = world(b=node("b", True, "maintenance"))
+    s.step_exits = (125, b"pitstop hold: worker j.1 does not run on this host (moved)\n")
+    _moved(s, c, w)
+    assert note(s, "b").endswith("spare1 added to job 41, but no step holds j.1: its step exited 125: "
+                                 "pitstop hold: worker j.1 does not run on this host (moved)")
+
+
+def test_no_join_without_a_slurm_job_or_when_turned_off():
+    s, c, w = world(b=node("b", True, "maintenance"))
+    w.step()
+    c.ops_["operations/1"].update(done=True)
+    c.ops_["operations/1"]["metadata"].update(result="succeeded", workers={"j.1": {}})
+    w.step()  # the rank was not started by Slurm
+    assert s.expanded == [] and note(s, "b") == "moved its ranks to spare-1 (operations/1)"
+    s, c, w = world(b=node("b", True, "maintenance"))
+    w.join_spares = False
+    _moved(s, c, w)
+    assert s.expanded == [] and s.started == []

@@ -12,6 +12,11 @@ it to behave like the rank.  The rules, wherever the rank runs:
   killed outright (SIGKILL, the OOM killer) cannot pass anything on, and nothing else would end
   the rank: the agent watches each launcher (a pidfd) and kills the worker's tree when its
   launcher is gone first.
+- **The handle can be taken up where the rank runs now.**  A process on the rank's new host may
+  take the launcher's place (`pitstop hold`, `POST /v1/workers/{id}:hold` on the local socket):
+  from then on its end ends the rank as a launcher's would, and signals it receives reach the
+  rank.  The Slurm watcher starts one as a step of the rank's Slurm job on the spare, so that the
+  rank belongs to that job there (slurm/watch.py).
 - **A rank that moved outlives its old launcher.**  An evacuated host is about to be rebooted
   or pulled: the launchers left on it die with it, and that must not end the job.  The moved rank
   is ended by a signal forwarded through its launcher while that still runs, by the operator
@@ -30,7 +35,7 @@ import structlog
 
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import AgentState, Worker
-from pitstop.errors import Conflict, PitstopError
+from pitstop.errors import Conflict, FailedPrecondition, PitstopError
 from pitstop.proc import proctree, signals
 from pitstop.wire.agent_client import AgentClient
 
@@ -72,6 +77,28 @@ class Handles:
         return {"worker": wid, "agent": self.s.name, "state": w.state, "delivered": bool(delivered)}
 
     # launchers
+    def hold(self, wid: str, launcher: dict[str, int] | None) -> Worker:
+        """`launcher` takes the place of the worker's launcher here: a worker that moved in has none
+        on this host, and one that still runs here keeps it.  Refused for a worker that does not run
+        here, or whose launcher here still runs (two handles would race on its end)."""
+        if launcher is None:
+            raise FailedPrecondition("the caller's process cannot be identified (no peer credentials)",
+                                     code="no_peer", action="call over this host's agent socket (unix:...)")
+        with self.state.lock:
+            w = self.state.worker(wid)
+            if w.state not in HERE or not proctree.is_running(w.root_pid, w.start_time):
+                raise FailedPrecondition(f"worker {wid} does not run on this host ({w.state})", code="not_here",
+                                         action="hold a worker on the host it runs on now (`pitstop jobs` says "
+                                                "where)")
+            old = w.launcher
+            if old and old.get("pid") != launcher["pid"] and proctree.is_running(old["pid"], old["start"]):
+                raise Conflict(f"worker {wid} already has a launcher on this host (pid {old['pid']})",
+                               code="held", action="end that launcher first, or signal the worker through it")
+            self.state.update_worker(w, launcher=launcher)
+        log.info("a worker's handle was taken up here", worker=wid, launcher=launcher["pid"])
+        self.watch(w)
+        return w
+
     def watch(self, w: Worker) -> None:
         """Watch the worker's launcher, once per worker, for as long as it runs."""
         if not w.launcher:  # registered over TCP, or restored here having never run here before
@@ -111,12 +138,15 @@ class Handles:
             w = self.state.workers.get(wid)
             if w is None or w.state not in HERE + MOVING:
                 return  # ended, lost, or moved: a moved rank outlives its old launcher
+            if (w.launcher or {}).get("pid") != pid:
+                return  # another process holds the worker's handle here now (`pitstop hold`)
             if w.state in HERE:
                 break
             time.sleep(SETTLE_EVERY_S)  # a move under way commits or rolls back within its deadlines
-        killed = proctree.kill_tree(w.root_pid)
+        # Said before it is done: the reaper of a restored worker records only what it did not know.
         self.state.update_worker(w, state="exited", exit_code=128 + signal.SIGKILL,
                                  reason=f"its launcher (pid {pid}) ended before it; the worker was killed "
                                         "with it, as nothing else could end it")
+        killed = proctree.kill_tree(w.root_pid)
         log.warning("a launcher ended before its worker: the worker was killed", worker=wid, launcher=pid,
                     processes=len(killed))

@@ -111,6 +111,13 @@ def signal_worker(agent: AgentDep, wid: str, req: agent_requests.SignalRequest, 
     return agent.handles.signal(wid, req.signal)
 
 
+@router.post("/workers/{wid}:hold")
+def hold_worker(agent: AgentDep, wid: str, request: Request) -> Worker:
+    """The caller takes the place of the worker's launcher on this host (`pitstop hold`)."""
+    own(request, f"worker {wid}", agent.state.worker(wid).owner_uid)
+    return agent.handles.hold(wid, _launcher(request))
+
+
 @router.post("/workers/{wid}:exited")
 def exited(agent: AgentDep, wid: str, req: agent_requests.ExitedRequest, request: Request) -> Worker:
     w = agent.state.worker(wid)

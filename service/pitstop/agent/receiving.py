@@ -519,6 +519,7 @@ class DestinationSide:
     def _ended(self, w: Worker, code: int | None, reason: str | None = None) -> None:
         if w.state in ("running",):
             self.state.update_worker(w, state="exited", exit_code=code, reason=reason)
+        if w.state == "exited":  # by itself, or killed by the agent, which said why first (agent/handles.py)
             nsinit.remove(w.init_dir)  # its init removes it at a normal end, not when the tree is killed
             wn = workerns.from_dict(w.net)
             if wn:

@@ -32,6 +32,9 @@ def slurm_watch(
     release_nodes: bool = typer.Option(False, "--release-nodes", envvar="PITSTOP_SLURM_RELEASE_NODES",
                                        help="once a node's ranks moved, take it out of their Slurm jobs' allocations "
                                             "so that it drains fully (their srun then reports those tasks killed)"),
+    join_spares: bool = typer.Option(True, "--join-spares/--no-join-spares", envvar="PITSTOP_SLURM_JOIN_SPARES",
+                                     help="add a spare that took a job's ranks to the Slurm job, with a step per "
+                                          "moved rank (`pitstop hold`) that scancel ends"),
     log_json: bool = typer.Option(False, "--log-json"),
 ) -> None:
     """Move the ranks off Slurm nodes as they are drained, hold the spares back from Slurm's
@@ -47,7 +50,7 @@ def slurm_watch(
     for sig in (signals.SIGTERM, signals.SIGINT):
         signals.signal(sig, lambda n, _f: stop.append(n))
     Watcher(SlurmCommands(), c, reason_prefix=reason_prefix, reservation=reservation or None,
-            release_nodes=release_nodes).run(
+            release_nodes=release_nodes, join_spares=join_spares).run(
         interval, until=lambda: bool(stop))
 
 

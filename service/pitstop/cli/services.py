@@ -110,6 +110,22 @@ def run(
 
 
 @app.command()
+def hold(
+    worker: str = typer.Argument(..., help="the worker, JOB.RANK, that runs on this host now"),
+    agent_url: str = typer.Option(os.environ.get("PITSTOP_AGENT", "http://127.0.0.1:7070"), "--agent",
+                                  help="this host's agent (http://HOST:PORT or unix:/path)"),
+    no_output: bool = typer.Option(False, "--no-output", help="do not show the worker's output (its agent keeps it "
+                                   "for `pitstop attach`)"),
+) -> None:
+    """Take up a moved worker's handle on the host it runs on now: this process then ends the worker
+    when it ends, passes it the signals it gets, shows its output and exits with its status, as its
+    launcher did where it ran before.  `pitstop slurm-watch` runs it as a step of the rank's Slurm job."""
+    from pitstop.launcher.run import hold as hold_worker
+
+    raise typer.Exit(hold_worker(worker, agent_url=agent_url, echo=not no_output))
+
+
+@app.command()
 def coordinator(
     listen: Optional[str] = typer.Option(None, help="HOST:PORT for operators and agents "
                                          "(PITSTOP_COORDINATOR_LISTEN; default 127.0.0.1:7000)"),

@@ -326,6 +326,36 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     return shell_code(follow(client, wid))
 
 
+def hold(wid: str, *, agent_url: str, echo: bool = True) -> int:
+    """Take up the handle of worker `wid`, which runs under this host's agent: this process then
+    behaves as the worker's launcher would (agent/handles.py).  Its end ends the worker, signals
+    it receives reach the worker, it streams the worker's output and exits with its status.  What
+    a scheduler starts on the host a rank moved to, so that the rank belongs to the scheduler's job
+    there (slurm/watch.py starts it as a step of the rank's Slurm job)."""
+    bad = bad_agent_url(agent_url)
+    if bad:
+        print(f"pitstop hold: {bad}", file=sys.stderr)
+        return 2
+    client = agent_client(agent_url)
+    if client.uds is None:
+        print(f"pitstop hold: this host's agent socket is not reachable through {agent_url}; a worker's "
+              "handle is taken up only over it (give --agent unix:/PATH, as root or the worker's user)",
+              file=sys.stderr)
+        return 2
+    try:
+        client.hold(wid)
+    except PitstopError as e:
+        print(f"pitstop hold: {e}" + (f"; {e.action}" if e.action else ""), file=sys.stderr)
+        return 125
+
+    def forward(sig: int, _frame: object) -> None:
+        threading.Thread(target=_signal_moved, args=(client, wid, sig), daemon=True).start()
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    return shell_code(follow(client, wid, echo=echo))
+
+
 def _wait_handling_signals(p: subprocess.Popen) -> int:
     """p's exit status, waited for in short turns.  CPython runs a Python signal handler only between
     bytecodes: a SIGTERM that lands just before a blocking waitpid() would be forwarded only once
@@ -416,9 +446,10 @@ class OutputSource(Protocol):
     def output(self, wid: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]: ...
 
 
-def follow(client: OutputSource, wid: str) -> int:
+def follow(client: OutputSource, wid: str, echo: bool = True) -> int:
     """Stream the output of a worker that runs elsewhere, until it exits; return its code.  The
-    source is this host's agent (a launcher whose worker moved) or the coordinator (`pitstop attach`)."""
+    source is this host's agent (a launcher whose worker moved) or the coordinator (`pitstop attach`).
+    echo=False: read it without printing it (a `pitstop hold` whose output nobody reads)."""
     offsets = {"stdout": 0, "stderr": 0}
     outs = {"stdout": sys.stdout, "stderr": sys.stderr}
     unreachable_since: float | None = None
@@ -437,8 +468,9 @@ def follow(client: OutputSource, wid: str) -> int:
                 data, h = b"", {"x-pitstop-state": "unreachable"}
             state = h.get("x-pitstop-state", "")
             if data:
-                outs[stream].buffer.write(data)
-                outs[stream].flush()
+                if echo:
+                    outs[stream].buffer.write(data)
+                    outs[stream].flush()
                 offsets[stream] += len(data)
                 got = True
             start = int(h.get("x-pitstop-output-start") or 0)

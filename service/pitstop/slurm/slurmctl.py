@@ -8,12 +8,15 @@ of their own, and slurmrestd of Slurm 22.05 can neither update a node nor push e
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from dataclasses import dataclass
+from typing import IO
 
 from pitstop.errors import PitstopError
 
 SLURM_COMMAND_TIMEOUT_S = 15.0  # one sinfo or scontrol call (slurmctld's own MessageTimeout is 10 s by default)
+EXPAND_GRANT_S = 10  # salloc's wait for the spare's helper allocation (within the command's own deadline)
 
 
 class SlurmError(PitstopError):
@@ -38,6 +41,10 @@ class Node:
 
 
 def _run(args: list[str], what: str) -> str:
+    return _call(args, what).stdout
+
+
+def _call(args: list[str], what: str) -> subprocess.CompletedProcess:
     try:
         p = subprocess.run(args, capture_output=True, text=True, timeout=SLURM_COMMAND_TIMEOUT_S)
     except FileNotFoundError:
@@ -50,7 +57,7 @@ def _run(args: list[str], what: str) -> str:
         said = (p.stderr or p.stdout).strip().splitlines()
         raise SlurmError(f"{what} failed (exit {p.returncode}): {' / '.join(said[-3:]) or 'no output'}",
                          action="check Slurm's controller and this host's Slurm client configuration (SLURM_CONF)")
-    return p.stdout
+    return p
 
 
 def _listed(command: str, key: str) -> list[dict]:
@@ -103,6 +110,53 @@ def jobs() -> list[Job]:
 def shrink(job: str, nodes: list[str]) -> None:
     """Job `job` keeps only `nodes`: Slurm ends its tasks on the others, which leave the job."""
     _run(["scontrol", "update", f"jobid={job}", f"NodeList={','.join(nodes)}"], f"shrinking job {job}")
+
+
+def expand(job: str, node: str, reservation: str | None) -> None:
+    """Add `node` to running job `job`'s allocation, as Slurm's job expansion does it: a helper
+    allocation of the node that depends on the job (`--dependency=expand`), taken from the spares'
+    reservation, whose node is then handed to the job (`NumNodes=0`).  Slurm must permit it
+    (SchedulerParameters=permit_job_expansion).  Without slurmdbd, Slurm 22.05 takes one resize of
+    a job and refuses later ones ("the DB index is being set"): that refusal is raised like any."""
+    args = ["salloc", "--no-shell", "-N1", "-n1", "-w", node, f"--dependency=expand:{job}",
+            f"--immediate={EXPAND_GRANT_S}", f"--job-name=pitstop-expand-{job}"]
+    if reservation:
+        args.append(f"--reservation={reservation}")
+    p = _call(args, f"allocating {node} to add it to job {job}")
+    m = re.search(r"Granted job allocation (\d+)", p.stderr + p.stdout)
+    if not m:
+        raise SlurmError(f"salloc did not say which allocation it granted for {node}: "
+                         f"{(p.stderr or p.stdout).strip()[-300:]!r}", action="check slurmctld's log")
+    helper = m.group(1)
+    try:
+        _run(["scontrol", "update", f"jobid={helper}", "NumNodes=0"], f"handing {node} over to job {job}")
+        if not any(j.id == job and node in j.nodes for j in jobs()):
+            raise SlurmError(f"job {job} did not take {node} from the helper allocation {helper}",
+                             action="check SchedulerParameters=permit_job_expansion and slurmctld's log")
+    finally:
+        subprocess.run(["scancel", helper], capture_output=True, timeout=SLURM_COMMAND_TIMEOUT_S)
+
+
+def steps(job: str) -> list[str]:
+    """The names of job `job`'s running steps."""
+    out = _run(["squeue", "-h", "-s", "-j", job, "-o", "%j"], f"listing the steps of job {job}")
+    return [x.strip() for x in out.splitlines() if x.strip()]
+
+
+def start_step(job: str, node: str, name: str, cmd: list[str], env: dict[str, str],
+               out: IO[bytes]) -> subprocess.Popen:
+    """Start `cmd` as a step of running job `job` on `node` (one task, sharing the job's resources
+    with its other steps: `--overlap`), so that Slurm counts it to the job and ends it with the job.
+    The srun that holds the step runs here, in a session of its own: a restarted caller leaves it.
+    What the step and srun print goes to `stderr` and `stdout` (a refused step says why there)."""
+    try:
+        return subprocess.Popen(["srun", f"--jobid={job}", "--overlap", "-N1", "-n1", "-w", node,
+                                 f"--job-name={name}", *cmd],
+                                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                start_new_session=True)
+    except FileNotFoundError:
+        raise SlurmError("srun is not installed here", code="slurm_missing",
+                         action="install Slurm's client commands (Debian: slurm-client) where this runs") from None
 
 
 def drain(node: str, reason: str) -> None:

@@ -22,6 +22,15 @@ One watcher per cluster polls Slurm's nodes and the coordinator's hosts, and:
   the allocations of the Slurm jobs those ranks belong to, so it drains fully and may reboot.
   Slurm then ends those jobs' tasks on it (the launchers; the moved ranks outlive them) and the
   job's `srun` reports them killed.  Off by default: it trades the job's exit status for the node.
+- **The spare joins the job.**  Once ranks of a Slurm job moved to a spare that is a Slurm node,
+  the node is added to the job's allocation (Slurm's job expansion, from the spares' reservation)
+  and each moved rank gets a step of the job there, `pitstop hold JOB.RANK`, which takes up the
+  rank's handle on the spare (agent/handles.py): `squeue` lists the spare as the job's, the job's
+  accounting counts it, and `scancel` ends the step and with it the rank.  Slurm 22.05 without
+  slurmdbd takes one resize of a job: a job already resized (a second move, or a node freed with
+  `--release-nodes` and then a spare added is fine, but not a third change) keeps the spare held in
+  the reservation instead, and the node's reason says so.  Order: the node is freed first, then
+  the spare added, because Slurm refuses a shrink after an expansion but not the reverse.
 - **A Slurm job that ends ends its moved ranks** (scancel, a time limit), whose launchers may be
   gone with the node they left.
 - **Health to Slurm**: a host the coordinator's health policy finds degraded is drained in Slurm
@@ -34,10 +43,14 @@ its idempotency key (the node and the time of its drain) or among the host's run
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import structlog
 
@@ -51,6 +64,9 @@ OURS = " | pitstop: "  # what separates the operator's reason from pitstop's not
 HEALTH_PREFIX = "pitstop health:"
 HOST_KEY = "pitstop_host="
 LIVE = ("running", "paused", "capturing", "stopped")
+HOLD_STEP = "pitstop-hold-"  # a moved rank's step on the spare: pitstop-hold-JOB.RANK
+HOLD_START_S = 20.0  # a hold step, from srun to listed by Slurm (or refused)
+HOLD_SETTLE_S = 1.0  # a listed hold step still runs this long after: it took up the handle
 
 
 class Slurm(Protocol):
@@ -59,6 +75,10 @@ class Slurm(Protocol):
     def drain(self, node: str, reason: str) -> None: ...
     def shrink(self, job: str, nodes: list[str]) -> None: ...
     def set_reservation(self, name: str, nodes: list[str]) -> None: ...
+    def expand(self, job: str, node: str, reservation: str | None) -> None: ...
+    def steps(self, job: str) -> list[str]: ...
+    def start_step(self, job: str, node: str, name: str, cmd: list[str], env: dict[str, str],
+                   out: IO[bytes]) -> Any: ...
 
 
 class Coordinator(Protocol):
@@ -92,6 +112,16 @@ class SlurmCommands:
     def set_reservation(self, name: str, nodes: list[str]) -> None:
         slurmctl.set_reservation(name, nodes)
 
+    def expand(self, job: str, node: str, reservation: str | None) -> None:
+        slurmctl.expand(job, node, reservation)
+
+    def steps(self, job: str) -> list[str]:
+        return slurmctl.steps(job)
+
+    def start_step(self, job: str, node: str, name: str, cmd: list[str], env: dict[str, str],
+                   out: IO[bytes]) -> subprocess.Popen:
+        return slurmctl.start_step(job, node, name, cmd, env, out)
+
 
 def split_reason(reason: str) -> tuple[str, str | None]:
     """The operator's reason and pitstop's note on it (None: no note yet)."""
@@ -124,16 +154,24 @@ class Watcher:
     ended: set[str] = field(default_factory=set)              # pitstop jobs ended because their Slurm job did
     workers: list[dict] = field(default_factory=list)         # the coordinator's, as of this step
     slurm_jobs: list[Job] = field(default_factory=list)       # Slurm's, as of this step
+    hosts: list[dict] = field(default_factory=list)           # the coordinator's, as of this step
+    node_of: dict[str, str] = field(default_factory=dict)     # host -> its Slurm node, as of this step
+    join_spares: bool = True                                  # add the spare to the job, and a step per rank
+    pitstop: list[str] = field(default_factory=lambda: [sys.executable, "-m", "pitstop.cli"])  # on every node
+    holds: list[Any] = field(default_factory=list)            # the srun processes of hold steps, to reap
+    reserved: list[str] = field(default_factory=list)         # the reservation's nodes, as last set
 
     def step(self) -> None:
         """One look at Slurm and the coordinator, and whatever follows from it."""
         nodes = self.slurm.nodes()
-        hosts = self.coordinator.hosts()
+        hosts = self.hosts = self.coordinator.hosts()
+        self.holds = [p for p in self.holds if p.poll() is None]
         self.workers = [w | {"job": j["job"]} for j in self.coordinator.jobs() for w in j["workers"]]
         live = {w["host"] for w in self.workers if w["state"] in LIVE}
         self.slurm_jobs = self.slurm.jobs()
         self._end_with_slurm(self.slurm_jobs)
         host_of = self._hosts_by_node(nodes, hosts)
+        self.node_of = {h: n for n, h in host_of.items()}
         self._reserve(nodes, hosts, host_of, live)
         self._drain_unhealthy(nodes, hosts, host_of)
         for n in nodes:
@@ -200,9 +238,11 @@ class Watcher:
         del self.moves[n.name]
         if md.get("result") == "succeeded":
             pause = f", {md['downtime_s']:.2f} s pause" if md.get("downtime_s") is not None else ""
-            freed = self._release(n.name, m.host, set(md.get("workers") or ())) if self.release_nodes else ""
-            self._say(n, own, f"moved its ranks to {md.get('destination')} ({m.op}{pause}){freed}", m)
-            self.hosted.add(str(md.get("destination")))
+            moved, dest = set(md.get("workers") or ()), str(md.get("destination"))
+            self.hosted.add(dest)  # held from now on, as the spare it was (the coordinator made it active)
+            freed = self._release(n.name, m.host, moved) if self.release_nodes else ""
+            joined = self._join(dest, moved) if self.join_spares else ""
+            self._say(n, own, f"moved its ranks to {dest} ({m.op}{pause}){freed}{joined}", m)
         else:
             why = (op.get("error") or {}).get("message") or md.get("result")
             self._say(n, own, f"could not move its ranks ({m.op}): {why}; they run here still", m)
@@ -249,6 +289,68 @@ class Watcher:
                 log.info("a drained node freed from a Slurm job whose ranks moved", node=node, slurm_job=j.id)
         return ("; " + ", ".join(said)) if said else ""
 
+    def _join(self, host: str, moved: set[str]) -> str:
+        """The spare `host` becomes part of the Slurm jobs whose ranks just moved there: its node is
+        added to each job's allocation, and each moved rank gets a step of the job on it that holds
+        the rank's handle (`pitstop hold`).  What could not be done is said, and the spare stays held
+        in the reservation as before."""
+        node = self.node_of.get(host)
+        if node is None:
+            return ""  # the spare is no Slurm node: the reservation cannot hold it either
+        agent = next((f"unix:{h['socket']}" if h.get("socket") else h["url"] for h in self.hosts
+                      if h["name"] == host), None)
+        if self.reservation and node not in self.reserved:  # the step that saw the move let it go
+            self.reserved = sorted({*self.reserved, node})
+            self.slurm.set_reservation(self.reservation, self.reserved)
+        said = []
+        for j in self.slurm_jobs:
+            ranks = sorted(w["id"] for w in self.workers if w["id"] in moved and w.get("slurm_job") == j.id)
+            if not ranks or not j.running or agent is None:
+                continue
+            if node not in j.nodes:
+                try:
+                    self.slurm.expand(j.id, node, self.reservation)
+                except PitstopError as e:
+                    held = f"; held in reservation {self.reservation}" if self.reservation else ""
+                    said.append(f"{node} not added to job {j.id} ({e.message}){held}")
+                    log.warning("a spare could not be added to the Slurm job whose ranks it took", node=node,
+                                slurm_job=j.id, error=e.message)
+                    continue
+                log.info("a spare added to the Slurm job whose ranks it took", node=node, slurm_job=j.id)
+            failed = [f"{wid}: {why}" for wid in ranks if (why := self._hold(j.id, node, wid, agent))]
+            said.append(f"{node} added to job {j.id}" + (f", but no step holds {'; '.join(failed)}" if failed else ""))
+        return ("; " + ", ".join(said)) if said else ""
+
+    def _hold(self, job: str, node: str, wid: str, agent: str) -> str | None:
+        """Start the step of Slurm job `job` on `node` that holds moved rank `wid` (`pitstop hold`),
+        unless it runs already; None once Slurm lists it, else why not."""
+        name = f"{HOLD_STEP}{wid}"
+        if name in self.slurm.steps(job):
+            return None
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "SLURM_CONF") or k.startswith("LC_")}
+        # The step prints only its own messages (--no-output: the rank's output stays with its agent,
+        # for `pitstop attach`), so a file the srun keeps open stays small.
+        with tempfile.TemporaryFile() as out:
+            p = self.slurm.start_step(job, node, name, [*self.pitstop, "hold", wid, "--agent", agent, "--no-output"],
+                                      env, out)
+            end = time.monotonic() + HOLD_START_S
+            listed_at: float | None = None
+            while time.monotonic() < end:
+                if p.poll() is not None:
+                    out.seek(0)
+                    said = out.read().decode(errors="replace").strip().splitlines()
+                    return f"its step exited {p.returncode}: {' / '.join(said[-2:]) or 'no output'}"
+                if listed_at is None and name in self.slurm.steps(job):
+                    listed_at = time.monotonic()
+                if listed_at is not None and time.monotonic() - listed_at >= HOLD_SETTLE_S:
+                    self.holds.append(p)
+                    log.info("a moved rank's handle is held by a step of its Slurm job", worker=wid, slurm_job=job,
+                             node=node, step=name)
+                    return None
+                time.sleep(0.2)
+            p.kill()
+            return f"Slurm did not run its step within {HOLD_START_S:g} s"
+
     def _end_with_slurm(self, jobs: list[Job]) -> None:
         """A Slurm job that ended (scancel, its time limit) takes its moved ranks along: their
         launchers may be gone with the node they left, and nothing else would end them."""
@@ -287,9 +389,9 @@ class Watcher:
             return
         role = {h["name"]: h["role"] for h in hosts}
         self.hosted = {h for h in self.hosted if h in live}  # ranks gone: the node may take jobs again
-        keep = [n.name for n in nodes if n.name in host_of and
-                (role.get(host_of[n.name]) == "spare" or host_of[n.name] in self.hosted)]
-        self.slurm.set_reservation(self.reservation, keep)
+        self.reserved = [n.name for n in nodes if n.name in host_of and
+                         (role.get(host_of[n.name]) == "spare" or host_of[n.name] in self.hosted)]
+        self.slurm.set_reservation(self.reservation, self.reserved)
 
     def _drain_unhealthy(self, nodes: list[Node], hosts: list[dict], host_of: dict[str, str]) -> None:
         health = {h["name"]: h.get("health") or {} for h in hosts}

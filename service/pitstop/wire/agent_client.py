@@ -47,6 +47,7 @@ class AgentClient:
                  timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
         self.token = token  # the cluster token its calls carry (None: none, or mutual TLS alone)
+        self.uds = uds  # the agent's local socket, where the caller's own process is known (SO_PEERCRED)
         headers = bearer(token)
         transport = httpx.HTTPTransport(uds=uds) if uds else None
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
@@ -91,6 +92,10 @@ class AgentClient:
     def signal(self, wid: str, sig: int) -> dict:
         """Deliver a signal to the worker wherever it runs now (agent/handles.py); both doors."""
         return self._req("POST", f"/v1/workers/{wid}:signal", json=body(SignalRequest, signal=sig))
+
+    def hold(self, wid: str) -> dict:
+        """This process takes the place of the worker's launcher here (agent/handles.py); local only."""
+        return self._req("POST", f"/v1/workers/{wid}:hold")
 
     def prepare_network(self, job: str, rank: int, address: str) -> dict:
         return self._req("POST", "/v1/networks", json=body(NetworkRequest, job=job, rank=rank, address=address))

@@ -67,6 +67,9 @@ class Heartbeat(BaseModel):
     spare: bool = False
     slurm_node: str | None = Field(None, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                                    description="the Slurm node this host is (`pitstop agent --slurm-node`)")
+    socket: str | None = Field(None, max_length=4096, pattern=r"^/",
+                               description="the agent's local socket on its host: what a process there, such as "
+                                           "`pitstop hold` started by the Slurm watcher, is given as --agent")
     workers: list[WorkerReport] = Field(default_factory=list)
     gpus: list[dict[str, Any]] = Field(default_factory=list)
     gpu_model: str | None = None
