@@ -152,48 +152,66 @@ def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm
 
 
 def test_a_released_node_leaves_the_job_and_can_reboot(cluster, slurm, tmp_path):
-    """`slurm-watch --release-nodes`: once b's rank moved, b leaves the job's allocation and ends
-    DRAINED with no job, and the spare joins it; the moved rank outlives its launcher on b (Slurm
-    ended it), runs as a step of the job on the spare, and a scancel of the job ends it there."""
+    """`slurm-watch --release-nodes`: once b's ranks moved, b leaves the jobs' allocations and ends
+    DRAINED with no job, and the spare joins them.  A 2-rank torch DDP job finishes bitwise equal
+    with its rank 1 on the spare; the moved rank of an idle job outlives its launcher on b (Slurm
+    ended it), runs as a step of its job on the spare, and a scancel of that job ends it there."""
     cc = _pitstop(cluster)
     watch = _watch(cluster, slurm, tmp_path, "--release-nodes")
-    idle = None
+    train = idle = None
     try:
         agents = _agent_files(cluster, tmp_path)
-        task = (f'exec {shlex.join(pitstop_cmd())} run --job idle --agent "$(cat {agents}/$SLURMD_NODENAME)" '
-                f'-- {shlex.join(SLEEPER)}')
-        idle = subprocess.Popen(["srun", "-N2", "-n2", "--ntasks-per-node=1", "-w", "a,b", "--job-name=idle",
-                                 f"--output={tmp_path}/idle.rank%t.log", "sh", "-c", task], env=slurm.env(cluster.env()),
-                                stdout=open(tmp_path / "idle-srun.log", "ab"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        env = slurm.env(cluster.env())
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            env.pop(k, None)
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        out = tmp_path / "out"
 
-        def running():
-            return {w["rank"]: w["host"] for j in cc.jobs() if j["job"] == "idle" for w in j["workers"]
+        def srun(name, cmd):
+            task = (f'exec {shlex.join(pitstop_cmd())} run --job {name} --agent "$(cat {agents}/$SLURMD_NODENAME)" '
+                    f'-- {shlex.join(cmd)}')
+            return subprocess.Popen(["srun", "-N2", "-n2", "--ntasks-per-node=1", "-w", "a,b", f"--job-name={name}",
+                                     f"--output={tmp_path}/{name}.rank%t.log", "sh", "-c", task], env=env,
+                                    stdout=open(tmp_path / f"{name}-srun.log", "ab"), stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        train = srun("train", ddp_cmd(out, steps=STEPS))
+        idle = srun("idle", SLEEPER)
+
+        def running(job):
+            return {w["rank"]: w["host"] for j in cc.jobs() if j["job"] == job for w in j["workers"]
                     if w["state"] == "running"}
-        until(lambda: running() == {0: "host-a", 1: "host-b"}, what="the idle job's two ranks")
-        (job_id,) = slurm.run("squeue", "-h", "--name=idle", "-o", "%i").stdout.split()
-        assert {w.get("slurm_job") for j in cc.jobs() for w in j["workers"]} == {job_id}
+        wait_for_step(tmp_path / "train.rank1.log", 5)
+        until(lambda: running("idle") == {0: "host-a", 1: "host-b"}, what="the idle job's two ranks")
+        ids = {name: slurm.run("squeue", "-h", f"--name={name}", "-o", "%i").stdout.strip() for name in ("train", "idle")}
+        assert {w.get("slurm_job") for j in cc.jobs() for w in j["workers"]} == set(ids.values())
         slurm.run("scontrol", "update", "nodename=b", "state=drain", "reason=maintenance")
-        until(lambda: f"spare1 added to job {job_id}" in _note(slurm, "b"), timeout=120,
-              what=f"b moved and freed, the spare added: {_note(slurm, 'b')!r}")
-        assert f"freed from job {job_id}; spare1 added to job {job_id}" in _note(slurm, "b")
-        # b has no job left: DRAINED, it could reboot; the job runs on a and the spare, its rank 1 there
+        until(lambda: all(f"spare1 added to job {i}" in _note(slurm, "b") for i in ids.values()), timeout=120,
+              what="b moved and freed, the spare added to both jobs")
+        for i in ids.values():
+            assert f"freed from job {i}" in _note(slurm, "b"), _note(slurm, "b")
+        # b has no job left: DRAINED, it could reboot; each job runs on a and the spare, its rank 1 there
         until(lambda: slurm.node("b")["state"] == "idle" and "DRAIN" in slurm.node("b")["state_flags"],
-              what=f"b drained: {slurm.node('b')}")
-        assert slurm.run("squeue", "-h", "--name=idle", "-o", "%N").stdout.strip() == "a,spare1"
-        assert "NodeList=a,spare1" in slurm.run("scontrol", "show", "job", job_id).stdout
-        steps = slurm.run("squeue", "-h", "-s", "-j", job_id, "-o", "%j %N").stdout.split("\n")
-        assert "pitstop-hold-idle.1 spare1" in steps, steps  # the moved rank is a step of the job there
-        until(lambda: running() == {0: "host-a", 1: "spare-1"}, what="rank 1 on the spare")
+              what="b drained with no job")
+        for name, i in ids.items():
+            assert slurm.run("squeue", "-h", "-j", i, "-o", "%N").stdout.strip() == "a,spare1"
+            assert "NodeList=a,spare1" in slurm.run("scontrol", "show", "job", i).stdout
+            steps = slurm.run("squeue", "-h", "-s", "-j", i, "-o", "%j %N").stdout.split("\n")
+            assert f"pitstop-hold-{name}.1 spare1" in steps, steps  # the moved rank is a step of its job there
+            until(lambda name=name: running(name) == {0: "host-a", 1: "spare-1"}, what=f"{name}'s rank 1 on the spare")
         time.sleep(1.0)
-        assert running() == {0: "host-a", 1: "spare-1"}  # its launcher on b is gone; it is not
-        # scancel, with no watcher left to help: the rank on a ends with its task, the moved one
+        assert running("idle") == {0: "host-a", 1: "spare-1"}  # its launcher on b is gone; it is not
+        let_finish(out)
+        # the price of freeing b, written down: Slurm killed the job's task there, and its srun says so
+        assert train.wait(180) == 137, (tmp_path / "train-srun.log").read_text(errors="replace")[-2000:]
+        assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=STEPS))
+        # scancel, with no watcher left to help: the idle rank on a ends with its task, the moved one
         # with its step on the spare
         _stop(watch)
-        slurm.run("scancel", job_id)
-        until(lambda: not running(), timeout=30, what="every rank of the cancelled job ended")
+        slurm.run("scancel", ids["idle"])
+        until(lambda: not running("idle"), timeout=30, what="every rank of the cancelled job ended")
         idle.wait(60)
         assert not slurm.run("squeue", "-h", "-s", "-o", "%i").stdout.strip()
     finally:
         _stop(idle)
+        _stop(train)
         _stop(watch)
