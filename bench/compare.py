@@ -82,6 +82,8 @@ NETWORK_POST_COPY = {"PITSTOP_AGENT_REMOTE_POST_COPY": "1"}
 LOCAL_POST_COPY = {"PITSTOP_AGENT_LAZY_RESTORE": "1"}  # from the copy on the destination
 NAIVE_DISK = "naive CRIU, to disk"
 BASELINES = ("naive CRIU", NAIVE_DISK, "checkpoint-restart")
+METHOD_KEYS = ("default", "stop-and-copy", "post-copy", "pre-copy+post-copy", "network-post-copy", "naive",
+               "naive-disk", "checkpoint-restart")
 
 
 MEMORY_FS = ("tmpfs", "ramfs")
@@ -110,7 +112,7 @@ ATTEMPTS = 3
 
 def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agent_env: dict | None = None,
                label: str = "pitstop", prewarm_gib: float = 0.0, pre_copy: bool | None = None,
-               image_disk: Path | None = None) -> dict:
+               image_disk: Path | None = None, loader_workers: int = 0) -> dict:
     """One measured move, made again (a fresh job) when the job had reached its last steps before
     the move ended.  A slow prewarm (up to 46 s on this VM) or a slow pre-copy can use up the
     job's 300 steps: the move then catches ranks that are finishing or tearing down, whose
@@ -118,7 +120,8 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
     "pause the job saw" of 0.14 s beside a downtime of 11.9 s, in the run of 2026-12-02 03:03)."""
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            r = _evacuation_once(world, leaving, state_mb, steps, agent_env, label, prewarm_gib, pre_copy, image_disk)
+            r = _evacuation_once(world, leaving, state_mb, steps, agent_env, label, prewarm_gib, pre_copy, image_disk,
+                                 loader_workers)
         except EndedBeforeTheMove as e:
             if attempt == ATTEMPTS:
                 raise SystemExit(f"{label} ({world} ranks): {e} in {ATTEMPTS} attempts; raise --steps") from None
@@ -134,21 +137,24 @@ def evacuation(world: int, leaving: list[int], state_mb: float, steps: int, agen
 
 
 def _evacuation_once(world: int, leaving: list[int], state_mb: float, steps: int, agent_env: dict | None,
-                     label: str, prewarm_gib: float, pre_copy: bool | None, image_disk: Path | None = None) -> dict:
+                     label: str, prewarm_gib: float, pre_copy: bool | None, image_disk: Path | None = None,
+                     loader_workers: int = 0) -> dict:
     """Run the job through `pitstop run` and evacuate host-b (which holds `leaving`) to a spare.
     image_disk: the agents keep their images in directories under it, as they are (no tmpfs)."""
     disk = Path(tempfile.mkdtemp(prefix="pitstop-bench-images-", dir=image_disk)) if image_disk else None
     if disk:
         agent_env = {**(agent_env or {}), "PITSTOP_AGENT_IMAGE_MOUNT": "off"}
     try:
-        return _evacuation_in(world, leaving, state_mb, steps, agent_env, label, prewarm_gib, pre_copy, disk)
+        return _evacuation_in(world, leaving, state_mb, steps, agent_env, label, prewarm_gib, pre_copy, disk,
+                              loader_workers)
     finally:
         if disk:
             shutil.rmtree(disk, ignore_errors=True)
 
 
 def _evacuation_in(world: int, leaving: list[int], state_mb: float, steps: int, agent_env: dict | None,
-                   label: str, prewarm_gib: float, pre_copy: bool | None, disk: Path | None) -> dict:
+                   label: str, prewarm_gib: float, pre_copy: bool | None, disk: Path | None,
+                   loader_workers: int = 0) -> dict:
     with LocalCluster(root=Path(tempfile.mkdtemp(prefix="pitstop-bench-"))) as c:
         c.start_coordinator(env=agent_env)  # PITSTOP_COORDINATOR_* among them reach it; the rest it ignores
         for name in ("host-a", "host-b"):
@@ -157,7 +163,8 @@ def _evacuation_in(world: int, leaving: list[int], state_mb: float, steps: int, 
         cc = CoordinatorClient(c.coordinator_url, c.operator_token)
         placement = {r: ("host-b" if r in leaving else "host-a") for r in range(world)}
         out = c.root / "out"
-        ranks = c.start_job("b", ddp_cmd(out, steps=steps, state_mb=state_mb) + ["--trace-params"], world, placement)
+        ranks = c.start_job("b", ddp_cmd(out, steps=steps, state_mb=state_mb, workers=loader_workers) + ["--trace-params"],
+                            world, placement)
         for rk in ranks:
             wait_for_step(rk.log, 20, timeout_s=300)
         warm_s = prewarm(prewarm_gib)
@@ -215,7 +222,8 @@ def _phase_times(log: Path) -> dict[str, float]:
             for m in re.finditer(r"^phase (\w+) t=([0-9.]+)", log.read_text(errors="replace"), re.M)}
 
 
-def checkpoint_restart(world: int, state_mb: float, steps: int, save_at: int = 20, prewarm_gib: float = 0.0) -> dict:
+def checkpoint_restart(world: int, state_mb: float, steps: int, save_at: int = 20, prewarm_gib: float = 0.0,
+                       loader_workers: int = 0) -> dict:
     """torch.save at a step, every rank exits, relaunch at once, torch.load, continue."""
     root = Path(tempfile.mkdtemp(prefix="pitstop-bench-ckpt-", dir="/var/tmp"))  # a disk, not tmpfs
     try:
@@ -228,7 +236,8 @@ def checkpoint_restart(world: int, state_mb: float, steps: int, save_at: int = 2
                 log = root / f"{tag}.rank{r}.log"
                 env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(port), USE_LIBUV="0", PYTHONUNBUFFERED="1")
-                procs.append(subprocess.Popen([*ddp_cmd(out, steps=steps, state_mb=state_mb), "--ckpt", str(ckpt),
+                procs.append(subprocess.Popen([*ddp_cmd(out, steps=steps, state_mb=state_mb, workers=loader_workers),
+                                               "--ckpt", str(ckpt),
                                                *extra], env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT))
                 logs.append(log)
             codes = [p.wait(600) for p in procs]
@@ -382,6 +391,10 @@ def main() -> None:
     ap.add_argument("--disk-dir", default="/var/tmp",
                     help="a directory on a disk, for naive CRIU's images (not a tmpfs: checked at the start)")
     ap.add_argument("--skip-post-copy", action="store_true")
+    ap.add_argument("--methods", default=",".join(METHOD_KEYS),
+                    help=f"the 4-rank methods to run, of {','.join(METHOD_KEYS)} (with the --skip-* options)")
+    ap.add_argument("--loader-workers", type=int, default=0,
+                    help="DataLoader worker processes per rank (they move with their rank)")
     ap.add_argument("--prewarm-gib", type=float, default=0.0,
                     help="touch and free this much tmpfs right before each evacuation (see prewarm())")
     ap.add_argument("--out", default=str(OUT / "compare.json"))
@@ -391,6 +404,10 @@ def main() -> None:
         d = json.loads(Path(a.chart_only).read_text())
         chart(d["runs"] + median_runs(d["scaling"]), Path(a.chart_only).with_suffix(".png"), d["summary"]["floor_s"])
         return
+    unknown = set(a.methods.split(",")) - set(METHOD_KEYS)
+    if unknown or "default" not in a.methods.split(","):
+        raise SystemExit(f"--methods {a.methods!r}: " + (f"unknown {sorted(unknown)}; " if unknown else "") +
+                         f"give some of {','.join(METHOD_KEYS)}, default among them (every ratio is against it)")
     if not a.skip_naive and not a.scaling_only:
         kind = fs_type(Path(a.disk_dir))
         if kind in MEMORY_FS:
@@ -405,24 +422,32 @@ def main() -> None:
     every_run: list[dict] = []
     for rep in range(0 if a.scaling_only else max(1, a.repeats)):  # interleaved: a slow spell hits every method
         first = len(every_run)
-        every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, prewarm_gib=a.prewarm_gib))
-        every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, label="pitstop, stop-and-copy",
-                                  prewarm_gib=a.prewarm_gib, pre_copy=False))
+        want = set(a.methods.split(","))
+        job = {"prewarm_gib": a.prewarm_gib, "loader_workers": a.loader_workers}
+        if "default" in want:
+            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, **job))
+        if "stop-and-copy" in want:
+            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, label="pitstop, stop-and-copy", pre_copy=False,
+                                      **job))
         if not a.skip_post_copy:
-            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, LOCAL_POST_COPY,
-                                      label="pitstop, post-copy", prewarm_gib=a.prewarm_gib, pre_copy=False))
-            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, LOCAL_POST_COPY,
-                                      label="pitstop, pre-copy + post-copy", prewarm_gib=a.prewarm_gib))
-            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, NETWORK_POST_COPY,
-                                      label="pitstop, network post-copy", prewarm_gib=a.prewarm_gib))
+            if "post-copy" in want:
+                every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, LOCAL_POST_COPY,
+                                          label="pitstop, post-copy", pre_copy=False, **job))
+            if "pre-copy+post-copy" in want:
+                every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, LOCAL_POST_COPY,
+                                          label="pitstop, pre-copy + post-copy", **job))
+            if "network-post-copy" in want:
+                every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, NETWORK_POST_COPY,
+                                          label="pitstop, network post-copy", **job))
         if not a.skip_naive:
-            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_STREAM_WHILE_DUMPING": "0"},
-                                      label="naive CRIU", prewarm_gib=a.prewarm_gib, pre_copy=False))
-            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_STREAM_WHILE_DUMPING": "0"},
-                                      label=NAIVE_DISK, prewarm_gib=a.prewarm_gib, pre_copy=False,
-                                      image_disk=Path(a.disk_dir)))
-        every_run += [restart(int(w), a.state_mb, a.steps, prewarm_gib=a.prewarm_gib)
-                      for w in a.restart_worlds.split(",") if w]
+            if "naive" in want:
+                every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_STREAM_WHILE_DUMPING": "0"},
+                                          label="naive CRIU", pre_copy=False, **job))
+            if "naive-disk" in want:
+                every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, {"PITSTOP_AGENT_STREAM_WHILE_DUMPING": "0"},
+                                          label=NAIVE_DISK, pre_copy=False, image_disk=Path(a.disk_dir), **job))
+        if "checkpoint-restart" in want:
+            every_run += [restart(int(w), a.state_mb, a.steps, **job) for w in a.restart_worlds.split(",") if w]
         for r in every_run[first:]:
             r["repeat"] = rep
     runs = median_runs(every_run)  # per method: the run of median downtime; ratios use medians (below)
