@@ -39,7 +39,7 @@ def payload(agent: Agent) -> dict:
                                                       "exit_code", "caps", "unmovable", "slurm_job"})
                for w in list(agent.state.workers.values())]
     return {"name": agent.s.name, "url": agent.s.url, "spare": agent.s.spare, "workers": workers,
-            "socket": str(agent.s.sock),
+            "socket": str(agent.s.sock.absolute()),
             "slurm_node": agent.s.slurm_node or socket.gethostname().split(".")[0],
             "cap_bnd": f"{caps.bounding_set():x}", **inventory(), "gpu_health": readings()}
 
