@@ -16,7 +16,10 @@ daemon until the fill ends.  If the daemon dies, the kernel drops the userfaultf
 untouched pages would read as zeros.  The agent therefore kills the worker the moment the
 daemon fails (agent/receiving.py, _watch_fill): a dead rank the job's own recovery sees.
 That is after the fact: a daemon that dies on its own leaves a few milliseconds in which the
-worker may read zeros.  Where the pages come from the source, the likelier failure (the
+worker may read zeros.  (Holding a copy of each userfaultfd in the agent would close that
+window, but CRIU's daemon closes a finished task's userfaultfd without removing it from its
+epoll set, so with a second copy open the set keeps reporting a task it has freed: fills that
+never ended, when tried.)  Where the pages come from the source, the likelier failure (the
 source or the link going) is caught before the daemon sees it, by a relay that kills the
 worker first (memory/page_relay.py).  A delta against a pre-copy is served the same way,
 by a local page server, since this daemon cannot read a parent image (lazydelta.py).
