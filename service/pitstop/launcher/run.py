@@ -342,17 +342,16 @@ def hold(wid: str, *, agent_url: str, echo: bool = True) -> int:
               "handle is taken up only over it (give --agent unix:/PATH, as root or the worker's user)",
               file=sys.stderr)
         return 2
+    def forward(sig: int, _frame: object) -> None:
+        threading.Thread(target=_signal_moved, args=(client, wid, sig), daemon=True).start()
+
+    for sig in FORWARDED:  # before the handle is taken: a signal from then on must reach the worker
+        signal.signal(sig, forward)
     try:
         client.hold(wid)
     except PitstopError as e:
         print(f"pitstop hold: {e}" + (f"; {e.action}" if e.action else ""), file=sys.stderr)
         return 125
-
-    def forward(sig: int, _frame: object) -> None:
-        threading.Thread(target=_signal_moved, args=(client, wid, sig), daemon=True).start()
-
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
     return shell_code(follow(client, wid, echo=echo))
 
 
@@ -420,7 +419,7 @@ def _signal_moved(client: AgentClient, wid: str, sig: int) -> None:
             return
         except PitstopError as e:
             if e.code != "moving" or time.monotonic() > end:
-                print(f"pitstop run: could not pass signal {signal.Signals(sig).name} on to worker {wid}: "
+                print(f"pitstop: could not pass signal {signal.Signals(sig).name} on to worker {wid}: "
                       f"{e.message}", file=sys.stderr)
                 return
         time.sleep(0.2)
