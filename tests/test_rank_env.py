@@ -4,9 +4,9 @@ signal names an operator may give (proc/signals.py)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -68,5 +68,15 @@ def test_a_signal_that_an_init_would_drop_becomes_a_kill_only_without_pitstops_i
     finally:
         plain.kill()
         plain.wait()
-    assert signals.handles(os.getpid(), signal.SIGINT)  # Python's KeyboardInterrupt handler
-    assert signals.as_delivered(os.getpid(), signal.SIGINT, under_init=False) == signal.SIGINT
+    # A process with a handler gets the signal as sent.  Its own handler, not Python's default one:
+    # a test run started in the background inherits SIGINT ignored, and Python then installs none.
+    handled = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                                "signal.signal(signal.SIGINT, lambda *a: None)\nprint('ready', flush=True)\n"
+                                "time.sleep(30)"], stdout=subprocess.PIPE)
+    try:
+        assert handled.stdout is not None and handled.stdout.readline() == b"ready\n"
+        assert signals.handles(handled.pid, signal.SIGINT)
+        assert signals.as_delivered(handled.pid, signal.SIGINT, under_init=False) == signal.SIGINT
+    finally:
+        handled.kill()
+        handled.wait()
