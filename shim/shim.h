@@ -70,8 +70,8 @@ static inline void pitstop_count(struct vcomm *v, int op, int peer, uint32_t cal
   c->trail_n = n + 1;
 }
 void pitstop_group_start(void);
-void pitstop_trim(struct pitstop_ctl *c); /* trim.c */
 void pitstop_group_end(void);
+void pitstop_trim(struct pitstop_ctl *c); /* trim.c */
 
 /* resolve.c: the real definition of an NCCL function, or NULL; said once when none. */
 void *pitstop_sym(const char *name);

@@ -4,6 +4,7 @@ coordinator's client."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +83,12 @@ def given(**flags: Any) -> dict[str, Any]:
 def coordinator_option() -> Any:
     return typer.Option(None, "--coordinator", envvar="PITSTOP_COORDINATOR", show_envvar=True,
                         help="the coordinator's URL, http(s)://HOST:PORT")
+
+
+def agent_option() -> Any:
+    """This host's agent, for the commands that run beside it (`pitstop run`, `pitstop hold`)."""
+    return typer.Option(os.environ.get("PITSTOP_AGENT", "http://127.0.0.1:7070"), "--agent",
+                        help="this host's agent (http://HOST:PORT or unix:/path)")
 
 
 def client(url: str | None, as_json: bool = False):  # noqa: ANN202

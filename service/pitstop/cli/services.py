@@ -4,7 +4,6 @@ and `pitstop doctor`."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -12,6 +11,7 @@ import typer
 from rich.table import Table
 
 from pitstop.cli.common import (
+    agent_option,
     app,
     fail,
     given,
@@ -89,8 +89,7 @@ def agent(
 def run(
     ctx: typer.Context,
     job: str = typer.Option(..., help="job id shared by all ranks of the job"),
-    agent_url: str = typer.Option(os.environ.get("PITSTOP_AGENT", "http://127.0.0.1:7070"), "--agent",
-                                  help="this host's agent (http://HOST:PORT or unix:/path)"),
+    agent_url: str = agent_option(),
     rank: Optional[int] = typer.Option(None, help="rank of this process tree (default: $RANK, else $GROUP_RANK, "
                                       "else $SLURM_PROCID under srun, else 0)"),
     host_nccl: bool = typer.Option(False, "--host-nccl", help="use pitstop's host NCCL (TCP, CPU) as libnccl.so.2"),
@@ -112,8 +111,7 @@ def run(
 @app.command()
 def hold(
     worker: str = typer.Argument(..., help="the worker, JOB.RANK, that runs on this host now"),
-    agent_url: str = typer.Option(os.environ.get("PITSTOP_AGENT", "http://127.0.0.1:7070"), "--agent",
-                                  help="this host's agent (http://HOST:PORT or unix:/path)"),
+    agent_url: str = agent_option(),
     no_output: bool = typer.Option(False, "--no-output", help="do not show the worker's output (its agent keeps it "
                                    "for `pitstop attach`)"),
 ) -> None:
