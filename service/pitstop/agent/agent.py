@@ -20,6 +20,7 @@ from pitstop.agent.capturing import SourceSide
 from pitstop.agent.handles import Handles
 from pitstop.agent.receiving import DestinationSide, Slot
 from pitstop.agent.settings import AgentSettings
+from pitstop.agent.snapshots import Snapshots
 from pitstop.agent.state import LIVE_STATES, AgentState, Capture, Worker
 from pitstop.criu import runtime
 from pitstop.errors import PitstopError, TransferFailed
@@ -72,6 +73,7 @@ class Agent:
         self.image_fs = imagefs.prepare(settings.images, enabled=settings.image_mount, size=settings.image_mount_size)
         self.dest.adopt()
         self.handles = Handles(settings, self.state)
+        self.snapshots = Snapshots(self)
         self.handles.adopt()
         self.started = time.time()
         self.data_port: int | None = None  # set by the server once transfer/dataport.py listens

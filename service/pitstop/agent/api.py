@@ -13,7 +13,7 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI
 
 from pitstop import __version__
-from pitstop.agent import local_routes, peer_routes, shared_routes
+from pitstop.agent import local_routes, peer_routes, shared_routes, snapshot_routes
 from pitstop.agent.agent import Agent
 from pitstop.httpapi import install_error_handlers
 
@@ -25,6 +25,7 @@ def peer_app(agent: Agent) -> FastAPI:
     app.include_router(peer_routes.open_router)
     app.include_router(shared_routes.router, prefix="/v1", dependencies=[Depends(peer_routes.auth)])
     app.include_router(peer_routes.router)
+    app.include_router(snapshot_routes.router)
     return app
 
 

@@ -36,7 +36,8 @@ def payload(agent: Agent) -> dict:
     from pitstop.gpu.inventory import inventory
 
     workers = [agent.refresh(w).model_dump(include={"id", "job", "rank", "state", "root_pid", "moved_to", "net",
-                                                      "exit_code", "caps", "unmovable", "slurm_job"})
+                                                      "exit_code", "caps", "unmovable", "slurm_job",
+                                                      "snapshot_every_s", "world"})
                for w in list(agent.state.workers.values())]
     return {"name": agent.s.name, "url": agent.s.url, "spare": agent.s.spare, "workers": workers,
             "socket": str(agent.s.sock.absolute()),

@@ -73,7 +73,7 @@ def register(agent: AgentDep, req: agent_requests.RegisterRequest, request: Requ
             net = wn.to_dict()
         w = Worker(id=wid, job=req.job, rank=req.rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
                    net=net, init_dir=nsinit.owned_dir(pid), owner_uid=uid, world=req.world, slurm_job=req.slurm_job,
-                   launcher=_launcher(request))
+                   launcher=_launcher(request), snapshot_every_s=req.snapshot_every_s)
         agent.state.workers[wid] = w
         agent.state.save()
     agent.handles.watch(w)

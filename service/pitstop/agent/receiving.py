@@ -185,6 +185,15 @@ class DestinationSide:
         s.state = "verified"
         return m, time.monotonic() - t0
 
+    def take_verified(self, image_id: str) -> Path:
+        """Hand a verified image's directory over to its keeper here (a snapshot's replica,
+        agent/snapshots.py): the slot is forgotten and nothing of it is deleted."""
+        self.verify_image(image_id)
+        with self.lock:
+            s = self.slots.pop(image_id)
+        s.receiver.close()
+        return s.directory
+
     def restore_image(self, image_id: str) -> tuple[Worker, dict[str, float]]:
         s = self.slot(image_id)
         t0 = time.monotonic()
@@ -469,6 +478,7 @@ class DestinationSide:
         w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=started,
                    launcher=was.launcher if was else None, world=was.world if was else None,
                    slurm_job=slurm_job or (was.slurm_job if was else None),
+                   snapshot_every_s=was.snapshot_every_s if was else None,
                    owner_uid=uids.pop() if len(uids) == 1 else 0,
                    restored=True, output_base=output_base or {}, net=net, init_dir=init_dir, running_since=running,
                    keeper=keeper.to_dict() if keeper else None,

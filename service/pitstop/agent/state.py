@@ -80,6 +80,9 @@ class Worker(BaseModel):
     paused_at: float | None = None
     running_since: float | None = None
     registered_at: float = Field(default_factory=time.time)
+    # `pitstop run --snapshot-every`: how often the job would like a snapshot (the coordinator takes
+    # the smallest its ranks ask); travels with the worker through moves and recoveries
+    snapshot_every_s: float | None = None
 
 
 class Capture(CaptureReport):

@@ -15,6 +15,7 @@ from pitstop.errors import PitstopError
 # Importing them registers their commands, in this order in `pitstop --help`.
 from pitstop.cli import services  # noqa: F401, E402
 from pitstop.cli import operators  # noqa: F401, E402
+from pitstop.cli import recovery  # noqa: F401, E402
 from pitstop.cli import fleet  # noqa: F401, E402
 from pitstop.cli import pki  # noqa: F401, E402
 # isort: on

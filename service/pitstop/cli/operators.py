@@ -211,7 +211,7 @@ def ops(op_id: Optional[str] = typer.Argument(None, help="an operation id; omit 
         t.add_column(c)
     for o in data:
         m = o["metadata"]
-        t.add_row(o["name"], m["node"], m["destination"], m["phase"], m.get("result") or "running",
+        t.add_row(o["name"], m["node"], m.get("destination") or "", m["phase"], m.get("result") or "running",
                   f"{m['downtime_s']:.2f}s" if m.get("downtime_s") is not None else "", m.get("reason") or "",
                   m.get("requested_by") or "")
     out.print(t)
@@ -293,7 +293,7 @@ def cancel(op_id: str = typer.Argument(..., help="the operation to cancel (as `p
 
 def _print_op(o: dict) -> None:
     m = o["metadata"]
-    t = Table(title=f"{o['name']}: {m['node']} -> {m['destination']} ({m.get('result') or m['phase']})")
+    t = Table(title=f"{o['name']}: {m['node']} -> {m.get('destination') or '?'} ({m.get('result') or m['phase']})")
     t.add_column("phase")
     t.add_column("seconds", justify="right")
     outside = {"precopy": "precopy (before the pause)", "cleanup": "cleanup (after the resume)",

@@ -97,6 +97,10 @@ def run(
     address: Optional[str] = typer.Option(None, help="give the worker its own address A.B.C.D/P on the host's "
                                           "uplink subnet: its TCP connections then survive a move to any host "
                                           "on that segment"),
+    snapshot_every: Optional[float] = typer.Option(
+        None, "--snapshot-every", metavar="SECONDS",
+        help="take an in-memory snapshot of the whole job this often, so that it recovers by itself from "
+             "the sudden loss of a host (the smallest value any rank gives wins; needs --address)"),
 ) -> None:
     """Run COMMAND so that pitstop can move it: pitstop run --job J --agent URL -- COMMAND [ARGS...]"""
     from pitstop.launcher.run import run as run_cmd
@@ -105,7 +109,7 @@ def run(
     if args and args[0] == "--":
         args = args[1:]
     raise typer.Exit(run_cmd(args, job=job, agent_url=agent_url, rank=rank, shim=not no_shim,
-                             host_nccl=host_nccl, address=address))
+                             host_nccl=host_nccl, address=address, snapshot_every_s=snapshot_every))
 
 
 @app.command()

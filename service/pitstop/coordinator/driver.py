@@ -48,6 +48,7 @@ from pitstop.coordinator import progress
 from pitstop.coordinator.cut import Cut, issued_by_worker
 from pitstop.coordinator.fanout import in_parallel
 from pitstop.coordinator.filecheck import check_files
+from pitstop.coordinator.recovery import is_recovery
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import Store, StoreUnavailable
 from pitstop.errors import DeadlineExceeded, NotFound, PitstopError, Unavailable
@@ -1207,7 +1208,8 @@ class Driver:
                     self._take_over(run)
                     taken.append(op_id)
             try:
-                stray = [op["id"] for op in self.store.ops(running_only=True) if op["id"] not in self.runs]
+                stray = [op["id"] for op in self.store.ops(running_only=True)
+                         if op["id"] not in self.runs and not is_recovery(op)]
             except StoreUnavailable:
                 stray = []
             for op_id in stray:  # its record says it runs, and nothing here drives it
@@ -1235,6 +1237,8 @@ class Driver:
             if op["done"] and op["metadata"].get("source_cleanup_pending"):
                 self.cleanup_pending(op["node"], op["id"], True)
         for op in self.store.ops(running_only=True):
+            if is_recovery(op):  # coordinator/recovery.py runs it again itself
+                continue
             touched.append(op["id"])
             if op["metadata"].get("committed"):
                 log.info("reconcile: finishing committed operation", op=op["id"])

@@ -18,7 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pitstop import tls
 from pitstop.coordinator import ledger, lifecycle
 from pitstop.coordinator.planner import unmovable_workers
+from pitstop.coordinator.recovery import is_recovery
 from pitstop.coordinator.service import ROLES, CoordinatorDep, operation_view
+from pitstop.coordinator.snapshots import MIN_EVERY_S, interval
 from pitstop.errors import Conflict, Forbidden, NotFound, Unprocessable
 from pitstop.httpapi import require_token, token_matches
 from pitstop.wire.coordinator_requests import (
@@ -28,6 +30,7 @@ from pitstop.wire.coordinator_requests import (
     Heartbeat,
     SetRoleRequest,
     SignalJobRequest,
+    SnapshotPolicyRequest,
 )
 
 
@@ -152,6 +155,42 @@ def jobs(c: CoordinatorDep) -> list[dict]:
              "movable": not unmovable_workers(ws)} for j, ws in sorted(by.items())]
 
 
+@operators.get("/jobs/{job}/snapshots")
+def job_snapshots(c: CoordinatorDep, job: str) -> dict:
+    """The job's snapshot schedule, its snapshots (the committed one counts), the last failure."""
+    ws = c.store.workers(job=job)
+    if not ws:
+        raise NotFound(f"no job {job!r}", action="list jobs with `pitstop jobs`")
+    return {"job": job, "every_s": interval(c.store, job, ws), "set_by_api": c.store.snapshot_policy(job),
+            "snapshots": c.store.snapshots(job), "last_error": c.snapshots.errors.get(job)}
+
+
+@operators.put("/jobs/{job}/snapshots")
+def set_job_snapshots(c: CoordinatorDep, job: str, body: SnapshotPolicyRequest) -> dict:
+    """Set a running job's snapshot interval (0: off; null: back to its launchers' value)."""
+    if not c.store.workers(job=job):
+        raise NotFound(f"no job {job!r}", action="list jobs with `pitstop jobs`")
+    if body.every_s and body.every_s < MIN_EVERY_S:
+        raise Unprocessable(f"every_s {body.every_s:g} is below {MIN_EVERY_S:g} s: every snapshot pauses the job",
+                            action=f"give 0 (off) or at least {MIN_EVERY_S:g}")
+    c.store.set_snapshot_policy(job, body.every_s)
+    return job_snapshots(c, job)
+
+
+@operators.post("/jobs/{job}/snapshots:take")
+def take_snapshot(c: CoordinatorDep, job: str) -> dict:
+    """Take one snapshot of the job now (waits for it); its record, committed, or the error."""
+    if not c.store.workers(job=job):
+        raise NotFound(f"no job {job!r}", action="list jobs with `pitstop jobs`")
+    return c.snapshots.take(job)
+
+
+@operators.post("/jobs/{job}:recover", status_code=202)
+def recover_job(c: CoordinatorDep, job: str, node: str | None = Query(None, max_length=253)) -> dict:
+    """Recover the job from its last complete snapshot (an operation, as an evacuation is)."""
+    return operation_view(c.store.op(c.recoveries.start(job, node, requested_by="an operator")))
+
+
 @operators.post("/jobs/{job}:signal")
 def signal_job(c: CoordinatorDep, job: str, body: SignalJobRequest) -> dict:
     """Send a signal to every rank of a job, wherever each runs now (`pitstop stop|kill JOB`)."""
@@ -188,7 +227,7 @@ def moves(c: CoordinatorDep,
           limit: int = Query(100, ge=1, le=1000, description="at most this many, the newest")) -> list[dict]:
     """The ledger: every finished move, newest first (coordinator/ledger.py)."""
     ops = c.store.ops(node=node, done=True, before=before, limit=limit if result is None else 1000)
-    out = [ledger.entry(o) for o in ops if result is None or o["result"] == result]
+    out = [ledger.entry(o) for o in ops if (result is None or o["result"] == result) and not is_recovery(o)]
     return out[:limit]
 
 

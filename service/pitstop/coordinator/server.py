@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
+from collections.abc import Callable
 
 import structlog
 import uvicorn
@@ -14,6 +15,7 @@ from pitstop import priority, tls
 from pitstop.coordinator.api import build
 from pitstop.coordinator.driver import Driver
 from pitstop.coordinator.settings import CoordinatorSettings
+from pitstop.coordinator.snapshots import TICK_S
 from pitstop.coordinator.store import Store
 from pitstop.endpoints import listening_socket
 from pitstop.errors import FailedPrecondition
@@ -62,6 +64,16 @@ async def watch_loop(driver: Driver, every_s: float) -> None:
             log.warning("operation watchdog failed; will look again", error=repr(e)[:200])
 
 
+async def tick_loop(name: str, tick: Callable[[], None], every_s: float) -> None:
+    """A periodic duty (the snapshot schedule, failure detection), off the event loop, until cancelled."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await asyncio.to_thread(tick)
+        except Exception as e:  # noqa: BLE001 - the next tick looks again
+            log.warning(f"{name} failed; will look again", error=repr(e)[:300])
+
+
 def serve(s: CoordinatorSettings) -> None:
     priority.apply(s.nice, "coordinator", realtime=s.realtime)  # first: every thread started later inherits it
     os.umask(0o077)  # as the systemd unit's UMask=: what it writes (state, images, outputs) is its own
@@ -89,6 +101,8 @@ def serve(s: CoordinatorSettings) -> None:
             udp_sock.close()
         raise
     touched = driver.reconcile()
+    coord = app.app.state.coordinator  # type: ignore[attr-defined]  # the FastAPI app behind the beats
+    touched += coord.recoveries.reconcile()
     guarded = RequestGuard(app, tokens=lambda: (s.operator_token, s.read_token, s.cluster_token))
     server = uvicorn.Server(uvicorn.Config(guarded, host=host, port=port, log_level="warning", lifespan="off",
                                            http=with_header_deadline(tls.http_protocol(), s.header_timeout_s),
@@ -106,6 +120,8 @@ def serve(s: CoordinatorSettings) -> None:
         flusher = asyncio.create_task(flush_loop(driver.store, s.flush_s))
         watcher = asyncio.create_task(watch_loop(driver, s.watchdog_s))
         pruner = asyncio.create_task(prune_loop(driver.store, s.ops_retention_days * 86400))
+        duties = [asyncio.create_task(tick_loop("snapshot schedule", coord.snapshots.tick, TICK_S)),
+                  asyncio.create_task(tick_loop("failure detection", coord.recoveries.tick, TICK_S))]
         log.info("coordinator up", listen=s.listen, db=str(s.db), reconciled=touched)
         notify(f"READY=1\nSTATUS=coordinator serving {s.listen}")
         await serving
@@ -114,6 +130,8 @@ def serve(s: CoordinatorSettings) -> None:
         flusher.cancel()
         pruner.cancel()
         watcher.cancel()
+        for d in duties:
+            d.cancel()
         if udp is not None:
             udp.close()
         driver.store.flush()

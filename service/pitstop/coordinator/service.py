@@ -20,7 +20,9 @@ from pitstop.coordinator.fanout import in_parallel
 from pitstop.coordinator.filecheck import check_files
 from pitstop.coordinator.health_policy import AutoEvacuator
 from pitstop.coordinator.planner import plan
+from pitstop.coordinator.recovery import Recoveries
 from pitstop.coordinator.settings import CoordinatorSettings
+from pitstop.coordinator.snapshots import Snapshots
 from pitstop.coordinator.store import LIVE, Store
 from pitstop.errors import Conflict, FailedPrecondition, NotFound, PitstopError
 from pitstop.wire.agent_client import AgentClient
@@ -135,6 +137,8 @@ class Coordinator:
         self.metrics = Metrics()
         self.driver = Driver(self.store, settings, on_phase=lambda p, s: self.metrics.phase.labels(p).observe(s),
                              on_result=self.metrics.result, on_after_move=self.metrics.after_move)
+        self.snapshots = Snapshots(self.store, settings, self.driver.busy_hosts)
+        self.recoveries = Recoveries(self.store, settings, self.snapshots, self.driver.busy_hosts)
         self.policy = settings.health_policy()
         self.auto = AutoEvacuator(
             start=lambda node, reason: self.start_evacuation(node, None, reason,

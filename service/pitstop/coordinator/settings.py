@@ -30,6 +30,9 @@ class CoordinatorSettings(BaseSettings):
     cluster_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_CLUSTER_TOKEN"))
     insecure: bool = False
     heartbeat_timeout_s: float = 5.0      # a host silent this long is not offered as a spare
+    # A host of a job with snapshots that is silent this long is declared failed for its jobs, and
+    # each is recovered from its last complete snapshot (coordinator/recovery.py)
+    failure_deadline_s: float = Field(default=10.0, gt=0)
     beat_udp: bool = True                 # also take beats as datagrams on the listen port (wire/beats.py)
     flush_s: float = 1.0                  # how often beats kept in memory are written to the database
     # How often the coordinator looks for an operation whose driving thread ended without ending it

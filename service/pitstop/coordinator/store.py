@@ -45,6 +45,13 @@ CREATE TABLE IF NOT EXISTS operations (
   metadata TEXT NOT NULL, error TEXT, response TEXT, created REAL NOT NULL, updated REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS idempotency (
   key TEXT PRIMARY KEY, body_hash TEXT NOT NULL, op_id TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS snapshot_policy (job TEXT PRIMARY KEY, every_s REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS snapshots (
+  job TEXT NOT NULL, number INTEGER NOT NULL, state TEXT NOT NULL, created REAL NOT NULL, info TEXT NOT NULL,
+  PRIMARY KEY (job, number));
+CREATE TABLE IF NOT EXISTS fences (
+  job TEXT NOT NULL, host TEXT NOT NULL, epoch INTEGER NOT NULL, acked INTEGER NOT NULL DEFAULT 0,
+  created REAL NOT NULL, PRIMARY KEY (job, host));
 """
 
 LIVE = ("running", "paused", "capturing", "stopped")  # "released": the process is gone
@@ -264,7 +271,10 @@ class Store:
                                 "ON CONFLICT(name) DO UPDATE SET url=excluded.url, info=excluded.info, "
                                 "last_seen=excluded.last_seen, generation=excluded.generation",
                                 (name, hb["url"], role, json.dumps(info), now, hb.get("generation")))
+            fenced = {r["job"] for r in self.db.execute("SELECT job FROM fences WHERE host=? AND acked=0", (name,))}
             for w in hb.get("workers", []):
+                if w["job"] in fenced:  # recovered elsewhere while this host was away: never again from here
+                    continue
                 # Where a worker is: the host that reports it alive.  Its old host's "moved"
                 # is no news, and an end state (exited, lost) counts only from its current host.
                 cur = self.db.execute("SELECT host FROM workers WHERE id=?", (w["id"],)).fetchone()
@@ -331,10 +341,54 @@ class Store:
         info = json.loads(r["info"])
         return {"id": r["id"], "job": r["job"], "rank": r["rank"], "host": r["host"], "state": r["state"],
                 "updated": r["updated"], "address": (info.get("net") or {}).get("address"),
-                "caps": info.get("caps"), "unmovable": info.get("unmovable"), "slurm_job": info.get("slurm_job")}
+                "caps": info.get("caps"), "unmovable": info.get("unmovable"), "slurm_job": info.get("slurm_job"),
+                "snapshot_every_s": info.get("snapshot_every_s"), "world": info.get("world")}
 
     def set_worker_host(self, wid: str, host: str, state: str = "running") -> None:
         self._x("UPDATE workers SET host=?, state=?, updated=? WHERE id=?", (host, state, time.time(), wid))
+
+    # snapshots, their policy, fences (coordinator/snapshots.py, recovery.py) -------------------
+    def snapshot_policy(self, job: str) -> float | None:
+        r = self._x("SELECT every_s FROM snapshot_policy WHERE job=?", (job,))
+        return float(r[0]["every_s"]) if r else None
+
+    def set_snapshot_policy(self, job: str, every_s: float | None) -> None:
+        if every_s is None:
+            self._x("DELETE FROM snapshot_policy WHERE job=?", (job,))
+        else:
+            self._x("INSERT INTO snapshot_policy(job, every_s, updated) VALUES(?,?,?) ON CONFLICT(job) DO UPDATE "
+                    "SET every_s=excluded.every_s, updated=excluded.updated", (job, every_s, time.time()))
+
+    def put_snapshot(self, job: str, number: int, state: str, info: dict[str, Any]) -> None:
+        self._x("INSERT INTO snapshots(job, number, state, created, info) VALUES(?,?,?,?,?) ON CONFLICT(job, number) "
+                "DO UPDATE SET state=excluded.state, info=excluded.info", (job, number, state, time.time(), json.dumps(info)))
+
+    def snapshots(self, job: str) -> list[dict[str, Any]]:
+        return [{"job": r["job"], "number": r["number"], "state": r["state"], "created": r["created"],
+                 **json.loads(r["info"])} for r in self._x("SELECT * FROM snapshots WHERE job=? ORDER BY number", (job,))]
+
+    def snapshot_jobs(self) -> list[str]:
+        return [r["job"] for r in self._x("SELECT DISTINCT job FROM snapshots")]
+
+    def forget_snapshots(self, job: str, keep: int | None) -> None:
+        """Every record of the job's snapshots but `keep` (the committed one that counts)."""
+        self._x("DELETE FROM snapshots WHERE job=? AND number != ?", (job, -1 if keep is None else keep))
+
+    def fence(self, job: str, host: str, epoch: int) -> None:
+        self._x("INSERT INTO fences(job, host, epoch, acked, created) VALUES(?,?,?,0,?) ON CONFLICT(job, host) DO UPDATE "
+                "SET epoch=excluded.epoch, acked=0", (job, host, epoch, time.time()))
+
+    def fences(self, host: str | None = None, unacked: bool = False) -> list[dict[str, Any]]:
+        q, a = "SELECT * FROM fences WHERE 1=1", []
+        if host:
+            q += " AND host=?"
+            a.append(host)
+        if unacked:
+            q += " AND acked=0"
+        return [dict(r) for r in self._x(q, tuple(a))]
+
+    def ack_fence(self, job: str, host: str) -> None:
+        self._x("UPDATE fences SET acked=1 WHERE job=? AND host=?", (job, host))
 
     # operations ---------------------------------------------------------------------------------
     def create_op(self, op_id: str, node: str, dest: str | None, metadata: dict, idem: tuple[str, str] | None

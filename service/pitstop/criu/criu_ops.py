@@ -63,8 +63,11 @@ NET_KEY = "wnet"
 
 def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | None = None,
          rt: runtime.CriuRuntime | None = None, parent: str | None = None, binary: str | None = None,
-         log_level: int = 4) -> DumpResult:
+         log_level: int = 4, leave_running: bool = False) -> DumpResult:
     """Dump the tree rooted at root_pid into `images`, leaving it stopped.
+
+    leave_running: a snapshot's dump (agent/snapshots.py): CRIU gives the tree back as it found it
+    (a tree the coordinator stopped stays stopped) and takes its sockets out of repair mode.
 
     parent: an incremental dump (CRIU's --track-mem) against the image directory at this path
     (relative to `images`); only with `binary`, a CRIU that can tell what changed
@@ -76,7 +79,10 @@ def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | N
     try:
         c.opts.images_dir_fd = dfd
         c.opts.pid = root_pid
-        c.opts.leave_stopped = True
+        if leave_running:
+            c.opts.leave_running = True
+        else:
+            c.opts.leave_stopped = True
         c.opts.tcp_established = True
         c.opts.network_lock = pycriu.rpc.NFTABLES
         if own_netns is not None:  # the worker's namespace: external, locked whole by the agent

@@ -85,6 +85,12 @@ class NetHosts:
             if p.returncode != 0:
                 raise RuntimeError(f"tc tbf on {veth}: {p.stderr.strip()}")
 
+    def cut(self, name: str, up: bool = False) -> None:
+        """Take host `name` off the segment (its link down on the bridge's side), as a host that
+        lost power or its network would be; up=True puts it back (a partition that heals)."""
+        veth = f"pst{self.tag}v{list(self.hosts).index(name) + 1}"
+        _ip("link", "set", veth, "up" if up else "down")
+
     def exec_prefix(self, name: str) -> list[str]:
         # Not `ip netns exec`: it also makes a new mount namespace per command, so a worker and
         # the agent's CRIU would live in different ones and CRIU would try to dump mounts.

@@ -55,6 +55,7 @@ from pitstop.errors import PitstopError
 from pitstop.launcher.seccomp import deny_io_uring
 from pitstop.proc import caps, proctree, signals
 from pitstop.wire.agent_client import AgentClient
+from pitstop.wire.agent_requests import MAX_SNAPSHOT_EVERY_S, MIN_SNAPSHOT_EVERY_S
 
 AGENT_QUESTION_TIMEOUT_S = 10  # the agent's health or info, asked before the command starts
 PUMP_DRAIN_S = 5  # the output pumps, to pass on what the ended command wrote last
@@ -195,10 +196,14 @@ def without_secrets(env: dict[str, str]) -> dict[str, str]:
 
 def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         extra_env: dict[str, str] | None = None, shim: bool = True, host_nccl: bool = False,
-        address: str | None = None) -> int:
+        address: str | None = None, snapshot_every_s: float | None = None) -> int:
     if not cmd:
         print("pitstop run: no command given; usage: pitstop run --job JOB --agent URL -- CMD [ARGS...]",
               file=sys.stderr)
+        return 2
+    why = bad_snapshot_every(snapshot_every_s, address)
+    if why:
+        print(f"pitstop run: {why}", file=sys.stderr)
         return 2
     try:
         rank, world = rank_and_world(os.environ, rank)
@@ -274,7 +279,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         root = _find_ns_init(p)
         try:
             w = client.register(job, rank, root, address, world=world,
-                                slurm_job=os.environ.get("SLURM_JOB_ID") or None)
+                                slurm_job=os.environ.get("SLURM_JOB_ID") or None, snapshot_every_s=snapshot_every_s)
         except PitstopError as refused:
             if proctree.exists(root):
                 raise
@@ -324,6 +329,19 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         nsinit.remove(init_dir)  # its init's, where the tree was killed
         return code
     return shell_code(follow(client, wid))
+
+
+def bad_snapshot_every(every_s: float | None, address: str | None) -> str | None:
+    """What is wrong with `--snapshot-every`, said before the command starts."""
+    if every_s is None:
+        return None
+    if not MIN_SNAPSHOT_EVERY_S <= every_s <= MAX_SNAPSHOT_EVERY_S:
+        return (f"--snapshot-every {every_s:g}: give between {MIN_SNAPSHOT_EVERY_S:g} and {MAX_SNAPSHOT_EVERY_S:g} "
+                "seconds (every snapshot pauses the whole job)")
+    if not address:
+        return ("--snapshot-every needs --address: a rank restored on another host after its own died keeps its "
+                "connections only with an address of its own")
+    return None
 
 
 def hold(wid: str, *, agent_url: str, echo: bool = True) -> int:

@@ -13,12 +13,17 @@ from pitstop.wire.agent_requests import (
     CaptureRequest,
     CommitRequest,
     ExitedRequest,
+    FenceRequest,
     FilesCheckRequest,
+    KeepReplicaRequest,
     NetworkRequest,
     PreCopyRequest,
     RegisterRequest,
+    SendReplicasRequest,
     ShimOp,
     SignalRequest,
+    SnapshotRequest,
+    SnapshotWorkersRequest,
     WorkersRequest,
     body,
 )
@@ -85,9 +90,10 @@ class AgentClient:
 
     # local (Unix socket) calls
     def register(self, job: str, rank: int, pid: int, address: str | None = None, world: int | None = None,
-                 slurm_job: str | None = None) -> dict:
+                 slurm_job: str | None = None, snapshot_every_s: float | None = None) -> dict:
         return self._req("POST", "/v1/workers", json=body(RegisterRequest, job=job, rank=rank, pid=pid,
-                                                          address=address, world=world, slurm_job=slurm_job))
+                                                          address=address, world=world, slurm_job=slurm_job,
+                                                          snapshot_every_s=snapshot_every_s))
 
     def signal(self, wid: str, sig: int) -> dict:
         """Deliver a signal to the worker wherever it runs now (agent/handles.py); both doors."""
@@ -246,3 +252,45 @@ class AgentClient:
         """Longer than the agent's wait for an abandoned restore to stop (30 s): the caller
         must not go on (resume the source) while that copy may still come up."""
         return self._req("DELETE", f"/v1/images/{image_id}", timeout=timeout)
+
+    # snapshots and recovery (agent/snapshot_routes.py) ---------------------------------------
+    def snapshot_check(self, job: str, ids: list[str]) -> dict:
+        return self._req("POST", "/v1/snapshots:check", json=body(SnapshotRequest, job=job, number=1, ids=ids))
+
+    def snapshot_lock(self, job: str, ids: list[str], locked: bool) -> dict:
+        return self._req("POST", f"/v1/snapshots/{job}:lockNetwork",
+                         json=body(SnapshotWorkersRequest, ids=ids, locked=locked))
+
+    def snapshot_take(self, job: str, number: int, ids: list[str], buddy_url: str | None, timeout: float) -> dict:
+        return self._req("POST", "/v1/snapshots", json=body(SnapshotRequest, job=job, number=number, ids=ids,
+                                                            buddy_url=buddy_url), timeout=timeout)
+
+    def snapshots(self, job: str | None = None, timeout: float | None = None) -> list[dict]:
+        return self._req("GET", "/v1/snapshots", params={"job": job} if job else None, timeout=timeout)
+
+    def snapshot_drop(self, job: str, keep: int | None = None, timeout: float | None = None) -> dict:
+        return self._req("DELETE", f"/v1/snapshots/{job}", params={"keep": keep} if keep is not None else None,
+                         timeout=timeout)
+
+    def keep_replica(self, image_id: str, job: str, number: int, worker_id: str) -> dict:
+        return self._req("POST", f"/v1/images/{image_id}:keepReplica",
+                         json=body(KeepReplicaRequest, job=job, number=number, worker_id=worker_id))
+
+    def snapshot_restore(self, job: str, number: int, ids: list[str], timeout: float) -> dict:
+        return self._req("POST", f"/v1/snapshots/{job}/{number}:restore", json=body(WorkersRequest, ids=ids),
+                         timeout=timeout)
+
+    def send_replicas(self, job: str, number: int, ids: list[str], dest_url: str, prefix: str,
+                      timeout: float) -> dict:
+        return self._req("POST", f"/v1/snapshots/{job}/{number}:sendReplicas",
+                         json=body(SendReplicasRequest, ids=ids, dest_url=dest_url, prefix=prefix), timeout=timeout)
+
+    def restore_sent(self, image_id: str, timeout: float) -> dict:
+        return self._req("POST", f"/v1/images/{image_id}:restorePaused", timeout=timeout)
+
+    def stop_workers(self, job: str, ids: list[str], timeout: float | None = None) -> dict:
+        return self._req("POST", f"/v1/jobs/{job}:stopWorkers", json=body(WorkersRequest, ids=ids), timeout=timeout)
+
+    def fence(self, job: str, epoch: int, reason: str = "", timeout: float | None = None) -> dict:
+        return self._req("POST", f"/v1/jobs/{job}:fence", json=body(FenceRequest, job=job, epoch=epoch, reason=reason),
+                         timeout=timeout)

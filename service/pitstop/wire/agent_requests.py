@@ -26,6 +26,40 @@ def body(model: type[BaseModel], **fields: Any) -> dict[str, Any]:
                              details={"problems": problems}) from None
 
 
+MIN_SNAPSHOT_EVERY_S = 5.0  # a snapshot pauses the whole job: more often than this is a stall, not a safeguard
+MAX_SNAPSHOT_EVERY_S = 7 * 86400.0
+
+
+class SnapshotRequest(BaseModel):
+    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    number: int = Field(ge=1, le=2**62)
+    ids: list[str] = Field(min_length=1, max_length=4096, description="the job's workers on this agent")
+    buddy_url: str | None = Field(None, description="the agent that keeps a replica of this host's parts")
+
+
+class SnapshotWorkersRequest(BaseModel):
+    ids: list[str] = Field(min_length=1, max_length=4096, description="the job's workers on this agent")
+    locked: bool = True
+
+
+class KeepReplicaRequest(BaseModel):
+    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    number: int = Field(ge=1, le=2**62)
+    worker_id: str = Field(min_length=1, max_length=256)
+
+
+class SendReplicasRequest(BaseModel):
+    ids: list[str] = Field(min_length=1, max_length=4096)
+    dest_url: str = Field(min_length=8, max_length=2048, description="the spare that restores them")
+    prefix: str = Field("rec-", pattern=r"^[A-Za-z0-9_-]{1,40}$", description="their image ids' prefix there")
+
+
+class FenceRequest(BaseModel):
+    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    epoch: int = Field(ge=1, le=2**62, description="the recovery that fenced this host's workers of the job")
+    reason: str = Field("", max_length=1000)
+
+
 class CaptureRequest(BaseModel):
     worker_id: str
     dest_url: str | None = Field(None, description="peer agent to stream the images to, while dumping")
@@ -65,6 +99,9 @@ class RegisterRequest(BaseModel):
     world: int | None = Field(None, ge=1, le=10_000_000, description="the job's number of ranks, where known")
     slurm_job: str | None = Field(None, max_length=64, pattern=r"^[0-9]+(_[0-9]+)?(\+[0-9]+)?$",
                                   description="the Slurm job whose task started it (SLURM_JOB_ID)")
+    snapshot_every_s: float | None = Field(None, ge=MIN_SNAPSHOT_EVERY_S, le=MAX_SNAPSHOT_EVERY_S,
+                                           description="`pitstop run --snapshot-every`: the job's snapshot interval, "
+                                                       "seconds (the smallest any rank gives wins)")
 
 
 class SignalRequest(BaseModel):

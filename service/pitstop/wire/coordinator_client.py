@@ -91,6 +91,18 @@ class CoordinatorClient:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return self._req("POST", f"/v1/nodes/{node}:evacuate", json=body, headers=headers)
 
+    def snapshots(self, job: str) -> dict:
+        return self._req("GET", f"/v1/jobs/{job}/snapshots")
+
+    def set_snapshots(self, job: str, every_s: float | None) -> dict:
+        return self._req("PUT", f"/v1/jobs/{job}/snapshots", json={"every_s": every_s})
+
+    def take_snapshot(self, job: str, timeout: float = 600.0) -> dict:
+        return self._req("POST", f"/v1/jobs/{job}/snapshots:take", timeout=timeout)
+
+    def recover(self, job: str, node: str | None = None) -> dict:
+        return self._req("POST", f"/v1/jobs/{job}:recover", params={"node": node} if node else None)
+
     def signal_job(self, job: str, sig: int) -> dict:
         """A signal for every rank of the job, delivered where each runs now."""
         return self._req("POST", f"/v1/jobs/{job}:signal", json={"signal": sig})

@@ -58,6 +58,14 @@ class WorkerReport(BaseModel):
     unmovable: str | None = Field(None, max_length=1000,
                                   description="why it cannot be moved, as its NCCL shim knows; None: movable")
     slurm_job: str | None = Field(None, max_length=64, description="the Slurm job whose task started it")
+    snapshot_every_s: float | None = Field(None, ge=0, le=7 * 86400.0,
+                                           description="the snapshot interval its launcher asked for (seconds)")
+
+
+class SnapshotPolicyRequest(BaseModel):
+    every_s: float | None = Field(..., ge=0, le=7 * 86400.0,
+                                  description="seconds between the job's snapshots; 0: none; null: as its ranks' "
+                                              "`pitstop run --snapshot-every` asked")
 
 
 class Heartbeat(BaseModel):

@@ -1,0 +1,357 @@
+"""In-memory snapshots of a job's workers on this host, their replicas for other hosts, and the
+restores a recovery asks for (docs/architecture.md, "Unplanned failures").
+
+Why it is apart from capturing.py: a snapshot never ends the worker.  CRIU dumps with
+`leave_running` (the tree stays as it was: stopped by the coordinator's pause), the images are
+kept, not streamed to a spare, and the only undo of a failed snapshot is deleting its images.
+
+Layout, under the agent's image directory (its huge-page tmpfs):
+  snapshots/<job>/<number>/own/<worker id>/       this host's workers, dumped here
+  snapshots/<job>/<number>/replica/<worker id>/   another host's workers, kept for it (its buddy)
+Every part holds CRIU's images and `manifest.json` (transfer/manifest.py: the worker's id, job,
+rank, pipes and address), so a part restores here (own) or anywhere it is sent (replica) through
+the same restore as a move.  A part is complete when its `manifest.json` exists: it is written
+last, after the dump (own) or after the copy was verified (replica), so a snapshot cut short by
+a crash of this agent is never taken for a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from pitstop import faults
+from pitstop.agent.state import Worker
+from pitstop.criu import criu_ops, runtime
+from pitstop.errors import CaptureFailed, Conflict, FailedPrecondition, NotFound, PitstopError, TransferFailed
+from pitstop.network import workerns
+from pitstop.proc import proctree
+from pitstop.transfer.manifest import MANIFEST, Manifest, StdioPipe, check_image_id
+from pitstop.transfer.stream import DirectoryTail
+from pitstop.wire.agent_client import AgentClient
+
+if TYPE_CHECKING:
+    from pitstop.agent.agent import Agent
+
+log = structlog.get_logger("pitstop.agent.snapshots")
+
+OWN, REPLICA = "own", "replica"
+RECOVER_PREFIX = "rec-"  # a replica on its way to a spare, as an image id there
+
+
+def image_id(job: str, number: int, wid: str, prefix: str = "snap-") -> str:
+    """A part as an image id on the wire: letters, digits, '-' and '_' only."""
+    out = f"{prefix}{job}-{number}-{wid}".replace(".", "_")
+    check_image_id(out)
+    return out
+
+
+@dataclass
+class Replication:
+    """This host's parts of one snapshot on their way to its buddy."""
+
+    buddy: str
+    done: threading.Event = field(default_factory=threading.Event)
+    parts: dict[str, str] = field(default_factory=dict)  # worker id -> sending, replicated, failed
+    error: str | None = None
+    seconds: float | None = None
+    bytes: int = 0
+
+
+class Snapshots:
+    def __init__(self, agent: "Agent") -> None:
+        self.a = agent
+        self.root = agent.s.images / "snapshots"
+        self.lock = threading.Lock()
+        self.replications: dict[tuple[str, int], Replication] = {}
+        self.fences_file = agent.s.state_dir / "fences.json"
+
+    # -- where parts live ----------------------------------------------------------------------
+    def _dir(self, job: str, number: int, side: str, wid: str | None = None) -> Path:
+        check_image_id(job.replace(".", "_"))
+        d = self.root / job / str(number) / side
+        return d / wid if wid else d
+
+    def _workers(self, job: str, ids: list[str]) -> list[Worker]:
+        ws = [self.a.state.worker(wid) for wid in dict.fromkeys(ids)]
+        bad = [f"{w.id} belongs to job {w.job}" for w in ws if w.job != job]
+        if bad:
+            raise Conflict("; ".join(bad), action="name only the job's own workers")
+        return ws
+
+    @staticmethod
+    def _own_net(w: Worker) -> workerns.WorkerNet:
+        net = workerns.from_dict(w.net)
+        if net is None:
+            raise FailedPrecondition(
+                f"worker {w.id} shares its host's network: its connections could not be restored on another "
+                "host, nor locked alone while every rank is dumped", code="snapshot_needs_address",
+                action="start the job's ranks with `pitstop run --address` to take snapshots of it")
+        return net
+
+    def check(self, job: str, ids: list[str]) -> None:
+        """What makes a snapshot of these workers impossible, said before the job pauses."""
+        for w in self._workers(job, ids):
+            if w.state not in ("running", "paused"):
+                raise Conflict(f"worker {w.id} is {w.state}", action="snapshots are taken of running workers")
+            self._own_net(w)
+
+    # -- taking one ----------------------------------------------------------------------------
+    def lock_net(self, job: str, ids: list[str], locked: bool) -> None:
+        """Nothing in or out of the workers' namespaces: locked on every host before the first dump
+        and lifted after the last, so that no byte is acknowledged by a rank already dumped and
+        missing from the sender's images (or the reverse)."""
+        nft = runtime.locate().nft
+        for w in self._workers(job, ids):
+            net = self._own_net(w)
+            if locked:
+                workerns.lock(net, nft)
+            else:
+                workerns.unlock(net, nft)
+
+    def take(self, job: str, number: int, ids: list[str], buddy_url: str | None) -> dict[str, Any]:
+        """Dump each worker, stopped by the coordinator's pause, leaving it as it was; then (after
+        this returns and the job resumes) send the parts to the buddy.  A failure deletes this
+        snapshot's parts here and raises: the job is resumed by the coordinator either way."""
+        ws = self._workers(job, ids)
+        for w in ws:
+            if w.state != "paused":
+                raise Conflict(f"worker {w.id} is {w.state}, not paused", action="the coordinator pauses the job first")
+            self._own_net(w)
+        base = self._dir(job, number, OWN)
+        if base.exists():
+            raise Conflict(f"snapshot {number} of job {job} already exists here", action="take the next number")
+        base.mkdir(parents=True, mode=0o700)
+        t0 = time.monotonic()
+        results: dict[str, Any] = {}
+        errors: list[BaseException] = []
+
+        def one(w: Worker) -> None:
+            try:
+                results[w.id] = self._dump(w, base / w.id)
+            except BaseException as e:  # noqa: BLE001 - reported with the others
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(w,), name=f"snap-{w.id}") for w in ws]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            shutil.rmtree(self.root / job / str(number), ignore_errors=True)
+            e = errors[0]
+            raise e if isinstance(e, PitstopError) else CaptureFailed(f"snapshot failed: {e!r}",
+                                                                      action="see the agent's log")
+        out = {"job": job, "number": number, "seconds": round(time.monotonic() - t0, 4), "parts": results}
+        if buddy_url:
+            rep = Replication(buddy=buddy_url, parts={w.id: "sending" for w in ws})
+            with self.lock:
+                self.replications[(job, number)] = rep
+            threading.Thread(target=self._replicate, args=(job, number, ws, rep), daemon=True,
+                             name=f"replicate-{job}-{number}").start()
+        log.info("snapshot taken", job=job, number=number, workers=len(ws), seconds=out["seconds"])
+        return out
+
+    def _dump(self, w: Worker, d: Path) -> dict[str, Any]:
+        pids = proctree.tree(w.root_pid)
+        stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
+        gpu = self.a.source.gpu.suspend(pids, rescan=lambda: proctree.tree(w.root_pid))
+        try:
+            faults.hit("snapshot:before_dump")
+            res = criu_ops.dump(w.root_pid, d, timeout_s=self.a.s.dump_timeout_s, leave_running=True,
+                                own_netns=workerns.netns_inode(w.root_pid))
+        finally:
+            if gpu:
+                self.a.source.gpu.resume_in_place(gpu.record())
+        size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+        m = Manifest(capture_id=d.name, stdio=[StdioPipe(**s) for s in stdio], criu_version=runtime.locate().version_str,
+                     output_base=self.a.source._output_end(w), gpu=gpu.record() if gpu else {}, net=w.net,
+                     worker={"id": w.id, "job": w.job, "rank": w.rank, **({"init_dir": w.init_dir} if w.init_dir else {}),
+                             **({"slurm_job": w.slurm_job} if w.slurm_job else {}),
+                             **({"snapshot_every_s": w.snapshot_every_s} if w.snapshot_every_s else {})})
+        m.write(d)  # last: the part is complete
+        return {"bytes": size, "dump_s": round(res.seconds, 4), "frozen_s": round(res.frozen_s, 4)}
+
+    def _replicate(self, job: str, number: int, ws: list[Worker], rep: Replication) -> None:
+        t0 = time.monotonic()
+        for w in ws:
+            try:
+                faults.hit("snapshot:before_replicate")
+                rep.bytes += self._send(self._dir(job, number, OWN, w.id), rep.buddy,
+                                        image_id(job, number, w.id), keep=(job, number, w.id))
+                rep.parts[w.id] = "replicated"
+            except PitstopError as e:
+                rep.parts[w.id] = "failed"
+                rep.error = f"{w.id}: {e.message}"
+                log.warning("a snapshot part was not replicated", job=job, number=number, worker=w.id,
+                            buddy=rep.buddy, error=e.message)
+                break
+        rep.seconds = round(time.monotonic() - t0, 4)
+        rep.done.set()
+
+    def _send(self, d: Path, dest_url: str, iid: str, keep: tuple[str, int, str] | None = None) -> int:
+        """Stream a complete part to another agent as image `iid`; with `keep`, that agent keeps it
+        as a replica, else it stays there as an image to restore."""
+        m = Manifest.read(d)
+        tail = DirectoryTail(d)
+        tail.manifest_base = m.model_copy(update={"files": []})
+        tail.finished.set()
+        errors: list[BaseException] = []
+        done = [0.0]
+        self.a.source._send_to(dest_url, iid, tail, errors, done)
+        if errors:
+            e = errors[0]
+            raise e if isinstance(e, PitstopError) else TransferFailed(repr(e), action="check the peer agent")
+        with AgentClient(dest_url, self.a.s.cluster_token, timeout=self.a.s.transfer_timeout_s) as peer:
+            peer.verify(iid)
+            if keep:
+                peer.keep_replica(iid, *keep)
+        return tail.manifest.total_bytes if tail.manifest else 0
+
+    def keep_replica(self, iid: str, job: str, number: int, wid: str) -> dict[str, Any]:
+        """A verified image from a peer becomes that peer's replica here."""
+        if iid != image_id(job, number, wid):
+            raise Conflict(f"image {iid} is not part {wid} of snapshot {number} of job {job}",
+                           action="name the image the part was sent as")
+        src = self.a.dest.take_verified(iid)
+        dst = self._dir(job, number, REPLICA, wid)
+        shutil.rmtree(dst, ignore_errors=True)
+        dst.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+        os.rename(src, dst)
+        return {"job": job, "number": number, "worker": wid, "kept": True}
+
+    # -- what is here --------------------------------------------------------------------------
+    def listing(self, job: str | None = None) -> list[dict[str, Any]]:
+        """Every snapshot this host holds a part of, complete parts only, and its replications."""
+        out = []
+        for jd in sorted(self.root.glob("*")) if self.root.exists() else []:
+            if job and jd.name != job:
+                continue
+            for nd in sorted(jd.glob("*"), key=lambda p: int(p.name) if p.name.isdigit() else -1):
+                if not nd.name.isdigit():
+                    continue
+                number = int(nd.name)
+                sides = {side: sorted(p.name for p in (nd / side).glob("*") if (p / MANIFEST).exists())
+                         for side in (OWN, REPLICA)}
+                rep = self.replications.get((jd.name, number))
+                out.append({"job": jd.name, "number": number, **sides,
+                            "replication": None if rep is None else {
+                                "buddy": rep.buddy, "parts": dict(rep.parts), "done": rep.done.is_set(),
+                                "error": rep.error, "seconds": rep.seconds, "bytes": rep.bytes}})
+        return out
+
+    def drop(self, job: str, keep: int | None = None) -> list[int]:
+        """Delete the job's snapshots here (own and replicas), all but `keep` if given."""
+        jd = self.root / job
+        dropped = []
+        for nd in list(jd.glob("*")) if jd.exists() else []:
+            if nd.name.isdigit() and int(nd.name) != keep:
+                shutil.rmtree(nd, ignore_errors=True)
+                dropped.append(int(nd.name))
+                with self.lock:
+                    self.replications.pop((job, int(nd.name)), None)
+        if keep is None:
+            shutil.rmtree(jd, ignore_errors=True)
+        return sorted(dropped)
+
+    # -- recovery ------------------------------------------------------------------------------
+    def _part(self, job: str, number: int, side: str, wid: str) -> Path:
+        d = self._dir(job, number, side, wid)
+        if not (d / MANIFEST).exists():
+            raise NotFound(f"no complete {side} part of worker {wid} in snapshot {number} of job {job} here",
+                           code="snapshot_part_missing",
+                           action="the job cannot be rolled back to this snapshot; restart it from its own checkpoint")
+        return d
+
+    def stop(self, job: str, ids: list[str], why: str) -> list[str]:
+        """End the job's workers here for a rollback (or a fence): each tree is killed and its
+        namespace dropped, recorded first as `stopped`, so that its launcher follows the copy
+        restored next instead of reporting the rank's end."""
+        stopped = []
+        for wid in dict.fromkeys(ids):
+            w = self.a.state.workers.get(wid)
+            if w is None or w.job != job:
+                continue
+            if w.state in ("running", "paused", "capturing", "stopped"):
+                self.a.state.update_worker(w, state="stopped", reason=why)
+                proctree.kill_and_wait(w.root_pid)
+                stopped.append(wid)
+            net = workerns.from_dict(w.net)
+            if net:
+                workerns.destroy(net)
+        return stopped
+
+    def fences(self) -> dict[str, int]:
+        try:
+            return {str(k): int(v) for k, v in json.loads(self.fences_file.read_text()).items()}
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def fence(self, job: str, epoch: int, reason: str) -> dict[str, Any]:
+        """The job was recovered on other hosts while this one was away (epoch: that recovery).
+        Its workers here are killed, first thing, and recorded lost with why; the epoch stays in
+        this agent's state, so a worker of the job registered here under an older epoch is never
+        taken for a live rank again."""
+        why = f"fenced: job {job} was recovered elsewhere (recovery {epoch}) while this host was away" + (
+            f"; {reason}" if reason else "")
+        killed = []
+        for w in [w for w in self.a.state.workers.values() if w.job == job]:
+            if w.state in ("running", "paused", "capturing", "stopped"):
+                proctree.kill_and_wait(w.root_pid)
+                killed.append(w.id)
+            if w.state not in ("exited", "moved"):
+                self.a.state.update_worker(w, state="lost", reason=why)
+            net = workerns.from_dict(w.net)
+            if net:
+                workerns.destroy(net)
+        fences = self.fences()
+        fences[job] = max(epoch, fences.get(job, 0))
+        tmp = self.fences_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(fences))
+        os.replace(tmp, self.fences_file)
+        log.warning("job fenced on this host", job=job, epoch=epoch, killed=killed)
+        return {"job": job, "epoch": fences[job], "killed": killed}
+
+    def restore_own(self, job: str, number: int, ids: list[str]) -> dict[str, Any]:
+        """Roll the job's workers here back to snapshot `number`: every part checked first, then
+        each running copy ended and its part restored, stopped as it was dumped (the coordinator
+        resumes every rank of the job at once)."""
+        parts = {wid: self._part(job, number, OWN, wid) for wid in dict.fromkeys(ids)}
+        self.stop(job, list(parts), f"rolled back to snapshot {number}")
+        out = {}
+        for wid, d in parts.items():
+            out[wid] = self._restore_dir(d)
+        return {"workers": out}
+
+    def _restore_dir(self, d: Path) -> dict[str, Any]:
+        m = Manifest.read(d)
+        wk = m.worker
+        t0 = time.monotonic()
+        w = self.a.dest.restore_dir(d, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
+                                    stdio=[p.model_dump() for p in m.stdio], replace=True, output_base=m.output_base,
+                                    gpu=m.gpu or None, net=m.net, init_dir=wk.get("init_dir"))
+        self.paused(w)
+        return {"pid": w.root_pid, "seconds": round(time.monotonic() - t0, 4)}
+
+    def paused(self, w: Worker) -> None:
+        """A restored part runs nothing until the coordinator resumes the whole job: it was dumped
+        stopped and CRIU restores it so; its record says paused so that the job's resume reaches it."""
+        self.a.state.update_worker(w, state="paused", paused_at=time.time())
+
+    def send_replicas(self, job: str, number: int, ids: list[str], dest_url: str, prefix: str) -> dict[str, Any]:
+        """Send the replicas of these workers to a spare, as images it then restores."""
+        parts = {wid: self._part(job, number, REPLICA, wid) for wid in dict.fromkeys(ids)}
+        out = {}
+        for wid, d in parts.items():
+            t0 = time.monotonic()
+            n = self._send(d, dest_url, image_id(job, number, wid, prefix=prefix))
+            out[wid] = {"bytes": n, "seconds": round(time.monotonic() - t0, 4)}
+        return {"workers": out}

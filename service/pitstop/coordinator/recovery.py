@@ -1,0 +1,331 @@
+"""Recovery of a job whose host died, from its last committed snapshot (an AIP-151 operation,
+`POST /v1/jobs/{job}:recover`, started by the coordinator itself when a host of a job with
+snapshots goes silent).
+
+Phases, each written to the operation before it starts:
+  plan     the committed snapshot, the lost host, a spare; every part it needs must exist: the
+           survivors' own copies and the lost host's replicas on live buddies.  If not, the
+           operation fails saying so (the job must restart from its own checkpoint): a job is
+           never resumed from a mix of snapshots.
+  fence    the lost host is fenced for the job: its reports of the job's workers are ignored, and
+           if its agent comes back it is told to kill them before anything else (epoch: this
+           operation)
+  stop     every surviving rank is ended (its launcher follows the copy restored next)
+  restore  the lost host's ranks are sent from their replicas to the spare and restored there;
+           every survivor is restored from its own host's copy; all of them stopped
+  resume   every rank of the job continues, from the snapshot's step
+Recovery is idempotent: every phase can run again from the start (a failed spare is replaced by
+another one, a restarted coordinator runs the operation again).  When no spare can take the
+ranks, every restored copy is ended and the operation fails saying so: nothing runs half.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import defaultdict
+from typing import Any
+
+import structlog
+
+from pitstop.coordinator.fanout import in_parallel
+from pitstop.coordinator.planner import healthy
+from pitstop.coordinator.settings import CoordinatorSettings
+from pitstop.coordinator.snapshots import Snapshots
+from pitstop.coordinator.store import Store
+from pitstop.errors import Conflict, FailedPrecondition, NotFound, PitstopError
+from pitstop.wire.agent_client import AgentClient
+
+log = structlog.get_logger("pitstop.coordinator.recovery")
+
+TYPE_URL = "type.pitstop.dev/RecoverMetadata"
+FENCE_TIMEOUT_S = 10.0
+SPARE_TRIES = 2
+
+
+def is_recovery(op: dict[str, Any]) -> bool:
+    return op["metadata"].get("@type") == TYPE_URL
+
+
+class Unrecoverable(FailedPrecondition):
+    code = "unrecoverable"
+
+
+class Recoveries:
+    def __init__(self, store: Store, settings: CoordinatorSettings, snapshots: Snapshots,
+                 busy: Any) -> None:
+        self.store, self.s, self.snaps, self.busy = store, settings, snapshots, busy
+        self.threads: dict[str, threading.Thread] = {}
+        self.lock = threading.Lock()
+
+    # -- detection ----------------------------------------------------------------------------
+    def failed_hosts(self, job: str) -> list[str]:
+        """Hosts of the job's live ranks that stopped reporting past the failure deadline."""
+        hosts = {h["name"]: h for h in self.store.hosts()}
+        out = set()
+        for w in self.store.workers(job=job):
+            h = hosts.get(w["host"])
+            if w["state"] in ("running", "paused", "capturing", "stopped") and h is not None and \
+                    not healthy(h, self.s.failure_deadline_s):
+                out.add(w["host"])
+        return sorted(out)
+
+    def tick(self) -> None:
+        """Start a recovery for every job with a committed snapshot that lost a host; tell a
+        fenced host that came back to end its old workers."""
+        for job in self.store.snapshot_jobs():
+            if self.running(job) or self.snaps.committed(job) is None:
+                continue
+            lost = self.failed_hosts(job)
+            if lost:
+                try:
+                    self.start(job, lost[0], requested_by="the coordinator (host silent past "
+                                                          f"{self.s.failure_deadline_s:g} s)")
+                except PitstopError as e:
+                    log.error("could not start a recovery", job=job, host=lost[0], error=e.message)
+        self.enforce_fences()
+
+    def enforce_fences(self) -> None:
+        """A fenced host that reports again ends the job's old workers before anything else."""
+        hosts = {h["name"]: h for h in self.store.hosts()}
+        for f in self.store.fences(unacked=True):
+            h = hosts.get(f["host"])
+            if h is None or not healthy(h, self.s.heartbeat_timeout_s):
+                continue
+            try:
+                with AgentClient(h["url"], self.s.cluster_token, timeout=FENCE_TIMEOUT_S) as c:
+                    got = c.fence(f["job"], f["epoch"], "the coordinator fenced this host")
+                self.store.ack_fence(f["job"], f["host"])
+                log.warning("a fenced host came back; its old workers were ended", job=f["job"], host=f["host"],
+                            killed=got.get("killed"))
+            except PitstopError as e:
+                log.warning("a fenced host came back but could not be told yet", host=f["host"], error=e.message)
+
+    def running(self, job: str) -> str | None:
+        for op in self.store.ops(running_only=True):
+            if is_recovery(op) and op["metadata"].get("job") == job:
+                return op["id"]
+        return None
+
+    # -- the operation ------------------------------------------------------------------------
+    def start(self, job: str, lost: str | None = None, requested_by: str = "an operator") -> str:
+        """Begin recovering `job` (lost: its failed host; default: the one found silent)."""
+        if self.running(job):
+            raise Conflict(f"job {job} is already being recovered ({self.running(job)})", code="recovery_running",
+                           action=f"follow it: pitstop ops {self.running(job)}")
+        snap = self.snaps.committed(job)
+        if snap is None:
+            raise Unrecoverable(f"job {job} has no complete snapshot", action="restart the job from its own checkpoint; "
+                                "start it with `pitstop run --snapshot-every SECONDS` to recover it next time")
+        if lost is None:
+            found = self.failed_hosts(job)
+            if not found:
+                raise FailedPrecondition(f"no host of job {job} is silent past {self.s.failure_deadline_s:g} s",
+                                         code="nothing_lost", action="name the failed host if you know better")
+            lost = found[0]
+        op_id = f"recover-{uuid.uuid4().hex[:12]}"
+        md = {"@type": TYPE_URL, "job": job, "node": lost, "snapshot": snap["number"],
+              "snapshot_age_s": round(time.time() - snap["created"], 3), "requested_by": requested_by,
+              "phases": {}, "conditions": []}
+        self.store.create_op(op_id, lost, None, md, None)
+        self.start_thread(op_id)
+        return op_id
+
+    def start_thread(self, op_id: str) -> None:
+        t = threading.Thread(target=self._run, args=(op_id,), daemon=True, name=f"op-{op_id}")
+        with self.lock:
+            self.threads[op_id] = t
+        t.start()
+
+    def reconcile(self) -> list[str]:
+        """After a coordinator restart: a recovery that was running runs again from the start."""
+        out = []
+        for op in self.store.ops(running_only=True):
+            if is_recovery(op):
+                self.start_thread(op["id"])
+                out.append(op["id"])
+        return out
+
+    def _run(self, op_id: str) -> None:
+        op = self.store.op(op_id)
+        assert op is not None
+        md = op["metadata"]
+        job = md["job"]
+        with self.snaps.lock:
+            self.snaps.held.add(job)
+        while job in self.snaps.pausing:  # a snapshot's pause ends first (its resume must not reach restored ranks)
+            time.sleep(0.05)
+        try:
+            self._recover(op_id, md)
+        except PitstopError as e:
+            log.error("recovery failed", op=op_id, job=job, error=e.message)
+            md["result"] = "failed"
+            self.store.update_op(op_id, metadata=md, done=True, result="failed", error=e.to_dict())
+            if isinstance(e, Unrecoverable):  # not tried again by itself: the job restarts from its checkpoint
+                self.store.forget_snapshots(job, keep=None)
+        except Exception as e:  # noqa: BLE001 - recorded, never left running
+            log.exception("recovery crashed", op=op_id)
+            self.store.update_op(op_id, metadata=md, done=True, result="failed",
+                                 error={"code": "internal", "message": repr(e), "action": "see the coordinator's log"})
+        finally:
+            with self.snaps.lock:
+                self.snaps.held.discard(job)
+            self.snaps.restart_clock(job, at=-1e18)  # the next snapshot at once: only then is the job covered again
+
+    def _phase(self, op_id: str, md: dict[str, Any], name: str, t0: float | None = None) -> float:
+        now = time.monotonic()
+        if t0 is not None and md.get("phase"):
+            md["phases"][md["phase"]] = round(now - t0, 4)
+        md["phase"] = name
+        self.store.update_op(op_id, phase=name, metadata=md)
+        log.info("recovery phase", op=op_id, phase=name)
+        return now
+
+    def _client(self, host: str, timeout: float | None = None) -> AgentClient:
+        h = self.store.host(host)
+        if h is None:
+            raise NotFound(f"host {host} is unknown", action="it must heartbeat to the coordinator")
+        return AgentClient(h["url"], self.s.cluster_token, timeout=timeout or self.s.step_timeout_s)
+
+    def _recover(self, op_id: str, md: dict[str, Any]) -> None:
+        job, lost, number = md["job"], md["node"], md["snapshot"]
+        t = self._phase(op_id, md, "plan")
+        started = time.time()
+        snap = next((s for s in self.store.snapshots(job) if s["number"] == number), None)
+        if snap is None or snap["state"] != "committed":
+            raise Unrecoverable(f"snapshot {number} of job {job} is no longer complete",
+                                action="restart the job from its own checkpoint")
+        hosts = {h["name"]: h for h in self.store.hosts()}
+        alive = {n for n, h in hosts.items() if healthy(h, self.s.heartbeat_timeout_s) and n != lost}
+        parts = snap["parts"]  # worker -> {host, rank, buddy}
+        lost_parts = {w: p for w, p in parts.items() if p["host"] == lost}
+        kept = {w: p for w, p in parts.items() if p["host"] != lost}
+        gone = sorted({p["host"] for p in kept.values() if p["host"] not in alive})
+        if gone:
+            raise Unrecoverable(f"hosts {', '.join(gone)} of job {job} are silent too: their own copies of snapshot "
+                                f"{number} cannot be reached", action="restart the job from its own checkpoint")
+        no_replica = sorted({p["buddy"] for p in lost_parts.values() if p["buddy"] not in alive})
+        if no_replica:
+            raise Unrecoverable(f"the replicas of {lost}'s ranks were on {', '.join(no_replica)}, which is silent "
+                                "too: they were lost with it", action="restart the job from its own checkpoint")
+        self._check_parts(job, number, kept, lost_parts)
+        md["lost_ranks"] = sorted(p["rank"] for p in lost_parts.values())
+        md["lost_s"] = round(started - snap["created"], 3)  # work the job redoes: since the snapshot
+        t = self._phase(op_id, md, "fence", t)
+        self.store.fence(job, lost, epoch=int(time.time() * 1000))
+        md["fence_epoch"] = self.store.fences(host=lost)[0]["epoch"] if self.store.fences(host=lost) else None
+        t = self._phase(op_id, md, "stop", t)
+        t_pause = time.time()
+        by_host: dict[str, list[str]] = defaultdict(list)
+        for w, p in kept.items():
+            by_host[p["host"]].append(w)
+        in_parallel(lambda h: self._client(h).stop_workers(job, by_host[h]), sorted(by_host))
+        t = self._phase(op_id, md, "restore", t)
+        spare = self._restore_lost(op_id, md, job, number, lost_parts, alive, by_host)
+        got = in_parallel(lambda h: self._client(h).snapshot_restore(job, number, by_host[h],
+                                                                     timeout=self.s.step_timeout_s), sorted(by_host))
+        md["restored"] = {**md.get("restored", {}), **{w: r for g in got for w, r in g["workers"].items()}}
+        t = self._phase(op_id, md, "resume", t)
+        all_hosts = dict(by_host)
+        all_hosts.setdefault(spare, []).extend(lost_parts)
+        problems = []
+        for h, ids in sorted(all_hosts.items()):
+            try:
+                self._client(h).resume_many(ids)
+            except PitstopError as e:
+                problems.append(f"{h}: {e.message}")
+        for w in lost_parts:
+            self.store.set_worker_host(w, spare, state="running")
+        md["phases"]["resume"] = round(time.monotonic() - t, 4)
+        md["pause_s"] = round(time.time() - t_pause, 3)
+        md["destination"] = spare
+        md["phase"] = "done"
+        if problems:
+            raise PitstopError(f"the job was restored but some ranks could not be resumed: {'; '.join(problems)}",
+                               code="resume_incomplete", action="send those ranks SIGCONT, or stop the job")
+        md["result"] = "succeeded"
+        self.store.set_role(spare, "active")
+        self.store.update_op(op_id, phase="done", metadata=md, done=True, result="succeeded",
+                             response={"job": job, "destination": spare, "snapshot": number})
+        log.info("job recovered", op=op_id, job=job, lost=lost, spare=spare, snapshot=number, pause_s=md["pause_s"],
+                 lost_s=md["lost_s"])
+
+    def _check_parts(self, job: str, number: int, kept: dict[str, Any], lost_parts: dict[str, Any]) -> None:
+        """Every part the recovery needs is complete where the record says, asked before anything
+        is stopped: the job runs on (or stays down) as it is when one is missing."""
+        need: dict[str, tuple[set[str], set[str]]] = defaultdict(lambda: (set(), set()))
+        for w, p in kept.items():
+            need[p["host"]][0].add(w)
+        for w, p in lost_parts.items():
+            need[p["buddy"]][1].add(w)
+
+        def ask(h: str) -> str | None:
+            own, replica = need[h]
+            try:
+                with self._client(h, timeout=FENCE_TIMEOUT_S) as c:
+                    have = [s for s in c.snapshots(job) if s["number"] == number]
+            except PitstopError as e:
+                return f"{h}: {e.message}"
+            if not have:
+                return f"{h} holds no part of snapshot {number}"
+            missing = sorted(own - set(have[0]["own"])) + sorted(replica - set(have[0]["replica"]))
+            return f"{h} lacks {', '.join(missing)}" if missing else None
+
+        problems = [p for p in in_parallel(ask, sorted(need)) if p]
+        if problems:
+            raise Unrecoverable(f"snapshot {number} of job {job} is not whole: {'; '.join(problems)}",
+                                action="restart the job from its own checkpoint")
+
+    def _restore_lost(self, op_id: str, md: dict[str, Any], job: str, number: int, lost_parts: dict[str, Any],
+                      alive: set[str], survivors: dict[str, list[str]]) -> str:
+        """The lost host's ranks on a spare; another spare if one fails.  Where none can take
+        them, everything restored so far is ended and the recovery fails (nothing runs half)."""
+        tried: list[str] = []
+        last: PitstopError | None = None
+        for _ in range(SPARE_TRIES):
+            spare = self._spare(alive - set(tried), set(survivors))
+            if spare is None:
+                break
+            tried.append(spare)
+            md["destination"] = spare
+            self.store.update_op(op_id, dest=spare, metadata=md)
+            try:
+                self._to_spare(job, number, lost_parts, spare, op_id)
+                return spare
+            except PitstopError as e:
+                last = e
+                log.warning("a spare could not take the lost ranks; trying another", op=op_id, spare=spare,
+                            error=e.message)
+                self._discard(spare, job, list(lost_parts))
+        for h, ids in survivors.items():  # stopped above: they must not stay half-restored either
+            self._discard(h, job, ids)
+        raise Unrecoverable(f"no spare could take the lost ranks of job {job} (tried: {', '.join(tried) or 'none'})"
+                            + (f": {last.message}" if last else ""),
+                            action="the job's ranks were ended; restart it from its own checkpoint")
+
+    def _spare(self, candidates: set[str], survivors: set[str]) -> str | None:
+        busy = self.busy()
+        hosts = [h for h in self.store.hosts() if h["name"] in candidates and h["name"] not in busy]
+        spares = sorted(h["name"] for h in hosts if h["role"] == "spare")
+        return spares[0] if spares else None
+
+    def _to_spare(self, job: str, number: int, lost_parts: dict[str, Any], spare: str, op_id: str) -> None:
+        spare_url = self.store.host(spare)["url"]  # type: ignore[index]
+        by_buddy: dict[str, list[str]] = defaultdict(list)
+        for w, p in lost_parts.items():
+            by_buddy[p["buddy"]].append(w)
+        prefix = f"rec{op_id[-8:]}-"
+        in_parallel(lambda b: self._client(b).send_replicas(job, number, by_buddy[b], spare_url, prefix,
+                                                            timeout=self.s.capture_deadline_s), sorted(by_buddy))
+        with self._client(spare) as c:
+            for w in lost_parts:
+                iid = f"{prefix}{job}-{number}-{w}".replace(".", "_")
+                c.restore_sent(iid, timeout=self.s.step_timeout_s)
+
+    def _discard(self, host: str, job: str, ids: list[str]) -> None:
+        try:
+            with self._client(host, timeout=FENCE_TIMEOUT_S) as c:
+                c.stop_workers(job, ids)
+        except PitstopError as e:
+            log.warning("could not end a half-restored rank", host=host, job=job, error=e.message)

@@ -1,0 +1,291 @@
+"""A job's in-memory snapshots, taken by the coordinator on the job's schedule.
+
+One snapshot, start to end:
+  check    every host of the job is asked whether it can (before anything pauses)
+  pause    every rank stopped (SIGSTOP), all hosts at once
+  lock     every rank's own network namespace drops all traffic, on every host, before the
+           first dump: a byte a still-running kernel acknowledged after its sender was dumped
+           would be in neither image
+  dump     every host dumps its ranks leaving them as they were (CRIU leave-running)
+  unlock, resume   always, whatever happened above: the job's pause ends here
+  replicate        after the resume, each host sends its parts to its buddy
+  commit   the snapshot counts only once every part and its replica are complete; the older
+           ones are then dropped everywhere
+A snapshot that fails anywhere is dropped on every host and recorded failed with why; the
+previous committed one still counts.  The job is never left paused: the resume is in a
+`finally`, and each step has a deadline.
+
+The buddy of a host is chosen here and written in the snapshot's record: a healthy host other
+than itself, a spare first (it is where a recovery would restore, so the replica is already
+there), else the next host of the cluster by name.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import structlog
+
+from pitstop.coordinator.fanout import in_parallel
+from pitstop.coordinator.planner import healthy
+from pitstop.coordinator.settings import CoordinatorSettings
+from pitstop.coordinator.store import Store
+from pitstop.errors import Conflict, FailedPrecondition, PitstopError
+from pitstop.wire.agent_client import AgentClient
+
+log = structlog.get_logger("pitstop.coordinator.snapshots")
+
+TICK_S = 1.0
+MIN_EVERY_S = 5.0  # as `pitstop run --snapshot-every` (wire/agent_requests.py)
+DROP_TIMEOUT_S = 10.0
+QUICK_TIMEOUT_S = 5.0  # pause, lock, unlock, resume, check: quick calls; no answer by then is a host in trouble
+
+
+def interval(store: Store, job: str, workers: list[dict[str, Any]]) -> float | None:
+    """The job's snapshot interval: the API's value where one was set (0: off), else the
+    smallest `pitstop run --snapshot-every` among its live ranks; None: no snapshots."""
+    set_ = store.snapshot_policy(job)
+    if set_ is not None:
+        return set_ or None
+    asked = [float(w["snapshot_every_s"]) for w in workers if w.get("snapshot_every_s")]
+    return min(asked) if asked else None
+
+
+def buddies(hosts: list[str], all_hosts: list[dict[str, Any]], timeout_s: float) -> dict[str, str]:
+    """Each host of the job -> the host that keeps its replica (written in the snapshot's record)."""
+    alive = [h for h in all_hosts if healthy(h, timeout_s) and h["role"] in ("active", "spare")]
+    spares = sorted(h["name"] for h in alive if h["role"] == "spare")
+    names = sorted(h["name"] for h in alive)
+    out = {}
+    for i, host in enumerate(sorted(hosts)):
+        pick = [s for s in spares if s != host]
+        if pick:
+            out[host] = pick[i % len(pick)]
+            continue
+        after = [n for n in names if n > host] + [n for n in names if n < host]
+        if not after:
+            raise FailedPrecondition(f"no other healthy host can keep a replica of {host}'s snapshot",
+                                     code="no_buddy", action="add a spare or another host to the cluster")
+        out[host] = after[0]
+    return out
+
+
+class Snapshots:
+    """The coordinator's snapshot schedule and the taking of each snapshot."""
+
+    def __init__(self, store: Store, settings: CoordinatorSettings, busy: Callable[[], dict[str, str]]) -> None:
+        self.store, self.s, self.busy = store, settings, busy
+        self.last: dict[str, float] = {}  # job -> when its last snapshot began (monotonic)
+        self.errors: dict[str, str] = {}  # job -> why its last snapshot failed
+        self.taking: set[str] = set()
+        self.pausing: set[str] = set()  # jobs between a snapshot's pause and its resume: a recovery waits for them
+        self.held: set[str] = set()  # jobs being recovered: no snapshot meanwhile
+        self.lock = threading.Lock()
+
+    def agent(self, host: str, timeout: float | None = None) -> AgentClient:
+        h = self.store.host(host)
+        if h is None:
+            raise PitstopError(f"host {host} is unknown", action="it must heartbeat to the coordinator")
+        return AgentClient(h["url"], self.s.cluster_token, timeout=timeout or self.s.step_timeout_s)
+
+    # -- the schedule --------------------------------------------------------------------------
+    def due(self) -> list[str]:
+        """Jobs whose snapshot is due now."""
+        jobs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for w in self.store.workers():
+            jobs[w["job"]].append(w)
+        out = []
+        now = time.monotonic()
+        for job, ws in jobs.items():
+            every = interval(self.store, job, ws)
+            if every is None or job in self.taking or job in self.held:
+                continue
+            if now - self.last.get(job, -1e18) >= every:
+                out.append(job)
+        return out
+
+    def tick(self) -> None:
+        for job in self.due():
+            try:
+                self.take(job)
+            except PitstopError as e:
+                log.warning("snapshot not taken", job=job, error=e.message)
+
+    def restart_clock(self, job: str, at: float | None = None) -> None:
+        self.last[job] = time.monotonic() if at is None else at
+
+    # -- one snapshot --------------------------------------------------------------------------
+    def take(self, job: str) -> dict[str, Any]:
+        """Take one snapshot of `job` now; its record (committed or failed, with why)."""
+        with self.lock:
+            if job in self.taking or job in self.held:
+                raise Conflict(f"job {job} is already being snapshotted or recovered", action="wait for it")
+            self.taking.add(job)
+        self.restart_clock(job)
+        try:
+            return self._take(job)
+        finally:
+            with self.lock:
+                self.taking.discard(job)
+
+    def _take(self, job: str) -> dict[str, Any]:
+        ws = [w for w in self.store.workers(job=job) if w["state"] in ("running", "paused", "capturing", "stopped")]
+        if not ws:
+            raise FailedPrecondition(f"job {job} has no live ranks", action="nothing to snapshot")
+        world = max((w["world"] or 0 for w in ws), default=0)
+        if world and sorted(w["rank"] for w in ws) != list(range(world)):
+            raise Conflict(f"job {job} runs {len(ws)} of its {world} ranks; a snapshot takes them all",
+                           code="job_incomplete", action="it is taken once every rank has registered")
+        busy = {w["host"]: self.busy()[w["host"]] for w in ws if w["host"] in self.busy()}
+        not_running = [f"{w['id']} is {w['state']}" for w in ws if w["state"] != "running"]
+        if busy or not_running:
+            raise Conflict(f"job {job} is being moved ({busy or '; '.join(not_running)}); its snapshot waits",
+                           action="it is taken at the next tick after the move")
+        by_host: dict[str, list[str]] = defaultdict(list)
+        for w in ws:
+            by_host[w["host"]].append(w["id"])
+        hosts = sorted(by_host)
+        known = {h["name"]: h for h in self.store.hosts()}
+        silent = [h for h in hosts if h not in known or not healthy(known[h], self.s.heartbeat_timeout_s)]
+        if silent:
+            raise Conflict(f"hosts {', '.join(silent)} of job {job} are silent; no snapshot is taken meanwhile",
+                           code="host_silent", action="the job is recovered from its last snapshot if they stay so")
+        done = [s["number"] for s in self.store.snapshots(job)]
+        number = max(done, default=0) + 1
+        buddy = buddies(hosts, self.store.hosts(), self.s.heartbeat_timeout_s)
+        record: dict[str, Any] = {"parts": {w["id"]: {"host": w["host"], "rank": w["rank"], "buddy": buddy[w["host"]]}
+                                            for w in ws}, "buddies": buddy, "phases": {}}
+        self.store.put_snapshot(job, number, "taking", record)
+        clients = {h: self.agent(h, timeout=QUICK_TIMEOUT_S) for h in set(hosts) | set(buddy.values())}
+        t0 = time.monotonic()
+        try:
+            in_parallel(lambda h: clients[h].snapshot_check(job, by_host[h]), hosts)
+            record["phases"]["check"] = round(time.monotonic() - t0, 4)
+            pause_s = self._paused_dump(job, number, by_host, buddy, clients, record)
+            record["pause_s"] = round(pause_s, 4)
+            self.store.put_snapshot(job, number, "replicating", record)
+            self._await_replicas(job, number, hosts, clients, record)
+        except PitstopError as e:
+            record["error"] = e.message
+            self.errors[job] = e.message
+            self.store.put_snapshot(job, number, "failed", record)
+            threading.Thread(target=self._drop, args=(job, dict(clients), self._committed(job)), daemon=True,
+                             name=f"drop-{job}-{number}").start()
+            clients = {}
+            log.warning("snapshot failed; the previous one still counts", job=job, number=number, error=e.message)
+            raise
+        finally:
+            for c in clients.values():
+                c.close()
+        record["seconds"] = round(time.monotonic() - t0, 4)
+        with self.lock:
+            if job in self.held:  # a recovery began from the previous one: that one must stay whole
+                record["error"] = "a recovery of the job began before this snapshot was complete"
+                self.store.put_snapshot(job, number, "failed", record)
+                raise Conflict(record["error"], action="the next snapshot follows the recovery")
+            self.store.put_snapshot(job, number, "committed", record)
+        self.errors.pop(job, None)
+        self.store.forget_snapshots(job, keep=number)
+        everyone = {h["name"]: h for h in self.store.hosts() if healthy(h, self.s.heartbeat_timeout_s)}
+        for h in everyone:
+            try:
+                with self.agent(h, timeout=DROP_TIMEOUT_S) as c:
+                    c.snapshot_drop(job, keep=number)
+            except PitstopError as e:
+                log.info("an older snapshot could not be dropped now", job=job, host=h, error=e.message)
+        log.info("snapshot committed", job=job, number=number, pause_s=record["pause_s"])
+        return {"job": job, "number": number, "state": "committed", **record}
+
+    def _paused_dump(self, job: str, number: int, by_host: dict[str, list[str]], buddy: dict[str, str],
+                     clients: dict[str, AgentClient], record: dict[str, Any]) -> float:
+        """Pause, lock, dump, unlock, resume; the pause the job saw.  The resume runs whatever
+        happened, and every host is unlocked and resumed even if one fails."""
+        hosts = sorted(by_host)
+        buddy_url = {h: self.store.host(buddy[h])["url"] for h in hosts}  # type: ignore[index]
+        paused: list[str] = []
+        locked: list[str] = []
+        t_pause = time.monotonic()
+        with self.lock:
+            if job in self.held:
+                raise Conflict(f"job {job} is being recovered", action="its next snapshot follows the recovery")
+            self.pausing.add(job)
+        try:
+            def pause(h: str) -> None:
+                clients[h].pause_many(by_host[h])
+                paused.append(h)
+            in_parallel(pause, hosts)
+            t = time.monotonic()
+            record["phases"]["pause"] = round(t - t_pause, 4)
+
+            def lock(h: str) -> None:
+                locked.append(h)
+                clients[h].snapshot_lock(job, by_host[h], True)
+            in_parallel(lock, hosts)
+            record["phases"]["lock"] = round(time.monotonic() - t, 4)
+            t = time.monotonic()
+            got = in_parallel(lambda h: clients[h].snapshot_take(job, number, by_host[h], buddy_url[h],
+                                                                 timeout=self.s.capture_deadline_s), hosts)
+            record["phases"]["dump"] = round(time.monotonic() - t, 4)
+            record["bytes"] = sum(p["bytes"] for g in got for p in g["parts"].values())
+        finally:
+            t = time.monotonic()
+            undo_errors = []
+            for h, fn in [(h, lambda h=h: clients[h].snapshot_lock(job, by_host[h], False)) for h in locked] + \
+                         [(h, lambda h=h: clients[h].resume_many(by_host[h])) for h in paused]:
+                try:
+                    fn()
+                except PitstopError as e:
+                    undo_errors.append(f"{h}: {e.message}")
+            record["phases"]["resume"] = round(time.monotonic() - t, 4)
+            with self.lock:
+                self.pausing.discard(job)
+            if undo_errors:
+                log.error("a host could not be unlocked or resumed after a snapshot", job=job, errors=undo_errors)
+        return time.monotonic() - t_pause
+
+    def _await_replicas(self, job: str, number: int, hosts: list[str], clients: dict[str, AgentClient],
+                        record: dict[str, Any]) -> None:
+        t0 = time.monotonic()
+        end = t0 + self.s.capture_deadline_s
+        waiting = set(hosts)
+        while waiting:
+            for h in sorted(waiting):
+                mine = [s for s in clients[h].snapshots(job) if s["number"] == number]
+                rep = mine[0]["replication"] if mine else None
+                if rep is None:
+                    raise FailedPrecondition(f"{h} no longer holds its part of snapshot {number}",
+                                             code="snapshot_part_missing", action="the next snapshot is taken as scheduled")
+                if rep["done"]:
+                    if rep["error"]:
+                        raise FailedPrecondition(f"{h} could not replicate its part to {rep['buddy']}: {rep['error']}",
+                                                 code="replica_failed", action="check the buddy host's agent; the "
+                                                 "next snapshot is taken as scheduled")
+                    waiting.discard(h)
+            if waiting and time.monotonic() > end:
+                raise FailedPrecondition(f"the replicas of {', '.join(sorted(waiting))} were not complete within "
+                                         f"{self.s.capture_deadline_s:g} s", code="replica_late",
+                                         action="check the links between the hosts and their buddies")
+            if waiting:
+                time.sleep(0.1)
+        record["phases"]["replicate"] = round(time.monotonic() - t0, 4)
+
+    def _committed(self, job: str) -> int | None:
+        c = [s["number"] for s in self.store.snapshots(job) if s["state"] == "committed"]
+        return max(c) if c else None
+
+    def committed(self, job: str) -> dict[str, Any] | None:
+        c = [s for s in self.store.snapshots(job) if s["state"] == "committed"]
+        return c[-1] if c else None
+
+    def _drop(self, job: str, clients: dict[str, AgentClient], keep: int | None) -> None:
+        """A failed snapshot's parts, dropped off the job's path (a dead host's call waits out its timeout)."""
+        for h, c in clients.items():
+            try:
+                c.snapshot_drop(job, keep=keep)
+            except PitstopError as e:
+                log.info("a failed snapshot's parts could not be dropped now", job=job, host=h, error=e.message)
+            finally:
+                c.close()

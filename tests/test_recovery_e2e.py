@@ -1,0 +1,99 @@
+"""Unplanned failures: a job with in-memory snapshots loses a host without warning (its agent and
+workers SIGKILLed, its link cut) and recovers by itself onto a spare, every rank rolled back to
+the same snapshot, with final parameters bitwise equal to an uninterrupted run.  All real:
+agents, coordinator, CRIU, torch gloo with workers' own addresses, namespaces, nftables."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from pitstop.wire.agent_client import AgentClient
+from pitstop.wire.coordinator_client import CoordinatorClient
+
+from .helpers import assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, until, wait_for_step
+from .test_coordinator_e2e import _wait_jobs
+from .test_worker_network_e2e import _cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+STEPS = 260
+
+
+def _committed(cc: CoordinatorClient, job: str, after: int = 0) -> dict:
+    def done():
+        snaps = [s for s in cc.snapshots(job)["snapshots"] if s["state"] == "committed" and s["number"] > after]
+        return snaps[-1] if snaps else None
+    return until(done, timeout=90, what=f"a committed snapshot of {job} after {after}")
+
+
+def _kill_host(cluster, name: str, ranks) -> list[str]:
+    """Host `name` dies outright: its agent, its workers and their launchers SIGKILLed, its link
+    cut, its workers' namespaces gone with it.  The worker ids it ran."""
+    a = cluster.agents[name]
+    with AgentClient(a.url, cluster.token) as c:
+        ws = [w for w in c.workers() if w["state"] in ("running", "paused")]
+    a.proc.kill()
+    a.proc.wait(10)
+    for w in ws:
+        subprocess.run(["pkill", "-KILL", "-s", str(os.getsid(w["root_pid"]))], capture_output=True)
+    for r in ranks:
+        if r.agent == name:
+            try:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    cluster.net.cut(name)
+    for w in ws:
+        if w.get("net"):
+            subprocess.run(["ip", "netns", "delete", w["net"]["netns"]], capture_output=True)
+    return [w["id"] for w in ws]
+
+
+def _hashes_written(out, world: int) -> bool:
+    return all((out / f"rank{r}.sha256").exists() for r in range(world))
+
+
+def test_gloo_job_recovers_by_itself_from_a_host_that_died(cluster, tmp_path):
+    cc = _cluster(cluster, spares=1)
+    out = tmp_path / "out"
+    addrs = {r: cluster.worker_address(r) for r in range(4)}
+    ranks = cluster.start_job("train", ddp_cmd(out, steps=STEPS), 4,
+                              {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}, addresses=addrs,
+                              run_args=["--snapshot-every", "5"])
+    _wait_jobs(cc, "train", 4)
+    wait_for_step(ranks[3].log, 10)
+    snap = _committed(cc, "train")
+    assert snap["buddies"] == {"host-a": "spare-1", "host-b": "spare-1"}, snap
+    assert snap["pause_s"] > 0 and snap["bytes"] > 0
+    snap = _committed(cc, "train", after=snap["number"])  # a second one, and the first dropped
+    assert [s["number"] for s in cc.snapshots("train")["snapshots"]] == [snap["number"]]
+    wait_for_step(ranks[0].log, 60)
+    print("DEBUG kill at", time.time())
+    lost = _kill_host(cluster, "host-b", ranks)
+    assert sorted(lost) == ["train.2", "train.3"]
+
+    op = until(lambda: next((o for o in cc.ops() if o["metadata"].get("job") == "train" and o["done"]), None),
+               timeout=120, what="the recovery operation to end")
+    m = op["metadata"]
+    print("DEBUG", time.time(), (cluster.root / "coordinator.log").read_text()[-5000:])
+    assert m["result"] == "succeeded", op
+    assert m["node"] == "host-b" and m["destination"] == "spare-1"
+    assert m["lost_ranks"] == [2, 3]
+    assert set(m["phases"]) >= {"plan", "fence", "stop", "restore", "resume"}
+    assert m["requested_by"].startswith("the coordinator")
+    hosts = {w["rank"]: w["host"] for w in _wait_jobs(cc, "train", 4)["workers"]}
+    assert hosts == {0: "host-a", 1: "host-a", 2: "spare-1", 3: "spare-1"}
+
+    let_finish(out)
+    for r in ranks[:2]:  # the survivors' launchers followed their rolled-back ranks
+        assert r.proc.wait(240) == 0, r.log.read_text(errors="replace")[-2000:]
+    until(lambda: _hashes_written(out, 4), timeout=240, what="every rank's final parameters")
+    assert_same_as_reference(out, reference_hashes(tmp_path, 4, steps=STEPS))
+    print(f"\nrecovery: pause {m['pause_s']:.2f} s, work redone {m['lost_s']:.1f} s, phases {m['phases']}; "
+          f"snapshot pause {snap['pause_s']:.2f} s for {snap['bytes'] / 2**20:.0f} MiB")
+    cluster.net.cut("host-b", up=True)
