@@ -97,3 +97,90 @@ def test_gloo_job_recovers_by_itself_from_a_host_that_died(cluster, tmp_path):
     print(f"\nrecovery: pause {m['pause_s']:.2f} s, work redone {m['lost_s']:.1f} s, phases {m['phases']}; "
           f"snapshot pause {snap['pause_s']:.2f} s for {snap['bytes'] / 2**20:.0f} MiB")
     cluster.net.cut("host-b", up=True)
+
+
+def _recovered(cc: CoordinatorClient, job: str, node: str, timeout: float = 120) -> dict:
+    op = until(lambda: next((o for o in cc.ops() if o["metadata"].get("job") == job and o["metadata"]["node"] == node
+                             and o["done"]), None), timeout=timeout, what=f"the recovery of {job} from {node}")
+    assert op["metadata"]["result"] == "succeeded", op
+    return op["metadata"]
+
+
+def _agent_workers(cluster, name: str) -> dict[str, dict]:
+    with AgentClient(cluster.agents[name].url, cluster.token) as c:
+        return {w["id"]: w for w in c.workers()}
+
+
+def test_a_partitioned_host_is_fenced_and_a_second_failure_recovers_too(cluster, tmp_path):
+    """Host b is cut off, not killed: its agent isolates its ranks (stopped, network locked) while the
+    job recovers on spare-1; when b comes back its ranks are ended (fenced), never rejoin.  Then
+    spare-1, which now runs ranks 2 and 3, dies outright: the job recovers again, onto spare-2."""
+    cc = _cluster(cluster, spares=2)
+    out = tmp_path / "out"
+    addrs = {r: cluster.worker_address(r) for r in range(4)}
+    ranks = cluster.start_job("train", ddp_cmd(out, steps=STEPS), 4,
+                              {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}, addresses=addrs,
+                              run_args=["--snapshot-every", "5"])
+    _wait_jobs(cc, "train", 4)
+    wait_for_step(ranks[3].log, 10)
+    _committed(cc, "train")
+    cluster.net.cut("host-b")  # a partition: b's agent and ranks run on, unreachable
+    m1 = _recovered(cc, "train", "host-b")
+    assert m1["destination"] == "spare-1" and m1["lost_ranks"] == [2, 3]
+
+    cluster.net.cut("host-b", up=True)
+
+    def fenced():
+        ws = _agent_workers(cluster, "host-b")
+        return all(ws[w]["state"] in ("lost", "exited") for w in ("train.2", "train.3")) and ws
+    ws = until(fenced, timeout=60, what="host-b's ranks ended once it is back")
+    assert "fenced" in ws["train.2"]["reason"], ws["train.2"]
+    assert until(lambda: all(f["acked"] for f in cc.snapshots("train")["fences"]), timeout=30,
+                 what="the fence acknowledged")
+    hosts = {w["rank"]: w["host"] for w in _wait_jobs(cc, "train", 4)["workers"]}
+    assert hosts == {0: "host-a", 1: "host-a", 2: "spare-1", 3: "spare-1"}, "a fenced host's reports are ignored"
+
+    snap = _committed(cc, "train", after=m1["snapshot"])  # taken after the recovery, over host-a and spare-1
+    assert set(snap["buddies"]) == {"host-a", "spare-1"} and snap["buddies"]["spare-1"] != "spare-1"
+    lost = _kill_host(cluster, "spare-1", ranks)
+    assert sorted(lost) == ["train.2", "train.3"]
+    m2 = _recovered(cc, "train", "spare-1")
+    assert m2["destination"] == "spare-2" and m2["snapshot"] >= snap["number"]
+
+    let_finish(out)
+    for r in ranks[:2]:
+        assert r.proc.wait(240) == 0, r.log.read_text(errors="replace")[-2000:]
+    until(lambda: _hashes_written(out, 4), timeout=240, what="every rank's final parameters")
+    assert_same_as_reference(out, reference_hashes(tmp_path, 4, steps=STEPS))
+    for r in ranks[2:]:  # their launchers on host-b followed them until they were fenced there
+        assert r.proc.wait(30) != 0
+    cluster.net.cut("spare-1", up=True)
+
+
+def test_replicas_lost_with_their_host_fail_the_recovery_and_change_nothing(cluster, tmp_path):
+    """Host b and the buddy that held its replicas die together: the recovery fails saying the job
+    must restart from its own checkpoint, before it stops anything, and is not tried again."""
+    cc = _cluster(cluster, spares=1)
+    out = tmp_path / "out"
+    addrs = {r: cluster.worker_address(r) for r in range(2)}
+    ranks = cluster.start_job("pair", ddp_cmd(out, steps=STEPS), 2, {0: "host-a", 1: "host-b"}, addresses=addrs,
+                              run_args=["--snapshot-every", "5"])
+    _wait_jobs(cc, "pair", 2)
+    snap = _committed(cc, "pair")
+    assert snap["buddies"]["host-b"] == "spare-1"
+    before = _agent_workers(cluster, "host-a")["pair.0"]
+    _kill_host(cluster, "host-b", ranks)
+    _kill_host(cluster, "spare-1", ranks)
+    op = until(lambda: next((o for o in cc.ops() if o["metadata"].get("job") == "pair" and o["done"]), None),
+               timeout=120, what="the recovery to end")
+    assert op["metadata"]["result"] == "failed"
+    assert op["error"]["code"] == "unrecoverable"
+    assert "lost with it" in op["error"]["message"] and "own checkpoint" in op["error"]["action"]
+    assert op["metadata"]["phase"] == "plan", "it failed before it stopped anything"
+    after = _agent_workers(cluster, "host-a")["pair.0"]
+    assert after["root_pid"] == before["root_pid"] and after["state"] == "running"
+    time.sleep(3)
+    assert len([o for o in cc.ops() if o["metadata"].get("job") == "pair"]) == 1, "not tried again by itself"
+    assert cc.snapshots("pair")["snapshots"] == []
+    cluster.net.cut("host-b", up=True)
+    cluster.net.cut("spare-1", up=True)

@@ -74,6 +74,7 @@ class Agent:
         self.dest.adopt()
         self.handles = Handles(settings, self.state)
         self.snapshots = Snapshots(self)
+        self.coordinator_seen = time.monotonic()  # the last answer of the coordinator (agent/heartbeat.py)
         self.handles.adopt()
         self.started = time.time()
         self.data_port: int | None = None  # set by the server once transfer/dataport.py listens

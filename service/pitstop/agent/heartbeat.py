@@ -175,6 +175,7 @@ async def heartbeat_loop(agent: Agent) -> None:
                     status = await udp.beat(body["name"], body["generation"], min(1.0, agent.s.heartbeat_s))
                     if status == ACK_OK:
                         misses, failing = 0, False
+                        agent.coordinator_seen = time.monotonic()
                         await asyncio.sleep(agent.s.heartbeat_s)
                         continue
                     if status == ACK_RESYNC:
@@ -193,8 +194,11 @@ async def heartbeat_loop(agent: Agent) -> None:
                     if path == FULL:  # not stored: say it all again (a lost beat needs nothing: 409 tells)
                         rep.failed()
                     raise httpx.HTTPStatusError(r.text[:200], request=r.request, response=r)
+                agent.coordinator_seen = time.monotonic()
                 if path == FULL:
                     udp = await _udp_for(udp, r, base, agent.s.cluster_token)
+                    if agent.snapshots.isolated:  # back in touch: fenced ranks end, the others run on
+                        await asyncio.to_thread(agent.snapshots.rejoin, _fences(r))
                 if udp_missed and udp is not None:  # HTTP got through where UDP did not: a firewall?
                     misses += 1
                     if misses >= UDP_MISSES_BEFORE_HTTP:
@@ -210,7 +214,17 @@ async def heartbeat_loop(agent: Agent) -> None:
                 if not failing:
                     log.warning("heartbeat failed; will keep trying", url=url, error=repr(e)[:200])
                 failing = True
+            if agent.s.self_fence_s and time.monotonic() - agent.coordinator_seen > agent.s.self_fence_s:
+                if await asyncio.to_thread(agent.snapshots.isolate, agent.s.self_fence_s):
+                    rep.failed()  # the next report is a full one: its answer says which jobs were fenced
             await asyncio.sleep(agent.s.heartbeat_s)
+
+
+def _fences(r: httpx.Response) -> dict[str, int]:
+    try:
+        return {str(f["job"]): int(f["epoch"]) for f in r.json().get("fences") or []}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 async def _udp_for(udp: UdpBeats | None, r: httpx.Response, base: str, token: str | None) -> UdpBeats | None:

@@ -194,7 +194,9 @@ class DestinationSide:
         s.receiver.close()
         return s.directory
 
-    def restore_image(self, image_id: str) -> tuple[Worker, dict[str, float]]:
+    def restore_image(self, image_id: str, netns: str | None = None) -> tuple[Worker, dict[str, float]]:
+        """netns: the name its own network namespace takes here, where not the one it had (a
+        recovered rank whose old host, cut off but alive, shares this machine's names: tests)."""
         s = self.slot(image_id)
         t0 = time.monotonic()
         m, _ = self.verify_image(image_id)  # cheap unless a file changed since it arrived
@@ -212,7 +214,8 @@ class DestinationSide:
         try:
             w, fill = self._restore(directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
                                     stdio=[p.model_dump() for p in m.stdio], replace=True,
-                                    output_base=m.output_base, gpu=m.gpu, phases=sub_phases, net=m.net,
+                                    output_base=m.output_base, gpu=m.gpu, phases=sub_phases,
+                                    net={**m.net, "netns": netns} if m.net and netns else m.net,
                                     keep_peers=m.keep_peers, init_dir=wk.get("init_dir"), slurm_job=wk.get("slurm_job"),
                                     lazy=plan.lazy, abort=s.abort,
                                     pages_from=m.pages_from if plan.fill is PageFill.REMOTE else None,
@@ -530,7 +533,7 @@ class DestinationSide:
         if w.state in ("running",):
             self.state.update_worker(w, state="exited", exit_code=code, reason=reason)
         if w.state == "exited":  # by itself, or killed by the agent, which said why first (agent/handles.py)
-            nsinit.remove(w.init_dir)  # its init removes it at a normal end, not when the tree is killed
+            nsinit.remove_unused(w.init_dir)  # its init removes it at a normal end, not when the tree is killed
             wn = workerns.from_dict(w.net)
             if wn:
                 workerns.destroy(wn)

@@ -60,6 +60,10 @@ class AgentSettings(BaseSettings):
     heartbeat_s: float = 1.0
     # A connection's request line and headers must all arrive this long after its first byte (httpapi.py)
     header_timeout_s: float = Field(default=10.0, gt=0)
+    # A host that cannot reach its coordinator this long isolates the ranks of jobs with snapshots
+    # (SIGSTOP and their network locked): their job may be recovered elsewhere meanwhile.  They run
+    # on once the coordinator answers and has not fenced them (agent/snapshots.py).  0: never.
+    self_fence_s: float = Field(default=6.0, ge=0)
     full_report_s: float = 60.0        # a full report at least this often, even when nothing changed
     local_group: str | None = "pitstop"  # besides root and the agent's user, who may use the local socket
     worker_link: str | None = None     # uplink for workers' own addresses (default: the default route's)

@@ -5,6 +5,7 @@ The work is agent/snapshots.py's; these only check and answer."""
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from fastapi import APIRouter, Depends
@@ -12,6 +13,7 @@ from fastapi import APIRouter, Depends
 from pitstop.agent.agent import AgentDep
 from pitstop.agent.peer_routes import auth
 from pitstop.errors import PitstopError
+from pitstop.network import workerns
 from pitstop.transfer.manifest import Manifest
 from pitstop.wire import agent_requests
 
@@ -66,8 +68,14 @@ def restore_sent(agent: AgentDep, image_id: str) -> dict[str, Any]:
     """A replica sent here by its keeper: restored as a move's image is, then held paused with the
     rest of the job until the coordinator resumes it."""
     m = Manifest.read(agent.dest.slot(image_id).directory)
+    net = workerns.from_dict(m.net)
+    mine = agent.state.workers.get(str(m.worker.get("id")))
+    # Its namespace's name is taken on this machine by a copy this agent does not run: its old
+    # host's, alive but cut off, on a machine shared by several agents (a testbed).
+    netns = f"{net.netns[:40]}-{secrets.token_hex(3)}" if net and workerns.exists(net) and not (
+        mine and mine.net and mine.net.get("netns") == net.netns) else None
     try:
-        w, phases = agent.dest.restore_image(image_id)
+        w, phases = agent.dest.restore_image(image_id, netns=netns)
     except PitstopError:
         agent.metrics.restores.labels("failed").inc()
         raise

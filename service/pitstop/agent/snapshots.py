@@ -73,6 +73,7 @@ class Snapshots:
         self.lock = threading.Lock()
         self.replications: dict[tuple[str, int], Replication] = {}
         self.fences_file = agent.s.state_dir / "fences.json"
+        self.isolated: set[str] = set()  # workers stopped and cut off while the coordinator was out of reach
 
     # -- where parts live ----------------------------------------------------------------------
     def _dir(self, job: str, number: int, side: str, wid: str | None = None) -> Path:
@@ -319,6 +320,49 @@ class Snapshots:
         os.replace(tmp, self.fences_file)
         log.warning("job fenced on this host", job=job, epoch=epoch, killed=killed)
         return {"job": job, "epoch": fences[job], "killed": killed}
+
+    def isolate(self, silent_s: float) -> bool:
+        """The coordinator has not answered for `silent_s`: this host may be the one cut off, and
+        the jobs with snapshots may be recovered elsewhere meanwhile.  Their ranks here stop
+        (SIGSTOP) and their namespaces drop all traffic, so a copy restored on a spare never meets
+        this one on the network.  Whether any was isolated now."""
+        nft = runtime.locate().nft
+        done = False
+        for w in list(self.a.state.workers.values()):
+            if w.snapshot_every_s and w.state == "running" and w.id not in self.isolated:
+                net = workerns.from_dict(w.net)
+                if net:
+                    workerns.lock(net, nft)
+                proctree.stop(proctree.tree(w.root_pid))
+                self.a.state.update_worker(w, state="paused", paused_at=time.time(),
+                                           reason=f"isolated: the coordinator did not answer for {silent_s:g} s")
+                self.isolated.add(w.id)
+                done = True
+        if done:
+            log.warning("the coordinator is out of reach: ranks of jobs with snapshots isolated until it answers",
+                        workers=sorted(self.isolated), silent_s=silent_s)
+        return done
+
+    def rejoin(self, fences: dict[str, int]) -> None:
+        """The coordinator answers again: ranks of a job it fenced meanwhile end (the job runs
+        elsewhere now); the others run on where they stopped."""
+        nft = runtime.locate().nft
+        for wid in sorted(self.isolated):
+            w = self.a.state.workers.get(wid)
+            if w is None:
+                continue
+            if w.job in fences:
+                self.fence(w.job, fences[w.job], "found isolated when the coordinator answered again")
+                continue
+            if w.state == "paused":
+                proctree.resume(proctree.tree(w.root_pid))
+                net = workerns.from_dict(w.net)
+                if net:
+                    workerns.unlock(net, nft)
+                self.a.state.update_worker(w, state="running", running_since=time.time(), reason=None)
+        log.info("the coordinator answers again; isolated ranks ended or resumed", workers=sorted(self.isolated),
+                 fenced=sorted(fences))
+        self.isolated.clear()
 
     def restore_own(self, job: str, number: int, ids: list[str]) -> dict[str, Any]:
         """Roll the job's workers here back to snapshot `number`: every part checked first, then

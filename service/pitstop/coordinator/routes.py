@@ -92,7 +92,10 @@ def heartbeat(c: CoordinatorDep, hb: Heartbeat) -> dict:
     c.driver.node_seen(hb.name)
     c.metrics.heartbeats.labels("full").inc()
     c.health_verdict(hb.name, reasons)
-    return {"ok": True, "beat_udp_port": c.settings.host_port()[1] if c.settings.beat_udp else None}
+    # jobs recovered elsewhere while this host was away: their workers here end (coordinator/recovery.py)
+    fences = [{"job": f["job"], "epoch": f["epoch"]} for f in c.store.fences(host=hb.name, unacked=True)]
+    return {"ok": True, "beat_udp_port": c.settings.host_port()[1] if c.settings.beat_udp else None,
+            "fences": fences}
 
 
 @agents.post("/agents:beat", responses={409: {"description": "no full report of this generation: send one"}})
@@ -162,7 +165,8 @@ def job_snapshots(c: CoordinatorDep, job: str) -> dict:
     if not ws:
         raise NotFound(f"no job {job!r}", action="list jobs with `pitstop jobs`")
     return {"job": job, "every_s": interval(c.store, job, ws), "set_by_api": c.store.snapshot_policy(job),
-            "snapshots": c.store.snapshots(job), "last_error": c.snapshots.errors.get(job)}
+            "snapshots": c.store.snapshots(job), "last_error": c.snapshots.errors.get(job),
+            "fences": [f for f in c.store.fences() if f["job"] == job]}
 
 
 @operators.put("/jobs/{job}/snapshots")

@@ -32,7 +32,7 @@ import structlog
 from pitstop.coordinator.fanout import in_parallel
 from pitstop.coordinator.planner import healthy
 from pitstop.coordinator.settings import CoordinatorSettings
-from pitstop.coordinator.store import Store
+from pitstop.coordinator.store import LIVE, Store
 from pitstop.errors import Conflict, FailedPrecondition, PitstopError
 from pitstop.wire.agent_client import AgentClient
 
@@ -96,7 +96,8 @@ class Snapshots:
         """Jobs whose snapshot is due now."""
         jobs: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for w in self.store.workers():
-            jobs[w["job"]].append(w)
+            if w["state"] in LIVE:
+                jobs[w["job"]].append(w)
         out = []
         now = time.monotonic()
         for job, ws in jobs.items():

@@ -264,7 +264,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
                              stdin=subprocess.DEVNULL, stdout=wout, stderr=werr)
     except OSError as e:
         print(f"pitstop run: cannot start {cmd[0]}: {e}", file=sys.stderr)
-        nsinit.remove(init_dir)
+        nsinit.remove_unused(init_dir)
         if address:
             _safe(client.drop_network, f"{job}.{rank}")
         return 127
@@ -293,7 +293,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
             t.join(PUMP_DRAIN_S)
         print(f"pitstop run: {cmd[0]} ended before its agent could take it in (exit status "
               f"{shell_code(p.returncode)}); nothing to move", file=sys.stderr)
-        nsinit.remove(init_dir)
+        nsinit.remove_unused(init_dir)
         if address:
             _safe(client.drop_network, f"{job}.{rank}")
         return shell_code(p.returncode)
@@ -304,7 +304,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
             proctree.kill_tree(root)  # would leave them both running
         p.kill()
         p.wait()
-        nsinit.remove(init_dir)
+        nsinit.remove_unused(init_dir)
         if address:
             _safe(client.drop_network, f"{job}.{rank}")
         return 125
@@ -326,7 +326,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     info = _safe(client.worker, wid) or {}
     if info.get("state") not in MOVING and not info.get("restored"):
         _safe(client.exited, wid, code)
-        nsinit.remove(init_dir)  # its init's, where the tree was killed
+        nsinit.remove_unused(init_dir)  # its init's, where the tree was killed
         return code
     return shell_code(follow(client, wid))
 
