@@ -99,6 +99,31 @@ def test_gloo_job_recovers_by_itself_from_a_host_that_died(cluster, tmp_path):
     cluster.net.cut("host-b", up=True)
 
 
+def test_nccl_job_recovers_by_itself_from_a_host_that_died(cluster, tmp_path):
+    """The same with an unchanged NCCL program over the host NCCL: snapshots at the shim's consistent
+    cut (communicators destroyed, no own addresses needed), communicators re-created after the recovery."""
+    from .test_shim_e2e import STEPS as NCCL_STEPS
+    from .test_shim_e2e import _start, reference
+
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_dp.py", run_args=("--snapshot-every", "5"))
+    _wait_jobs(cc, "nccl", 4)
+    wait_for_step(ranks[3].log, 20)
+    snap = _committed(cc, "nccl")
+    assert snap["pause"] == "nccl_cut", snap
+    wait_for_step(ranks[0].log, 60)
+    lost = _kill_host(cluster, "host-b", ranks)
+    assert sorted(lost) == ["nccl.2", "nccl.3"]
+    m = _recovered(cc, "nccl", "host-b")
+    assert m["destination"] == "spare-1" and "rewire" in m["phases"], m
+    let_finish(out)
+    for r in ranks[:2]:
+        assert r.proc.wait(180) == 0, r.log.read_text(errors="replace")[-2000:]
+    until(lambda: _hashes_written(out, 4), timeout=180, what="every rank's final result")
+    assert_same_as_reference(out, reference("nccl_dp.py"))
+    assert NCCL_STEPS > 0
+    cluster.net.cut("host-b", up=True)
+
+
 def _recovered(cc: CoordinatorClient, job: str, node: str, timeout: float = 120) -> dict:
     op = until(lambda: next((o for o in cc.ops() if o["metadata"].get("job") == job and o["metadata"]["node"] == node
                              and o["done"]), None), timeout=timeout, what=f"the recovery of {job} from {node}")

@@ -54,7 +54,7 @@ def reference(script: str, steps: int = STEPS) -> list[str]:
     return _REF[key]
 
 
-def _start(cluster, tmp_path, script, spares=1, steps=STEPS, extra=(), coord_env=None, job_env=None):
+def _start(cluster, tmp_path, script, spares=1, steps=STEPS, extra=(), coord_env=None, job_env=None, run_args=()):
     cluster.net = NetHosts()
     if coord_env:
         os.environ.update(coord_env)
@@ -72,7 +72,8 @@ def _start(cluster, tmp_path, script, spares=1, steps=STEPS, extra=(), coord_env
     rdv.mkdir()
     ranks = cluster.start_job("nccl", _cmd(script, rdv, out, steps, extra), 4,
                               {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"},
-                              env={"PYTHONPATH": str(WORKLOADS), **(job_env or {})}, run_args=["--host-nccl"])
+                              env={"PYTHONPATH": str(WORKLOADS), **(job_env or {})},
+                              run_args=["--host-nccl", *run_args])
     return CoordinatorClient(cluster.coordinator_url, cluster.operator_token), ranks, out
 
 

@@ -107,11 +107,12 @@ def remove(path: str | Path | None) -> None:
             pass
 
 
-def remove_unused(path: str | None) -> None:
+def remove_unused(path: str | Path | None) -> None:
     """Remove an init directory no process works in any more: the source's, after its worker
     moved (on one machine, the restored worker's init may work in the same one)."""
-    if not path or not valid(path):
+    if not path or not valid(str(path)):
         return
+    path = str(path)
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:

@@ -23,19 +23,19 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
 @router.post("/snapshots:check")
 def check(agent: AgentDep, req: agent_requests.SnapshotRequest) -> dict[str, Any]:
     """Whether these workers can be snapshotted, asked before the job pauses."""
-    agent.snapshots.check(req.job, req.ids)
+    agent.snapshots.check(req.job, req.ids, cut=req.cut)
     return {"ok": True}
 
 
 @router.post("/snapshots/{job}:lockNetwork")
 def lock_network(agent: AgentDep, job: str, req: agent_requests.SnapshotWorkersRequest) -> dict[str, Any]:
-    agent.snapshots.lock_net(job, req.ids, req.locked)
+    agent.snapshots.lock_net(job, req.ids, req.locked, cut=req.cut)
     return {"job": job, "locked": req.locked}
 
 
 @router.post("/snapshots")
 def take(agent: AgentDep, req: agent_requests.SnapshotRequest) -> dict[str, Any]:
-    return agent.snapshots.take(req.job, req.number, req.ids, req.buddy_url)
+    return agent.snapshots.take(req.job, req.number, req.ids, req.buddy_url, cut=req.cut)
 
 
 @router.get("/snapshots")

@@ -89,44 +89,49 @@ class Snapshots:
         return ws
 
     @staticmethod
-    def _own_net(w: Worker) -> workerns.WorkerNet:
+    def _own_net(w: Worker, cut: bool = False) -> workerns.WorkerNet | None:
+        """The worker's own network namespace.  Required unless the job is parked at the NCCL shim's
+        cut: its communicators are destroyed then, and the worker's other connections are its own
+        affair on one host (restored where they can be, as a move does)."""
         net = workerns.from_dict(w.net)
-        if net is None:
+        if net is None and not cut:
             raise FailedPrecondition(
                 f"worker {w.id} shares its host's network: its connections could not be restored on another "
                 "host, nor locked alone while every rank is dumped", code="snapshot_needs_address",
                 action="start the job's ranks with `pitstop run --address` to take snapshots of it")
         return net
 
-    def check(self, job: str, ids: list[str]) -> None:
+    def check(self, job: str, ids: list[str], cut: bool = False) -> None:
         """What makes a snapshot of these workers impossible, said before the job pauses."""
         for w in self._workers(job, ids):
             if w.state not in ("running", "paused"):
                 raise Conflict(f"worker {w.id} is {w.state}", action="snapshots are taken of running workers")
-            self._own_net(w)
+            self._own_net(w, cut)
 
     # -- taking one ----------------------------------------------------------------------------
-    def lock_net(self, job: str, ids: list[str], locked: bool) -> None:
+    def lock_net(self, job: str, ids: list[str], locked: bool, cut: bool = False) -> None:
         """Nothing in or out of the workers' namespaces: locked on every host before the first dump
         and lifted after the last, so that no byte is acknowledged by a rank already dumped and
         missing from the sender's images (or the reverse)."""
         nft = runtime.locate().nft
         for w in self._workers(job, ids):
-            net = self._own_net(w)
+            net = self._own_net(w, cut)
+            if net is None:
+                continue
             if locked:
                 workerns.lock(net, nft)
             else:
                 workerns.unlock(net, nft)
 
-    def take(self, job: str, number: int, ids: list[str], buddy_url: str | None) -> dict[str, Any]:
+    def take(self, job: str, number: int, ids: list[str], buddy_url: str | None, cut: bool = False) -> dict[str, Any]:
         """Dump each worker, stopped by the coordinator's pause, leaving it as it was; then (after
         this returns and the job resumes) send the parts to the buddy.  A failure deletes this
         snapshot's parts here and raises: the job is resumed by the coordinator either way."""
         ws = self._workers(job, ids)
         for w in ws:
-            if w.state != "paused":
-                raise Conflict(f"worker {w.id} is {w.state}, not paused", action="the coordinator pauses the job first")
-            self._own_net(w)
+            if w.state != ("running" if cut else "paused"):  # parked at the cut, or stopped
+                raise Conflict(f"worker {w.id} is {w.state}", action="the coordinator pauses the job first")
+            self._own_net(w, cut)
         base = self._dir(job, number, OWN)
         if base.exists():
             raise Conflict(f"snapshot {number} of job {job} already exists here", action="take the next number")
@@ -168,7 +173,7 @@ class Snapshots:
         try:
             faults.hit("snapshot:before_dump")
             res = criu_ops.dump(w.root_pid, d, timeout_s=self.a.s.dump_timeout_s, leave_running=True,
-                                own_netns=workerns.netns_inode(w.root_pid))
+                                own_netns=workerns.netns_inode(w.root_pid) if w.net else None)
         finally:
             if gpu:
                 self.a.source.gpu.resume_in_place(gpu.record())
@@ -309,7 +314,9 @@ class Snapshots:
                 proctree.kill_and_wait(w.root_pid)
                 killed.append(w.id)
             if w.state not in ("exited", "moved"):
-                self.a.state.update_worker(w, state="lost", reason=why)
+                self.a.state.update_worker(w, state="lost", reason=why, fenced_epoch=epoch)
+            else:
+                self.a.state.update_worker(w, fenced_epoch=epoch)
             net = workerns.from_dict(w.net)
             if net:
                 workerns.destroy(net)

@@ -83,6 +83,7 @@ class Worker(BaseModel):
     # `pitstop run --snapshot-every`: how often the job would like a snapshot (the coordinator takes
     # the smallest its ranks ask); travels with the worker through moves and recoveries
     snapshot_every_s: float | None = None
+    fenced_epoch: int | None = None  # its job was recovered elsewhere while this host was away: ended here for good
 
 
 class Capture(CaptureReport):

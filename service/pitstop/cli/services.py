@@ -100,7 +100,8 @@ def run(
     snapshot_every: Optional[float] = typer.Option(
         None, "--snapshot-every", metavar="SECONDS",
         help="take an in-memory snapshot of the whole job this often, so that it recovers by itself from "
-             "the sudden loss of a host (the smallest value any rank gives wins; needs --address)"),
+             "the sudden loss of a host (the smallest value any rank gives wins; a job whose ranks talk over "
+             "TCP, as gloo's do, needs --address)"),
 ) -> None:
     """Run COMMAND so that pitstop can move it: pitstop run --job J --agent URL -- COMMAND [ARGS...]"""
     from pitstop.launcher.run import run as run_cmd

@@ -32,7 +32,7 @@ import structlog
 from pitstop.coordinator.fanout import in_parallel
 from pitstop.coordinator.planner import healthy
 from pitstop.coordinator.settings import CoordinatorSettings
-from pitstop.coordinator.snapshots import Snapshots
+from pitstop.coordinator.snapshots import Snapshots, job_cut
 from pitstop.coordinator.store import Store
 from pitstop.errors import Conflict, FailedPrecondition, NotFound, PitstopError
 from pitstop.wire.agent_client import AgentClient
@@ -58,6 +58,7 @@ class Recoveries:
         self.store, self.s, self.snaps, self.busy = store, settings, snapshots, busy
         self.threads: dict[str, threading.Thread] = {}
         self.lock = threading.Lock()
+        self._local = threading.local()
 
     # -- detection ----------------------------------------------------------------------------
     def failed_hosts(self, job: str) -> list[str]:
@@ -169,6 +170,8 @@ class Recoveries:
             self.store.update_op(op_id, metadata=md, done=True, result="failed",
                                  error={"code": "internal", "message": repr(e), "action": "see the coordinator's log"})
         finally:
+            for c in self._local.__dict__.pop("clients", {}).values():
+                c.close()
             with self.snaps.lock:
                 self.snaps.held.discard(job)
             self.snaps.restart_clock(job, at=-1e18)  # the next snapshot at once: only then is the job covered again
@@ -183,10 +186,17 @@ class Recoveries:
         return now
 
     def _client(self, host: str, timeout: float | None = None) -> AgentClient:
+        """The host's agent.  Without `timeout`: one client per host for this recovery's thread,
+        closed when it ends (_run); with one: a client of its own, for the caller to close."""
         h = self.store.host(host)
         if h is None:
             raise NotFound(f"host {host} is unknown", action="it must heartbeat to the coordinator")
-        return AgentClient(h["url"], self.s.cluster_token, timeout=timeout or self.s.step_timeout_s)
+        if timeout is not None:
+            return AgentClient(h["url"], self.s.cluster_token, timeout=timeout)
+        cache = self._local.__dict__.setdefault("clients", {})
+        if host not in cache:
+            cache[host] = AgentClient(h["url"], self.s.cluster_token, timeout=self.s.step_timeout_s)
+        return cache[host]
 
     def _recover(self, op_id: str, md: dict[str, Any]) -> None:
         job, lost, number = md["job"], md["node"], md["snapshot"]
@@ -237,7 +247,15 @@ class Recoveries:
                 problems.append(f"{h}: {e.message}")
         for w in lost_parts:
             self.store.set_worker_host(w, spare, state="running")
-        md["phases"]["resume"] = round(time.monotonic() - t, 4)
+        if snap.get("pause") == "nccl_cut" and not problems:
+            # restored parked at the cut with their communicators destroyed: re-created as after a move
+            md["phases"]["resume"] = round(time.monotonic() - t, 4)
+            t = self._phase(op_id, md, "rewire")
+            hosts_of = {w: spare if w in lost_parts else p["host"] for w, p in parts.items()}
+            job_cut(hosts_of, self._client, self.s.cut_deadline_s).rewire()
+            md["phases"]["rewire"] = round(time.monotonic() - t, 4)
+        else:
+            md["phases"]["resume"] = round(time.monotonic() - t, 4)
         md["pause_s"] = round(time.time() - t_pause, 3)
         md["destination"] = spare
         md["phase"] = "done"
@@ -318,10 +336,10 @@ class Recoveries:
         prefix = f"rec{op_id[-8:]}-"
         in_parallel(lambda b: self._client(b).send_replicas(job, number, by_buddy[b], spare_url, prefix,
                                                             timeout=self.s.capture_deadline_s), sorted(by_buddy))
-        with self._client(spare) as c:
-            for w in lost_parts:
-                iid = f"{prefix}{job}-{number}-{w}".replace(".", "_")
-                c.restore_sent(iid, timeout=self.s.step_timeout_s)
+        c = self._client(spare)
+        for w in lost_parts:
+            iid = f"{prefix}{job}-{number}-{w}".replace(".", "_")
+            c.restore_sent(iid, timeout=self.s.step_timeout_s)
 
     def _discard(self, host: str, job: str, ids: list[str]) -> None:
         try:

@@ -22,6 +22,7 @@ there), else the next host of the cluster by name.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import defaultdict
@@ -29,6 +30,7 @@ from typing import Any, Callable
 
 import structlog
 
+from pitstop.coordinator.cut import Cut
 from pitstop.coordinator.fanout import in_parallel
 from pitstop.coordinator.planner import healthy
 from pitstop.coordinator.settings import CoordinatorSettings
@@ -71,6 +73,21 @@ def buddies(hosts: list[str], all_hosts: list[dict[str, Any]], timeout_s: float)
                                      code="no_buddy", action="add a spare or another host to the cluster")
         out[host] = after[0]
     return out
+
+
+def job_cut(hosts_of: dict[str, str], client: Callable[[str], AgentClient], deadline_s: float) -> Cut:
+    """The consistent-cut driver (coordinator/cut.py) over a job's workers where they run now."""
+    def get_all(workers: list[str], trail: bool = False) -> dict[str, list[dict[str, Any]]]:
+        by: dict[str, list[str]] = defaultdict(list)
+        for w in workers:
+            by[hosts_of[w]].append(w)
+        out: dict[str, list[dict[str, Any]]] = {}
+        for got in in_parallel(lambda h: client(h).shim_blocks_many(by[h], trail=trail), sorted(by)):
+            out.update(got)
+        return out
+
+    return Cut(sorted(hosts_of), lambda w: client(hosts_of[w]).shim_blocks(w),
+               lambda w, body: client(hosts_of[w]).shim_op(w, body), deadline_s=deadline_s, get_all=get_all)
 
 
 class Snapshots:
@@ -163,9 +180,12 @@ class Snapshots:
         clients = {h: self.agent(h, timeout=QUICK_TIMEOUT_S) for h in set(hosts) | set(buddy.values())}
         t0 = time.monotonic()
         try:
-            in_parallel(lambda h: clients[h].snapshot_check(job, by_host[h]), hosts)
+            cut = job_cut({w["id"]: w["host"] for w in ws}, lambda h: clients[h], self.s.cut_deadline_s)
+            shim = cut.uses_shim()  # NCCL: the shim's consistent cut, communicators destroyed; else SIGSTOP
+            record["pause"] = "nccl_cut" if shim else "sigstop"
+            in_parallel(lambda h: clients[h].snapshot_check(job, by_host[h], cut=shim), hosts)
             record["phases"]["check"] = round(time.monotonic() - t0, 4)
-            pause_s = self._paused_dump(job, number, by_host, buddy, clients, record)
+            pause_s = self._paused_dump(job, number, by_host, buddy, clients, record, cut if shim else None)
             record["pause_s"] = round(pause_s, 4)
             self.store.put_snapshot(job, number, "replicating", record)
             self._await_replicas(job, number, hosts, clients, record)
@@ -201,13 +221,16 @@ class Snapshots:
         return {"job": job, "number": number, "state": "committed", **record}
 
     def _paused_dump(self, job: str, number: int, by_host: dict[str, list[str]], buddy: dict[str, str],
-                     clients: dict[str, AgentClient], record: dict[str, Any]) -> float:
+                     clients: dict[str, AgentClient], record: dict[str, Any], cut: Cut | None) -> float:
         """Pause, lock, dump, unlock, resume; the pause the job saw.  The resume runs whatever
-        happened, and every host is unlocked and resumed even if one fails."""
+        happened, and every host is unlocked and resumed even if one fails.  cut: an NCCL job,
+        parked at the shim's consistent cut with its communicators destroyed (no NCCL socket in
+        any image), then rewired and resumed, as a move does; else every rank is stopped."""
         hosts = sorted(by_host)
         buddy_url = {h: self.store.host(buddy[h])["url"] for h in hosts}  # type: ignore[index]
         paused: list[str] = []
         locked: list[str] = []
+        destroyed = False
         t_pause = time.monotonic()
         with self.lock:
             if job in self.held:
@@ -217,25 +240,38 @@ class Snapshots:
             def pause(h: str) -> None:
                 clients[h].pause_many(by_host[h])
                 paused.append(h)
-            in_parallel(pause, hosts)
+            if cut is not None:
+                res = cut.quiesce()  # releases the job itself when no cut is reached
+                destroyed = True
+                cut.destroy()
+                record["cut_rounds"] = res.rounds
+            else:
+                in_parallel(pause, hosts)
             t = time.monotonic()
             record["phases"]["pause"] = round(t - t_pause, 4)
 
             def lock(h: str) -> None:
                 locked.append(h)
-                clients[h].snapshot_lock(job, by_host[h], True)
+                clients[h].snapshot_lock(job, by_host[h], True, cut=cut is not None)
             in_parallel(lock, hosts)
             record["phases"]["lock"] = round(time.monotonic() - t, 4)
             t = time.monotonic()
             got = in_parallel(lambda h: clients[h].snapshot_take(job, number, by_host[h], buddy_url[h],
-                                                                 timeout=self.s.capture_deadline_s), hosts)
+                                                                 timeout=self.s.capture_deadline_s,
+                                                                 cut=cut is not None), hosts)
             record["phases"]["dump"] = round(time.monotonic() - t, 4)
             record["bytes"] = sum(p["bytes"] for g in got for p in g["parts"].values())
         finally:
             t = time.monotonic()
             undo_errors = []
-            for h, fn in [(h, lambda h=h: clients[h].snapshot_lock(job, by_host[h], False)) for h in locked] + \
-                         [(h, lambda h=h: clients[h].resume_many(by_host[h])) for h in paused]:
+            undo: list[tuple[str, Callable[[], object]]] = []
+            for h in locked:
+                undo.append((h, functools.partial(clients[h].snapshot_lock, job, by_host[h], False, cut=cut is not None)))
+            for h in paused:
+                undo.append((h, functools.partial(clients[h].resume_many, by_host[h])))
+            if cut is not None and destroyed:  # the communicators come back before anything runs on
+                undo.append(("the job's communicators", cut.rewire))
+            for h, fn in undo:
                 try:
                     fn()
                 except PitstopError as e:

@@ -201,7 +201,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         print("pitstop run: no command given; usage: pitstop run --job JOB --agent URL -- CMD [ARGS...]",
               file=sys.stderr)
         return 2
-    why = bad_snapshot_every(snapshot_every_s, address)
+    why = bad_snapshot_every(snapshot_every_s)
     if why:
         print(f"pitstop run: {why}", file=sys.stderr)
         return 2
@@ -326,21 +326,53 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     info = _safe(client.worker, wid) or {}
     if info.get("state") not in MOVING and not info.get("restored"):
         _safe(client.exited, wid, code)
-        nsinit.remove_unused(init_dir)  # its init's, where the tree was killed
-        return code
-    return shell_code(follow(client, wid))
+        if not (code != 0 and info.get("snapshot_every_s") and _recovered(client, wid, info.get("root_pid"))):
+            nsinit.remove_unused(init_dir)  # its init's, where the tree was killed
+            return code
+    return _follow_recoveries(client, wid)
 
 
-def bad_snapshot_every(every_s: float | None, address: str | None) -> str | None:
+def recovery_wait_s() -> float:
+    """How long a rank of a job with snapshots that ended with an error is held for a recovery:
+    past the coordinator's failure deadline (10 s) and the recovery's own time."""
+    try:
+        return float(os.environ.get("PITSTOP_RUN_RECOVERY_WAIT_S", "60"))
+    except ValueError:
+        return 60.0
+
+
+def _recovered(client: AgentClient, wid: str, ended_pid: int | None) -> bool:
+    """Whether the rank, which just ended with an error, was restored meanwhile: a rank of a job with
+    snapshots ends so when a peer's host dies under it (its collective fails), and the job's recovery
+    then restores it here from the snapshot.  The launcher stays its handle rather than report an
+    end that the recovery undoes; a rank that failed on its own is reported after the wait."""
+    end = time.monotonic() + recovery_wait_s()
+    while time.monotonic() < end:
+        info = _safe(client.worker, wid) or {}
+        if info.get("fenced_epoch") or info.get("state") == "moved":  # it runs on elsewhere, or never here again
+            return False
+        if info.get("root_pid") not in (None, ended_pid) and info.get("state") not in ("exited", "lost"):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _follow_recoveries(client: AgentClient, wid: str) -> int:
+    """Follow the rank where it runs now, and again after each recovery that restores it."""
+    while True:
+        code = shell_code(follow(client, wid))
+        info = _safe(client.worker, wid) or {}
+        if code == 0 or not info.get("snapshot_every_s") or not _recovered(client, wid, info.get("root_pid")):
+            return code
+
+
+def bad_snapshot_every(every_s: float | None) -> str | None:
     """What is wrong with `--snapshot-every`, said before the command starts."""
     if every_s is None:
         return None
     if not MIN_SNAPSHOT_EVERY_S <= every_s <= MAX_SNAPSHOT_EVERY_S:
         return (f"--snapshot-every {every_s:g}: give between {MIN_SNAPSHOT_EVERY_S:g} and {MAX_SNAPSHOT_EVERY_S:g} "
                 "seconds (every snapshot pauses the whole job)")
-    if not address:
-        return ("--snapshot-every needs --address: a rank restored on another host after its own died keeps its "
-                "connections only with an address of its own")
     return None
 
 

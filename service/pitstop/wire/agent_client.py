@@ -254,16 +254,17 @@ class AgentClient:
         return self._req("DELETE", f"/v1/images/{image_id}", timeout=timeout)
 
     # snapshots and recovery (agent/snapshot_routes.py) ---------------------------------------
-    def snapshot_check(self, job: str, ids: list[str]) -> dict:
-        return self._req("POST", "/v1/snapshots:check", json=body(SnapshotRequest, job=job, number=1, ids=ids))
+    def snapshot_check(self, job: str, ids: list[str], cut: bool = False) -> dict:
+        return self._req("POST", "/v1/snapshots:check", json=body(SnapshotRequest, job=job, number=1, ids=ids, cut=cut))
 
-    def snapshot_lock(self, job: str, ids: list[str], locked: bool) -> dict:
+    def snapshot_lock(self, job: str, ids: list[str], locked: bool, cut: bool = False) -> dict:
         return self._req("POST", f"/v1/snapshots/{job}:lockNetwork",
-                         json=body(SnapshotWorkersRequest, ids=ids, locked=locked))
+                         json=body(SnapshotWorkersRequest, ids=ids, locked=locked, cut=cut))
 
-    def snapshot_take(self, job: str, number: int, ids: list[str], buddy_url: str | None, timeout: float) -> dict:
+    def snapshot_take(self, job: str, number: int, ids: list[str], buddy_url: str | None, timeout: float,
+                      cut: bool = False) -> dict:
         return self._req("POST", "/v1/snapshots", json=body(SnapshotRequest, job=job, number=number, ids=ids,
-                                                            buddy_url=buddy_url), timeout=timeout)
+                                                            buddy_url=buddy_url, cut=cut), timeout=timeout)
 
     def snapshots(self, job: str | None = None, timeout: float | None = None) -> list[dict]:
         return self._req("GET", "/v1/snapshots", params={"job": job} if job else None, timeout=timeout)

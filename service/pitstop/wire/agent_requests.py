@@ -35,11 +35,14 @@ class SnapshotRequest(BaseModel):
     number: int = Field(ge=1, le=2**62)
     ids: list[str] = Field(min_length=1, max_length=4096, description="the job's workers on this agent")
     buddy_url: str | None = Field(None, description="the agent that keeps a replica of this host's parts")
+    cut: bool = Field(False, description="the job is parked at the NCCL shim's cut, its communicators destroyed: "
+                                         "workers without an address of their own may be taken too")
 
 
 class SnapshotWorkersRequest(BaseModel):
     ids: list[str] = Field(min_length=1, max_length=4096, description="the job's workers on this agent")
     locked: bool = True
+    cut: bool = False
 
 
 class KeepReplicaRequest(BaseModel):
