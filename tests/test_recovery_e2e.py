@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from pitstop.dev.netns import NetHosts
 from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.coordinator_client import CoordinatorClient
 
@@ -58,8 +59,26 @@ def _hashes_written(out, world: int) -> bool:
     return all((out / f"rank{r}.sha256").exists() for r in range(world))
 
 
-def test_gloo_job_recovers_by_itself_from_a_host_that_died(cluster, tmp_path):
-    cc = _cluster(cluster, spares=1)
+def _during_a_snapshot(cc: CoordinatorClient, job: str, after: int) -> dict:
+    """Wait until a snapshot of `job` newer than `after` is under way (paused or replicating)."""
+    def under_way():
+        got = [s for s in cc.snapshots(job)["snapshots"] if s["number"] > after and s["state"] in ("taking", "replicating")]
+        return got[0] if got else None
+    return until(under_way, timeout=60, what=f"a snapshot of {job} under way", every=0.01)
+
+
+def test_gloo_job_recovers_by_itself_from_a_host_that_died_during_a_snapshot(cluster, tmp_path):
+    """Host b dies outright while a snapshot is under way: that snapshot never counts, the previous one
+    is used.  The first spare fails to restore (an injected fault): the recovery takes the other."""
+    cluster.net = NetHosts()
+    cluster.start_coordinator()
+    with cluster.starting():
+        for name in ("host-a", "host-b"):
+            cluster.start_agent(name)
+        cluster.start_agent("spare-1", spare=True,
+                            env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "restore:before_criu=fail"})
+        cluster.start_agent("spare-2", spare=True)
+    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
     out = tmp_path / "out"
     addrs = {r: cluster.worker_address(r) for r in range(4)}
     ranks = cluster.start_job("train", ddp_cmd(out, steps=STEPS), 4,
@@ -68,26 +87,27 @@ def test_gloo_job_recovers_by_itself_from_a_host_that_died(cluster, tmp_path):
     _wait_jobs(cc, "train", 4)
     wait_for_step(ranks[3].log, 10)
     snap = _committed(cc, "train")
-    assert snap["buddies"] == {"host-a": "spare-1", "host-b": "spare-1"}, snap
-    assert snap["pause_s"] > 0 and snap["bytes"] > 0
+    # a buddy per host, spares first: each host's replica where a recovery may restore it
+    assert snap["buddies"] == {"host-a": "spare-1", "host-b": "spare-2"}, snap
+    assert snap["pause"] == "sigstop" and snap["pause_s"] > 0 and snap["bytes"] > 0
     snap = _committed(cc, "train", after=snap["number"])  # a second one, and the first dropped
     assert [s["number"] for s in cc.snapshots("train")["snapshots"]] == [snap["number"]]
     wait_for_step(ranks[0].log, 60)
-    print("DEBUG kill at", time.time())
+    _during_a_snapshot(cc, "train", after=snap["number"])
     lost = _kill_host(cluster, "host-b", ranks)
     assert sorted(lost) == ["train.2", "train.3"]
 
-    op = until(lambda: next((o for o in cc.ops() if o["metadata"].get("job") == "train" and o["done"]), None),
-               timeout=120, what="the recovery operation to end")
-    m = op["metadata"]
-    print("DEBUG", time.time(), (cluster.root / "coordinator.log").read_text()[-5000:])
-    assert m["result"] == "succeeded", op
-    assert m["node"] == "host-b" and m["destination"] == "spare-1"
+    m = _recovered(cc, "train", "host-b")
+    assert m["snapshot"] == snap["number"], "the snapshot the host died in never counted"
+    assert m["destination"] == "spare-2" and [f["spare"] for f in m["spares_failed"]] == ["spare-1"], m
+    assert "injected fault" in m["spares_failed"][0]["error"]
     assert m["lost_ranks"] == [2, 3]
     assert set(m["phases"]) >= {"plan", "fence", "stop", "restore", "resume"}
     assert m["requested_by"].startswith("the coordinator")
     hosts = {w["rank"]: w["host"] for w in _wait_jobs(cc, "train", 4)["workers"]}
-    assert hosts == {0: "host-a", 1: "host-a", 2: "spare-1", 3: "spare-1"}
+    assert hosts == {0: "host-a", 1: "host-a", 2: "spare-2", 3: "spare-2"}
+    assert not [w for w in _agent_workers(cluster, "spare-1").values() if w["state"] in ("running", "paused")], \
+        "the failed spare keeps nothing of the job"
 
     let_finish(out)
     for r in ranks[:2]:  # the survivors' launchers followed their rolled-back ranks

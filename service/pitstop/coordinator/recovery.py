@@ -313,6 +313,8 @@ class Recoveries:
                 return spare
             except PitstopError as e:
                 last = e
+                md.setdefault("spares_failed", []).append({"spare": spare, "error": e.message})
+                self.store.update_op(op_id, metadata=md)
                 log.warning("a spare could not take the lost ranks; trying another", op=op_id, spare=spare,
                             error=e.message)
                 self._discard(spare, job, list(lost_parts))

@@ -1,0 +1,71 @@
+"""Unit tests of the snapshot and recovery decisions (the end-to-end runs are in test_recovery_e2e.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pitstop.coordinator.recovery import is_recovery
+from pitstop.coordinator.snapshots import buddies, interval
+from pitstop.coordinator.store import Store
+from pitstop.errors import FailedPrecondition
+from pitstop.launcher.run import bad_snapshot_every
+
+
+def _host(name, role="active", age=0.0):
+    return {"name": name, "role": role, "last_seen": time.time() - age}
+
+
+def test_buddies_prefer_spares_then_the_next_host_and_never_the_host_itself():
+    hosts = [_host("a"), _host("b"), _host("s1", "spare"), _host("s2", "spare")]
+    assert buddies(["a", "b"], hosts, 5.0) == {"a": "s1", "b": "s2"}
+    assert buddies(["a", "b"], [_host("a"), _host("b"), _host("c")], 5.0) == {"a": "b", "b": "c"}
+    assert buddies(["s1"], [_host("s1", "spare"), _host("a")], 5.0) == {"s1": "a"}
+
+
+def test_silent_or_drained_hosts_keep_no_replica():
+    hosts = [_host("a"), _host("b", age=60), _host("c", "drained"), _host("s1", "spare", age=60)]
+    with pytest.raises(FailedPrecondition, match="no other healthy host"):
+        buddies(["a"], hosts, 5.0)
+
+
+def test_the_interval_is_the_apis_else_the_smallest_a_rank_asked(tmp_path):
+    s = Store(tmp_path / "c.db")
+    ws = [{"snapshot_every_s": 60.0}, {"snapshot_every_s": 30.0}, {"snapshot_every_s": None}]
+    assert interval(s, "j", ws) == 30.0
+    assert interval(s, "j", [{"snapshot_every_s": None}]) is None
+    s.set_snapshot_policy("j", 120.0)
+    assert interval(s, "j", ws) == 120.0
+    s.set_snapshot_policy("j", 0.0)  # off, whatever the launchers asked
+    assert interval(s, "j", ws) is None
+    s.set_snapshot_policy("j", None)
+    assert interval(s, "j", ws) == 30.0
+
+
+def test_snapshot_records_and_fences_in_the_store(tmp_path):
+    s = Store(tmp_path / "c.db")
+    s.put_snapshot("j", 1, "committed", {"parts": {}})
+    s.put_snapshot("j", 2, "taking", {"parts": {}})
+    s.put_snapshot("j", 2, "committed", {"parts": {}, "pause_s": 0.5})
+    assert [(x["number"], x["state"]) for x in s.snapshots("j")] == [(1, "committed"), (2, "committed")]
+    s.forget_snapshots("j", keep=2)
+    assert [x["number"] for x in s.snapshots("j")] == [2] and s.snapshots("j")[0]["pause_s"] == 0.5
+    s.fence("j", "b", epoch=7)
+    assert s.fences(host="b", unacked=True)[0]["epoch"] == 7
+    # a fenced host's reports of the job's workers are ignored until the fence is acknowledged
+    s.heartbeat({"name": "b", "url": "http://b:1", "workers": [{"id": "j.1", "job": "j", "rank": 1, "state": "running"}]})
+    assert s.workers(job="j") == []
+    s.ack_fence("j", "b")
+    s.heartbeat({"name": "b", "url": "http://b:1", "workers": [{"id": "j.1", "job": "j", "rank": 1, "state": "running"}]})
+    assert [w["id"] for w in s.workers(job="j")] == ["j.1"]
+
+
+def test_recovery_operations_are_told_from_evacuations():
+    assert is_recovery({"metadata": {"@type": "type.pitstop.dev/RecoverMetadata"}})
+    assert not is_recovery({"metadata": {"@type": "type.pitstop.dev/EvacuateMetadata"}})
+
+
+@pytest.mark.parametrize("every,ok", [(None, True), (5, True), (3600, True), (4.9, False), (1e9, False)])
+def test_snapshot_every_is_checked_before_the_command_starts(every, ok):
+    assert (bad_snapshot_every(every) is None) == ok
