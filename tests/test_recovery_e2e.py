@@ -229,3 +229,33 @@ def test_replicas_lost_with_their_host_fail_the_recovery_and_change_nothing(clus
     assert cc.snapshots("pair")["snapshots"] == []
     cluster.net.cut("host-b", up=True)
     cluster.net.cut("spare-1", up=True)
+
+
+def test_a_log_the_job_appends_to_is_cut_back_to_the_snapshot(cluster, tmp_path):
+    """The job keeps a log open and appends to it: the lines written after the snapshot are cut
+    back when it is rolled back, so the log ends as an uninterrupted run's, line for line."""
+    import sys
+
+    from .helpers import WORKLOADS
+
+    cc = _cluster(cluster, spares=1)
+    log, out = tmp_path / "job.log", tmp_path / "result"
+    ranks = cluster.start_job("app", [sys.executable, str(WORKLOADS / "appender.py"), "--log", str(log), "--out", str(out),
+                                      "--steps", "400"], 1, {0: "host-b"},
+                              addresses={0: cluster.worker_address(0)}, run_args=["--snapshot-every", "5"])
+    _wait_jobs(cc, "app", 1)
+    snap = _committed(cc, "app")
+    wait_for_step(ranks[0].log, 250)
+    _kill_host(cluster, "host-b", ranks)
+    m = _recovered(cc, "app", "host-b")
+    assert m["files"]["cut_back"], m
+    until(lambda: out.exists(), timeout=120, what="the job's result")
+    total = 0
+    want = []
+    for step in range(1, 401):
+        total = (total * 31 + step) % 1_000_003
+        want.append(f"step {step} {total}")
+    assert log.read_text().splitlines() == want
+    assert out.read_text().strip() == str(total)
+    assert snap["number"] >= 1
+    cluster.net.cut("host-b", up=True)

@@ -12,8 +12,10 @@ from fastapi import APIRouter, Depends
 
 from pitstop.agent.agent import AgentDep
 from pitstop.agent.peer_routes import auth
+from pitstop.agent.snapshots import files_of
 from pitstop.errors import PitstopError
 from pitstop.network import workerns
+from pitstop.proc import written_files
 from pitstop.transfer.manifest import Manifest
 from pitstop.wire import agent_requests
 
@@ -58,6 +60,13 @@ def restore_own(agent: AgentDep, job: str, number: int, req: agent_requests.Work
     return agent.snapshots.restore_own(job, number, req.ids)
 
 
+@router.post("/snapshots/{job}/{number}:checkFiles")
+def check_files(agent: AgentDep, job: str, number: int, req: agent_requests.CheckFilesRequest) -> dict[str, Any]:
+    """Whether the files these parts' workers write can be cut back to the snapshot; 412 saying
+    which cannot.  Asked by a recovery before it stops anything."""
+    return agent.snapshots.check_files(job, number, req.ids, req.side)
+
+
 @router.post("/snapshots/{job}/{number}:sendReplicas")
 def send_replicas(agent: AgentDep, job: str, number: int, req: agent_requests.SendReplicasRequest) -> dict[str, Any]:
     return agent.snapshots.send_replicas(job, number, req.ids, req.dest_url, req.prefix)
@@ -67,7 +76,9 @@ def send_replicas(agent: AgentDep, job: str, number: int, req: agent_requests.Se
 def restore_sent(agent: AgentDep, image_id: str) -> dict[str, Any]:
     """A replica sent here by its keeper: restored as a move's image is, then held paused with the
     rest of the job until the coordinator resumes it."""
-    m = Manifest.read(agent.dest.slot(image_id).directory)
+    d = agent.dest.slot(image_id).directory
+    m = Manifest.read(d)
+    cut = written_files.cut_back(files_of(d))  # refused before the restore where a file cannot be matched
     net = workerns.from_dict(m.net)
     mine = agent.state.workers.get(str(m.worker.get("id")))
     # Its namespace's name is taken on this machine by a copy this agent does not run: its old
@@ -84,7 +95,7 @@ def restore_sent(agent: AgentDep, image_id: str) -> dict[str, Any]:
     if every:
         agent.state.update_worker(w, snapshot_every_s=float(every))
     agent.snapshots.paused(w)
-    return {"worker": w.model_dump(), "phases": phases}
+    return {"worker": w.model_dump(), "phases": phases, "files_cut_back": cut}
 
 
 @router.post("/jobs/{job}:stopWorkers")

@@ -33,7 +33,7 @@ from pitstop.agent.state import Worker
 from pitstop.criu import criu_ops, runtime
 from pitstop.errors import CaptureFailed, Conflict, FailedPrecondition, NotFound, PitstopError, TransferFailed
 from pitstop.network import workerns
-from pitstop.proc import proctree
+from pitstop.proc import proctree, written_files
 from pitstop.transfer.manifest import MANIFEST, Manifest, StdioPipe, check_image_id
 from pitstop.transfer.stream import DirectoryTail
 from pitstop.wire.agent_client import AgentClient
@@ -44,7 +44,16 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pitstop.agent.snapshots")
 
 OWN, REPLICA = "own", "replica"
+FILES = "files.json"  # the regular files the worker writes, as of the snapshot (proc/written_files.py)
 RECOVER_PREFIX = "rec-"  # a replica on its way to a spare, as an image id there
+
+
+def files_of(d: Path) -> list[written_files.WrittenFile]:
+    """The files a part's worker writes, as the snapshot recorded them (none for a part without)."""
+    try:
+        return written_files.load(json.loads((d / FILES).read_text()))
+    except FileNotFoundError:
+        return []
 
 
 def image_id(job: str, number: int, wid: str, prefix: str = "snap-") -> str:
@@ -177,6 +186,7 @@ class Snapshots:
         finally:
             if gpu:
                 self.a.source.gpu.resume_in_place(gpu.record())
+        (d / FILES).write_text(json.dumps([f.to_dict() for f in written_files.written_files(pids)]))
         size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
         m = Manifest(capture_id=d.name, stdio=[StdioPipe(**s) for s in stdio], criu_version=runtime.locate().version_str,
                      output_base=self.a.source._output_end(w), gpu=gpu.record() if gpu else {}, net=w.net,
@@ -371,15 +381,25 @@ class Snapshots:
                  fenced=sorted(fences))
         self.isolated.clear()
 
+    def check_files(self, job: str, number: int, ids: list[str], side: str) -> dict[str, Any]:
+        """Whether the files these parts' workers write can be cut back to the snapshot (nothing is cut)."""
+        out = {}
+        for wid in dict.fromkeys(ids):
+            out[wid] = written_files.cut_back(files_of(self._part(job, number, side, wid)), apply=False)
+        return {"workers": out}
+
     def restore_own(self, job: str, number: int, ids: list[str]) -> dict[str, Any]:
-        """Roll the job's workers here back to snapshot `number`: every part checked first, then
-        each running copy ended and its part restored, stopped as it was dumped (the coordinator
-        resumes every rank of the job at once)."""
+        """Roll the job's workers here back to snapshot `number`: every part and the files its worker
+        writes checked first, then each running copy ended, its files cut back and its part
+        restored, stopped as it was dumped (the coordinator resumes every rank of the job at once)."""
         parts = {wid: self._part(job, number, OWN, wid) for wid in dict.fromkeys(ids)}
+        for d in parts.values():
+            written_files.cut_back(files_of(d), apply=False)
         self.stop(job, list(parts), f"rolled back to snapshot {number}")
         out = {}
         for wid, d in parts.items():
-            out[wid] = self._restore_dir(d)
+            cut = written_files.cut_back(files_of(d))
+            out[wid] = {**self._restore_dir(d), "files_cut_back": cut}
         return {"workers": out}
 
     def _restore_dir(self, d: Path) -> dict[str, Any]:

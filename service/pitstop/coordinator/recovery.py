@@ -220,6 +220,7 @@ class Recoveries:
             raise Unrecoverable(f"the replicas of {lost}'s ranks were on {', '.join(no_replica)}, which is silent "
                                 "too: they were lost with it", action="restart the job from its own checkpoint")
         self._check_parts(job, number, kept, lost_parts)
+        self._check_files(job, number, kept, lost_parts)
         md["lost_ranks"] = sorted(p["rank"] for p in lost_parts.values())
         md["lost_s"] = round(started - snap["created"], 3)  # work the job redoes: since the snapshot
         t = self._phase(op_id, md, "fence", t)
@@ -236,6 +237,7 @@ class Recoveries:
         got = in_parallel(lambda h: self._client(h).snapshot_restore(job, number, by_host[h],
                                                                      timeout=self.s.step_timeout_s), sorted(by_host))
         md["restored"] = {**md.get("restored", {}), **{w: r for g in got for w, r in g["workers"].items()}}
+        md["files"] = {"cut_back": [f for r in md["restored"].values() for f in r.get("files_cut_back", [])]}
         t = self._phase(op_id, md, "resume", t)
         all_hosts = dict(by_host)
         all_hosts.setdefault(spare, []).extend(lost_parts)
@@ -295,6 +297,29 @@ class Recoveries:
             raise Unrecoverable(f"snapshot {number} of job {job} is not whole: {'; '.join(problems)}",
                                 action="restart the job from its own checkpoint")
 
+    def _check_files(self, job: str, number: int, kept: dict[str, Any], lost_parts: dict[str, Any]) -> None:
+        """The files the job writes can be cut back to the snapshot (proc/written_files.py): asked of
+        each survivor's host, and of the buddies for the lost ranks, before anything is stopped."""
+        asks: list[tuple[str, str, list[str]]] = []
+        for side, key, parts in (("own", "host", kept), ("replica", "buddy", lost_parts)):
+            by: dict[str, list[str]] = defaultdict(list)
+            for w, p in parts.items():
+                by[p[key]].append(w)
+            asks += [(h, side, ids) for h, ids in sorted(by.items())]
+
+        def ask(a: tuple[str, str, list[str]]) -> str | None:
+            try:
+                with self._client(a[0], timeout=FENCE_TIMEOUT_S) as c:
+                    c.snapshot_check_files(job, number, a[2], a[1], timeout=FENCE_TIMEOUT_S)
+            except PitstopError as e:
+                return f"{a[0]}: {e.message}"
+            return None
+
+        problems = [p for p in in_parallel(ask, asks) if p]
+        if problems:
+            raise Unrecoverable(f"job {job} cannot be rolled back to snapshot {number}: {'; '.join(problems)}",
+                                action="restart the job from its own checkpoint")
+
     def _restore_lost(self, op_id: str, md: dict[str, Any], job: str, number: int, lost_parts: dict[str, Any],
                       alive: set[str], survivors: dict[str, list[str]]) -> str:
         """The lost host's ranks on a spare; another spare if one fails.  Where none can take
@@ -309,7 +334,7 @@ class Recoveries:
             md["destination"] = spare
             self.store.update_op(op_id, dest=spare, metadata=md)
             try:
-                self._to_spare(job, number, lost_parts, spare, op_id)
+                self._to_spare(job, number, lost_parts, spare, op_id, md)
                 return spare
             except PitstopError as e:
                 last = e
@@ -330,7 +355,8 @@ class Recoveries:
         spares = sorted(h["name"] for h in hosts if h["role"] == "spare")
         return spares[0] if spares else None
 
-    def _to_spare(self, job: str, number: int, lost_parts: dict[str, Any], spare: str, op_id: str) -> None:
+    def _to_spare(self, job: str, number: int, lost_parts: dict[str, Any], spare: str, op_id: str,
+                  md: dict[str, Any]) -> None:
         spare_url = self.store.host(spare)["url"]  # type: ignore[index]
         by_buddy: dict[str, list[str]] = defaultdict(list)
         for w, p in lost_parts.items():
@@ -341,7 +367,10 @@ class Recoveries:
         c = self._client(spare)
         for w in lost_parts:
             iid = f"{prefix}{job}-{number}-{w}".replace(".", "_")
-            c.restore_sent(iid, timeout=self.s.step_timeout_s)
+            got = c.restore_sent(iid, timeout=self.s.step_timeout_s)
+            md.setdefault("restored", {})[w] = {"pid": got["worker"]["root_pid"],
+                                                "files_cut_back": got.get("files_cut_back", [])}
+            self.store.update_op(op_id, metadata=md)
 
     def _discard(self, host: str, job: str, ids: list[str]) -> None:
         try:

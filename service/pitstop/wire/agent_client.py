@@ -11,6 +11,7 @@ from pitstop import tls
 from pitstop.errors import DeadlineExceeded, PitstopError, Unavailable
 from pitstop.wire.agent_requests import (
     CaptureRequest,
+    CheckFilesRequest,
     CommitRequest,
     ExitedRequest,
     FenceRequest,
@@ -288,6 +289,10 @@ class AgentClient:
 
     def restore_sent(self, image_id: str, timeout: float) -> dict:
         return self._req("POST", f"/v1/images/{image_id}:restorePaused", timeout=timeout)
+
+    def snapshot_check_files(self, job: str, number: int, ids: list[str], side: str, timeout: float) -> dict:
+        return self._req("POST", f"/v1/snapshots/{job}/{number}:checkFiles",
+                         json=body(CheckFilesRequest, ids=ids, side=side), timeout=timeout)
 
     def stop_workers(self, job: str, ids: list[str], timeout: float | None = None) -> dict:
         return self._req("POST", f"/v1/jobs/{job}:stopWorkers", json=body(WorkersRequest, ids=ids), timeout=timeout)

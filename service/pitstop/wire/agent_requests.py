@@ -57,6 +57,11 @@ class SendReplicasRequest(BaseModel):
     prefix: str = Field("rec-", pattern=r"^[A-Za-z0-9_-]{1,40}$", description="their image ids' prefix there")
 
 
+class CheckFilesRequest(BaseModel):
+    ids: list[str] = Field(min_length=1, max_length=4096)
+    side: Literal["own", "replica"] = "own"
+
+
 class FenceRequest(BaseModel):
     job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
     epoch: int = Field(ge=1, le=2**62, description="the recovery that fenced this host's workers of the job")
