@@ -224,8 +224,12 @@ class Recoveries:
         md["lost_ranks"] = sorted(p["rank"] for p in lost_parts.values())
         md["lost_s"] = round(started - snap["created"], 3)  # work the job redoes: since the snapshot
         t = self._phase(op_id, md, "fence", t)
-        self.store.fence(job, lost, epoch=int(time.time() * 1000))
-        md["fence_epoch"] = self.store.fences(host=lost)[0]["epoch"] if self.store.fences(host=lost) else None
+        epoch = int(time.time() * 1000)
+        self.store.fence(job, lost, epoch=epoch)
+        md["fence_epoch"] = epoch
+        # a host still heard from (an operator's recovery) is told now; a silent one when it reports again
+        md["fenced_now"] = lost in hosts and healthy(hosts[lost], self.s.heartbeat_timeout_s) and \
+            self._fence_now(job, lost, epoch)
         t = self._phase(op_id, md, "stop", t)
         t_pause = time.time()
         by_host: dict[str, list[str]] = defaultdict(list)
@@ -270,6 +274,19 @@ class Recoveries:
                              response={"job": job, "destination": spare, "snapshot": number})
         log.info("job recovered", op=op_id, job=job, lost=lost, spare=spare, snapshot=number, pause_s=md["pause_s"],
                  lost_s=md["lost_s"])
+
+    def _fence_now(self, job: str, lost: str, epoch: int) -> bool:
+        """A lost host whose agent still answers (an operator's recovery, a host whose beats alone
+        were lost) ends the job's workers now, before any copy of them is restored; one that does
+        not answer is told when it reports again (enforce_fences) and isolates them meanwhile
+        by itself (agent/snapshots.py).  Whether it answered."""
+        try:
+            with self._client(lost, timeout=FENCE_TIMEOUT_S) as c:
+                c.fence(job, epoch, "fenced by the recovery that replaces its ranks")
+        except PitstopError:
+            return False
+        self.store.ack_fence(job, lost)
+        return True
 
     def _check_parts(self, job: str, number: int, kept: dict[str, Any], lost_parts: dict[str, Any]) -> None:
         """Every part the recovery needs is complete where the record says, asked before anything
