@@ -231,10 +231,14 @@ def test_replicas_lost_with_their_host_fail_the_recovery_and_change_nothing(clus
     cluster.net.cut("spare-1", up=True)
 
 
-def test_a_log_the_job_appends_to_is_cut_back_to_the_snapshot(cluster, tmp_path):
-    """The job keeps a log open and appends to it: the lines written after the snapshot are cut
-    back when it is rolled back, so the log ends as an uninterrupted run's, line for line."""
+def test_a_log_the_job_appends_to_is_cut_back_when_an_operator_recovers_it(cluster, tmp_path):
+    """`pitstop recover JOB --node HOST --wait --json` by hand, the host still up: its copy of the rank
+    is fenced before anything is restored, and the log the job keeps open and appends to is cut
+    back to the snapshot, so that it ends as an uninterrupted run's, line for line."""
+    import json
     import sys
+
+    from pitstop.dev.devcluster import pitstop_cmd
 
     from .helpers import WORKLOADS
 
@@ -246,9 +250,17 @@ def test_a_log_the_job_appends_to_is_cut_back_to_the_snapshot(cluster, tmp_path)
     _wait_jobs(cc, "app", 1)
     snap = _committed(cc, "app")
     wait_for_step(ranks[0].log, 250)
-    _kill_host(cluster, "host-b", ranks)
-    m = _recovered(cc, "app", "host-b")
-    assert m["files"]["cut_back"], m
+    p = subprocess.run([*pitstop_cmd(), "recover", "app", "--node", "host-b", "--wait", "--json"], env=cluster.env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    op = json.loads(p.stdout)
+    m = op["metadata"]
+    assert op["done"] and m["result"] == "succeeded" and m["requested_by"] == "an operator", op
+    assert m["fenced_now"] and m["snapshot"] >= snap["number"] and m["destination"] == "spare-1"
+    assert [f["path"] for f in m["files"]["cut_back"]] == [str(log)], m
+    assert any(o["name"] == op["name"] for o in json.loads(subprocess.run(
+        [*pitstop_cmd(), "ops", "--json"], env=cluster.env(), capture_output=True, text=True, timeout=60).stdout))
+    assert ranks[0].proc.wait(30) != 0, "its launcher on host-b saw its copy fenced"
     until(lambda: out.exists(), timeout=120, what="the job's result")
     total = 0
     want = []
@@ -257,5 +269,3 @@ def test_a_log_the_job_appends_to_is_cut_back_to_the_snapshot(cluster, tmp_path)
         want.append(f"step {step} {total}")
     assert log.read_text().splitlines() == want
     assert out.read_text().strip() == str(total)
-    assert snap["number"] >= 1
-    cluster.net.cut("host-b", up=True)
