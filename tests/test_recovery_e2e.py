@@ -5,8 +5,6 @@ agents, coordinator, CRIU, torch gloo with workers' own addresses, namespaces, n
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import time
 
@@ -32,27 +30,8 @@ def _committed(cc: CoordinatorClient, job: str, after: int = 0) -> dict:
     return until(done, timeout=90, what=f"a committed snapshot of {job} after {after}")
 
 
-def _kill_host(cluster, name: str, ranks) -> list[str]:
-    """Host `name` dies outright: its agent, its workers and their launchers SIGKILLed, its link
-    cut, its workers' namespaces gone with it.  The worker ids it ran."""
-    a = cluster.agents[name]
-    with AgentClient(a.url, cluster.token) as c:
-        ws = [w for w in c.workers() if w["state"] in ("running", "paused")]
-    a.proc.kill()
-    a.proc.wait(10)
-    for w in ws:
-        subprocess.run(["pkill", "-KILL", "-s", str(os.getsid(w["root_pid"]))], capture_output=True)
-    for r in ranks:
-        if r.agent == name:
-            try:
-                os.killpg(r.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    cluster.net.cut(name)
-    for w in ws:
-        if w.get("net"):
-            subprocess.run(["ip", "netns", "delete", w["net"]["netns"]], capture_output=True)
-    return [w["id"] for w in ws]
+def _kill_host(cluster, name: str, ranks=None) -> list[str]:
+    return cluster.kill_host(name)
 
 
 def _hashes_written(out, world: int) -> bool:

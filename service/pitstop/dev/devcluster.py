@@ -278,6 +278,30 @@ class LocalCluster:
         a = self.agents[name]
         _stop(a.proc, sig)
 
+    def kill_host(self, name: str) -> list[str]:
+        """Host `name` dies outright, as one that loses power: its agent, its workers and the launchers
+        of ranks started there SIGKILLed, its link cut (`net.cut`), its workers' namespaces gone with
+        it.  The ids of the workers it ran."""
+        a = self.agents[name]
+        with AgentClient(a.url, self.token) as c:
+            ws = [w for w in c.workers() if w["state"] in ("running", "paused")]
+        a.proc.kill()
+        a.proc.wait(10)
+        for w in ws:
+            with contextlib.suppress(ProcessLookupError):
+                sid = os.getsid(w["root_pid"])
+                subprocess.run(["pkill", "-KILL", "-s", str(sid)], capture_output=True, timeout=10)
+        for r in self.ranks:
+            if r.agent == name:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(r.proc.pid, signal.SIGKILL)
+        if self.net:
+            self.net.cut(name)
+        for w in ws:
+            if w.get("net"):
+                subprocess.run(["ip", "netns", "delete", w["net"]["netns"]], capture_output=True, timeout=10)
+        return [w["id"] for w in ws]
+
     def worker_address(self, index: int) -> str:
         """An address for a worker of its own on the hosts' segment (`pitstop run --address`)."""
         assert self.net is not None, "worker addresses need hosts with their own network (net=NetHosts())"
