@@ -55,7 +55,7 @@ def test_gloo_job_recovers_by_itself_from_a_host_that_died_during_a_snapshot(clu
         for name in ("host-a", "host-b"):
             cluster.start_agent(name)
         cluster.start_agent("spare-1", spare=True,
-                            env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "restore:before_criu=fail"})
+                            env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "snapshot:before_restore=fail"})
         cluster.start_agent("spare-2", spare=True)
     cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
     out = tmp_path / "out"

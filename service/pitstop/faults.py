@@ -15,6 +15,9 @@ damage what it handles, as CRIU's zdtm does with its own hooks.  Points:
   transfer:cut_after    source agent, value = bytes after which the image stream breaks
   image:corrupt         destination agent, value = 1: flip one byte of the received pages
   restore:before_criu   destination agent, before CRIU restores
+  snapshot:before_dump  any agent, before CRIU dumps a worker for a snapshot
+  snapshot:before_replicate  any agent, before it sends a snapshot's part to its buddy
+  snapshot:before_restore    any agent, before a recovery restores a worker from a snapshot
   rollback:before_restore source agent, a rollback's restore from its own images, after the stopped
                         source was killed (fail: the move and its rollback both fail)
   restore:before_register destination agent, after CRIU restored the worker, before it is

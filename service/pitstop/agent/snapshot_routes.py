@@ -5,18 +5,12 @@ The work is agent/snapshots.py's; these only check and answer."""
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 from fastapi import APIRouter, Depends
 
 from pitstop.agent.agent import AgentDep
 from pitstop.agent.peer_routes import auth
-from pitstop.agent.snapshots import files_of
-from pitstop.errors import PitstopError
-from pitstop.network import workerns
-from pitstop.proc import written_files
-from pitstop.transfer.manifest import Manifest
 from pitstop.wire import agent_requests
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
@@ -56,8 +50,11 @@ def keep_replica(agent: AgentDep, image_id: str, req: agent_requests.KeepReplica
 
 
 @router.post("/snapshots/{job}/{number}:restore")
-def restore_own(agent: AgentDep, job: str, number: int, req: agent_requests.WorkersRequest) -> dict[str, Any]:
-    return agent.snapshots.restore_own(job, number, req.ids)
+def restore(agent: AgentDep, job: str, number: int, req: agent_requests.CheckFilesRequest) -> dict[str, Any]:
+    """Roll the job's workers back to the snapshot here: from this host's own parts (survivors) or
+    from the replicas kept here (a spare taking a lost host's ranks); they stay stopped until the
+    coordinator resumes the whole job."""
+    return agent.snapshots.restore(job, number, req.ids, req.side)
 
 
 @router.post("/snapshots/{job}/{number}:checkFiles")
@@ -69,33 +66,7 @@ def check_files(agent: AgentDep, job: str, number: int, req: agent_requests.Chec
 
 @router.post("/snapshots/{job}/{number}:sendReplicas")
 def send_replicas(agent: AgentDep, job: str, number: int, req: agent_requests.SendReplicasRequest) -> dict[str, Any]:
-    return agent.snapshots.send_replicas(job, number, req.ids, req.dest_url, req.prefix)
-
-
-@router.post("/images/{image_id}:restorePaused")
-def restore_sent(agent: AgentDep, image_id: str) -> dict[str, Any]:
-    """A replica sent here by its keeper: restored as a move's image is, then held paused with the
-    rest of the job until the coordinator resumes it."""
-    d = agent.dest.slot(image_id).directory
-    m = Manifest.read(d)
-    cut = written_files.cut_back(files_of(d))  # refused before the restore where a file cannot be matched
-    net = workerns.from_dict(m.net)
-    mine = agent.state.workers.get(str(m.worker.get("id")))
-    # Its namespace's name is taken on this machine by a copy this agent does not run: its old
-    # host's, alive but cut off, on a machine shared by several agents (a testbed).
-    netns = f"{net.netns[:40]}-{secrets.token_hex(3)}" if net and workerns.exists(net) and not (
-        mine and mine.net and mine.net.get("netns") == net.netns) else None
-    try:
-        w, phases = agent.dest.restore_image(image_id, netns=netns)
-    except PitstopError:
-        agent.metrics.restores.labels("failed").inc()
-        raise
-    agent.metrics.restores.labels("ok").inc()
-    every = m.worker.get("snapshot_every_s")
-    if every:
-        agent.state.update_worker(w, snapshot_every_s=float(every))
-    agent.snapshots.paused(w)
-    return {"worker": w.model_dump(), "phases": phases, "files_cut_back": cut}
+    return agent.snapshots.send_replicas(job, number, req.ids, req.dest_url)
 
 
 @router.post("/jobs/{job}:stopWorkers")

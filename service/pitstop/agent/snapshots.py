@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import threading
 import time
@@ -28,10 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from pitstop import faults
+from pitstop import faults, nsinit
 from pitstop.agent.state import Worker
-from pitstop.criu import criu_ops, runtime
+from pitstop.criu import criu_ops, criutrack, runtime
 from pitstop.errors import CaptureFailed, Conflict, FailedPrecondition, NotFound, PitstopError, TransferFailed
+from pitstop.memory import writetrack
 from pitstop.network import workerns
 from pitstop.proc import proctree, written_files
 from pitstop.transfer.manifest import MANIFEST, Manifest, StdioPipe, check_image_id
@@ -44,8 +46,19 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pitstop.agent.snapshots")
 
 OWN, REPLICA = "own", "replica"
+PARENT = "parent"  # a part's link to the part it is a delta against (CRIU's --prev-images-dir)
+META = "snapshot.json"  # {"parent": number or null, "depth": deltas down to a whole part}
+CHAIN_MAX = 8  # deltas on one whole part; then a whole one again, so that a chain (and a restore) stays short
+PAGE = 4096
+FENCED_INIT_DIR_KEEP_S = 60.0
 FILES = "files.json"  # the regular files the worker writes, as of the snapshot (proc/written_files.py)
-RECOVER_PREFIX = "rec-"  # a replica on its way to a spare, as an image id there
+
+
+def _meta(d: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((d / META).read_text()))
+    except (FileNotFoundError, ValueError):
+        return {}
 
 
 def files_of(d: Path) -> list[written_files.WrittenFile]:
@@ -56,9 +69,9 @@ def files_of(d: Path) -> list[written_files.WrittenFile]:
         return []
 
 
-def image_id(job: str, number: int, wid: str, prefix: str = "snap-") -> str:
+def image_id(job: str, number: int, wid: str) -> str:
     """A part as an image id on the wire: letters, digits, '-' and '_' only."""
-    out = f"{prefix}{job}-{number}-{wid}".replace(".", "_")
+    out = f"snap-{job}-{number}-{wid}".replace(".", "_")
     check_image_id(out)
     return out
 
@@ -83,6 +96,8 @@ class Snapshots:
         self.replications: dict[tuple[str, int], Replication] = {}
         self.fences_file = agent.s.state_dir / "fences.json"
         self.isolated: set[str] = set()  # workers stopped and cut off while the coordinator was out of reach
+        self.trackers: dict[str, dict[int, writetrack.Tracked]] = {}  # worker -> its processes' write tracking
+        self.reset_at: dict[str, tuple[str, int]] = {}  # worker -> (job, the part its tracking was last reset at)
 
     # -- where parts live ----------------------------------------------------------------------
     def _dir(self, job: str, number: int, side: str, wid: str | None = None) -> Path:
@@ -116,6 +131,11 @@ class Snapshots:
             if w.state not in ("running", "paused"):
                 raise Conflict(f"worker {w.id} is {w.state}", action="snapshots are taken of running workers")
             self._own_net(w, cut)
+        for w in self._workers(job, ids):
+            try:
+                self.track(w)
+            except OSError as e:  # the tracking is a saving, never a condition
+                log.warning("write tracking for snapshots failed; its parts are whole", worker=w.id, error=repr(e))
 
     # -- taking one ----------------------------------------------------------------------------
     def lock_net(self, job: str, ids: list[str], locked: bool, cut: bool = False) -> None:
@@ -151,8 +171,10 @@ class Snapshots:
 
         def one(w: Worker) -> None:
             try:
-                results[w.id] = self._dump(w, base / w.id)
+                results[w.id] = self._dump(w, base / w.id, job, number)
             except BaseException as e:  # noqa: BLE001 - reported with the others
+                if not isinstance(e, PitstopError):
+                    log.exception("a snapshot's dump failed", worker=w.id)
                 errors.append(e)
 
         threads = [threading.Thread(target=one, args=(w,), name=f"snap-{w.id}") for w in ws]
@@ -175,17 +197,45 @@ class Snapshots:
         log.info("snapshot taken", job=job, number=number, workers=len(ws), seconds=out["seconds"])
         return out
 
-    def _dump(self, w: Worker, d: Path) -> dict[str, Any]:
+    def _dump(self, w: Worker, d: Path, job: str, number: int) -> dict[str, Any]:
+        """One worker's part: CRIU's incremental dump against the part the tracking was last reset
+        at, where the whole tree is tracked and the chain is short enough; else whole.  Then the
+        tracking is reset (the job is still paused), so the next part holds what is written from
+        now on."""
         pids = proctree.tree(w.root_pid)
         stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
+        parent, binary = self._parent_for(w, job, number, pids)
         gpu = self.a.source.gpu.suspend(pids, rescan=lambda: proctree.tree(w.root_pid))
+        depth = 0
         try:
             faults.hit("snapshot:before_dump")
-            res = criu_ops.dump(w.root_pid, d, timeout_s=self.a.s.dump_timeout_s, leave_running=True,
-                                own_netns=workerns.netns_inode(w.root_pid) if w.net else None)
+            own = workerns.netns_inode(w.root_pid) if w.net else None
+            res = None
+            if parent is not None:
+                p, depth = parent
+                d.mkdir(mode=0o700, exist_ok=True)
+                os.symlink(f"../../../{p}/{OWN}/{w.id}", d / PARENT)  # from <job>/<n>/own/<wid>
+                try:
+                    res = criu_ops.dump(w.root_pid, d, timeout_s=self.a.s.dump_timeout_s, leave_running=True,
+                                        own_netns=own, parent=PARENT, binary=binary, log_level=criutrack.LOG_LEVEL)
+                except CaptureFailed as e:  # CRIU let the tree be; its writes are still tracked
+                    log.warning("an incremental snapshot failed; dumping whole", worker=w.id, reason=e.message)
+                    kept = self.a.source._keep_diagnostic(d / criu_ops.DUMP_LOG, f"snapshot-incremental-{w.id}.log")
+                    if kept:
+                        log.info("its CRIU log is kept", log=str(kept))
+                    for f in d.iterdir():
+                        f.unlink()
+                    parent, depth = None, 0
+            if res is None:  # whole; with the dump's time recorded where a delta may follow it (CRIU's pid-reuse check)
+                tracked = bool(self.trackers.get(w.id)) and criutrack.binary(self.a.s.state_dir)[0]
+                res = criu_ops.dump(w.root_pid, d, timeout_s=self.a.s.dump_timeout_s, leave_running=True, own_netns=own,
+                                    track_mem=bool(tracked), binary=tracked or None)
+            self._reset_tracking(w, number, pids)
         finally:
             if gpu:
                 self.a.source.gpu.resume_in_place(gpu.record())
+        (d / META).write_text(json.dumps({"parent": parent[0] if parent else None, "depth": depth + 1 if parent else 0,
+                                          "pages_written": res.pages_written, "pages_in_parent": res.pages_in_parent}))
         (d / FILES).write_text(json.dumps([f.to_dict() for f in written_files.written_files(pids)]))
         size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
         m = Manifest(capture_id=d.name, stdio=[StdioPipe(**s) for s in stdio], criu_version=runtime.locate().version_str,
@@ -194,7 +244,58 @@ class Snapshots:
                              **({"slurm_job": w.slurm_job} if w.slurm_job else {}),
                              **({"snapshot_every_s": w.snapshot_every_s} if w.snapshot_every_s else {})})
         m.write(d)  # last: the part is complete
-        return {"bytes": size, "dump_s": round(res.seconds, 4), "frozen_s": round(res.frozen_s, 4)}
+        return {"bytes": size, "dump_s": round(res.seconds, 4), "frozen_s": round(res.frozen_s, 4),
+                "parent": parent[0] if parent else None, "bytes_in_parent": res.pages_in_parent * PAGE}
+
+    # -- what changed since the last part: the kernel's write tracking (memory/writetrack.py) ---
+    def track(self, w: Worker) -> None:
+        """Track the writes of every process of the worker not tracked yet; asked while it runs
+        (the handoff needs its processes to answer a signal), before the snapshot's pause."""
+        if not self.a.source._track_writes():
+            return
+        pids = proctree.tree(w.root_pid)
+        have = self.trackers.setdefault(w.id, {})
+        for pid in [p for p in have if p not in pids]:  # ended: their tracking ends with them
+            have.pop(pid).close()
+        new = [p for p in pids if p not in have]
+        if new:
+            tracked, why = writetrack.start(new)
+            have.update(tracked)
+            if why:
+                log.info("a snapshot's processes not all tracked: their parts are whole", worker=w.id,
+                         why=sorted(set(why.values()))[:3])
+
+    def _parent_for(self, w: Worker, job: str, number: int, pids: list[int]) -> tuple[tuple[int, int] | None, str | None]:
+        """((the part to dump against, its depth), the CRIU that can) where an incremental dump is
+        right: the tracking was reset at that very part, which is still here and complete, and the
+        chain is shorter than CHAIN_MAX.  Else (None, None).  A process not tracked (the namespace's
+        init, a child forked since) reads as written throughout (native/criutrack.c): dumped whole."""
+        have = self.trackers.get(w.id, {})
+        at = self.reset_at.get(w.id)
+        if not have or at is None or at[0] != job or at[1] >= number:
+            return None, None
+        prev = self._dir(job, at[1], OWN, w.id)
+        if not (prev / MANIFEST).exists():
+            return None, None
+        depth = _meta(prev).get("depth", 0)
+        if depth + 1 >= CHAIN_MAX:
+            return None, None
+        binary, _ = criutrack.binary(self.a.s.state_dir)
+        return ((at[1], depth), binary) if binary else (None, None)
+
+    def _reset_tracking(self, w: Worker, number: int, pids: list[int]) -> None:
+        have = self.trackers.get(w.id, {})
+        if not have:
+            return
+        for pid in pids:
+            if pid in have:
+                have[pid].protect()
+        self.reset_at[w.id] = (w.job, number)
+
+    def end_tracking(self, wid: str) -> None:
+        for t in self.trackers.pop(wid, {}).values():
+            t.close()
+        self.reset_at.pop(wid, None)
 
     def _replicate(self, job: str, number: int, ws: list[Worker], rep: Replication) -> None:
         t0 = time.monotonic()
@@ -238,10 +339,18 @@ class Snapshots:
             raise Conflict(f"image {iid} is not part {wid} of snapshot {number} of job {job}",
                            action="name the image the part was sent as")
         src = self.a.dest.take_verified(iid)
+        parent = _meta(src).get("parent")
+        if parent is not None and not (self._dir(job, int(parent), REPLICA, wid) / MANIFEST).exists():
+            shutil.rmtree(src, ignore_errors=True)
+            raise FailedPrecondition(f"part {wid} of snapshot {number} is a delta against snapshot {parent}, whose "
+                                     "replica is not here", code="replica_parent_missing",
+                                     action="the next snapshot is taken whole")
         dst = self._dir(job, number, REPLICA, wid)
         shutil.rmtree(dst, ignore_errors=True)
         dst.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
         os.rename(src, dst)
+        if parent is not None:
+            os.symlink(f"../../../{parent}/{REPLICA}/{wid}", dst / PARENT)
         return {"job": job, "number": number, "worker": wid, "kept": True}
 
     # -- what is here --------------------------------------------------------------------------
@@ -264,12 +373,29 @@ class Snapshots:
                                 "error": rep.error, "seconds": rep.seconds, "bytes": rep.bytes}})
         return out
 
+    def chain(self, job: str, number: int) -> set[int]:
+        """`number` and every snapshot a part of it here is a delta against, down to whole parts."""
+        out, todo = set(), [number]
+        while todo:
+            n = todo.pop()
+            if n in out:
+                continue
+            out.add(n)
+            for side in (OWN, REPLICA):
+                for d in self._dir(job, n, side).glob("*"):
+                    p = _meta(d).get("parent")
+                    if p is not None:
+                        todo.append(int(p))
+        return out
+
     def drop(self, job: str, keep: int | None = None) -> list[int]:
-        """Delete the job's snapshots here (own and replicas), all but `keep` if given."""
+        """Delete the job's snapshots here (own and replicas), all but `keep` and the parts it is a
+        delta against, if given."""
         jd = self.root / job
         dropped = []
+        kept = self.chain(job, keep) if keep is not None and jd.exists() else set()
         for nd in list(jd.glob("*")) if jd.exists() else []:
-            if nd.name.isdigit() and int(nd.name) != keep:
+            if nd.name.isdigit() and int(nd.name) not in kept:
                 shutil.rmtree(nd, ignore_errors=True)
                 dropped.append(int(nd.name))
                 with self.lock:
@@ -300,6 +426,7 @@ class Snapshots:
                 self.a.state.update_worker(w, state="stopped", reason=why)
                 proctree.kill_and_wait(w.root_pid)
                 stopped.append(wid)
+            self.end_tracking(wid)
             net = workerns.from_dict(w.net)
             if net:
                 workerns.destroy(net)
@@ -330,6 +457,12 @@ class Snapshots:
             net = workerns.from_dict(w.net)
             if net:
                 workerns.destroy(net)
+        # its init's directory: empty now, removed once nothing works in it (not at once: on a machine
+        # whose hosts share /run, the rank's copy on the spare is being restored into that very path)
+        for w in [w for w in self.a.state.workers.values() if w.job == job and w.init_dir]:
+            t = threading.Timer(FENCED_INIT_DIR_KEEP_S, nsinit.remove_unused, args=(w.init_dir,))
+            t.daemon = True
+            t.start()
         fences = self.fences()
         fences[job] = max(epoch, fences.get(job, 0))
         tmp = self.fences_file.with_suffix(".tmp")
@@ -388,27 +521,37 @@ class Snapshots:
             out[wid] = written_files.cut_back(files_of(self._part(job, number, side, wid)), apply=False)
         return {"workers": out}
 
-    def restore_own(self, job: str, number: int, ids: list[str]) -> dict[str, Any]:
-        """Roll the job's workers here back to snapshot `number`: every part and the files its worker
-        writes checked first, then each running copy ended, its files cut back and its part
-        restored, stopped as it was dumped (the coordinator resumes every rank of the job at once)."""
-        parts = {wid: self._part(job, number, OWN, wid) for wid in dict.fromkeys(ids)}
+    def restore(self, job: str, number: int, ids: list[str], side: str = OWN) -> dict[str, Any]:
+        """Roll the job's workers back to snapshot `number` here, from this host's own parts or from
+        replicas kept (or just received) here: every part and the files its worker writes checked
+        first, then each running copy ended, its files cut back and its part restored, stopped as
+        it was dumped (the coordinator resumes every rank of the job at once)."""
+        parts = {wid: self._part(job, number, side, wid) for wid in dict.fromkeys(ids)}
         for d in parts.values():
             written_files.cut_back(files_of(d), apply=False)
         self.stop(job, list(parts), f"rolled back to snapshot {number}")
         out = {}
         for wid, d in parts.items():
             cut = written_files.cut_back(files_of(d))
-            out[wid] = {**self._restore_dir(d), "files_cut_back": cut}
+            out[wid] = {**self._restore_dir(d, fresh_net=side == REPLICA), "files_cut_back": cut}
         return {"workers": out}
 
-    def _restore_dir(self, d: Path) -> dict[str, Any]:
+    def _restore_dir(self, d: Path, fresh_net: bool) -> dict[str, Any]:
+        """fresh_net: its network namespace gets a name of its own here (a lost host's rank on a
+        spare), so that nothing of the old host's, should it come back, ever acts on it by name."""
         m = Manifest.read(d)
         wk = m.worker
         t0 = time.monotonic()
+        faults.hit("snapshot:before_restore")
+        net = m.net
+        wn = workerns.from_dict(net)
+        if wn and fresh_net:
+            net = {**wn.to_dict(), "netns": f"{workerns.netns_name(str(wk['id']))}-{secrets.token_hex(3)}"}
         w = self.a.dest.restore_dir(d, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
                                     stdio=[p.model_dump() for p in m.stdio], replace=True, output_base=m.output_base,
-                                    gpu=m.gpu or None, net=m.net, init_dir=wk.get("init_dir"))
+                                    gpu=m.gpu or None, net=net, init_dir=wk.get("init_dir"))
+        if wk.get("snapshot_every_s"):
+            self.a.state.update_worker(w, snapshot_every_s=float(wk["snapshot_every_s"]))
         self.paused(w)
         return {"pid": w.root_pid, "seconds": round(time.monotonic() - t0, 4)}
 
@@ -417,12 +560,18 @@ class Snapshots:
         stopped and CRIU restores it so; its record says paused so that the job's resume reaches it."""
         self.a.state.update_worker(w, state="paused", paused_at=time.time())
 
-    def send_replicas(self, job: str, number: int, ids: list[str], dest_url: str, prefix: str) -> dict[str, Any]:
-        """Send the replicas of these workers to a spare, as images it then restores."""
+    def send_replicas(self, job: str, number: int, ids: list[str], dest_url: str) -> dict[str, Any]:
+        """Send the replicas of these workers to a spare, which keeps them as replicas and restores
+        them: each part with the parts it is a delta against, the oldest first."""
         parts = {wid: self._part(job, number, REPLICA, wid) for wid in dict.fromkeys(ids)}
         out = {}
         for wid, d in parts.items():
             t0 = time.monotonic()
-            n = self._send(d, dest_url, image_id(job, number, wid, prefix=prefix))
-            out[wid] = {"bytes": n, "seconds": round(time.monotonic() - t0, 4)}
+            chain = [number]
+            while (p := _meta(self._dir(job, chain[-1], REPLICA, wid)).get("parent")) is not None:
+                chain.append(int(p))
+            n = 0
+            for k in reversed(chain):
+                n += self._send(self._part(job, k, REPLICA, wid), dest_url, image_id(job, k, wid), keep=(job, k, wid))
+            out[wid] = {"bytes": n, "parts": len(chain), "seconds": round(time.monotonic() - t0, 4)}
         return {"workers": out}

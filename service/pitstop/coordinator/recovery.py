@@ -374,20 +374,20 @@ class Recoveries:
 
     def _to_spare(self, job: str, number: int, lost_parts: dict[str, Any], spare: str, op_id: str,
                   md: dict[str, Any]) -> None:
+        """The lost ranks' replicas onto the spare (already there where it was their buddy), kept
+        there as replicas, then restored from them."""
         spare_url = self.store.host(spare)["url"]  # type: ignore[index]
         by_buddy: dict[str, list[str]] = defaultdict(list)
         for w, p in lost_parts.items():
-            by_buddy[p["buddy"]].append(w)
-        prefix = f"rec{op_id[-8:]}-"
-        in_parallel(lambda b: self._client(b).send_replicas(job, number, by_buddy[b], spare_url, prefix,
-                                                            timeout=self.s.capture_deadline_s), sorted(by_buddy))
-        c = self._client(spare)
-        for w in lost_parts:
-            iid = f"{prefix}{job}-{number}-{w}".replace(".", "_")
-            got = c.restore_sent(iid, timeout=self.s.step_timeout_s)
-            md.setdefault("restored", {})[w] = {"pid": got["worker"]["root_pid"],
-                                                "files_cut_back": got.get("files_cut_back", [])}
-            self.store.update_op(op_id, metadata=md)
+            if p["buddy"] != spare:
+                by_buddy[p["buddy"]].append(w)
+        sent = in_parallel(lambda b: self._client(b).send_replicas(job, number, by_buddy[b], spare_url,
+                                                                   timeout=self.s.capture_deadline_s), sorted(by_buddy))
+        md["replicas_sent"] = {w: r for g in sent for w, r in g["workers"].items()}
+        got = self._client(spare).snapshot_restore(job, number, sorted(lost_parts), timeout=self.s.step_timeout_s,
+                                                   side="replica")
+        md.setdefault("restored", {}).update(got["workers"])
+        self.store.update_op(op_id, metadata=md)
 
     def _discard(self, host: str, job: str, ids: list[str]) -> None:
         try:

@@ -261,6 +261,9 @@ class Snapshots:
                                                                  cut=cut is not None), hosts)
             record["phases"]["dump"] = round(time.monotonic() - t, 4)
             record["bytes"] = sum(p["bytes"] for g in got for p in g["parts"].values())
+            # an incremental part's pages left in the part before it: not dumped, not sent again
+            record["bytes_in_parent"] = sum(p.get("bytes_in_parent", 0) for g in got for p in g["parts"].values())
+            record["incremental"] = sorted(w for g in got for w, p in g["parts"].items() if p.get("parent"))
         finally:
             t = time.monotonic()
             undo_errors = []

@@ -63,11 +63,13 @@ NET_KEY = "wnet"
 
 def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | None = None,
          rt: runtime.CriuRuntime | None = None, parent: str | None = None, binary: str | None = None,
-         log_level: int = 4, leave_running: bool = False) -> DumpResult:
+         log_level: int = 4, leave_running: bool = False, track_mem: bool = False) -> DumpResult:
     """Dump the tree rooted at root_pid into `images`, leaving it stopped.
 
     leave_running: a snapshot's dump (agent/snapshots.py): CRIU gives the tree back as it found it
     (a tree the coordinator stopped stays stopped) and takes its sockets out of repair mode.
+    track_mem: a whole dump that a later incremental one can take as its parent (CRIU then records
+    the dump's time, its pid-reuse check); only with `binary`, as for `parent`.
 
     parent: an incremental dump (CRIU's --track-mem) against the image directory at this path
     (relative to `images`); only with `binary`, a CRIU that can tell what changed
@@ -88,8 +90,9 @@ def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | N
         if own_netns is not None:  # the worker's namespace: external, locked whole by the agent
             c.opts.external.append(f"net[{own_netns}]:{NET_KEY}")
             c.opts.network_lock = pycriu.rpc.SKIP
-        if parent is not None:
+        if parent is not None or track_mem:
             c.opts.track_mem = True
+        if parent is not None:
             c.opts.parent_img = parent
         c.opts.log_file = DUMP_LOG
         c.opts.log_level = log_level

@@ -327,7 +327,9 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     if info.get("state") not in MOVING and not info.get("restored"):
         _safe(client.exited, wid, code)
         if not (code != 0 and info.get("snapshot_every_s") and _recovered(client, wid, info.get("root_pid"))):
-            nsinit.remove_unused(init_dir)  # its init's, where the tree was killed
+            info = _safe(client.worker, wid) or {}
+            if not info.get("fenced_epoch"):  # a fenced rank's directory is its agent's to remove
+                nsinit.remove_unused(init_dir)  # its init's, where the tree was killed
             return code
     return _follow_recoveries(client, wid)
 

@@ -278,17 +278,13 @@ class AgentClient:
         return self._req("POST", f"/v1/images/{image_id}:keepReplica",
                          json=body(KeepReplicaRequest, job=job, number=number, worker_id=worker_id))
 
-    def snapshot_restore(self, job: str, number: int, ids: list[str], timeout: float) -> dict:
-        return self._req("POST", f"/v1/snapshots/{job}/{number}:restore", json=body(WorkersRequest, ids=ids),
-                         timeout=timeout)
+    def snapshot_restore(self, job: str, number: int, ids: list[str], timeout: float, side: str = "own") -> dict:
+        return self._req("POST", f"/v1/snapshots/{job}/{number}:restore",
+                         json=body(CheckFilesRequest, ids=ids, side=side), timeout=timeout)
 
-    def send_replicas(self, job: str, number: int, ids: list[str], dest_url: str, prefix: str,
-                      timeout: float) -> dict:
+    def send_replicas(self, job: str, number: int, ids: list[str], dest_url: str, timeout: float) -> dict:
         return self._req("POST", f"/v1/snapshots/{job}/{number}:sendReplicas",
-                         json=body(SendReplicasRequest, ids=ids, dest_url=dest_url, prefix=prefix), timeout=timeout)
-
-    def restore_sent(self, image_id: str, timeout: float) -> dict:
-        return self._req("POST", f"/v1/images/{image_id}:restorePaused", timeout=timeout)
+                         json=body(SendReplicasRequest, ids=ids, dest_url=dest_url), timeout=timeout)
 
     def snapshot_check_files(self, job: str, number: int, ids: list[str], side: str, timeout: float) -> dict:
         return self._req("POST", f"/v1/snapshots/{job}/{number}:checkFiles",

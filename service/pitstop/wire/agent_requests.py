@@ -54,7 +54,6 @@ class KeepReplicaRequest(BaseModel):
 class SendReplicasRequest(BaseModel):
     ids: list[str] = Field(min_length=1, max_length=4096)
     dest_url: str = Field(min_length=8, max_length=2048, description="the spare that restores them")
-    prefix: str = Field("rec-", pattern=r"^[A-Za-z0-9_-]{1,40}$", description="their image ids' prefix there")
 
 
 class CheckFilesRequest(BaseModel):
