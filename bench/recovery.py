@@ -88,16 +88,23 @@ def run(state_mb: float, every: float, window: float, steps: int) -> dict:
         base_rate = _rate(log, t0, time.time())
 
         cc.set_snapshots("train", every)
+        first = time.time()
+        while not [s for s in cc.snapshots("train")["snapshots"] if s["state"] == "committed"]:
+            if time.time() - first > 120:
+                raise SystemExit(f"no snapshot within 120 s: {cc.snapshots('train').get('last_error')}")
+            time.sleep(0.2)
+        first_pause = cc.snapshots("train")["snapshots"][-1]["pause_s"]  # the whole one; then deltas
         t1 = time.time()
         time.sleep(window)
         t2 = time.time()
         snap_rate = _rate(log, t1, t2)
         info = cc.snapshots("train")
         committed = [s for s in info["snapshots"] if s["state"] == "committed"]
-        history = []  # every snapshot the coordinator logged committed in the window
+        history = []  # every snapshot the coordinator logged committed, the first (whole) one left out
         for line in (cluster.root / "coordinator.log").read_text().splitlines():
             if "snapshot committed" in line and "job=train" in line:
                 history.append(float(line.split("pause_s=")[1].split()[0]))
+        history = history[1:]
         if not committed:
             raise SystemExit(f"no snapshot committed in {window} s: {info.get('last_error')}")
         last = committed[-1]
@@ -116,8 +123,13 @@ def run(state_mb: float, every: float, window: float, steps: int) -> dict:
         m = op["metadata"]
         if m.get("result") != "succeeded":
             raise SystemExit(f"the recovery failed: {op.get('error')}")
-        wait_for_step(log, step_at_kill + 1, timeout_s=300)
-        back_at = next(t for s, t in step_times(log) if s == step_at_kill + 1 and t > kill_at)
+        done_at = float(m.get("update_time") or time.time())
+        end = time.time() + 300
+        while not [t for s, t in step_times(log) if s == step_at_kill + 1 and t > done_at]:
+            if time.time() > end:
+                raise SystemExit("the recovered job did not reach the step of the failure again")
+            time.sleep(0.2)
+        back_at = next(t for s, t in step_times(log) if s == step_at_kill + 1 and t > done_at)
         snap_step = _step_at(log, snap_now["created"])
         started = op.get("metadata", {}).get("create_time") or kill_at
         cc.signal_job("train", 9)
@@ -125,6 +137,7 @@ def run(state_mb: float, every: float, window: float, steps: int) -> dict:
         pitstop = {
             "snapshot_every_s": every, "state_mb": state_mb,
             "step_rate_no_snapshots": round(base_rate, 3), "step_rate_with_snapshots": round(snap_rate, 3),
+            "first_snapshot_pause_s": first_pause,
             "snapshot_pause_s": history, "snapshot_pause_median_s": round(statistics.median(history), 4),
             "snapshot_job_gap_s": round(seen, 4), "snapshot_bytes": last.get("bytes"),
             "snapshot_phases": last.get("phases"),
@@ -146,7 +159,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--state-mb", type=float, default=128.0, help="extra state a rank holds (MB)")
     ap.add_argument("--every", type=float, default=10.0, help="seconds between snapshots while measured")
-    ap.add_argument("--window", type=float, default=40.0, help="seconds each step rate is measured over")
+    ap.add_argument("--window", type=float, default=50.0, help="seconds each step rate is measured over")
     ap.add_argument("--steps", type=int, default=100000, help="the job's steps (it is stopped after the recovery)")
     a = ap.parse_args()
     r = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M"), "args": vars(a), **run(a.state_mb, a.every,
