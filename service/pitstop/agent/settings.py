@@ -53,6 +53,10 @@ class AgentSettings(BaseSettings):
     # A reception fails (507) rather than leave less than this free where images are received: the
     # image directory is a tmpfs, the host's memory, and filling it would starve the jobs it hosts.
     image_free_reserve_mb: int = Field(default=256, ge=0)
+    # What snapshots (this host's parts and the replicas it keeps for others) may hold in the image
+    # directory, MiB; None: half of that file system.  A snapshot that would not fit is refused
+    # before its job pauses, saying so (agent/snapshots.py).
+    snapshot_budget_mb: int | None = Field(default=None, ge=1)
     restore_timeout_s: float = 120.0
     # A rollback that failed keeps the source's images this long (for a retry, or an operator's look),
     # then deletes them: they hold the worker's whole memory, in the host's RAM

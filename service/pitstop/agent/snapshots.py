@@ -131,11 +131,49 @@ class Snapshots:
             if w.state not in ("running", "paused"):
                 raise Conflict(f"worker {w.id} is {w.state}", action="snapshots are taken of running workers")
             self._own_net(w, cut)
+        self._check_budget(job, self._workers(job, ids))
         for w in self._workers(job, ids):
             try:
                 self.track(w)
             except OSError as e:  # the tracking is a saving, never a condition
                 log.warning("write tracking for snapshots failed; its parts are whole", worker=w.id, error=repr(e))
+
+    def budget(self) -> int:
+        """Bytes snapshots may hold here."""
+        if self.a.s.snapshot_budget_mb:
+            return self.a.s.snapshot_budget_mb << 20
+        return shutil.disk_usage(self.a.s.images).total // 2
+
+    def usage(self) -> int:
+        """Bytes the snapshots hold here now (own parts and replicas)."""
+        total = 0
+        for dirpath, _, names in os.walk(self.root):
+            for n in names:
+                try:
+                    total += os.lstat(os.path.join(dirpath, n)).st_size
+                except OSError:
+                    continue
+        return total
+
+    def _estimate(self, job: str, w: Worker) -> int:
+        """What the worker's next part will take: a whole dump holds every resident page of each
+        process (a forked child's copy-on-write pages once more); a delta, about what the last one did."""
+        at = self.reset_at.get(w.id)
+        if self.trackers.get(w.id) and at is not None and at[0] == job:
+            last = _meta(self._dir(job, at[1], OWN, w.id))
+            if last:
+                return max(64 << 20, 2 * int(last.get("pages_written", 0)) * PAGE)
+        return sum(proctree.rss_bytes(p) for p in proctree.tree(w.root_pid))
+
+    def _check_budget(self, job: str, ws: list[Worker]) -> None:
+        need = sum(self._estimate(job, w) for w in ws)
+        used, budget = self.usage(), self.budget()
+        if used + need > budget:
+            raise FailedPrecondition(
+                f"a snapshot of job {job} would take about {need >> 20} MiB on {self.a.s.name}, which holds "
+                f"{used >> 20} MiB of snapshots already: over its budget of {budget >> 20} MiB",
+                code="snapshot_budget", action="raise PITSTOP_AGENT_SNAPSHOT_BUDGET_MB on that host (the image "
+                "directory must have the room), snapshot less often, or give the job hosts with more memory")
 
     # -- taking one ----------------------------------------------------------------------------
     def lock_net(self, job: str, ids: list[str], locked: bool, cut: bool = False) -> None:
@@ -339,6 +377,13 @@ class Snapshots:
             raise Conflict(f"image {iid} is not part {wid} of snapshot {number} of job {job}",
                            action="name the image the part was sent as")
         src = self.a.dest.take_verified(iid)
+        size = sum(f.stat().st_size for f in src.iterdir() if f.is_file())
+        if self.usage() + size > self.budget():
+            shutil.rmtree(src, ignore_errors=True)
+            raise FailedPrecondition(f"{self.a.s.name} cannot keep a {size >> 20} MiB replica: it holds {self.usage() >> 20} "
+                                     f"MiB of snapshots, and its budget is {self.budget() >> 20} MiB",
+                                     code="snapshot_budget",
+                                     action="raise PITSTOP_AGENT_SNAPSHOT_BUDGET_MB on that host, or add a spare")
         parent = _meta(src).get("parent")
         if parent is not None and not (self._dir(job, int(parent), REPLICA, wid) / MANIFEST).exists():
             shutil.rmtree(src, ignore_errors=True)

@@ -58,6 +58,14 @@ def state(pid: int) -> str | None:
     return f[0] if f else None
 
 
+def rss_bytes(pid: int) -> int:
+    """The process's resident memory (0 when it is gone): what a whole CRIU dump of it writes, about."""
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def start_time(pid: int) -> int | None:
     """Start time in clock ticks since boot (field 22): with the pid, an identity."""
     f = _stat_fields(pid)
