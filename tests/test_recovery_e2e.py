@@ -248,3 +248,32 @@ def test_a_log_the_job_appends_to_is_cut_back_when_an_operator_recovers_it(clust
         want.append(f"step {step} {total}")
     assert log.read_text().splitlines() == want
     assert out.read_text().strip() == str(total)
+
+
+def test_a_snapshot_over_its_budget_is_refused_before_the_job_pauses(cluster, tmp_path):
+    """A host whose snapshot budget is too small for the job's ranks refuses the snapshot at the
+    check, before any rank pauses, and says so with the numbers; the job trains on unpaused."""
+    import sys
+
+    from pitstop.dev.devcluster import step_gaps
+
+    from .helpers import WORKLOADS
+
+    cluster.net = NetHosts()
+    cluster.start_coordinator()
+    with cluster.starting():
+        cluster.start_agent("host-a")
+        cluster.start_agent("host-b", env={"PITSTOP_AGENT_SNAPSHOT_BUDGET_MB": "1"})
+        cluster.start_agent("spare-1", spare=True)
+    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+    log, out = tmp_path / "job.log", tmp_path / "result"
+    ranks = cluster.start_job("small", [sys.executable, str(WORKLOADS / "appender.py"), "--log", str(log), "--out",
+                                        str(out), "--steps", "300", "--step-sleep", "0.02"], 1, {0: "host-b"},
+                              addresses={0: cluster.worker_address(0)}, run_args=["--snapshot-every", "5"])
+    _wait_jobs(cc, "small", 1)
+    t0 = time.time()
+    err = until(lambda: cc.snapshots("small").get("last_error"), timeout=30, what="the refusal")
+    assert "budget of 1 MiB" in err and "host-b" in err, err
+    assert [s for s in cc.snapshots("small")["snapshots"] if s["state"] == "committed"] == []
+    assert ranks[0].proc.wait(60) == 0
+    assert max(step_gaps(ranks[0].log, since=t0)) < 0.3, "the job never paused for it"

@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -50,6 +51,21 @@ def is_recovery(op: dict[str, Any]) -> bool:
 
 class Unrecoverable(FailedPrecondition):
     code = "unrecoverable"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A recovery as settled in its first phase, and carried by every later one."""
+
+    job: str
+    lost: str                         # the failed host
+    number: int                       # the committed snapshot everything is rolled back to
+    nccl: bool                        # its ranks were parked at the NCCL cut: communicators re-created after
+    parts: dict[str, dict[str, Any]]  # worker -> {host, rank, buddy}, as the snapshot's record has them
+    lost_parts: dict[str, dict[str, Any]]  # the failed host's workers: restored on a spare from replicas
+    survivors: dict[str, list[str]]   # host -> its workers: rolled back there from its own parts
+    alive: set[str]                   # hosts heard from, the failed one aside
+    lost_heard: bool                  # the failed host's agent still reports (an operator's recovery)
 
 
 class Recoveries:
@@ -164,7 +180,7 @@ class Recoveries:
             md["result"] = "failed"
             self.store.update_op(op_id, metadata=md, done=True, result="failed", error=e.to_dict())
             if isinstance(e, Unrecoverable):  # not tried again by itself: the job restarts from its checkpoint
-                self.store.forget_snapshots(job, keep=None)
+                self.snaps.drop_everywhere(job, "its recovery failed: " + e.message)
         except Exception as e:  # noqa: BLE001 - recorded, never left running
             log.exception("recovery crashed", op=op_id)
             self.store.update_op(op_id, metadata=md, done=True, result="failed",
@@ -199,8 +215,38 @@ class Recoveries:
         return cache[host]
 
     def _recover(self, op_id: str, md: dict[str, Any]) -> None:
-        job, lost, number = md["job"], md["node"], md["snapshot"]
+        """The phases in order, each recorded before it starts; the plan is settled once, in `plan`,
+        and carried by every later phase."""
         t = self._phase(op_id, md, "plan")
+        plan = self._plan(md)
+        t = self._phase(op_id, md, "fence", t)
+        self._fence(plan, md)
+        t = self._phase(op_id, md, "stop", t)
+        t_pause = time.time()
+        in_parallel(lambda h: self._client(h).stop_workers(plan.job, plan.survivors[h]), sorted(plan.survivors))
+        t = self._phase(op_id, md, "restore", t)
+        spare = self._restore_lost(op_id, md, plan)
+        got = in_parallel(lambda h: self._client(h).snapshot_restore(plan.job, plan.number, plan.survivors[h],
+                                                                     timeout=self.s.step_timeout_s), sorted(plan.survivors))
+        md["restored"] = {**md.get("restored", {}), **{w: r for g in got for w, r in g["workers"].items()}}
+        md["files"] = {"cut_back": [f for r in md["restored"].values() for f in r.get("files_cut_back", [])]}
+        t = self._phase(op_id, md, "resume", t)
+        self._resume(op_id, md, plan, spare, t)
+        md["pause_s"] = round(time.time() - t_pause, 3)
+        md["destination"] = spare
+        md["phase"] = "done"
+        md["result"] = "succeeded"
+        self.store.set_role(spare, "active")
+        self.store.update_op(op_id, phase="done", metadata=md, done=True, result="succeeded",
+                             response={"job": plan.job, "destination": spare, "snapshot": plan.number})
+        log.info("job recovered", op=op_id, job=plan.job, lost=plan.lost, spare=spare, snapshot=plan.number,
+                 pause_s=md["pause_s"], lost_s=md["lost_s"])
+
+    def _plan(self, md: dict[str, Any]) -> Plan:
+        """Everything the recovery needs, checked before anything is stopped: the snapshot still
+        committed, the survivors' hosts and the lost parts' buddies alive and holding their parts,
+        the files the job writes matchable.  Unrecoverable, saying why, where not."""
+        job, lost, number = md["job"], md["node"], md["snapshot"]
         started = time.time()
         snap = next((s for s in self.store.snapshots(job) if s["number"] == number), None)
         if snap is None or snap["state"] != "committed":
@@ -221,59 +267,44 @@ class Recoveries:
                                 "too: they were lost with it", action="restart the job from its own checkpoint")
         self._check_parts(job, number, kept, lost_parts)
         self._check_files(job, number, kept, lost_parts)
+        survivors: dict[str, list[str]] = defaultdict(list)
+        for w, p in kept.items():
+            survivors[p["host"]].append(w)
         md["lost_ranks"] = sorted(p["rank"] for p in lost_parts.values())
         md["lost_s"] = round(started - snap["created"], 3)  # work the job redoes: since the snapshot
-        t = self._phase(op_id, md, "fence", t)
+        return Plan(job=job, lost=lost, number=number, nccl=snap.get("pause") == "nccl_cut", parts=parts,
+                    lost_parts=lost_parts, survivors=dict(survivors), alive=alive,
+                    lost_heard=lost in hosts and healthy(hosts[lost], self.s.heartbeat_timeout_s))
+
+    def _fence(self, plan: Plan, md: dict[str, Any]) -> None:
         epoch = int(time.time() * 1000)
-        self.store.fence(job, lost, epoch=epoch)
+        self.store.fence(plan.job, plan.lost, epoch=epoch)
         md["fence_epoch"] = epoch
         # a host still heard from (an operator's recovery) is told now; a silent one when it reports again
-        md["fenced_now"] = lost in hosts and healthy(hosts[lost], self.s.heartbeat_timeout_s) and \
-            self._fence_now(job, lost, epoch)
-        t = self._phase(op_id, md, "stop", t)
-        t_pause = time.time()
-        by_host: dict[str, list[str]] = defaultdict(list)
-        for w, p in kept.items():
-            by_host[p["host"]].append(w)
-        in_parallel(lambda h: self._client(h).stop_workers(job, by_host[h]), sorted(by_host))
-        t = self._phase(op_id, md, "restore", t)
-        spare = self._restore_lost(op_id, md, job, number, lost_parts, alive, by_host)
-        got = in_parallel(lambda h: self._client(h).snapshot_restore(job, number, by_host[h],
-                                                                     timeout=self.s.step_timeout_s), sorted(by_host))
-        md["restored"] = {**md.get("restored", {}), **{w: r for g in got for w, r in g["workers"].items()}}
-        md["files"] = {"cut_back": [f for r in md["restored"].values() for f in r.get("files_cut_back", [])]}
-        t = self._phase(op_id, md, "resume", t)
-        all_hosts = dict(by_host)
-        all_hosts.setdefault(spare, []).extend(lost_parts)
+        md["fenced_now"] = plan.lost_heard and self._fence_now(plan.job, plan.lost, epoch)
+
+    def _resume(self, op_id: str, md: dict[str, Any], plan: Plan, spare: str, t: float) -> None:
+        """Every rank at once; an NCCL job's communicators re-created at their new addresses (its
+        ranks were restored parked at the cut, communicators destroyed), as after a move."""
+        where = {h: list(ids) for h, ids in plan.survivors.items()}
+        where.setdefault(spare, []).extend(plan.lost_parts)
         problems = []
-        for h, ids in sorted(all_hosts.items()):
+        for h, ids in sorted(where.items()):
             try:
                 self._client(h).resume_many(ids)
             except PitstopError as e:
                 problems.append(f"{h}: {e.message}")
-        for w in lost_parts:
+        for w in plan.lost_parts:
             self.store.set_worker_host(w, spare, state="running")
-        if snap.get("pause") == "nccl_cut" and not problems:
-            # restored parked at the cut with their communicators destroyed: re-created as after a move
-            md["phases"]["resume"] = round(time.monotonic() - t, 4)
-            t = self._phase(op_id, md, "rewire")
-            hosts_of = {w: spare if w in lost_parts else p["host"] for w, p in parts.items()}
-            job_cut(hosts_of, self._client, self.s.cut_deadline_s).rewire()
-            md["phases"]["rewire"] = round(time.monotonic() - t, 4)
-        else:
-            md["phases"]["resume"] = round(time.monotonic() - t, 4)
-        md["pause_s"] = round(time.time() - t_pause, 3)
-        md["destination"] = spare
-        md["phase"] = "done"
+        md["phases"]["resume"] = round(time.monotonic() - t, 4)
         if problems:
             raise PitstopError(f"the job was restored but some ranks could not be resumed: {'; '.join(problems)}",
                                code="resume_incomplete", action="send those ranks SIGCONT, or stop the job")
-        md["result"] = "succeeded"
-        self.store.set_role(spare, "active")
-        self.store.update_op(op_id, phase="done", metadata=md, done=True, result="succeeded",
-                             response={"job": job, "destination": spare, "snapshot": number})
-        log.info("job recovered", op=op_id, job=job, lost=lost, spare=spare, snapshot=number, pause_s=md["pause_s"],
-                 lost_s=md["lost_s"])
+        if plan.nccl:
+            t = self._phase(op_id, md, "rewire")
+            hosts_of = {w: spare if w in plan.lost_parts else p["host"] for w, p in plan.parts.items()}
+            job_cut(hosts_of, self._client, self.s.cut_deadline_s).rewire()
+            md["phases"]["rewire"] = round(time.monotonic() - t, 4)
 
     def _fence_now(self, job: str, lost: str, epoch: int) -> bool:
         """A lost host whose agent still answers (an operator's recovery, a host whose beats alone
@@ -337,21 +368,20 @@ class Recoveries:
             raise Unrecoverable(f"job {job} cannot be rolled back to snapshot {number}: {'; '.join(problems)}",
                                 action="restart the job from its own checkpoint")
 
-    def _restore_lost(self, op_id: str, md: dict[str, Any], job: str, number: int, lost_parts: dict[str, Any],
-                      alive: set[str], survivors: dict[str, list[str]]) -> str:
+    def _restore_lost(self, op_id: str, md: dict[str, Any], plan: Plan) -> str:
         """The lost host's ranks on a spare; another spare if one fails.  Where none can take
         them, everything restored so far is ended and the recovery fails (nothing runs half)."""
         tried: list[str] = []
         last: PitstopError | None = None
         for _ in range(SPARE_TRIES):
-            spare = self._spare(alive - set(tried), set(survivors))
+            spare = self._spare(plan.alive - set(tried) - set(plan.survivors))
             if spare is None:
                 break
             tried.append(spare)
             md["destination"] = spare
             self.store.update_op(op_id, dest=spare, metadata=md)
             try:
-                self._to_spare(job, number, lost_parts, spare, op_id, md)
+                self._to_spare(plan.job, plan.number, plan.lost_parts, spare, op_id, md)
                 return spare
             except PitstopError as e:
                 last = e
@@ -359,14 +389,14 @@ class Recoveries:
                 self.store.update_op(op_id, metadata=md)
                 log.warning("a spare could not take the lost ranks; trying another", op=op_id, spare=spare,
                             error=e.message)
-                self._discard(spare, job, list(lost_parts))
-        for h, ids in survivors.items():  # stopped above: they must not stay half-restored either
-            self._discard(h, job, ids)
-        raise Unrecoverable(f"no spare could take the lost ranks of job {job} (tried: {', '.join(tried) or 'none'})"
+                self._discard(spare, plan.job, list(plan.lost_parts))
+        for h, ids in plan.survivors.items():  # stopped above: they must not stay half-restored either
+            self._discard(h, plan.job, ids)
+        raise Unrecoverable(f"no spare could take the lost ranks of job {plan.job} (tried: {', '.join(tried) or 'none'})"
                             + (f": {last.message}" if last else ""),
                             action="the job's ranks were ended; restart it from its own checkpoint")
 
-    def _spare(self, candidates: set[str], survivors: set[str]) -> str | None:
+    def _spare(self, candidates: set[str]) -> str | None:
         busy = self.busy()
         hosts = [h for h in self.store.hosts() if h["name"] in candidates and h["name"] not in busy]
         spares = sorted(h["name"] for h in hosts if h["role"] == "spare")

@@ -43,6 +43,7 @@ log = structlog.get_logger("pitstop.coordinator.snapshots")
 TICK_S = 1.0
 MIN_EVERY_S = 5.0  # as `pitstop run --snapshot-every` (wire/agent_requests.py)
 DROP_TIMEOUT_S = 10.0
+ENDED_KEEP_S = 60.0  # a job with no live rank keeps its snapshots this long (a recovery may be about to start)
 QUICK_TIMEOUT_S = 5.0  # pause, lock, unlock, resume, check: quick calls; no answer by then is a host in trouble
 
 
@@ -100,6 +101,7 @@ class Snapshots:
         self.taking: set[str] = set()
         self.pausing: set[str] = set()  # jobs between a snapshot's pause and its resume: a recovery waits for them
         self.held: set[str] = set()  # jobs being recovered: no snapshot meanwhile
+        self.ended: dict[str, float] = {}  # job -> since when none of its ranks is live (monotonic)
         self.lock = threading.Lock()
 
     def agent(self, host: str, timeout: float | None = None) -> AgentClient:
@@ -131,6 +133,32 @@ class Snapshots:
                 self.take(job)
             except PitstopError as e:
                 log.warning("snapshot not taken", job=job, error=e.message)
+        self.forget_ended()
+
+    def forget_ended(self) -> None:
+        """A job none of whose ranks is live any more (it finished, or was stopped) needs its
+        snapshots no longer: dropped on every host that answers, after ENDED_KEEP_S, then forgotten."""
+        live = {w["job"] for w in self.store.workers() if w["state"] in LIVE}
+        now = time.monotonic()
+        for job in self.store.snapshot_jobs():
+            if job in live or job in self.held or job in self.taking:
+                self.ended.pop(job, None)
+                continue
+            if now - self.ended.setdefault(job, now) < ENDED_KEEP_S:
+                continue
+            self.drop_everywhere(job, "its ranks have all ended")
+            self.ended.pop(job, None)
+
+    def drop_everywhere(self, job: str, why: str) -> None:
+        """Every snapshot of the job, on every host that answers, and its records."""
+        for h in [h for h in self.store.hosts() if healthy(h, self.s.heartbeat_timeout_s)]:
+            try:
+                with self.agent(h["name"], timeout=DROP_TIMEOUT_S) as c:
+                    c.snapshot_drop(job)
+            except PitstopError as e:
+                log.info("a job's snapshots could not be dropped there now", job=job, host=h["name"], error=e.message)
+        self.store.forget_snapshots(job, keep=None)
+        log.info("a job's snapshots dropped", job=job, why=why)
 
     def restart_clock(self, job: str, at: float | None = None) -> None:
         self.last[job] = time.monotonic() if at is None else at
@@ -157,7 +185,8 @@ class Snapshots:
         if world and sorted(w["rank"] for w in ws) != list(range(world)):
             raise Conflict(f"job {job} runs {len(ws)} of its {world} ranks; a snapshot takes them all",
                            code="job_incomplete", action="it is taken once every rank has registered")
-        busy = {w["host"]: self.busy()[w["host"]] for w in ws if w["host"] in self.busy()}
+        busy_hosts = self.busy()
+        busy = {w["host"]: busy_hosts[w["host"]] for w in ws if w["host"] in busy_hosts}
         not_running = [f"{w['id']} is {w['state']}" for w in ws if w["state"] != "running"]
         if busy or not_running:
             raise Conflict(f"job {job} is being moved ({busy or '; '.join(not_running)}); its snapshot waits",
