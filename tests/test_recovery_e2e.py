@@ -39,9 +39,9 @@ def _hashes_written(out, world: int) -> bool:
 
 
 def _during_a_snapshot(cc: CoordinatorClient, job: str, after: int) -> dict:
-    """Wait until a snapshot of `job` newer than `after` is under way (paused or replicating)."""
+    """Wait until a snapshot of `job` newer than `after` is being taken (the job paused for it)."""
     def under_way():
-        got = [s for s in cc.snapshots(job)["snapshots"] if s["number"] > after and s["state"] in ("taking", "replicating")]
+        got = [s for s in cc.snapshots(job)["snapshots"] if s["number"] > after and s["state"] == "taking"]
         return got[0] if got else None
     return until(under_way, timeout=60, what=f"a snapshot of {job} under way", every=0.01)
 
@@ -52,8 +52,9 @@ def test_gloo_job_recovers_by_itself_from_a_host_that_died_during_a_snapshot(clu
     cluster.net = NetHosts()
     cluster.start_coordinator()
     with cluster.starting():
-        for name in ("host-a", "host-b"):
-            cluster.start_agent(name)
+        cluster.start_agent("host-a")
+        # b's dumps wait a while (a fault): the test kills it inside one, before its part exists
+        cluster.start_agent("host-b", env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "snapshot:before_dump=sleep:2"})
         cluster.start_agent("spare-1", spare=True,
                             env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "snapshot:before_restore=fail"})
         cluster.start_agent("spare-2", spare=True)
@@ -73,6 +74,7 @@ def test_gloo_job_recovers_by_itself_from_a_host_that_died_during_a_snapshot(clu
     assert [s["number"] for s in cc.snapshots("train")["snapshots"]] == [snap["number"]]
     wait_for_step(ranks[0].log, 60)
     _during_a_snapshot(cc, "train", after=snap["number"])
+    time.sleep(0.5)  # past the check and the pause: host-b waits before its dump (the fault)
     lost = _kill_host(cluster, "host-b", ranks)
     assert sorted(lost) == ["train.2", "train.3"]
 

@@ -20,9 +20,11 @@ nothing from an empty directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from pitstop import nativelib
@@ -96,6 +98,30 @@ def ensure(path: str | None) -> None:
         raise ValueError(f"{path!r} is not a worker init directory (<dir>/{PREFIX}<job>.<rank>.<random>)")
     Path(path).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     Path(path).mkdir(mode=0o700, exist_ok=True)
+
+
+PIN = ".pitstop-restoring"
+
+
+@contextlib.contextmanager
+def pinned(path: str | None) -> Iterator[None]:
+    """Keep the init directory from being removed while CRIU restores into it: a file in it makes
+    every rmdir of it fail (ENOTEMPTY).  Why: whoever saw the worker's earlier copy end removes
+    the directory (its init at a normal end, its launcher), and a restore of the worker from an
+    older image (a snapshot) can run just then; CRIU then cannot open the working directory."""
+    if not path or not valid(path):
+        yield
+        return
+    pin = Path(path) / PIN
+    try:
+        ensure(path)  # made again if removed since the restore began
+        pin.touch(mode=0o600)
+    except OSError:
+        pass
+    try:
+        yield
+    finally:
+        pin.unlink(missing_ok=True)
 
 
 def remove(path: str | Path | None) -> None:

@@ -434,7 +434,8 @@ class DestinationSide:
                 undo.push("fill", lambda e: fill.kill())
                 if phases is not None:
                     phases["fill_start"] = time.monotonic() - t_fill
-            pid, secs = self._criu_restore(directory, inherit, net_fd, fill is not None, abort, phases)
+            with nsinit.pinned(init_dir):
+                pid, secs = self._criu_restore(directory, inherit, net_fd, fill is not None, abort, phases)
             if fill and faults.value("restore:kill_fill"):  # held, so that it cannot finish first
                 os.kill(fill.pid, signal.SIGSTOP)
             gone = fill.guard(pid) if fill else None

@@ -131,13 +131,19 @@ class Recoveries:
         if self.running(job):
             raise Conflict(f"job {job} is already being recovered ({self.running(job)})", code="recovery_running",
                            action=f"follow it: pitstop ops {self.running(job)}")
+        with self.snaps.lock:  # from here no snapshot of the job commits: the one read next stays the newest
+            self.snaps.held.add(job)
         snap = self.snaps.committed(job)
         if snap is None:
+            with self.snaps.lock:
+                self.snaps.held.discard(job)
             raise Unrecoverable(f"job {job} has no complete snapshot", action="restart the job from its own checkpoint; "
                                 "start it with `pitstop run --snapshot-every SECONDS` to recover it next time")
         if lost is None:
             found = self.failed_hosts(job)
             if not found:
+                with self.snaps.lock:
+                    self.snaps.held.discard(job)
                 raise FailedPrecondition(f"no host of job {job} is silent past {self.s.failure_deadline_s:g} s",
                                          code="nothing_lost", action="name the failed host if you know better")
             lost = found[0]
