@@ -73,8 +73,10 @@ def test_gloo_job_recovers_by_itself_from_a_host_that_died_during_a_snapshot(clu
     snap = _committed(cc, "train", after=snap["number"])  # a second one, and the first dropped
     assert [s["number"] for s in cc.snapshots("train")["snapshots"]] == [snap["number"]]
     wait_for_step(ranks[0].log, 60)
-    _during_a_snapshot(cc, "train", after=snap["number"])
+    under_way = _during_a_snapshot(cc, "train", after=snap["number"])
     time.sleep(0.5)  # past the check and the pause: host-b waits before its dump (the fault)
+    snap = max((s for s in cc.snapshots("train")["snapshots"] if s["state"] == "committed"), key=lambda s: s["number"])
+    assert snap["number"] < under_way["number"]
     lost = _kill_host(cluster, "host-b", ranks)
     assert sorted(lost) == ["train.2", "train.3"]
 
