@@ -54,7 +54,7 @@ def test_gloo_job_recovers_by_itself_from_a_host_that_died_during_a_snapshot(clu
     with cluster.starting():
         cluster.start_agent("host-a")
         # b's dumps wait a while (a fault): the test kills it inside one, before its part exists
-        cluster.start_agent("host-b", env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "snapshot:before_dump=sleep:2"})
+        cluster.start_agent("host-b", env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "snapshot:before_dump=sleep:1"})
         cluster.start_agent("spare-1", spare=True,
                             env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "snapshot:before_restore=fail"})
         cluster.start_agent("spare-2", spare=True)
@@ -74,7 +74,7 @@ def test_gloo_job_recovers_by_itself_from_a_host_that_died_during_a_snapshot(clu
     assert [s["number"] for s in cc.snapshots("train")["snapshots"]] == [snap["number"]]
     wait_for_step(ranks[0].log, 60)
     under_way = _during_a_snapshot(cc, "train", after=snap["number"])
-    time.sleep(0.5)  # past the check and the pause: host-b waits before its dump (the fault)
+    time.sleep(0.4)  # past the check and the pause: host-b waits before its dump (the fault)
     snap = max((s for s in cc.snapshots("train")["snapshots"] if s["state"] == "committed"), key=lambda s: s["number"])
     assert snap["number"] < under_way["number"]
     lost = _kill_host(cluster, "host-b", ranks)
