@@ -34,6 +34,19 @@ def _kill_host(cluster, name: str, ranks=None) -> list[str]:
     return cluster.kill_host(name)
 
 
+def _train_with_snapshots(cluster, cc: CoordinatorClient, tmp_path):
+    """The 4-rank gloo DDP job, ranks 0-1 on host-a and 2-3 on host-b with their own addresses, a
+    snapshot every 5 s; returned once it trains (its output directory and ranks)."""
+    out = tmp_path / "out"
+    addrs = {r: cluster.worker_address(r) for r in range(4)}
+    ranks = cluster.start_job("train", ddp_cmd(out, steps=STEPS), 4,
+                              {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}, addresses=addrs,
+                              run_args=["--snapshot-every", "5"])
+    _wait_jobs(cc, "train", 4)
+    wait_for_step(ranks[3].log, 10)
+    return out, ranks
+
+
 def _hashes_written(out, world: int) -> bool:
     return all((out / f"rank{r}.sha256").exists() for r in range(world))
 
@@ -59,13 +72,7 @@ def test_gloo_job_recovers_by_itself_from_a_host_that_died_during_a_snapshot(clu
                             env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "snapshot:before_restore=fail"})
         cluster.start_agent("spare-2", spare=True)
     cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
-    out = tmp_path / "out"
-    addrs = {r: cluster.worker_address(r) for r in range(4)}
-    ranks = cluster.start_job("train", ddp_cmd(out, steps=STEPS), 4,
-                              {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}, addresses=addrs,
-                              run_args=["--snapshot-every", "5"])
-    _wait_jobs(cc, "train", 4)
-    wait_for_step(ranks[3].log, 10)
+    out, ranks = _train_with_snapshots(cluster, cc, tmp_path)
     snap = _committed(cc, "train")
     # a buddy per host, spares first: each host's replica where a recovery may restore it
     assert snap["buddies"] == {"host-a": "spare-1", "host-b": "spare-2"}, snap
@@ -144,13 +151,7 @@ def test_a_partitioned_host_is_fenced_and_a_second_failure_recovers_too(cluster,
     job recovers on spare-1; when b comes back its ranks are ended (fenced), never rejoin.  Then
     spare-1, which now runs ranks 2 and 3, dies outright: the job recovers again, onto spare-2."""
     cc = _cluster(cluster, spares=2)
-    out = tmp_path / "out"
-    addrs = {r: cluster.worker_address(r) for r in range(4)}
-    ranks = cluster.start_job("train", ddp_cmd(out, steps=STEPS), 4,
-                              {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}, addresses=addrs,
-                              run_args=["--snapshot-every", "5"])
-    _wait_jobs(cc, "train", 4)
-    wait_for_step(ranks[3].log, 10)
+    out, ranks = _train_with_snapshots(cluster, cc, tmp_path)
     _committed(cc, "train")
     cluster.net.cut("host-b")  # a partition: b's agent and ranks run on, unreachable
     m1 = _recovered(cc, "train", "host-b")

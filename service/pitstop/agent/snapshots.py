@@ -242,7 +242,7 @@ class Snapshots:
         now on."""
         pids = proctree.tree(w.root_pid)
         stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
-        parent, binary = self._parent_for(w, job, number, pids)
+        parent, binary = self._parent_for(w, job, number)
         gpu = self.a.source.gpu.suspend(pids, rescan=lambda: proctree.tree(w.root_pid))
         depth = 0
         try:
@@ -303,7 +303,7 @@ class Snapshots:
                 log.info("a snapshot's processes not all tracked: their parts are whole", worker=w.id,
                          why=sorted(set(why.values()))[:3])
 
-    def _parent_for(self, w: Worker, job: str, number: int, pids: list[int]) -> tuple[tuple[int, int] | None, str | None]:
+    def _parent_for(self, w: Worker, job: str, number: int) -> tuple[tuple[int, int] | None, str | None]:
         """((the part to dump against, its depth), the CRIU that can) where an incremental dump is
         right: the tracking was reset at that very part, which is still here and complete, and the
         chain is shorter than CHAIN_MAX.  Else (None, None).  A process not tracked (the namespace's

@@ -117,3 +117,14 @@ def ask(coordinator: str | None, as_json: bool, call: Callable[[Any], Any]) -> A
 
 def age(s: float) -> str:
     return f"{s:.1f}s" if s < 120 else f"{s / 60:.0f}m"
+
+
+def until_done(c: Any, o: dict[str, Any], wait: bool, timeout: float) -> dict[str, Any]:
+    """The operation `o`, read again until it is done or `timeout` passes (only with `wait`)."""
+    import time
+
+    end = time.monotonic() + timeout
+    while wait and not o["done"] and time.monotonic() < end:
+        time.sleep(0.2)
+        o = c.op(o["name"])
+    return o

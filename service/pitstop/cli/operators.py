@@ -20,6 +20,7 @@ from pitstop.cli.common import (
     err,
     fail,
     out,
+    until_done,
 )
 from pitstop.errors import InvalidRequest, PitstopError
 
@@ -268,15 +269,11 @@ def cancel(op_id: str = typer.Argument(..., help="the operation to cancel (as `p
            as_json: bool = typer.Option(False, "--json"), coordinator: Optional[str] = coordinator_option()) -> None:
     """Cancel an evacuation before its commit point: it rolls back and every worker keeps running
     where it was.  Past the commit point it is refused (the move finishes)."""
-    import time
 
     c = client(coordinator, as_json)
     try:
         o = c.cancel(op_id)
-        end = time.monotonic() + timeout
-        while wait and not o["done"] and time.monotonic() < end:
-            time.sleep(0.2)
-            o = c.op(o["name"])
+        o = until_done(c, o, wait, timeout)
     except PitstopError as e:
         fail(e, as_json)
     if as_json:

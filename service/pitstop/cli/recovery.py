@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from pitstop.cli.common import EXIT_STILL_RUNNING, app, ask, client, coordinator_option, err, fail, out
+from pitstop.cli.common import EXIT_STILL_RUNNING, app, ask, client, coordinator_option, err, fail, out, until_done
 from pitstop.errors import PitstopError
 
 
@@ -58,10 +58,7 @@ def recover(job: str = typer.Argument(..., help="the job whose host died"),
     c = client(coordinator, as_json)
     try:
         o = c.recover(job, node)
-        end = time.monotonic() + timeout
-        while wait and not o["done"] and time.monotonic() < end:
-            time.sleep(0.2)
-            o = c.op(o["name"])
+        o = until_done(c, o, wait, timeout)
     except PitstopError as e:
         fail(e, as_json)
     if as_json:

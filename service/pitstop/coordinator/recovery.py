@@ -72,8 +72,6 @@ class Recoveries:
     def __init__(self, store: Store, settings: CoordinatorSettings, snapshots: Snapshots,
                  busy: Any) -> None:
         self.store, self.s, self.snaps, self.busy = store, settings, snapshots, busy
-        self.threads: dict[str, threading.Thread] = {}
-        self.lock = threading.Lock()
         self._local = threading.local()
 
     # -- detection ----------------------------------------------------------------------------
@@ -156,10 +154,7 @@ class Recoveries:
         return op_id
 
     def start_thread(self, op_id: str) -> None:
-        t = threading.Thread(target=self._run, args=(op_id,), daemon=True, name=f"op-{op_id}")
-        with self.lock:
-            self.threads[op_id] = t
-        t.start()
+        threading.Thread(target=self._run, args=(op_id,), daemon=True, name=f"op-{op_id}").start()
 
     def reconcile(self) -> list[str]:
         """After a coordinator restart: a recovery that was running runs again from the start."""
