@@ -56,7 +56,10 @@ def test_snapshot_records_and_fences_in_the_store(tmp_path):
     # a fenced host's reports of the job's workers are ignored until the fence is acknowledged
     s.heartbeat({"name": "b", "url": "http://b:1", "workers": [{"id": "j.1", "job": "j", "rank": 1, "state": "running"}]})
     assert s.workers(job="j") == []
-    s.ack_fence("j", "b")
+    s.ack_fence("j", "b")  # acknowledged: a report the host built before its kill is still not believed
+    s.heartbeat({"name": "b", "url": "http://b:1", "workers": [{"id": "j.1", "job": "j", "rank": 1, "state": "running"}]})
+    assert s.workers(job="j") == []
+    s.clear_fence("j", "b")  # a later recovery restores the job's ranks there
     s.heartbeat({"name": "b", "url": "http://b:1", "workers": [{"id": "j.1", "job": "j", "rank": 1, "state": "running"}]})
     assert [w["id"] for w in s.workers(job="j")] == ["j.1"]
 

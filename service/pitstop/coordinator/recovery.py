@@ -379,6 +379,7 @@ class Recoveries:
             if spare is None:
                 break
             tried.append(spare)
+            self.store.clear_fence(plan.job, spare)  # a host fenced for the job earlier takes its ranks now
             md["destination"] = spare
             self.store.update_op(op_id, dest=spare, metadata=md)
             try:

@@ -271,7 +271,7 @@ class Store:
                                 "ON CONFLICT(name) DO UPDATE SET url=excluded.url, info=excluded.info, "
                                 "last_seen=excluded.last_seen, generation=excluded.generation",
                                 (name, hb["url"], role, json.dumps(info), now, hb.get("generation")))
-            fenced = {r["job"] for r in self.db.execute("SELECT job FROM fences WHERE host=? AND acked=0", (name,))}
+            fenced = {r["job"] for r in self.db.execute("SELECT job FROM fences WHERE host=?", (name,))}
             for w in hb.get("workers", []):
                 if w["job"] in fenced:  # recovered elsewhere while this host was away: never again from here
                     continue
@@ -386,6 +386,10 @@ class Store:
         if unacked:
             q += " AND acked=0"
         return [dict(r) for r in self._x(q, tuple(a))]
+
+    def clear_fence(self, job: str, host: str) -> None:
+        """The job's ranks may run on that host again (a recovery restores them there)."""
+        self._x("DELETE FROM fences WHERE job=? AND host=?", (job, host))
 
     def ack_fence(self, job: str, host: str) -> None:
         self._x("UPDATE fences SET acked=1 WHERE job=? AND host=?", (job, host))
