@@ -18,8 +18,14 @@ hosts as network namespaces.  The job runs at full speed (no sleep per step).
 4. checkpoint-restart (bench/compare.py): the same job saves everything with torch.save, every
    rank exits, is relaunched, loads and continues: its save pause and its restart pause.
 
-With both at the same interval, the work redone is the same on average (half an interval); what
-differs is the pause to save and the pause to resume.  torchft is not measured yet.
+5. torchft (bench/torchft_run.py): the same model, data and extra state written for torchft, each
+   rank a replica group of one; groups 2 and 3 SIGKILLed, then relaunched: its per-step cost
+   against plain DDP, the survivors' stall at the failure, and the relaunched groups' time to
+   step again (start-up, quorum, healing from a live peer).
+
+With checkpoint-restart at the same interval as the snapshots, the work redone is the same on
+average (half an interval); what differs is the pause to save and the pause to resume.  torchft
+redoes nothing but needs its code in the job, and trains on with fewer groups (a different run).
 
 Writes bench/out/recovery.json; prints a summary.
 """
@@ -31,10 +37,12 @@ import json
 import statistics
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import torchft_run  # noqa: E402
 from bench.common import machine  # noqa: E402
 from bench.compare import checkpoint_restart  # noqa: E402
 from pitstop.dev.devcluster import LocalCluster, step_times, wait_for_step  # noqa: E402
@@ -151,8 +159,10 @@ def run(state_mb: float, every: float, window: float, steps: int) -> dict:
         pitstop["cost_per_snapshot_s"] = round(loss_per_snapshot, 4)
         pitstop["slowdown_at_1_per_min"] = round(loss_per_snapshot / 60, 5)
     ckpt = checkpoint_restart(WORLD, state_mb, steps=60, save_at=20)
+    ft = torchft_run.run(WORLD, lost=(2, 3), state_mb=state_mb, window=min(window, 30.0))
     return {"pitstop": pitstop, "checkpoint_restart": {k: ckpt[k] for k in ("job_pause_s", "phases", "checkpoint_bytes",
-                                                                           "median_step_s")}}
+                                                                           "median_step_s")},
+            "torchft": {"version": version("torchft"), **ft}}
 
 
 def main() -> None:
@@ -175,6 +185,12 @@ def main() -> None:
     print(f"recovery: pause {p['recovery_pause_s']:.2f} s, detection {p['detection_s']:.1f} s, {p['steps_redone']} steps "
           f"redone; job's time lost {p['time_lost_s']:.1f} s.  checkpoint-restart's restart pause: "
           f"{c['job_pause_s']:.2f} s ({c['job_pause_s'] - save:.2f} s without the save)")
+    t = r["torchft"]
+    back = max(t["relaunch_to_stepping_s"].values())
+    print(f"torchft {t['version']}: {100 * t['per_step_cost']:+.1f} % a step against plain DDP; survivors stalled "
+          f"{t['stall_at_failure_s']:.1f} s at the failure and {t['survivors_stall_at_join_s']:.2f} s at the join; "
+          f"relaunched groups stepping {back:.1f} s after their relaunch ({t['groups_missing_s']:.1f} s with "
+          f"{len(t['groups_lost'])} of {t['world']} groups missing)")
 
 
 if __name__ == "__main__":

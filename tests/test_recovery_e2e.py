@@ -20,6 +20,9 @@ from .test_worker_network_e2e import _cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
+# Each scenario is a function that returns what it saw: the tests below run them, and `make qualify`
+# runs them again as rows of its fault matrix (tests/qualify/test_recovery_faults.py).
+
 STEPS = 260
 
 
@@ -59,7 +62,7 @@ def _during_a_snapshot(cc: CoordinatorClient, job: str, after: int) -> dict:
     return until(under_way, timeout=60, what=f"a snapshot of {job} under way", every=0.01)
 
 
-def test_gloo_job_recovers_by_itself_from_a_host_that_died_during_a_snapshot(cluster, tmp_path):
+def host_dies_during_a_snapshot(cluster, tmp_path) -> dict:
     """Host b dies outright while a snapshot is under way: that snapshot never counts, the previous one
     is used.  The first spare fails to restore (an injected fault): the recovery takes the other."""
     cluster.net = NetHosts()
@@ -99,6 +102,15 @@ def test_gloo_job_recovers_by_itself_from_a_host_that_died_during_a_snapshot(clu
     assert not [w for w in _agent_workers(cluster, "spare-1").values() if w["state"] in ("running", "paused")], \
         "the failed spare keeps nothing of the job"
 
+    # host-b comes back after the recovery (its agent restarted, its ranks died with it): it is told of
+    # the fence before anything else, runs nothing of the job, and its reports move no rank back
+    cluster.net.cut("host-b", up=True)
+    cluster.start_agent("host-b", port=int(cluster.agents["host-b"].url.rsplit(":", 1)[1]))
+    assert until(lambda: all(f["acked"] for f in cc.snapshots("train")["fences"]), timeout=30,
+                 what="the fence acknowledged by host-b's agent")
+    assert not [w for w in _agent_workers(cluster, "host-b").values() if w["state"] in ("running", "paused")]
+    assert {w["rank"]: w["host"] for w in _wait_jobs(cc, "train", 4)["workers"]} == hosts
+
     let_finish(out)
     for r in ranks[:2]:  # the survivors' launchers followed their rolled-back ranks
         assert r.proc.wait(240) == 0, r.log.read_text(errors="replace")[-2000:]
@@ -106,10 +118,10 @@ def test_gloo_job_recovers_by_itself_from_a_host_that_died_during_a_snapshot(clu
     assert_same_as_reference(out, reference_hashes(tmp_path, 4, steps=STEPS))
     print(f"\nrecovery: pause {m['pause_s']:.2f} s, work redone {m['lost_s']:.1f} s, phases {m['phases']}; "
           f"snapshot pause {snap['pause_s']:.2f} s for {snap['bytes'] / 2**20:.0f} MiB")
-    cluster.net.cut("host-b", up=True)
+    return {"recovery": m, "snapshot": snap, "during": under_way["number"]}
 
 
-def test_nccl_job_recovers_by_itself_from_a_host_that_died(cluster, tmp_path):
+def nccl_host_dies(cluster, tmp_path) -> dict:
     """The same with an unchanged NCCL program over the host NCCL: snapshots at the shim's consistent
     cut (communicators destroyed, no own addresses needed), communicators re-created after the recovery."""
     from .test_shim_e2e import STEPS as NCCL_STEPS
@@ -132,6 +144,7 @@ def test_nccl_job_recovers_by_itself_from_a_host_that_died(cluster, tmp_path):
     assert_same_as_reference(out, reference("nccl_dp.py"))
     assert NCCL_STEPS > 0
     cluster.net.cut("host-b", up=True)
+    return {"recovery": m, "snapshot": snap}
 
 
 def _recovered(cc: CoordinatorClient, job: str, node: str, timeout: float = 120) -> dict:
@@ -146,24 +159,41 @@ def _agent_workers(cluster, name: str) -> dict[str, dict]:
         return {w["id"]: w for w in c.workers()}
 
 
-def test_a_partitioned_host_is_fenced_and_a_second_failure_recovers_too(cluster, tmp_path):
+def partitioned_host_back_during_the_recovery_then_a_second_failure(cluster, tmp_path) -> dict:
     """Host b is cut off, not killed: its agent isolates its ranks (stopped, network locked) while the
-    job recovers on spare-1; when b comes back its ranks are ended (fenced), never rejoin.  Then
-    spare-1, which now runs ranks 2 and 3, dies outright: the job recovers again, onto spare-2."""
-    cc = _cluster(cluster, spares=2)
+    job recovers on spare-1.  b comes back while the recovery restores (spare-1's restore delayed by
+    a fault): its ranks are ended (fenced), never rejoin, and the recovery goes on.  Then spare-1,
+    which now runs ranks 2 and 3, dies outright: the job recovers again, onto spare-2."""
+    cluster.net = NetHosts()
+    cluster.start_coordinator()
+    racks = {"host-a": "rack-1", "host-b": "rack-2", "spare-1": "rack-1", "spare-2": "rack-2"}
+    with cluster.starting():
+        for name in ("host-a", "host-b", "spare-2"):
+            cluster.start_agent(name, spare=name.startswith("spare"), env={"PITSTOP_AGENT_FAILURE_DOMAIN": racks[name]})
+        cluster.start_agent("spare-1", spare=True, env={"PITSTOP_AGENT_FAILURE_DOMAIN": racks["spare-1"],
+                                                        "PITSTOP_ENABLE_FAULTS": "1",
+                                                        "PITSTOP_FAULTS": "snapshot:before_restore=sleep:8"})
+    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
     out, ranks = _train_with_snapshots(cluster, cc, tmp_path)
-    _committed(cc, "train")
+    snap = _committed(cc, "train")
+    # each host's replica in the other rack (spares taken in turn would put host-a's on spare-1, its own rack)
+    assert snap["buddies"] == {"host-a": "spare-2", "host-b": "spare-1"}, snap
+    assert snap["buddy_why"]["host-a"] == "a spare outside failure domain rack-1", snap
     cluster.net.cut("host-b")  # a partition: b's agent and ranks run on, unreachable
-    m1 = _recovered(cc, "train", "host-b")
-    assert m1["destination"] == "spare-1" and m1["lost_ranks"] == [2, 3]
-
-    cluster.net.cut("host-b", up=True)
+    op = until(lambda: next((o for o in cc.ops() if o["metadata"].get("job") == "train"
+                             and o["metadata"].get("phase") == "restore"), None), timeout=90,
+               what="the recovery restoring", every=0.05)
+    assert not op["done"]
+    cluster.net.cut("host-b", up=True)  # b is back while spare-1 restores its ranks
 
     def fenced():
         ws = _agent_workers(cluster, "host-b")
         return all(ws[w]["state"] in ("lost", "exited") for w in ("train.2", "train.3")) and ws
     ws = until(fenced, timeout=60, what="host-b's ranks ended once it is back")
     assert "fenced" in ws["train.2"]["reason"], ws["train.2"]
+    assert not cc.op(op["name"])["done"], "b's ranks were ended during the recovery, not after it"
+    m1 = _recovered(cc, "train", "host-b")
+    assert m1["destination"] == "spare-1" and m1["lost_ranks"] == [2, 3]
     assert until(lambda: all(f["acked"] for f in cc.snapshots("train")["fences"]), timeout=30,
                  what="the fence acknowledged")
     hosts = {w["rank"]: w["host"] for w in _wait_jobs(cc, "train", 4)["workers"]}
@@ -184,9 +214,10 @@ def test_a_partitioned_host_is_fenced_and_a_second_failure_recovers_too(cluster,
     for r in ranks[2:]:  # their launchers on host-b followed them until they were fenced there
         assert r.proc.wait(30) != 0
     cluster.net.cut("spare-1", up=True)
+    return {"first": m1, "second": m2, "fenced": ws["train.2"]["reason"]}
 
 
-def test_replicas_lost_with_their_host_fail_the_recovery_and_change_nothing(cluster, tmp_path):
+def replicas_lost_with_their_host(cluster, tmp_path) -> dict:
     """Host b and the buddy that held its replicas die together: the recovery fails saying the job
     must restart from its own checkpoint, before it stops anything, and is not tried again."""
     cc = _cluster(cluster, spares=1)
@@ -213,9 +244,10 @@ def test_replicas_lost_with_their_host_fail_the_recovery_and_change_nothing(clus
     assert cc.snapshots("pair")["snapshots"] == []
     cluster.net.cut("host-b", up=True)
     cluster.net.cut("spare-1", up=True)
+    return {"error": op["error"]}
 
 
-def test_a_log_the_job_appends_to_is_cut_back_when_an_operator_recovers_it(cluster, tmp_path):
+def operator_recovers_a_live_host_with_an_appended_log(cluster, tmp_path) -> dict:
     """`pitstop recover JOB --node HOST --wait --json` by hand, the host still up: its copy of the rank
     is fenced before anything is restored, and the log the job keeps open and appends to is cut
     back to the snapshot, so that it ends as an uninterrupted run's, line for line."""
@@ -253,9 +285,10 @@ def test_a_log_the_job_appends_to_is_cut_back_when_an_operator_recovers_it(clust
         want.append(f"step {step} {total}")
     assert log.read_text().splitlines() == want
     assert out.read_text().strip() == str(total)
+    return {"recovery": m}
 
 
-def test_a_snapshot_over_its_budget_is_refused_before_the_job_pauses(cluster, tmp_path):
+def snapshot_over_its_budget(cluster, tmp_path) -> dict:
     """A host whose snapshot budget is too small for the job's ranks refuses the snapshot at the
     check, before any rank pauses, and says so with the numbers; the job trains on unpaused."""
     import sys
@@ -282,3 +315,28 @@ def test_a_snapshot_over_its_budget_is_refused_before_the_job_pauses(cluster, tm
     assert [s for s in cc.snapshots("small")["snapshots"] if s["state"] == "committed"] == []
     assert ranks[0].proc.wait(60) == 0
     assert max(step_gaps(ranks[0].log, since=t0)) < 0.3, "the job never paused for it"
+    return {"error": err}
+
+
+def test_gloo_job_recovers_by_itself_from_a_host_that_died_during_a_snapshot(cluster, tmp_path):
+    host_dies_during_a_snapshot(cluster, tmp_path)
+
+
+def test_nccl_job_recovers_by_itself_from_a_host_that_died(cluster, tmp_path):
+    nccl_host_dies(cluster, tmp_path)
+
+
+def test_a_partitioned_host_back_during_the_recovery_is_fenced_and_a_second_failure_recovers_too(cluster, tmp_path):
+    partitioned_host_back_during_the_recovery_then_a_second_failure(cluster, tmp_path)
+
+
+def test_replicas_lost_with_their_host_fail_the_recovery_and_change_nothing(cluster, tmp_path):
+    replicas_lost_with_their_host(cluster, tmp_path)
+
+
+def test_a_log_the_job_appends_to_is_cut_back_when_an_operator_recovers_it(cluster, tmp_path):
+    operator_recovers_a_live_host_with_an_appended_log(cluster, tmp_path)
+
+
+def test_a_snapshot_over_its_budget_is_refused_before_the_job_pauses(cluster, tmp_path):
+    snapshot_over_its_budget(cluster, tmp_path)

@@ -13,21 +13,62 @@ from pitstop.errors import FailedPrecondition
 from pitstop.launcher.run import bad_snapshot_every
 
 
-def _host(name, role="active", age=0.0):
-    return {"name": name, "role": role, "last_seen": time.time() - age}
+def _host(name, role="active", age=0.0, domain=None):
+    return {"name": name, "role": role, "last_seen": time.time() - age, "failure_domain": domain}
 
 
 def test_buddies_prefer_spares_then_the_next_host_and_never_the_host_itself():
     hosts = [_host("a"), _host("b"), _host("s1", "spare"), _host("s2", "spare")]
-    assert buddies(["a", "b"], hosts, 5.0) == {"a": "s1", "b": "s2"}
-    assert buddies(["a", "b"], [_host("a"), _host("b"), _host("c")], 5.0) == {"a": "b", "b": "c"}
-    assert buddies(["s1"], [_host("s1", "spare"), _host("a")], 5.0) == {"s1": "a"}
+    assert buddies(["a", "b"], hosts, 5.0) == ({"a": "s1", "b": "s2"}, {"a": "a spare", "b": "a spare"})
+    assert buddies(["a", "b"], [_host("a"), _host("b"), _host("c")], 5.0)[0] == {"a": "b", "b": "c"}
+    assert buddies(["s1"], [_host("s1", "spare"), _host("a")], 5.0)[0] == {"s1": "a"}
+
+
+def test_buddies_are_kept_outside_the_hosts_failure_domain_first():
+    """A replica that fails with its host is no replica: another rack's spare, else another rack's
+    host, before a spare in the same rack; the record says which rule chose."""
+    hosts = [_host("a", domain="r1"), _host("b", domain="r2"), _host("s1", "spare", domain="r1"),
+             _host("s2", "spare", domain="r2")]
+    got, why = buddies(["a", "b"], hosts, 5.0)
+    assert got == {"a": "s2", "b": "s1"}  # the plain rule would give a -> s1, in a's own rack
+    assert why == {"a": "a spare outside failure domain r1", "b": "a spare outside failure domain r2"}
+    # the only spare shares a's rack: another rack's active host keeps a's replica
+    hosts = [_host("a", domain="r1"), _host("b", domain="r2"), _host("s1", "spare", domain="r1")]
+    got, why = buddies(["a"], hosts, 5.0)
+    assert got == {"a": "b"} and why["a"] == "a host outside failure domain r1 (no spare there)"
+    # every other host in the same rack: a spare there still, and the record says so
+    hosts = [_host("a", domain="r1"), _host("c", domain="r1"), _host("s1", "spare", domain="r1")]
+    assert buddies(["a"], hosts, 5.0) == ({"a": "s1"}, {"a": "a spare (none outside failure domain r1)"})
+    # a host in no known domain: the spare-then-next rule alone
+    hosts = [_host("a"), _host("b", domain="r2"), _host("s1", "spare", domain="r1")]
+    assert buddies(["a"], hosts, 5.0) == ({"a": "s1"}, {"a": "a spare"})
 
 
 def test_silent_or_drained_hosts_keep_no_replica():
     hosts = [_host("a"), _host("b", age=60), _host("c", "drained"), _host("s1", "spare", age=60)]
     with pytest.raises(FailedPrecondition, match="no other healthy host"):
         buddies(["a"], hosts, 5.0)
+
+
+def test_a_snapshot_begun_before_a_recovery_never_commits(tmp_path):
+    """Dumped just before a partition, its replica complete only once the partition healed, after
+    the recovery ended: its parts are of ranks the recovery replaced, so it never counts."""
+    from pitstop.coordinator.settings import CoordinatorSettings
+    from pitstop.coordinator.snapshots import Snapshots
+    from pitstop.errors import Conflict
+
+    s = Store(tmp_path / "c.db")
+    snaps = Snapshots(s, CoordinatorSettings(insecure=True), busy=dict)
+    s.put_snapshot("j", 1, "committed", {"parts": {}})
+    snaps.commit("j", 2, {"parts": {}}, generation=0)  # no recovery meanwhile: it counts
+    snaps.hold("j")  # a recovery begins from snapshot 2 ...
+    with pytest.raises(Conflict, match="recovery of the job began"):
+        snaps.commit("j", 3, {"parts": {}}, generation=0)
+    snaps.release("j")  # ... and ends; snapshot 3, begun before it, completes only now
+    with pytest.raises(Conflict, match="recovery of the job began"):
+        snaps.commit("j", 3, {"parts": {}}, generation=0)
+    assert {x["number"]: x["state"] for x in s.snapshots("j")} == {1: "committed", 2: "committed", 3: "failed"}
+    snaps.commit("j", 4, {"parts": {}}, generation=1)  # one begun after the recovery counts
 
 
 def test_the_interval_is_the_apis_else_the_smallest_a_rank_asked(tmp_path):

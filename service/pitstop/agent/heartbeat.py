@@ -42,6 +42,7 @@ def payload(agent: Agent) -> dict:
     return {"name": agent.s.name, "url": agent.s.url, "spare": agent.s.spare, "workers": workers,
             "socket": str(agent.s.sock.absolute()),
             "slurm_node": agent.s.slurm_node or socket.gethostname().split(".")[0],
+            "failure_domain": agent.s.failure_domain,
             "cap_bnd": f"{caps.bounding_set():x}", **inventory(), "gpu_health": readings()}
 
 

@@ -44,6 +44,9 @@ class AgentSettings(BaseSettings):
     # The Slurm node this host is (`pitstop slurm-watch` maps a drained node to its host by it);
     # default: the short host name, which is what slurmd calls itself unless told otherwise.
     slurm_node: str | None = Field(default=None, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    # What this host fails together with (a rack, a power feed, a switch): a snapshot's replica of
+    # this host's ranks is kept outside it where the cluster has a host there (coordinator/snapshots.py).
+    failure_domain: str | None = Field(default=None, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
     dump_timeout_s: int = 60
     # A reception here may last dump_timeout_s + transfer_timeout_s from its hello to its manifest
     # (a source streams while it dumps, then gives the transfer transfer_timeout_s).

@@ -69,6 +69,9 @@ def agent(
                                               "(`pitstop run --address`); default: the default route's link"),
     slurm_node: Optional[str] = typer.Option(None, help="the Slurm node this host is, for `pitstop slurm-watch` "
                                              "(PITSTOP_AGENT_SLURM_NODE; default: the short host name)"),
+    failure_domain: Optional[str] = typer.Option(None, help="what this host fails together with (a rack, a power "
+                                                 "feed): snapshot replicas of its ranks are kept outside it "
+                                                 "(PITSTOP_AGENT_FAILURE_DOMAIN)"),
     log_json: bool = typer.Option(False, "--log-json"),
 ) -> None:
     """Run the host agent."""
@@ -78,7 +81,7 @@ def agent(
     setup_logs(log_json)
     kw = given(name=name, listen=listen, coordinator=coordinator, state_dir=state_dir, image_dir=image_dir,
                 advertise_url=advertise_url, spare=spare, insecure=insecure, worker_link=worker_link,
-                slurm_node=slurm_node)
+                slurm_node=slurm_node, failure_domain=failure_domain)
     try:
         serve(settings_of(AgentSettings, **kw))
     except PitstopError as e:

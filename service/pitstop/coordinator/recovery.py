@@ -130,18 +130,16 @@ class Recoveries:
             raise Conflict(f"job {job} is already being recovered ({self.running(job)})", code="recovery_running",
                            action=f"follow it: pitstop ops {self.running(job)}")
         with self.snaps.lock:  # from here no snapshot of the job commits: the one read next stays the newest
-            self.snaps.held.add(job)
+            self.snaps.held.add(job)  # (held, not hold(): a start refused below leaves a snapshot under way alone)
         snap = self.snaps.committed(job)
         if snap is None:
-            with self.snaps.lock:
-                self.snaps.held.discard(job)
+            self.snaps.release(job)
             raise Unrecoverable(f"job {job} has no complete snapshot", action="restart the job from its own checkpoint; "
                                 "start it with `pitstop run --snapshot-every SECONDS` to recover it next time")
         if lost is None:
             found = self.failed_hosts(job)
             if not found:
-                with self.snaps.lock:
-                    self.snaps.held.discard(job)
+                self.snaps.release(job)
                 raise FailedPrecondition(f"no host of job {job} is silent past {self.s.failure_deadline_s:g} s",
                                          code="nothing_lost", action="name the failed host if you know better")
             lost = found[0]
@@ -170,8 +168,7 @@ class Recoveries:
         assert op is not None
         md = op["metadata"]
         job = md["job"]
-        with self.snaps.lock:
-            self.snaps.held.add(job)
+        self.snaps.hold(job)
         while job in self.snaps.pausing:  # a snapshot's pause ends first (its resume must not reach restored ranks)
             time.sleep(0.05)
         try:
@@ -189,8 +186,7 @@ class Recoveries:
         finally:
             for c in self._local.__dict__.pop("clients", {}).values():
                 c.close()
-            with self.snaps.lock:
-                self.snaps.held.discard(job)
+            self.snaps.release(job)
             self.snaps.restart_clock(job, at=-1e18)  # the next snapshot at once: only then is the job covered again
 
     def _phase(self, op_id: str, md: dict[str, Any], name: str, t0: float | None = None) -> float:

@@ -15,9 +15,10 @@ A snapshot that fails anywhere is dropped on every host and recorded failed with
 previous committed one still counts.  The job is never left paused: the resume is in a
 `finally`, and each step has a deadline.
 
-The buddy of a host is chosen here and written in the snapshot's record: a healthy host other
-than itself, a spare first (it is where a recovery would restore, so the replica is already
-there), else the next host of the cluster by name.
+The buddy of a host is chosen here and written in the snapshot's record with why: a healthy host
+other than itself, outside its failure domain where one is known (`pitstop agent
+--failure-domain`), a spare first (it is where a recovery would restore, so the replica is
+already there), else the next host of the cluster by name.
 """
 
 from __future__ import annotations
@@ -57,23 +58,41 @@ def interval(store: Store, job: str, workers: list[dict[str, Any]]) -> float | N
     return min(asked) if asked else None
 
 
-def buddies(hosts: list[str], all_hosts: list[dict[str, Any]], timeout_s: float) -> dict[str, str]:
-    """Each host of the job -> the host that keeps its replica (written in the snapshot's record)."""
+def buddies(hosts: list[str], all_hosts: list[dict[str, Any]], timeout_s: float) -> tuple[dict[str, str], dict[str, str]]:
+    """Each host of the job -> the host that keeps its replica, and why that one (both written in
+    the snapshot's record).  In order of preference: a spare in another failure domain (where a
+    recovery restores anyway), another host in another failure domain, a spare, the next host by
+    name.  Another domain first, because a replica that dies with its host (one rack's power, one
+    switch) leaves nothing to recover from; a spare second, because the recovery can send a
+    replica to the spare it restores on, but cannot bring back a lost one.  A host with no
+    `--failure-domain` is in no known domain: for it the spare-then-next rule alone decides."""
     alive = [h for h in all_hosts if healthy(h, timeout_s) and h["role"] in ("active", "spare")]
+    domain = {h["name"]: h.get("failure_domain") for h in all_hosts}
     spares = sorted(h["name"] for h in alive if h["role"] == "spare")
     names = sorted(h["name"] for h in alive)
-    out = {}
+    out, why = {}, {}
     for i, host in enumerate(sorted(hosts)):
-        pick = [s for s in spares if s != host]
-        if pick:
-            out[host] = pick[i % len(pick)]
-            continue
+        mine = domain.get(host)
         after = [n for n in names if n > host] + [n for n in names if n < host]
-        if not after:
+
+        def apart(n: str, mine: str | None = mine) -> bool:
+            return bool(mine) and bool(domain.get(n)) and domain.get(n) != mine
+
+        outside = f" outside failure domain {mine}" if mine else ""
+        # (why, candidates, spread: spares are shared out among the job's hosts; other hosts taken in turn)
+        tiers = ((f"a spare{outside}", [s for s in spares if s != host and apart(s)], True),
+                 (f"a host{outside} (no spare there)", [n for n in after if apart(n)], False),
+                 ("a spare" + (f" (none{outside})" if mine else ""), [s for s in spares if s != host], True),
+                 ("the next host by name (no spare" + (f", none{outside})" if mine else ")"), after, False))
+        for reason, pick, spread in tiers:
+            if pick:
+                out[host] = pick[i % len(pick)] if spread else pick[0]
+                why[host] = reason
+                break
+        else:
             raise FailedPrecondition(f"no other healthy host can keep a replica of {host}'s snapshot",
                                      code="no_buddy", action="add a spare or another host to the cluster")
-        out[host] = after[0]
-    return out
+    return out, why
 
 
 def job_cut(hosts_of: dict[str, str], client: Callable[[str], AgentClient], deadline_s: float) -> Cut:
@@ -101,6 +120,7 @@ class Snapshots:
         self.taking: set[str] = set()
         self.pausing: set[str] = set()  # jobs between a snapshot's pause and its resume: a recovery waits for them
         self.held: set[str] = set()  # jobs being recovered: no snapshot meanwhile
+        self.recoveries: dict[str, int] = {}  # job -> recoveries begun: a snapshot begun before one never commits
         self.ended: dict[str, float] = {}  # job -> since when none of its ranks is live (monotonic)
         self.lock = threading.Lock()
 
@@ -170,14 +190,39 @@ class Snapshots:
             if job in self.taking or job in self.held:
                 raise Conflict(f"job {job} is already being snapshotted or recovered", action="wait for it")
             self.taking.add(job)
+            generation = self.recoveries.get(job, 0)
         self.restart_clock(job)
         try:
-            return self._take(job)
+            return self._take(job, generation)
         finally:
             with self.lock:
                 self.taking.discard(job)
 
-    def _take(self, job: str) -> dict[str, Any]:
+    def hold(self, job: str) -> None:
+        """A recovery of `job` begins: no snapshot of it pauses or commits until release(), and one
+        begun before never commits, even after the release: its parts are of ranks the recovery
+        replaced, on hosts that may be fenced (a snapshot dumped just before a partition, whose
+        replica completes when the partition heals)."""
+        with self.lock:
+            self.held.add(job)
+            self.recoveries[job] = self.recoveries.get(job, 0) + 1
+
+    def release(self, job: str) -> None:
+        with self.lock:
+            self.held.discard(job)
+
+    def commit(self, job: str, number: int, record: dict[str, Any], generation: int) -> None:
+        """Snapshot `number`, complete everywhere, counts from here, unless a recovery of the job
+        began since it began (`generation`: the recoveries begun then): a recovery reading the
+        previous one needs it to stay the newest, and this one's parts are of ranks it replaced."""
+        with self.lock:
+            if job in self.held or self.recoveries.get(job, 0) != generation:
+                record["error"] = "a recovery of the job began before this snapshot was complete"
+                self.store.put_snapshot(job, number, "failed", record)
+                raise Conflict(record["error"], action="the next snapshot follows the recovery")
+            self.store.put_snapshot(job, number, "committed", record)
+
+    def _take(self, job: str, generation: int) -> dict[str, Any]:
         ws = [w for w in self.store.workers(job=job) if w["state"] in ("running", "paused", "capturing", "stopped")]
         if not ws:
             raise FailedPrecondition(f"job {job} has no live ranks", action="nothing to snapshot")
@@ -202,9 +247,9 @@ class Snapshots:
                            code="host_silent", action="the job is recovered from its last snapshot if they stay so")
         done = [s["number"] for s in self.store.snapshots(job)]
         number = max(done, default=0) + 1
-        buddy = buddies(hosts, self.store.hosts(), self.s.heartbeat_timeout_s)
+        buddy, buddy_why = buddies(hosts, self.store.hosts(), self.s.heartbeat_timeout_s)
         record: dict[str, Any] = {"parts": {w["id"]: {"host": w["host"], "rank": w["rank"], "buddy": buddy[w["host"]]}
-                                            for w in ws}, "buddies": buddy, "phases": {}}
+                                            for w in ws}, "buddies": buddy, "buddy_why": buddy_why, "phases": {}}
         self.store.put_snapshot(job, number, "taking", record)
         clients = {h: self.agent(h, timeout=QUICK_TIMEOUT_S) for h in set(hosts) | set(buddy.values())}
         t0 = time.monotonic()
@@ -231,12 +276,7 @@ class Snapshots:
             for c in clients.values():
                 c.close()
         record["seconds"] = round(time.monotonic() - t0, 4)
-        with self.lock:
-            if job in self.held:  # a recovery began from the previous one: that one must stay whole
-                record["error"] = "a recovery of the job began before this snapshot was complete"
-                self.store.put_snapshot(job, number, "failed", record)
-                raise Conflict(record["error"], action="the next snapshot follows the recovery")
-            self.store.put_snapshot(job, number, "committed", record)
+        self.commit(job, number, record, generation)
         self.errors.pop(job, None)
         self.store.forget_snapshots(job, keep=number)
         everyone = {h["name"]: h for h in self.store.hosts() if healthy(h, self.s.heartbeat_timeout_s)}

@@ -58,6 +58,9 @@ class NetHosts:
         _ip("link", "set", self.bridge, "up")
 
     def add(self, name: str) -> tuple[str, str]:
+        """Host `name`'s namespace and address; one it has already (an agent restarted there) is kept."""
+        if name in self.hosts:
+            return self.hosts[name]
         self.setup()
         i = len(self.hosts) + 1
         ns, addr, veth = f"pst-{self.tag}-{name}", f"10.213.{self.subnet}.{10 + i}", f"pst{self.tag}v{i}"

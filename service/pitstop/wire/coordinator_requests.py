@@ -75,6 +75,9 @@ class Heartbeat(BaseModel):
     spare: bool = False
     slurm_node: str | None = Field(None, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                                    description="the Slurm node this host is (`pitstop agent --slurm-node`)")
+    failure_domain: str | None = Field(None, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+                                       description="what this host fails together with (`pitstop agent "
+                                                   "--failure-domain`): snapshot replicas are kept outside it")
     socket: str | None = Field(None, max_length=4096, pattern=r"^/",
                                description="the agent's local socket on its host: what a process there, such as "
                                            "`pitstop hold` started by the Slurm watcher, is given as --agent")

@@ -1,0 +1,62 @@
+"""The fault matrix's rows for unplanned failures: a job with snapshots loses a host without
+warning, and every fault around that ends with the job recovered or a clear failure with nothing
+half-done.  The scenarios are the ones `make test` runs (tests/test_recovery_e2e.py); here each
+also records its row, with the figures it saw."""
+
+from __future__ import annotations
+
+import pytest
+
+from .. import test_recovery_e2e as scenario
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+
+def test_host_dies_during_a_snapshot_and_the_first_spare_fails(cluster, tmp_path, record):
+    got = scenario.host_dies_during_a_snapshot(cluster, tmp_path)
+    m = got["recovery"]
+    record("a host dies outright (agent and ranks SIGKILLed, link cut) while a snapshot is under way",
+           f"snapshot {got['during']} never counted; recovered by itself from snapshot {m['snapshot']}, bitwise equal",
+           f"pause {m['pause_s']:.2f} s, {m['lost_s']:.1f} s of work redone, ranks {m['lost_ranks']} onto "
+           f"{m['destination']}")
+    record("the spare fails during the recovery (its restore fails)",
+           f"the next spare taken ({m['destination']}); the failed one keeps nothing; bitwise equal",
+           m["spares_failed"][0]["error"][:200])
+    record("the lost host's agent comes back after the recovery",
+           "told of the fence before anything else; runs nothing of the job; its reports move no rank", "")
+
+
+def test_nccl_host_dies(cluster, tmp_path, record):
+    m = scenario.nccl_host_dies(cluster, tmp_path)["recovery"]
+    record("a host of an NCCL job dies outright", "recovered by itself at the shim's cut, communicators re-created, "
+           "bitwise equal", f"pause {m['pause_s']:.2f} s, phases {sorted(m['phases'])}")
+
+
+def test_partitioned_host_back_during_the_recovery_then_a_second_failure(cluster, tmp_path, record):
+    got = scenario.partitioned_host_back_during_the_recovery_then_a_second_failure(cluster, tmp_path)
+    record("a host cut off (partition), back while the recovery restores its ranks elsewhere",
+           "its ranks isolated by its own agent, then ended (fenced) before the recovery ended; never rejoined",
+           got["fenced"][:200])
+    record("a second failure in a row (the spare now running the recovered ranks dies)",
+           f"recovered again onto {got['second']['destination']}, bitwise equal",
+           f"pauses {got['first']['pause_s']:.2f} s and {got['second']['pause_s']:.2f} s")
+
+
+def test_replicas_lost_with_their_host(cluster, tmp_path, record):
+    e = scenario.replicas_lost_with_their_host(cluster, tmp_path)["error"]
+    record("a host and the buddy holding its replicas die together",
+           "recovery failed before it stopped anything, not retried; the survivors run on", f"{e['message'][:140]} -> "
+           f"{e['action'][:100]}")
+
+
+def test_operator_recovers_a_live_host(cluster, tmp_path, record):
+    m = scenario.operator_recovers_a_live_host_with_an_appended_log(cluster, tmp_path)["recovery"]
+    record("an operator recovers a job whose host still runs it (pitstop recover --wait --json)",
+           "the host's copy fenced first; the log the job appends to cut back; it ends line for line as an "
+           "uninterrupted run's", f"cut back: {[f['path'].rsplit('/', 1)[-1] for f in m['files']['cut_back']]}")
+
+
+def test_snapshot_over_its_budget(cluster, tmp_path, record):
+    err = scenario.snapshot_over_its_budget(cluster, tmp_path)["error"]
+    record("a host's snapshot budget too small for its ranks", "refused at the check, before any rank paused",
+           err[:200])
