@@ -64,15 +64,17 @@ def _during_a_snapshot(cc: CoordinatorClient, job: str, after: int) -> dict:
 
 def host_dies_during_a_snapshot(cluster, tmp_path) -> dict:
     """Host b dies outright while a snapshot is under way: that snapshot never counts, the previous one
-    is used.  The first spare fails to restore (an injected fault): the recovery takes the other."""
+    is used.  The first spare dies too, in the middle of the recovery's restore: the recovery takes
+    the other.  Then b's agent comes back: fenced."""
     cluster.net = NetHosts()
     cluster.start_coordinator()
     with cluster.starting():
         cluster.start_agent("host-a")
         # b's dumps wait a while (a fault): the test kills it inside one, before its part exists
         cluster.start_agent("host-b", env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "snapshot:before_dump=sleep:1"})
+        # spare-1's restore waits a while (a fault): the test kills the host in it
         cluster.start_agent("spare-1", spare=True,
-                            env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "snapshot:before_restore=fail"})
+                            env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "snapshot:before_restore=sleep:4"})
         cluster.start_agent("spare-2", spare=True)
     cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
     out, ranks = _train_with_snapshots(cluster, cc, tmp_path)
@@ -89,18 +91,20 @@ def host_dies_during_a_snapshot(cluster, tmp_path) -> dict:
     assert snap["number"] < under_way["number"]
     lost = _kill_host(cluster, "host-b", ranks)
     assert sorted(lost) == ["train.2", "train.3"]
+    until(lambda: next((o for o in cc.ops() if o["metadata"].get("job") == "train"
+                        and o["metadata"].get("phase") == "restore"), None), timeout=60, what="the recovery restoring",
+          every=0.05)
+    time.sleep(0.5)  # inside spare-1's restore (it waits 4 s before CRIU: the fault)
+    _kill_host(cluster, "spare-1")
 
     m = _recovered(cc, "train", "host-b")
     assert m["snapshot"] == snap["number"], "the snapshot the host died in never counted"
     assert m["destination"] == "spare-2" and [f["spare"] for f in m["spares_failed"]] == ["spare-1"], m
-    assert "injected fault" in m["spares_failed"][0]["error"]
     assert m["lost_ranks"] == [2, 3]
     assert set(m["phases"]) >= {"plan", "fence", "stop", "restore", "resume"}
     assert m["requested_by"].startswith("the coordinator")
     hosts = {w["rank"]: w["host"] for w in _wait_jobs(cc, "train", 4)["workers"]}
     assert hosts == {0: "host-a", 1: "host-a", 2: "spare-2", 3: "spare-2"}
-    assert not [w for w in _agent_workers(cluster, "spare-1").values() if w["state"] in ("running", "paused")], \
-        "the failed spare keeps nothing of the job"
 
     # host-b comes back after the recovery (its agent restarted, its ranks died with it): it is told of
     # the fence before anything else, runs nothing of the job, and its reports move no rank back
@@ -123,11 +127,14 @@ def host_dies_during_a_snapshot(cluster, tmp_path) -> dict:
 
 def nccl_host_dies(cluster, tmp_path) -> dict:
     """The same with an unchanged NCCL program over the host NCCL: snapshots at the shim's consistent
-    cut (communicators destroyed, no own addresses needed), communicators re-created after the recovery."""
+    cut (communicators destroyed, no own addresses needed), communicators re-created after the recovery.
+    The first spare's restore fails (an injected fault): it is emptied and the next one taken."""
     from .test_shim_e2e import STEPS as NCCL_STEPS
     from .test_shim_e2e import _start, reference
 
-    cc, ranks, out = _start(cluster, tmp_path, "nccl_dp.py", run_args=("--snapshot-every", "5"))
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_dp.py", run_args=("--snapshot-every", "5"), spares=2,
+                            agent_env={"spare-1": {"PITSTOP_ENABLE_FAULTS": "1",
+                                                   "PITSTOP_FAULTS": "snapshot:before_restore=fail"}})
     _wait_jobs(cc, "nccl", 4)
     wait_for_step(ranks[3].log, 20)
     snap = _committed(cc, "nccl")
@@ -136,7 +143,10 @@ def nccl_host_dies(cluster, tmp_path) -> dict:
     lost = _kill_host(cluster, "host-b", ranks)
     assert sorted(lost) == ["nccl.2", "nccl.3"]
     m = _recovered(cc, "nccl", "host-b")
-    assert m["destination"] == "spare-1" and "rewire" in m["phases"], m
+    assert m["destination"] == "spare-2" and "rewire" in m["phases"], m
+    assert [f["spare"] for f in m["spares_failed"]] == ["spare-1"] and "injected fault" in m["spares_failed"][0]["error"]
+    assert not [w for w in _agent_workers(cluster, "spare-1").values() if w["state"] in ("running", "paused")], \
+        "the failed spare keeps nothing of the job"
     let_finish(out)
     for r in ranks[:2]:
         assert r.proc.wait(180) == 0, r.log.read_text(errors="replace")[-2000:]

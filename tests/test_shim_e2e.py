@@ -54,7 +54,8 @@ def reference(script: str, steps: int = STEPS) -> list[str]:
     return _REF[key]
 
 
-def _start(cluster, tmp_path, script, spares=1, steps=STEPS, extra=(), coord_env=None, job_env=None, run_args=()):
+def _start(cluster, tmp_path, script, spares=1, steps=STEPS, extra=(), coord_env=None, job_env=None, run_args=(),
+           agent_env=None):
     cluster.net = NetHosts()
     if coord_env:
         os.environ.update(coord_env)
@@ -65,9 +66,9 @@ def _start(cluster, tmp_path, script, spares=1, steps=STEPS, extra=(), coord_env
             os.environ.pop(k, None)
     with cluster.starting():
         for name in ("host-a", "host-b"):
-            cluster.start_agent(name)
+            cluster.start_agent(name, env=(agent_env or {}).get(name))
         for i in range(spares):
-            cluster.start_agent(f"spare-{i + 1}", spare=True)
+            cluster.start_agent(f"spare-{i + 1}", spare=True, env=(agent_env or {}).get(f"spare-{i + 1}"))
     rdv, out = tmp_path / "rdv", tmp_path / "out"
     rdv.mkdir()
     ranks = cluster.start_job("nccl", _cmd(script, rdv, out, steps, extra), 4,

@@ -19,9 +19,8 @@ def test_host_dies_during_a_snapshot_and_the_first_spare_fails(cluster, tmp_path
            f"snapshot {got['during']} never counted; recovered by itself from snapshot {m['snapshot']}, bitwise equal",
            f"pause {m['pause_s']:.2f} s, {m['lost_s']:.1f} s of work redone, ranks {m['lost_ranks']} onto "
            f"{m['destination']}")
-    record("the spare fails during the recovery (its restore fails)",
-           f"the next spare taken ({m['destination']}); the failed one keeps nothing; bitwise equal",
-           m["spares_failed"][0]["error"][:200])
+    record("the spare dies during the recovery (SIGKILLed with its agent in the middle of the restore)",
+           f"the next spare taken ({m['destination']}); bitwise equal", m["spares_failed"][0]["error"][:200])
     record("the lost host's agent comes back after the recovery",
            "told of the fence before anything else; runs nothing of the job; its reports move no rank", "")
 
@@ -30,6 +29,9 @@ def test_nccl_host_dies(cluster, tmp_path, record):
     m = scenario.nccl_host_dies(cluster, tmp_path)["recovery"]
     record("a host of an NCCL job dies outright", "recovered by itself at the shim's cut, communicators re-created, "
            "bitwise equal", f"pause {m['pause_s']:.2f} s, phases {sorted(m['phases'])}")
+    record("the spare's restore fails during the recovery (an injected fault)",
+           f"the failed spare emptied, the next one taken ({m['destination']}); bitwise equal",
+           m["spares_failed"][0]["error"][:200])
 
 
 def test_partitioned_host_back_during_the_recovery_then_a_second_failure(cluster, tmp_path, record):
