@@ -44,6 +44,17 @@ def test_buddies_are_kept_outside_the_hosts_failure_domain_first():
     assert buddies(["a"], hosts, 5.0) == ({"a": "s1"}, {"a": "a spare"})
 
 
+def test_a_buddy_is_kept_while_it_is_still_among_the_best():
+    """The next part is a delta that only the last buddy can take: a host that comes back (host b,
+    first by name) does not take host a's replica from the host that keeps it; a spare that joins
+    does (a better rule): that snapshot fails, its delta refused there, and the next one is whole."""
+    hosts = [_host("a"), _host("b"), _host("c")]
+    assert buddies(["a"], hosts, 5.0, previous={"a": "c"})[0] == {"a": "c"}
+    assert buddies(["a"], hosts, 5.0)[0] == {"a": "b"}
+    assert buddies(["a"], [*hosts, _host("s1", "spare")], 5.0, previous={"a": "c"})[0] == {"a": "s1"}
+    assert buddies(["a"], [_host("a"), _host("b")], 5.0, previous={"a": "c"})[0] == {"a": "b"}  # c is gone
+
+
 def test_silent_or_drained_hosts_keep_no_replica():
     hosts = [_host("a"), _host("b", age=60), _host("c", "drained"), _host("s1", "spare", age=60)]
     with pytest.raises(FailedPrecondition, match="no other healthy host"):

@@ -30,7 +30,7 @@ from typing import Any
 
 import structlog
 
-from pitstop.coordinator.fanout import in_parallel
+from pitstop.coordinator.fanout import in_parallel, while_heard
 from pitstop.coordinator.planner import healthy
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.snapshots import Snapshots, job_cut
@@ -223,8 +223,10 @@ class Recoveries:
         in_parallel(lambda h: self._client(h).stop_workers(plan.job, plan.survivors[h]), sorted(plan.survivors))
         t = self._phase(op_id, md, "restore", t)
         spare = self._restore_lost(op_id, md, plan)
-        got = in_parallel(lambda h: self._client(h).snapshot_restore(plan.job, plan.number, plan.survivors[h],
-                                                                     timeout=self.s.step_timeout_s), sorted(plan.survivors))
+        got = in_parallel(lambda h: while_heard(
+            lambda: self._client(h).snapshot_restore(plan.job, plan.number, plan.survivors[h],
+                                                     timeout=self.s.step_timeout_s), h, self.snaps.heard,
+            "the restore of its ranks"), sorted(plan.survivors))
         md["restored"] = {**md.get("restored", {}), **{w: r for g in got for w, r in g["workers"].items()}}
         md["files"] = {"cut_back": [f for r in md["restored"].values() for f in r.get("files_cut_back", [])]}
         t = self._phase(op_id, md, "resume", t)
@@ -387,7 +389,10 @@ class Recoveries:
                 self.store.update_op(op_id, metadata=md)
                 log.warning("a spare could not take the lost ranks; trying another", op=op_id, spare=spare,
                             error=e.message)
-                self._discard(spare, plan.job, list(plan.lost_parts))
+                if not self._discard(spare, plan.job, list(plan.lost_parts)):
+                    # unreachable (it died in the restore): whatever it restored is ended if it comes back
+                    self.store.fence(plan.job, spare, epoch=md["fence_epoch"])
+                    md["spares_failed"][-1]["fenced"] = True
         for h, ids in plan.survivors.items():  # stopped above: they must not stay half-restored either
             self._discard(h, plan.job, ids)
         raise Unrecoverable(f"no spare could take the lost ranks of job {plan.job} (tried: {', '.join(tried) or 'none'})"
@@ -409,17 +414,25 @@ class Recoveries:
         for w, p in lost_parts.items():
             if p["buddy"] != spare:
                 by_buddy[p["buddy"]].append(w)
-        sent = in_parallel(lambda b: self._client(b).send_replicas(job, number, by_buddy[b], spare_url,
-                                                                   timeout=self.s.capture_deadline_s), sorted(by_buddy))
+        sent = in_parallel(lambda b: while_heard(
+            lambda: self._client(b).send_replicas(job, number, by_buddy[b], spare_url, timeout=self.s.capture_deadline_s),
+            (b, spare), self.snaps.heard, f"sending replicas to {spare}"), sorted(by_buddy))
         md["replicas_sent"] = {w: r for g in sent for w, r in g["workers"].items()}
-        got = self._client(spare).snapshot_restore(job, number, sorted(lost_parts), timeout=self.s.step_timeout_s,
-                                                   side="replica")
+        got = while_heard(lambda: self._client(spare).snapshot_restore(job, number, sorted(lost_parts),
+                                                                       timeout=self.s.step_timeout_s, side="replica"),
+                          spare, self.snaps.heard, "the restore of the lost ranks")
         md.setdefault("restored", {}).update(got["workers"])
         self.store.update_op(op_id, metadata=md)
 
-    def _discard(self, host: str, job: str, ids: list[str]) -> None:
+    def _discard(self, host: str, job: str, ids: list[str]) -> bool:
+        """End the ranks restored on `host` so far; False: it could not be reached."""
+        if not self.snaps.heard(host):  # silent past the failure deadline: no call would be answered
+            log.warning("could not end a half-restored rank: its host is silent", host=host, job=job)
+            return False
         try:
             with self._client(host, timeout=FENCE_TIMEOUT_S) as c:
                 c.stop_workers(job, ids)
+            return True
         except PitstopError as e:
             log.warning("could not end a half-restored rank", host=host, job=job, error=e.message)
+            return False

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import structlog
 
 from pitstop.coordinator.cut import Cut
-from pitstop.coordinator.fanout import in_parallel
+from pitstop.coordinator.fanout import HostSilent, in_parallel, while_heard
 from pitstop.coordinator.planner import healthy
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import LIVE, Store
@@ -58,14 +58,17 @@ def interval(store: Store, job: str, workers: list[dict[str, Any]]) -> float | N
     return min(asked) if asked else None
 
 
-def buddies(hosts: list[str], all_hosts: list[dict[str, Any]], timeout_s: float) -> tuple[dict[str, str], dict[str, str]]:
+def buddies(hosts: list[str], all_hosts: list[dict[str, Any]], timeout_s: float,
+            previous: dict[str, str] | None = None) -> tuple[dict[str, str], dict[str, str]]:
     """Each host of the job -> the host that keeps its replica, and why that one (both written in
     the snapshot's record).  In order of preference: a spare in another failure domain (where a
     recovery restores anyway), another host in another failure domain, a spare, the next host by
     name.  Another domain first, because a replica that dies with its host (one rack's power, one
     switch) leaves nothing to recover from; a spare second, because the recovery can send a
     replica to the spare it restores on, but cannot bring back a lost one.  A host with no
-    `--failure-domain` is in no known domain: for it the spare-then-next rule alone decides."""
+    `--failure-domain` is in no known domain: for it the spare-then-next rule alone decides.
+    previous: the last snapshot's choice, kept while it is still among the best: a part is a delta
+    against the one before it, which only the same buddy holds (another would refuse it)."""
     alive = [h for h in all_hosts if healthy(h, timeout_s) and h["role"] in ("active", "spare")]
     domain = {h["name"]: h.get("failure_domain") for h in all_hosts}
     spares = sorted(h["name"] for h in alive if h["role"] == "spare")
@@ -86,7 +89,8 @@ def buddies(hosts: list[str], all_hosts: list[dict[str, Any]], timeout_s: float)
                  ("the next host by name (no spare" + (f", none{outside})" if mine else ")"), after, False))
         for reason, pick, spread in tiers:
             if pick:
-                out[host] = pick[i % len(pick)] if spread else pick[0]
+                before = (previous or {}).get(host, "")
+                out[host] = before if before in pick else pick[i % len(pick)] if spread else pick[0]
                 why[host] = reason
                 break
         else:
@@ -198,6 +202,12 @@ class Snapshots:
             with self.lock:
                 self.taking.discard(job)
 
+    def heard(self, host: str) -> bool:
+        """Whether `host` reported within the failure deadline: a call waiting on one that did not
+        is abandoned (fanout.while_heard)."""
+        h = self.store.host(host)
+        return h is not None and healthy(h, self.s.failure_deadline_s)
+
     def hold(self, job: str) -> None:
         """A recovery of `job` begins: no snapshot of it pauses or commits until release(), and one
         begun before never commits, even after the release: its parts are of ranks the recovery
@@ -247,7 +257,9 @@ class Snapshots:
                            code="host_silent", action="the job is recovered from its last snapshot if they stay so")
         done = [s["number"] for s in self.store.snapshots(job)]
         number = max(done, default=0) + 1
-        buddy, buddy_why = buddies(hosts, self.store.hosts(), self.s.heartbeat_timeout_s)
+        last = self.committed(job)
+        buddy, buddy_why = buddies(hosts, self.store.hosts(), self.s.heartbeat_timeout_s,
+                                   previous=(last or {}).get("buddies"))
         record: dict[str, Any] = {"parts": {w["id"]: {"host": w["host"], "rank": w["rank"], "buddy": buddy[w["host"]]}
                                             for w in ws}, "buddies": buddy, "buddy_why": buddy_why, "phases": {}}
         self.store.put_snapshot(job, number, "taking", record)
@@ -325,9 +337,9 @@ class Snapshots:
             in_parallel(lock, hosts)
             record["phases"]["lock"] = round(time.monotonic() - t, 4)
             t = time.monotonic()
-            got = in_parallel(lambda h: clients[h].snapshot_take(job, number, by_host[h], buddy_url[h],
-                                                                 timeout=self.s.capture_deadline_s,
-                                                                 cut=cut is not None), hosts)
+            got = in_parallel(lambda h: while_heard(
+                lambda: clients[h].snapshot_take(job, number, by_host[h], buddy_url[h], timeout=self.s.capture_deadline_s,
+                                                 cut=cut is not None), h, self.heard, "its snapshot dump"), hosts)
             record["phases"]["dump"] = round(time.monotonic() - t, 4)
             record["bytes"] = sum(p["bytes"] for g in got for p in g["parts"].values())
             # an incremental part's pages left in the part before it: not dumped, not sent again
@@ -344,6 +356,9 @@ class Snapshots:
             if cut is not None and destroyed:  # the communicators come back before anything runs on
                 undo.append(("the job's communicators", cut.rewire))
             for h, fn in undo:
+                if h in by_host and not self.heard(h):  # no answer would come; the others wait for none
+                    undo_errors.append(f"{h}: silent, skipped (an agent cut off isolates its snapshot jobs' ranks)")
+                    continue
                 try:
                     fn()
                 except PitstopError as e:
@@ -362,6 +377,9 @@ class Snapshots:
         waiting = set(hosts)
         while waiting:
             for h in sorted(waiting):
+                if not self.heard(record["buddies"][h]):
+                    raise HostSilent(f"{record['buddies'][h]}, which keeps {h}'s replica, went silent",
+                                     action="the next snapshot picks another buddy")
                 mine = [s for s in clients[h].snapshots(job) if s["number"] == number]
                 rep = mine[0]["replication"] if mine else None
                 if rep is None:

@@ -285,6 +285,8 @@ class LocalCluster:
         a = self.agents[name]
         with AgentClient(a.url, self.token) as c:
             ws = [w for w in c.workers() if w["state"] in ("running", "paused")]
+        if self.net:  # first: a host that loses power sends no reset for its connections
+            self.net.cut(name)
         a.proc.kill()
         a.proc.wait(10)
         for w in ws:
@@ -295,8 +297,6 @@ class LocalCluster:
             if r.agent == name:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(r.proc.pid, signal.SIGKILL)
-        if self.net:
-            self.net.cut(name)
         for w in ws:
             if w.get("net"):
                 subprocess.run(["ip", "netns", "delete", w["net"]["netns"]], capture_output=True, timeout=10)

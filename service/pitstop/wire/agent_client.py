@@ -69,6 +69,8 @@ class AgentClient:
         self.close()
 
     def _req(self, method: str, path: str, **kw: Any) -> Any:
+        if kw.get("timeout", 0) is None:  # not given: the client's own timeout, never httpx's "no timeout at all"
+            del kw["timeout"]
         try:
             r = self.http.request(method, path, **kw)
         except httpx.TimeoutException as e:
