@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from pitstop.dev.devcluster import step_times
 from pitstop.dev.netns import NetHosts
 from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.coordinator_client import CoordinatorClient
@@ -144,9 +145,16 @@ def nccl_host_dies(cluster, tmp_path) -> dict:
     assert snap["pause"] == "nccl_cut", snap
     wait_for_step(ranks[0].log, 60)
     lost = _kill_host(cluster, "host-b", ranks)
+    reached = max(s for s, _ in step_times(ranks[0].log))
+    kept = cc.snapshots("nccl")["snapshots"]  # the one the recovery uses is among them (none commits now)
     assert sorted(lost) == ["nccl.2", "nccl.3"]
     m = _recovered(cc, "nccl", "host-b")
     assert m["destination"] == "spare-2" and "rewire" in m["phases"], m
+    # the steps it redoes, counted from the shims' NCCL calls, against the job's own step lines
+    used = next(s for s in kept if s["number"] == m["snapshot"])
+    at_snapshot = max((s for s, t in step_times(ranks[0].log) if t <= used["created"]), default=0)
+    assert m["steps_redone"] is not None, m.get("steps_redone_why")
+    assert abs(m["steps_redone"] - (reached - at_snapshot)) <= 2, (m["steps_redone"], reached, at_snapshot)
     assert [f["spare"] for f in m["spares_failed"]] == ["spare-1"] and "injected fault" in m["spares_failed"][0]["error"]
     assert not [w for w in _agent_workers(cluster, "spare-1").values() if w["state"] in ("running", "paused")], \
         "the failed spare keeps nothing of the job"

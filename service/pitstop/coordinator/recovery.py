@@ -30,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from pitstop.coordinator.cut import issued_by_worker
 from pitstop.coordinator.fanout import in_parallel, while_heard
 from pitstop.coordinator.planner import healthy
 from pitstop.coordinator.settings import CoordinatorSettings
@@ -219,6 +220,7 @@ class Recoveries:
         t = self._phase(op_id, md, "fence", t)
         self._fence(plan, md)
         t = self._phase(op_id, md, "stop", t)
+        md.update(self._steps_redone(plan))
         t_pause = time.time()
         in_parallel(lambda h: self._client(h).stop_workers(plan.job, plan.survivors[h]), sorted(plan.survivors))
         t = self._phase(op_id, md, "restore", t)
@@ -274,6 +276,31 @@ class Recoveries:
         return Plan(job=job, lost=lost, number=number, nccl=snap.get("pause") == "nccl_cut", parts=parts,
                     lost_parts=lost_parts, survivors=dict(survivors), alive=alive,
                     lost_heard=lost in hosts and healthy(hosts[lost], self.s.heartbeat_timeout_s))
+
+    def _steps_redone(self, plan: Plan) -> dict[str, Any]:
+        """The steps the job does again: for an NCCL job, the operations its surviving ranks issued
+        since the snapshot (their shims' counters, read just before they are stopped) over the
+        operations a step takes (the period of their trails at the snapshot, progress.py).  A job
+        without the shim's communicators shows no progress pitstop can count: `lost_s` only."""
+        snap = next((s for s in self.store.snapshots(plan.job) if s["number"] == plan.number), {})
+        at, per_step = snap.get("issued") or {}, snap.get("ops_per_step") or {}
+        if not plan.nccl or not at:
+            return {"steps_redone": None, "steps_redone_why": "the job shows no progress pitstop can count "
+                    "without a change to it (no NCCL shim); lost_s says how long it ran since the snapshot"}
+        try:
+            now: dict[str, list[dict[str, Any]]] = {}
+            for got in in_parallel(lambda h: self._client(h, timeout=FENCE_TIMEOUT_S).shim_blocks_many(
+                    plan.survivors[h]), sorted(plan.survivors)):
+                now.update(got)
+        except PitstopError as e:
+            return {"steps_redone": None, "steps_redone_why": f"the surviving ranks' counters could not be read: "
+                    f"{e.message}"}
+        ops = {w: issued_by_worker([(w, b) for b in bs]).get(w, 0) - at[w] for w, bs in now.items() if w in at and bs}
+        steps = {w: round(n / per_step[w], 1) for w, n in ops.items() if per_step.get(w)}
+        if not steps:
+            return {"ops_redone": max(ops.values(), default=None), "steps_redone": None,
+                    "steps_redone_why": "no step period showed in the ranks' trails at the snapshot"}
+        return {"ops_redone": max(ops.values()), "steps_redone": max(steps.values())}
 
     def _fence(self, plan: Plan, md: dict[str, Any]) -> None:
         epoch = int(time.time() * 1000)

@@ -34,6 +34,7 @@ import structlog
 from pitstop.coordinator.cut import Cut
 from pitstop.coordinator.fanout import HostSilent, in_parallel, while_heard
 from pitstop.coordinator.planner import healthy
+from pitstop.coordinator.progress import per_step_by_worker
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import LIVE, Store
 from pitstop.errors import Conflict, FailedPrecondition, PitstopError
@@ -323,6 +324,9 @@ class Snapshots:
                 paused.append(h)
             if cut is not None:
                 res = cut.quiesce()  # releases the job itself when no cut is reached
+                # where the job stands, for a recovery to say how many steps it redoes (progress.py)
+                record["issued"] = res.issued
+                record["ops_per_step"] = per_step_by_worker(cut.get_all(cut.workers, trail=True) if cut.get_all else {})
                 destroyed = True
                 cut.destroy()
                 record["cut_rounds"] = res.rounds
