@@ -5,6 +5,7 @@ agents, coordinator, CRIU, torch gloo with workers' own addresses, namespaces, n
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 
@@ -250,6 +251,31 @@ def partitioned_host_back_during_the_recovery_then_a_second_failure(cluster, tmp
     return {"first": m1, "second": m2, "fenced": ws["train.2"]["reason"]}
 
 
+def ranks_fail_at_once_on_a_live_host(cluster, tmp_path) -> dict:
+    """Host b keeps its agent, but both of its ranks die at once (SIGKILLed, as when its GPU falls
+    off the bus); host a's ranks fail a moment later, their collectives broken.  The coordinator
+    takes b for lost (its ranks failed first), fences it and recovers the job onto the spare."""
+    cc = _cluster(cluster, spares=1)
+    out, ranks = _train_with_snapshots(cluster, cc, tmp_path)
+    _committed(cc, "train")
+    ws = _agent_workers(cluster, "host-b")
+    for wid in ("train.2", "train.3"):
+        subprocess.run(["pkill", "-KILL", "-s", str(os.getsid(ws[wid]["root_pid"]))], timeout=10)
+    m = _recovered(cc, "train", "host-b", timeout=60)
+    assert m["requested_by"].startswith("the coordinator (ranks failed") and "host-b" in m["requested_by"], m
+    assert m["destination"] == "spare-1" and m["lost_ranks"] == [2, 3] and m["fenced_now"], m
+    hosts = {w["rank"]: w["host"] for w in _wait_jobs(cc, "train", 4)["workers"]}
+    assert hosts == {0: "host-a", 1: "host-a", 2: "spare-1", 3: "spare-1"}
+    let_finish(out)
+    for r in ranks[:2]:
+        assert r.proc.wait(240) == 0, r.log.read_text(errors="replace")[-2000:]
+    until(lambda: _hashes_written(out, 4), timeout=240, what="every rank's final parameters")
+    assert_same_as_reference(out, reference_hashes(tmp_path, 4, steps=STEPS))
+    for r in ranks[2:]:  # their launchers on host-b: their ranks were fenced there
+        assert r.proc.wait(60) != 0
+    return {"recovery": m}
+
+
 def replicas_lost_with_their_host(cluster, tmp_path) -> dict:
     """Host b and the buddy that held its replicas die together: the recovery fails saying the job
     must restart from its own checkpoint, before it stops anything, and is not tried again."""
@@ -361,6 +387,10 @@ def test_nccl_job_recovers_by_itself_from_a_host_that_died(cluster, tmp_path):
 
 def test_a_partitioned_host_back_during_the_recovery_is_fenced_and_a_second_failure_recovers_too(cluster, tmp_path):
     partitioned_host_back_during_the_recovery_then_a_second_failure(cluster, tmp_path)
+
+
+def test_a_host_whose_ranks_all_fail_at_once_is_recovered_like_a_dead_one(cluster, tmp_path):
+    ranks_fail_at_once_on_a_live_host(cluster, tmp_path)
 
 
 def test_replicas_lost_with_their_host_fail_the_recovery_and_change_nothing(cluster, tmp_path):

@@ -124,3 +124,61 @@ def test_recovery_operations_are_told_from_evacuations():
 @pytest.mark.parametrize("every,ok", [(None, True), (5, True), (3600, True), (4.9, False), (1e9, False)])
 def test_snapshot_every_is_checked_before_the_command_starts(every, ok):
     assert (bad_snapshot_every(every) is None) == ok
+
+
+def _crash_world(tmp_path, ends: dict[str, list[tuple[str, float | None, dict]]], snapshot_at: float):
+    """A store with job j's ranks on the given hosts, each (state, ended_at, extra), and a committed
+    snapshot taken at `snapshot_at`; the Recoveries that reads it."""
+    from pitstop.coordinator.recovery import Recoveries
+    from pitstop.coordinator.settings import CoordinatorSettings
+    from pitstop.coordinator.snapshots import Snapshots
+
+    s = Store(tmp_path / "c.db")
+    rank = 0
+    for host, ranks in ends.items():
+        ws = []
+        for state, at, extra in ranks:
+            ws.append({"id": f"j.{rank}", "job": "j", "rank": rank, "state": state, "root_pid": 100 + rank,
+                       "ended_at": at, **extra})
+            rank += 1
+        s.heartbeat({"name": host, "url": f"http://{host}:7070", "spare": False, "workers": ws})
+    s.put_snapshot("j", 1, "committed", {"parts": {}})
+    s._x("UPDATE snapshots SET created=?", (snapshot_at,))
+    settings = CoordinatorSettings(insecure=True)
+    return Recoveries(s, settings, Snapshots(s, settings, busy=dict), busy=dict)
+
+
+def test_a_host_whose_ranks_all_failed_at_once_is_taken_for_lost(tmp_path):
+    """A GPU fallen off the bus: host b's ranks fail together, a's a moment later (their collectives
+    break); b is the one recovered, once every other host has reported since."""
+    import itertools
+
+    now = time.time()
+    n = itertools.count()
+    t0 = now - 10
+    failed = {"exit_code": 1}
+
+    def world(b, a, snapshot_at=now - 60):
+        d = tmp_path / f"world{next(n)}"
+        d.mkdir()
+        return _crash_world(d, {"host-a": a, "host-b": b}, snapshot_at)
+
+    r = world([("exited", t0, failed), ("lost", t0 + 0.3, {})], [("exited", t0 + 0.5, failed), ("exited", t0 + 0.6, failed)])
+    host, why = r.crashed_host("j")
+    assert host == "host-b" and "failed within 2 s" in why
+    # a's ranks still run (it waits in a collective): b still
+    assert world([("exited", t0, failed), ("exited", t0, failed)], [("running", None, {})] * 2).crashed_host("j")[0] == \
+        "host-b"
+    # not at once: ranks that ended minutes apart
+    assert world([("exited", t0 - 200, failed), ("exited", t0, failed)], [("running", None, {})] * 2).crashed_host("j") \
+        is None
+    # the job finished (a rank exited 0), or its end was asked for (a forwarded SIGTERM, pitstop kill)
+    assert world([("exited", t0, {"exit_code": 0}), ("exited", t0, failed)], [("exited", t0, failed)] * 2
+                 ).crashed_host("j") is None
+    assert world([("exited", t0, {**failed, "end_asked": True}), ("exited", t0, failed)], [("running", None, {})] * 2
+                 ).crashed_host("j") is None
+    # they failed before the snapshot: it holds them failed, nothing to roll back to
+    assert world([("exited", t0, failed)] * 2, [("running", None, {})] * 2, snapshot_at=now).crashed_host("j") is None
+    # just now, with host-a not heard since: it may be dying itself; wait for the next tick
+    recent = time.time() - 0.2
+    assert world([("exited", recent, failed)] * 2, [("running", None, {})] * 2).crashed_host("j") is None

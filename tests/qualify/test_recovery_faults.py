@@ -44,6 +44,13 @@ def test_partitioned_host_back_during_the_recovery_then_a_second_failure(cluster
            f"pauses {got['first']['pause_s']:.2f} s and {got['second']['pause_s']:.2f} s")
 
 
+def test_ranks_fail_at_once_on_a_live_host(cluster, tmp_path, record):
+    m = scenario.ranks_fail_at_once_on_a_live_host(cluster, tmp_path)["recovery"]
+    record("every rank of a job on a host fails at once, its agent alive (as a GPU fallen off the bus)",
+           f"that host taken for lost (its ranks failed first), fenced, the job recovered onto {m['destination']}; "
+           "bitwise equal", m["requested_by"][:200])
+
+
 def test_replicas_lost_with_their_host(cluster, tmp_path, record):
     e = scenario.replicas_lost_with_their_host(cluster, tmp_path)["error"]
     record("a host and the buddy holding its replicas die together",

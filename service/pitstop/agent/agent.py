@@ -123,7 +123,8 @@ class Agent:
         listings, not for a pause, whose time the job waits on."""
         if w.state == "running" and not w.restored and (
                 not proctree.is_running(w.root_pid, w.start_time)):
-            self.state.update_worker(w, state="exited" if w.exit_code is not None else "lost")
+            self.state.update_worker(w, state="exited" if w.exit_code is not None else "lost",
+                                     ended_at=time.time())
             self.drop_net(w)
         if w.state == "running" and needs:
             try:

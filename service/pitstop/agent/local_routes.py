@@ -5,6 +5,8 @@ says who it is, and a caller acts only on what is its own (root and the agent's 
 
 from __future__ import annotations
 
+import time
+
 import structlog
 from fastapi import APIRouter, Request
 
@@ -123,7 +125,8 @@ def exited(agent: AgentDep, wid: str, req: agent_requests.ExitedRequest, request
     w = agent.state.worker(wid)
     own(request, f"worker {wid}", w.owner_uid)
     if w.state in ("running", "lost"):
-        agent.state.update_worker(w, state="exited", exit_code=req.code)
+        agent.state.update_worker(w, state="exited", exit_code=req.code, ended_at=req.at or time.time(),
+                                  end_asked=req.asked or w.end_asked)
         agent.drop_net(w)
     return w
 

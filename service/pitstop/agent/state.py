@@ -84,6 +84,11 @@ class Worker(BaseModel):
     # the smallest its ranks ask); travels with the worker through moves and recoveries
     snapshot_every_s: float | None = None
     fenced_epoch: int | None = None  # its job was recovered elsewhere while this host was away: ended here for good
+    # When it ended (its launcher's clock, else when this agent found it gone), and whether that end
+    # was asked for (a signal its launcher forwarded, `pitstop stop|kill`): the coordinator tells a
+    # host whose ranks all failed at once from a job that ended (coordinator/recovery.py)
+    ended_at: float | None = None
+    end_asked: bool = False
 
 
 class Capture(CaptureReport):

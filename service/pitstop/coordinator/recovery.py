@@ -43,6 +43,10 @@ log = structlog.get_logger("pitstop.coordinator.recovery")
 
 TYPE_URL = "type.pitstop.dev/RecoverMetadata"
 FENCE_TIMEOUT_S = 10.0
+CRASH_WINDOW_S = 2.0  # a host's ranks of a job that all failed within this of each other failed "at once"
+CRASH_RECOVERIES_PER_HOUR = 3  # a job whose ranks keep failing so is then left to its operator
+CRASH_BY = "the coordinator (ranks failed"
+REPORTED_SINCE_S = 1.5  # agents report every second: a host not heard this long after a crash may be dying too
 SPARE_TRIES = 2
 
 
@@ -87,20 +91,84 @@ class Recoveries:
                 out.add(w["host"])
         return sorted(out)
 
+    def crashed_host(self, job: str) -> tuple[str, str] | None:
+        """A host still heard from on which every rank of the job failed at once since its last
+        snapshot (a GPU fallen off the bus, the kernel killing them, a host that kept its agent but
+        lost what ran on it): (host, why), or None.
+
+        The ranks' peers on other hosts usually fail moments later (their collectives break), so
+        the host whose ranks failed first is the one taken; the others are rolled back with the
+        job as always.  Never a job that ended: one rank exited 0 (it finished), or an end was
+        asked for (a signal its launcher forwarded, `pitstop stop|kill`).  A job whose own code
+        fails looks the same; it is recovered at most CRASH_RECOVERIES_PER_HOUR times an hour,
+        then left to its operator."""
+        snap = self.snaps.committed(job)
+        if snap is None:
+            return None
+        ws = self.store.workers(job=job)
+        if any(w["state"] == "exited" and w.get("exit_code") == 0 or w.get("end_asked") for w in ws):
+            return None
+        hosts = {h["name"]: h for h in self.store.hosts()}
+        fenced = {f["host"] for f in self.store.fences() if f["job"] == job}
+        by_host: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for w in ws:
+            by_host[w["host"]].append(w)
+        found = []
+        for host, on in by_host.items():
+            h = hosts.get(host)
+            if h is None or host in fenced or not healthy(h, self.s.failure_deadline_s):
+                continue  # a silent host is failed_hosts' to find
+            ends = [float(w["ended_at"]) for w in on if w["state"] in ("exited", "lost") and w.get("ended_at")]
+            if not ends or len(ends) != len(on):
+                continue
+            first, last = min(ends), max(ends)
+            if first >= snap["created"] and last - first <= CRASH_WINDOW_S:
+                found.append((first, host))
+        if not found:
+            return None
+        first, host = min(found)
+        # every other host of the job reported since: one that did not may be dying itself (its ranks'
+        # peers fail first then), and the silent host is the one to recover; wait for the next tick
+        if any(hosts[o]["last_seen"] < first + REPORTED_SINCE_S for o in by_host if o != host and o in hosts):
+            return None
+        return host, (f"every rank of the job on {host} failed within {CRASH_WINDOW_S:g} s of each other, "
+                      "before any other host's")
+
+    def _recent_crash_recoveries(self, job: str) -> int:
+        since = time.time() - 3600
+        return sum(1 for op in self.store.ops() if is_recovery(op) and op["metadata"].get("job") == job
+                   and op["created"] >= since and op["metadata"].get("requested_by", "").startswith(CRASH_BY))
+
     def tick(self) -> None:
-        """Start a recovery for every job with a committed snapshot that lost a host; tell a
-        fenced host that came back to end its old workers."""
+        """Start a recovery for every job with a committed snapshot that lost a host (silent, or
+        every rank on it failed at once); tell a fenced host that came back to end its old workers."""
         for job in self.store.snapshot_jobs():
             if self.running(job) or self.snaps.committed(job) is None:
                 continue
             lost = self.failed_hosts(job)
             if lost:
-                try:
-                    self.start(job, lost[0], requested_by="the coordinator (host silent past "
-                                                          f"{self.s.failure_deadline_s:g} s)")
-                except PitstopError as e:
-                    log.error("could not start a recovery", job=job, host=lost[0], error=e.message)
+                self._start_by_itself(job, lost[0], "the coordinator (host silent past "
+                                                    f"{self.s.failure_deadline_s:g} s)")
+                continue
+            crashed = self.crashed_host(job)
+            if crashed is None:
+                continue
+            if self._recent_crash_recoveries(job) >= CRASH_RECOVERIES_PER_HOUR:
+                if self.snaps.errors.get(job, "").startswith("not recovered"):
+                    continue
+                self.snaps.errors[job] = (f"not recovered by itself: {crashed[1]}, and the job was recovered so "
+                                          f"{CRASH_RECOVERIES_PER_HOUR} times in the last hour (its own code may be what "
+                                          "fails); `pitstop recover JOB --node HOST` to try again")
+                log.error("a job whose ranks keep failing is left to its operator", job=job, host=crashed[0])
+                continue
+            self._start_by_itself(job, crashed[0], f"{CRASH_BY}: {crashed[1]})")
         self.enforce_fences()
+
+    def _start_by_itself(self, job: str, host: str, why: str) -> None:
+        try:
+            self.start(job, host, requested_by=why)
+        except PitstopError as e:
+            log.error("could not start a recovery", job=job, host=host, error=e.message)
 
     def enforce_fences(self) -> None:
         """A fenced host that reports again ends the job's old workers before anything else."""

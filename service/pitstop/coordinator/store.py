@@ -342,7 +342,8 @@ class Store:
         return {"id": r["id"], "job": r["job"], "rank": r["rank"], "host": r["host"], "state": r["state"],
                 "updated": r["updated"], "address": (info.get("net") or {}).get("address"),
                 "caps": info.get("caps"), "unmovable": info.get("unmovable"), "slurm_job": info.get("slurm_job"),
-                "snapshot_every_s": info.get("snapshot_every_s"), "world": info.get("world")}
+                "snapshot_every_s": info.get("snapshot_every_s"), "world": info.get("world"),
+                "exit_code": info.get("exit_code"), "ended_at": info.get("ended_at"), "end_asked": info.get("end_asked")}
 
     def set_worker_host(self, wid: str, host: str, state: str = "running") -> None:
         self._x("UPDATE workers SET host=?, state=?, updated=? WHERE id=?", (host, state, time.time(), wid))

@@ -63,6 +63,7 @@ ENDED_AT_ONCE_WAIT_S = 10  # a command the agent refused because it had just end
 
 MOVING = ("capturing", "stopped", "released", "moved")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # of those, the ones that ask for an end
 
 
 def agent_client(agent_url: str) -> AgentClient:
@@ -310,7 +311,11 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         return 125
     wid = w["id"]
 
+    asked: list[int] = []  # termination signals forwarded to the rank: its end was asked for
+
     def forward(sig: int, _frame: object) -> None:
+        if sig in ENDING:
+            asked.append(sig)
         info = _safe(client.worker, wid) or {}
         if info.get("state") in MOVING:  # its agent delivers it where the worker runs now (agent/handles.py)
             threading.Thread(target=_signal_moved, args=(client, wid, sig), daemon=True).start()
@@ -321,11 +326,12 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         signal.signal(sig, forward)
 
     code = _wait_handling_signals(p)
+    ended_at = time.time()
     for t in pumps:
         t.join(PUMP_DRAIN_S)
     info = _safe(client.worker, wid) or {}
     if info.get("state") not in MOVING and not info.get("restored"):
-        _safe(client.exited, wid, code)
+        _safe(lambda: client.exited(wid, code, at=ended_at, asked=bool(asked)))
         if not (code != 0 and info.get("snapshot_every_s") and _recovered(client, wid, info.get("root_pid"))):
             info = _safe(client.worker, wid) or {}
             if not info.get("fenced_epoch"):  # a fenced rank's directory is its agent's to remove

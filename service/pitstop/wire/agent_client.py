@@ -112,8 +112,8 @@ class AgentClient:
     def drop_network(self, wid: str) -> dict:
         return self._req("DELETE", f"/v1/networks/{wid}")
 
-    def exited(self, wid: str, code: int) -> dict:
-        return self._req("POST", f"/v1/workers/{wid}:exited", json=body(ExitedRequest, code=code))
+    def exited(self, wid: str, code: int, at: float | None = None, asked: bool = False) -> dict:
+        return self._req("POST", f"/v1/workers/{wid}:exited", json=body(ExitedRequest, code=code, at=at, asked=asked))
 
     def output(self, wid: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]:
         try:

@@ -127,6 +127,9 @@ class WorkersRequest(BaseModel):
 
 class ExitedRequest(BaseModel):
     code: int
+    at: float | None = Field(None, description="when the rank ended (the launcher's wall clock)")
+    asked: bool = Field(False, description="it ended on a signal someone sent it (its launcher forwarded "
+                                           "one): an end asked for, never taken for a failure")
 
 
 class UsedFileModel(BaseModel):
