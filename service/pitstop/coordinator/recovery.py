@@ -30,7 +30,7 @@ from typing import Any
 
 import structlog
 
-from pitstop.coordinator.cut import issued_by_worker
+from pitstop.coordinator.cut import block_ops
 from pitstop.coordinator.fanout import in_parallel, while_heard
 from pitstop.coordinator.planner import healthy
 from pitstop.coordinator.settings import CoordinatorSettings
@@ -70,6 +70,9 @@ class Plan:
     lost_parts: dict[str, dict[str, Any]]  # the failed host's workers: restored on a spare from replicas
     survivors: dict[str, list[str]]   # host -> its workers: rolled back there from its own parts
     alive: set[str]                   # hosts heard from, the failed one aside
+    # an NCCL job's progress at the snapshot (per worker): operations issued, and a step's operations
+    issued_at: dict[str, int]
+    ops_per_step: dict[str, int]
     lost_heard: bool                  # the failed host's agent still reports (an operator's recovery)
 
 
@@ -343,6 +346,7 @@ class Recoveries:
         md["lost_s"] = round(started - snap["created"], 3)  # work the job redoes: since the snapshot
         return Plan(job=job, lost=lost, number=number, nccl=snap.get("pause") == "nccl_cut", parts=parts,
                     lost_parts=lost_parts, survivors=dict(survivors), alive=alive,
+                    issued_at=snap.get("issued") or {}, ops_per_step=snap.get("ops_per_step") or {},
                     lost_heard=lost in hosts and healthy(hosts[lost], self.s.heartbeat_timeout_s))
 
     def _steps_redone(self, plan: Plan) -> dict[str, Any]:
@@ -350,8 +354,7 @@ class Recoveries:
         since the snapshot (their shims' counters, read just before they are stopped) over the
         operations a step takes (the period of their trails at the snapshot, progress.py).  A job
         without the shim's communicators shows no progress pitstop can count: `lost_s` only."""
-        snap = next((s for s in self.store.snapshots(plan.job) if s["number"] == plan.number), {})
-        at, per_step = snap.get("issued") or {}, snap.get("ops_per_step") or {}
+        at, per_step = plan.issued_at, plan.ops_per_step
         if not plan.nccl or not at:
             return {"steps_redone": None, "steps_redone_why": "the job shows no progress pitstop can count "
                     "without a change to it (no NCCL shim); lost_s says how long it ran since the snapshot"}
@@ -363,7 +366,7 @@ class Recoveries:
         except PitstopError as e:
             return {"steps_redone": None, "steps_redone_why": f"the surviving ranks' counters could not be read: "
                     f"{e.message}"}
-        ops = {w: issued_by_worker([(w, b) for b in bs]).get(w, 0) - at[w] for w, bs in now.items() if w in at and bs}
+        ops = {w: sum(block_ops(b) for b in bs) - at[w] for w, bs in now.items() if w in at and bs}
         steps = {w: round(n / per_step[w], 1) for w, n in ops.items() if per_step.get(w)}
         if not steps:
             return {"ops_redone": max(ops.values(), default=None), "steps_redone": None,
