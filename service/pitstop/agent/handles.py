@@ -46,8 +46,6 @@ SETTLE_EVERY_S = 0.5  # how often a worker whose launcher died mid-move is looke
 
 MOVING = ("capturing", "stopped", "released")
 HERE = ("running", "paused")
-# signals whose delivery through `pitstop stop|kill` asks for the worker's end
-ENDING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGKILL)
 
 
 class Handles:
@@ -76,7 +74,7 @@ class Handles:
             signals.send(w.root_pid, sig, under_init=bool(w.init_dir))
         if delivered:
             log.info("signalled", worker=wid, signal=signal.Signals(sig).name)
-            if sig in ENDING_SIGNALS:  # `pitstop stop|kill`: its end is asked for, not a failure
+            if sig in signals.ASKS_FOR_END:  # `pitstop stop|kill`: its end is asked for, not a failure
                 self.state.update_worker(w, end_asked=True)
         return {"worker": wid, "agent": self.s.name, "state": w.state, "delivered": bool(delivered)}
 

@@ -63,7 +63,6 @@ ENDED_AT_ONCE_WAIT_S = 10  # a command the agent refused because it had just end
 
 MOVING = ("capturing", "stopped", "released", "moved")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
-ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # of those, the ones that ask for an end
 
 
 def agent_client(agent_url: str) -> AgentClient:
@@ -314,7 +313,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     asked: list[int] = []  # termination signals forwarded to the rank: its end was asked for
 
     def forward(sig: int, _frame: object) -> None:
-        if sig in ENDING:
+        if sig in signals.ASKS_FOR_END:
             asked.append(sig)
         info = _safe(client.worker, wid) or {}
         if info.get("state") in MOVING:  # its agent delivers it where the worker runs now (agent/handles.py)

@@ -14,6 +14,9 @@ import signal
 from pathlib import Path
 
 DEFAULT_ACTION_ENDS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Signals that, sent to a rank (forwarded by its launcher, or by `pitstop stop|kill`), ask for its
+# end: a rank that ends after one was stopped, not lost (coordinator/recovery.py)
+ASKS_FOR_END = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGKILL)
 
 NAMES = {s.name.removeprefix("SIG"): int(s) for s in signal.Signals if not s.name.startswith("SIG_")}
 
