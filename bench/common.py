@@ -30,11 +30,38 @@ print(n, time.process_time() - c0, flush=True)
 """
 
 
-def raw_tcp_bandwidth(nbytes: int = 1 << 30, cpu: dict[str, float] | None = None) -> float:
+def pinned_to(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A `preexec_fn` that binds a child, and every thread it will start, to `cpus` (None: as the
+    parent is).  Set before exec rather than after the spawn: a mask set from outside reaches only
+    the main thread, not threads the child has already started."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def parse_cpus(text: str) -> set[int]:
+    """'0', '0-3' or '0,2,4-5' as a set of CPU numbers; a clear error for anything else."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise SystemExit(f"CPU list {text!r}: expected numbers and ranges such as 0 or 2-3 or 0,4-5")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    bad = out - os.sched_getaffinity(0)
+    if bad:
+        raise SystemExit(f"CPU list {text!r}: CPUs {sorted(bad)} are not available here "
+                         f"(this process may use {sorted(os.sched_getaffinity(0))})")
+    return out
+
+
+def raw_tcp_bandwidth(nbytes: int = 1 << 30, cpu: dict[str, float] | None = None,
+                      receiver_cpus: set[int] | None = None) -> float:
     """Bytes/s of a plain TCP copy between two processes over loopback: the transfer floor.
     `cpu`, if given, gets each end's CPU seconds ("sender", "receiver"): on this VM the rate moves
-    with the host's memory, CPU per byte much less, so it shows where a transfer's cost goes."""
-    p = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
+    with the host's memory, CPU per byte much less, so it shows where a transfer's cost goes.
+    `receiver_cpus` pins the receiving process (the sender is this process, as pinned)."""
+    p = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True,
+                         preexec_fn=pinned_to(receiver_cpus))
     port = int(p.stdout.readline())
     data = memoryview(bytearray(b"\x5a" * (4 << 20)))
     s = socket.create_connection(("127.0.0.1", port))

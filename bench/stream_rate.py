@@ -18,7 +18,10 @@ raw TCP is what the stream costs beyond moving bytes.
 
 Both tmpfs are mounted for the run the way the agent mounts its image directory
 (huge=within_size, agent/imagefs.py), so the destination's memory is what a move writes to.
-Run as root: `.venv/bin/python bench/stream_rate.py [--mib 768] [--repeats 5]`.
+Run as root: `.venv/bin/python bench/stream_rate.py [--mib 768] [--repeats 5] [--pin 0:1]`.
+`--pin SENDER:RECEIVER` binds each end, for every method alike, to its own CPUs (lists such as
+`0`, `2-3`): on a machine with cores to spare that measures the transport the way two agents on
+two hosts run it, a core or a few each, instead of both ends sharing two cores as on the test VM.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine, raw_tcp_bandwidth, stop_by_stdin  # noqa: E402
+from bench.common import machine, parse_cpus, pinned_to, raw_tcp_bandwidth, stop_by_stdin  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -105,10 +108,12 @@ def make_images(src: Path, mib: int) -> int:
     return sum(p.stat().st_size for p in src.iterdir())
 
 
-def file_to_file(src_file: Path, dest_file: Path, cpu: dict[str, float]) -> float:
+def file_to_file(src_file: Path, dest_file: Path, cpu: dict[str, float],
+                 receiver_cpus: set[int] | None = None) -> float:
     """sendfile() from `src_file`, recv_into() + pwrite() into `dest_file`; bytes/s (each end's
     CPU seconds into `cpu`)."""
-    p = subprocess.Popen([sys.executable, "-c", FILE_RECEIVER, str(dest_file)], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", FILE_RECEIVER, str(dest_file)], stdout=subprocess.PIPE, text=True,
+                         preexec_fn=pinned_to(receiver_cpus))
     try:
         port = int(p.stdout.readline())  # type: ignore[union-attr]
         size = src_file.stat().st_size
@@ -165,9 +170,21 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=768, help="size of the big pages file (one rank: about 770 MB)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(OUT / "stream_rate.json"))
+    ap.add_argument("--pin", default=None, metavar="SENDER:RECEIVER",
+                    help="CPUs for each end, e.g. 0:1 or 0-1:2-3 (default: unpinned)")
     a = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("bench/stream_rate.py mounts two tmpfs: run it as root")
+    send_cpus = recv_cpus = None
+    if a.pin:
+        send_text, sep, recv_text = a.pin.partition(":")
+        if not sep:
+            raise SystemExit(f"--pin {a.pin!r}: expected SENDER:RECEIVER, e.g. 0:1")
+        send_cpus, recv_cpus = parse_cpus(send_text), parse_cpus(recv_text)
+        if send_cpus & recv_cpus:
+            raise SystemExit(f"--pin {a.pin!r}: the two ends share CPUs {sorted(send_cpus & recv_cpus)}; "
+                             "give each its own")
+        os.sched_setaffinity(0, send_cpus)  # this process sends, its read-ahead thread too
     root = Path(tempfile.mkdtemp(prefix="pitstop-stream-bench-"))
     srcfs, destfs = root / "src", root / "dest"
     rx = None
@@ -178,14 +195,15 @@ def main() -> None:
         total = make_images(images, a.mib)
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "service")}
         rx = subprocess.Popen([sys.executable, "-c", STREAM_RECEIVER, str(destfs)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=env)
+                              stdout=subprocess.PIPE, text=True, env=env, preexec_fn=pinned_to(recv_cpus))
         port = int(rx.stdout.readline())  # type: ignore[union-attr]
         pitstop_stream(images, port, "warm-up", destfs)  # first touch of the destination's memory
         runs: dict[str, list[float]] = {"raw TCP": [], "file to file": [], "pitstop stream": []}
         cpu: dict[str, dict[str, list[float]]] = {k: {"sender": [], "receiver": []} for k in runs}
         for i in range(a.repeats):  # interleaved: a slow spell hits every method
-            for method, run in (("raw TCP", lambda c: raw_tcp_bandwidth(total, cpu=c)),
-                                ("file to file", lambda c: file_to_file(images / "pages-1.img", destfs / "plain.img", c)),
+            for method, run in (("raw TCP", lambda c: raw_tcp_bandwidth(total, cpu=c, receiver_cpus=recv_cpus)),
+                                ("file to file", lambda c: file_to_file(images / "pages-1.img", destfs / "plain.img", c,
+                                                                        recv_cpus)),
                                 ("pitstop stream", lambda c: pitstop_stream(images, port, f"run-{i}", destfs, c))):
                 c: dict[str, float] = {}
                 runs[method].append(run(c))
@@ -195,6 +213,7 @@ def main() -> None:
         cpu_med = {k: {end: statistics.median(v) for end, v in c.items()} for k, c in cpu.items()}
         result = {
             "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "pinned": {"sender": sorted(send_cpus), "receiver": sorted(recv_cpus)} if send_cpus and recv_cpus else None,
             "bytes": total, "repeats": a.repeats, "bytes_per_s": runs, "median_bytes_per_s": med,
             "stream_vs_raw_tcp": med["pitstop stream"] / med["raw TCP"],
             "stream_vs_file_to_file": med["pitstop stream"] / med["file to file"],

@@ -87,3 +87,10 @@ def test_check_f_harness_evacuates_a_tree_of_three_training_processes_bitwise(tm
     f = _dry_run(tmp_path, "f", 240)["f_cuda_tree_evacuation_through_agents"]
     assert f["status"] == "passed" and f["cpu_dry_run"] is True and f["sha256"] == f["reference_sha256"]
     assert f["children"] == 2 and f["children_agree"] is True and f["worker_host"] == "gpu-spare"
+
+
+def test_lent_host_script_refuses_an_unknown_option_before_it_starts_anything(tmp_path):
+    p = subprocess.run(["bash", str(ROOT / "bench" / "lent_gpu_host.sh"), "--out", str(tmp_path / "o"), "--fast"],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "unknown option --fast" in p.stderr
+    assert not (tmp_path / "o").exists()
