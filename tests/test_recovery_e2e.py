@@ -34,7 +34,7 @@ def _quicker_detection(monkeypatch):
 # Each scenario is a function that returns what it saw: the tests below run them, and `make qualify`
 # runs them again as rows of its fault matrix (tests/qualify/test_recovery_faults.py).
 
-STEPS = 260
+STEPS = 220  # as tests/test_worker_network_e2e.py's 4-rank job: one uninterrupted reference run for both
 
 
 def _committed(cc: CoordinatorClient, job: str, after: int = 0) -> dict:
@@ -48,12 +48,14 @@ def _kill_host(cluster, name: str, ranks=None) -> list[str]:
     return cluster.kill_host(name)
 
 
-def _train_with_snapshots(cluster, cc: CoordinatorClient, tmp_path):
+def _train_with_snapshots(cluster, cc: CoordinatorClient, tmp_path, step_sleep: float = 0.05):
     """The 4-rank gloo DDP job, ranks 0-1 on host-a and 2-3 on host-b with their own addresses, a
-    snapshot every 5 s; returned once it trains (its output directory and ranks)."""
+    snapshot every 5 s; returned once it trains (its output directory and ranks).  step_sleep: its
+    pace until let_finish (a slower one for a test that needs it running longer; the result is the
+    same)."""
     out = tmp_path / "out"
     addrs = {r: cluster.worker_address(r) for r in range(4)}
-    ranks = cluster.start_job("train", ddp_cmd(out, steps=STEPS), 4,
+    ranks = cluster.start_job("train", ddp_cmd(out, steps=STEPS, step_sleep=step_sleep), 4,
                               {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}, addresses=addrs,
                               run_args=["--snapshot-every", "5"])
     _wait_jobs(cc, "train", 4)
@@ -208,7 +210,7 @@ def partitioned_host_back_during_the_recovery_then_a_second_failure(cluster, tmp
                                                         "PITSTOP_ENABLE_FAULTS": "1",
                                                         "PITSTOP_FAULTS": "snapshot:before_restore=sleep:8"})
     cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
-    out, ranks = _train_with_snapshots(cluster, cc, tmp_path)
+    out, ranks = _train_with_snapshots(cluster, cc, tmp_path, step_sleep=0.08)  # two failures to outlast
     snap = _committed(cc, "train")
     # each host's replica in the other rack (spares taken in turn would put host-a's on spare-1, its own rack)
     assert snap["buddies"] == {"host-a": "spare-2", "host-b": "spare-1"}, snap
@@ -306,6 +308,44 @@ def replicas_lost_with_their_host(cluster, tmp_path) -> dict:
     return {"error": op["error"]}
 
 
+def buddy_changes_to_a_spare_that_joins(cluster, tmp_path) -> dict:
+    """Host a's replica is kept by host b (the only spare shares a's rack) until a spare in another
+    rack joins: a better buddy.  The new buddy holds none of the parts a delta would be against, so
+    the coordinator asks host a for whole parts in that snapshot: it commits (no snapshot fails on
+    the change), and the next one is a delta again, against the part the new buddy holds."""
+    cluster.net = NetHosts()
+    cluster.start_coordinator()
+    racks = {"host-a": "rack-1", "host-b": "rack-2", "spare-1": "rack-1", "spare-2": "rack-2"}
+    with cluster.starting():
+        for name in ("host-a", "host-b", "spare-1"):
+            cluster.start_agent(name, spare=name.startswith("spare"), env={"PITSTOP_AGENT_FAILURE_DOMAIN": racks[name]})
+    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+    out = tmp_path / "out"
+    addrs = {r: cluster.worker_address(r) for r in range(2)}
+    cluster.start_job("pair", ddp_cmd(out, steps=STEPS), 2, {0: "host-a", 1: "host-b"}, addresses=addrs,
+                      run_args=["--snapshot-every", "5"])
+    _wait_jobs(cc, "pair", 2)
+    first = _committed(cc, "pair")
+    assert first["buddies"] == {"host-a": "host-b", "host-b": "spare-1"}, first
+    before = _committed(cc, "pair", after=first["number"])  # a delta for each part, the tracking started
+    assert sorted(before["incremental"]) == ["pair.0", "pair.1"], before
+    with cluster.starting():
+        cluster.start_agent("spare-2", spare=True, env={"PITSTOP_AGENT_FAILURE_DOMAIN": racks["spare-2"]})
+
+    def changed():
+        got = cc.snapshots("pair")
+        assert not got["last_error"], f"a snapshot failed: {got['last_error']}"
+        new = [s for s in got["snapshots"] if s["state"] == "committed" and s["buddies"].get("host-a") == "spare-2"]
+        return new[0] if new else None
+    snap = until(changed, timeout=60, what="a snapshot with host a's replica on the new spare", every=0.1)
+    assert snap["whole"] == {"host-a": "its buddy changed from host-b to spare-2"}, snap
+    assert "pair.0" not in snap["incremental"] and "pair.1" in snap["incremental"], snap
+    assert snap["buddies"]["host-b"] == "spare-1", "a buddy still among the best is kept"
+    after = _committed(cc, "pair", after=snap["number"])
+    assert after["whole"] == {} and sorted(after["incremental"]) == ["pair.0", "pair.1"], after
+    return {"whole": snap, "next": after}
+
+
 def operator_recovers_a_live_host_with_an_appended_log(cluster, tmp_path) -> dict:
     """`pitstop recover JOB --node HOST --wait --json` by hand, the host still up: its copy of the rank
     is fenced before anything is restored, and the log the job keeps open and appends to is cut
@@ -395,6 +435,10 @@ def test_a_host_whose_ranks_all_fail_at_once_is_recovered_like_a_dead_one(cluste
 
 def test_replicas_lost_with_their_host_fail_the_recovery_and_change_nothing(cluster, tmp_path):
     replicas_lost_with_their_host(cluster, tmp_path)
+
+
+def test_a_buddy_that_changes_gets_whole_parts_and_no_snapshot_fails(cluster, tmp_path):
+    buddy_changes_to_a_spare_that_joins(cluster, tmp_path)
 
 
 def test_a_log_the_job_appends_to_is_cut_back_when_an_operator_recovers_it(cluster, tmp_path):

@@ -47,7 +47,7 @@ def test_buddies_are_kept_outside_the_hosts_failure_domain_first():
 def test_a_buddy_is_kept_while_it_is_still_among_the_best():
     """The next part is a delta that only the last buddy can take: a host that comes back (host b,
     first by name) does not take host a's replica from the host that keeps it; a spare that joins
-    does (a better rule): that snapshot fails, its delta refused there, and the next one is whole."""
+    does (a better rule): host a's parts in that snapshot are whole (test_recovery_e2e.py)."""
     hosts = [_host("a"), _host("b"), _host("c")]
     assert buddies(["a"], hosts, 5.0, previous={"a": "c"})[0] == {"a": "c"}
     assert buddies(["a"], hosts, 5.0)[0] == {"a": "b"}

@@ -31,7 +31,7 @@ def lock_network(agent: AgentDep, job: str, req: agent_requests.SnapshotWorkersR
 
 @router.post("/snapshots")
 def take(agent: AgentDep, req: agent_requests.SnapshotRequest) -> dict[str, Any]:
-    return agent.snapshots.take(req.job, req.number, req.ids, req.buddy_url, cut=req.cut)
+    return agent.snapshots.take(req.job, req.number, req.ids, req.buddy_url, cut=req.cut, whole=req.whole)
 
 
 @router.get("/snapshots")

@@ -190,10 +190,13 @@ class Snapshots:
             else:
                 workerns.unlock(net, nft)
 
-    def take(self, job: str, number: int, ids: list[str], buddy_url: str | None, cut: bool = False) -> dict[str, Any]:
+    def take(self, job: str, number: int, ids: list[str], buddy_url: str | None, cut: bool = False,
+             whole: bool = False) -> dict[str, Any]:
         """Dump each worker, stopped by the coordinator's pause, leaving it as it was; then (after
         this returns and the job resumes) send the parts to the buddy.  A failure deletes this
-        snapshot's parts here and raises: the job is resumed by the coordinator either way."""
+        snapshot's parts here and raises: the job is resumed by the coordinator either way.
+        whole: no part is a delta (the coordinator asks it when the buddy changed: a new buddy
+        holds none of the parts a delta is against, and would refuse it)."""
         ws = self._workers(job, ids)
         for w in ws:
             if w.state != ("running" if cut else "paused"):  # parked at the cut, or stopped
@@ -209,7 +212,7 @@ class Snapshots:
 
         def one(w: Worker) -> None:
             try:
-                results[w.id] = self._dump(w, base / w.id, job, number)
+                results[w.id] = self._dump(w, base / w.id, job, number, whole)
             except BaseException as e:  # noqa: BLE001 - reported with the others
                 if not isinstance(e, PitstopError):
                     log.exception("a snapshot's dump failed", worker=w.id)
@@ -235,14 +238,14 @@ class Snapshots:
         log.info("snapshot taken", job=job, number=number, workers=len(ws), seconds=out["seconds"])
         return out
 
-    def _dump(self, w: Worker, d: Path, job: str, number: int) -> dict[str, Any]:
+    def _dump(self, w: Worker, d: Path, job: str, number: int, whole: bool = False) -> dict[str, Any]:
         """One worker's part: CRIU's incremental dump against the part the tracking was last reset
-        at, where the whole tree is tracked and the chain is short enough; else whole.  Then the
-        tracking is reset (the job is still paused), so the next part holds what is written from
-        now on."""
+        at, where the whole tree is tracked and the chain is short enough (and `whole` was not
+        asked); else whole.  Then the tracking is reset (the job is still paused), so the next part
+        holds what is written from now on."""
         pids = proctree.tree(w.root_pid)
         stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
-        parent, binary = self._parent_for(w, job, number)
+        parent, binary = (None, None) if whole else self._parent_for(w, job, number)
         gpu = self.a.source.gpu.suspend(pids, rescan=lambda: proctree.tree(w.root_pid))
         depth = 0
         try:

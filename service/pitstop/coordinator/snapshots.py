@@ -259,10 +259,13 @@ class Snapshots:
         done = [s["number"] for s in self.store.snapshots(job)]
         number = max(done, default=0) + 1
         last = self.committed(job)
-        buddy, buddy_why = buddies(hosts, self.store.hosts(), self.s.heartbeat_timeout_s,
-                                   previous=(last or {}).get("buddies"))
+        before = (last or {}).get("buddies") or {}
+        buddy, buddy_why = buddies(hosts, self.store.hosts(), self.s.heartbeat_timeout_s, previous=before)
         record: dict[str, Any] = {"parts": {w["id"]: {"host": w["host"], "rank": w["rank"], "buddy": buddy[w["host"]]}
                                             for w in ws}, "buddies": buddy, "buddy_why": buddy_why, "phases": {}}
+        # a host whose buddy changed dumps whole: its new buddy holds no part a delta would be against
+        record["whole"] = {h: f"its buddy changed from {before[h]} to {buddy[h]}" for h in hosts
+                           if before.get(h) not in (None, buddy[h])}
         self.store.put_snapshot(job, number, "taking", record)
         clients = {h: self.agent(h, timeout=QUICK_TIMEOUT_S) for h in set(hosts) | set(buddy.values())}
         t0 = time.monotonic()
@@ -343,6 +346,7 @@ class Snapshots:
             t = time.monotonic()
             got = in_parallel(lambda h: while_heard(
                 lambda: clients[h].snapshot_take(job, number, by_host[h], buddy_url[h], timeout=self.s.capture_deadline_s,
+                                                 whole=h in record["whole"],
                                                  cut=cut is not None), h, self.heard, "its snapshot dump"), hosts)
             record["phases"]["dump"] = round(time.monotonic() - t, 4)
             record["bytes"] = sum(p["bytes"] for g in got for p in g["parts"].values())

@@ -265,9 +265,10 @@ class AgentClient:
                          json=body(SnapshotWorkersRequest, ids=ids, locked=locked, cut=cut))
 
     def snapshot_take(self, job: str, number: int, ids: list[str], buddy_url: str | None, timeout: float,
-                      cut: bool = False) -> dict:
+                      cut: bool = False, whole: bool = False) -> dict:
         return self._req("POST", "/v1/snapshots", json=body(SnapshotRequest, job=job, number=number, ids=ids,
-                                                            buddy_url=buddy_url, cut=cut), timeout=timeout)
+                                                            buddy_url=buddy_url, cut=cut, whole=whole),
+                         timeout=timeout)
 
     def snapshots(self, job: str | None = None, timeout: float | None = None) -> list[dict]:
         return self._req("GET", "/v1/snapshots", params={"job": job} if job else None, timeout=timeout)

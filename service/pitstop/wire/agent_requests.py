@@ -37,6 +37,8 @@ class SnapshotRequest(BaseModel):
     buddy_url: str | None = Field(None, description="the agent that keeps a replica of this host's parts")
     cut: bool = Field(False, description="the job is parked at the NCCL shim's cut, its communicators destroyed: "
                                          "workers without an address of their own may be taken too")
+    whole: bool = Field(False, description="dump every part whole, none as a delta: the buddy is new and holds "
+                                           "none of the parts a delta would be against")
 
 
 class SnapshotWorkersRequest(BaseModel):
