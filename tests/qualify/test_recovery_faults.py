@@ -58,6 +58,15 @@ def test_replicas_lost_with_their_host(cluster, tmp_path, record):
            f"{e['action'][:100]}")
 
 
+def test_buddy_changes_to_a_spare_that_joins(cluster, tmp_path, record):
+    got = scenario.buddy_changes_to_a_spare_that_joins(cluster, tmp_path)
+    w, n = got["whole"], got["next"]
+    record("a host's buddy changes (a spare joins in another failure domain) while snapshots are taken",
+           f"snapshot {w['number']} committed with that host's parts whole, the next ({n['number']}) a delta again; "
+           "no snapshot failed", f"{w['whole']['host-a']}; {w['bytes'] / 2**20:.0f} MiB, then "
+           f"{n['bytes'] / 2**20:.0f} MiB")
+
+
 def test_operator_recovers_a_live_host(cluster, tmp_path, record):
     m = scenario.operator_recovers_a_live_host_with_an_appended_log(cluster, tmp_path)["recovery"]
     record("an operator recovers a job whose host still runs it (pitstop recover --wait --json)",
