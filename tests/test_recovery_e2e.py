@@ -195,21 +195,28 @@ def _agent_workers(cluster, name: str) -> dict[str, dict]:
         return {w["id"]: w for w in c.workers()}
 
 
+RACKS = {"host-a": "rack-1", "host-b": "rack-2", "spare-1": "rack-1", "spare-2": "rack-2"}
+
+
+def _racked(cluster, names: list[str], faults: dict[str, dict[str, str]] | None = None) -> CoordinatorClient:
+    """A coordinator and the agents `names`, each in its failure domain (RACKS); `faults`: more
+    environment for some of them."""
+    cluster.net = NetHosts()
+    cluster.start_coordinator()
+    with cluster.starting():
+        for name in names:
+            cluster.start_agent(name, spare=name.startswith("spare"),
+                                env={"PITSTOP_AGENT_FAILURE_DOMAIN": RACKS[name], **(faults or {}).get(name, {})})
+    return CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+
+
 def partitioned_host_back_during_the_recovery_then_a_second_failure(cluster, tmp_path) -> dict:
     """Host b is cut off, not killed: its agent isolates its ranks (stopped, network locked) while the
     job recovers on spare-1.  b comes back while the recovery restores (spare-1's restore delayed by
     a fault): its ranks are ended (fenced), never rejoin, and the recovery goes on.  Then spare-1,
     which now runs ranks 2 and 3, dies outright: the job recovers again, onto spare-2."""
-    cluster.net = NetHosts()
-    cluster.start_coordinator()
-    racks = {"host-a": "rack-1", "host-b": "rack-2", "spare-1": "rack-1", "spare-2": "rack-2"}
-    with cluster.starting():
-        for name in ("host-a", "host-b", "spare-2"):
-            cluster.start_agent(name, spare=name.startswith("spare"), env={"PITSTOP_AGENT_FAILURE_DOMAIN": racks[name]})
-        cluster.start_agent("spare-1", spare=True, env={"PITSTOP_AGENT_FAILURE_DOMAIN": racks["spare-1"],
-                                                        "PITSTOP_ENABLE_FAULTS": "1",
-                                                        "PITSTOP_FAULTS": "snapshot:before_restore=sleep:8"})
-    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+    cc = _racked(cluster, ["host-a", "host-b", "spare-1", "spare-2"],
+                 faults={"spare-1": {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "snapshot:before_restore=sleep:8"}})
     out, ranks = _train_with_snapshots(cluster, cc, tmp_path, step_sleep=0.08)  # two failures to outlast
     snap = _committed(cc, "train")
     # each host's replica in the other rack (spares taken in turn would put host-a's on spare-1, its own rack)
@@ -313,13 +320,7 @@ def buddy_changes_to_a_spare_that_joins(cluster, tmp_path) -> dict:
     rack joins: a better buddy.  The new buddy holds none of the parts a delta would be against, so
     the coordinator asks host a for whole parts in that snapshot: it commits (no snapshot fails on
     the change), and the next one is a delta again, against the part the new buddy holds."""
-    cluster.net = NetHosts()
-    cluster.start_coordinator()
-    racks = {"host-a": "rack-1", "host-b": "rack-2", "spare-1": "rack-1", "spare-2": "rack-2"}
-    with cluster.starting():
-        for name in ("host-a", "host-b", "spare-1"):
-            cluster.start_agent(name, spare=name.startswith("spare"), env={"PITSTOP_AGENT_FAILURE_DOMAIN": racks[name]})
-    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+    cc = _racked(cluster, ["host-a", "host-b", "spare-1"])
     out = tmp_path / "out"
     addrs = {r: cluster.worker_address(r) for r in range(2)}
     cluster.start_job("pair", ddp_cmd(out, steps=STEPS), 2, {0: "host-a", 1: "host-b"}, addresses=addrs,
@@ -330,7 +331,7 @@ def buddy_changes_to_a_spare_that_joins(cluster, tmp_path) -> dict:
     before = _committed(cc, "pair", after=first["number"])  # a delta for each part, the tracking started
     assert sorted(before["incremental"]) == ["pair.0", "pair.1"], before
     with cluster.starting():
-        cluster.start_agent("spare-2", spare=True, env={"PITSTOP_AGENT_FAILURE_DOMAIN": racks["spare-2"]})
+        cluster.start_agent("spare-2", spare=True, env={"PITSTOP_AGENT_FAILURE_DOMAIN": RACKS["spare-2"]})
 
     def changed():
         got = cc.snapshots("pair")
