@@ -53,3 +53,9 @@ def while_heard(fn: Callable[[], T], hosts: str | tuple[str, ...], heard: Callab
                 if not heard(host):
                     raise HostSilent(f"{host} went silent during {what}: the call was abandoned", action=(
                         f"{host} is treated as failed; check its power and network")) from None
+
+
+def each_while_heard(fn: Callable[[str], T], hosts: list[str], heard: Callable[[str], bool], what: str) -> list[T]:
+    """fn(host) for every host at once (in_parallel), each call abandoned once its own host is
+    silent (while_heard)."""
+    return in_parallel(lambda h: while_heard(lambda: fn(h), h, heard, what), hosts)

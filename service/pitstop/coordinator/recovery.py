@@ -31,7 +31,7 @@ from typing import Any
 import structlog
 
 from pitstop.coordinator.cut import block_ops
-from pitstop.coordinator.fanout import in_parallel, while_heard
+from pitstop.coordinator.fanout import each_while_heard, in_parallel, while_heard
 from pitstop.coordinator.planner import healthy
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.snapshots import Snapshots, job_cut
@@ -296,10 +296,9 @@ class Recoveries:
         in_parallel(lambda h: self._client(h).stop_workers(plan.job, plan.survivors[h]), sorted(plan.survivors))
         t = self._phase(op_id, md, "restore", t)
         spare = self._restore_lost(op_id, md, plan)
-        got = in_parallel(lambda h: while_heard(
-            lambda: self._client(h).snapshot_restore(plan.job, plan.number, plan.survivors[h],
-                                                     timeout=self.s.step_timeout_s), h, self.snaps.heard,
-            "the restore of its ranks"), sorted(plan.survivors))
+        got = each_while_heard(lambda h: self._client(h).snapshot_restore(plan.job, plan.number, plan.survivors[h],
+                                                                          timeout=self.s.step_timeout_s),
+                               sorted(plan.survivors), self.snaps.heard, "the restore of its ranks")
         md["restored"] = {**md.get("restored", {}), **{w: r for g in got for w, r in g["workers"].items()}}
         md["files"] = {"cut_back": [f for r in md["restored"].values() for f in r.get("files_cut_back", [])]}
         t = self._phase(op_id, md, "resume", t)

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import structlog
 
 from pitstop.coordinator.cut import Cut
-from pitstop.coordinator.fanout import HostSilent, in_parallel, while_heard
+from pitstop.coordinator.fanout import HostSilent, each_while_heard, in_parallel
 from pitstop.coordinator.planner import healthy
 from pitstop.coordinator.progress import per_step_by_worker
 from pitstop.coordinator.settings import CoordinatorSettings
@@ -344,10 +344,10 @@ class Snapshots:
             in_parallel(lock, hosts)
             record["phases"]["lock"] = round(time.monotonic() - t, 4)
             t = time.monotonic()
-            got = in_parallel(lambda h: while_heard(
-                lambda: clients[h].snapshot_take(job, number, by_host[h], buddy_url[h], timeout=self.s.capture_deadline_s,
-                                                 whole=h in record["whole"],
-                                                 cut=cut is not None), h, self.heard, "its snapshot dump"), hosts)
+            got = each_while_heard(
+                lambda h: clients[h].snapshot_take(job, number, by_host[h], buddy_url[h], timeout=self.s.capture_deadline_s,
+                                                   whole=h in record["whole"], cut=cut is not None),
+                hosts, self.heard, "its snapshot dump")
             record["phases"]["dump"] = round(time.monotonic() - t, 4)
             record["bytes"] = sum(p["bytes"] for g in got for p in g["parts"].values())
             # an incremental part's pages left in the part before it: not dumped, not sent again
