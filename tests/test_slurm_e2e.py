@@ -210,7 +210,9 @@ def test_a_released_node_leaves_the_job_and_can_reboot(cluster, slurm, tmp_path)
         slurm.run("scancel", ids["idle"])
         until(lambda: not running("idle"), timeout=30, what="every rank of the cancelled job ended")
         idle.wait(60)
-        assert not slurm.run("squeue", "-h", "-s", "-o", "%i").stdout.strip()
+        # slurmctld lists a cancelled step until its slurmd reports it gone: a moment after its tasks end
+        until(lambda: not slurm.run("squeue", "-h", "-s", "-o", "%i").stdout.strip(), timeout=30,
+              what="no step of any job left in squeue")
     finally:
         _stop(idle)
         _stop(train)
