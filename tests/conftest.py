@@ -109,6 +109,7 @@ def cluster(tmp_path_factory, request):
     """A LocalCluster that must leave no process, directory or tmpfs file behind.  If the test
     failed, its logs are kept under <pytest's base temp>/failed-logs/<test name>."""
     c = LocalCluster(root=tmp_path_factory.mktemp("cluster"))
+    nets_before = _worker_nets()
     try:
         yield c
     finally:
@@ -126,6 +127,15 @@ def cluster(tmp_path_factory, request):
                 pass
         assert not left, f"processes left behind: {left}"
         assert not c.shm.exists(), f"{c.shm} left behind"
+        nets = _worker_nets() - nets_before  # named here, not by a later test that counts them
+        for n in nets:
+            subprocess.run(["ip", "netns", "delete", n], capture_output=True, timeout=10)
+        assert not nets, f"worker network namespaces left behind: {sorted(nets)}"
+
+
+def _worker_nets() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    return {ln.split()[0] for ln in out.splitlines() if ln.startswith("pitstop-w-")}
 
 
 @pytest.fixture(scope="session", autouse=True)

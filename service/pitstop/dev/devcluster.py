@@ -348,6 +348,8 @@ class LocalCluster:
             _kill_restored(a)
         _stop_all([a.proc for a in self.agents.values()] + [p for p in [self.coordinator_proc] if p] + self.procs,
                   signal.SIGTERM)
+        for a in self.agents.values():  # an agent stopped just as its worker ended had no time to drop its address
+            _drop_worker_nets(a)
         if self.net:
             self.net.close()
         if self.shm.exists():
@@ -379,6 +381,25 @@ def _kill_restored(a: AgentProc) -> None:
             proctree.kill_if_same(w["root_pid"], w.get("start_time"))
         if k := w.get("keeper"):  # agent/exitkeeper.py: outlives the agent by design
             proctree.kill_if_same(k["pid"], k.get("start_time"))
+
+
+def _drop_worker_nets(a: AgentProc) -> None:
+    """Remove the network namespaces of the workers an agent's state names (its workers are gone by
+    now).  An agent drops a worker's namespace when it sees the worker end, and a restarted agent
+    drops those of workers that ended while it was away; a cluster closed in between must not leave
+    them to the next test."""
+    import json
+
+    from pitstop.network import workerns
+
+    try:
+        st = json.loads((a.state_dir / "agent-state.json").read_text())
+    except (OSError, ValueError):
+        return
+    for w in st.get("workers", {}).values():
+        wn = workerns.from_dict(w.get("net"))
+        if wn:
+            workerns.destroy(wn)
 
 
 def _stop_all(procs: list[subprocess.Popen], sig: int, timeout: float = 10.0) -> None:
