@@ -182,3 +182,10 @@ def test_a_host_whose_ranks_all_failed_at_once_is_taken_for_lost(tmp_path):
     # just now, with host-a not heard since: it may be dying itself; wait for the next tick
     recent = time.time() - 0.2
     assert world([("exited", recent, failed)] * 2, [("running", None, {})] * 2).crashed_host("j") is None
+    # a recovery of the job ended after they failed: it answered those ends (the rolled-back ranks on
+    # host-a show as running only at its next report); seen once fencing host-a right after a recovery
+    r = world([("running", None, {})] * 2, [("exited", t0, failed), ("exited", t0 + 0.2, failed)])
+    assert r.crashed_host("j")[0] == "host-a"
+    r.store.create_op("recover-1", "host-b", None, {"@type": "type.pitstop.dev/RecoverMetadata", "job": "j"}, None)
+    r.store.update_op("recover-1", done=True, result="succeeded")
+    assert r.crashed_host("j") is None

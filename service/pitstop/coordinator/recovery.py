@@ -101,7 +101,8 @@ class Recoveries:
 
         The ranks' peers on other hosts usually fail moments later (their collectives break), so
         the host whose ranks failed first is the one taken; the others are rolled back with the
-        job as always.  Never a job that ended: one rank exited 0 (it finished), or an end was
+        job as always; ends from before the job's last recovery ended never count (that recovery
+        answered them).  Never a job that ended: one rank exited 0 (it finished), or an end was
         asked for (a signal its launcher forwarded, `pitstop stop|kill`).  A job whose own code
         fails looks the same; it is recovered at most CRASH_RECOVERIES_PER_HOUR times an hour,
         then left to its operator."""
@@ -127,6 +128,11 @@ class Recoveries:
             first, last = min(ends), max(ends)
             if first >= snap["created"] and last - first <= CRASH_WINDOW_S:
                 found.append((first, host))
+        # ends from before the job's last recovery ended are what that recovery answered (it restored or
+        # rolled back every rank), not a new failure: the hosts' reports of the restored ranks lag a beat
+        since = max((op["updated"] for op in self.store.ops(done=True) if found and is_recovery(op)
+                     and op["metadata"].get("job") == job), default=0.0)
+        found = [(first, host) for first, host in found if first >= since]
         if not found:
             return None
         first, host = min(found)
