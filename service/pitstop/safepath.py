@@ -129,3 +129,71 @@ def check_parents(path: Path) -> None:
             raise _refuse(str(nxt), "it is a symbolic link", "directory")
         _check_parent(str(nxt), st, uid, "directory")
         shown = nxt
+
+
+# -- files a user controls, opened by root without following links ---------------------------
+
+class LinkInPath(FailedPrecondition):
+    """A path that root was about to open on a job's behalf resolves through a symbolic link."""
+
+    code = "link_in_path"
+
+
+def open_nofollow(path: str, flags: int = os.O_PATH) -> int:
+    """A descriptor for the absolute, canonical `path` (as the kernel names an open file: no `.`,
+    `..` or link in it), reached component by component with O_NOFOLLOW from `/`, as
+    openat2(RESOLVE_NO_SYMLINKS) would.
+
+    Why: the agent runs as root and acts on paths a job's user controls (the files a rank writes,
+    cut back at a rollback; the files CRIU reopens).  A path a user turned into a link to root's
+    files must fail here, not be followed; and what is then done is done through this descriptor,
+    so that nothing is looked up twice by name.  Raises LinkInPath naming the component, or the
+    OSError of a component that is missing."""
+    if not path.startswith("/") or any(p in (".", "..") for p in path.split("/")):
+        raise LinkInPath(f"{path!r} is not a canonical absolute path", action="name files by their real path")
+    parts = [p for p in path.split("/") if p]
+    fd = os.open("/", _DIR | os.O_PATH)
+    shown = ""
+    try:
+        for i, name in enumerate(parts):
+            last = i == len(parts) - 1
+            shown += "/" + name
+            try:
+                nfd = os.open(name, (flags if last else os.O_PATH | os.O_DIRECTORY) | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(name, fd):
+                    raise LinkInPath(f"{shown} is a symbolic link (to {_target(name, fd)!r}), where {path} was a "
+                                     "real path when the job was captured", action="put the job's files back as "
+                                     "they were (a link there may point at files of another user)",
+                                     details={"path": path, "link": shown}) from None
+                raise
+            os.close(fd)
+            fd = nfd
+            if last and flags & os.O_PATH and stat.S_ISLNK(os.fstat(fd).st_mode):  # O_PATH|O_NOFOLLOW opens the link
+                raise LinkInPath(f"{shown} is a symbolic link (to {_target(name, _parent(path))!r}), where it was "
+                                 "a real file when the job was captured",
+                                 action="put the job's files back as they were (a link there may point at files of "
+                                        "another user)", details={"path": path, "link": shown})
+        out, fd = fd, -1
+        return out
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _target(name: str, dir_fd: int | str) -> str:
+    try:
+        return os.readlink(name, dir_fd=dir_fd) if isinstance(dir_fd, int) else os.readlink(os.path.join(dir_fd, name))
+    except OSError:
+        return "?"
+
+
+def _parent(path: str) -> str:
+    return os.path.dirname(path) or "/"
+
+
+def reopen(fd: int, flags: int) -> int:
+    """An O_PATH descriptor opened again for I/O (through /proc/self/fd, as the kernel allows for
+    O_PATH): the same inode, whatever the path names by now."""
+    return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)

@@ -61,7 +61,7 @@ from pitstop.gpu.checkpoint import GpuCheckpointer  # noqa: F401 - the type of s
 from pitstop.memory import page_server, postcopy, precopy, writetrack
 from pitstop.memory.precopy import Basis
 from pitstop.network import workerns
-from pitstop.proc import proctree, procwindow
+from pitstop.proc import file_identity, proctree, procwindow
 from pitstop.transfer import compress, dataport
 from pitstop.transfer.compress import Compression
 from pitstop.transfer.manifest import Manifest, StdioPipe, check_image_id
@@ -654,6 +654,8 @@ class SourceSide:
         res, kind = dumped.result, dumped.kind
         tail.directory = kind.streamed(images)
         dump_end = time.monotonic()
+        # the files the tree had, as it had them: what each path CRIU reopens must still be (sealed below)
+        file_ids = file_identity.Reopen.write(str(images), proctree.tree(w.root_pid), self.s.name)
         gpu_phases = {"gpu_lock": suspended.lock_s, "gpu_checkpoint": suspended.checkpoint_s,
                       "gpu_rounds": float(suspended.rounds), "gpu_processes": float(len(suspended.procs))} \
             if suspended else {}
@@ -677,7 +679,8 @@ class SourceSide:
                                       worker={"id": w.id, "job": w.job, "rank": w.rank,
                                               **({"init_dir": w.init_dir} if w.init_dir else {}),
                                               **({"slurm_job": w.slurm_job} if w.slurm_job else {})}, gpu=cap.gpu,
-                                      net=w.net, keep_peers=cap.keep_peers, pages_from=pages_from, parent=parent)
+                                      net=w.net, keep_peers=cap.keep_peers, pages_from=pages_from, parent=parent,
+                                      file_ids=file_ids, host=self.s.name)
         tail.finished.set()
         if sender is None:
             total = sum(f.stat().st_size for f in images.iterdir() if not f.name.endswith(".log"))
@@ -873,7 +876,8 @@ class SourceSide:
         faults.hit("rollback:before_restore")
         restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
                                              stdio=cap.stdio, replace=True, output_base=self._output_end(w),
-                                             gpu=cap.gpu, net=w.net, init_dir=w.init_dir)
+                                             gpu=cap.gpu, net=w.net, init_dir=w.init_dir,
+                                             reopen=file_identity.Reopen.read(cap.image_dir))
         netlock.release(cap.run_id)
         return f"restored here as pid {restored.root_pid}"
 
@@ -987,7 +991,8 @@ class SourceSide:
                 faults.hit("rollback:before_restore")
                 restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
                                                      stdio=cap.stdio, replace=True, output_base=self._output_end(w),
-                                                     gpu=cap.gpu, net=w.net, init_dir=w.init_dir)
+                                                     gpu=cap.gpu, net=w.net, init_dir=w.init_dir,
+                                                     reopen=file_identity.Reopen.read(cap.image_dir))
                 netlock.release(cap.run_id)
                 how = f"restored here as pid {restored.root_pid}"
         except PitstopError as e:

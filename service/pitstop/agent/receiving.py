@@ -28,13 +28,13 @@ from pitstop.agent import exitkeeper, peercred, reclaim, scope
 from pitstop.agent.restore_kinds import PageFill, RestorePlan
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import LIVE_STATES, AgentState, Fill, Worker
-from pitstop.criu import criu_ops, criufill, runtime
+from pitstop.criu import criu_ops, criufill, image_files, runtime
 from pitstop.errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed, Unavailable
 from pitstop.gpu.checkpoint import GpuCheckpointer
 from pitstop.memory import lazy_pages, lazydelta, lazyrule, precopy
 from pitstop.memory.dumpview import PAGE
 from pitstop.network import workerns
-from pitstop.proc import proctree
+from pitstop.proc import file_identity, proctree
 from pitstop.transfer import dataport
 from pitstop.transfer.manifest import Manifest, check_image_id
 from pitstop.transfer.stream import FreeSpace, StreamReceiver, file_stats, verify_directory
@@ -219,7 +219,7 @@ class DestinationSide:
                                     keep_peers=m.keep_peers, init_dir=wk.get("init_dir"), slurm_job=wk.get("slurm_job"),
                                     lazy=plan.lazy, abort=s.abort,
                                     pages_from=m.pages_from if plan.fill is PageFill.REMOTE else None,
-                                    local_index=index)
+                                    local_index=index, reopen=file_identity.Reopen.of(m.file_ids, m.host))
             with self.lock:
                 s.restored = w.id
                 abandoned = s.abort.is_set()  # discard() sets it under this lock
@@ -363,10 +363,11 @@ class DestinationSide:
     def restore_dir(self, directory: Path, *, worker_id: str, job: str, rank: int,
                     stdio: list[dict[str, Any]], replace: bool = False,
                     output_base: dict[str, int] | None = None, gpu: dict[str, Any] | None = None,
-                    net: dict[str, str] | None = None, init_dir: str | None = None) -> Worker:
+                    net: dict[str, str] | None = None, init_dir: str | None = None,
+                    reopen: file_identity.Reopen | None = None) -> Worker:
         """Restore whole images in `directory` (a rollback on the source); register the worker."""
         return self._restore(directory, worker_id=worker_id, job=job, rank=rank, stdio=stdio, replace=replace,
-                             output_base=output_base, gpu=gpu, net=net, init_dir=init_dir)[0]
+                             output_base=output_base, gpu=gpu, net=net, init_dir=init_dir, reopen=reopen)[0]
 
     def _restore(self, directory: Path, *, worker_id: str, job: str, rank: int,
                  stdio: list[dict[str, Any]], replace: bool = False, slurm_job: str | None = None,
@@ -376,18 +377,23 @@ class DestinationSide:
                  abort: threading.Event | None = None,
                  pages_from: dict[str, Any] | None = None,
                  local_index: Path | None = None,
-                 init_dir: str | None = None) -> tuple[Worker, lazy_pages.LazyFill | None]:
+                 init_dir: str | None = None,
+                 reopen: file_identity.Reopen | None = None) -> tuple[Worker, lazy_pages.LazyFill | None]:
         """Restore images in `directory`; register the result as a worker of this agent.
 
         lazy: restore post-copy, memory filled by a lazy-pages daemon after the worker runs
         again; the running daemon is returned for the caller to watch.  pages_from: the lazy
         pages are on the source (post-copy over the network): the daemon fetches them there.
         local_index: a delta and its pre-copy here, served to the daemon by a local page server.
+        reopen: the files the dump found, which every path CRIU reopens here must still be
+        (proc/file_identity.py); without it, paths through a symbolic link are still refused.
         """
         with self.state.lock:
             old = self.state.workers.get(worker_id)
             if old and old.state in LIVE_STATES and not replace:
                 raise Conflict(f"worker {worker_id} already runs here", action="this would run it twice")
+        # CRIU reopens these as root: none may have become a link or another's file since the dump
+        (reopen or file_identity.Reopen({}, "")).check(image_files.reopened(directory), self.s.name)
         try:  # its namespace's init works there: CRIU restores that working directory (nsinit.py)
             nsinit.ensure(init_dir)
         except (ValueError, OSError) as e:

@@ -31,12 +31,20 @@ import structlog
 
 from pitstop import faults, nsinit
 from pitstop.agent.state import Worker
-from pitstop.criu import criu_ops, criutrack, runtime
-from pitstop.errors import CaptureFailed, Conflict, FailedPrecondition, NotFound, PitstopError, TransferFailed
+from pitstop.criu import criu_ops, criutrack, image_files, runtime, seal
+from pitstop.errors import (
+    CaptureFailed,
+    Conflict,
+    FailedPrecondition,
+    IntegrityError,
+    NotFound,
+    PitstopError,
+    TransferFailed,
+)
 from pitstop.memory import writetrack
 from pitstop.network import workerns
-from pitstop.proc import proctree, written_files
-from pitstop.transfer.manifest import MANIFEST, Manifest, StdioPipe, check_image_id
+from pitstop.proc import file_identity, proctree, written_files
+from pitstop.transfer.manifest import MANIFEST, Manifest, StdioPipe, check_image_id, verify
 from pitstop.transfer.stream import DirectoryTail
 from pitstop.wire.agent_client import AgentClient
 
@@ -272,15 +280,19 @@ class Snapshots:
                 res = criu_ops.dump(w.root_pid, d, timeout_s=self.a.s.dump_timeout_s, leave_running=True, own_netns=own,
                                     track_mem=bool(tracked), binary=tracked or None)
             self._reset_tracking(w, number, pids)
+            sealed = seal.take(d)  # a stat of each file, no byte read: checked before any restore of the part
+            ids = file_identity.identities(pids)
         finally:
             if gpu:
                 self.a.source.gpu.resume_in_place(gpu.record())
         (d / META).write_text(json.dumps({"parent": parent[0] if parent else None, "depth": depth + 1 if parent else 0,
-                                          "pages_written": res.pages_written, "pages_in_parent": res.pages_in_parent}))
+                                          "pages_written": res.pages_written, "pages_in_parent": res.pages_in_parent,
+                                          "seal": sealed}))
         (d / FILES).write_text(json.dumps([f.to_dict() for f in written_files.written_files(pids)]))
         size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
         m = Manifest(capture_id=d.name, stdio=[StdioPipe(**s) for s in stdio], criu_version=runtime.locate().version_str,
                      output_base=self.a.source._output_end(w), gpu=gpu.record() if gpu else {}, net=w.net,
+                     host=self.a.s.name, file_ids=ids,
                      worker={"id": w.id, "job": w.job, "rank": w.rank, **({"init_dir": w.init_dir} if w.init_dir else {}),
                              **({"slurm_job": w.slurm_job} if w.slurm_job else {}),
                              **({"snapshot_every_s": w.snapshot_every_s} if w.snapshot_every_s else {})})
@@ -562,11 +574,42 @@ class Snapshots:
                  fenced=sorted(fences))
         self.isolated.clear()
 
+    def _verify(self, job: str, number: int, side: str, wid: str) -> None:
+        """A part and every part it is a delta against are as they were written: own parts by the
+        seal taken as CRIU finished (a stat of each file), replicas byte for byte against the
+        digests they were received with.  Raised as IntegrityError before anything is stopped."""
+        n: int | None = number
+        while n is not None:
+            d = self._part(job, n, side, wid)
+            meta = _meta(d)
+            try:
+                if side == OWN and meta.get("seal") is not None:
+                    seal.check(d, meta["seal"], ignore=(META, FILES, MANIFEST))
+                elif side == REPLICA:
+                    verify(d, Manifest.read(d))
+            except IntegrityError as e:
+                raise IntegrityError(f"part {wid} of snapshot {n} of job {job} ({side}) changed since it was "
+                                     f"written: {e.message}", action="the job cannot be rolled back to this snapshot "
+                                     "here; restart it from its own checkpoint, and find what wrote to the agent's "
+                                     "image directory (only root can)", details=e.details) from None
+            n = None if meta.get("parent") is None else int(meta["parent"])
+
     def check_files(self, job: str, number: int, ids: list[str], side: str) -> dict[str, Any]:
         """Whether the files these parts' workers write can be cut back to the snapshot (nothing is cut)."""
         out = {}
         for wid in dict.fromkeys(ids):
-            out[wid] = written_files.cut_back(files_of(self._part(job, number, side, wid)), apply=False)
+            self._verify(job, number, side, wid)
+            d = self._part(job, number, side, wid)
+            # what CRIU will reopen, checked now too: here for an own part; for a replica on its keeper (the
+            # job's files are at the same paths on every host of the job), and again where it is restored
+            m = Manifest.read(d)
+            reopen = file_identity.Reopen.of(m.file_ids, m.host)
+            try:
+                out[wid] = written_files.cut_back(files_of(d), apply=False, same_host=side == OWN)
+            except FailedPrecondition as e:
+                more = reopen.problems(image_files.reopened(d), self.a.s.name)
+                raise FailedPrecondition("; ".join([e.message, *more]), code=e.code, action=e.action) from None
+            reopen.check(image_files.reopened(d), self.a.s.name)
         return {"workers": out}
 
     def restore(self, job: str, number: int, ids: list[str], side: str = OWN) -> dict[str, Any]:
@@ -575,12 +618,13 @@ class Snapshots:
         first, then each running copy ended, its files cut back and its part restored, stopped as
         it was dumped (the coordinator resumes every rank of the job at once)."""
         parts = {wid: self._part(job, number, side, wid) for wid in dict.fromkeys(ids)}
-        for d in parts.values():
-            written_files.cut_back(files_of(d), apply=False)
+        for wid, d in parts.items():
+            self._verify(job, number, side, wid)
+            written_files.cut_back(files_of(d), apply=False, same_host=side == OWN)
         self.stop(job, list(parts), f"rolled back to snapshot {number}")
         out = {}
         for wid, d in parts.items():
-            cut = written_files.cut_back(files_of(d))
+            cut = written_files.cut_back(files_of(d), same_host=side == OWN)
             out[wid] = {**self._restore_dir(d, fresh_net=side == REPLICA), "files_cut_back": cut}
         return {"workers": out}
 
@@ -597,7 +641,8 @@ class Snapshots:
             net = {**wn.to_dict(), "netns": f"{workerns.netns_name(str(wk['id']))}-{secrets.token_hex(3)}"}
         w = self.a.dest.restore_dir(d, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
                                     stdio=[p.model_dump() for p in m.stdio], replace=True, output_base=m.output_base,
-                                    gpu=m.gpu or None, net=net, init_dir=wk.get("init_dir"))
+                                    gpu=m.gpu or None, net=net, init_dir=wk.get("init_dir"),
+                                    reopen=file_identity.Reopen.of(m.file_ids, m.host))
         if wk.get("snapshot_every_s"):
             self.a.state.update_worker(w, snapshot_every_s=float(wk["snapshot_every_s"]))
         self.paused(w)

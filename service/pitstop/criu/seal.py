@@ -54,9 +54,10 @@ def add_digests(seal: Seal, digests: dict[str, str]) -> Seal:
     return {rel: entry[:4] + ([digests[rel]] if rel in digests else []) for rel, entry in seal.items()}
 
 
-def check(root: Path, seal: Seal) -> None:
-    """Raise IntegrityError unless every sealed file is there, unchanged, and no file was added."""
-    now = _files(root)
+def check(root: Path, seal: Seal, ignore: tuple[str, ...] = ()) -> None:
+    """Raise IntegrityError unless every sealed file is there, unchanged, and no file was added
+    (but those named in `ignore`: pitstop's own records, written beside the dump after it)."""
+    now = {rel: p for rel, p in _files(root).items() if rel not in ignore}
     problems = [f"{rel}: added after the dump" for rel in sorted(set(now) - set(seal))]
 
     def one(item: tuple[str, list]) -> str | None:

@@ -61,6 +61,10 @@ class Manifest(BaseModel):
     # against (restored as their `parent`); or, in a pre-copy's own manifest, the move it serves.
     parent: str | None = None
     pre_copy_of: str | None = None
+    # The files the tree used, as the dump found them (proc/file_identity.py: path -> [uid, dev,
+    # ino]) and the host it was dumped on: what the restore's reopen of each path is checked against.
+    file_ids: dict[str, list[int]] = Field(default_factory=dict)
+    host: str = ""
 
     @property
     def total_bytes(self) -> int:
