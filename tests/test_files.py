@@ -48,13 +48,17 @@ def test_a_workers_paths_are_listed_with_their_kind_and_the_kernels_left_out(tmp
 def test_what_a_host_lacks_is_named_with_why(tmp_path):
     (tmp_path / "lib.so").write_bytes(b"x" * 100)
     (tmp_path / "a-dir").mkdir()
-    want = [files.UsedFile(str(tmp_path / "lib.so"), "mapped", 100),        # present, same size
+    (tmp_path / "linked").symlink_to(tmp_path / "a-dir")
+    want = [files.UsedFile(str(tmp_path / "linked" / "x.py"), "open"),      # through a link: never followed
+            files.UsedFile(str(tmp_path / "lib.so"), "mapped", 100),        # present, same size
             files.UsedFile(str(tmp_path / "lib.so"), "mapped", 120),        # present, other size
             files.UsedFile(str(tmp_path / "gone.py"), "open"),              # missing
             files.UsedFile(str(tmp_path / "a-dir"), "open"),                # a directory, not a file
             files.UsedFile(str(tmp_path / "lib.so"), "dir"),                # a file, not a directory
             files.UsedFile(str(tmp_path / "a-dir"), "dir")]                 # present
     assert files.lacking(want) == [
+        {"path": str(tmp_path / "linked" / "x.py"),
+         "why": f"a symbolic link is in its path here ({tmp_path / 'linked'}); a restore does not follow links"},
         {"path": str(tmp_path / "lib.so"), "why": "100 bytes here, 120 where the worker runs"},
         {"path": str(tmp_path / "gone.py"), "why": "missing"},
         {"path": str(tmp_path / "a-dir"), "why": "not a regular file here"},

@@ -74,3 +74,130 @@ def test_c1_a_recovery_never_follows_a_users_links_to_roots_files(cluster, open_
     assert victim.read_text() == "v" * 49 + "\n" and victim.stat().st_uid == 0
     assert ranks[0].proc.wait(120) == 0, "the job trained on where it was"
     assert victim.read_text() == "v" * 49 + "\n"
+
+
+def _on_socket_as_nobody(sock: Path, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """One request on an agent's local socket from uid 65534 (group nogroup), connected after
+    dropping root, so that the kernel's SO_PEERCRED names that user."""
+    data = json.dumps(body or {}).encode()
+    request = (f"{method} {path} HTTP/1.1\r\nhost: a\r\ncontent-type: application/json\r\n"
+               f"content-length: {len(data)}\r\nconnection: close\r\n\r\n").encode() + data
+    probe = ("import os, socket, sys; os.setgroups([]); os.setgid(65534); os.setuid(65534); "
+             "s = socket.socket(socket.AF_UNIX); "
+             f"s.connect({str(sock)!r}); s.sendall({request!r}); "
+             "d = b''\nwhile (c := s.recv(65536)): d += c\nsys.stdout.buffer.write(d)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=60)
+    assert out.stdout.startswith(b"HTTP/1.1 "), out.stderr[-1500:]
+    head, _, payload = out.stdout.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload or b"{}")
+
+
+@pytest.fixture
+def group_socket():
+    """An agent socket in group nogroup, in a directory uid 65534 can reach."""
+    run = Path(tempfile.mkdtemp(prefix="pitstop-sock-", dir="/run"))
+    run.chmod(0o755)
+    try:
+        yield run / "agent.sock"
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def _netns() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    return {ln.split()[0] for ln in out.splitlines()}
+
+
+def test_h1_a_network_is_named_by_its_whole_worker_id(cluster, group_socket):
+    """H1: `DELETE /v1/networks/victim-0` from a member of the socket's group removed the network of
+    root's worker victim.0 (names mapped `.` to `-`); and the second rank of a job whose name has 39+
+    characters destroyed its first rank's network (names were cut at 40 characters).  Now a network
+    id names one worker exactly, and a user may remove only what they prepared."""
+    from pitstop.dev.netns import NetHosts
+    from pitstop.network import workerns
+
+    cluster.net = NetHosts()
+    cluster.start_coordinator()
+    cluster.start_agent("host-a", env={"PITSTOP_AGENT_LOCAL_GROUP": "nogroup",
+                                       "PITSTOP_AGENT_SOCKET_PATH": str(group_socket)})
+    until(lambda: group_socket.exists() and group_socket.stat().st_gid == 65534, timeout=10, what="the socket")
+    long_job = "j" * 45
+    sleeper = [sys.executable, str(WORKLOADS / "sleeper.py"), "60"]
+    ranks = cluster.start_job("victim", sleeper, 1, {0: "host-a"}, addresses={0: cluster.worker_address(0)})
+    ranks += cluster.start_job(long_job, sleeper, 2, {0: "host-a", 1: "host-a"},
+                               addresses={0: cluster.worker_address(1), 1: cluster.worker_address(2)})
+    for wid in ("victim.0", f"{long_job}.0", f"{long_job}.1"):
+        cluster.wait_registered("host-a", wid)
+    names = {workerns.netns_name(w) for w in ("victim.0", f"{long_job}.0", f"{long_job}.1")}
+    assert len(names) == 3 and names <= _netns(), "each rank its own namespace, the long job's two included"
+    for alias in ("victim-0", "victim_0"):
+        status, body = _on_socket_as_nobody(group_socket, "DELETE", f"/v1/networks/{alias}")
+        assert status == 404 and body["error"]["code"] == "no_such_network", (alias, body)
+    status, body = _on_socket_as_nobody(group_socket, "DELETE", "/v1/networks/victim.0")
+    assert status == 403 and body["error"]["code"] == "not_your_worker", body
+    assert names <= _netns(), "nothing of root's was removed"
+    ws = {w["id"]: w for w in cluster.agents["host-a"].client().workers()}
+    assert all(ws[w]["state"] == "running" for w in ("victim.0", f"{long_job}.0", f"{long_job}.1"))
+    for r in ranks:
+        r.proc.terminate()
+        r.proc.wait(30)
+
+
+def _nobodys_init() -> tuple[subprocess.Popen, int]:
+    """A process of uid 65534's own, capturable (init of its PID namespace and session)."""
+    from pitstop.agent import peercred
+    from pitstop.proc import proctree
+
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "setsid",
+                          "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "120"])
+    until(lambda: proctree.children(p.pid))
+    init = proctree.children(p.pid)[0]
+    until(lambda: proctree.session_id(init) == init and peercred.process_uids(init) == {65534})
+    return p, init
+
+
+def test_h2_a_job_belongs_to_the_user_of_its_ranks(cluster, tmp_path):
+    """H2: uid 65534 registered a process of its own as rank 7 of root's job (and with it a Slurm job
+    of its choosing and a snapshot interval for the job).  Now a job is its ranks' user's: another
+    user's registration into it is refused on the job's own host and on any other (the coordinator
+    knows whose it is); under a name of its own it is theirs as before."""
+    from pitstop.dev.netns import NetHosts
+    from pitstop.wire.coordinator_client import CoordinatorClient
+
+    socks = {}
+    cluster.net = NetHosts()
+    cluster.start_coordinator()
+    with cluster.starting():
+        for name in ("host-a", "host-b"):
+            run = Path(tempfile.mkdtemp(prefix="pitstop-sock-", dir="/run"))
+            run.chmod(0o755)
+            socks[name] = run / "agent.sock"
+            cluster.start_agent(name, env={"PITSTOP_AGENT_LOCAL_GROUP": "nogroup",
+                                           "PITSTOP_AGENT_SOCKET_PATH": str(socks[name])})
+    intruder = None
+    try:
+        for sock in socks.values():
+            until(lambda s=sock: s.exists() and s.stat().st_gid == 65534, timeout=10, what="the socket")
+        cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+        ranks = cluster.start_job("victim", [sys.executable, str(WORKLOADS / "sleeper.py"), "60"], 1, {0: "host-a"})
+        cluster.wait_registered("host-a", "victim.0")
+        _wait_jobs(cc, "victim", 1)
+        intruder, init = _nobodys_init()
+        body = {"job": "victim", "rank": 7, "pid": init, "slurm_job": "4242", "snapshot_every_s": 5}
+        for host in ("host-a", "host-b"):
+            status, got = _on_socket_as_nobody(socks[host], "POST", "/v1/workers", body)
+            assert status == 403 and got["error"]["code"] == "not_your_job", (host, got)
+            assert "belong to uid 0" in got["error"]["message"], got
+        assert sorted(w["id"] for w in _wait_jobs(cc, "victim", 1)["workers"]) == ["victim.0"]
+        assert cc.snapshots("victim")["every_s"] is None, "the job's snapshot interval is its own"
+        status, got = _on_socket_as_nobody(socks["host-b"], "POST", "/v1/workers", {**body, "job": "mine"})
+        assert status == 201 and got["owner_uid"] == 65534, got
+        for r in ranks:
+            r.proc.terminate()
+            r.proc.wait(30)
+    finally:
+        if intruder is not None:
+            intruder.kill()
+            intruder.wait(10)
+        for sock in socks.values():
+            shutil.rmtree(sock.parent, ignore_errors=True)

@@ -295,6 +295,28 @@ def test_a_slurm_job_that_ends_ends_its_moved_ranks_once():
     assert c.signalled == []
 
 
+def test_a_rank_naming_another_users_slurm_job_never_gets_its_job_ended():
+    """The audit's H2: uid 1001 registered a process of its own into root's job (run outside Slurm)
+    naming a Slurm job of its choosing; when that Slurm job ended, the watcher SIGKILLed root's job.
+    A claim counts only from root or from the Slurm job's own user."""
+    s, c, w = world()
+    c.workers[0].update(owner_uid=0)                      # root's rank, not under Slurm
+    c.workers[1].update(slurm_job="77", owner_uid=1001)  # the intruder's claim: a Slurm job of uid 2002
+    s.jobs_ = [Job("77", "RUNNING", ("b",), "b", user_id=2002)]
+    w.step()
+    s.jobs_ = [Job("77", "COMPLETED", ("b",), "b", user_id=2002)]
+    w.step()
+    assert c.signalled == [], "another user's Slurm job ending ends nothing"
+    # the same ranks, the claim from the Slurm job's own user: it holds
+    s, c, w = world()
+    c.workers[1].update(slurm_job="77", owner_uid=2002)
+    s.jobs_ = [Job("77", "RUNNING", ("b",), "b", user_id=2002)]
+    w.step()
+    s.jobs_ = [Job("77", "COMPLETED", ("b",), "b", user_id=2002)]
+    w.step()
+    assert c.signalled == [("j", signal.SIGKILL)]
+
+
 def _moved(s: FakeSlurm, c: FakeCoordinator, w: Watcher, slurm_job: str = "41") -> None:
     c.workers[1]["slurm_job"] = slurm_job
     s.jobs_ = [Job(slurm_job, "RUNNING", ("a", "b"), "a")]

@@ -15,7 +15,7 @@ from pitstop.agent import peercred
 from pitstop.agent.agent import Agent, AgentDep
 from pitstop.agent.peercred import caller_pid, caller_uid, privileged
 from pitstop.agent.state import LIVE_STATES, Worker
-from pitstop.errors import Conflict, FailedPrecondition, Forbidden, PitstopError
+from pitstop.errors import Conflict, FailedPrecondition, Forbidden, NotFound, PitstopError
 from pitstop.network import workerns
 from pitstop.proc import proctree
 from pitstop.wire import agent_requests
@@ -56,7 +56,12 @@ def register(agent: AgentDep, req: agent_requests.RegisterRequest, request: Requ
             f"pid {pid} is not the init of its own PID namespace and session",
             code="not_capturable", action="start the worker with `pitstop run`")
     wid = f"{req.job}.{req.rank}"
-    claim_rank(agent, req.job, req.rank)  # before the lock: a network call must not hold up pauses
+    if not privileged(uid):  # a job is its first rank's user's: nobody else adds ranks to it here
+        other = next((w for w in agent.state.workers.values() if w.job == req.job and w.state in LIVE_STATES
+                      and w.owner_uid is not None and w.owner_uid != uid), None)
+        if other is not None:
+            raise _not_your_job(uid, req.job, other.owner_uid)
+    claim_rank(agent, req.job, req.rank, uid)  # before the lock: a network call must not hold up pauses
     with agent.state.lock:
         old = agent.state.workers.get(wid)
         if old and old.state in LIVE_STATES and proctree.exists(old.root_pid):
@@ -82,18 +87,31 @@ def register(agent: AgentDep, req: agent_requests.RegisterRequest, request: Requ
     return w
 
 
-def claim_rank(agent: Agent, job: str, rank: int) -> None:
+def _not_your_job(uid: int, job: str, owner: int | None) -> Forbidden:
+    return Forbidden(f"uid {uid} may not add ranks to job {job}: its ranks belong to uid {owner}", code="not_your_job",
+                     action="give your job a name of its own (`pitstop run --job`), or ask root")
+
+
+def claim_rank(agent: Agent, job: str, rank: int, uid: int) -> None:
     """Refuse a rank that another host runs already, as the coordinator knows it: this host alone
-    cannot see it, and a job with two rank 0s can neither train nor be moved.  A coordinator that
-    does not answer in time refuses nothing: agents never depend on it."""
+    cannot see it, and a job with two rank 0s can neither train nor be moved; and a rank of a job
+    another user's ranks run, on any host.  A coordinator that does not answer in time refuses
+    nothing to root (agents never depend on it); another user's registration it could not check
+    is refused, since only the coordinator knows whose the job is elsewhere."""
     if not agent.s.coordinator:
         return
     try:
         with CoordinatorClient(agent.s.coordinator, agent.s.cluster_token, timeout=CLAIM_TIMEOUT_S) as c:
-            c.claim(agent.s.name, job, rank)
+            c.claim(agent.s.name, job, rank, owner_uid=uid, privileged=privileged(uid))
     except PitstopError as e:
         if e.code == "duplicate_rank":
             raise Conflict(e.message, code=e.code, action=e.action) from None
+        if e.code == "not_your_job":
+            raise Forbidden(e.message, code=e.code, action=e.action) from None
+        if not privileged(uid):
+            raise FailedPrecondition(f"the coordinator could not be asked whether job {job} is yours: {e.message}",
+                                     code="coordinator_unreachable",
+                                     action="start the rank again once the coordinator answers") from None
         log.warning("the coordinator could not be asked whether another host runs this rank; registered anyway",
                     job=job, rank=rank, error=e.message)
 
@@ -152,10 +170,19 @@ def prepare_network(agent: AgentDep, req: agent_requests.NetworkRequest, request
 
 @router.delete("/networks/{wid}")
 def drop_network(agent: AgentDep, wid: str, request: Request) -> dict:
+    """A network a launch prepared and no longer needs.  `wid` names one worker exactly (the
+    namespace's name is derived from the whole id, workerns.netns_name); one that nobody here is
+    known to own is only root's to remove."""
     w = agent.state.workers.get(wid)
-    own(request, f"the network of {wid}", w.owner_uid if w else agent.net_owners.get(wid))
+    owner = w.owner_uid if w else agent.net_owners.get(wid)
+    if owner is None and not privileged(caller_uid(request.scope)):
+        raise NotFound(f"no network of worker {wid} was prepared here by you", code="no_such_network",
+                       action="name a worker whose network you prepared (job.rank)")
+    own(request, f"the network of {wid}", owner)
     if w and w.state in LIVE_STATES:
         raise Conflict(f"worker {wid} still runs in it", action="stop the worker first")
-    wn = workerns.WorkerNet("", "", workerns.netns_name(wid))
+    wn = workerns.from_dict(w.net) if w and w.net else None
+    wn = wn or workerns.WorkerNet("", "", workerns.netns_name(wid))
     workerns.destroy(wn)
+    agent.net_owners.pop(wid, None)
     return {"deleted": wn.netns}

@@ -115,7 +115,7 @@ async def beat(c: CoordinatorDep, b: Beat) -> dict:
 @agents.post("/agents:claim", responses={409: {"description": "another live host runs this rank"}})
 def claim(c: CoordinatorDep, body: ClaimRequest) -> dict:
     """An agent about to register a rank: refused if another live host runs it already."""
-    return c.claim(body.host, body.job, body.rank)
+    return c.claim(body.host, body.job, body.rank, body.owner_uid, body.privileged)
 
 
 operators = APIRouter(prefix="/v1", dependencies=[Depends(operator)], tags=["operators"])

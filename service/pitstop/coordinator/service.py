@@ -23,8 +23,8 @@ from pitstop.coordinator.planner import plan
 from pitstop.coordinator.recovery import Recoveries
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.snapshots import Snapshots
-from pitstop.coordinator.store import LIVE, Store
-from pitstop.errors import Conflict, FailedPrecondition, NotFound, PitstopError
+from pitstop.coordinator.store import LIVE, JobOwner, Store
+from pitstop.errors import Conflict, FailedPrecondition, Forbidden, NotFound, PitstopError
 from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.coordinator_requests import EvacuateRequest
 from pitstop.wire.evacuation import AfterMove
@@ -229,13 +229,18 @@ class Coordinator:
         in_parallel(one, ws)
         return {"job": job, "signal": sig, "workers": sorted(results, key=lambda r: r["worker"])}
 
-    def claim(self, host: str, job: str, rank: int) -> dict[str, Any]:
+    def claim(self, host: str, job: str, rank: int, owner_uid: int | None = None,
+              privileged: bool = False) -> dict[str, Any]:
         """Refuse a rank that another live host runs already (every srun task registering as
-        rank 0, a launcher started twice); else record it on `host` at once."""
+        rank 0, a launcher started twice), or a rank of a job whose ranks are another user's
+        (owner_uid: who registers it; privileged: root, who acts for anyone); else record it on `host`."""
         wid = f"{job}.{rank}"
-        other = self.store.claim_worker(host, wid, job, rank, self.settings.heartbeat_timeout_s)
-        if other:
-            raise Conflict(f"rank {rank} of job {job} already runs on {other} (worker {wid})",
+        got = self.store.claim_worker(host, wid, job, rank, self.settings.heartbeat_timeout_s, owner_uid, privileged)
+        if isinstance(got, JobOwner):
+            raise Forbidden(f"uid {owner_uid} may not add rank {rank} to job {job}: its ranks belong to uid {got.uid}",
+                            code="not_your_job", action="give your job a name of its own (--job), or ask root")
+        if got:
+            raise Conflict(f"rank {rank} of job {job} already runs on {got} (worker {wid})",
                            code="duplicate_rank",
                            action="give each process of the job its own rank: --rank N, or RANK (torchrun), or "
                                   "SLURM_PROCID (srun) reaching `pitstop run`; or use another job id")

@@ -26,6 +26,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,13 @@ CLAIMED = "claimed"  # a rank an agent is about to register (Store.claim_worker)
 _UNAVAILABLE = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED,
                 sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB,
                 sqlite3.SQLITE_NOMEM, sqlite3.SQLITE_PROTOCOL}
+
+
+@dataclass(frozen=True)
+class JobOwner:
+    """The user a job's ranks belong to (the uid that registered them; root's are anyone's)."""
+
+    uid: int
 
 
 class StoreUnavailable(Unavailable):
@@ -193,12 +201,24 @@ class Store:
             info = {k: v for k, v in h.items() if k not in ("role", "last_seen", "age_s")}
             self.heartbeat({**info, "name": host, "url": h["url"], "workers": workers}, touch=False)
 
-    def claim_worker(self, host: str, wid: str, job: str, rank: int, max_age_s: float) -> str | None:
+    def claim_worker(self, host: str, wid: str, job: str, rank: int, max_age_s: float,
+                     owner_uid: int | None = None, privileged: bool = False) -> "str | JobOwner | None":
         """A rank about to register on `host`: recorded there at once, unless another host whose
-        agent was heard from within `max_age_s` already runs it (that host's name is returned).
-        One transaction, so that two hosts claiming the same rank at once cannot both win."""
+        agent was heard from within `max_age_s` already runs it (that host's name is returned), or
+        the job's ranks belong to another user than `owner_uid` (the job's owner is returned;
+        privileged: root, who may add to any job).  A job belongs to the user of its ranks that
+        have not ended (a failed one's too, until it is recovered or dropped).  One transaction, so
+        that two hosts claiming the same rank at once cannot both win, nor two users one job."""
         now = time.time()
         with self._tx():
+            if not privileged:
+                for r in self.db.execute("SELECT state, info, updated FROM workers WHERE job=? AND state NOT IN (?, ?)",
+                                         (job, "exited", "released")):
+                    if r["state"] == CLAIMED and now - r["updated"] > max_age_s:
+                        continue  # a claim whose registration never happened lapses
+                    theirs = json.loads(r["info"]).get("owner_uid")
+                    if theirs is not None and theirs != owner_uid:
+                        return JobOwner(int(theirs))
             cur = self.db.execute("SELECT host, state, updated FROM workers WHERE id=?", (wid,)).fetchone()
             if cur and cur["host"] != host:
                 seen = self.db.execute("SELECT last_seen FROM hosts WHERE name=?", (cur["host"],)).fetchone()
@@ -208,7 +228,7 @@ class Store:
                 held = cur["state"] in LIVE or (cur["state"] == CLAIMED and now - cur["updated"] <= max_age_s)
                 if held and now - last <= max_age_s:
                     return str(cur["host"])
-            w = {"id": wid, "job": job, "rank": rank, "state": CLAIMED}
+            w = {"id": wid, "job": job, "rank": rank, "state": CLAIMED, "owner_uid": owner_uid}
             self.db.execute(
                 "INSERT INTO workers(id,job,rank,host,state,info,updated) VALUES(?,?,?,?,?,?,?) "
                 "ON CONFLICT(id) DO UPDATE SET job=excluded.job, rank=excluded.rank, host=excluded.host, "

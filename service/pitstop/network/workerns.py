@@ -22,6 +22,7 @@ the uplink (it reaches every other station, including workers on the same host).
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
@@ -80,7 +81,10 @@ def spec(worker_id: str, address: str) -> WorkerNet:
 
 
 def netns_name(worker_id: str) -> str:
-    return "pitstop-w-" + re.sub(r"[^A-Za-z0-9_-]", "-", worker_id)[:40]
+    """The namespace of exactly this worker id: a readable part, and a digest of the whole id, so
+    that no other id ("a-0" for "a.0", a long job name cut short) ever names the same namespace."""
+    readable = re.sub(r"[^A-Za-z0-9_-]", "-", worker_id)[:32]
+    return f"pitstop-w-{readable}-{hashlib.blake2b(worker_id.encode(), digest_size=5).hexdigest()}"
 
 
 def from_dict(d: dict | None) -> WorkerNet | None:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 from pitstop import nsinit
 from pitstop.proc import proctree
+from pitstop.safepath import LinkInPath, open_nofollow
 
 KERNEL = ("/dev/", "/proc/", "/sys/")
 MAX_FILES = 20_000  # a worker with more distinct paths than this is listed up to here
@@ -88,8 +89,16 @@ def lacking(files: list[UsedFile]) -> list[dict[str, str]]:
     """What this host lacks of `files`: each path with why, in the order given."""
     out = []
     for f in files:
-        try:
-            st = os.stat(f.path)
+        try:  # reached as the restore's check reaches it (proc/file_identity.py): a link is not the file
+            fd = open_nofollow(f.path)
+            try:
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+        except LinkInPath as e:
+            out.append({"path": f.path, "why": f"a symbolic link is in its path here ({e.details.get('link')}); "
+                                               "a restore does not follow links"})
+            continue
         except FileNotFoundError:
             out.append({"path": f.path, "why": "missing"})
             continue

@@ -86,6 +86,7 @@ class Job:
     state: str                 # RUNNING, PENDING, COMPLETED, CANCELLED, ...
     nodes: tuple[str, ...]     # expanded
     batch_host: str
+    user_id: int | None = None  # whose job it is, as Slurm knows it
 
     @property
     def running(self) -> bool:
@@ -104,7 +105,9 @@ def hostnames(spec: str) -> tuple[str, ...]:
 def jobs() -> list[Job]:
     """Every job Slurm knows, as `squeue --json` describes it."""
     return [Job(id=str(j["job_id"]), state=str(j.get("job_state", "")), nodes=hostnames(str(j.get("nodes") or "")),
-                batch_host=str(j.get("batch_host") or "")) for j in _listed("squeue", "jobs") if "job_id" in j]
+                batch_host=str(j.get("batch_host") or ""),
+                user_id=int(j["user_id"]) if isinstance(j.get("user_id"), int) else None)
+            for j in _listed("squeue", "jobs") if "job_id" in j]
 
 
 def shrink(job: str, nodes: list[str]) -> None:

@@ -131,6 +131,24 @@ def split_reason(reason: str) -> tuple[str, str | None]:
     return reason, None
 
 
+def trusted_claims(workers: list[dict], jobs: list[Job]) -> list[dict]:
+    """The workers, each one's Slurm job kept only where it could be its own: a rank's launcher says
+    which Slurm job started it, and the watcher acts on that job's end (it ends the rank), so a
+    claim counts only from root or from the Slurm job's own user.  Another user's claim is dropped
+    here, never acted on: a rank registered by uid U naming a Slurm job of uid V != U."""
+    users = {j.id: j.user_id for j in jobs}
+    out = []
+    for w in workers:
+        sj, owner = w.get("slurm_job"), w.get("owner_uid")
+        uid = users.get(sj) if sj else None
+        if sj and owner not in (None, 0) and uid is not None and uid != owner:
+            log.warning("a rank names a Slurm job of another user: its claim is ignored", worker=w.get("id"),
+                        slurm_job=sj, rank_owner=owner, slurm_user=uid)
+            w = {**w, "slurm_job": None}
+        out.append(w)
+    return out
+
+
 @dataclass
 class Move:
     op: str
@@ -169,6 +187,7 @@ class Watcher:
         self.workers = [w | {"job": j["job"]} for j in self.coordinator.jobs() for w in j["workers"]]
         live = {w["host"] for w in self.workers if w["state"] in LIVE}
         self.slurm_jobs = self.slurm.jobs()
+        self.workers = trusted_claims(self.workers, self.slurm_jobs)
         self._end_with_slurm(self.slurm_jobs)
         host_of = self._hosts_by_node(nodes, hosts)
         self.node_of = {h: n for n, h in host_of.items()}

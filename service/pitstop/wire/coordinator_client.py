@@ -118,10 +118,12 @@ class CoordinatorClient:
             raise_for(r)
         return r.content, {k.lower(): v for k, v in r.headers.items()}
 
-    def claim(self, host: str, job: str, rank: int) -> dict:
+    def claim(self, host: str, job: str, rank: int, owner_uid: int | None = None, privileged: bool = False) -> dict:
         """An agent's question before it registers a rank (the cluster token): 409 duplicate_rank
-        where another live host runs it."""
-        return self._req("POST", "/v1/agents:claim", json={"host": host, "job": job, "rank": rank})
+        where another live host runs it, 403 not_your_job where the job's ranks are another
+        user's (owner_uid: the registering user; privileged: root, who may add to any job)."""
+        return self._req("POST", "/v1/agents:claim", json={"host": host, "job": job, "rank": rank,
+                                                            "owner_uid": owner_uid, "privileged": privileged})
 
     def cancel(self, op_id: str) -> dict:
         return self._req("POST", f"/v1/operations/{op_id.removeprefix('operations/')}:cancel")

@@ -20,6 +20,9 @@ class ClaimRequest(BaseModel):
     host: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
     rank: int = Field(ge=0, le=10_000_000)
+    owner_uid: int | None = Field(None, ge=0, le=2**32 - 1, description="the uid registering the rank (the "
+                                  "job's owner once it is its first)")
+    privileged: bool = Field(False, description="the caller is root or the agent's own user, who may add to any job")
 
 
 class SignalJobRequest(BaseModel):
@@ -60,6 +63,7 @@ class WorkerReport(BaseModel):
     slurm_job: str | None = Field(None, max_length=64, description="the Slurm job whose task started it")
     snapshot_every_s: float | None = Field(None, ge=0, le=7 * 86400.0,
                                            description="the snapshot interval its launcher asked for (seconds)")
+    owner_uid: int | None = Field(None, ge=0, le=2**32 - 1, description="the user whose rank it is (who registered it)")
 
 
 class SnapshotPolicyRequest(BaseModel):
