@@ -84,8 +84,8 @@ def clients():
     """Client sockets of a test: all closed at its end."""
     made: list[socket.socket] = []
 
-    def connect(port: int) -> socket.socket:
-        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    def connect(port: int, source: str | None = None) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0) if source else None)
         made.append(s)
         return s
 
@@ -174,7 +174,8 @@ from pitstop.transfer.stream import StreamReceiver
 root, spare = Path(sys.argv[1]), int(sys.argv[2])
 open_slot = lambda image_id: SimpleNamespace(image_id=image_id, receiver=StreamReceiver(root / image_id))
 port = DataPort("127.0.0.1", 0, token="cluster-token", open_slot=open_slot, fail_slot=lambda s: s.receiver.close(),
-                finished=lambda s: {"bytes": s.receiver.received}, on_error=lambda s, e: e, greeting_s=60).start()
+                finished=lambda s: {"bytes": s.receiver.received}, on_error=lambda s, e: e, greeting_s=60,
+                per_source_greeting=1000, per_source=1000).start()  # one source: this test is about the fd limit
 limit = len(os.listdir("/proc/self/fd")) + spare
 resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 print(port.port, limit, flush=True)
@@ -218,7 +219,8 @@ def test_slow_senders_are_closed_at_the_greeting_deadline(tmp_path, ports, clien
     is closed once the greeting deadline has passed, counted from its connect; meanwhile and
     after, a legitimate stream goes through."""
     greeting_s = 1.5
-    port = ports(greeting_s=greeting_s, idle_timeout_s=30.0, **_fake_slots(tmp_path / "rx"))
+    port = ports(greeting_s=greeting_s, idle_timeout_s=30.0, per_source_greeting=64, per_source=64,
+                 **_fake_slots(tmp_path / "rx"))  # all from one address: this test is about the deadline
     slow = {clients(port.port): time.monotonic() for _ in range(40)}
     sel = selectors.DefaultSelector()
     for s in slow:
@@ -311,6 +313,27 @@ def test_connections_past_the_caps_are_refused_at_once(tmp_path, ports, clients)
     assert took < 1.0 and b"data_port_busy" in said and b"5 connections open" in said
     threads = [t for t in threading.enumerate() if t.name == "dataport-conn"]
     assert len(threads) == 5, "a refused connection must not cost a thread"
+
+
+@pytest.mark.timeout(60)
+def test_one_source_cannot_lock_the_port_for_another(tmp_path, ports, clients):
+    """The audit's M2: 70 silent connections locked the data port for the next real sender.  One
+    address may hold only its share of the greeting connections: past it, that address alone is
+    refused, and a stream from another host goes through."""
+    port = ports(greeting_s=30.0, idle_timeout_s=30.0, per_source_greeting=3, per_source=5,
+                 **_fake_slots(tmp_path / "rx"))
+    [clients(port.port, "127.0.0.2") for _ in range(3)]
+    until(lambda: port.connections == (3, 3), 5, "three connections greeting")
+    took, said = _closed_by_peer(clients(port.port, "127.0.0.2"), 5)
+    assert took < 1.0 and b"data_port_busy" in said and b"from 127.0.0.2" in said
+    got = _send(_images(tmp_path / "src", 1 << 20), port.port, "img-a")
+    assert got["bytes"] > 0, "another host's stream goes through"
+    for i in range(2):  # greeted connections count toward the address's whole share
+        assert _greet(clients(port.port, "127.0.0.3"), f"img-{i}")["ok"]
+    [clients(port.port, "127.0.0.3") for _ in range(3)]
+    until(lambda: port.connections == (8, 6), 5, "five from 127.0.0.3")
+    took, said = _closed_by_peer(clients(port.port, "127.0.0.3"), 5)
+    assert took < 1.0 and b"5 connections open from 127.0.0.3" in said
 
 
 # -- finding 7: peers holding the token ------------------------------------------------------------

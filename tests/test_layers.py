@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("transfer", {"transfer"}),
     ("proc", {"proc"}),
     ("ground", {"errors", "logs", "safepath", "nsinit", "endpoints", "httpapi", "faults", "tls", "nativelib",
-                "stopping", "sdnotify", "priority", "undo", "__init__"}),
+                "stopping", "sdnotify", "priority", "undo", "fdlimit", "__init__"}),
 ]
 GROUND = "ground"
 

@@ -201,3 +201,118 @@ def test_h2_a_job_belongs_to_the_user_of_its_ranks(cluster, tmp_path):
             intruder.wait(10)
         for sock in socks.values():
             shutil.rmtree(sock.parent, ignore_errors=True)
+
+
+class _Flood:
+    """Idle TCP connections to a port, renewed every `renew_s` (inside the header deadline), from
+    `sources` (loopback addresses), `per_source` each: the audit's H3 flood."""
+
+    def __init__(self, host: str, port: int, sources: list[str], per_source: int, renew_s: float = 8.0) -> None:
+        import threading
+
+        self.addr, self.sources, self.per_source, self.renew_s = (host, port), sources, per_source, renew_s
+        self.held: list = []
+        self.opened = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self) -> None:
+        import socket
+
+        for s in self.held:
+            s.close()
+        self.held = []
+        for src in self.sources:
+            for _ in range(self.per_source):
+                s = socket.socket()
+                s.setblocking(False)
+                s.bind((src, 0))
+                try:
+                    s.connect(self.addr)
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    s.close()
+                    continue
+                self.held.append(s)
+        self.opened += len(self.held)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self._open()
+            self.stop.wait(self.renew_s)
+        for s in self.held:
+            s.close()
+
+    def __enter__(self) -> "_Flood":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+@pytest.mark.timeout(400)
+def test_h3_a_flood_of_idle_connections_forces_no_recovery(cluster, tmp_path, monkeypatch):
+    """H3: 4,300 silent connections, renewed every 8 s, made the agents' full reports fail (503);
+    the agents stopped beating over UDP, isolated their snapshot jobs after 6 s, and the coordinator
+    declared them failed and recovered a healthy job.  Now one address gets its share of the
+    connections only, a beat by datagram is contact whatever the report's fate, and an agent whose
+    beats are answered never isolates its ranks: from one address or from 43, no recovery is
+    forced and the job never stops."""
+    import resource
+    import time
+
+    from pitstop.wire.coordinator_client import CoordinatorClient
+
+    monkeypatch.setenv("PITSTOP_COORDINATOR_FAILURE_DEADLINE_S", "6")  # as the recovery tests: quicker to fail
+    monkeypatch.setenv("PITSTOP_AGENT_SELF_FENCE_S", "3")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 20000), hard))
+    try:
+        cc = _cluster(cluster, spares=1)
+        log, out = tmp_path / "job.log", tmp_path / "result"
+        steps = 1400
+        ranks = cluster.start_job("app", [sys.executable, str(WORKLOADS / "appender.py"), "--log", str(log), "--out",
+                                          str(out), "--steps", str(steps), "--step-sleep", "0.03"], 1, {0: "host-b"},
+                                  addresses={0: cluster.worker_address(0)}, run_args=["--snapshot-every", "5"])
+        _wait_jobs(cc, "app", 1)
+        until(lambda: [s for s in cc.snapshots("app")["snapshots"] if s["state"] == "committed"], timeout=90,
+              what="a committed snapshot")
+        url = httpx_url(cluster.coordinator_url)
+        side = []
+        for n, (sources, per_source) in enumerate(((["127.0.0.2"], 4300),
+                                                   ([f"127.0.0.{i}" for i in range(2, 45)], 100))):
+            with _Flood(url[0], url[1], sources, per_source) as flood:
+                time.sleep(2)
+                # a rank starts on the host meanwhile: what it reports changed, and only a full report says so
+                side += cluster.start_job(f"side{n}", [sys.executable, str(WORKLOADS / "sleeper.py"), "30"], 1,
+                                          {0: "host-b"})
+                time.sleep(14)  # past the failure deadline (6 s) and the self-fence (3 s) twice over
+            assert flood.opened >= 4300, flood.opened
+            ops = [o for o in CoordinatorClient(cluster.coordinator_url, cluster.operator_token).ops()
+                   if o["metadata"].get("job") == "app"]
+            assert ops == [], f"a recovery was forced by a flood from {len(sources)} address(es): {ops}"
+            w = {x["id"]: x for x in cluster.agents["host-b"].client().workers()}["app.0"]
+            assert w["state"] == "running" and "isolated" not in (w.get("reason") or ""), w
+        assert ranks[0].proc.wait(120) == 0
+        for r in side:
+            r.proc.terminate()
+            r.proc.wait(30)
+        total = 0
+        for step in range(1, steps + 1):
+            total = (total * 31 + step) % 1_000_003
+        assert out.read_text().strip() == str(total)
+        agent_log = (cluster.root / "host-b" / "agent.log")
+        said = agent_log.read_text() if agent_log.exists() else ""
+        assert "isolated" not in said, "host-b never isolated its ranks"
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def httpx_url(u: str) -> tuple[str, int]:
+    import httpx
+
+    p = httpx.URL(u)
+    return p.host, int(p.port or 80)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import hmac
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -146,19 +148,40 @@ async def _refuse(send: Any, status: int, code: str, message: str, action: str) 
     await send({"type": "http.response.body", "body": body})
 
 
-def with_header_deadline(base: type, seconds: float = HEADER_TIMEOUT_S) -> type:
+_TOO_MANY = json.dumps({"error": {
+    "code": "too_many_connections", "message": "this address holds as many connections to the service as one address "
+    "may", "action": "close idle connections (a client needs a few), or raise the service's per-source limit",
+    "details": {}}}).encode()
+
+
+def with_header_deadline(base: type, seconds: float = HEADER_TIMEOUT_S, per_source: int | None = None) -> type:
     """uvicorn's HTTP protocol class, closing a connection whose request line and headers have not
-    all arrived `seconds` after its first byte (or after the connection opened).
+    all arrived `seconds` after its first byte (or after the connection opened), and, with
+    `per_source`, answering 503 and closing a connection from an address that already holds that
+    many (TCP only; a Unix socket's peers are checked by their credentials).
 
     Why: uvicorn times out idle keep-alive connections but not a request that trickles in, so
     clients sending a header byte every few seconds could hold connections and their memory
-    without ever showing a token (40 such connections were all still open after 75 s)."""
+    without ever showing a token (40 such connections were all still open after 75 s).  And its
+    concurrency limit is one for all: 4,300 idle connections from one address, renewed inside the
+    header deadline, took every slot from the agents' reports, and the coordinator then took the
+    silent hosts for dead and recovered a healthy job.  One address gets its share only."""
 
     class HeaderDeadline(base):  # type: ignore[misc, valid-type]
         _deadline: Any = None
+        _source: str | None = None
+        by_source: collections.Counter[str] = collections.Counter()  # open connections per address, this server's
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            peer = transport.get_extra_info("peername")
+            if per_source is not None and isinstance(peer, tuple) and peer:
+                src = str(peer[0])
+                if self.by_source[src] >= per_source:
+                    _refuse_connection(transport, src, self.by_source[src])
+                    return
+                self._source = src
+                self.by_source[src] += 1
             self._arm()
 
         def on_message_begin(self) -> None:
@@ -171,6 +194,11 @@ def with_header_deadline(base: type, seconds: float = HEADER_TIMEOUT_S) -> type:
 
         def connection_lost(self, exc: Any) -> None:
             self._disarm()
+            if self._source is not None:
+                self.by_source[self._source] -= 1
+                if self.by_source[self._source] <= 0:
+                    del self.by_source[self._source]
+                self._source = None
             super().connection_lost(exc)
 
         def _arm(self) -> None:
@@ -190,3 +218,19 @@ def with_header_deadline(base: type, seconds: float = HEADER_TIMEOUT_S) -> type:
                 self.transport.close()
 
     return HeaderDeadline
+
+
+_refusals: dict[str, float] = {}
+
+
+def _refuse_connection(transport: Any, src: str, held: int) -> None:
+    """503 and close, before a byte of the request is read; logged at most once a minute per address."""
+    transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                    b"content-length: " + str(len(_TOO_MANY)).encode() + b"\r\n\r\n" + _TOO_MANY)
+    transport.close()
+    now = time.monotonic()
+    if now - _refusals.get(src, -1e9) >= 60.0:
+        _refusals[src] = now
+        if len(_refusals) > 4096:
+            _refusals.clear()
+        log.warning("refused a connection: its address holds its share already", peer=src, held=held)

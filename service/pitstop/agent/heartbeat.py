@@ -104,6 +104,7 @@ class UdpBeats:
         self.seq = 0
         self._transport: asyncio.DatagramTransport | None = None
         self._waiting: tuple[int, asyncio.Future] | None = None
+        self._one = asyncio.Lock()  # the report loop and the keepalive take turns: one beat outstanding
 
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
@@ -116,6 +117,10 @@ class UdpBeats:
 
     async def beat(self, name: str, generation: str, timeout_s: float) -> int | None:
         """ACK_OK, ACK_RESYNC, or None when no answer came in time."""
+        async with self._one:
+            return await self._beat(name, generation, timeout_s)
+
+    async def _beat(self, name: str, generation: str, timeout_s: float) -> int | None:
         if self._transport is None:
             await self.open()
         self.seq = max(self.seq + 1, time.time_ns() // 1000)  # grows across agent restarts too
@@ -158,25 +163,76 @@ UDP_MISSES_BEFORE_HTTP = 3
 UDP_RETRY_AFTER_S = 60.0
 
 
+class Link:
+    """What the report loop and the keepalive share: the datagram channel, and whether reports are
+    getting through."""
+
+    def __init__(self) -> None:
+        self.udp: UdpBeats | None = None
+        self.failing = False
+        self.generation = ""
+
+
+async def keep_alive(agent: Agent, link: Link, base: str) -> None:
+    """While full reports fail (a coordinator flooded with connections, overloaded, or restarting),
+    a datagram beat every period still says that this host lives, and its answer (a request for
+    the report is one) is contact: the coordinator never takes a host that beats for dead, and the
+    host never isolates its jobs' ranks while its beats are answered.  Before the coordinator ever
+    named its datagram port, the HTTP port is tried (the coordinator takes datagrams there)."""
+    assumed: UdpBeats | None = None
+    try:
+        while True:
+            await asyncio.sleep(agent.s.heartbeat_s)
+            if not link.failing:
+                continue
+            udp = link.udp
+            if udp is None:
+                url = httpx.URL(base)
+                if assumed is None and url.port:
+                    assumed = UdpBeats(url.host, url.port, agent.s.cluster_token)
+                udp = assumed
+            if udp is None:
+                continue
+            try:
+                status = await udp.beat(agent.s.name, link.generation or "unreported", min(1.0, agent.s.heartbeat_s))
+            except OSError:
+                continue
+            if status is not None:
+                agent.coordinator_seen = time.monotonic()
+    finally:
+        if assumed is not None:
+            assumed.close()
+
+
 async def heartbeat_loop(agent: Agent) -> None:
     assert agent.s.coordinator, "started only where a coordinator is configured (server.py)"
     base = agent.s.coordinator.rstrip("/")
+    link = Link()
+    alive = asyncio.create_task(keep_alive(agent, link, base))
+    try:
+        await _report_loop(agent, base, link)
+    finally:
+        alive.cancel()
+
+
+async def _report_loop(agent: Agent, base: str, link: Link) -> None:
     headers = bearer(agent.s.cluster_token)
-    failing = False
     rep = Reporter(agent.s.full_report_s)
-    udp: UdpBeats | None = None
     misses, udp_off_until = 0, 0.0
     async with httpx.AsyncClient(timeout=5.0, verify=tls.client_context()) as c:
         while True:
             url, path, udp_missed = base, BEAT, False
+            udp = link.udp
             try:
                 path, body = rep.next(payload(agent))
+                link.generation = body["generation"]
                 if path == BEAT and "gpu_health" not in body and udp is not None \
                         and time.monotonic() >= udp_off_until:
                     status = await udp.beat(body["name"], body["generation"], min(1.0, agent.s.heartbeat_s))
-                    if status == ACK_OK:
-                        misses, failing = 0, False
+                    if status is not None:  # answered: contact, even where the report must be sent again
                         agent.coordinator_seen = time.monotonic()
+                    if status == ACK_OK:
+                        misses, link.failing = 0, False
                         await asyncio.sleep(agent.s.heartbeat_s)
                         continue
                     if status == ACK_RESYNC:
@@ -197,7 +253,7 @@ async def heartbeat_loop(agent: Agent) -> None:
                     raise httpx.HTTPStatusError(r.text[:200], request=r.request, response=r)
                 agent.coordinator_seen = time.monotonic()
                 if path == FULL:
-                    udp = await _udp_for(udp, r, base, agent.s.cluster_token)
+                    udp = link.udp = await _udp_for(udp, r, base, agent.s.cluster_token)
                     if agent.snapshots.isolated:  # back in touch: fenced ranks end, the others run on
                         await asyncio.to_thread(agent.snapshots.rejoin, _fences(r))
                 if udp_missed and udp is not None:  # HTTP got through where UDP did not: a firewall?
@@ -206,15 +262,16 @@ async def heartbeat_loop(agent: Agent) -> None:
                         udp_off_until, misses = time.monotonic() + UDP_RETRY_AFTER_S, 0
                         log.warning("UDP beats not answered while HTTP works; beating over HTTP for a while",
                                     coordinator=udp.addr, retry_after_s=UDP_RETRY_AFTER_S)
-                if failing:
+                if link.failing:
                     log.info("coordinator reachable again", url=url)
-                failing = False
+                link.failing = False
             except (httpx.HTTPError, OSError) as e:
                 if path == FULL:
                     rep.failed()
-                if not failing:
-                    log.warning("heartbeat failed; will keep trying", url=url, error=repr(e)[:200])
-                failing = True
+                if not link.failing:
+                    log.warning("heartbeat failed; will keep trying (beats by datagram meanwhile)", url=url,
+                                error=repr(e)[:200])
+                link.failing = True
             if agent.s.self_fence_s and time.monotonic() - agent.coordinator_seen > agent.s.self_fence_s:
                 if await asyncio.to_thread(agent.snapshots.isolate, agent.s.self_fence_s):
                     rep.failed()  # the next report is a full one: its answer says which jobs were fenced

@@ -12,7 +12,7 @@ import uvicorn
 import uvloop
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from pitstop import priority, tls
+from pitstop import fdlimit, priority, tls
 from pitstop.agent import imagefs, reclaim
 from pitstop.agent.agent import Agent
 from pitstop.agent.api import local_app, peer_app
@@ -142,8 +142,10 @@ def serve(s: AgentSettings) -> None:
     tcp_sock, data_sock = socks
     peers = RequestGuard(peer_app(agent), tokens=lambda: (s.cluster_token,), large=_image_upload)
     tcp = uvicorn.Server(uvicorn.Config(peers, host=host, port=port, log_level="warning",
-                                        http=with_header_deadline(tls.http_protocol(), s.header_timeout_s), lifespan="off",
-                                        timeout_keep_alive=30, limit_concurrency=PEER_CONCURRENCY,
+                                        http=with_header_deadline(tls.http_protocol(), s.header_timeout_s,
+                                                                  s.max_connections_per_source), lifespan="off",
+                                        timeout_keep_alive=30,
+                                        limit_concurrency=fdlimit.concurrency(PEER_CONCURRENCY, "the agent"),
                                         timeout_graceful_shutdown=int(STOP_S // 2), **tls.server_kwargs()))
     uds = uvicorn.Server(uvicorn.Config(RequestGuard(local_app(agent), tokens=lambda: ()), uds=str(s.sock),
                                         log_level="warning", limit_concurrency=LOCAL_CONCURRENCY,

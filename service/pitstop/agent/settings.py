@@ -67,6 +67,9 @@ class AgentSettings(BaseSettings):
     heartbeat_s: float = 1.0
     # A connection's request line and headers must all arrive this long after its first byte (httpapi.py)
     header_timeout_s: float = Field(default=10.0, gt=0)
+    # Connections one address may hold at once on the peer API (httpapi.py): the coordinator and
+    # another agent use a few each; a flood from one address takes no more than this from the others
+    max_connections_per_source: int = Field(default=64, ge=1)
     # A host that cannot reach its coordinator this long isolates the ranks of jobs with snapshots
     # (SIGSTOP and their network locked): their job may be recovered elsewhere meanwhile.  They run
     # on once the coordinator answers and has not fenced them (agent/snapshots.py).  0: never.

@@ -11,7 +11,7 @@ import structlog
 import uvicorn
 import uvloop
 
-from pitstop import priority, tls
+from pitstop import fdlimit, priority, tls
 from pitstop.coordinator.api import build
 from pitstop.coordinator.driver import Driver
 from pitstop.coordinator.settings import CoordinatorSettings
@@ -105,8 +105,10 @@ def serve(s: CoordinatorSettings) -> None:
     touched += coord.recoveries.reconcile()
     guarded = RequestGuard(app, tokens=lambda: (s.operator_token, s.read_token, s.cluster_token))
     server = uvicorn.Server(uvicorn.Config(guarded, host=host, port=port, log_level="warning", lifespan="off",
-                                           http=with_header_deadline(tls.http_protocol(), s.header_timeout_s),
-                                           limit_concurrency=CONCURRENCY, timeout_graceful_shutdown=int(STOP_S // 2),
+                                           http=with_header_deadline(tls.http_protocol(), s.header_timeout_s,
+                                                                     s.max_connections_per_source),
+                                           limit_concurrency=fdlimit.concurrency(CONCURRENCY, "the coordinator"),
+                                           timeout_graceful_shutdown=int(STOP_S // 2),
                                            **tls.server_kwargs()))
 
     async def main() -> None:

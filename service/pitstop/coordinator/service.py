@@ -148,7 +148,8 @@ class Coordinator:
             retry_s=settings.health_retry_s)
 
     def beat_seen(self, name: str, generation: str) -> bool:
-        """A beat noted in memory; a node that reports again is asked to finish earlier moves' cleanup."""
+        """A beat noted in memory (contact, whatever its generation); a node that reports again is
+        asked to finish earlier moves' cleanup.  False: ask it for a full report."""
         if not self.store.beat(name, generation):
             return False
         self.driver.node_seen(name)

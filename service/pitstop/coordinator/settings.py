@@ -24,6 +24,9 @@ class CoordinatorSettings(BaseSettings):
     operator_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_TOKEN"))
     # A connection's request line and headers must all arrive this long after its first byte (httpapi.py)
     header_timeout_s: float = Field(default=10.0, gt=0)
+    # Connections one address may hold at once (httpapi.py): an agent uses one or two, the CLI and
+    # a scheduler's watcher a few; a flood from one address takes no more than this from the others
+    max_connections_per_source: int = Field(default=128, ge=1)
     # Finished operations are forgotten this long after they ended (their record, their idempotency key)
     ops_retention_days: float = Field(default=30.0, gt=0)
     read_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_READ_TOKEN"))  # reads only

@@ -237,13 +237,16 @@ class Store:
         return None
 
     def beat(self, name: str, generation: str) -> bool:
-        """A beat from an agent whose last full report we hold; False: ask it for a full report."""
-        if self.generation.get(name) != generation:
-            return False
-        with self._live:
-            self.seen[name] = time.time()
-            self._dirty.add(name)
-        return True
+        """A beat from an agent; False: ask it for a full report (its generation is not the last
+        one held).  Either way a beat from a known host is contact: its host is alive, whether or
+        not its report got through (a flood or an overloaded coordinator may hold the report back;
+        the host must not be taken for dead meanwhile, nor its jobs recovered)."""
+        current = self.generation.get(name) == generation
+        if current or name in self.generation:
+            with self._live:
+                self.seen[name] = time.time()
+                self._dirty.add(name)
+        return current
 
     def set_health(self, name: str, gpu_health: list, verdict: dict) -> None:
         with self._live:

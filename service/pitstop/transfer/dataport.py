@@ -16,7 +16,9 @@ Every wait has a deadline (connect, hello, each receive, the final answer), and 
 resources are bounded against peers that never say who they are: the whole greeting (TLS
 handshake and hello line) must be over `greeting_s` after the accept, at most `max_greeting`
 connections may be greeting at once and `max_connections` be open in all (one more is answered
-"busy" and closed at once), and an error of accept() itself (out of file descriptors, say) is
+"busy" and closed at once), and one source address may hold at most `per_source_greeting` of
+the greeting connections and `per_source` of all (so that one host's silent connections never
+lock the port for another's real stream), and an error of accept() itself (out of file descriptors, say) is
 logged and waited out, never the end of the port.  A reception must be complete by its slot's
 deadline (the destination's dump_timeout_s + transfer_timeout_s), however steadily its bytes
 trickle in.
@@ -29,6 +31,7 @@ spoken by the destination's `criu lazy-pages` daemon, to which the destination h
 
 from __future__ import annotations
 
+import collections
 import errno
 import hmac
 import json
@@ -56,6 +59,8 @@ MAX_LINE = 64 << 10
 GREETING_S = 10.0      # from accept to a complete, authenticated hello (pitstop's agents: milliseconds)
 MAX_GREETING = 64      # connections still greeting; each costs a thread until its greeting ends
 MAX_CONNECTIONS = 256  # all connections: receptions (capped by the agent), lazy-page servers, greetings
+PER_SOURCE_GREETING = 16  # of MAX_GREETING, from one address: a host sends a stream per rank it moves here (8 GPUs)
+PER_SOURCE = 64           # of MAX_CONNECTIONS, from one address: its streams, and the pages its copies serve
 ANSWER_S = 5.0         # for the last line to a peer (into an all but empty send buffer)
 BACKOFF_S = (0.01, 1.0)  # between failed accept() calls: first, most
 LOG_EVERY_S = 10.0     # a recurring refusal or accept error is logged at most this often
@@ -115,6 +120,11 @@ class _Conn:
     greeted: bool = False
     answerable: bool = True  # a line can be sent (not: a TLS handshake that did not complete)
 
+    @property
+    def source(self) -> str:
+        """The peer's address, without its port: what the per-source limits count."""
+        return str(self.addr[0]) if isinstance(self.addr, tuple) and self.addr else str(self.addr)
+
     def shut(self) -> None:
         """Break any wait on it, from another thread (the base class's shutdown: also for TLS)."""
         try:
@@ -131,12 +141,14 @@ class DataPort:
                  on_error: Callable[[Any, OSError], PitstopError], idle_timeout_s: float = 60.0,
                  pages_for: Callable[[str], Callable[[socket.socket], None]] | None = None,
                  sock: socket.socket | None = None, greeting_s: float = GREETING_S,
-                 max_greeting: int = MAX_GREETING, max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_greeting: int = MAX_GREETING, max_connections: int = MAX_CONNECTIONS,
+                 per_source_greeting: int = PER_SOURCE_GREETING, per_source: int = PER_SOURCE) -> None:
         self._token = token.encode() if token else None
         self._pages_for = pages_for  # image id -> who serves its lazy pages (raises if nobody)
         self._open_slot, self._fail_slot, self._finished, self._on_error = open_slot, fail_slot, finished, on_error
         self.idle_timeout_s = idle_timeout_s
         self.greeting_s, self.max_greeting, self.max_connections = greeting_s, max_greeting, max_connections
+        self.per_source_greeting, self.per_source = per_source_greeting, per_source
         # `sock`: already listening (agent/server.py binds before anything else, to fail early)
         self.sock = sock or socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                                  backlog=64, reuse_port=False)
@@ -147,6 +159,8 @@ class DataPort:
         self._lock = threading.Lock()
         self._conns: set[_Conn] = set()
         self._greeting = 0  # of _conns, those not greeted yet
+        self._from: collections.Counter[str] = collections.Counter()           # source address -> open
+        self._greeting_from: collections.Counter[str] = collections.Counter()  # source address -> greeting
         self._refusals, self._accept_errors = _Every(), _Every()
         # Receive buffers are reused: a fresh 4 MiB buffer per stream, freed on another thread
         # each time, made glibc's per-thread arenas grow by 10-15 MiB over a 50-move soak.
@@ -219,10 +233,12 @@ class DataPort:
         """A thread for the connection, or a prompt refusal where the port is full."""
         c = _Conn(conn, addr, time.monotonic() + self.greeting_s)
         with self._lock:  # close() ends what it finds in _conns: none may join after it
-            full = "the agent is stopping" if self._stop.is_set() else self._full()
+            full = "the agent is stopping" if self._stop.is_set() else self._full(c.source)
             if not full:
                 self._conns.add(c)
                 self._greeting += 1
+                self._from[c.source] += 1
+                self._greeting_from[c.source] += 1
         if full:
             self._refuse(c, full)
             return
@@ -232,8 +248,13 @@ class DataPort:
             self._release(c)
             self._refuse(c, f"no thread for it ({e})")
 
-    def _full(self) -> str:
-        """Why one more connection is refused now ("": it is not).  Under self._lock."""
+    def _full(self, source: str) -> str:
+        """Why one more connection from `source` is refused now ("": it is not).  Under self._lock."""
+        if self._from[source] >= self.per_source:
+            return f"{self._from[source]} connections open from {source}, the limit for one address"
+        if self._greeting_from[source] >= self.per_source_greeting:
+            return (f"{self._greeting_from[source]} connections from {source} have not said who they are yet, the "
+                    "limit for one address")
         if len(self._conns) >= self.max_connections:
             return f"{len(self._conns)} connections open, its limit"
         if self._greeting >= self.max_greeting:
@@ -259,8 +280,18 @@ class DataPort:
         with self._lock:
             if c in self._conns:
                 self._conns.discard(c)
+                self._from[c.source] -= 1
+                if not self._from[c.source]:
+                    del self._from[c.source]
                 if not c.greeted:
-                    self._greeting -= 1
+                    self._ungreet(c)
+
+    def _ungreet(self, c: _Conn) -> None:
+        """`c` no longer counts as greeting.  Under self._lock."""
+        self._greeting -= 1
+        self._greeting_from[c.source] -= 1
+        if not self._greeting_from[c.source]:
+            del self._greeting_from[c.source]
 
     def _take_buffer(self) -> bytearray:
         with self._buffers_lock:
@@ -329,7 +360,7 @@ class DataPort:
                                http_status=401, action="send the value of PITSTOP_CLUSTER_TOKEN")
         with self._lock:
             c.greeted = True
-            self._greeting -= 1
+            self._ungreet(c)
         c.sock.settimeout(self.idle_timeout_s)
         return hello
 
