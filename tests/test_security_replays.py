@@ -316,3 +316,30 @@ def httpx_url(u: str) -> tuple[str, int]:
 
     p = httpx.URL(u)
     return p.host, int(p.port or 80)
+
+
+def test_m1_a_workers_output_is_its_owners_and_the_operators(cluster, group_socket):
+    """M1: another user read a root worker's state and output over the local socket, and the
+    read-only token read it through the coordinator (a line held WANDB_API_KEY=...).  Now output
+    and state on the local socket are the worker's owner's; through the coordinator, output is a
+    read for the operator token only."""
+    import httpx
+
+    cluster.start_coordinator(env={"PITSTOP_READ_TOKEN": "reader-token"})
+    cluster.start_agent("host-a", env={"PITSTOP_AGENT_LOCAL_GROUP": "nogroup",
+                                       "PITSTOP_AGENT_SOCKET_PATH": str(group_socket)})
+    until(lambda: group_socket.exists() and group_socket.stat().st_gid == 65534, timeout=10, what="the socket")
+    secret = [sys.executable, "-c", "import time; print('WANDB_API_KEY=abc123', flush=True); time.sleep(60)"]
+    ranks = cluster.start_job("tenant", secret, 1, {0: "host-a"})
+    cluster.wait_registered("host-a", "tenant.0")
+    for path in ("/v1/workers/tenant.0/output", "/v1/workers/tenant.0"):
+        status, body = _on_socket_as_nobody(group_socket, "GET", path)
+        assert status == 403 and body["error"]["code"] == "not_your_worker", (path, body)
+    url = f"{cluster.coordinator_url}/v1/workers/tenant.0/output"
+    r = httpx.get(url, headers={"Authorization": "Bearer reader-token"}, timeout=10)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "read_only_token", r.text
+    r = httpx.get(url, headers={"Authorization": f"Bearer {cluster.operator_token}"}, timeout=10)
+    assert r.status_code == 200 and r.headers["X-Pitstop-State"] == "running", r.text
+    for r_ in ranks:
+        r_.proc.terminate()
+        r_.proc.wait(30)

@@ -28,11 +28,7 @@ CLAIM_TIMEOUT_S = 3.0  # the coordinator, asked at registration whether another 
 
 def own(request: Request, what: str, owner: int | None) -> int:
     """The caller's uid, refused unless it is `owner`'s (root and the agent's user act for all)."""
-    uid = caller_uid(request.scope)
-    if not privileged(uid) and owner is not None and owner != uid:
-        raise Forbidden(f"uid {uid} may not act on {what}: it belongs to uid {owner}", code="not_your_worker",
-                        action="act only on your own workers, or ask root")
-    return uid
+    return peercred.own(request.scope, what, owner)
 
 
 router = APIRouter(prefix="/v1")

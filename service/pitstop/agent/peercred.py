@@ -122,3 +122,21 @@ def checked(base: type[asyncio.Protocol], group: str | None) -> type[asyncio.Pro
             self.transport.close()
 
     return PeerChecked
+
+
+def own(scope: MutableMapping[str, Any], what: str, owner: int | None) -> int:
+    """The caller's uid, refused (403 not_your_worker) unless it is `owner`'s: root and the agent's
+    user act for all."""
+    from pitstop.errors import Forbidden
+
+    uid = caller_uid(scope)
+    if not privileged(uid) and owner is not None and owner != uid:
+        raise Forbidden(f"uid {uid} may not act on {what}: it belongs to uid {owner}", code="not_your_worker",
+                        action="act only on your own workers, or ask root")
+    return uid
+
+
+def local(scope: MutableMapping[str, Any]) -> bool:
+    """Whether the request came in on the local socket (its peer's credentials are known)."""
+    return scope.get(PEER) is not None
+

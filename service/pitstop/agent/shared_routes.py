@@ -8,9 +8,10 @@ as they are.  agent/api.py mounts this router on both.
 from __future__ import annotations
 
 import httpx
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from pitstop import tls
+from pitstop.agent import peercred
 from pitstop.agent.agent import AgentDep
 from pitstop.agent.state import Worker
 from pitstop.errors import FailedPrecondition
@@ -26,17 +27,25 @@ def info(agent: AgentDep) -> dict:
     return agent.info()
 
 
+def _theirs(request: Request, w: Worker) -> Worker:
+    """On the local socket, a worker is its owner's to read (its output may carry its secrets);
+    on the peer door the cluster token has admitted an agent or the coordinator."""
+    if peercred.local(request.scope):
+        peercred.own(request.scope, f"worker {w.id}", w.owner_uid if w.owner_uid is not None else 0)
+    return w
+
+
 @router.get("/workers/{wid}")
-def worker(agent: AgentDep, wid: str) -> Worker:
-    return agent.refresh(agent.state.worker(wid))
+def worker(agent: AgentDep, wid: str, request: Request) -> Worker:
+    return agent.refresh(_theirs(request, agent.state.worker(wid)))
 
 
 @router.get("/workers/{wid}/output")
-async def output(agent: AgentDep, wid: str, stream: str = "stdout", offset: int = 0) -> Response:
+async def output(agent: AgentDep, wid: str, request: Request, stream: str = "stdout", offset: int = 0) -> Response:
     """Output of a worker from `offset`; follows the worker to wherever it moved."""
     if stream not in ("stdout", "stderr"):
         raise FailedPrecondition(f"unknown stream {stream!r}", action="use stdout or stderr")
-    w = agent.refresh(agent.state.worker(wid))
+    w = agent.refresh(_theirs(request, agent.state.worker(wid)))
     agent.state.read(wid)
     if w.state == "moved" and w.moved_to:
         headers = bearer(agent.s.cluster_token)

@@ -35,7 +35,7 @@ from pitstop.coordinator.fanout import each_while_heard, in_parallel, while_hear
 from pitstop.coordinator.planner import healthy
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.snapshots import Snapshots, job_cut
-from pitstop.coordinator.store import Store
+from pitstop.coordinator.store import Store, StoreUnavailable
 from pitstop.errors import Conflict, FailedPrecondition, NotFound, PitstopError
 from pitstop.wire.agent_client import AgentClient
 
@@ -48,6 +48,7 @@ CRASH_RECOVERIES_PER_HOUR = 3  # a job whose ranks keep failing so is then left 
 CRASH_BY = "the coordinator (ranks failed"
 REPORTED_SINCE_S = 1.5  # agents report every second: a host not heard this long after a crash may be dying too
 SPARE_TRIES = 2
+TAKEOVER_BACKOFF_MAX_S = 300.0  # a recovery whose thread keeps ending is run again at most this rarely
 
 
 def is_recovery(op: dict[str, Any]) -> bool:
@@ -81,6 +82,10 @@ class Recoveries:
                  busy: Any) -> None:
         self.store, self.s, self.snaps, self.busy = store, settings, snapshots, busy
         self._local = threading.local()
+        self._threads_lock = threading.Lock()
+        self.threads: dict[str, threading.Thread] = {}  # recovery -> the thread of this process driving it
+        self.takeovers: dict[str, tuple[int, float]] = {}  # recovery -> (times taken over, not again before)
+        self.unwritten: dict[str, dict[str, Any]] = {}  # recovery -> its last record, refused by the database
 
     # -- detection ----------------------------------------------------------------------------
     def failed_hosts(self, job: str) -> list[str]:
@@ -230,7 +235,59 @@ class Recoveries:
         return op_id
 
     def start_thread(self, op_id: str) -> None:
-        threading.Thread(target=self._run, args=(op_id,), daemon=True, name=f"op-{op_id}").start()
+        t = threading.Thread(target=self._run, args=(op_id,), daemon=True, name=f"op-{op_id}")
+        with self._threads_lock:
+            self.threads[op_id] = t
+        t.start()
+
+    def _final(self, op_id: str, **fields: Any) -> None:
+        """The operation's last record: kept in memory where the database refuses it, and written by
+        the watchdog once it takes writes (the recovery is over on the agents: never run again)."""
+        try:
+            self.store.update_op(op_id, **fields)
+        except StoreUnavailable:
+            with self._threads_lock:
+                self.unwritten[op_id] = fields
+            log.error("a recovery ended but its record could not be written; the watchdog writes it once the "
+                      "database takes writes", op=op_id, result=fields.get("result"))
+
+    def watch(self) -> list[str]:
+        """The watchdog's look at recoveries (server.py, every watchdog_s): a recovery the database
+        says runs and no live thread of this process drives (its thread ended on a write the
+        database refused, after it may have stopped the survivors) is run again from its start, as
+        a restarted coordinator does (a recovery is idempotent), backing off while it keeps
+        ending so.  Until the database takes writes again it cannot be read either: the job stays
+        stopped, never half restored.  The operations taken over."""
+        try:
+            running = [op["id"] for op in self.store.ops(running_only=True) if is_recovery(op)]
+        except StoreUnavailable:
+            return []
+        taken = []
+        now = time.monotonic()
+        with self._threads_lock:
+            for op_id in running:
+                t = self.threads.get(op_id)
+                if t is not None and t.is_alive():
+                    continue
+                if op_id in self.unwritten:  # over on the agents: only its record is missing
+                    try:
+                        self.store.update_op(op_id, **self.unwritten[op_id])
+                        self.unwritten.pop(op_id)
+                    except StoreUnavailable:
+                        pass
+                    continue
+                n, due = self.takeovers.get(op_id, (0, 0.0))
+                if now < due:
+                    continue
+                self.takeovers[op_id] = (n + 1, now + min(TAKEOVER_BACKOFF_MAX_S, self.s.watchdog_s * 2 ** (n + 1)))
+                taken.append(op_id)
+            for op_id in [o for o in self.takeovers if o not in running]:
+                self.takeovers.pop(op_id)
+        for op_id in taken:
+            log.error("watchdog: a recovery's thread ended without ending it; running it again from its start",
+                      op=op_id, takeover=self.takeovers[op_id][0])
+            self.start_thread(op_id)
+        return taken
 
     def reconcile(self) -> list[str]:
         """After a coordinator restart: a recovery that was running runs again from the start."""
@@ -251,16 +308,19 @@ class Recoveries:
             time.sleep(0.05)
         try:
             self._recover(op_id, md)
+        except StoreUnavailable:
+            log.error("a recovery could not record its progress; the watchdog runs it again once the database "
+                      "takes writes", op=op_id, job=job)
         except PitstopError as e:
             log.error("recovery failed", op=op_id, job=job, error=e.message)
             md["result"] = "failed"
-            self.store.update_op(op_id, metadata=md, done=True, result="failed", error=e.to_dict())
+            self._final(op_id, metadata=md, done=True, result="failed", error=e.to_dict())
             if isinstance(e, Unrecoverable):  # not tried again by itself: the job restarts from its checkpoint
                 self.snaps.drop_everywhere(job, "its recovery failed: " + e.message)
         except Exception as e:  # noqa: BLE001 - recorded, never left running
             log.exception("recovery crashed", op=op_id)
-            self.store.update_op(op_id, metadata=md, done=True, result="failed",
-                                 error={"code": "internal", "message": repr(e), "action": "see the coordinator's log"})
+            self._final(op_id, metadata=md, done=True, result="failed",
+                        error={"code": "internal", "message": repr(e), "action": "see the coordinator's log"})
         finally:
             for c in self._local.__dict__.pop("clients", {}).values():
                 c.close()
@@ -314,8 +374,8 @@ class Recoveries:
         md["phase"] = "done"
         md["result"] = "succeeded"
         self.store.set_role(spare, "active")
-        self.store.update_op(op_id, phase="done", metadata=md, done=True, result="succeeded",
-                             response={"job": plan.job, "destination": spare, "snapshot": plan.number})
+        self._final(op_id, phase="done", metadata=md, done=True, result="succeeded",
+                    response={"job": plan.job, "destination": spare, "snapshot": plan.number})
         log.info("job recovered", op=op_id, job=plan.job, lost=plan.lost, spare=spare, snapshot=plan.number,
                  pause_s=md["pause_s"], lost_s=md["lost_s"])
 

@@ -54,6 +54,14 @@ def operator(request: Request, c: CoordinatorDep) -> None:
     request.state.requested_by = ", ".join(who + ["the operator token (PITSTOP_TOKEN)"])
 
 
+def full_operator(request: Request, c: CoordinatorDep) -> None:
+    """A read that only the operator token may make: a job's output is the tenant's own data (its
+    lines may carry credentials), not cluster state for dashboards and monitoring."""
+    if c.settings.operator_token is not None and token_matches(request, c.settings.read_token):
+        raise Forbidden("the read-only token may not read a job's output", code="read_only_token",
+                        action="use the operator token (PITSTOP_TOKEN): output is the job owner's data")
+
+
 async def cluster(request: Request, c: CoordinatorDep) -> None:  # async: no thread hop on the hottest path (beats)
     tls.require_role(request.scope, ("agent",))
     require_token(request, c.settings.cluster_token, "cluster", "PITSTOP_CLUSTER_TOKEN")
@@ -201,7 +209,7 @@ def signal_job(c: CoordinatorDep, job: str, body: SignalJobRequest) -> dict:
     return c.signal_job(job, body.signal)
 
 
-@operators.get("/workers/{wid}/output")
+@operators.get("/workers/{wid}/output", dependencies=[Depends(full_operator)])
 def worker_output(c: CoordinatorDep, wid: str,
                   stream: str = Query("stdout", pattern="^(stdout|stderr)$"),
                   offset: int = Query(0, ge=0)) -> Response:

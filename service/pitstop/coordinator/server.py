@@ -13,7 +13,6 @@ import uvloop
 
 from pitstop import fdlimit, priority, tls
 from pitstop.coordinator.api import build
-from pitstop.coordinator.driver import Driver
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.snapshots import TICK_S
 from pitstop.coordinator.store import Store
@@ -52,16 +51,17 @@ async def prune_loop(store: Store, retention_s: float, every_s: float = 3600.0) 
         await asyncio.sleep(every_s)
 
 
-async def watch_loop(driver: Driver, every_s: float) -> None:
-    """The driver's watchdog (Driver.watch), off the event loop, until cancelled: an operation
-    whose thread died is driven out (rolled back, or committed), and its record written once
-    the database takes writes again."""
+async def watch_loop(watches: list[Callable[[], list[str]]], every_s: float) -> None:
+    """The watchdogs (Driver.watch, Recoveries.watch), off the event loop, until cancelled: an
+    operation whose thread died is driven out (an evacuation rolled back, or committed; a recovery
+    run again), and its record written once the database takes writes again."""
     while True:
         await asyncio.sleep(every_s)
-        try:
-            await asyncio.to_thread(driver.watch)
-        except Exception as e:  # noqa: BLE001 - the next tick looks again
-            log.warning("operation watchdog failed; will look again", error=repr(e)[:200])
+        for watch in watches:
+            try:
+                await asyncio.to_thread(watch)
+            except Exception as e:  # noqa: BLE001 - the next tick looks again
+                log.warning("operation watchdog failed; will look again", error=repr(e)[:200])
 
 
 async def tick_loop(name: str, tick: Callable[[], None], every_s: float) -> None:
@@ -120,7 +120,7 @@ def serve(s: CoordinatorSettings) -> None:
             udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(app.datagrams, sock=udp_sock)
         dog = asyncio.create_task(watchdog_loop())
         flusher = asyncio.create_task(flush_loop(driver.store, s.flush_s))
-        watcher = asyncio.create_task(watch_loop(driver, s.watchdog_s))
+        watcher = asyncio.create_task(watch_loop([driver.watch, coord.recoveries.watch], s.watchdog_s))
         pruner = asyncio.create_task(prune_loop(driver.store, s.ops_retention_days * 86400))
         duties = [asyncio.create_task(tick_loop("snapshot schedule", coord.snapshots.tick, TICK_S)),
                   asyncio.create_task(tick_loop("failure detection", coord.recoveries.tick, TICK_S))]
