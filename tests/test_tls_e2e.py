@@ -62,7 +62,16 @@ def test_evacuation_over_mutual_tls_and_strangers_refused(cluster, tmp_path, mon
     r = httpx.get(cluster.agents["spare-1"].url + "/v1/workers", headers=cluster_auth, timeout=5,
                   verify=ctx("operator"))  # an operator's certificate cannot act as an agent
     assert r.status_code == 403 and r.json()["error"]["code"] == "wrong_certificate_role"
-    assert "--role agent" in r.json()["error"]["action"]
+    assert "--role coordinator" in r.json()["error"]["action"]
+    # roles per route (the audit's L6): another agent's certificate reaches only what agents call on
+    # each other (images, a replica, a moved rank's signal and output), not the coordinator's routes
+    for method, path in (("POST", "/v1/jobs/train:fence"), ("POST", "/v1/jobs/train:stopWorkers"),
+                         ("POST", "/v1/snapshots/train/1:restore"), ("GET", "/v1/workers")):
+        r = httpx.request(method, cluster.agents["spare-1"].url + path, headers=cluster_auth, timeout=5,
+                          json={"job": "train", "epoch": 1, "ids": ["train.1"]}, verify=ctx("host-a"))
+        assert r.status_code == 403 and r.json()["error"]["code"] == "wrong_certificate_role", (path, r.text)
+    r = httpx.get(cluster.agents["spare-1"].url + "/v1/info", headers=cluster_auth, timeout=5, verify=ctx("host-a"))
+    assert r.status_code == 200, r.text
     r = httpx.get(cluster.coordinator_url + "/v1/hosts", headers=auth, timeout=5,
                   verify=ctx("host-a"))  # a GPU host's certificate cannot operate the cluster
     assert r.status_code == 403 and r.json()["error"]["code"] == "wrong_certificate_role"

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from pitstop import nativelib
+from pitstop import nativelib, safepath
 
 BINARY = "pitstop-init"
 PREFIX = "pitstop-init."
@@ -88,16 +88,36 @@ def is_init(pid: int) -> bool:
         return False
 
 
-def ensure(path: str | None) -> None:
-    """Make the init directory a restore needs (the images name it as the root task's cwd).
+def _parent(path: str) -> int:
+    """An O_PATH descriptor of the init directory's parent, made where missing, reached without
+    following links: the agent acts as root on a path a launcher chose (ValueError otherwise)."""
+    try:
+        return safepath.makedirs_nofollow(os.path.dirname(path), 0o755)
+    except safepath.LinkInPath as e:
+        raise ValueError(f"the init directory {path} is not safe to make: {e.message}") from None
 
-    Raises ValueError for a path no launcher would have made."""
+
+def ensure(path: str | None) -> None:
+    """Make the init directory a restore needs (the images name it as the root task's cwd),
+    following no link on the way.
+
+    Raises ValueError for a path no launcher would have made, or one that reaches a link."""
     if not path:
         return
     if not valid(path):
         raise ValueError(f"{path!r} is not a worker init directory (<dir>/{PREFIX}<job>.<rank>.<random>)")
-    Path(path).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    Path(path).mkdir(mode=0o700, exist_ok=True)
+    parent, name = _parent(path), os.path.basename(path)
+    try:
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent)
+        except FileExistsError:
+            pass
+        try:
+            os.close(os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent))
+        except OSError as e:
+            raise ValueError(f"the init directory {path} is not a directory (a link, or a file)") from e
+    finally:
+        os.close(parent)
 
 
 PIN = ".pitstop-restoring"
@@ -112,25 +132,43 @@ def pinned(path: str | None) -> Iterator[None]:
     if not path or not valid(path):
         yield
         return
-    pin = Path(path) / PIN
+    fd = -1
     try:
         ensure(path)  # made again if removed since the restore began
-        pin.touch(mode=0o600)
-    except OSError:
+        parent = _parent(path)
+        try:
+            fd = os.open(os.path.basename(path), os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=parent)
+        finally:
+            os.close(parent)
+        os.close(os.open(PIN, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd))
+    except (OSError, ValueError):
         pass
     try:
         yield
     finally:
-        pin.unlink(missing_ok=True)
+        if fd >= 0:
+            try:
+                os.unlink(PIN, dir_fd=fd)
+            except OSError:
+                pass
+            os.close(fd)
 
 
 def remove(path: str | Path | None) -> None:
-    """Remove the init directory of a worker that ended here (only while empty)."""
-    if path and valid(str(path)):
-        try:
-            os.rmdir(path)
-        except OSError:
-            pass
+    """Remove the init directory of a worker that ended here (only while empty; never through a link)."""
+    if not path or not valid(str(path)):
+        return
+    try:
+        parent = safepath.open_nofollow(os.path.dirname(str(path)), os.O_PATH | os.O_DIRECTORY)
+    except (OSError, safepath.LinkInPath):
+        return
+    try:
+        os.rmdir(os.path.basename(str(path)), dir_fd=parent)
+    except OSError:
+        pass
+    finally:
+        os.close(parent)
 
 
 def remove_unused(path: str | Path | None) -> None:

@@ -197,3 +197,45 @@ def reopen(fd: int, flags: int) -> int:
     """An O_PATH descriptor opened again for I/O (through /proc/self/fd, as the kernel allows for
     O_PATH): the same inode, whatever the path names by now."""
     return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
+
+
+def makedirs_nofollow(path: str, mode: int = 0o755) -> int:
+    """An O_PATH descriptor for the directory `path` (absolute, canonical), made where missing,
+    reached without following links (LinkInPath where one is in the way).  For directories root
+    makes on a launcher's say (a worker's init directory): never at the end of a user's link."""
+    if not path.startswith("/") or any(p in (".", "..") for p in path.split("/")):
+        raise LinkInPath(f"{path!r} is not a canonical absolute path", action="name directories by their real path")
+    fd = os.open("/", _DIR | os.O_PATH)
+    shown = ""
+    try:
+        for name in [p for p in path.split("/") if p]:
+            shown += "/" + name
+            try:
+                nfd = os.open(name, _DIR | os.O_PATH, dir_fd=fd)
+            except FileNotFoundError:
+                try:
+                    os.mkdir(name, mode, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                nfd = -1
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise LinkInPath(f"{shown} is {'a symbolic link' if _is_link(name, fd) else 'not a directory'}",
+                                     action=f"remove {shown} (pitstop did not make it) or choose another directory",
+                                     details={"path": path, "link": shown}) from None
+                raise
+            if nfd < 0:
+                try:
+                    nfd = os.open(name, _DIR | os.O_PATH, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise LinkInPath(f"{shown} is not a directory", action=f"remove {shown}",
+                                         details={"path": path, "link": shown}) from None
+                    raise
+            os.close(fd)
+            fd = nfd
+        out, fd = fd, -1
+        return out
+    finally:
+        if fd >= 0:
+            os.close(fd)

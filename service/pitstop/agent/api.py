@@ -19,18 +19,20 @@ from pitstop.httpapi import install_error_handlers
 
 
 def peer_app(agent: Agent) -> FastAPI:
-    app = FastAPI(title="pitstop agent", version=__version__)
+    app = FastAPI(title="pitstop agent", version=__version__, docs_url=None, redoc_url=None)  # no CDN scripts
     install_error_handlers(app)
     app.state.agent = agent
     app.include_router(peer_routes.open_router)
-    app.include_router(shared_routes.router, prefix="/v1", dependencies=[Depends(peer_routes.auth)])
+    app.include_router(shared_routes.router, prefix="/v1", dependencies=[Depends(peer_routes.from_peers)])
+    app.include_router(peer_routes.peers)
     app.include_router(peer_routes.router)
+    app.include_router(snapshot_routes.peers)
     app.include_router(snapshot_routes.router)
     return app
 
 
 def local_app(agent: Agent) -> FastAPI:
-    app = FastAPI(title="pitstop agent (local)", version=__version__)
+    app = FastAPI(title="pitstop agent (local)", version=__version__, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.state.agent = agent
     app.include_router(local_routes.router)

@@ -26,6 +26,16 @@ from pitstop.wire import agent_requests
 
 
 async def auth(request: Request, agent: AgentDep) -> None:
+    """The coordinator's routes: with mutual TLS, a coordinator's certificate only.  An agent's
+    certificate reaches another agent only where agents call each other (`from_peers`): so a GPU
+    host's certificate, stolen with its host, cannot fence, stop or restore another host's ranks."""
+    tls.require_role(request.scope, ("coordinator",))
+    require_token(request, agent.s.cluster_token, "cluster", "PITSTOP_CLUSTER_TOKEN")
+
+
+async def from_peers(request: Request, agent: AgentDep) -> None:
+    """Routes agents call on each other (images sent and verified, a replica kept, a moved rank's
+    signal passed on, a moved rank's output followed) and the coordinator too."""
     tls.require_role(request.scope, ("agent", "coordinator"))
     require_token(request, agent.s.cluster_token, "cluster", "PITSTOP_CLUSTER_TOKEN")
 
@@ -103,6 +113,7 @@ def _shim_views(w: Worker, trail: bool = False) -> list[dict]:
 
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
+peers = APIRouter(prefix="/v1", dependencies=[Depends(from_peers)])
 
 
 @router.get("/workers")
@@ -178,7 +189,7 @@ def resume(agent: AgentDep, wid: str) -> Worker:
     return w
 
 
-@router.post("/workers/{wid}:signal")
+@peers.post("/workers/{wid}:signal")
 def signal_worker(agent: AgentDep, wid: str, req: agent_requests.SignalRequest) -> dict:
     """A signal for a worker, from the coordinator (`pitstop stop|kill JOB`) or from the agent it
     moved away from (its launcher's): delivered here, or passed on to where it moved next."""
@@ -285,7 +296,7 @@ def rollback(agent: AgentDep, cid: str) -> dict:
     return agent.source.rollback(cid).model_dump()
 
 
-@router.put("/images/{image_id}")
+@peers.put("/images/{image_id}")
 async def receive(agent: AgentDep, image_id: str, request: Request) -> dict:
     """The image stream as an HTTP body (agents without a data port; transfer/dataport.py).
     The whole body must arrive by the slot's deadline: uvicorn itself never times out a
@@ -309,20 +320,20 @@ async def receive(agent: AgentDep, image_id: str, request: Request) -> dict:
     return agent.finish_slot(slot)
 
 
-@router.get("/images/{image_id}")
+@peers.get("/images/{image_id}")
 def image(agent: AgentDep, image_id: str) -> dict:
     s = agent.dest.slot(image_id)
     return {"image_id": image_id, "state": s.state, "bytes_received": s.receiver.received,
             "bytes_total": s.receiver.manifest.total_bytes if s.receiver.manifest else None}
 
 
-@router.delete("/images/{image_id}")
+@peers.delete("/images/{image_id}")
 def discard(agent: AgentDep, image_id: str) -> dict:
     agent.dest.discard(image_id)
     return {"image_id": image_id, "discarded": True}
 
 
-@router.post("/images/{image_id}:verify")
+@peers.post("/images/{image_id}:verify")
 def verify(agent: AgentDep, image_id: str) -> dict:
     m, secs = agent.dest.verify_image(image_id)
     agent.metrics.phase.labels("verify").observe(secs)

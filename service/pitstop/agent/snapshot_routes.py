@@ -10,10 +10,11 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from pitstop.agent.agent import AgentDep
-from pitstop.agent.peer_routes import auth
+from pitstop.agent.peer_routes import auth, from_peers
 from pitstop.wire import agent_requests
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
+peers = APIRouter(prefix="/v1", dependencies=[Depends(from_peers)])
 
 
 @router.post("/snapshots:check")
@@ -44,7 +45,7 @@ def drop(agent: AgentDep, job: str, keep: int | None = None) -> dict[str, Any]:
     return {"job": job, "dropped": agent.snapshots.drop(job, keep)}
 
 
-@router.post("/images/{image_id}:keepReplica")
+@peers.post("/images/{image_id}:keepReplica")
 def keep_replica(agent: AgentDep, image_id: str, req: agent_requests.KeepReplicaRequest) -> dict[str, Any]:
     return agent.snapshots.keep_replica(image_id, req.job, req.number, req.worker_id)
 

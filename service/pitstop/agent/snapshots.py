@@ -17,8 +17,10 @@ a crash of this agent is never taken for a complete one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import threading
@@ -37,6 +39,7 @@ from pitstop.errors import (
     Conflict,
     FailedPrecondition,
     IntegrityError,
+    InvalidRequest,
     NotFound,
     PitstopError,
     TransferFailed,
@@ -47,6 +50,7 @@ from pitstop.proc import file_identity, proctree, written_files
 from pitstop.transfer.manifest import MANIFEST, Manifest, StdioPipe, check_image_id, verify
 from pitstop.transfer.stream import DirectoryTail
 from pitstop.wire.agent_client import AgentClient
+from pitstop.wire.agent_requests import JOB_PATTERN, WORKER_PATTERN
 
 if TYPE_CHECKING:
     from pitstop.agent.agent import Agent
@@ -77,9 +81,22 @@ def files_of(d: Path) -> list[written_files.WrittenFile]:
         return []
 
 
+def checked(job: str, wid: str | None = None) -> None:
+    """A job's name and a worker's id as the routes take them (agent_requests.JOB_PATTERN,
+    WORKER_PATTERN): they name directories here, so `..` or a slash must never reach a path."""
+    if not re.fullmatch(JOB_PATTERN, job) or len(job) > 128:
+        raise InvalidRequest(f"bad job name {job!r}", action="name jobs with letters, digits, '.', '-' and '_', "
+                                                              "beginning with a letter or digit")
+    if wid is not None and (not re.fullmatch(WORKER_PATTERN, wid) or len(wid) > 200):
+        raise InvalidRequest(f"bad worker id {wid!r}", action="a worker's id is its job's name, a dot and its rank")
+
+
 def image_id(job: str, number: int, wid: str) -> str:
-    """A part as an image id on the wire: letters, digits, '-' and '_' only."""
-    out = f"snap-{job}-{number}-{wid}".replace(".", "_")
+    """A part as an image id on the wire: letters, digits, '-' and '_' only, and one per part (a
+    readable prefix and a digest of the job and worker exactly: `a.b` and `a_b` never share one)."""
+    checked(job, wid)
+    digest = hashlib.blake2b(f"{job}/{wid}".encode(), digest_size=6).hexdigest()
+    out = f"snap-{re.sub(r'[^A-Za-z0-9]', '_', wid)[:48]}-{number}-{digest}"
     check_image_id(out)
     return out
 
@@ -109,7 +126,7 @@ class Snapshots:
 
     # -- where parts live ----------------------------------------------------------------------
     def _dir(self, job: str, number: int, side: str, wid: str | None = None) -> Path:
-        check_image_id(job.replace(".", "_"))
+        checked(job, wid)
         d = self.root / job / str(number) / side
         return d / wid if wid else d
 
@@ -451,6 +468,7 @@ class Snapshots:
     def drop(self, job: str, keep: int | None = None) -> list[int]:
         """Delete the job's snapshots here (own and replicas), all but `keep` and the parts it is a
         delta against, if given."""
+        checked(job)
         jd = self.root / job
         dropped = []
         kept = self.chain(job, keep) if keep is not None and jd.exists() else set()

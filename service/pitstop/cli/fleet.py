@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -17,7 +19,7 @@ from pitstop.cli.common import (
     fail,
     setup_logs,
 )
-from pitstop.errors import PitstopError
+from pitstop.errors import FailedPrecondition, InvalidRequest, PitstopError
 
 
 @app.command("slurm-watch")
@@ -54,6 +56,28 @@ def slurm_watch(
         interval, until=lambda: bool(stop))
 
 
+def _same_coordinator(url: str) -> None:
+    """--moves-from is read with the operator's token: only from the coordinator the operator is
+    configured for (PITSTOP_COORDINATOR), never sent to whatever URL a command line names."""
+    import httpx
+
+    configured = os.environ.get("PITSTOP_COORDINATOR")
+
+    def origin(u: str) -> tuple[str, str, int | None]:
+        p = httpx.URL(u)
+        return p.scheme, p.host, p.port
+    try:
+        same = configured is not None and origin(url) == origin(configured)
+    except (httpx.InvalidURL, ValueError):
+        same = False
+    if not same:
+        raise FailedPrecondition(f"--moves-from {url} is not the coordinator this shell is configured for "
+                                 f"(PITSTOP_COORDINATOR={configured or 'unset'}): pitstop sends the operator's token "
+                                 "to that coordinator only", code="not_the_coordinator",
+                                 action="set PITSTOP_COORDINATOR to that coordinator's URL (and PITSTOP_TOKEN to its "
+                                        "token), or give --move-pause-s")
+
+
 @app.command()
 def replay(
     trace_file: Path = typer.Argument(..., help="the failure and maintenance history: CSV or JSON with "
@@ -81,12 +105,20 @@ def replay(
     from pitstop.replay import model, report, trace
 
     try:
+        bad = [f"--{n.replace('_', '-')} {v}" for n, v in (("repair_h", repair_h), ("move_pause_s", move_pause_s),
+               ("restart_s", restart_s), ("checkpoint_save_s", checkpoint_save_s),
+               ("checkpoint_interval_h", checkpoint_interval_h), ("duration_h", duration_h))
+               if v is not None and not math.isfinite(v)]
+        if bad:
+            raise InvalidRequest(f"not a finite number: {', '.join(bad)}", code="bad_input",
+                                 action="give each figure as a finite number")
         events = trace.read(trace_file)
         source = str(trace_file)
         pause = move_pause_s
         if pause is None and moves_from:
             from pitstop.wire.coordinator_client import CoordinatorClient
 
+            _same_coordinator(moves_from)
             with CoordinatorClient(moves_from) as c:
                 pause = model.median_move_pause_s(c.ops(done=True, limit=1000))
             if pause is None:

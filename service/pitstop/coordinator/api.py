@@ -19,7 +19,9 @@ from pitstop.wire.beats import BeatFastPath
 def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[BeatFastPath, Driver]:
     """The coordinator's ASGI app (the FastAPI app, at `.app`, behind the beats' fast path) and driver."""
     c = Coordinator(settings, store)
-    app = FastAPI(title="pitstop coordinator", version=__version__,
+    # No /docs or /redoc: FastAPI's pages load their scripts from a CDN, and the dashboard's token
+    # sits in this origin's sessionStorage; the API is described at /openapi.json.
+    app = FastAPI(title="pitstop coordinator", version=__version__, docs_url=None, redoc_url=None,
                   description="Evacuate GPU hosts without stopping the training jobs on them.")
     install_error_handlers(app)
     app.state.coordinator = c

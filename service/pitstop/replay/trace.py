@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,6 +41,9 @@ def _event(row: dict, where: str) -> Event:
     except (TypeError, ValueError):
         raise InvalidRequest(f"{where}: time_h {row['time_h']!r} is not a number of hours", code="bad_trace",
                              action="give hours from the trace's start, e.g. 12.5") from None
+    if not math.isfinite(t):
+        raise InvalidRequest(f"{where}: time_h {row['time_h']!r} is not a finite number of hours", code="bad_trace",
+                             action="give hours from the trace's start, e.g. 12.5")
     if t < 0:
         raise InvalidRequest(f"{where}: time_h {t} is before the trace's start", code="bad_trace",
                              action="give hours from the trace's start (0 or more)")

@@ -7,7 +7,7 @@ failure in a test, not a 422 in production.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -26,14 +26,22 @@ def body(model: type[BaseModel], **fields: Any) -> dict[str, Any]:
                              details={"problems": problems}) from None
 
 
+JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+"""A job's name: it names directories on every host (a job's snapshots), so never `.` or `..`."""
+WORKER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*\.[0-9]+$"
+"""A worker's id: its job's name, a dot, its rank."""
+JobName = Annotated[str, Field(min_length=1, max_length=128, pattern=JOB_PATTERN)]
+WorkerId = Annotated[str, Field(min_length=3, max_length=200, pattern=WORKER_PATTERN)]
+WorkerIds = Annotated[list[WorkerId], Field(min_length=1, max_length=4096)]
+
 MIN_SNAPSHOT_EVERY_S = 5.0  # a snapshot pauses the whole job: more often than this is a stall, not a safeguard
 MAX_SNAPSHOT_EVERY_S = 7 * 86400.0
 
 
 class SnapshotRequest(BaseModel):
-    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    job: JobName
     number: int = Field(ge=1, le=2**62)
-    ids: list[str] = Field(min_length=1, max_length=4096, description="the job's workers on this agent")
+    ids: WorkerIds = Field(description="the job's workers on this agent")
     buddy_url: str | None = Field(None, description="the agent that keeps a replica of this host's parts")
     cut: bool = Field(False, description="the job is parked at the NCCL shim's cut, its communicators destroyed: "
                                          "workers without an address of their own may be taken too")
@@ -42,29 +50,29 @@ class SnapshotRequest(BaseModel):
 
 
 class SnapshotWorkersRequest(BaseModel):
-    ids: list[str] = Field(min_length=1, max_length=4096, description="the job's workers on this agent")
+    ids: WorkerIds = Field(description="the job's workers on this agent")
     locked: bool = True
     cut: bool = False
 
 
 class KeepReplicaRequest(BaseModel):
-    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    job: JobName
     number: int = Field(ge=1, le=2**62)
-    worker_id: str = Field(min_length=1, max_length=256)
+    worker_id: WorkerId
 
 
 class SendReplicasRequest(BaseModel):
-    ids: list[str] = Field(min_length=1, max_length=4096)
+    ids: WorkerIds
     dest_url: str = Field(min_length=8, max_length=2048, description="the spare that restores them")
 
 
 class CheckFilesRequest(BaseModel):
-    ids: list[str] = Field(min_length=1, max_length=4096)
+    ids: WorkerIds
     side: Literal["own", "replica"] = "own"
 
 
 class FenceRequest(BaseModel):
-    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    job: JobName
     epoch: int = Field(ge=1, le=2**62, description="the recovery that fenced this host's workers of the job")
     reason: str = Field("", max_length=1000)
 
@@ -101,7 +109,7 @@ class CommitRequest(BaseModel):
 
 
 class RegisterRequest(BaseModel):
-    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    job: JobName
     rank: int = Field(ge=0, le=10_000_000)
     pid: int = Field(gt=1, le=2**22)
     address: str | None = Field(None, description="the worker's own address, prepared with POST /v1/networks")
@@ -118,7 +126,7 @@ class SignalRequest(BaseModel):
 
 
 class NetworkRequest(BaseModel):
-    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    job: JobName
     rank: int = Field(ge=0, le=10_000_000)
     address: str = Field(min_length=9, max_length=18, description="A.B.C.D/P inside the uplink's subnet")
 

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pitstop.wire.agent_requests import JOB_PATTERN
+
 
 class SetRoleRequest(BaseModel):
     role: Literal["active", "spare"] = Field(description="spare: takes evacuated workers; active: runs jobs")
@@ -18,7 +20,7 @@ class SetRoleRequest(BaseModel):
 class ClaimRequest(BaseModel):
     """An agent about to register a rank asks whether another host runs it already."""
     host: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    job: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    job: str = Field(min_length=1, max_length=128, pattern=JOB_PATTERN)
     rank: int = Field(ge=0, le=10_000_000)
     owner_uid: int | None = Field(None, ge=0, le=2**32 - 1, description="the uid registering the rank (the "
                                   "job's owner once it is its first)")
