@@ -647,3 +647,25 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *e) {
   *e = comm->asyncErr;
   return ncclSuccess;
 }
+
+/* Buffer registration (NCCL 2.19): zero-copy for device buffers in real NCCL; host memory needs
+ * nothing, so a registration here is a handle naming the buffer and its communicator, checked
+ * when it is given back.  The shim's tests use it: a registration lives only in the communicator
+ * that made it, so it makes a job unmovable (shim/gen_wrappers.py). */
+struct registration { ncclComm_t comm; void *buff; size_t size; };
+
+ncclResult_t ncclCommRegister(const ncclComm_t comm, void *buff, size_t size, void **handle) {
+  if (!comm || !handle) return ncclInvalidArgument;
+  struct registration *r = malloc(sizeof *r);
+  if (!r) return ncclSystemError;
+  *r = (struct registration){comm, buff, size};
+  *handle = r;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommDeregister(const ncclComm_t comm, void *handle) {
+  struct registration *r = handle;
+  if (!comm || !r || r->comm != comm) return ncclInvalidArgument;
+  free(r);
+  return ncclSuccess;
+}

@@ -46,7 +46,7 @@ struct pitstop_comm_ctl {           /* 1344 bytes */
 
 struct pitstop_ctl {
   char magic[16];                   /* S: PITSTOP_CTL_MAGIC */
-  uint32_t version;                 /* S: 2 (1: no trail, no pause times) */
+  uint32_t version;                 /* S: 3 (2: no refusals; 1: no trail, no pause times) */
   volatile uint32_t ncomms;         /* S */
   volatile uint32_t request;        /* A: quiesce generation; 0 = none */
   volatile uint32_t ack;            /* S: the generation the shim has seen */
@@ -79,6 +79,12 @@ struct pitstop_ctl {
   volatile int64_t trim_before;     /* S: device bytes the caching allocator held reserved before; -1 unknown */
   volatile int64_t trim_after;      /* S: ... and after */
   char trim_note[128];              /* S: what happened, for the operation's record */
+  /* Version 3: what the shim saw that it could not re-create after a move (shim/dl.c: NCCL it
+   * cannot stand in front of, a reference bound past it; a call whose state lives only in the real
+   * communicator).  Sticky: the agent reports the worker unmovable, the cut refuses it. */
+  volatile int32_t refused;         /* S: such things seen so far */
+  int32_t pad3;
+  char refused_note[512];           /* S: the first of them: what, where, what to do */
 };
 
 #endif

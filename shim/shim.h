@@ -10,11 +10,34 @@
 
 #define VCOMM_MAGIC 0x70697473u /* "pits" */
 #define PITSTOP_MAX_CONFIG 4096 /* bytes of a caller's ncclConfig_t kept for replay */
+#define PITSTOP_MAX_LIBS 4      /* NCCL libraries one process may reach (gen_wrappers.py MAX_LIBS) */
+
+/* struct pitstop_nccl: one library's real function per NCCL call, from wrappers.c */
+#include "real.h" /* generated into build/ */
+#if PITSTOP_GEN_MAX_LIBS != PITSTOP_MAX_LIBS
+#error "shim.h and gen_wrappers.py disagree on PITSTOP_MAX_LIBS"
+#endif
+
+/* One NCCL library the program reaches.  Slot 0 answers the calls that reach the shim by name
+ * (the PLT, dlsym(RTLD_DEFAULT)): the next definition in the global scope, else the loaded
+ * libnccl (resolve.c).  Further slots are other copies the program reached through dlsym on a
+ * handle of its own (dl.c).  A communicator remembers its library: its calls go there. */
+struct pitstop_lib {
+  struct pitstop_nccl fn;
+  int ready;                /* fn filled: read with acquire, written with release */
+  const void *base;         /* the library's load address (dladdr's dli_fbase); NULL: not known */
+  char path[256];
+};
+extern struct pitstop_lib pitstop_libs[PITSTOP_MAX_LIBS];
+/* Non-NULL while this thread is inside the shim: the library whose call is under way.  NCCL's
+ * calls to its own API (through the PLT, back into the shim) then go straight to it. */
+extern __thread struct pitstop_lib *pitstop_in __attribute__((tls_model("initial-exec"))); /* preloaded: static TLS */
 
 struct vcomm {
   uint32_t magic;
   int idx;
   ncclComm_t real;
+  struct pitstop_lib *lib; /* the library that made it (and makes it again) */
   ncclConfig_t *config;  /* the caller's config, copied byte for byte up to its own size, for replay */
   int hasConfig;
   int scalable;          /* made by ncclCommInitRankScalable */
@@ -27,18 +50,26 @@ extern struct pitstop_ctl *pitstop_ctl;
 /* Held while real communicators are destroyed or swapped, and by calls that may come from
  * another thread (PyTorch's watchdog polls ncclCommGetAsyncError): none sees a freed one. */
 extern pthread_mutex_t pitstop_real_lock;
-/* > 0 while this thread is inside the shim: NCCL's calls to its own API then pass through. */
-extern __thread int pitstop_reentry __attribute__((tls_model("initial-exec"))); /* preloaded: static TLS */
 extern uint32_t pitstop_seen;
 
-ncclResult_t pitstop_init(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config, int withConfig);
-ncclResult_t pitstop_split(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config);
-ncclResult_t pitstop_destroy(ncclComm_t comm, int how); /* 0 destroy, 1 abort, 2 finalize */
-ncclResult_t pitstop_async_error(ncclComm_t comm, ncclResult_t *asyncError);
-ncclResult_t pitstop_init_scalable(ncclComm_t *comm, int nranks, int rank, int nId, ncclUniqueId *ids,
-                                   ncclConfig_t *config);
-void pitstop_foreign(const char *call, const void *comm); /* a handle the shim did not make: counted, said once */
+ncclResult_t pitstop_init(struct pitstop_lib *L, ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
+                          ncclConfig_t *config, int withConfig);
+ncclResult_t pitstop_split(struct pitstop_lib *L, ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
+                           ncclConfig_t *config);
+ncclResult_t pitstop_destroy(struct pitstop_lib *L, ncclComm_t comm, int how); /* 0 destroy, 1 abort, 2 finalize */
+ncclResult_t pitstop_async_error(struct pitstop_lib *L, ncclComm_t comm, ncclResult_t *asyncError);
+ncclResult_t pitstop_init_scalable(struct pitstop_lib *L, ncclComm_t *comm, int nranks, int rank, int nId,
+                                   ncclUniqueId *ids, ncclConfig_t *config);
+/* A handle the shim did not make: counted, said once; the library to pass it to (that of the
+ * communicator of ours it is the real handle of, when NCCL's own thread asks, else L). */
+struct pitstop_lib *pitstop_foreign(const char *call, const void *comm, struct pitstop_lib *L);
 ncclResult_t pitstop_missing(const char *call); /* a call the NCCL behind the shim lacks */
+/* A call that leaves state in the real communicator a rebuild would not re-create: the process
+ * is marked unmovable (sticky), the call named once. */
+void pitstop_unmovable(const char *call, const char *why);
+/* Something the shim cannot stand in front of (dl.c): the process is marked unmovable with this note. */
+void pitstop_refuse(const char *note);
+struct pitstop_ctl *pitstop_ctl_get(void); /* the control block, made on first use */
 ncclResult_t pitstop_enter_slow(struct vcomm *v, int op, int peer);
 ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer);
 
@@ -73,11 +104,30 @@ void pitstop_group_start(void);
 void pitstop_group_end(void);
 void pitstop_trim(struct pitstop_ctl *c); /* trim.c */
 
-/* resolve.c: the real definition of an NCCL function, or NULL; said once when none. */
-void *pitstop_sym(const char *name);
+/* resolve.c: fill slot 0 (the library behind the shim's exported names) on first use; 0 when
+ * some NCCL lies behind the shim, else -1 and said once. */
+int pitstop_resolve(struct pitstop_lib *L);
+int pitstop_resolve_quiet(struct pitstop_lib *L); /* ... and says nothing when none */
 void pitstop_no_nccl(void);
 #define PITSTOP_NO_NCCL_MSG "pitstop shim: no NCCL library found behind the shim (set PITSTOP_NCCL_LIBRARY)"
 
-/* real_<name>: the real definition of each NCCL function (pitstop_sym), from wrappers.c */
-#include "real.h" /* generated into build/ */
+/* dl.c: the dynamic loader's side. */
+struct pitstop_real_dl {
+  void *(*dlsym)(void *, const char *);
+  void *(*dlvsym)(void *, const char *, const char *);
+  void *(*dlopen)(const char *, int);
+};
+extern struct pitstop_real_dl pitstop_dl; /* libc's own, found in its symbol table (never the shim's) */
+void pitstop_dl_init(void);
+/* The slot of the loaded NCCL library whose code holds addr, registering it if it is a libnccl
+ * the shim has not met yet; NULL if addr is in the shim or in no libnccl. */
+struct pitstop_lib *pitstop_lib_at(const void *addr);
+/* Look at the objects loaded since the last look: NCCL the shim cannot stand in front of marks the
+ * process unmovable; references to NCCL bound past the shim are bound to it. */
+void pitstop_scan(void);
+void pitstop_scan_now(void); /* ... whatever the loader's counts say (lazy bindings made since) */
+/* Is this loaded object (by its path and load address) a libnccl the shim stands in front of? */
+int pitstop_is_libnccl(const char *path, const void *base);
+/* A loaded object's definition of name (its dynamic symbol table, default version), or NULL. */
+void *pitstop_elf_sym(const void *base, const char *name);
 #endif

@@ -29,6 +29,35 @@ def test_a_job_with_communicators_the_shim_did_not_make_is_refused_before_any_pa
     assert "keeps running" in e.value.action and e.value.details == {"workers": ["r1"]}
 
 
+def test_a_job_whose_shim_refused_something_is_refused_with_its_reason_before_any_pause():
+    why = "NCCL is inside /opt/x/libtrainer.so (soname libtrainer.so), not a libnccl the shim can stand in front of"
+    cut, posted = _cut({"r0": [_block(0)], "r1": [dict(_block(1), refused=why)]})
+    with pytest.raises(CutFailed) as e:
+        cut.quiesce()
+    assert posted == [] and f"r1: {why}" in e.value.message and e.value.details == {"workers": {"r1": why}}
+
+
+def test_a_refusal_a_rank_meets_as_it_parks_releases_every_rank():
+    """The shim looks again as a rank parks (a reference bound past it since it last looked): the
+    cut sees the note in its next round, releases every rank and fails with the reason."""
+    why = "/opt/x/libplugin.so called ncclAllReduce past the shim"
+    reads: dict[str, int] = {"r0": 0, "r1": 0}
+
+    def get(w: str) -> list[dict]:
+        reads[w] += 1
+        b = _block(int(w[1]))
+        return [dict(b, refused=why) if w == "r1" and reads[w] > 1 else b]
+
+    posted: list = []
+    cut = Cut(["r0", "r1"], get, lambda w, body: posted.append((w, body)), deadline_s=5)
+    with pytest.raises(CutFailed) as e:
+        cut.quiesce()
+    assert why in e.value.message and "released" in e.value.action
+    assert [(w, b["op"]) for w, b in posted][:2] == [("r0", "quiesce"), ("r1", "quiesce")]
+    assert sorted((w, b["command"]) for w, b in posted if b["op"] == "command") == [("r0", "release"),
+                                                                                    ("r1", "release")]
+
+
 def test_a_rank_pitstop_cannot_see_is_named_before_any_pause():
     cut, posted = _cut({"r0": [_block(0, nranks=3)], "r1": [_block(1, nranks=3)]})
     with pytest.raises(CutFailed) as e:

@@ -12,34 +12,39 @@ import pytest
 
 from pitstop.shimctl import layout as L
 
-from .helpers import WORKLOADS
+from . import nccl_builds
+from .helpers import WORKLOADS, until
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIM = ROOT / "shim" / "build" / "libpitstop_shim.so"
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_exports_only_nccl_names_and_wraps_the_whole_header():
-    out = subprocess.run(["nm", "-D", "--defined-only", str(SHIM)], capture_output=True, text=True).stdout
+def test_exports_only_nccl_names_and_the_loaders_lookups_and_wraps_the_whole_header():
+    """NCCL's names, and dlsym and dlvsym (shim/dl.c), unversioned so that they stand in for libc's
+    versioned ones (a program's reference to dlsym@GLIBC_2.34 binds to the preloaded shim)."""
+    out = subprocess.run(["nm", "-D", "--defined-only", "--with-symbol-versions", str(SHIM)], capture_output=True,
+                         text=True).stdout
     names = {ln.split()[-1] for ln in out.splitlines() if ln.strip()}
     header = (ROOT / "native" / "nccl.h").read_text().split("BEGIN API")[1].split("END API")[0]
     declared = {w.split("(")[0].split()[-1].lstrip("*") for w in header.splitlines() if "nccl" in w and "(" in w}
-    assert names == declared
+    assert names == declared | {"dlsym", "dlvsym"}
 
 
 def test_control_block_layout_matches_the_c_compiler(tmp_path):
     src = tmp_path / "l.c"
     src.write_text('#include <stddef.h>\n#include <stdio.h>\n#include "ctl.h"\nint main(void){printf("%zu %zu %zu %zu '
-                   '%zu %zu %zu %zu %zu %zu %zu\\n", sizeof(struct pitstop_ctl), offsetof(struct pitstop_ctl, request), '
+                   '%zu %zu %zu %zu %zu %zu %zu %zu\\n", sizeof(struct pitstop_ctl), offsetof(struct pitstop_ctl, request), '
                    'offsetof(struct pitstop_ctl, command), offsetof(struct pitstop_ctl, command_seq), '
                    'offsetof(struct pitstop_ctl, comms), sizeof(struct pitstop_comm_ctl), '
                    'offsetof(struct pitstop_comm_ctl, newid_set), offsetof(struct pitstop_comm_ctl, newid), '
                    'offsetof(struct pitstop_comm_ctl, sent), offsetof(struct pitstop_comm_ctl, recv_target), '
-                   'offsetof(struct pitstop_ctl, trail_n));}\n')
+                   'offsetof(struct pitstop_ctl, trail_n), offsetof(struct pitstop_ctl, refused));}\n')
     subprocess.run(["cc", "-I", str(ROOT / "shim"), str(src), "-o", str(tmp_path / "l")], check=True)
     got = [int(x) for x in subprocess.run([str(tmp_path / "l")], capture_output=True, text=True).stdout.split()]
     assert got == [L.SIZE, L.OFF_REQUEST, L.OFF_COMMAND, L.OFF_COMMAND_SEQ, L.HEADER.size, L.COMM.size,
-                   L.COMM_OFF_NEWID_SET, L.COMM_OFF_NEWID, L.COMM_OFF_SENT, L.COMM_OFF_RECV_TARGET, L.OFF_TAIL]
+                   L.COMM_OFF_NEWID_SET, L.COMM_OFF_NEWID, L.COMM_OFF_SENT, L.COMM_OFF_RECV_TARGET, L.OFF_TAIL,
+                   L.OFF_REFUSED]
 
 
 @pytest.mark.parametrize("script,nonblocking", [("nccl_dp.py", "0"), ("nccl_tp_dp.py", "0"), ("nccl_pipeline.py", "0"),
@@ -99,18 +104,20 @@ def test_without_any_nccl_calls_fail_with_a_message_never_a_null_string(tmp_path
     assert p.stderr.count("no NCCL library found") == 1 and "PITSTOP_NCCL_LIBRARY" in p.stderr
 
 
-def test_a_communicator_the_shim_did_not_make_passes_through_and_is_counted():
-    """A handle from an NCCL function the shim does not wrap goes to NCCL unchanged (the job
-    runs as without the shim), is counted in the control block (a cut then refuses to move
-    the job) and is named once per call on stderr."""
-    # The real library's own handle: a communicator made behind the shim's back.
-    prog = ("import ctypes, ncclpy; from pitstop.shimctl import blocks; real = ncclpy.lib; uid = ncclpy.UniqueId(); "
+def test_a_communicator_the_shim_did_not_make_passes_through_and_is_counted(tmp_path):
+    """A handle the shim did not make (here from NCCL linked into another library, which the shim
+    cannot stand in front of) goes to NCCL unchanged when it reaches the shim's API (the job runs as
+    without the shim), is counted in the control block (a cut then refuses to move the job) and is
+    named once per call on stderr: the backstop behind what dl.c can see."""
+    trainer = nccl_builds.static_nccl_library(tmp_path)
+    prog = ("import ctypes, os, ncclpy; from pitstop.shimctl import blocks; "
+            f"real = ctypes.CDLL({str(trainer)!r}, mode=os.RTLD_LOCAL); uid = ncclpy.UniqueId(); "
             "real.ncclGetUniqueId(ctypes.byref(uid)); c = ctypes.c_void_p(); "
             "real.ncclCommInitRank.argtypes = [ctypes.c_void_p, ctypes.c_int, ncclpy.UniqueId, ctypes.c_int]; "
             "assert real.ncclCommInitRank(ctypes.byref(c), 1, uid, 0) == 0; n = ctypes.c_int(); e = ctypes.c_int(); "
             "api = ncclpy.api; api.ncclCommCount.argtypes = [ctypes.c_void_p, ctypes.c_void_p]; "
             "print(api.ncclCommCount(c, ctypes.byref(n)), api.ncclCommCount(c, ctypes.byref(n)), n.value, "
-            "api.ncclCommGetAsyncError(c, ctypes.byref(e))); import os; "
+            "api.ncclCommGetAsyncError(c, ctypes.byref(e))); "
             "print(blocks(os.getpid())[0].view()['foreign'])")
     p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, LD_PRELOAD=str(SHIM), LD_LIBRARY_PATH=str(ROOT / "native" / "build"),
@@ -118,7 +125,7 @@ def test_a_communicator_the_shim_did_not_make_passes_through_and_is_counted():
     assert p.returncode == 0, p.stderr
     first, second = p.stdout.splitlines()
     assert first.split() == ["0", "0", "1", "0"]  # answered by NCCL itself
-    assert int(second) >= 3  # 3 calls here, and host NCCL's own check at the end of its init
+    assert int(second) == 3  # the 3 calls here (the library's own calls stay inside it: -Bsymbolic)
     assert p.stderr.count("ncclCommCount was given a communicator the shim did not create") == 1
     assert p.stderr.count("ncclCommGetAsyncError was given a communicator the shim did not create") == 1
 
@@ -209,3 +216,203 @@ def test_ranks_resume_by_themselves_when_the_agent_vanishes(tmp_path):
     # at most about deadline x ranks, plus a loaded machine's slack.
     assert 1.5 < parked < 4 * 2 + 12, parked
     assert hashes == run(None)[0]
+
+
+# -- every way a program reaches NCCL (shim/dl.c) ---------------------------------------------------
+
+def _ranks(cmd: list[str], world: int, env: dict[str, str], preload: str, probe=None):  # noqa: ANN001, ANN202
+    """`world` ranks of cmd over the host NCCL, run to their end; probe(pids), if given, once every
+    rank's shim has a communicator with an operation counted.  (final hashes, probe's answer, stderrs)"""
+    with tempfile.TemporaryDirectory() as d:
+        rdv, out = Path(d) / "r", Path(d) / "o"
+        rdv.mkdir()
+        e = dict(os.environ, LD_LIBRARY_PATH=str(ROOT / "native" / "build"), PYTHONPATH=str(WORKLOADS),
+                 HOSTNCCL_ADDR="127.0.0.1", WORLD_SIZE=str(world), LD_PRELOAD=preload, **env)
+        ps = [subprocess.Popen([*cmd, "--steps", "200", "--step-sleep", "0.01" if probe else "0",
+                                "--rendezvous", str(rdv), "--out", str(out)], env=dict(e, RANK=str(r)),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(world)]
+        seen = None
+        try:
+            if probe:
+                from pitstop import shimctl
+                until(lambda: all(any(c["issued"] for b in shimctl.blocks(p.pid) for c in b.comms) for p in ps),
+                      timeout=60, what="every rank's shim counting operations")
+                seen = probe([p.pid for p in ps])
+            errs = [p.communicate(timeout=120)[1] for p in ps]
+        finally:
+            for p in ps:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        assert [p.returncode for p in ps] == [0] * world, errs
+        return [(out / f"rank{r}.sha256").read_text() for r in range(world)], seen, errs
+
+
+def _blocks(pids: list[int]) -> list[dict]:
+    from pitstop import shimctl
+    return [{"comms": [c["kind"] for c in b.view()["comms"]], "foreign": b.view()["foreign"],
+             "refused": b.view()["refused"],
+             "libnccl": sorted({ln.split()[-1] for ln in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                                if "libnccl.so" in ln})}
+            for pid in pids for b in shimctl.blocks(pid)]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("nccl_builds")
+    return {"fsdp": nccl_builds.fsdp_program(d), "fsdp_dlopen": nccl_builds.fsdp_program(d, dlopen=True),
+            "plugin": nccl_builds.plugin_library(d), "copy": nccl_builds.nccl_copy(d / "other"),
+            "trainer": nccl_builds.static_nccl_library(d), "versioned": nccl_builds.versioned_nccl(d / "versioned")}
+
+
+PLUGIN_DRIVER = ("import ctypes, hashlib, os, sys; a = dict(zip(sys.argv[1::2], sys.argv[2::2])); "
+                 "lib = ctypes.CDLL(os.environ['PLUGIN'], mode=os.RTLD_LOCAL | os.RTLD_DEEPBIND); "
+                 "lib.plugin_train.restype = ctypes.c_uint64; "
+                 "lib.plugin_train.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int, "
+                 "ctypes.c_double]; h = lib.plugin_train(int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), "
+                 "a['--rendezvous'].encode(), int(a['--steps']), float(a['--step-sleep'])); assert h; "
+                 "os.makedirs(a['--out'], exist_ok=True); "
+                 "open(os.path.join(a['--out'], 'rank%s.sha256' % os.environ['RANK']), 'w').write('%x' % h)")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads other processes' control blocks (root)")
+@pytest.mark.parametrize("route", ["ctypes_soname", "ctypes_path_beside_soname", "dlopen_local", "dlopen_deepbind",
+                                   "plugin_deepbind", "plugin_deepbind_bind_now", "libnccl_preloaded_first"])
+def test_every_way_a_program_reaches_nccl_is_seen(route, builds):
+    """Each route a program can take to NCCL without the PLT of a normal link: its communicators
+    (a world and a split) are the shim's, every operation counted, nothing foreign or refused, and
+    the results are those of the same program without the shim.
+    - ctypes.CDLL of libnccl by soname, or of a copy by full path beside the one found by soname
+      (two copies of NCCL in one process, a communicator table each);
+    - a C program's dlopen with RTLD_LOCAL, or RTLD_DEEPBIND, and dlsym;
+    - a plugin with its own link to libnccl loaded with RTLD_DEEPBIND (its references bind in its own
+      scope, past the shim, unless the shim binds them first), lazily or with LD_BIND_NOW;
+    - libnccl preloaded ahead of the shim (the program's references bind to it first)."""
+    py = [sys.executable, str(WORKLOADS / "nccl_ctypes.py")]
+    env: dict[str, str] = {}
+    preload_first = ""
+    if route == "ctypes_soname":
+        cmd, comms = py, ["init", "split"]
+    elif route == "ctypes_path_beside_soname":
+        cmd, comms = py, ["init", "split", "init"]
+        env = {"NCCL_SO_PATH": str(builds["copy"]), "NCCL_ALSO_SONAME": "1"}
+    elif route.startswith("dlopen_"):
+        cmd, comms = [str(builds["fsdp_dlopen"]), "--dlopen", route.split("_")[1]], ["init", "split"]
+    elif route.startswith("plugin_"):
+        cmd, comms = [sys.executable, "-c", PLUGIN_DRIVER], ["init", "split"]
+        env = {"PLUGIN": str(builds["plugin"]), **({"LD_BIND_NOW": "1"} if route.endswith("bind_now") else {})}
+    else:
+        cmd, comms = [str(builds["fsdp"])], ["init", "split"]
+        preload_first = str(ROOT / "native" / "build" / "libnccl.so.2") + ":"
+    plain, _, _ = _ranks(cmd, 2, env, preload_first)
+    shimmed, blocks, errs = _ranks(cmd, 2, env, preload_first + str(SHIM), probe=_blocks)
+    assert shimmed == plain
+    assert [b["comms"] for b in blocks] == [comms] * 2, blocks
+    assert all(b["foreign"] == 0 and b["refused"] is None for b in blocks), blocks
+    if route == "ctypes_path_beside_soname":
+        assert all(b["libnccl"] == sorted([str(ROOT / "native" / "build" / "libnccl.so.2"), str(builds["copy"])])
+                   for b in blocks), blocks
+    assert not any("pitstop shim" in e for e in errs), errs
+
+
+def test_dlsym_answers_for_the_programs_own_call_site(tmp_path):
+    """RTLD_NEXT is relative to the caller: the shim's dlsym hands it to libc's by a tail call, so an
+    interposer preloaded ahead of another (and of the shim) still finds the next one, not what
+    follows the shim."""
+    src = {"next_a": 'int which(void) { int (*n)(void) = dlsym(RTLD_NEXT, "which"); return n ? 100 + n() : -1; }',
+           "next_b": "int which(void) { return 2; }"}
+    for name, body in src.items():
+        (tmp_path / f"{name}.c").write_text("#define _GNU_SOURCE\n#include <dlfcn.h>\n" + body + "\n")
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / f"lib{name}.so"), str(tmp_path / f"{name}.c"),
+                        "-ldl"], check=True, timeout=60)
+    answers = []
+    for shim in ("", str(SHIM)):
+        preload = ":".join(x for x in (str(tmp_path / "libnext_a.so"), str(tmp_path / "libnext_b.so"), shim) if x)
+        p = subprocess.run([sys.executable, "-c", "import ctypes; print(ctypes.CDLL(None).which())"],
+                           capture_output=True, text=True, timeout=60, env=dict(os.environ, LD_PRELOAD=preload))
+        assert p.returncode == 0, p.stderr
+        answers.append(p.stdout.strip())
+    assert answers == ["102", "102"]
+
+
+IN_SHIM = ("def in_shim(a):\n"
+           "    for ln in open('/proc/self/maps'):\n"
+           "        lo, hi = (int(x, 16) for x in ln.split()[0].split('-'))\n"
+           "        if lo <= a < hi:\n"
+           "            return ln.rstrip().endswith('libpitstop_shim.so')\n"
+           "    return False\n")
+
+
+def test_dlvsym_on_a_versioned_libnccl_hands_back_the_shims_wrapper(builds):
+    """An NCCL built with symbol versions, reached with dlvsym: the wrapper comes back for the version
+    it has, nothing for one it lacks (as libc's answers), and what it makes is the shim's."""
+    prog = (IN_SHIM + "import ctypes, os; from pitstop.shimctl import blocks; "
+            f"lib = ctypes.CDLL({str(builds['versioned'])!r}, mode=os.RTLD_LOCAL); libc = ctypes.CDLL(None); "
+            "libc.dlvsym.restype = ctypes.c_void_p; libc.dlvsym.argtypes = [ctypes.c_void_p] + [ctypes.c_char_p] * 2; "
+            "init = libc.dlvsym(lib._handle, b'ncclCommInitRank', b'NCCL_2.29'); "
+            "uid_fn = libc.dlvsym(lib._handle, b'ncclGetUniqueId', b'NCCL_2.29'); "
+            "print(in_shim(init), libc.dlvsym(lib._handle, b'ncclCommInitRank', b'NCCL_9.9'), "
+            "bool(libc.dlvsym(None, b'dlsym', b'GLIBC_2.34'))); "
+            "U = type('U', (ctypes.Structure,), {'_fields_': [('internal', ctypes.c_ubyte * 128)]}); uid = U(); "
+            "assert ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(uid_fn)(ctypes.byref(uid)) == 0; "
+            "c = ctypes.c_void_p(); f = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, U, ctypes.c_int)"
+            "(init); print(f(ctypes.byref(c), 1, uid, 0)); "
+            "print(len(blocks(os.getpid())[0].comms))")
+    p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, LD_PRELOAD=str(SHIM), HOSTNCCL_ADDR="127.0.0.1",
+                                PYTHONPATH=str(ROOT / "service")))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True", "None", "True", "0", "1"], p.stdout + p.stderr
+
+
+def test_nccl_inside_another_library_makes_the_process_unmovable_with_the_reason(builds):
+    """NCCL linked into another library (its calls bound inside it) is what the shim cannot stand in
+    front of: seen when the library is loaded, reported with what to do, and the job still runs."""
+    prog = ("import ctypes, os; from pitstop import shimctl; import ncclpy; "
+            "c = ncclpy.init(1, ncclpy.share_id(os.environ['UID_FILE'], 0), 0); "
+            f"t = ctypes.CDLL({str(builds['trainer'])!r}, mode=os.RTLD_LOCAL); v = ctypes.c_int(); "
+            "assert t.ncclGetVersion(ctypes.byref(v)) == 0; print(shimctl.unmovable(os.getpid()))")
+    with tempfile.TemporaryDirectory() as d:
+        p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, LD_PRELOAD=str(SHIM), LD_LIBRARY_PATH=str(ROOT / "native" / "build"),
+                                    PYTHONPATH=f"{WORKLOADS}:{ROOT / 'service'}", HOSTNCCL_ADDR="127.0.0.1",
+                                    UID_FILE=str(Path(d) / "uid")))
+    assert p.returncode == 0, p.stderr
+    why = p.stdout.strip()
+    assert why.startswith(f"NCCL is inside {builds['trainer']} (soname libtrainer.so)"), why
+    assert "link it against libnccl.so.2" in why and "PITSTOP_NCCL_LIBRARY" in why, why
+    assert p.stderr.count("NCCL is inside") == 1
+
+
+def test_a_call_that_leaves_state_only_in_the_real_communicator_makes_the_process_unmovable():
+    """ncclCommRegister: the registration lives in the real communicator, which a move re-creates
+    without it.  The call works; the process is unmovable, and says which call made it so."""
+    prog = ("import ctypes, os; from pitstop import shimctl; import ncclpy; api = ncclpy.api; "
+            "c = ncclpy.init(1, ncclpy.share_id(os.environ['UID_FILE'], 0), 0); print(shimctl.unmovable(os.getpid())); "
+            "buf = ctypes.create_string_buffer(4096); h = ctypes.c_void_p(); "
+            "api.ncclCommRegister.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]; "
+            "api.ncclCommDeregister.argtypes = [ctypes.c_void_p, ctypes.c_void_p]; "
+            "print(api.ncclCommRegister(c, buf, 4096, ctypes.byref(h)), api.ncclCommDeregister(c, h)); "
+            "print(shimctl.unmovable(os.getpid()))")
+    with tempfile.TemporaryDirectory() as d:
+        p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, LD_PRELOAD=str(SHIM), LD_LIBRARY_PATH=str(ROOT / "native" / "build"),
+                                    PYTHONPATH=f"{WORKLOADS}:{ROOT / 'service'}", HOSTNCCL_ADDR="127.0.0.1",
+                                    UID_FILE=str(Path(d) / "uid")))
+    assert p.returncode == 0, p.stderr
+    before, calls, after = p.stdout.splitlines()
+    assert before == "None" and calls.split() == ["0", "0"]
+    assert after.startswith("the program called ncclCommRegister: a buffer registration lives in the real "
+                            "communicator"), after
+
+
+def test_the_table_of_nccl_calls_in_the_architecture_document_is_the_generated_one():
+    """docs/architecture.md carries shim/gen_wrappers.py's table of every call in native/nccl.h: what
+    the shim does with it and why; the wrappers are generated from the same entries."""
+    got = subprocess.run([sys.executable, str(ROOT / "shim" / "gen_wrappers.py"), str(ROOT / "native" / "nccl.h"),
+                          "--table"], capture_output=True, text=True, timeout=60, check=True).stdout
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    begin, end = "<!-- BEGIN nccl-calls (shim/gen_wrappers.py --table) -->\n", "<!-- END nccl-calls -->"
+    assert begin in doc and end in doc, "docs/architecture.md lacks the table's markers"
+    assert doc.split(begin, 1)[1].split(end, 1)[0] == got, "regenerate it: python3 shim/gen_wrappers.py native/nccl.h --table"

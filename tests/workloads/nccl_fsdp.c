@@ -8,7 +8,12 @@
  * harness reads for every workload.
  *
  * Arguments as the Python workloads (nccl_common.py): --steps N --step-sleep S --pace-file F
- * --rendezvous DIR --out DIR; RANK and WORLD_SIZE from the environment. */
+ * --rendezvous DIR --out DIR; RANK and WORLD_SIZE from the environment.
+ *
+ * Built with -DNCCL_DLOPEN it is the same program reaching NCCL the way plugins and launchers
+ * do: not linked to libnccl, it dlopens the library itself (NCCL_SO_PATH, a soname or a path;
+ * libnccl.so.2 if unset) RTLD_NOW | RTLD_LOCAL, or with --dlopen deepbind also RTLD_DEEPBIND, and
+ * takes every function from that handle with dlsym. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <math.h>
@@ -21,6 +26,30 @@
 #include <unistd.h>
 
 #include "nccl.h"
+
+#ifdef NCCL_DLOPEN
+#include <dlfcn.h>
+#define NCCL_FUNCS(X) X(ncclGetUniqueId) X(ncclCommInitRank) X(ncclCommSplit) X(ncclCommDestroy) X(ncclBroadcast) \
+  X(ncclAllGather) X(ncclReduceScatter) X(ncclAllReduce)
+#define NCCL_POINTER(f) static __typeof__(&f) p_##f;
+NCCL_FUNCS(NCCL_POINTER)
+static void loadNccl(int deep) {
+  const char *name = getenv("NCCL_SO_PATH");
+  if (!name || !*name) name = "libnccl.so.2";
+  void *h = dlopen(name, RTLD_NOW | RTLD_LOCAL | (deep ? RTLD_DEEPBIND : 0));
+  if (!h) { fprintf(stderr, "dlopen %s: %s\n", name, dlerror()); exit(1); }
+#define NCCL_LOAD(f) if (!(p_##f = (__typeof__(&f))dlsym(h, #f))) { fprintf(stderr, "dlsym %s: %s\n", #f, dlerror()); exit(1); }
+  NCCL_FUNCS(NCCL_LOAD)
+}
+#define ncclGetUniqueId p_ncclGetUniqueId
+#define ncclCommInitRank p_ncclCommInitRank
+#define ncclCommSplit p_ncclCommSplit
+#define ncclCommDestroy p_ncclCommDestroy
+#define ncclBroadcast p_ncclBroadcast
+#define ncclAllGather p_ncclAllGather
+#define ncclReduceScatter p_ncclReduceScatter
+#define ncclAllReduce p_ncclAllReduce
+#endif
 
 #define SHARD 4096
 
@@ -72,8 +101,9 @@ static void shareId(const char *dir, int rank, ncclUniqueId *id) {
 int main(int argc, char **argv) {
   int steps = 60;
   double sleepS = 0.05;
-  const char *paceFile = NULL, *rdv = NULL, *out = NULL;
+  const char *paceFile = NULL, *rdv = NULL, *out = NULL, *how = "local";
   for (int i = 1; i + 1 < argc; i += 2) {
+    if (!strcmp(argv[i], "--dlopen")) how = argv[i + 1];
     if (!strcmp(argv[i], "--steps")) steps = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--step-sleep")) sleepS = atof(argv[i + 1]);
     else if (!strcmp(argv[i], "--pace-file")) paceFile = argv[i + 1];
@@ -83,6 +113,11 @@ int main(int argc, char **argv) {
   const char *re = getenv("RANK"), *we = getenv("WORLD_SIZE");
   if (!rdv || !out || !re || !we) { fprintf(stderr, "usage: RANK= WORLD_SIZE= %s --rendezvous D --out D\n", argv[0]); return 2; }
   int rank = atoi(re), world = atoi(we);
+#ifdef NCCL_DLOPEN
+  loadNccl(!strcmp(how, "deepbind"));
+#else
+  (void)how;
+#endif
 
   ncclUniqueId id;
   shareId(rdv, rank, &id);

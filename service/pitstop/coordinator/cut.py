@@ -73,6 +73,18 @@ def block_ops(b: dict[str, Any]) -> int:
     return sum(int(c["issued"]) + sum(c["sent"]) + sum(c["recvd"]) for c in b.get("comms", []))
 
 
+def _refused(blocks: list[tuple[str, dict[str, Any]]]) -> CutFailed | None:
+    """What some rank's shim saw that it could not re-create after a move (its own note says what
+    and what to do: shimctl.access.unmovable), as the cut's failure; None if nothing."""
+    refused = {w: b["refused"] for w, b in blocks if b.get("refused")}
+    if not refused:
+        return None
+    return CutFailed("the job's NCCL cannot all be re-created after a move, on "
+                     + "; ".join(f"{w}: {why}" for w, why in sorted(refused.items())[:4]),
+                     action="the job keeps running where it is (any rank parked was released). Do what the "
+                            "reason says, then start the job again", details={"workers": refused})
+
+
 class Cut:
     def __init__(self, workers: list[str], get_blocks: GetBlocks, post: Post, deadline_s: float = 60.0,
                  poll_s: float = 0.003, get_all: GetAllBlocks | None = None) -> None:
@@ -112,6 +124,10 @@ class Cut:
         while True:
             rounds += 1
             blocks = self._all()
+            refused = _refused(blocks)
+            if refused:  # a rank's shim, as it parked, found a reference to NCCL bound past it
+                self.release()
+                raise refused
             snap = [(b["token"], b["state"], [(c["issued"], c["sent"], c["recvd"]) for c in b["comms"]])
                     for _, b in blocks]
             targets, stable, lagging = self._targets(blocks, stalled=snap == prev)
@@ -154,6 +170,9 @@ class Cut:
                 if c["alive"]:
                     seen[c["key"]].add(c["rank"])
                     size[c["key"]] = c["nranks"]
+        refused = _refused(blocks)
+        if refused:
+            raise refused
         foreign = sorted({w for w, b in blocks if b.get("foreign")})
         if foreign:
             raise CutFailed("the job uses NCCL communicators that pitstop's shim did not create (made by an NCCL "

@@ -94,9 +94,9 @@ def plan(store: Store, node: str, to: str | None, busy_hosts: dict[str, str], he
         raise FailedPrecondition(
             f"job(s) {', '.join(sorted({w['job'] for w in stuck}))} cannot be moved: "
             + "; ".join(f"{w['id']} on {w['host']}: {w['unmovable']}" for w in stuck[:4]),
-            code="unmovable_job", action="nothing was paused; the job keeps running where it is. Launch it so that "
-                                         "every NCCL call goes through libnccl's exported API (not a handle of its "
-                                         "own), or stop it before the host leaves",
+            code="unmovable_job", action="nothing was paused; the job keeps running where it is. Do what the "
+                                         "reason says (every NCCL call must reach a libnccl the shim stands in "
+                                         "front of), or stop the job before the host leaves",
             details={"workers": {w["id"]: w["unmovable"] for w in stuck}})
     if to is not None:
         if to == node:

@@ -28,11 +28,12 @@ class Block:
     parked_ns: int = 0  # CLOCK_REALTIME of the rank's last park at a cut, and of its leaving it
     resumed_ns: int = 0
     trim: dict[str, Any] | None = None  # the last release of unused device memory (shim/trim.c)
+    refused: str | None = None  # why the shim knows it cannot re-create this process's NCCL (version 3)
 
     def view(self, trail: bool = False) -> dict[str, Any]:
         """As the coordinator reads it; the trail (1 KiB of numbers) only where asked for."""
         h = self.header
-        extra: dict[str, Any] = {"pause": self.pause(), "trim": self.trim}
+        extra: dict[str, Any] = {"pause": self.pause(), "trim": self.trim, "refused": self.refused}
         if trail and self.trail is not None:
             extra |= {"trail": self.trail, "trail_at": self.trail_at, "trail_n": self.trail_n}
         return extra | {"pid": self.pid, "token": f"{h['token']:016x}", "state": L.STATES.get(h["state"], str(h["state"])),
@@ -87,6 +88,7 @@ def read_block(pid: int, addr: int) -> Block | None:
         raw = os.pread(fd, L.SIZE_V1, addr)
         h = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0)))
         tail = os.pread(fd, L.TAIL.size, addr + L.OFF_TAIL) if h["version"] >= 2 else b""
+        refused = _refused(fd, addr, h)
     except (OSError, struct.error):
         return None
     finally:
@@ -103,7 +105,7 @@ def read_block(pid: int, addr: int) -> Block | None:
         c["sent"], c["recvd"] = list(rest[:m]), list(rest[m:2 * m])
         c["send_target"], c["recv_target"] = list(rest[2 * m:3 * m]), list(rest[3 * m:])
         comms.append(c)
-    b = Block(pid, addr, h, comms)
+    b = Block(pid, addr, h, comms, refused=refused)
     if len(tail) == L.TAIL.size:
         vals = L.TAIL.unpack(tail)
         n, ring = vals[0], vals[1:1 + L.TRAIL_LEN]
@@ -133,36 +135,53 @@ def blocks(root_pid: int) -> list[Block]:
     return list(out.values())
 
 
-def _header(pid: int, addr: int) -> dict[str, Any] | None:
+UNMOVABLE_MAX = 1000  # what an agent's report carries of it (wire: WorkerReport.unmovable)
+
+
+def _refused(fd: int, addr: int, h: dict[str, Any]) -> str | None:
+    """The first thing a version-3 shim saw that it could not re-create after a move, or None."""
+    if h["version"] < 3:
+        return None
+    n, _, note = L.REFUSED.unpack(os.pread(fd, L.REFUSED.size, addr + L.OFF_REFUSED))
+    return note.split(b"\0", 1)[0].decode(errors="replace") or "(no note)" if n else None
+
+
+def _header(pid: int, addr: int) -> tuple[dict[str, Any], str | None] | None:
     try:
         fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
     except OSError:
         return None
     try:
         h = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(os.pread(fd, L.HEADER.size, addr), 0)))
+        if not h["magic"].startswith(L.MAGIC):
+            return None
+        return h, _refused(fd, addr, h)
     except (OSError, struct.error):
         return None
     finally:
         os.close(fd)
-    return h if h["magic"].startswith(L.MAGIC) else None
 
 
 def unmovable(root_pid: int) -> str | None:
-    """Why the shim knows this tree cannot be moved, or None: some process used an NCCL
-    communicator the shim did not create (made by a call that bypassed it), which the cut could
-    neither destroy nor re-create.  Reads only the blocks' headers (a listing, not a pause)."""
-    seen: dict[int, int] = {}
+    """Why the shim knows this tree cannot be moved, or None: NCCL loaded that the shim cannot stand
+    in front of, a call that left state only in a real communicator (the shim's note says which,
+    and what to do), or calls on communicators the shim did not create (made by a call that
+    bypassed it).  The cut could neither destroy nor re-create them.  Reads only the blocks'
+    headers and notes (a listing, not a pause)."""
+    seen: dict[int, tuple[int, str | None]] = {}
     for pid in proctree.tree(root_pid):
         addr = _find(pid)
-        h = _header(pid, addr) if addr is not None else None
-        if h is not None:
-            seen[h["token"]] = h["foreign"]
-    n = sum(seen.values())
-    if not n:
-        return None
-    return (f"the NCCL shim saw {n} call(s) on communicators it did not create (made by a call that bypassed "
-            "it, e.g. through a library handle of its own): they could not be re-created after a move; "
-            "the worker's stderr names the first such call ('pitstop shim: ... did not create')")
+        got = _header(pid, addr) if addr is not None else None
+        if got is not None:
+            seen[got[0]["token"]] = (got[0]["foreign"], got[1])
+    why = sorted({note for _, note in seen.values() if note})
+    n = sum(foreign for foreign, _ in seen.values())
+    if n:
+        why.append(f"the NCCL shim saw {n} call(s) on communicators it did not create (made by a call that "
+                   "bypassed it): they could not be re-created after a move; the worker's stderr names the "
+                   "first such call ('pitstop shim: ... did not create')")
+    said = "; ".join(why)
+    return (said if len(said) <= UNMOVABLE_MAX else said[:UNMOVABLE_MAX - 3] + "...") or None
 
 
 def _write(b: Block, offset: int, data: bytes) -> None:

@@ -1,6 +1,7 @@
 """Byte layout of shim/ctl.h's struct pitstop_ctl (tests/test_shim.py checks it against the C compiler).
 
-A version-1 block (a shim built before the trail) is SIZE_V1 long: read as far as its version says."""
+A version-1 block (a shim built before the trail) is SIZE_V1 long, a version-2 one OFF_REFUSED: read as
+far as its version says."""
 
 from __future__ import annotations
 
@@ -31,7 +32,11 @@ TAIL = struct.Struct(f"<Q{TRAIL_LEN}IQQ{TRAIL_LEN}Qiiqq128s")
 TRIM_HOW = {1: "torch", 2: "cuda_mempool"}
 TRIM_ERRORS = {1: "timed_out", 2: "raised"}
 OFF_TAIL = SIZE_V1
-SIZE = SIZE_V1 + TAIL.size
+# Version 3 appends what the shim saw that it could not re-create after a move (shim/dl.c and the
+# calls that leave state only in the real communicator): a count and the first one's note.
+REFUSED = struct.Struct("<ii512s")
+OFF_REFUSED = OFF_TAIL + TAIL.size
+SIZE = OFF_REFUSED + REFUSED.size
 
 # offsets used for single-field writes
 OFF_REQUEST = 24
