@@ -19,6 +19,7 @@ from pitstop.dev.netns import NetHosts
 from pitstop.errors import PitstopError
 from pitstop.wire.coordinator_client import CoordinatorClient
 
+from . import nccl_builds
 from .helpers import WORKLOADS, assert_same_as_reference, let_finish, pace_file, until, wait_for_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,15 +38,15 @@ def _cmd(script: str, rdv: Path, out: Path, steps: int = STEPS, extra: tuple[str
             "--pace-file", str(pace_file(out)), "--rendezvous", str(rdv), "--out", str(out), *extra]
 
 
-def reference(script: str, steps: int = STEPS) -> list[str]:
+def reference(script: str, steps: int = STEPS, job_env: dict[str, str] | None = None) -> list[str]:
     """The same program, uninterrupted, over the host NCCL alone: no shim, no pitstop."""
-    key = (script, steps)
+    key = (script, steps, tuple(sorted((job_env or {}).items())))
     if key not in _REF:
         with tempfile.TemporaryDirectory() as d:
             rdv, out = Path(d) / "rdv", Path(d) / "out"
             rdv.mkdir()
             env = dict(os.environ, LD_LIBRARY_PATH=str(ROOT / "native" / "build"), PYTHONPATH=str(WORKLOADS),
-                       HOSTNCCL_ADDR="127.0.0.1", WORLD_SIZE="4")
+                       HOSTNCCL_ADDR="127.0.0.1", WORLD_SIZE="4", **(job_env or {}))
             cmd = _cmd(script, rdv, out, steps)
             cmd[cmd.index("--step-sleep") + 1] = "0"
             ps = [subprocess.Popen(cmd, env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL) for r in range(4)]
@@ -232,10 +233,16 @@ def test_a_release_that_fails_rolls_the_move_back_and_the_job_runs_on(cluster, t
 @pytest.fixture(scope="module")
 def fsdp_program(tmp_path_factory):
     """tests/workloads/nccl_fsdp.c built as a user would: against NCCL's header, linked to libnccl."""
-    exe = tmp_path_factory.mktemp("fsdp") / "nccl_fsdp"
-    subprocess.run(["cc", "-O2", "-Wall", f"-I{ROOT / 'native'}", "-o", str(exe), str(WORKLOADS / "nccl_fsdp.c"),
-                    f"-L{ROOT / 'native' / 'build'}", "-l:libnccl.so.2", "-lm"], check=True, timeout=120)
-    return str(exe)
+    return str(nccl_builds.fsdp_program(tmp_path_factory.mktemp("fsdp")))
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict[str, Path]:
+    """The same program loading libnccl itself (dlopen, dlsym), a copy of libnccl at another path, and
+    NCCL linked into another library."""
+    d = tmp_path_factory.mktemp("nccl_builds")
+    return {"fsdp_dlopen": nccl_builds.fsdp_program(d, dlopen=True), "copy": nccl_builds.nccl_copy(d / "other"),
+            "trainer": nccl_builds.static_nccl_library(d)}
 
 
 def test_an_unchanged_c_program_with_a_split_communicator_moves_across_addresses(cluster, tmp_path, fsdp_program):
@@ -255,16 +262,61 @@ def test_an_unchanged_c_program_with_a_split_communicator_moves_across_addresses
     assert not any("did not create" in r.log.read_text() for r in ranks)
 
 
-def test_a_job_the_shim_cannot_move_is_refused_before_anything_pauses(cluster, tmp_path):
-    """A second communicator made through the program's own library handle: the shim learns of it
-    only when NCCL asks its public API about it.  Before: the job was paused, captured and sent,
-    and the restore failed on the connections that communicator still held."""
-    cc, ranks, out = _start(cluster, tmp_path, "nccl_private_comm.py")
+@pytest.mark.parametrize("load", ["soname", "path"])
+def test_an_unchanged_python_program_that_loads_libnccl_with_ctypes_moves_across_addresses(cluster, tmp_path, load,
+                                                                                           builds):
+    """ctypes.CDLL on libnccl, every function from that handle, as vLLM's PyNccl and CuPy load it: a
+    world and a split communicator, collectives on both.  By soname; or by full path, a copy in
+    another directory, beside the library found by soname with a world of its own on it (two copies
+    of NCCL in one process).  Before: refused as unmovable (the shim met its communicators only when
+    NCCL polled them).  Evacuated to a host with other addresses, bitwise equal to an uninterrupted run."""
+    env = {} if load == "soname" else {"NCCL_SO_PATH": str(builds["copy"]), "NCCL_ALSO_SONAME": "1"}
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_ctypes.py", job_env=env)
+    wait_for_step(ranks[3].log, 20)
+    until(lambda: [j["movable"] for j in cc.jobs()] == [True] and all(
+        w["unmovable"] is None for w in cc.jobs()[0]["workers"]), timeout=30, what="the job listed movable")
+    op = _evacuate(cc, "host-b", to="spare-1")
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op.get("error")
+    assert md["plan"]["pause"] == "nccl_cut" and md["cut"]["rewired"], md
+    assert len(md["cut"]["new_ids"]) == (1 if load == "soname" else 2), md["cut"]  # a world per copy of NCCL
+    let_finish(out)
+    assert [r.proc.wait(180) for r in ranks] == [0] * 4
+    assert_same_as_reference(out, reference("nccl_ctypes.py", job_env=env))
+    assert all("pitstop" not in r.log.read_text().replace(str(cluster.root), "") for r in ranks)
+
+
+@pytest.mark.parametrize("how", ["local", "deepbind"])
+def test_an_unchanged_c_program_that_dlopens_libnccl_moves_across_addresses(cluster, tmp_path, how, builds,
+                                                                            fsdp_program):
+    """The FSDP program not linked to libnccl: it dlopens libnccl.so.2 (RTLD_LOCAL, or with
+    RTLD_DEEPBIND) and takes each function with dlsym.  Moved across addresses, it ends bitwise equal
+    to the same program linked to libnccl and never interrupted."""
+    cc, ranks, out = _start(cluster, tmp_path, str(builds["fsdp_dlopen"]), extra=("--dlopen", how))
+    wait_for_step(ranks[3].log, 20)
+    until(lambda: [j["movable"] for j in cc.jobs()] == [True] and all(
+        w["unmovable"] is None for w in cc.jobs()[0]["workers"]), timeout=30, what="the job listed movable")
+    op = _evacuate(cc, "host-b", to="spare-1")
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op.get("error")
+    assert md["cut"]["rewired"] and md["cut"]["new_ids"], md["cut"]
+    let_finish(out)
+    assert [r.proc.wait(180) for r in ranks] == [0] * 4
+    assert_same_as_reference(out, reference(fsdp_program))
+    assert not any("pitstop shim" in r.log.read_text() for r in ranks)
+
+
+def test_a_job_the_shim_cannot_move_is_refused_before_anything_pauses(cluster, tmp_path, builds):
+    """A second communicator made through NCCL linked into another library (its calls bound inside
+    it): what the shim cannot stand in front of, seen when the library is loaded.  Refused before
+    anything pauses, with the reason and what to do."""
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_private_comm.py", job_env={"PRIVATE_NCCL": str(builds["trainer"])})
     wait_for_step(ranks[3].log, 10)
     until(lambda: cc.jobs() and all(w["unmovable"] for w in cc.jobs()[0]["workers"]), timeout=30,
           what="every rank reported unmovable by its agent")
     job = cc.jobs()[0]
-    assert not job["movable"] and all("did not create" in w["unmovable"] for w in job["workers"]), job
+    inside = f"NCCL is inside {builds['trainer']}"
+    assert not job["movable"] and all(w["unmovable"].startswith(inside) for w in job["workers"]), job
     env = dict(os.environ, PITSTOP_TOKEN=cluster.operator_token)
     p = subprocess.run([*pitstop_cmd(), "jobs", "--coordinator", cluster.coordinator_url], capture_output=True,
                        text=True, env=env, timeout=60)
@@ -272,7 +324,7 @@ def test_a_job_the_shim_cannot_move_is_refused_before_anything_pauses(cluster, t
     with pytest.raises(PitstopError) as e:
         cc.evacuate("host-b")
     assert e.value.code == "unmovable_job" and "nothing was paused" in e.value.action, e.value
-    assert "nccl.2" in e.value.message and "did not create" in e.value.message
+    assert "nccl.2" in e.value.message and inside in e.value.message and "libnccl.so.2" in e.value.message
     assert cc.ops() == [], "no operation may start"
     for name in ("host-a", "host-b"):  # no rank was ever asked to stop at a cut
         blocks = cluster.agents[name].client().shim_blocks_many([f"nccl.{r}" for r in range(4)

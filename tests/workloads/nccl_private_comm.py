@@ -1,8 +1,8 @@
-"""Data-parallel SGD whose second communicator bypasses the shim: it is made and used through a
-handle of the program's own on libnccl (`lib`, not the global API), as a library bundling its own
-NCCL calls may do.  The shim never sees that communicator's creation, so a cut could neither
-destroy nor re-create it; it learns of it only when NCCL asks its own public API about it, and
-must then call the job unmovable.  No pitstop code."""
+"""Data-parallel SGD whose second communicator lives in NCCL linked into another library: the
+library named by PRIVATE_NCCL (a framework that builds NCCL in, binding its own calls inside
+itself), loaded with ctypes and used through its own names.  No libnccl the shim can stand in
+front of is involved, so a cut could neither destroy nor re-create that communicator; the shim
+sees the library when it is loaded and must call the job unmovable.  No pitstop code."""
 
 import ctypes
 import os
@@ -13,22 +13,32 @@ from nccl_common import args, finish, pause, step_line
 
 a = args()
 world = ncclpy.init(a.world, ncclpy.share_id(os.path.join(a.rendezvous, "world.id"), a.rank), a.rank)
-side = ctypes.c_void_p()  # through the library handle: the shim is not in this path
-ncclpy.lib.ncclCommInitRank.argtypes = ncclpy.api.ncclCommInitRank.argtypes
-ncclpy.check(ncclpy.lib.ncclCommInitRank(ctypes.byref(side), a.world,
-                                         ncclpy.share_id(os.path.join(a.rendezvous, "side.id"), a.rank), a.rank),
-             "ncclCommInitRank (side)")
-ncclpy.lib.ncclAllReduce.argtypes = ncclpy.api.ncclAllReduce.argtypes
+lib = ctypes.CDLL(os.environ["PRIVATE_NCCL"], mode=os.RTLD_LOCAL)
+lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(ncclpy.UniqueId)]
+lib.ncclCommInitRank.argtypes = ncclpy.api.ncclCommInitRank.argtypes
+lib.ncclAllReduce.argtypes = ncclpy.api.ncclAllReduce.argtypes
+lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+path = os.path.join(a.rendezvous, "side.id")
+uid = ncclpy.UniqueId()
+if a.rank == 0:
+    ncclpy.check(lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId (side)")
+    with open(path + ".tmp", "wb") as f:
+        f.write(bytes(uid))
+    os.replace(path + ".tmp", path)
+else:
+    uid = ncclpy.share_id(path, a.rank)  # waits for rank 0's file
+side = ctypes.c_void_p()
+ncclpy.check(lib.ncclCommInitRank(ctypes.byref(side), a.world, uid, a.rank), "ncclCommInitRank (side)")
 w = np.zeros(64, dtype=np.float32)
 for step in range(1, a.steps + 1):
     grad = np.full(64, float(a.rank + step) * 1e-3, dtype=np.float32)
     ncclpy.allreduce(world, grad, ncclpy.SUM)
     w -= grad
     count = np.array([1.0], dtype=np.float32)
-    ncclpy.check(ncclpy.lib.ncclAllReduce(count.ctypes.data_as(ctypes.c_void_p), count.ctypes.data_as(ctypes.c_void_p),
-                                          1, ncclpy.FLOAT32, ncclpy.SUM, side, None), "ncclAllReduce (side)")
+    ncclpy.check(lib.ncclAllReduce(count.ctypes.data_as(ctypes.c_void_p), count.ctypes.data_as(ctypes.c_void_p),
+                                   1, ncclpy.FLOAT32, ncclpy.SUM, side, None), "ncclAllReduce (side)")
     step_line(step, float(count[0]))
     pause(a)
-ncclpy.lib.ncclCommDestroy(side)
+lib.ncclCommDestroy(side)
 ncclpy.destroy(world)
 finish(a, w)
