@@ -276,6 +276,7 @@ PLUGIN_DRIVER = ("import ctypes, hashlib, os, sys; a = dict(zip(sys.argv[1::2], 
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # each route runs its program twice, 2 s with the shim
 @pytest.mark.skipif(os.geteuid() != 0, reason="reads other processes' control blocks (root)")
 @pytest.mark.parametrize("route", ["ctypes_soname", "ctypes_path_beside_soname", "dlopen_local", "dlopen_deepbind",
                                    "plugin_deepbind", "plugin_deepbind_bind_now", "libnccl_preloaded_first"])
