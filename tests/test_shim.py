@@ -320,21 +320,33 @@ def test_every_way_a_program_reaches_nccl_is_seen(route, builds):
 def test_dlsym_answers_for_the_programs_own_call_site(tmp_path):
     """RTLD_NEXT is relative to the caller: the shim's dlsym hands it to libc's by a tail call, so an
     interposer preloaded ahead of another (and of the shim) still finds the next one, not what
-    follows the shim."""
+    follows the shim.  A program asking for an NCCL name through RTLD_DEFAULT or RTLD_NEXT gets the
+    shim's wrapper (the shim is preloaded: next after the program, first in the global scope)."""
     src = {"next_a": 'int which(void) { int (*n)(void) = dlsym(RTLD_NEXT, "which"); return n ? 100 + n() : -1; }',
            "next_b": "int which(void) { return 2; }"}
     for name, body in src.items():
         (tmp_path / f"{name}.c").write_text("#define _GNU_SOURCE\n#include <dlfcn.h>\n" + body + "\n")
         subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / f"lib{name}.so"), str(tmp_path / f"{name}.c"),
                         "-ldl"], check=True, timeout=60)
+    (tmp_path / "ask.c").write_text(
+        '#define _GNU_SOURCE\n#include <dlfcn.h>\n#include <stdio.h>\n#include <string.h>\n'
+        'static const char *where(void *p) { Dl_info i; return p && dladdr(p, &i) && strstr(i.dli_fname, "pitstop_shim")'
+        ' ? "shim" : p ? "elsewhere" : "none"; }\n'
+        'int main(void) { printf("%s %s\\n", where(dlsym(RTLD_DEFAULT, "ncclAllReduce")), '
+        'where(dlsym(RTLD_NEXT, "ncclAllReduce"))); return 0; }\n')
+    subprocess.run(["cc", "-o", str(tmp_path / "ask"), str(tmp_path / "ask.c"), f"-L{ROOT / 'native' / 'build'}",
+                    "-Wl,--no-as-needed", "-l:libnccl.so.2", "-ldl"], check=True, timeout=60)
     answers = []
     for shim in ("", str(SHIM)):
         preload = ":".join(x for x in (str(tmp_path / "libnext_a.so"), str(tmp_path / "libnext_b.so"), shim) if x)
+        env = dict(os.environ, LD_PRELOAD=preload, LD_LIBRARY_PATH=str(ROOT / "native" / "build"))
         p = subprocess.run([sys.executable, "-c", "import ctypes; print(ctypes.CDLL(None).which())"],
-                           capture_output=True, text=True, timeout=60, env=dict(os.environ, LD_PRELOAD=preload))
-        assert p.returncode == 0, p.stderr
-        answers.append(p.stdout.strip())
-    assert answers == ["102", "102"]
+                           capture_output=True, text=True, timeout=60, env=env)
+        q = subprocess.run([str(tmp_path / "ask")], capture_output=True, text=True, timeout=60,
+                           env=dict(env, LD_PRELOAD=shim))
+        assert p.returncode == 0 and q.returncode == 0, p.stderr + q.stderr
+        answers.append((p.stdout.strip(), q.stdout.strip()))
+    assert answers == [("102", "elsewhere elsewhere"), ("102", "shim shim")]
 
 
 IN_SHIM = ("def in_shim(a):\n"
