@@ -246,14 +246,14 @@ static int namedNccl(const struct elfobj *o) {
   return !strncmp(baseName(o->name), "libnccl", 7) || (o->soname && !strncmp(o->soname, "libnccl", 7));
 }
 
+/* NCCL's core calls, the ones pitstop_fill needs too. */
 static int definesNccl(const struct elfobj *o) {
-  return lookup(o, "ncclCommInitRank") && lookup(o, "ncclAllReduce");
+  return lookup(o, "ncclCommInitRank") && lookup(o, "ncclAllReduce") && lookup(o, "ncclGetVersion");
 }
 
-int pitstop_is_libnccl(const char *path, const void *base) {
+int pitstop_is_libnccl(const void *base) {
   struct elfobj o;
   if (objByBase((ElfW(Addr))base, &o) != 0) return 0;
-  (void)path;
   return namedNccl(&o) && definesNccl(&o);
 }
 
@@ -344,7 +344,7 @@ struct got {
   int obj;               /* index into users */
   int looked;            /* checked once already */
 };
-struct user { ElfW(Addr) base, lo, hi, relroLo, relroHi; const char *name; int bindNow; const char *needs; };
+struct user { ElfW(Addr) lo, hi, relroLo, relroHi; const char *name; int bindNow; const char *needs; };
 
 static pthread_mutex_t scanLock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned long long lastAdds = ~0ull, lastSubs = ~0ull;
@@ -397,7 +397,7 @@ static void recordGots(const struct elfobj *o) {
         const char *needs = NULL; /* the libnccl it names in DT_NEEDED, by soname */
         for (const ElfW(Dyn) *d = o->dyn; d->d_tag != DT_NULL && !needs; d++)
           if (d->d_tag == DT_NEEDED && !strncmp(o->strtab + d->d_un.d_val, "libnccl", 7)) needs = o->strtab + d->d_un.d_val;
-        users[u] = (struct user){o->base, o->lo, o->hi, o->relroLo, o->relroHi, o->name, o->bindNow, needs};
+        users[u] = (struct user){o->lo, o->hi, o->relroLo, o->relroHi, o->name, o->bindNow, needs};
       }
       gots[ngots++] = (struct got){(ElfW(Addr) *)(o->base + r[i].r_offset), api, type == R_JUMP_SLOT, u, 0};
     }

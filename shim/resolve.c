@@ -54,7 +54,7 @@ static int pickCb(struct dl_phdr_info *info, size_t size, void *data) {
 static const void *loadedNccl(void) {
   struct pick p = {NULL, 0};
   dl_iterate_phdr(pickCb, &p);
-  return p.base && pitstop_is_libnccl(NULL, p.base) ? p.base : NULL;
+  return p.base && pitstop_is_libnccl(p.base) ? p.base : NULL;
 }
 
 int pitstop_resolve(struct pitstop_lib *L) {

@@ -126,8 +126,8 @@ struct pitstop_lib *pitstop_lib_at(const void *addr);
  * process unmovable; references to NCCL bound past the shim are bound to it. */
 void pitstop_scan(void);
 void pitstop_scan_now(void); /* ... whatever the loader's counts say (lazy bindings made since) */
-/* Is this loaded object (by its path and load address) a libnccl the shim stands in front of? */
-int pitstop_is_libnccl(const char *path, const void *base);
+/* Is the object loaded at this address a libnccl the shim stands in front of? */
+int pitstop_is_libnccl(const void *base);
 /* A loaded object's definition of name (its dynamic symbol table, default version), or NULL. */
 void *pitstop_elf_sym(const void *base, const char *name);
 #endif
