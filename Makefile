@@ -11,7 +11,7 @@ CRIU_STAMP := $(VENV)/.criu
 BENCH_STAMP := $(VENV)/.bench
 PYTEST_ARGS ?=
 
-.PHONY: all setup criu native check test test-fast demo bench bench-compare bench-heartbeat bench-projection doctor clean gpu-bundle gpu-check qualify
+.PHONY: all setup criu criu-zdtm native check test test-fast demo bench bench-compare bench-heartbeat bench-projection doctor clean gpu-bundle gpu-check qualify
 
 all: setup
 
@@ -23,12 +23,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-# CRIU >= 4.2: the host's if good enough, else Debian's in a private prefix (cached in ~/.cache/pitstop).
-$(CRIU_STAMP): scripts/provision-criu.sh | $(STAMP)
+# CRIU >= 4.2: the host's if good enough, else Debian's in a private prefix (cached in ~/.cache/pitstop);
+# then the CRIU pitstop carries, 4.2.1 with criu/patches/ (scripts/build-criu.sh), which runs where it
+# builds.  A failed build leaves the stock CRIU in use (`make doctor` says which runs, and its cost).
+$(CRIU_STAMP): scripts/provision-criu.sh scripts/build-criu.sh criu/patches/series $(wildcard criu/patches/*.patch) | $(STAMP)
 	scripts/provision-criu.sh >/dev/null
+	scripts/build-criu.sh >/dev/null || echo "make: the carried CRIU did not build; the stock CRIU runs (see above)" >&2
 	touch $@
 
 criu: $(CRIU_STAMP)
+
+# CRIU's own tests (zdtm: copy-on-write, forks, mappings, lazy restore, and the tests the patches
+# add; criu/zdtm.list) against the carried build, as root (about a minute).  `make test` runs them
+# too (tests/test_criu_carried.py).
+criu-zdtm: setup
+	scripts/criu-zdtm.sh
 
 native:
 	@if [ -f native/Makefile ]; then $(MAKE) -C native; fi

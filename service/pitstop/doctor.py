@@ -50,6 +50,7 @@ def run_checks() -> list[Check]:
     try:
         rt = runtime.locate()
         checks.append(Check("criu", True, f"{rt.version_str} ({rt.source}: {rt.binary})"))
+        checks.append(_carried(rt))
         ok, out = rt.check()
         checks.append(Check("criu check", ok, out.splitlines()[-1] if out else "(no output)"))
         if ok and os.geteuid() == 0:
@@ -98,6 +99,24 @@ def run_checks() -> list[Check]:
     checks.append(_exit_status_kept())
     checks += gpu_checks()
     return checks
+
+
+def _carried(rt: runtime.CriuRuntime) -> Check:
+    """Whether the CRIU pitstop carries runs (criu/patches/), and what the stock one costs where not."""
+    name = "carried CRIU"
+    if rt.carried:
+        return Check(name, True, f"{len(rt.patches)} patches ({', '.join(p.split('-', 1)[0] for p in rt.patches)}; "
+                     f"criu/patches/series): a forked child's copy-on-write pages are dumped once and stay shared",
+                     required=False)
+    built = runtime.carried_prefix() / "bin" / "criu"
+    why = ("PITSTOP_CRIU_STOCK is set" if built.exists() and os.environ.get("PITSTOP_CRIU_STOCK", "") not in ("", "0")
+           else "PITSTOP_CRIU names another" if built.exists()
+           else "not built here (`make criu` runs scripts/build-criu.sh; see its output)")
+    return Check(name, None, f"{why}; the {rt.source} CRIU {rt.version_str} runs. Its cost: ranks with forked "
+                 "workers (DataLoader) dump each worker's copy-on-write pages again (images about N + 1 times the "
+                 "rank's memory) and restore them one 4 KiB read and compare at a time (a pause 2-3 x longer); "
+                 "images this host dumps restore on any CRIU >= 4.2, and it cannot restore images of hosts that run "
+                 "the carried one", required=False)
 
 
 def _image_root() -> Check:

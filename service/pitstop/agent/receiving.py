@@ -31,7 +31,7 @@ from pitstop.agent.state import LIVE_STATES, AgentState, Fill, Worker
 from pitstop.criu import criu_ops, criufill, image_files, runtime
 from pitstop.errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed, Unavailable
 from pitstop.gpu.checkpoint import GpuCheckpointer
-from pitstop.memory import lazy_pages, lazydelta, lazyrule, precopy
+from pitstop.memory import cowpages, lazy_pages, lazydelta, lazyrule, precopy
 from pitstop.memory.dumpview import PAGE
 from pitstop.network import workerns
 from pitstop.proc import file_identity, proctree
@@ -204,6 +204,7 @@ class DestinationSide:
             raise InvalidRequest(f"image {image_id} is a pre-copy, not a capture: it is restored as the parent "
                                  f"of image {m.pre_copy_of}", action=f"restore {m.pre_copy_of} instead")
         plan = RestorePlan.of(m, self.s.lazy_restore)
+        self._check_criu_reads(s, plan)
         t_view = time.monotonic()
         directory, index = self._restore_from(s, plan)
         t1 = time.monotonic()
@@ -243,6 +244,24 @@ class DestinationSide:
         else:
             self.discard(image_id, abandon=False)
         return w, phases
+
+    def _check_criu_reads(self, s: Slot, plan: RestorePlan) -> None:
+        """An image whose children share pages with their parent (PE_COW, written by the CRIU pitstop
+        carries, or by a pre-copy where it runs) restores only with that CRIU: a stock one would read
+        those pages from the child's own pages file, where they are not, and restore garbage.
+        Refused before CRIU runs."""
+        rt = runtime.locate()
+        if rt.carried:
+            return
+        ps = self.slots.get(plan.parent) if plan.parent else None
+        tasks = sorted({pid for d in (s.directory, *([ps.directory] if ps else []))
+                        for pid in cowpages.needs_carried_criu(d, rt.import_pycriu())})
+        if tasks:
+            raise RestoreFailed(f"image {s.image_id} was dumped by pitstop's CRIU: tasks {tasks} share pages with "
+                                f"their parent (PE_COW), which this host's {rt.source} CRIU {rt.version_str} "
+                                "cannot restore",
+                                action="the move rolls back; run `make criu` on this host (scripts/build-criu.sh; "
+                                       "`pitstop doctor` says which CRIU runs), or move to a host that has it")
 
     def _restore_from(self, s: Slot, plan: RestorePlan) -> tuple[Path, Path | None]:
         """The directory CRIU restores from, and the local page server's index where a delta is

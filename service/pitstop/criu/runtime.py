@@ -1,11 +1,14 @@
 """Where CRIU is, which version it is, and whether this kernel can run it.
 
 pitstop needs CRIU >= 4.2 on Linux >= 6.16 (older releases fail `criu check`
-on the [vvar_vclock] mapping or cannot dump TCP sockets).  A host criu that is
-new enough wins, and so does an older one that passes a real dump and restore on
-this kernel (criu/criuprobe.py); otherwise the private prefix made by
-scripts/provision-criu.sh is used.  pycriu is taken from the same place so the RPC schema always matches
-the binary.
+on the [vvar_vclock] mapping or cannot dump TCP sockets).  The CRIU pitstop carries wins:
+4.2.1 with the patches in criu/patches/, built by scripts/build-criu.sh (a forked child's
+copy-on-write pages are dumped once, by its parent, and kept shared by the restore instead of
+read and compared one page at a time).  Where it could not be built (or PITSTOP_CRIU_STOCK=1),
+a stock CRIU runs: a host criu that is new enough, or an older one that passes a real dump and
+restore on this kernel (criu/criuprobe.py), else Debian's in the private prefix made by
+scripts/provision-criu.sh.  pycriu is taken from the same place so the RPC schema always
+matches the binary.
 """
 
 from __future__ import annotations
@@ -33,6 +36,21 @@ def default_prefix() -> Path:
     return Path(os.environ.get("PITSTOP_CRIU_PREFIX") or Path(cache) / "pitstop" / "criu-4.2")
 
 
+def carried_prefix() -> Path:
+    """Where scripts/build-criu.sh installs the CRIU pitstop carries."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(os.environ.get("PITSTOP_CRIU_CARRIED_PREFIX") or Path(cache) / "pitstop" / "criu-carried")
+
+
+def carried_patches(prefix: Path) -> tuple[str, ...]:
+    """The patches a carried build was made with, in order (its PATCHES file: the series)."""
+    try:
+        lines = (prefix / "PATCHES").read_text().splitlines()
+    except OSError:
+        return ()
+    return tuple(ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#"))
+
+
 def _parse_version(text: str) -> tuple[int, ...] | None:
     m = re.search(r"Version:\s*([0-9.]+)", text)
     if not m:
@@ -48,7 +66,13 @@ class CriuRuntime:
     version: tuple[int, ...]
     pycriu_path: str | None
     nft: str | None
-    source: str  # "host", "prefix" or "env"
+    source: str  # "carried", "host", "prefix" or "env"
+    patches: tuple[str, ...] = ()  # the carried build's patch series, in order
+
+    @property
+    def carried(self) -> bool:
+        """Whether this is the CRIU pitstop carries (criu/patches/ applied)."""
+        return self.source == "carried"
 
     @property
     def version_str(self) -> str:
@@ -78,12 +102,16 @@ def _version_of(binary: str) -> tuple[int, ...] | None:
 
 @functools.lru_cache(maxsize=1)
 def locate() -> CriuRuntime:
-    """Find a CRIU >= 4.2; raise FailedPrecondition saying how to get one."""
+    """Find a CRIU >= 4.2, the carried one first; raise FailedPrecondition saying how to get one."""
     prefix = default_prefix()
     candidates: list[tuple[str, str, str | None, str | None]] = []
     if os.environ.get("PITSTOP_CRIU"):
         candidates.append((os.environ["PITSTOP_CRIU"], "env", os.environ.get("PITSTOP_PYCRIU"),
                            os.environ.get("PITSTOP_NFT")))
+    carried = carried_prefix()
+    if (carried / "bin" / "criu").exists() and os.environ.get("PITSTOP_CRIU_STOCK", "") in ("", "0"):
+        candidates.append((str(carried / "bin" / "criu"), "carried", str(carried / "pycriu"),
+                           str(carried / "bin" / "nft") if (carried / "bin" / "nft").exists() else None))
     host = shutil.which("criu")
     if host and not os.environ.get("PITSTOP_FORCE_PRIVATE_CRIU"):
         candidates.append((host, "host", None, shutil.which("nft")))
@@ -95,7 +123,7 @@ def locate() -> CriuRuntime:
         v = _version_of(binary)
         seen.append(f"{binary}: {'.'.join(map(str, v)) if v else 'no version'}")
         if v and v >= MIN_VERSION:
-            return CriuRuntime(binary, v, pyc, nft, source)
+            return CriuRuntime(binary, v, pyc, nft, source, carried_patches(carried) if source == "carried" else ())
         if v and source == "host":  # older than the floor, but it may work on this kernel: try it
             from pitstop.criu.criuprobe import passes
 
@@ -105,7 +133,7 @@ def locate() -> CriuRuntime:
             seen[-1] += f" (probe: {why})"
     raise FailedPrecondition(
         "no CRIU >= 4.2 found" + (f" (tried {'; '.join(seen)})" if seen else ""),
-        action="run `make criu` (scripts/provision-criu.sh) or set PITSTOP_CRIU to a criu >= 4.2",
+        action="run `make criu` (scripts/build-criu.sh, scripts/provision-criu.sh) or set PITSTOP_CRIU to a criu >= 4.2",
         code="criu_missing")
 
 

@@ -19,6 +19,9 @@ PAGE = 4096
 PE_PARENT = 1 << 0  # the pages are in the parent image (criu/include/pagemap.h)
 PE_LAZY = 1 << 1  # they may be restored lazily
 PE_PRESENT = 1 << 2  # they are in this image's pages file
+# they are the parent task's at the same addresses: the child shared them copy-on-write at the dump
+# (the CRIU pitstop carries, criu/patches/); no pages in this image, nor in a parent image
+PE_COW = 1 << 3
 TASK_PAGEMAP = re.compile(r"pagemap-(\d+)\.img")
 
 

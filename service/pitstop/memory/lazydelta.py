@@ -23,14 +23,23 @@ from __future__ import annotations
 import bisect
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pitstop.criu import runtime
 from pitstop.errors import RestoreFailed
-from pitstop.memory import lazyrule
-from pitstop.memory.dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, dump_pagemap, link_the_rest, load_pagemap
+from pitstop.memory import cowpages, lazyrule
+from pitstop.memory.dumpview import (
+    PAGE,
+    PE_COW,
+    PE_LAZY,
+    PE_PARENT,
+    PE_PRESENT,
+    dump_pagemap,
+    link_the_rest,
+    load_pagemap,
+)
 from pitstop.memory.postcopy import LazySplit, TaskPages, copy_range, split_present
 
 INDEX = "lazy-pages-index.json"
@@ -39,35 +48,58 @@ DELTA, PARENT = 0, 1  # file indices in each task's TaskPages
 
 @dataclass
 class _ParentPages:
-    """A pre-copy task's pages: sorted (vaddr, nr_pages, offset) of its present entries."""
+    """A pre-copy task's pages: sorted (vaddr, nr_pages, offset) of its present entries, in its
+    pages file `file`; and the runs (vaddr, nr_pages) of its PE_COW entries, which are its parent
+    task's pages (`up`: that task's, in the same pre-copy; precopy.py writes them for a forked
+    child's shared pages)."""
 
     runs: list[tuple[int, int, int]]
+    file: Path
+    cow: list[tuple[int, int]] = field(default_factory=list)
+    up: _ParentPages | None = None
 
-    def pieces(self, vaddr: int, n: int) -> list[tuple[int, int, int]]:
-        """(vaddr, nr_pages, offset) covering [vaddr, vaddr + n pages), split where the pre-copy's
-        entries end; raises if a page is missing (the delta then does not belong to it)."""
+    def pieces(self, vaddr: int, n: int) -> list[tuple[int, int, int, Path]]:
+        """(vaddr, nr_pages, offset, pages file) covering [vaddr, vaddr + n pages), split where the
+        pre-copy's entries end; raises if a page is missing (the delta then does not belong to it)."""
         out = []
         while n:
             i = bisect.bisect_right(self.runs, (vaddr, 1 << 63, 0)) - 1
-            if i < 0 or not self.runs[i][0] <= vaddr < self.runs[i][0] + self.runs[i][1] * PAGE:
-                raise RestoreFailed(f"the pre-copy has no page at {vaddr:#x}, which its delta says it has",
-                                    action="the move rolls back; evacuate again (or with `--no-pre-copy`)")
-            start, k, off = self.runs[i]
-            take = min(n, k - (vaddr - start) // PAGE)
-            out.append((vaddr, take, off + (vaddr - start)))
+            if i >= 0 and self.runs[i][0] <= vaddr < self.runs[i][0] + self.runs[i][1] * PAGE:
+                start, k, off = self.runs[i]
+                take = min(n, k - (vaddr - start) // PAGE)
+                out.append((vaddr, take, off + (vaddr - start), self.file))
+            else:
+                j = bisect.bisect_right(self.cow, (vaddr, 1 << 63)) - 1
+                if j < 0 or self.up is None or not self.cow[j][0] <= vaddr < self.cow[j][0] + self.cow[j][1] * PAGE:
+                    raise RestoreFailed(f"the pre-copy has no page at {vaddr:#x}, which its delta says it has",
+                                        action="the move rolls back; evacuate again (or with `--no-pre-copy`)")
+                start, k = self.cow[j]
+                take = min(n, k - (vaddr - start) // PAGE)
+                out += self.up.pieces(vaddr, take)
             vaddr += take * PAGE
             n -= take
         return out
 
 
-def _parent_pages(parent: Path, pid: int, pycriu: Any) -> tuple[_ParentPages, Path]:
+def _parent_pages(parent: Path, pid: int, pycriu: Any) -> _ParentPages:
     img = load_pagemap(parent / f"pagemap-{pid}.img", pycriu)
-    runs, off = [], 0
+    runs, cow, off = [], [], 0
     for e in img["entries"][1:]:
-        if int(e["flags"]) & PE_PRESENT:
-            runs.append((int(e["vaddr"]), int(e["nr_pages"]), off))
-            off += int(e["nr_pages"]) * PAGE
-    return _ParentPages(sorted(runs)), parent / f"pages-{img['entries'][0]['pages_id']}.img"
+        flags, va, n = int(e["flags"]), int(e["vaddr"]), int(e["nr_pages"])
+        if flags & PE_PRESENT:
+            runs.append((va, n, off))
+            off += n * PAGE
+        elif flags & PE_COW:
+            cow.append((va, n))
+    return _ParentPages(sorted(runs), parent / f"pages-{img['entries'][0]['pages_id']}.img", sorted(cow))
+
+
+def _pre_copy_pages(parent: Path, pids: list[int], parents: dict[int, int], pycriu: Any) -> dict[int, _ParentPages]:
+    """Each task's pages in the pre-copy, the PE_COW runs of each linked to its parent's."""
+    out = {pid: _parent_pages(parent, pid, pycriu) for pid in pids if (parent / f"pagemap-{pid}.img").exists()}
+    for pid, pp in out.items():
+        pp.up = out.get(parents.get(pid, 0))
+    return out
 
 
 def view(delta: Path, parent: Path, out: Path, rt: runtime.CriuRuntime | None = None) -> LazySplit:
@@ -79,24 +111,38 @@ def view(delta: Path, parent: Path, out: Path, rt: runtime.CriuRuntime | None = 
     rewritten: set[str] = set()
     # pitstop's lazy marks, not CRIU's (lazyrule.py): CRIU's incremental dump marks no page of
     # the parent lazy, and its marks of the others have CRIU's stack bug
-    for t in (m.task for m in lazyrule.task_images(delta, pycriu)):
-        pp, parent_file = _parent_pages(parent, t.pid, pycriu)
-        task = TaskPages(files=[delta / t.pages_name, parent_file])
+    tasks = [m.task for m in lazyrule.task_images(delta, pycriu)]
+    pre = _pre_copy_pages(parent, [t.pid for t in tasks], cowpages.parents_of(delta, pycriu), pycriu)
+    for t in tasks:
+        pp = pre.get(t.pid)
+        if pp is None:
+            raise RestoreFailed(f"the pre-copy has no pagemap of task {t.pid}, which its delta has",
+                                action="the move rolls back; evacuate again (or with `--no-pre-copy`)")
+        # the delta's file, the task's own pre-copy file, and those of the tasks its shared pages name
+        task = TaskPages(files=[delta / t.pages_name, pp.file])
         src = os.open(delta / t.pages_name, os.O_RDONLY)
-        psrc = os.open(parent_file, os.O_RDONLY)
+        fds: dict[Path, int] = {}
         dst = os.open(out / t.pages_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+        def index(f: Path) -> int:
+            if f not in task.files:
+                task.files.append(f)
+            return task.files.index(f)
+
         try:
             off = 0
             for e in t.entries:
                 flags, va, n = int(e["flags"]), int(e["vaddr"]), int(e["nr_pages"])
                 if flags & PE_PARENT:
                     if flags & PE_LAZY:
-                        task.entries += [(v, k, o, PARENT) for v, k, o in pp.pieces(va, n)]
+                        task.entries += [(v, k, o, index(f)) for v, k, o, f in pp.pieces(va, n)]
                         split.lazy_bytes += n * PAGE
                         e["flags"] = PE_LAZY
                     else:  # placed by the restore itself: into the view's own pages
-                        for _v, k, o in pp.pieces(va, n):
-                            copy_range(psrc, dst, o, k * PAGE)
+                        for _v, k, o, f in pp.pieces(va, n):
+                            if f not in fds:
+                                fds[f] = os.open(f, os.O_RDONLY)
+                            copy_range(fds[f], dst, o, k * PAGE)
                         split.eager_bytes += n * PAGE
                         e["flags"] = PE_PRESENT
                 elif flags & PE_PRESENT:  # changed since the pre-copy: in the delta, as postcopy splits it
@@ -105,10 +151,10 @@ def view(delta: Path, parent: Path, out: Path, rt: runtime.CriuRuntime | None = 
                 raise RestoreFailed(f"{t.pagemap.name} describes {off} bytes of pages, {t.pages_name} holds "
                                     f"{os.fstat(src).st_size}", action="the move rolls back; report it")
         finally:
-            for fd in (src, psrc, dst):
+            for fd in (src, dst, *fds.values()):
                 os.close(fd)
-        with open(out / t.pagemap.name, "wb") as f:
-            dump_pagemap(t.image, f, pycriu)
+        with open(out / t.pagemap.name, "wb") as pm:
+            dump_pagemap(t.image, pm, pycriu)
         task.entries.sort()
         split.tasks[t.pid] = task
         rewritten |= {t.pagemap.name, t.pages_name}

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pitstop.memory.dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, TaskImage, dump_pagemap, link_the_rest
+from pitstop.memory import cowpages
+from pitstop.memory.dumpview import PAGE, PE_COW, PE_LAZY, PE_PARENT, PE_PRESENT, TaskImage, dump_pagemap, link_the_rest
 from pitstop.memory.dumpview import task_images as criu_task_images
 
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_LOCKED, MAP_HUGETLB = 0x02, 0x20, 0x2000, 0x40000
@@ -156,14 +157,15 @@ class Relabelled:
 def relabel(entries: list[dict[str, Any]], rule: LazyRule) -> tuple[list[dict[str, Any]], Relabelled]:
     """The task's pagemap entries with PE_LAZY set by `rule`, cut where it changes within one.
 
-    Only entries with pages in this dump (PE_PRESENT) or in its parent (PE_PARENT: a delta, whose
-    lazy restore reads them from the pre-copy, memory/lazydelta.py) are touched; their pages stay
+    Only entries with pages in this dump (PE_PRESENT), in its parent (PE_PARENT: a delta, whose
+    lazy restore reads them from the pre-copy, memory/lazydelta.py) or in the parent task's
+    (PE_COW: cowpages.py then matches them to the parent's marks) are touched; their pages stay
     in the same order in the pages file, so every offset holds."""
     out: list[dict[str, Any]] = []
     changed = Relabelled()
     for e in entries:
         flags = int(e["flags"])
-        if not flags & (PE_PRESENT | PE_PARENT):
+        if not flags & (PE_PRESENT | PE_PARENT | PE_COW):
             out.append(e)
             continue
         was = bool(flags & PE_LAZY)
@@ -188,15 +190,27 @@ class RelabelledTask:
 
 def task_images(images: Path, pycriu: Any) -> Iterator[RelabelledTask]:
     """dumpview.task_images, each task relabelled by its rule (as CRIU marked it where no rule
-    can be read)."""
+    can be read); then the pages a child shares with its parent (PE_COW), and the parent's pages
+    they name, made eager (cowpages.py)."""
     threads = threads_of(images, pycriu)
+    marked: list[RelabelledTask] = []
     for t in criu_task_images(images, pycriu):
         rule = load(images, t.pid, pycriu, threads.get(t.pid, [t.pid]))
         if rule is None:
-            yield RelabelledTask(t)  # CRIU's marks, unchanged
+            marked.append(RelabelledTask(t))  # CRIU's marks, unchanged
             continue
         entries, changed = relabel(t.entries, rule)
-        yield RelabelledTask(replace(t, entries=entries, image={**t.image, "entries": [t.head, *entries]}), changed)
+        marked.append(RelabelledTask(replace(t, entries=entries, image={**t.image, "entries": [t.head, *entries]}),
+                                     changed))
+    if any(int(e["flags"]) & PE_COW for m in marked for e in m.task.entries):
+        adjusted = cowpages.like_parents({m.task.pid: m.task.entries for m in marked},
+                                         cowpages.parents_of(images, pycriu))
+        for i, m in enumerate(marked):
+            entries, made = adjusted[m.task.pid]
+            marked[i] = RelabelledTask(replace(m.task, entries=entries, image={**m.task.image,
+                                                                                "entries": [m.task.head, *entries]}),
+                                       replace(m.changed, made_eager=m.changed.made_eager + made))
+    yield from marked
 
 
 def view(images: Path, out: Path, pycriu: Any) -> Relabelled:

@@ -21,6 +21,15 @@ soft-dirty (CONFIG_MEM_SOFT_DIRTY is off), so pitstop compares contents instead:
    daemon cannot read a parent, so a lazy restore of a delta goes through a parentless view
    and a local page server instead (lazydelta.py).
 
+A forked child (a DataLoader worker) maps most of its parent's memory copy-on-write.  Where the
+CRIU that runs here is the one pitstop carries (criu/patches/), the pre-copy writes a child's page
+that is the same physical page as its parent's at the same address as a PE_COW entry ("the
+parent's page"), as that CRIU's dump does, instead of reading it again: a rank with N workers
+pre-copies about its own memory, not N + 1 copies of it.  The comparison of frame numbers comes
+after the parent's page was read: a write by either since breaks the sharing, so a page still
+shared then is the bytes the parent's image holds.  Such a page has no digest: if it is no longer
+shared at the pause, the dump has it and it travels.
+
 Where the kernel and the worker allow it (memory/writetrack.py), step 2 asks the kernel instead
 of hashing: the tree's memory is write-protected (async userfaultfd) before a page is read, and
 at the pause PAGEMAP_SCAN lists what was written since.  A page is then unchanged when it was
@@ -51,7 +60,7 @@ from pitstop import nsinit
 from pitstop.criu import runtime
 from pitstop.errors import CaptureFailed
 from pitstop.memory import lazyrule, writetrack
-from pitstop.memory.dumpview import PAGE, PE_LAZY, PE_PARENT, PE_PRESENT, dump_pagemap, link_the_rest
+from pitstop.memory.dumpview import PAGE, PE_COW, PE_LAZY, PE_PARENT, PE_PRESENT, dump_pagemap, link_the_rest
 from pitstop.proc import proctree
 
 BLOCK_PAGES = 16
@@ -62,6 +71,7 @@ PAGEMAP_CHUNK = 1 << 16  # pagemap entries read at a time (512 KiB)
 # A swapped entry's frame field is its swap type (low 5 bits, MAX_SWAPFILES_SHIFT) and offset;
 # the kernel shows it to CAP_SYS_ADMIN only (an agent without it sees 0: every entry a page, the
 # old, slower but correct reading).  The last type is the PTE marker's (include/linux/swap.h).
+_PFN_MASK = (1 << 55) - 1  # a present entry's frame number (0 where the kernel hides it)
 _SWAP_TYPE_MASK = (1 << 5) - 1
 _SWP_PTE_MARKER = _SWAP_TYPE_MASK
 PRE_SUFFIX = "-pre"  # a pre-copy's image id at the destination: its move's image id plus this
@@ -240,11 +250,13 @@ def snapshot(worker_id: str, pids: list[int], out: Path, rt: runtime.CriuRuntime
     uptime_us = time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1000
     inits = {p for p in pids if nsinit.is_init(p)}
     trackers, basis.untracked = writetrack.start([p for p in pids if p not in inits]) if track else ({}, {})
+    # what each process's image holds, by host pid: a child's shared pages may name its parent's
+    held: dict[int, list[tuple[int, int]]] | None = {} if (rt or runtime.locate()).carried else None
     try:
         for pid in pids:
             tr = trackers.pop(pid, None)
             try:
-                vpid, digests, n = _snapshot_one(pycriu, pid, out, stop, tr)
+                vpid, digests, n = _snapshot_one(pycriu, pid, out, stop, tr, held)
             except _Stopped:
                 raise stopped_error(worker_id) from None
             except OSError as e:  # it ended, or its memory went away, while being read (a partial
@@ -287,10 +299,49 @@ def stopped_error(worker_id: str) -> CaptureFailed:
                          code="aborted", http_status=409, action="none: the move goes on without it")
 
 
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _shared_with(pm: int, ppm: int, held: list[tuple[int, int]], va: int, n: int) -> np.ndarray:
+    """Which of n pages from va are the parent's physical page at the same address (and in the
+    parent's image): frame numbers read now, after the parent's pages were."""
+    mine = np.frombuffer(os.pread(pm, n * 8, va // PAGE * 8), dtype=np.uint64)
+    theirs = np.frombuffer(os.pread(ppm, n * 8, va // PAGE * 8), dtype=np.uint64)
+    k = min(len(mine), len(theirs))
+    out = np.zeros(n, dtype=bool)
+    present = np.uint64(1 << 63)
+    both = (mine[:k] & present).astype(bool) & (theirs[:k] & present).astype(bool)
+    frame = mine[:k] & np.uint64(_PFN_MASK)
+    out[:k] = both & (frame != 0) & (frame == (theirs[:k] & np.uint64(_PFN_MASK)))
+    if out.any():  # only where the parent's image has the page
+        inside = np.zeros(n, dtype=bool)
+        for a, m in held:
+            lo, hi = max(a, va), min(a + m * PAGE, va + n * PAGE)
+            if lo < hi:
+                inside[(lo - va) // PAGE:(hi - va) // PAGE] = True
+        out &= inside
+    return out
+
+
+def _cuts(mask: np.ndarray) -> list[tuple[int, int, bool]]:
+    """mask cut into runs (first, count, value)."""
+    edges = np.flatnonzero(np.diff(mask.view(np.int8))) + 1
+    bounds = [0, *edges.tolist(), len(mask)]
+    return [(a, b - a, bool(mask[a])) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
 def _snapshot_one(pycriu: Any, pid: int, out: Path, stop: threading.Event,
-                  tracker: writetrack.Tracked | None = None) -> tuple[int, TaskDigests, int]:
-    """One process's anonymous memory into pages-<vpid>.img and pagemap-<vpid>.img: (vpid, digests, pages)."""
+                  tracker: writetrack.Tracked | None = None,
+                  held: dict[int, list[tuple[int, int]]] | None = None) -> tuple[int, TaskDigests, int]:
+    """One process's anonymous memory into pages-<vpid>.img and pagemap-<vpid>.img: (vpid, digests, pages).
+    held: what each process read before holds, by host pid (None: no PE_COW entries: a stock
+    CRIU could not read them); this one's is added."""
     vpid = ns_pid(pid)
+    ppid = _parent_of(pid) if held is not None else 0
+    parent_held = held.get(ppid) if held is not None else None
+    mine: list[tuple[int, int]] = []
     vmas = [(a, b, False) for a, b in proctree.private_vmas(pid)]
     vmas = sorted(vmas + [(a, b, True) for a, b in proctree.named_vmas(pid, WHOLE_VMAS)])
     digests = TaskDigests(tracker=tracker)
@@ -298,25 +349,48 @@ def _snapshot_one(pycriu: Any, pid: int, out: Path, stop: threading.Event,
     pages = 0
     buf = bytearray(READ_CHUNK)  # reused: fresh memory for every read costs more than the copy here
     pm = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
+    ppm = -1
     try:
+        if parent_held:
+            try:
+                ppm = os.open(f"/proc/{ppid}/pagemap", os.O_RDONLY)
+            except OSError:  # the parent is gone: nothing is shared with it
+                parent_held = None
         mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
         try:
             with open(out / f"pages-{vpid}.img", "wb", buffering=0) as pf:
                 for start, end, whole in vmas:
-                    for va, n in [(start, (end - start) // PAGE)] if whole else _anon_runs(pm, start, end):
-                        # digests even where the kernel tracks the writes: the fallback for a process
-                        # that may be written behind the page tables later (Basis.distrust); they cost
-                        # 5-10 % of the pre-copy's time (bench/delta_cost.py, docs/benchmarks.md)
-                        got = _copy_run(mem, pf, None if whole else digests, va, n, buf, stop)
-                        if got and tracker and not whole:
-                            digests.copied.append((va, va + got * PAGE))
-                        if got:
-                            entries.append({"vaddr": va, "compat_nr_pages": 0, "nr_pages": got, "flags": PE_PRESENT})
-                            pages += got
+                    for va0, n0 in [(start, (end - start) // PAGE)] if whole else _anon_runs(pm, start, end):
+                        parts = [(va0, n0, False)]
+                        if parent_held and not whole:
+                            parts = [(va0 + a * PAGE, k, s)
+                                     for a, k, s in _cuts(_shared_with(pm, ppm, parent_held, va0, n0))]
+                        for va, n, shared in parts:
+                            if shared:  # the parent's page: no bytes here, nor a digest
+                                entries.append({"vaddr": va, "compat_nr_pages": 0, "nr_pages": n, "flags": PE_COW})
+                                mine.append((va, n))
+                                if tracker:
+                                    digests.copied.append((va, va + n * PAGE))
+                                continue
+                            # digests even where the kernel tracks the writes: the fallback for a process
+                            # that may be written behind the page tables later (Basis.distrust); they cost
+                            # 5-10 % of the pre-copy's time (bench/delta_cost.py, docs/benchmarks.md)
+                            got = _copy_run(mem, pf, None if whole else digests, va, n, buf, stop)
+                            if got and tracker and not whole:
+                                digests.copied.append((va, va + got * PAGE))
+                            if got:
+                                entries.append({"vaddr": va, "compat_nr_pages": 0, "nr_pages": got,
+                                                "flags": PE_PRESENT})
+                                mine.append((va, got))
+                                pages += got
         finally:
             os.close(mem)
     finally:
         os.close(pm)
+        if ppm >= 0:
+            os.close(ppm)
+    if held is not None:
+        held[pid] = mine
     with open(out / f"pagemap-{vpid}.img", "wb") as f:
         dump_pagemap({"magic": "PAGEMAP", "entries": entries}, f, pycriu)
     return vpid, digests, pages
