@@ -109,7 +109,7 @@ class Agent:
     def info(self) -> dict:
         try:
             rt = runtime.locate()
-            criu = {"path": rt.binary, "version": rt.version_str}
+            criu = {"path": rt.binary, "version": rt.version_str, "source": rt.source, "patches": list(rt.patches)}
         except PitstopError as e:
             criu = {"error": e.message}
         return {"name": self.s.name, "url": self.s.url, "spare": self.s.spare, "version": __version__,
