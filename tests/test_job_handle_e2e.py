@@ -191,6 +191,29 @@ def test_the_evacuated_host_can_go_and_the_operator_ends_moved_ranks(cluster, tm
     assert r.returncode == 2 and "unknown signal" in r.stderr, r.stderr
 
 
+def test_a_launcher_follows_its_moved_rank_through_the_coordinator_once_its_agent_is_gone(cluster):
+    """host-b is evacuated and its agent stopped (docs allow it); its launcher stays, as a scheduler's
+    step does.  Before, it printed nothing more, ignored SIGTERM and exited 255 ten minutes later
+    ("lost contact"), though the rank ran on.  Now it follows the rank with the handle its agent gave
+    it: the rank's output keeps coming, its signal reaches the rank, and it exits as the rank did."""
+    cc = _cluster(cluster)
+    ranks = cluster.start_job("f", SLEEPER, 1, {0: "host-b"})
+    cluster.wait_registered("host-b", "f.0")
+    until(lambda: b"tick 3" in ranks[0].log.read_bytes(), what="the rank ticks")
+    _evacuated(cc, "host-b")
+    cluster.stop_agent("host-b")
+    cluster.agents["host-b"].proc.wait(30)
+    seen = ranks[0].log.read_bytes().count(b"tick ")
+    until(lambda: b"following worker f.0 through the coordinator" in ranks[0].log.read_bytes(), timeout=30,
+          what="the launcher turning to the coordinator")
+    until(lambda: ranks[0].log.read_bytes().count(b"tick ") > seen + 5, timeout=30,
+          what="the moved rank's output through the coordinator")
+    assert ranks[0].proc.poll() is None
+    ranks[0].proc.send_signal(signal.SIGTERM)
+    assert ranks[0].proc.wait(60) == 128 + signal.SIGTERM
+    until(lambda: _worker(cluster, "spare-1", "f.0")["state"] == "exited", what="the moved rank ended")
+
+
 def test_under_srun_the_rank_and_world_come_from_slurm(cluster, tmp_path):
     """`srun pitstop run -- python train.py`: no RANK or WORLD_SIZE, only Slurm's variables; and a
     rank registered twice, on one host or on two, is refused saying where it runs."""

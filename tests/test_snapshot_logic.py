@@ -189,3 +189,37 @@ def test_a_host_whose_ranks_all_failed_at_once_is_taken_for_lost(tmp_path):
     r.store.create_op("recover-1", "host-b", None, {"@type": "type.pitstop.dev/RecoverMetadata", "job": "j"}, None)
     r.store.update_op("recover-1", done=True, result="succeeded")
     assert r.crashed_host("j") is None
+
+
+def test_a_host_whose_ranks_ended_first_and_then_went_silent_is_taken_for_lost(tmp_path):
+    """The order hosts often die in: the kernel (or the OOM killer, or a crashing driver) kills
+    host b's ranks first, its agent reports them ended, then the host goes silent; the ranks on
+    host a fail a moment later on connection resets.  Before, neither rule saw it (failed_hosts
+    looked only at live ranks on silent hosts, crashed_host only at hosts still heard from) and
+    the job was lost.  b is the failed host; never a job that finished or was stopped."""
+    import itertools
+
+    now = time.time()
+    t0 = now - 10
+    n = itertools.count()
+    failed = {"exit_code": 1}
+
+    def world(b, a, snapshot_at=now - 60, b_silent=True):
+        d = tmp_path / f"world{next(n)}"
+        d.mkdir()
+        r = _crash_world(d, {"host-a": a, "host-b": b}, snapshot_at)
+        if b_silent:
+            r.store.seen.pop("host-b", None)
+            r.store._x("UPDATE hosts SET last_seen=? WHERE name=?", (now - 60, "host-b"))
+        return r
+
+    r = world([("exited", t0, {"exit_code": -9}), ("lost", t0, {})], [("exited", t0 + 0.5, failed)] * 2)
+    assert r.failed_hosts("j") == ["host-b"]
+    assert r._silent("j") == [("host-b", True)], "its ranks had ended before it went silent"
+    assert world([("running", None, {})] * 2, [("running", None, {})] * 2)._silent("j") == [("host-b", False)]
+    assert world([("exited", t0, failed)] * 2, [("exited", t0, failed)] * 2, b_silent=False).failed_hosts("j") == []
+    # a job that finished (a rank exited 0) or was stopped is never recovered
+    assert world([("exited", t0, {"exit_code": 0})] * 2, [("exited", t0, {"exit_code": 0})] * 2).failed_hosts("j") == []
+    assert world([("exited", t0, {**failed, "end_asked": True})] * 2, [("exited", t0, failed)] * 2).failed_hosts("j") == []
+    # ended before the snapshot: the snapshot holds them ended, nothing to roll back to
+    assert world([("exited", t0, failed)] * 2, [("running", None, {})] * 2, snapshot_at=now).failed_hosts("j") == []

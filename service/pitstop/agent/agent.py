@@ -11,6 +11,7 @@ import shutil
 import time
 from typing import Annotated
 
+import structlog
 from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -26,6 +27,8 @@ from pitstop.criu import runtime
 from pitstop.errors import PitstopError, TransferFailed
 from pitstop.network import workerns
 from pitstop.proc import caps, proctree
+
+log = structlog.get_logger("pitstop.agent")
 
 UNMOVABLE_EVERY_S = 5.0  # how often a running worker's shim blocks are read for calls it could not track
 
@@ -120,8 +123,9 @@ class Agent:
 
     def refresh(self, w: Worker, needs: bool = True) -> Worker:
         """needs: also read what capabilities its tree holds (every process's status): for
-        listings, not for a pause, whose time the job waits on."""
-        if w.state == "running" and not w.restored and (
+        listings, not for a pause, whose time the job waits on.  A running or paused worker whose
+        tree is gone ended (a paused one killed, `pitstop kill`): it never reads paused again."""
+        if w.state in ("running", "paused") and not w.restored and (
                 not proctree.is_running(w.root_pid, w.start_time)):
             self.state.update_worker(w, state="exited" if w.exit_code is not None else "lost",
                                      ended_at=time.time())
@@ -143,6 +147,31 @@ class Agent:
             return
         self._unmovable_looked[w.id] = now
         w.unmovable = shimctl.unmovable(w.root_pid)
+
+    def resume_overdue(self) -> list[str]:
+        """Workers paused with a deadline that has passed while nobody resumed them: the caller that
+        paused them (a coordinator's snapshot or move) is gone, and a job must never stay stopped
+        for good.  Each is continued, its network lock lifted, and said so; ranks this agent
+        isolated itself (the coordinator out of reach) are not: they wait for the coordinator.
+        The ids resumed."""
+        now = time.time()
+        nft = None
+        out = []
+        for w in list(self.state.workers.values()):
+            if w.state != "paused" or not w.pause_until or now < w.pause_until or w.id in self.snapshots.isolated:
+                continue
+            net = workerns.from_dict(w.net)
+            if net:
+                nft = nft or runtime.locate().nft
+                workerns.unlock(net, nft)
+            proctree.resume(proctree.tree(w.root_pid))
+            self.state.update_worker(w, state="running", running_since=now, pause_until=None,
+                                     reason="resumed by its agent: its pause outlived its deadline and nothing "
+                                            "resumed it (the coordinator that paused it is gone)")
+            out.append(w.id)
+        if out:
+            log.warning("paused workers resumed by their agent: their pause outlived its deadline", workers=out)
+        return out
 
     def drop_net(self, w: Worker) -> None:
         """A worker that ended takes its address with it."""

@@ -76,6 +76,10 @@ class Handles:
             log.info("signalled", worker=wid, signal=signal.Signals(sig).name)
             if sig in signals.ASKS_FOR_END:  # `pitstop stop|kill`: its end is asked for, not a failure
                 self.state.update_worker(w, end_asked=True)
+                if w.state == "paused":  # stopped (a snapshot, a peer's move, isolated): it acts on it only running
+                    proctree.resume(proctree.tree(w.root_pid))
+                    self.state.update_worker(w, state="running", running_since=time.time(), pause_until=None,
+                                             reason=f"continued so that it receives {signal.Signals(sig).name}")
         return {"worker": wid, "agent": self.s.name, "state": w.state, "delivered": bool(delivered)}
 
     # launchers

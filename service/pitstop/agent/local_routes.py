@@ -19,6 +19,7 @@ from pitstop.errors import Conflict, FailedPrecondition, Forbidden, NotFound, Pi
 from pitstop.network import workerns
 from pitstop.proc import proctree
 from pitstop.wire import agent_requests
+from pitstop.wire.auth import handle_token
 from pitstop.wire.coordinator_client import CoordinatorClient
 
 log = structlog.get_logger("pitstop.agent.local_routes")
@@ -35,7 +36,16 @@ router = APIRouter(prefix="/v1")
 
 
 @router.post("/workers", status_code=201)
-def register(agent: AgentDep, req: agent_requests.RegisterRequest, request: Request) -> Worker:
+def register(agent: AgentDep, req: agent_requests.RegisterRequest, request: Request) -> dict:
+    """Register a `pitstop run` root as a worker.  The answer is the worker and its handle (the
+    coordinator and a token for this worker alone, wire/auth.handle_token), with which the launcher
+    follows the rank through the coordinator when this agent is gone."""
+    w = _register(agent, req, request)
+    return {**w.model_dump(mode="json"),
+            "handle": {"coordinator": agent.s.coordinator, "token": handle_token(agent.s.cluster_token, w.id)}}
+
+
+def _register(agent: Agent, req: agent_requests.RegisterRequest, request: Request) -> Worker:
     pid = req.pid
     if not proctree.exists(pid):
         raise FailedPrecondition(f"pid {pid} does not exist", code="no_such_process",
@@ -138,9 +148,9 @@ def hold_worker(agent: AgentDep, wid: str, request: Request) -> Worker:
 def exited(agent: AgentDep, wid: str, req: agent_requests.ExitedRequest, request: Request) -> Worker:
     w = agent.state.worker(wid)
     own(request, f"worker {wid}", w.owner_uid)
-    if w.state in ("running", "lost"):
+    if w.state in ("running", "paused", "lost"):  # paused: killed while stopped (`pitstop kill` in a snapshot)
         agent.state.update_worker(w, state="exited", exit_code=req.code, ended_at=req.at or time.time(),
-                                  end_asked=req.asked or w.end_asked)
+                                  end_asked=req.asked or w.end_asked, pause_until=None)
         agent.drop_net(w)
     return w
 

@@ -55,8 +55,10 @@ def metrics(agent: AgentDep) -> Response:
     return Response(generate_latest(agent.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _signal_trees(agent: Agent, ws: list[Worker], signal: Callable[[list[int]], None], state: WorkerState) -> None:
-    """Signal every process of the workers' trees, then record their new state in one write."""
+def _signal_trees(agent: Agent, ws: list[Worker], signal: Callable[[list[int]], None], state: WorkerState,
+                  deadline_s: float | None = None) -> None:
+    """Signal every process of the workers' trees, then record their new state in one write (a
+    pause with its deadline, if it has one)."""
     signal([p for w in ws for p in proctree.tree(w.root_pid)])
     now = time.time()
     with agent.state.lock:
@@ -64,8 +66,10 @@ def _signal_trees(agent: Agent, ws: list[Worker], signal: Callable[[list[int]], 
             w.state = state
             if state == "paused":
                 w.paused_at = now
+                w.pause_until = now + deadline_s if deadline_s else None
             else:
                 w.running_since = now
+                w.pause_until = None
         agent.state.save()
 
 
@@ -165,14 +169,17 @@ async def batch_pause(agent: AgentDep, req: agent_requests.WorkersRequest) -> Re
         if bad:
             raise Conflict("only running workers can be paused: " + "; ".join(bad) + "; nothing was paused",
                            action="check the workers' states")
-        _signal_trees(agent, [w for w in ws if w.state == "running"], proctree.stop, "paused")
+        _signal_trees(agent, [w for w in ws if w.state == "running"], proctree.stop, "paused", req.pause_deadline_s)
         return ws
     return _signalled(work)
 
 
 @router.post("/workers:batchResume", response_model=list[Worker])
 async def batch_resume(agent: AgentDep, req: agent_requests.WorkersRequest) -> Response:
-    """Resume several workers; idempotent, and unknown ids fail the call before any resumes."""
+    """Resume several workers; idempotent, and unknown ids fail the call before any resumes.  A
+    worker a snapshot is dumping is resumed once its dump ends (Snapshots.wait_dumps)."""
+    await asyncio.to_thread(agent.snapshots.wait_dumps, req.ids, agent.s.dump_timeout_s)
+
     def work() -> list[Worker]:
         ws = [agent.state.worker(wid) for wid in dict.fromkeys(req.ids)]
         _signal_trees(agent, [w for w in ws if w.state == "paused"], proctree.resume, "running")
@@ -185,7 +192,7 @@ def resume(agent: AgentDep, wid: str) -> Worker:
     w = agent.state.worker(wid)
     if w.state == "paused":
         proctree.resume(proctree.tree(w.root_pid))
-        agent.state.update_worker(w, state="running", running_since=time.time())
+        agent.state.update_worker(w, state="running", running_since=time.time(), pause_until=None)
     return w
 
 

@@ -36,6 +36,19 @@ The agent runs beside the training job: its memory must stay bounded whoever con
 LOCAL_CONCURRENCY = 128  # launchers and their output readers on this host
 
 
+PAUSE_LOOK_S = 1.0  # how often paused workers' deadlines are looked at (Agent.resume_overdue)
+
+
+async def overdue_pause_loop(agent: Agent) -> None:
+    """Resume, off the event loop, workers whose pause outlived its deadline, until cancelled."""
+    while True:
+        await asyncio.sleep(PAUSE_LOOK_S)
+        try:
+            await asyncio.to_thread(agent.resume_overdue)
+        except Exception as e:  # noqa: BLE001 - the next look tries again
+            log.warning("could not look at paused workers' deadlines; will look again", error=repr(e)[:200])
+
+
 def _image_upload(method: str, path: str) -> int | None:
     """An image stream sent as an HTTP body (agents without a data port) is as large as a worker's
     memory: its limit is the reception's own (free space, deadline: agent/receiving.py)."""
@@ -171,6 +184,7 @@ def serve(s: AgentSettings) -> None:
             await asyncio.sleep(0.02)
         share_socket(s.sock, s.local_group)
         tasks.append(asyncio.create_task(watchdog_loop()))
+        tasks.append(asyncio.create_task(overdue_pause_loop(agent)))
         notify(f"READY=1\nSTATUS=agent {s.name} serving {s.url}")
         log.info("agent up", name=s.name, url=s.url, socket=str(s.sock), spare=s.spare,
                  coordinator=s.coordinator, insecure=not s.cluster_token)

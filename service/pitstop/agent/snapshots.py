@@ -123,6 +123,7 @@ class Snapshots:
         self.isolated: set[str] = set()  # workers stopped and cut off while the coordinator was out of reach
         self.trackers: dict[str, dict[int, writetrack.Tracked]] = {}  # worker -> its processes' write tracking
         self.reset_at: dict[str, tuple[str, int]] = {}  # worker -> (job, the part its tracking was last reset at)
+        self.dumping: dict[str, threading.Event] = {}  # worker -> set when its snapshot dump under way ends
 
     # -- where parts live ----------------------------------------------------------------------
     def _dir(self, job: str, number: int, side: str, wid: str | None = None) -> Path:
@@ -204,7 +205,9 @@ class Snapshots:
     def lock_net(self, job: str, ids: list[str], locked: bool, cut: bool = False) -> None:
         """Nothing in or out of the workers' namespaces: locked on every host before the first dump
         and lifted after the last, so that no byte is acknowledged by a rank already dumped and
-        missing from the sender's images (or the reverse)."""
+        missing from the sender's images (or the reverse).  Never lifted under a dump under way."""
+        if not locked:
+            self.wait_dumps(ids, self.a.s.dump_timeout_s)
         nft = runtime.locate().nft
         for w in self._workers(job, ids):
             net = self._own_net(w, cut)
@@ -227,6 +230,34 @@ class Snapshots:
             if w.state != ("running" if cut else "paused"):  # parked at the cut, or stopped
                 raise Conflict(f"worker {w.id} is {w.state}", action="the coordinator pauses the job first")
             self._own_net(w, cut)
+        with self.lock:
+            for w in ws:
+                self.dumping.setdefault(w.id, threading.Event())
+        try:
+            return self._take(job, number, ws, buddy_url, cut, whole)
+        finally:
+            with self.lock:
+                for w in ws:
+                    ev = self.dumping.pop(w.id, None)
+                    if ev is not None:
+                        ev.set()
+
+    def wait_dumps(self, ids: list[str], timeout_s: float) -> list[str]:
+        """Wait (up to timeout_s) until no snapshot dump of these workers is under way; the ids still
+        being dumped then.  Why: a resume or an unlock while CRIU holds a worker (a coordinator
+        that restarted resumes the job of a snapshot it had begun) would let the worker run with its
+        sockets in TCP repair mode, where every read fails (EPERM: seen, a gloo rank died of it)."""
+        end = time.monotonic() + timeout_s
+        for wid in dict.fromkeys(ids):
+            with self.lock:
+                ev = self.dumping.get(wid)
+            if ev is not None:
+                ev.wait(max(0.0, end - time.monotonic()))
+        with self.lock:
+            return [w for w in ids if w in self.dumping]
+
+    def _take(self, job: str, number: int, ws: list[Worker], buddy_url: str | None, cut: bool,
+              whole: bool) -> dict[str, Any]:
         base = self._dir(job, number, OWN)
         if base.exists():
             raise Conflict(f"snapshot {number} of job {job} already exists here", action="take the next number")

@@ -79,6 +79,9 @@ class Worker(BaseModel):
     # its restore here): the pause this rank saw, for the coordinator's ledger.
     paused_at: float | None = None
     running_since: float | None = None
+    # A pause asked with a deadline (wall clock): past it, with nobody having resumed the worker,
+    # its agent resumes it (the coordinator that paused it died; Agent.resume_overdue)
+    pause_until: float | None = None
     registered_at: float = Field(default_factory=time.time)
     # `pitstop run --snapshot-every`: how often the job would like a snapshot (the coordinator takes
     # the smallest its ranks ask); travels with the worker through moves and recoveries

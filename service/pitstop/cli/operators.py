@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any, Optional
 
 import typer
@@ -49,6 +50,8 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"),
             gpus += f", {max(temps)} C max"
         health = h.get("health") or {}
         status = "degraded: " + "; ".join(health.get("reasons", [])) if health.get("degraded") else "ok"
+        if h.get("silent"):
+            status = f"[red]silent[/] for {age(h['age_s'])} (taken for failed)"
         auto = h.get("auto_evacuation")
         if auto:
             status += f"\nauto-evacuation {auto.get('state')}" + (
@@ -103,13 +106,24 @@ def jobs(as_json: bool = typer.Option(False, "--json"), coordinator: Optional[st
     if js is None:
         return
     t = Table(title="jobs")
-    for c in ("job", "state", "movable", "workers (rank@host: state)"):
+    for c in ("job", "state", "movable", "protected", "workers (rank@host: state)"):
         t.add_column(c)
     for j in js:
         why = next((w["unmovable"] for w in j["workers"] if w.get("unmovable")), None)
         t.add_row(j["job"], j["state"], "yes" if j.get("movable", True) else f"no, because {why}",
+                  _protection(j.get("protection")),
                   ", ".join(f"{w['rank']}@{w['host']}: {w['state']}" for w in j["workers"]))
     out.print(t)
+
+
+def _protection(p: dict | None) -> str:
+    """Whether a running job that asked for snapshots would be recovered from one now."""
+    if p is None:
+        return "-"
+    if p["protected"]:
+        return f"yes (snapshot {p['snapshot']}, {p['age_s']:.0f} s old)" + (
+            f"; {p['stretched']}" if p.get("stretched") else "")
+    return f"[red]no[/], because {p['why_not']}"
 
 
 def _signal_job(job: str, sig: int, wait: bool, timeout: float, as_json: bool, coordinator: Optional[str]) -> None:
@@ -208,13 +222,18 @@ def ops(op_id: Optional[str] = typer.Argument(None, help="an operation id; omit 
         _print_op(data)
         return
     t = Table(title="operations")
-    for c in ("operation", "node", "to", "phase", "result", "downtime", "why", "by"):
+    for c in ("operation", "started", "node", "to", "phase", "result", "pause", "why", "by"):
         t.add_column(c)
     for o in data:
         m = o["metadata"]
-        t.add_row(o["name"], m["node"], m.get("destination") or "", m["phase"], m.get("result") or "running",
-                  f"{m['downtime_s']:.2f}s" if m.get("downtime_s") is not None else "", m.get("reason") or "",
-                  m.get("requested_by") or "")
+        pause = m.get("downtime_s") if m.get("downtime_s") is not None else m.get("pause_s")
+        why = m.get("reason") or ""
+        if m.get("@type", "").endswith("RecoverMetadata"):  # a recovery: what failed, and the work it redid
+            why = (f"recovery of {m.get('job')} from snapshot {m.get('snapshot')}"
+                   + (f"; redoes {m['lost_s']:.0f} s" if m.get("lost_s") is not None else ""))
+        t.add_row(o["name"], time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.get("create_time") or 0)),
+                  m["node"], m.get("destination") or "", m.get("phase") or "", m.get("result") or "running",
+                  f"{pause:.2f}s" if pause is not None else "", why, m.get("requested_by") or "")
     out.print(t)
     if len(data) == limit:
         err.print(f"the newest {limit} shown; older ones: --before {min(o['metadata']['create_time'] for o in data)}")
@@ -236,16 +255,31 @@ def moves(node: Optional[str] = typer.Option(None, "--node", help="only moves fr
         t.add_column(col)
     for m in data:
         d = m["decision"]
-        t.add_row(m["operation"].removeprefix("operations/"),
-                  f"{d['node']} -> {d['destination']}\n{m['result'] or ''}",
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["finished"]))
+        t.add_row(m["operation"].removeprefix("operations/") + f"\n{when}",
+                  f"{m.get('kind', 'evacuation')}\n{d['node']} -> {d['destination']}\n{m['result'] or ''}",
                   (f"{m['pause_s']:.2f} s" if m["pause_s"] is not None else "") + _spread(m.get("rank_pause_s")),
                   f"{m['bytes']['before_pause'] / 2**20:.0f} / {(m['bytes']['during_pause'] or 0) / 2**20:.0f}",
-                  _after(m.get("after_move")), m["why"]["reason"])
+                  _recovery(m["recovery"]) if m.get("recovery") else _after(m.get("after_move"), m["result"]),
+                  m["why"]["reason"])
     out.print(t)
 
 
-def _after(a: dict[str, Any] | None) -> str:
+def _recovery(r: dict[str, Any]) -> str:
+    """What a recovery cost the job and left the cluster, one figure a line."""
+    lines = [f"found after {r['detected_after_s']:.1f} s" if r.get("detected_after_s") is not None else None,
+             f"snapshot {r['snapshot']} ({r['snapshot_age_s']:.0f} s old)" if r.get("snapshot_age_s") is not None
+             else None,
+             f"redoes {r['steps_redone']} steps" if r.get("steps_redone") is not None else
+             (f"redoes {r['work_redone_s']:.0f} s of work" if r.get("work_redone_s") is not None else None),
+             f"spares left: {r['spares_left']}" if r.get("spares_left") is not None else None]
+    return "\n".join(x for x in lines if x)
+
+
+def _after(a: dict[str, Any] | None, result: str | None = "succeeded") -> str:
     """The job's time to useful progress after a move, one figure a line."""
+    if result != "succeeded":
+        return "-"
     if not a:
         return "watching"
     if not a.get("measured"):

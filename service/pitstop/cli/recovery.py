@@ -18,10 +18,14 @@ def snapshots(job: str = typer.Argument(..., help="the job (as `pitstop jobs` li
               every: Optional[float] = typer.Option(None, "--every", metavar="SECONDS",
                                                     help="set the running job's snapshot interval (0: off)"),
               take: bool = typer.Option(False, "--take", help="take one snapshot now and wait for it"),
+              drop: bool = typer.Option(False, "--drop", help="drop every snapshot of the job, on every host"),
               as_json: bool = typer.Option(False, "--json"),
               coordinator: Optional[str] = coordinator_option()) -> None:
-    """A job's snapshots: its schedule, the one that counts, the last failure; set or take one."""
+    """A job's snapshots: its schedule, the one that counts, the last failure, why one is kept for a
+    job that ended; set, take or drop them."""
     def call(c):  # noqa: ANN001, ANN202
+        if drop:
+            c.drop_snapshots(job)
         if every is not None:
             c.set_snapshots(job, every)
         if take:
@@ -44,6 +48,8 @@ def snapshots(job: str = typer.Argument(..., help="the job (as `pitstop jobs` li
     out.print(t)
     if data.get("last_error"):
         err.print(f"[yellow]the last snapshot failed:[/] {data['last_error']}", soft_wrap=True)
+    if data.get("kept"):
+        out.print(f"kept: {data['kept']}", soft_wrap=True)
 
 
 @app.command()

@@ -29,6 +29,7 @@ def build(settings: CoordinatorSettings, store: Store | None = None) -> tuple[Be
     app.include_router(dashboard.router)
     app.include_router(routes.agents)
     app.include_router(routes.operators)
+    app.include_router(routes.handles)
     beats = c.metrics.heartbeats
     return BeatFastPath(app, beat=c.beat_seen, token=settings.cluster_token, count=beats.labels("beat").inc,
                         count_udp=beats.labels("beat_udp").inc), c.driver

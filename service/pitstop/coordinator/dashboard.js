@@ -113,12 +113,21 @@ function opView(op) {
   const state = op.done ? (md.result === "succeeded" ? el("span", {class: "ok"}, "succeeded")
                                                      : el("span", {class: "bad"}, md.result || "failed"))
                         : el("span", {}, "running, phase " + md.phase);
-  const pause = md.downtime_s != null ? `, ${md.downtime_s.toFixed(2)} s pause` : "";
+  const recovery = (md["@type"] || "").endsWith("RecoverMetadata");
+  const secs = recovery ? md.pause_s : md.downtime_s;
+  const pause = secs != null ? `, ${secs.toFixed(2)} s pause` : "";
   const why = md.reason ? ` (${md.reason})` : "";
+  const title = recovery ? `recovery of ${md.job}: ${md.node} → ${md.destination || "?"}` : `${md.node} → ${md.destination}`;
   const d = el("div", {class: "op", "data-op": op.name, "data-phase": md.phase || "", "data-done": String(op.done)},
-               el("div", {}, el("b", {}, `${md.node} → ${md.destination}`), " ", state, pause + why,
+               el("div", {}, el("b", {}, title), " ", state, pause + why,
                   el("span", {class: "muted"}, ` ${op.name}, by ${md.requested_by || "?"}`)));
   if (op.error) d.append(el("div", {class: "bad"}, op.error.message));
+  if (recovery) d.append(el("div", {class: "muted", "data-recovery": op.name},
+    `from snapshot ${md.snapshot}` +
+    (md.detected_after_s != null ? `; found ${md.detected_after_s.toFixed(1)} s after the failure` : "") +
+    (md.steps_redone != null ? `; ${md.steps_redone} steps redone` :
+     md.lost_s != null ? `; ${md.lost_s.toFixed(0)} s of work redone` : "") +
+    (md.spares_left != null ? `; spares left: ${md.spares_left}` : "")));
   const a = md.after_move;
   if (a) d.append(el("div", {class: "muted", "data-after": String(a.measured)}, a.measured
     ? `the job after it: first NCCL calls back in ${a.first_collectives_s.toFixed(3)} s` +
@@ -128,6 +137,13 @@ function opView(op) {
     : "the job after it: not measured (" + a.why_not + ")"));
   d.append(...gantt(op));
   return d;
+}
+
+// Whether a running job that asked for snapshots would be recovered from one now, and why not.
+function protection(p) {
+  if (!p) return "-";
+  if (p.protected) return `yes (snapshot ${p.snapshot}, ${Math.round(p.age_s)} s old)`;
+  return el("span", {class: "bad"}, "no: " + p.why_not);
 }
 
 async function refresh() {
@@ -140,9 +156,10 @@ async function refresh() {
     for (const j of jobs) for (const w of j.workers)
       if (["running", "paused", "capturing", "stopped"].includes(w.state)) live[w.host] = (live[w.host] || 0) + 1;
     rows("#hosts", hosts, h => [h.name, h.role,
+      h.silent ? el("span", {class: "bad"}, "silent: taken for failed") :
       h.health && h.health.degraded ? el("span", {class: "bad"}, "degraded: " + h.health.reasons.join("; ")) : "ok",
       String(live[h.name] || 0), age(h.age_s)]);
-    rows("#jobs", jobs, j => [j.job, j.state, j.movable ? "yes" : "no",
+    rows("#jobs", jobs, j => [j.job, j.state, j.movable ? "yes" : "no", protection(j.protection),
       j.workers.map(w => `${w.rank}@${w.host}: ${w.state}`).join(", ")]);
     const shown = ops.slice().sort((a, b) => (a.done - b.done) || (b.metadata.create_time - a.metadata.create_time));
     const box = document.getElementById("ops");

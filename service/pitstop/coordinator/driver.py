@@ -72,8 +72,16 @@ class Cancelled(PitstopError):
     code = "cancelled"
 
 
+PAUSE_MARGIN_S = 60.0  # a move's peers may stay paused its whole deadline and this; then their agents resume them
+
+
 class OpRun:
     """One operation being driven (or reconciled) by this coordinator process."""
+
+    def pause_deadline_s(self) -> float:
+        """How long the peers' pause may last before their agents end it by themselves: the whole
+        operation's deadline (its rollback comes before it) and a margin."""
+        return self.d.s.operation_deadline_s + PAUSE_MARGIN_S
 
     def __init__(self, driver: "Driver", op_id: str) -> None:
         self.d = driver
@@ -330,7 +338,10 @@ class OpRun:
             with priority.critical():
                 self.md.first_pause = time.time()
                 self.save()
-                got = in_parallel(lambda g: self.agent(g[0]).pause_many(g[1]), _by_agent(peers))
+                # past the operation's deadline and a margin the agents resume them by themselves: this
+                # coordinator would have (rolled back), unless it died and never came back
+                got = in_parallel(lambda g: self.agent(g[0]).pause_many(g[1], deadline_s=self.pause_deadline_s()),
+                                  _by_agent(peers))
                 self.rank_stopped.update(_times(got, "paused_at"))
                 with self.lock:  # leave() writes them: one state write after the round, not two
                     self.md.paused.extend(wid for wid, _ in peers)

@@ -14,12 +14,16 @@ from pitstop.wire.evacuation import EvacuationState
 
 
 def entry(op: dict[str, Any]) -> dict[str, Any]:
+    """A finished operation's ledger entry: an evacuation's, or a recovery's (kind says which)."""
+    if op["metadata"].get("@type") == RECOVERY_TYPE:
+        return recovery_entry(op)
     md = EvacuationState.load(op["metadata"])
     planned = next((c for c in md.conditions if c.type == "Planned"), None)
     after = md.after_move.model_dump(exclude_none=True) if md.after_move else None
     spread = (md.pause_round_s or 0.0) + md.phases.get("resume", 0.0)
     return {
         "operation": f"operations/{op['id']}",
+        "kind": "evacuation",
         "result": op["result"],
         "created": op["created"],
         "finished": op["updated"],
@@ -42,3 +46,37 @@ def entry(op: dict[str, Any]) -> dict[str, Any]:
         "after_move": after,
         "error": op.get("error"),
     }
+
+
+RECOVERY_TYPE = "type.pitstop.dev/RecoverMetadata"  # coordinator/recovery.py's TYPE_URL
+
+
+def recovery_entry(op: dict[str, Any]) -> dict[str, Any]:
+    """A recovery in the ledger's shape: what failed and how it was found, the snapshot the job went
+    back to, the pause, the work redone, the spare it took and the spares left after it."""
+    md = op["metadata"]
+    sent = sum(int(r.get("bytes", 0)) for r in (md.get("replicas_sent") or {}).values())
+    return {
+        "operation": f"operations/{op['id']}",
+        "kind": "recovery",
+        "result": op["result"],
+        "created": op["created"],
+        "finished": op["updated"],
+        "why": {"reason": md.get("cause") or md.get("requested_by"), "requested_by": md.get("requested_by")},
+        "decision": {"node": md.get("node"), "destination": md.get("destination"), "planned": None, "plan": None},
+        "jobs": [md.get("job")],
+        "leaving": sorted(md.get("restored") or {}),
+        "peers": 0,
+        "bytes": {"before_pause": 0, "during_pause": sent, "after_resume": 0},
+        "phases": md.get("phases") or {},
+        "pause_s": md.get("pause_s"),
+        "pause_spread_s": None,
+        "rank_pause_s": None,
+        "after_move": None,
+        "recovery": {"detected_after_s": md.get("detected_after_s"), "snapshot": md.get("snapshot"),
+                     "snapshot_age_s": md.get("snapshot_age_s"), "lost_ranks": md.get("lost_ranks"),
+                     "work_redone_s": md.get("lost_s"), "steps_redone": md.get("steps_redone"),
+                     "spares_failed": md.get("spares_failed") or [], "spares_left": md.get("spares_left")},
+        "error": op.get("error"),
+    }
+

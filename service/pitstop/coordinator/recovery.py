@@ -26,7 +26,7 @@ import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 
@@ -79,8 +79,9 @@ class Plan:
 
 class Recoveries:
     def __init__(self, store: Store, settings: CoordinatorSettings, snapshots: Snapshots,
-                 busy: Any) -> None:
+                 busy: Any, on_done: Callable[[dict[str, Any]], None] = lambda md: None) -> None:
         self.store, self.s, self.snaps, self.busy = store, settings, snapshots, busy
+        self.on_done = on_done  # the metrics, once a recovery's record is final
         self._local = threading.local()
         self._threads_lock = threading.Lock()
         self.threads: dict[str, threading.Thread] = {}  # recovery -> the thread of this process driving it
@@ -89,15 +90,35 @@ class Recoveries:
 
     # -- detection ----------------------------------------------------------------------------
     def failed_hosts(self, job: str) -> list[str]:
-        """Hosts of the job's live ranks that stopped reporting past the failure deadline."""
+        """Hosts of the job silent past the failure deadline: ones whose ranks still ran when they
+        went quiet (power lost, the link cut first), and ones whose ranks ended without being asked
+        to since the job's snapshot, then went quiet (the kernel, a crashing driver or the OOM
+        killer took the processes first, then the host went down).  Not a job that ended: one of
+        its ranks exited 0, or its end was asked for."""
+        return sorted(h for h, _ in self._silent(job))
+
+    def _silent(self, job: str) -> list[tuple[str, bool]]:
+        """(host, whether its ranks had ended before it went silent) for failed_hosts."""
         hosts = {h["name"]: h for h in self.store.hosts()}
-        out = set()
-        for w in self.store.workers(job=job):
+        ws = self.store.workers(job=job)
+        snap = self.snaps.committed(job)
+        since = max(snap["created"] if snap else float("inf"), self._last_recovery_end(job))
+        over = any(w["state"] == "exited" and w.get("exit_code") == 0 or w.get("end_asked") for w in ws)
+        out: dict[str, bool] = {}
+        for w in ws:
             h = hosts.get(w["host"])
-            if w["state"] in ("running", "paused", "capturing", "stopped") and h is not None and \
-                    not healthy(h, self.s.failure_deadline_s):
-                out.add(w["host"])
-        return sorted(out)
+            if h is None or healthy(h, self.s.failure_deadline_s):
+                continue
+            if w["state"] in ("running", "paused", "capturing", "stopped"):
+                out[w["host"]] = False
+            elif w["state"] in ("exited", "lost") and not over and float(w.get("ended_at") or 0) >= since:
+                out.setdefault(w["host"], True)
+        return sorted(out.items())
+
+    def _last_recovery_end(self, job: str) -> float:
+        """When the job's last recovery ended: ends before it are what that recovery answered."""
+        return max((op["updated"] for op in self.store.ops(done=True) if is_recovery(op)
+                    and op["metadata"].get("job") == job), default=0.0)
 
     def crashed_host(self, job: str) -> tuple[str, str] | None:
         """A host still heard from on which every rank of the job failed at once since its last
@@ -135,8 +156,7 @@ class Recoveries:
                 found.append((first, host))
         # ends from before the job's last recovery ended are what that recovery answered (it restored or
         # rolled back every rank), not a new failure: the hosts' reports of the restored ranks lag a beat
-        since = max((op["updated"] for op in self.store.ops(done=True) if found and is_recovery(op)
-                     and op["metadata"].get("job") == job), default=0.0)
+        since = self._last_recovery_end(job) if found else 0.0
         found = [(first, host) for first, host in found if first >= since]
         if not found:
             return None
@@ -159,10 +179,16 @@ class Recoveries:
         for job in self.store.snapshot_jobs():
             if self.running(job) or self.snaps.committed(job) is None:
                 continue
-            lost = self.failed_hosts(job)
-            if lost:
-                self._start_by_itself(job, lost[0], "the coordinator (host silent past "
+            silent = self._silent(job)
+            live = [h for h, ended_first in silent if not ended_first]
+            if live:
+                self._start_by_itself(job, live[0], "the coordinator (host silent past "
                                                     f"{self.s.failure_deadline_s:g} s)")
+                continue
+            if silent:  # its ranks ended first, then it went quiet: counted as a crash (its code may be what fails)
+                if self._recent_crash_recoveries(job) < CRASH_RECOVERIES_PER_HOUR:
+                    self._start_by_itself(job, silent[0][0], f"{CRASH_BY} on {silent[0][0]} without being asked to, "
+                                          f"then it was silent past {self.s.failure_deadline_s:g} s)")
                 continue
             crashed = self.crashed_host(job)
             if crashed is None:
@@ -229,10 +255,25 @@ class Recoveries:
         op_id = f"recover-{uuid.uuid4().hex[:12]}"
         md = {"@type": TYPE_URL, "job": job, "node": lost, "snapshot": snap["number"],
               "snapshot_age_s": round(time.time() - snap["created"], 3), "requested_by": requested_by,
+              "cause": requested_by, "detected_after_s": self._detected_after(job, lost),
               "phases": {}, "conditions": []}
         self.store.create_op(op_id, lost, None, md, None)
         self.start_thread(op_id)
         return op_id
+
+    def _detected_after(self, job: str, lost: str) -> float | None:
+        """Seconds from the host's failure to now: from the first end of its ranks of the job that
+        was not asked for, else from its last beat where it is silent; None for a live host whose
+        ranks run (an operator's recovery of it)."""
+        now = time.time()
+        since = self._last_recovery_end(job)
+        ends = [float(w["ended_at"]) for w in self.store.workers(job=job) if w["host"] == lost
+                and w["state"] in ("exited", "lost") and w.get("ended_at") and float(w["ended_at"]) >= since
+                and not w.get("end_asked")]
+        h = self.store.host(lost)
+        silent_since = h["last_seen"] if h is not None and not healthy(h, self.s.failure_deadline_s) else None
+        at = min([*ends, *([silent_since] if silent_since else [])], default=None)
+        return round(now - at, 3) if at is not None else None
 
     def start_thread(self, op_id: str) -> None:
         t = threading.Thread(target=self._run, args=(op_id,), daemon=True, name=f"op-{op_id}")
@@ -243,6 +284,11 @@ class Recoveries:
     def _final(self, op_id: str, **fields: Any) -> None:
         """The operation's last record: kept in memory where the database refuses it, and written by
         the watchdog once it takes writes (the recovery is over on the agents: never run again)."""
+        md = fields.get("metadata") or {}
+        try:
+            self.on_done({**md, "result": fields.get("result")})
+        except Exception:  # noqa: BLE001 - a metric never fails a recovery
+            log.exception("recording a recovery's metrics failed", op=op_id)
         try:
             self.store.update_op(op_id, **fields)
         except StoreUnavailable:
@@ -374,6 +420,12 @@ class Recoveries:
         md["phase"] = "done"
         md["result"] = "succeeded"
         self.store.set_role(spare, "active")
+        md["spares_left"] = sum(1 for h in self.store.hosts() if h["role"] == "spare"
+                                and healthy(h, self.s.heartbeat_timeout_s))
+        if not md["spares_left"]:
+            md["conditions"].append({"type": "SpareLeft", "status": "False", "reason": "NoSpareLeft",
+                                     "message": f"{spare} was the last spare: the next host to fail has none"})
+            log.error("the last spare was used: the next host failure has none", job=plan.job, spare=spare)
         self._final(op_id, phase="done", metadata=md, done=True, result="succeeded",
                     response={"job": plan.job, "destination": spare, "snapshot": plan.number})
         log.info("job recovered", op=op_id, job=plan.job, lost=plan.lost, spare=spare, snapshot=plan.number,

@@ -18,11 +18,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pitstop import tls
 from pitstop.coordinator import ledger, lifecycle
 from pitstop.coordinator.planner import unmovable_workers
-from pitstop.coordinator.recovery import is_recovery
 from pitstop.coordinator.service import ROLES, CoordinatorDep, operation_view
 from pitstop.coordinator.snapshots import MIN_EVERY_S, interval
 from pitstop.errors import Conflict, Forbidden, NotFound, Unprocessable
-from pitstop.httpapi import require_token, token_matches
+from pitstop.httpapi import bearer, require_token, token_matches
+from pitstop.wire.auth import handle_token_ok
 from pitstop.wire.coordinator_requests import (
     Beat,
     ClaimRequest,
@@ -67,6 +67,14 @@ async def cluster(request: Request, c: CoordinatorDep) -> None:  # async: no thr
     require_token(request, c.settings.cluster_token, "cluster", "PITSTOP_CLUSTER_TOKEN")
 
 
+def worker_handle(request: Request, wid: str, c: CoordinatorDep) -> None:
+    """The handle routes: the worker's own handle token (wire/auth.handle_token), which its launcher
+    got when it registered, opens them for that worker alone."""
+    if not handle_token_ok(c.settings.cluster_token, wid, bearer(request)):
+        raise Forbidden(f"this token is not the handle of worker {wid}", code="not_this_handle",
+                        action="a launcher follows only the rank it started, with the handle its agent gave it")
+
+
 open_routes = APIRouter()
 """What a load balancer or Prometheus reaches without a token."""
 
@@ -87,6 +95,7 @@ def prom(c: CoordinatorDep) -> Response:
         m.hosts.labels(role).set(n)
     m.degraded.set(sum(1 for h in hs if (h.get("health") or {}).get("degraded")))
     m.in_flight.set(len(c.store.ops(running_only=True)))
+    m.protection(jobs(c), c.snapshots.paused_total)
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -131,10 +140,13 @@ operators = APIRouter(prefix="/v1", dependencies=[Depends(operator)], tags=["ope
 
 @operators.get("/hosts")
 def hosts(c: CoordinatorDep) -> list[dict]:
+    """Every host: role, inventory, health, and whether it is heard from (`silent`: not within
+    the failure deadline; its jobs with snapshots are recovered elsewhere)."""
     hs = c.store.hosts()
     for h in hs:
         if h["name"] in c.auto.status:
             h["auto_evacuation"] = c.auto.status[h["name"]]
+        h["silent"] = h["age_s"] > c.settings.failure_deadline_s
     return hs
 
 
@@ -161,9 +173,21 @@ def jobs(c: CoordinatorDep) -> list[dict]:
     for w in c.store.workers():
         by.setdefault(w["job"], []).append(w)
     return [{"job": j, "workers": ws, "hosts": sorted({w["host"] for w in ws}),
-             "state": "running" if any(w["state"] in ("running", "paused", "capturing", "stopped")
-                                       for w in ws) else "finished",
-             "movable": not unmovable_workers(ws)} for j, ws in sorted(by.items())]
+             "state": job_state(ws), "movable": not unmovable_workers(ws),
+             "protection": c.snapshots.protection(j, interval(c.store, j, ws)) if job_state(ws) == "running" else None}
+            for j, ws in sorted(by.items())]
+
+
+def job_state(ws: list[dict]) -> str:
+    """running while a rank is live; finished when every rank ended and one exited 0; stopped when
+    an end was asked for (`pitstop stop|kill`, a forwarded signal); failed otherwise."""
+    if any(w["state"] in ("running", "paused", "capturing", "stopped") for w in ws):
+        return "running"
+    if any(w.get("end_asked") for w in ws):
+        return "stopped"
+    if any(w["state"] == "exited" and w.get("exit_code") == 0 for w in ws):
+        return "finished"
+    return "failed"
 
 
 @operators.get("/jobs/{job}/snapshots")
@@ -172,9 +196,28 @@ def job_snapshots(c: CoordinatorDep, job: str) -> dict:
     ws = c.store.workers(job=job)
     if not ws:
         raise NotFound(f"no job {job!r}", action="list jobs with `pitstop jobs`")
-    return {"job": job, "every_s": interval(c.store, job, ws), "set_by_api": c.store.snapshot_policy(job),
+    asked = interval(c.store, job, ws)
+    return {"job": job, "every_s": asked, "set_by_api": c.store.snapshot_policy(job),
+            "effective_every_s": c.snapshots.effective(job, asked), "stretched": c.snapshots.stretched.get(job),
+            "paused_s_total": round(c.snapshots.paused_total.get(job, 0.0), 3),
+            "paused_share": c.snapshots.lost_share(job), "protection": c.snapshots.protection(job, asked),
             "snapshots": c.store.snapshots(job), "last_error": c.snapshots.errors.get(job),
+            "kept": c.snapshots.kept.get(job),
             "fences": [f for f in c.store.fences() if f["job"] == job]}
+
+
+@operators.delete("/jobs/{job}/snapshots")
+def drop_job_snapshots(c: CoordinatorDep, job: str) -> dict:
+    """Drop every snapshot of a job, on every host (`pitstop snapshots JOB --drop`): the job can no
+    longer be recovered from one until its next snapshot commits."""
+    if c.recoveries.running(job):
+        raise Conflict(f"job {job} is being recovered from its snapshot", code="recovery_running",
+                       action="wait for the recovery to end")
+    if not c.store.snapshots(job):
+        raise NotFound(f"job {job!r} has no snapshot", action="list them with `pitstop snapshots JOB`")
+    c.snapshots.drop_everywhere(job, "an operator dropped them")
+    c.snapshots.kept.pop(job, None)
+    return {"job": job, "dropped": True}
 
 
 @operators.put("/jobs/{job}/snapshots")
@@ -220,6 +263,25 @@ def worker_output(c: CoordinatorDep, wid: str,
                     headers={k: v for k, v in headers.items() if k.lower().startswith("x-pitstop")})
 
 
+handles = APIRouter(prefix="/v1", tags=["handles"])
+"""What a rank's own launcher may do through the coordinator once its agent is gone: follow the
+rank (output, state, exit status) and pass it a signal.  Nothing else, and that worker only."""
+
+
+@handles.get("/workers/{wid}/handle/output", dependencies=[Depends(worker_handle)])
+def handle_output(c: CoordinatorDep, wid: str, stream: str = Query("stdout", pattern="^(stdout|stderr)$"),
+                  offset: int = Query(0, ge=0)) -> Response:
+    data, headers = c.worker_output(wid, stream, offset)
+    return Response(data, media_type="application/octet-stream",
+                    headers={k: v for k, v in headers.items() if k.lower().startswith("x-pitstop")})
+
+
+@handles.post("/workers/{wid}/handle:signal", dependencies=[Depends(worker_handle)])
+def handle_signal(c: CoordinatorDep, wid: str, signal: int = Query(..., ge=1, le=64)) -> dict:
+    """A signal the launcher received, passed to its rank wherever it runs now."""
+    return c.signal_worker(wid, signal)
+
+
 @operators.get("/operations")
 def operations(c: CoordinatorDep,
                node: str | None = Query(None, max_length=253, description="only those of this host"),
@@ -237,9 +299,9 @@ def moves(c: CoordinatorDep,
           result: str | None = Query(None, pattern="^(succeeded|failed|cancelled)$"),
           before: float | None = Query(None, description="a page: created before this time"),
           limit: int = Query(100, ge=1, le=1000, description="at most this many, the newest")) -> list[dict]:
-    """The ledger: every finished move, newest first (coordinator/ledger.py)."""
+    """The ledger: every finished move and recovery, newest first (coordinator/ledger.py)."""
     ops = c.store.ops(node=node, done=True, before=before, limit=limit if result is None else 1000)
-    out = [ledger.entry(o) for o in ops if (result is None or o["result"] == result) and not is_recovery(o)]
+    out = [ledger.entry(o) for o in ops if (result is None or o["result"] == result)]
     return out[:limit]
 
 

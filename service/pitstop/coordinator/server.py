@@ -102,6 +102,7 @@ def serve(s: CoordinatorSettings) -> None:
         raise
     touched = driver.reconcile()
     coord = app.app.state.coordinator  # type: ignore[attr-defined]  # the FastAPI app behind the beats
+    touched += coord.snapshots.reconcile()  # before the recoveries: a job a snapshot left paused runs again first
     touched += coord.recoveries.reconcile()
     guarded = RequestGuard(app, tokens=lambda: (s.operator_token, s.read_token, s.cluster_token))
     server = uvicorn.Server(uvicorn.Config(guarded, host=host, port=port, log_level="warning", lifespan="off",

@@ -76,6 +76,48 @@ class Metrics:
                               registry=r)
         Gauge("pitstop_build_info", "pitstop's version (always 1)", ["version", "service"],
               registry=r).labels(__version__, "coordinator").set(1)
+        self.protected = Gauge("pitstop_job_protected", "1 where a running job that asked for snapshots has a "
+                               "recent committed one (it would be recovered from it), else 0", ["pitstop_job"], registry=r)
+        self.snapshot_age = Gauge("pitstop_job_snapshot_age_seconds", "Age of a running job's newest committed "
+                                  "snapshot", ["pitstop_job"], registry=r)
+        self.snapshot_paused = Gauge("pitstop_job_snapshot_paused_seconds", "Seconds a job's snapshots paused it "
+                                     "since this coordinator began", ["pitstop_job"], registry=r)
+        self.recoveries = Counter("pitstop_coordinator_recoveries_total", "Recoveries of jobs from their snapshots, "
+                                  "by result", ["result"], registry=r)
+        self.recovery_detection = Histogram(
+            "pitstop_coordinator_recovery_detection_seconds", "From a host's failure (its last beat, or its ranks' "
+            "first end) until the coordinator began recovering its jobs", registry=r,
+            buckets=(1, 2, 5, 10, 15, 20, 30, 60, 120, 300))
+        self.recovery_pause = Histogram(
+            "pitstop_coordinator_recovery_pause_seconds", "A recovered job's pause, from its survivors' stop to every "
+            "rank's resume (succeeded recoveries)", registry=r, buckets=(.25, .5, 1, 2, 5, 10, 20, 30, 60, 120, 300))
+        self.recovery_redone = Histogram(
+            "pitstop_coordinator_recovery_work_redone_seconds", "The work a recovered job does again: its time "
+            "since the snapshot it was rolled back to", registry=r, buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600))
+
+    def recovered(self, md: dict[str, Any]) -> None:
+        """A recovery ended: its result, and for one that succeeded its pause and work redone."""
+        self.recoveries.labels(md.get("result") or "failed").inc()
+        if md.get("detected_after_s") is not None:
+            self.recovery_detection.observe(md["detected_after_s"])
+        if md.get("result") == "succeeded":
+            if md.get("pause_s") is not None:
+                self.recovery_pause.observe(md["pause_s"])
+            if md.get("lost_s") is not None:
+                self.recovery_redone.observe(md["lost_s"])
+
+    def protection(self, jobs: list[dict[str, Any]], paused: dict[str, float]) -> None:
+        """The jobs' protection gauges, as of now (a job no longer running leaves them)."""
+        for g in (self.protected, self.snapshot_age, self.snapshot_paused):
+            g.clear()
+        for j in jobs:
+            p = j.get("protection")
+            if not p:
+                continue
+            self.protected.labels(j["job"]).set(1 if p["protected"] else 0)
+            if p["age_s"] is not None:
+                self.snapshot_age.labels(j["job"]).set(p["age_s"])
+            self.snapshot_paused.labels(j["job"]).set(paused.get(j["job"], 0.0))
 
     def after_move(self, a: AfterMove) -> None:
         if a.first_collectives_s is not None:
@@ -138,7 +180,8 @@ class Coordinator:
         self.driver = Driver(self.store, settings, on_phase=lambda p, s: self.metrics.phase.labels(p).observe(s),
                              on_result=self.metrics.result, on_after_move=self.metrics.after_move)
         self.snapshots = Snapshots(self.store, settings, self.driver.busy_hosts)
-        self.recoveries = Recoveries(self.store, settings, self.snapshots, self.driver.busy_hosts)
+        self.recoveries = Recoveries(self.store, settings, self.snapshots, self.driver.busy_hosts,
+                                     on_done=self.metrics.recovered)
         self.policy = settings.health_policy()
         self.auto = AutoEvacuator(
             start=lambda node, reason: self.start_evacuation(node, None, reason,
@@ -215,20 +258,29 @@ class Coordinator:
                            action="list jobs and their ranks with `pitstop jobs`")
         urls = {h["name"]: h["url"] for h in self.store.hosts()}
         results: list[dict[str, Any]] = []
-
-        def one(w: dict[str, Any]) -> None:
-            r: dict[str, Any] = {"worker": w["id"], "host": w["host"], "delivered": False}
-            try:
-                with AgentClient(urls[w["host"]], self.settings.cluster_token, timeout=SIGNAL_TIMEOUT_S) as a:
-                    r["delivered"] = bool(a.signal(w["id"], sig).get("delivered"))
-            except PitstopError as e:
-                r.update(error=e.message, code=e.code)
-            except (httpx.HTTPError, KeyError, ValueError) as e:
-                r.update(error=f"cannot reach {w['host']}'s agent: {e!r}", code="unavailable")
-            results.append(r)
-
-        in_parallel(one, ws)
+        in_parallel(lambda w: results.append(self._signal(w, sig, urls)), ws)
         return {"job": job, "signal": sig, "workers": sorted(results, key=lambda r: r["worker"])}
+
+    def signal_worker(self, wid: str, sig: int) -> dict[str, Any]:
+        """A signal for one rank (its launcher's, passed through its handle), where it runs now."""
+        job = wid.rpartition(".")[0]
+        sync_workers(self.store, self.settings, "")
+        w = next((x for x in self.store.workers(job=job) if x["id"] == wid), None)
+        if w is None or w["state"] not in LIVE:
+            raise NotFound(f"worker {wid} does not run", code="no_such_worker",
+                           action="it ended; its launcher reports its exit status")
+        return self._signal(w, sig, {h["name"]: h["url"] for h in self.store.hosts()})
+
+    def _signal(self, w: dict[str, Any], sig: int, urls: dict[str, str]) -> dict[str, Any]:
+        r: dict[str, Any] = {"worker": w["id"], "host": w["host"], "delivered": False}
+        try:
+            with AgentClient(urls[w["host"]], self.settings.cluster_token, timeout=SIGNAL_TIMEOUT_S) as a:
+                r["delivered"] = bool(a.signal(w["id"], sig).get("delivered"))
+        except PitstopError as e:
+            r.update(error=e.message, code=e.code)
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            r.update(error=f"cannot reach {w['host']}'s agent: {e!r}", code="unavailable")
+        return r
 
     def claim(self, host: str, job: str, rank: int, owner_uid: int | None = None,
               privileged: bool = False) -> dict[str, Any]:

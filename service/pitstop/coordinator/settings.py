@@ -36,6 +36,12 @@ class CoordinatorSettings(BaseSettings):
     # A host of a job with snapshots that is silent this long is declared failed for its jobs, and
     # each is recovered from its last complete snapshot (coordinator/recovery.py)
     failure_deadline_s: float = Field(default=10.0, gt=0)
+    # A job that ended by failing (no rank exited 0, no end asked for) keeps its last committed
+    # snapshot this long after its end, for a recovery (coordinator/snapshots.py forget_ended)
+    failed_snapshot_keep_s: float = Field(default=3600.0, ge=0)
+    # The most of a job's time its snapshots may pause it: a job whose snapshots pause it longer
+    # than this share of its interval gets a longer interval, and is told so (coordinator/snapshots.py)
+    snapshot_pause_share: float = Field(default=0.05, gt=0, le=1)
     beat_udp: bool = True                 # also take beats as datagrams on the listen port (wire/beats.py)
     flush_s: float = 1.0                  # how often beats kept in memory are written to the database
     # How often the coordinator looks for an operation whose driving thread ended without ending it

@@ -47,6 +47,7 @@ MIN_EVERY_S = 5.0  # as `pitstop run --snapshot-every` (wire/agent_requests.py)
 DROP_TIMEOUT_S = 10.0
 ENDED_KEEP_S = 60.0  # a job with no live rank keeps its snapshots this long (a recovery may be about to start)
 QUICK_TIMEOUT_S = 5.0  # pause, lock, unlock, resume, check: quick calls; no answer by then is a host in trouble
+PAUSE_MARGIN_S = 60.0  # a snapshot's pause may last its dumps' deadline and this: past it the agents resume by themselves
 
 
 def interval(store: Store, job: str, workers: list[dict[str, Any]]) -> float | None:
@@ -127,6 +128,11 @@ class Snapshots:
         self.held: set[str] = set()  # jobs being recovered: no snapshot meanwhile
         self.recoveries: dict[str, int] = {}  # job -> recoveries begun: a snapshot begun before one never commits
         self.ended: dict[str, float] = {}  # job -> since when none of its ranks is live (monotonic)
+        self.kept: dict[str, str] = {}  # job -> why its snapshot is kept though none of its ranks runs
+        self.pauses: dict[str, float] = {}  # job -> its last snapshot's pause (s)
+        self.paused_total: dict[str, float] = {}  # job -> seconds its snapshots paused it, since this coordinator began
+        self.first_at: dict[str, float] = {}  # job -> when its first snapshot here began (wall clock)
+        self.stretched: dict[str, str] = {}  # job -> why its interval is longer than asked
         self.lock = threading.Lock()
 
     def agent(self, host: str, timeout: float | None = None) -> AgentClient:
@@ -145,12 +151,64 @@ class Snapshots:
         out = []
         now = time.monotonic()
         for job, ws in jobs.items():
-            every = interval(self.store, job, ws)
+            every = self.effective(job, interval(self.store, job, ws))
             if every is None or job in self.taking or job in self.held:
                 continue
             if now - self.last.get(job, -1e18) >= every:
                 out.append(job)
         return out
+
+    def effective(self, job: str, asked: float | None) -> float | None:
+        """The interval the job gets: the one asked, lengthened where its snapshots' pauses would
+        take more than snapshot_pause_share of its time (a snapshot every 5 s that pauses 3 s would
+        stop the job half its time), and said so (`stretched`)."""
+        if asked is None:
+            self.stretched.pop(job, None)
+            return None
+        pause = self.pauses.get(job)
+        share = self.s.snapshot_pause_share
+        if not pause or pause / asked <= share:
+            self.stretched.pop(job, None)
+            return asked
+        every = pause / share
+        self.stretched[job] = (f"every {every:.0f} s, not the {asked:g} s asked: its last snapshot paused the job "
+                               f"{pause:.2f} s, and snapshots may take at most {share:.0%} of its time "
+                               "(PITSTOP_COORDINATOR_SNAPSHOT_PAUSE_SHARE)")
+        return every
+
+    def paused(self, job: str, pause_s: float) -> None:
+        """A snapshot paused the job `pause_s`: its time lost to snapshots, and its next interval."""
+        with self.lock:
+            self.pauses[job] = pause_s
+            self.paused_total[job] = self.paused_total.get(job, 0.0) + pause_s
+            self.first_at.setdefault(job, time.time() - pause_s)
+
+    def protection(self, job: str, asked: float | None) -> dict[str, Any] | None:
+        """Whether a job that asked for snapshots is covered now: a committed snapshot, recent
+        enough (within three of its intervals and a minute); else why not.  None: it asked none."""
+        if asked is None:
+            return None
+        every = self.effective(job, asked) or asked
+        snap = self.committed(job)
+        age = time.time() - snap["created"] if snap else None
+        why = None
+        if snap is None:
+            why = "no snapshot has been committed yet" + (f"; the last one failed: {self.errors[job]}"
+                                                          if job in self.errors else "")
+        elif age is not None and age > 3 * every + 60:
+            why = f"its newest snapshot is {age:.0f} s old" + (f"; the last one failed: {self.errors[job]}"
+                                                               if job in self.errors else "")
+        return {"protected": why is None, "snapshot": snap["number"] if snap else None,
+                "age_s": round(age, 1) if age is not None else None, "every_s": round(every, 3),
+                "why_not": why, "stretched": self.stretched.get(job),
+                "paused_share": None if self.lost_share(job) is None else round(self.lost_share(job) or 0.0, 5)}
+
+    def lost_share(self, job: str) -> float | None:
+        """The share of the job's time since its first snapshot that snapshots paused it."""
+        first = self.first_at.get(job)
+        if first is None:
+            return None
+        return self.paused_total.get(job, 0.0) / max(1e-3, time.time() - first)
 
     def tick(self) -> None:
         for job in self.due():
@@ -161,18 +219,40 @@ class Snapshots:
         self.forget_ended()
 
     def forget_ended(self) -> None:
-        """A job none of whose ranks is live any more (it finished, or was stopped) needs its
-        snapshots no longer: dropped on every host that answers, after ENDED_KEEP_S, then forgotten."""
-        live = {w["job"] for w in self.store.workers() if w["state"] in LIVE}
+        """A job none of whose ranks is live any more needs its snapshots no longer once it
+        finished (a rank exited 0) or was stopped (its end was asked for): dropped on every host
+        that answers after ENDED_KEEP_S, then forgotten.  A job that ended by failing keeps its last
+        committed snapshot (a recovery, by itself or an operator's, may still restore it) for
+        failed_snapshot_keep_s, and says why in its listing (`kept`)."""
+        by_job: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for w in self.store.workers():
+            by_job[w["job"]].append(w)
         now = time.monotonic()
         for job in self.store.snapshot_jobs():
-            if job in live or job in self.held or job in self.taking:
+            ws = by_job.get(job, [])
+            if any(w["state"] in LIVE for w in ws) or job in self.held or job in self.taking:
                 self.ended.pop(job, None)
+                self.kept.pop(job, None)
                 continue
-            if now - self.ended.setdefault(job, now) < ENDED_KEEP_S:
+            since = self.ended.setdefault(job, now)
+            over = any(w["state"] == "exited" and w.get("exit_code") == 0 or w.get("end_asked") for w in ws)
+            if over or self.committed(job) is None:
+                if now - since >= ENDED_KEEP_S:
+                    self._forget(job, "its ranks have all ended (it finished or was stopped)")
                 continue
-            self.drop_everywhere(job, "its ranks have all ended")
-            self.ended.pop(job, None)
+            keep_s = self.s.failed_snapshot_keep_s
+            if now - since < keep_s:
+                self.kept[job] = (f"the job ended by failing: its last snapshot is kept for a recovery for "
+                                  f"{keep_s:g} s after its end (PITSTOP_COORDINATOR_FAILED_SNAPSHOT_KEEP_S); "
+                                  "`pitstop recover JOB --node HOST` restores it, `pitstop snapshots JOB --drop` "
+                                  "drops it")
+                continue
+            self._forget(job, f"the job ended by failing {keep_s:g} s ago and was not recovered")
+
+    def _forget(self, job: str, why: str) -> None:
+        self.drop_everywhere(job, why)
+        self.ended.pop(job, None)
+        self.kept.pop(job, None)
 
     def drop_everywhere(self, job: str, why: str) -> None:
         """Every snapshot of the job, on every host that answers, and its records."""
@@ -184,6 +264,68 @@ class Snapshots:
                 log.info("a job's snapshots could not be dropped there now", job=job, host=h["name"], error=e.message)
         self.store.forget_snapshots(job, keep=None)
         log.info("a job's snapshots dropped", job=job, why=why)
+
+    def reconcile(self) -> list[str]:
+        """After a restart: a snapshot the last coordinator left under way.  One still `taking` may
+        have its job paused (stopped, or parked at the NCCL cut with its communicators destroyed)
+        and its networks locked: every host of the job is unlocked and resumed (the communicators
+        re-created, or the cut released), then it is recorded failed and its parts dropped.  One
+        `replicating` had its job resumed already: recorded failed, its parts dropped.  The
+        previous committed snapshot still counts.  What was reconciled ("job/number")."""
+        out = []
+        for job in self.store.snapshot_jobs():
+            for snap in self.store.snapshots(job):
+                if snap["state"] not in ("taking", "replicating"):
+                    continue
+                number = snap["number"]
+                record = {k: v for k, v in snap.items() if k not in ("job", "number", "state", "created")}
+                problems = self._unpause(job, record) if snap["state"] == "taking" else []
+                record["error"] = ("the coordinator restarted during it; the job was resumed" if not problems else
+                                   "the coordinator restarted during it; resuming the job: " + "; ".join(problems))
+                self.errors[job] = record["error"]
+                self.store.put_snapshot(job, number, "failed", record)
+                hosts = sorted({p["host"] for p in record.get("parts", {}).values()} | set(record.get("buddies", {}).values()))
+                clients = {}
+                for h in hosts:
+                    try:
+                        clients[h] = self.agent(h, timeout=DROP_TIMEOUT_S)
+                    except PitstopError:
+                        continue
+                threading.Thread(target=self._drop, args=(job, clients, self._committed(job)), daemon=True,
+                                 name=f"drop-{job}-{number}").start()
+                log.warning("a snapshot left under way by the last coordinator: the job resumed, the snapshot failed",
+                            job=job, number=number, was=snap["state"], problems=problems)
+                out.append(f"{job}/{number}")
+        return out
+
+    def _unpause(self, job: str, record: dict[str, Any]) -> list[str]:
+        """Undo whatever of a snapshot's pause may be in effect (each step idempotent); problems."""
+        by_host: dict[str, list[str]] = defaultdict(list)
+        for wid, p in (record.get("parts") or {}).items():
+            by_host[p["host"]].append(wid)
+        cut = record.get("pause") == "nccl_cut"
+        problems = []
+        clients: dict[str, AgentClient] = {}
+        try:
+            for h in sorted(by_host):
+                try:  # the agent answers once its dump under way, if any, has ended: the dump's deadline
+                    clients[h] = self.agent(h, timeout=self.s.capture_deadline_s)
+                    clients[h].snapshot_lock(job, by_host[h], False, cut=cut)
+                    if not cut:
+                        clients[h].resume_many(by_host[h])
+                except PitstopError as e:
+                    problems.append(f"{h}: {e.message}")
+            if cut:
+                c = job_cut({w: h for h, ws in by_host.items() for w in ws}, lambda h: clients[h], self.s.cut_deadline_s)
+                try:
+                    states = {b["state"] for bs in c.get_all(c.workers).values() for b in bs} if c.get_all else set()
+                    c.rewire() if "destroyed" in states else c.release()
+                except PitstopError as e:
+                    problems.append(f"the job's communicators: {e.message}")
+        finally:
+            for cl in clients.values():
+                cl.close()
+        return problems
 
     def restart_clock(self, job: str, at: float | None = None) -> None:
         self.last[job] = time.monotonic() if at is None else at
@@ -273,9 +415,14 @@ class Snapshots:
             cut = job_cut({w["id"]: w["host"] for w in ws}, lambda h: clients[h], self.s.cut_deadline_s)
             shim = cut.uses_shim()  # NCCL: the shim's consistent cut, communicators destroyed; else SIGSTOP
             record["pause"] = "nccl_cut" if shim else "sigstop"
+            self.store.put_snapshot(job, number, "taking", record)  # how it pauses, for a restart to undo it
             in_parallel(lambda h: clients[h].snapshot_check(job, by_host[h], cut=shim), hosts)
             record["phases"]["check"] = round(time.monotonic() - t0, 4)
-            pause_s = self._paused_dump(job, number, by_host, buddy, clients, record, cut if shim else None)
+            try:
+                pause_s = self._paused_dump(job, number, by_host, buddy, clients, record, cut if shim else None)
+            finally:
+                if record.get("pause_started"):  # the job did pause: its time is lost, whatever came after
+                    self.paused(job, time.monotonic() - record.pop("pause_started"))
             record["pause_s"] = round(pause_s, 4)
             self.store.put_snapshot(job, number, "replicating", record)
             self._await_replicas(job, number, hosts, clients, record)
@@ -321,9 +468,11 @@ class Snapshots:
             if job in self.held:
                 raise Conflict(f"job {job} is being recovered", action="its next snapshot follows the recovery")
             self.pausing.add(job)
+        record["pause_started"] = t_pause
         try:
             def pause(h: str) -> None:
-                clients[h].pause_many(by_host[h])
+                # past this the agents resume the job by themselves: this coordinator would have, unless it died
+                clients[h].pause_many(by_host[h], deadline_s=self.s.capture_deadline_s + PAUSE_MARGIN_S)
                 paused.append(h)
             if cut is not None:
                 res = cut.quiesce()  # releases the job itself when no cut is reached

@@ -7,6 +7,7 @@ Options are fixed by what pitstop guarantees rather than left to callers:
   locked with nftables (iptables is not assumed to exist);
 - stdio pipes to outside the tree are handed back on restore (inherit_fd), as
   runc and podman do, so output keeps flowing to whoever owns the new pipes.
+- cgroups are left alone (manage_cgroups ignore): the destination's agent places the tree.
 - a worker with its own network namespace (network/workerns.py) has that
   namespace marked external (key "wnet") and is restored into a namespace the
   agent prepared with the same address; the agent locks the whole namespace
@@ -87,6 +88,7 @@ def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | N
             c.opts.leave_stopped = True
         c.opts.tcp_established = True
         c.opts.network_lock = pycriu.rpc.NFTABLES
+        _no_cgroups(pycriu, c)
         if own_netns is not None:  # the worker's namespace: external, locked whole by the agent
             c.opts.external.append(f"net[{own_netns}]:{NET_KEY}")
             c.opts.network_lock = pycriu.rpc.SKIP
@@ -184,6 +186,7 @@ def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None,
         c.opts.images_dir_fd = dfd
         c.opts.tcp_established = True
         c.opts.network_lock = pycriu.rpc.NFTABLES
+        _no_cgroups(pycriu, c)
         if net_fd is not None:
             c.opts.network_lock = pycriu.rpc.SKIP
         c.opts.log_file = RESTORE_LOG
@@ -212,6 +215,16 @@ def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None,
     finally:
         c._comm.close()
         os.close(dfd)
+
+
+def _no_cgroups(pycriu: Any, c: Any) -> None:
+    """CRIU neither dumps nor restores the tree's cgroups: the destination's agent places a restored
+    tree itself (agent/scope.py: a systemd scope of its own where systemd runs the host).  Why: a
+    tree in a scope of one host names cgroups another host (or a systemd in another cgroup
+    namespace) lacks; CRIU's default mode then failed both the restore and the rollback ("cg: No
+    set 1 found", seen moving a rank off an agent run by the shipped unit)."""
+    c.opts.manage_cgroups = True
+    c.opts.manage_cgroups_mode = pycriu.rpc.IGNORE
 
 
 def _dump_action(lines: list[str], log: Path) -> str:

@@ -56,10 +56,13 @@ from pitstop.launcher.seccomp import deny_io_uring
 from pitstop.proc import caps, proctree, signals
 from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.agent_requests import MAX_SNAPSHOT_EVERY_S, MIN_SNAPSHOT_EVERY_S
+from pitstop.wire.coordinator_client import HandleClient
 
 AGENT_QUESTION_TIMEOUT_S = 10  # the agent's health or info, asked before the command starts
 PUMP_DRAIN_S = 5  # the output pumps, to pass on what the ended command wrote last
 ENDED_AT_ONCE_WAIT_S = 10  # a command the agent refused because it had just ended: its exit status
+AGENT_GONE_S = 5.0  # this host's agent silent this long while following a moved rank: follow it via the coordinator
+HANDLE_TIMEOUT_S = 10.0  # one call to the coordinator with the rank's handle
 
 MOVING = ("capturing", "stopped", "released", "moved")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
@@ -309,13 +312,18 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
             _safe(client.drop_network, f"{job}.{rank}")
         return 125
     wid = w["id"]
+    handle = _handle(w, wid)
 
     asked: list[int] = []  # termination signals forwarded to the rank: its end was asked for
 
     def forward(sig: int, _frame: object) -> None:
         if sig in signals.ASKS_FOR_END:
             asked.append(sig)
-        info = _safe(client.worker, wid) or {}
+        info = _safe(client.worker, wid)
+        if info is None and handle is not None and p.poll() is not None:  # moved, and this host's agent is gone
+            threading.Thread(target=_safe, args=(handle.signal, sig), daemon=True).start()
+            return
+        info = info or {}
         if info.get("state") in MOVING:  # its agent delivers it where the worker runs now (agent/handles.py)
             threading.Thread(target=_signal_moved, args=(client, wid, sig), daemon=True).start()
             return
@@ -336,7 +344,20 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
             if not info.get("fenced_epoch"):  # a fenced rank's directory is its agent's to remove
                 nsinit.remove_unused(init_dir)  # its init's, where the tree was killed
             return code
-    return _follow_recoveries(client, wid)
+    return _follow_recoveries(client, wid, handle)
+
+
+def _handle(w: dict, wid: str) -> HandleClient | None:
+    """The rank's handle at the coordinator (its agent gave it at registration), for following it
+    when this host's agent is gone; None where there is no coordinator or it is out of reach
+    (mutual TLS: a launcher holds no certificate)."""
+    h = w.get("handle") or {}
+    if not h.get("coordinator"):
+        return None
+    try:
+        return HandleClient(h["coordinator"], wid, h.get("token") or "", timeout=HANDLE_TIMEOUT_S)
+    except PitstopError:
+        return None
 
 
 def recovery_wait_s() -> float:
@@ -358,16 +379,18 @@ def _recovered(client: AgentClient, wid: str, ended_pid: int | None) -> bool:
         info = _safe(client.worker, wid) or {}
         if info.get("fenced_epoch") or info.get("state") == "moved":  # it runs on elsewhere, or never here again
             return False
+        if info.get("end_asked"):  # `pitstop stop|kill`: an end asked for, never recovered
+            return False
         if info.get("root_pid") not in (None, ended_pid) and info.get("state") not in ("exited", "lost"):
             return True
         time.sleep(0.5)
     return False
 
 
-def _follow_recoveries(client: AgentClient, wid: str) -> int:
+def _follow_recoveries(client: AgentClient, wid: str, handle: OutputSource | None = None) -> int:
     """Follow the rank where it runs now, and again after each recovery that restores it."""
     while True:
-        code = shell_code(follow(client, wid))
+        code = shell_code(follow(client, wid, fallback=handle))
         info = _safe(client.worker, wid) or {}
         if code == 0 or not info.get("snapshot_every_s") or not _recovered(client, wid, info.get("root_pid")):
             return code
@@ -502,9 +525,11 @@ class OutputSource(Protocol):
     def output(self, wid: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]: ...
 
 
-def follow(client: OutputSource, wid: str, echo: bool = True) -> int:
+def follow(client: OutputSource, wid: str, echo: bool = True, fallback: OutputSource | None = None) -> int:
     """Stream the output of a worker that runs elsewhere, until it exits; return its code.  The
     source is this host's agent (a launcher whose worker moved) or the coordinator (`pitstop attach`).
+    fallback: where to follow it once the source has not answered for AGENT_GONE_S (the rank's
+    handle at the coordinator, for a launcher whose host's agent was stopped after its rank left).
     echo=False: read it without printing it (a `pitstop hold` whose output nobody reads)."""
     offsets = {"stdout": 0, "stderr": 0}
     outs = {"stdout": sys.stdout, "stderr": sys.stderr}
@@ -548,6 +573,11 @@ def follow(client: OutputSource, wid: str, echo: bool = True) -> int:
             return 255
         if state == "unreachable":
             unreachable_since = unreachable_since or time.monotonic()
+            if fallback is not None and time.monotonic() - unreachable_since > AGENT_GONE_S:
+                print(f"pitstop run: this host's agent does not answer; following worker {wid} through the "
+                      "coordinator", file=sys.stderr)
+                client, fallback, unreachable_since = fallback, None, None
+                continue
             if time.monotonic() - unreachable_since > 600:
                 print(f"pitstop run: lost contact with worker {wid} for 10 minutes", file=sys.stderr)
                 return 255

@@ -142,9 +142,11 @@ class AgentClient:
     def resume(self, wid: str) -> dict:
         return self._req("POST", f"/v1/workers/{wid}:resume")
 
-    def pause_many(self, ids: list[str]) -> list[dict]:
-        """All of `ids` in one call; an agent older than the batch call gets one call each."""
-        return self._or_each(lambda: self._req("POST", "/v1/workers:batchPause", json=body(WorkersRequest, ids=ids)),
+    def pause_many(self, ids: list[str], deadline_s: float | None = None) -> list[dict]:
+        """All of `ids` in one call; an agent older than the batch call gets one call each.
+        deadline_s: the agent resumes them by itself past it, should nobody else (the caller gone)."""
+        return self._or_each(lambda: self._req("POST", "/v1/workers:batchPause",
+                                               json=body(WorkersRequest, ids=ids, pause_deadline_s=deadline_s)),
                              lambda: [self.pause(wid) for wid in ids])
 
     def resume_many(self, ids: list[str]) -> list[dict]:

@@ -133,6 +133,9 @@ class NetworkRequest(BaseModel):
 
 class WorkersRequest(BaseModel):
     ids: list[str] = Field(min_length=1, max_length=4096, description="worker ids on this agent")
+    pause_deadline_s: float | None = Field(None, gt=0, le=7 * 86400.0, description="a pause: the agent resumes "
+                                           "the workers by itself once it has lasted this long and nobody "
+                                           "resumed them (the coordinator that paused them is gone)")
 
 
 class ExitedRequest(BaseModel):

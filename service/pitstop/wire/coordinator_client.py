@@ -97,6 +97,9 @@ class CoordinatorClient:
     def set_snapshots(self, job: str, every_s: float | None) -> dict:
         return self._req("PUT", f"/v1/jobs/{job}/snapshots", json={"every_s": every_s})
 
+    def drop_snapshots(self, job: str) -> dict:
+        return self._req("DELETE", f"/v1/jobs/{job}/snapshots")
+
     def take_snapshot(self, job: str, timeout: float = 600.0) -> dict:
         return self._req("POST", f"/v1/jobs/{job}/snapshots:take", timeout=timeout)
 
@@ -109,8 +112,11 @@ class CoordinatorClient:
 
     def output(self, wid: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]:
         """A worker's output from `offset` and its X-Pitstop-* headers, wherever it runs."""
+        return self._output(f"/v1/workers/{wid}/output", stream, offset)
+
+    def _output(self, path: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]:
         try:
-            r = self.http.get(f"/v1/workers/{wid}/output", params={"stream": stream, "offset": offset})
+            r = self.http.get(path, params={"stream": stream, "offset": offset})
         except httpx.HTTPError as e:
             raise Unavailable(f"cannot reach the coordinator at {self.url}: {e!r}",
                               action="check the coordinator and its URL") from None
@@ -127,3 +133,19 @@ class CoordinatorClient:
 
     def cancel(self, op_id: str) -> dict:
         return self._req("POST", f"/v1/operations/{op_id.removeprefix('operations/')}:cancel")
+
+
+class HandleClient(CoordinatorClient):
+    """A rank's launcher at the coordinator, with the handle its agent gave it (wire/auth.py): the
+    rank's output and state, and a signal for it; that rank alone."""
+
+    def __init__(self, url: str, wid: str, token: str, timeout: float = 30.0) -> None:
+        super().__init__(url, token=token, timeout=timeout)
+        self.wid = wid
+
+    def output(self, wid: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]:
+        return self._output(f"/v1/workers/{wid}/handle/output", stream, offset)
+
+    def signal(self, sig: int) -> dict:
+        return self._req("POST", f"/v1/workers/{self.wid}/handle:signal", params={"signal": sig})
+
