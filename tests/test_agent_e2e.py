@@ -329,3 +329,50 @@ def test_local_socket_checks_peer_credentials(tmp_path):
         os.killpg(p.pid, signal.SIGTERM)
         p.wait(20)
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_a_second_agent_on_the_same_state_directory_refuses_to_start(tmp_path):
+    """Two agents on one state directory: the second once unlinked the first's local socket and bound
+    its own, and every `pitstop run` there then reached an agent that did not know its workers.  The
+    second must refuse, naming the first's pid; the first keeps its socket; once the first is gone
+    (even killed), its lock file keeps nobody out."""
+    from pitstop.dev.devcluster import wait_http
+
+    state = tmp_path / "state"
+
+    def start(name: str, port: int, stderr: int = subprocess.DEVNULL) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "pitstop.cli", "agent", "--name", name, "--insecure",
+                                 "--listen", f"127.0.0.1:{port}", "--state-dir", str(state),
+                                 "--image-dir", str(tmp_path / f"images-{name}")],
+                                stdout=subprocess.DEVNULL, stderr=stderr, text=True,
+                                start_new_session=True,  # no tmpfs of its own: the SIGKILL below would leave it
+                                env={**os.environ, "PITSTOP_AGENT_IMAGE_MOUNT": "false"})
+
+    def local_name() -> str:
+        c = httpx.Client(transport=httpx.HTTPTransport(uds=str(state / "agent.sock")), base_url="http://a")
+        return c.get("/v1/info", timeout=10).json()["name"]
+
+    first_port, second_port = free_port(), free_port()
+    first = start("first", first_port)
+    second = None
+    try:
+        wait_http(f"http://127.0.0.1:{first_port}/healthz", proc=first)
+        second = start("second", second_port, subprocess.PIPE)
+        _, err = second.communicate(timeout=60)
+        said = " ".join(err.split())
+        assert second.returncode == 1, said
+        assert f"pid {first.pid}" in said and "agent first" in said and str(state) in said, said
+        assert "--state-dir" in said and f"kill {first.pid}" in said, said
+        assert "Traceback" not in said
+        assert local_name() == "first"  # its socket is still its own
+        assert not (tmp_path / "images-second").exists()  # refused before anything else was made
+        os.killpg(first.pid, signal.SIGKILL)  # no clean exit: the kernel drops the lock all the same
+        first.wait(20)
+        second = start("second", second_port)
+        wait_http(f"http://127.0.0.1:{second_port}/healthz", proc=second)
+        assert local_name() == "second"
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(20)

@@ -12,8 +12,8 @@ import uvicorn
 import uvloop
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from pitstop import fdlimit, priority, tls
-from pitstop.agent import imagefs, reclaim
+from pitstop import fdlimit, priority, safepath, tls
+from pitstop.agent import imagefs, reclaim, statelock
 from pitstop.agent.agent import Agent
 from pitstop.agent.api import local_app, peer_app
 from pitstop.agent.peercred import checked
@@ -116,6 +116,18 @@ def check_lazy_restore(s: AgentSettings) -> None:
                    "(CONFIG_USERFAULTFD, vm.unprivileged_userfaultfd does not matter for root)")
 
 
+def hold_state_dir(s: AgentSettings) -> None:
+    """Before anything in the state directory is read or written (the local socket, the state
+    file, diagnostics): the directory is this agent's alone for its life (agent/statelock.py)."""
+    try:
+        safepath.private_dir(s.state_dir, mode=0o755, what="the agent's state directory")
+        statelock.hold(s.state_dir, name=s.name, url=s.url)
+    except OSError as e:
+        raise FailedPrecondition(f"cannot lock the agent's state directory: {e.strerror}: {e.filename or s.state_dir}",
+                                 code="agent_directories",
+                                 action="give --state-dir on a writable local file system") from None
+
+
 def _preload() -> None:
     """Import now what the first capture and restore need (pycriu and its protobuf modules,
     about 0.1 s of CPU): otherwise the first move after every start pays it while the job waits."""
@@ -132,6 +144,7 @@ def serve(s: AgentSettings) -> None:
     check_security(s)
     check_advertised(s)
     check_lazy_restore(s)
+    hold_state_dir(s)
     _preload()
     become_subreaper()
     host, port = s.host_port()
