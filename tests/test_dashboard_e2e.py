@@ -60,9 +60,11 @@ def test_the_dashboard_shows_an_evacuation_as_it_happens(cluster, chromium, tmp_
     # no token: the page holds no data and says why
     dom = _dom(chromium, profile, page)
     assert "refused:" in dom and "PITSTOP_READ_TOKEN" in dom and "host-b" not in dom, dom[-3000:]
-    # the read token: hosts and jobs
+    # the read token: hosts (a cordoned one says so) and jobs
+    cc.cordon("host-a", "fan noise")
     dom = _dom(chromium, profile, page + "#token=" + READ_TOKEN)
     assert "host-a" in dom and "spare-1" in dom and "0@host-b: running" in dom, dom[-3000:]
+    assert "active, cordoned: fan noise" in dom, dom[-3000:]
 
     # an evacuation: its phase while it runs, every rank's phases once it is done
     op = cc.evacuate("host-b")

@@ -6,6 +6,8 @@ out; the end-to-end test runs a coordinator, three agents and real jobs."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from typer.testing import CliRunner
 from pitstop import cli
 from pitstop.agent.server import check_advertised
 from pitstop.agent.settings import AgentSettings
+from pitstop.dev.devcluster import pitstop_cmd
 from pitstop.errors import FailedPrecondition, PitstopError
 from pitstop.wire.coordinator_client import CoordinatorClient
 
@@ -151,3 +154,42 @@ def test_a_drained_host_is_no_destination_until_it_is_returned_to_service(cluste
     am = httpx.get(a.url + "/metrics", headers={"Authorization": f"Bearer {cluster.token}"}, timeout=10).text
     assert "pitstop_build_info{" in am
     assert not any(x in am for x in ('phase="uffd_fill_bytes"', 'phase="gpu_rounds"', 'phase="uffd_fill_threads"'))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_cordoned_spare_is_kept_out_of_the_pool_through_the_cli_and_moves_nothing(cluster):
+    """`pitstop hosts cordon`: a spare with suspect hardware is never chosen (nor taken when named),
+    its host's workers stay where they run, `pitstop hosts` and the metrics say so, and uncordon
+    lets it back; no operation is created by any of it."""
+    cluster.start_coordinator()
+    with cluster.starting():
+        cluster.start_agent("a")
+        cluster.start_agent("s", spare=True)
+    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+    cluster.start_job("ja", SLEEPER, 1, {0: "a"})
+    _wait_jobs(cc, "ja", 1)
+
+    p = _cli(cluster, "hosts", "cordon", "s", "--reason", "ECC errors, awaiting RMA")
+    assert p.returncode == 0 and "s is spare, cordoned: ECC errors, awaiting RMA" in p.stdout, p.stdout + p.stderr
+    h = {h["name"]: h for h in cc.hosts()}["s"]
+    assert h["role"] == "spare" and "operator token" in h["cordoned"]["requested_by"]
+    p = subprocess.run([*pitstop_cmd(), "hosts"], env={**cluster.env(), "COLUMNS": "250"}, capture_output=True,
+                       text=True, timeout=60)  # wide enough for the table not to wrap
+    assert "spare, cordoned: ECC errors, awaiting RMA" in p.stdout, p.stdout
+    for to in (None, "s"):
+        with pytest.raises(PitstopError) as e:
+            cc.evacuate("a", to=to, validate_only=True)
+        assert e.value.code == "no_compatible_spare" and "cordoned (ECC errors, awaiting RMA)" in e.value.message
+        assert "pitstop hosts uncordon s" in e.value.action
+    m = httpx.get(cluster.coordinator_url + "/metrics", timeout=10).text
+    assert 'pitstop_coordinator_hosts_cordoned{role="spare"} 1.0' in m
+    assert 'pitstop_coordinator_hosts{role="spare"} 1.0' in m
+
+    p = _cli(cluster, "hosts", "cordon", "a", "--json")  # a host that runs a job: nothing moves
+    assert p.returncode == 0 and json.loads(p.stdout)["cordoned"]["reason"] == "operator request", p.stdout
+    assert [(w["host"], w["state"]) for j in cc.jobs() for w in j["workers"]] == [("a", "running")]
+    p = _cli(cluster, "hosts", "uncordon", "s")
+    assert p.returncode == 0 and "s is spare" in p.stdout and "cordoned" not in p.stdout, p.stdout + p.stderr
+    assert cc.evacuate("a", validate_only=True)["destination"] == "s"  # a cordoned source may still leave
+    assert cc.ops() == []

@@ -95,3 +95,57 @@ def test_a_workers_host_is_whoever_reports_it_alive(store):
     store.heartbeat({"name": "a", "url": "http://a:7070",
                      "workers": [{"id": "j.0", "job": "j", "rank": 0, "state": "moved"}]})
     assert [(w["id"], w["host"], w["state"]) for w in store.workers()] == [("j.0", "b", "running")]
+
+
+def test_a_cordoned_host_is_no_destination_moves_nothing_and_comes_back(store):
+    """`pitstop hosts cordon`: out of the spare pool (never chosen, nor taken when named), with its
+    own workers left where they run and still evacuable; uncordon lets it back."""
+    from pitstop.coordinator import lifecycle
+    from pitstop.coordinator.planner import usable_spare
+    from pitstop.coordinator.snapshots import buddies
+
+    beat(store, "a", workers=["j.0"])
+    beat(store, "b", workers=["k.0"])
+    beat(store, "s1", spare=True)
+    h = lifecycle.cordon(store, "s1", "fan noise", "an operator")
+    assert h["role"] == "spare" and h["cordoned"]["reason"] == "fan noise"
+    assert h["cordoned"]["requested_by"] == "an operator" and h["cordoned"]["since"] <= time.time()
+    beat(store, "s1", spare=True)  # its agent's next report changes nothing of it
+    store.sync_workers("s1", [])  # nor a report of its workers alone
+    assert store.host("s1")["cordoned"]["reason"] == "fan noise" and not usable_spare(store.host("s1"))
+    with pytest.raises(FailedPrecondition) as e:
+        plan(store, "a", None, {}, 5.0)
+    assert "s1: cordoned (fan noise)" in e.value.message and "pitstop hosts uncordon s1" in e.value.action
+    with pytest.raises(FailedPrecondition) as e:
+        plan(store, "a", "s1", {}, 5.0)
+    assert "cordoned" in e.value.message
+    # a cordoned host's own workers stay, and may still leave it
+    lifecycle.cordon(store, "b", "", "an operator")
+    assert [w["host"] for w in store.workers(job="k")] == ["b"]
+    assert plan(store, "b", "a", {}, 5.0).dest["name"] == "a"
+    with pytest.raises(FailedPrecondition):
+        plan(store, "a", "b", {}, 5.0)
+    # replicas: a cordoned spare is no spare (here the next host by name instead)
+    out, why = buddies(["a"], store.hosts(), 5.0)
+    assert why["a"].startswith("the next host by name")
+    # a second cordon keeps the first's time; uncordon lets it back, role unchanged
+    first = store.host("s1")["cordoned"]["since"]
+    assert lifecycle.cordon(store, "s1", "fans replaced, burn-in", "x")["cordoned"]["since"] == first
+    h = lifecycle.uncordon(store, "s1", {"s1": "op-3"})  # nothing moves: an operation under way is no bar
+    assert h["role"] == "spare" and h["cordoned"] is None
+    assert plan(store, "a", None, {}, 5.0).dest["name"] == "s1"
+    with pytest.raises(FailedPrecondition) as e:
+        lifecycle.uncordon(store, "s1", {})
+    assert e.value.code == "host_in_service"
+    with pytest.raises(NotFound):
+        lifecycle.cordon(store, "nope", "", "x")
+
+
+def test_uncordon_of_a_drained_host_also_lifts_its_cordon(store):
+    from pitstop.coordinator import lifecycle
+
+    beat(store, "a", spare=True)
+    lifecycle.cordon(store, "a", "rma", "x")
+    store.set_role("a", "drained")
+    h = lifecycle.uncordon(store, "a", {})
+    assert (h["role"], h["cordoned"]) == ("spare", None)

@@ -26,7 +26,8 @@ from pitstop.cli.common import (
 from pitstop.errors import InvalidRequest, PitstopError
 
 hosts_app = typer.Typer(invoke_without_command=True, help="List hosts (role, health, GPUs, last heartbeat); "
-                        "return an evacuated host to service, change a role, forget a host that is gone.")
+                        "cordon a host, return a cordoned or evacuated host to service, change a role, "
+                        "forget a host that is gone.")
 app.add_typer(hosts_app, name="hosts")
 
 
@@ -57,26 +58,43 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"),
             status += f"\nauto-evacuation {auto.get('state')}" + (
                 f" ({auto['operation']})" if auto.get("operation") else
                 f": {auto['error']['message']}" if auto.get("error") else "")
-        t.add_row(h["name"], h["role"], h["url"], gpus, status, age(h["age_s"]) + " ago")
+        t.add_row(h["name"], _role(h), h["url"], gpus, status, age(h["age_s"]) + " ago")
     out.print(t)
 
 
-def _host_verb(call: str, name: str, as_json: bool, coordinator: Optional[str], *args: str) -> None:
+def _role(h: dict[str, Any]) -> str:
+    """The role, and whether an operator keeps the host out of the spare pool."""
+    c = h.get("cordoned")
+    return h["role"] + (f", cordoned: {c.get('reason') or 'no reason given'}" if c else "")
+
+
+def _host_verb(call: str, name: str, as_json: bool, coordinator: Optional[str], *args: Any) -> None:
     h = ask(coordinator, as_json, lambda c: getattr(c, call)(name, *args))
     if h is None:
         return
     if h.get("removed"):
         out.print(f"{name} forgotten")
     else:
-        out.print(f"{name} is {h['role']}")
+        out.print(f"{name} is {_role(h)}", soft_wrap=True)
+
+
+@hosts_app.command("cordon")
+def hosts_cordon(name: str = typer.Argument(..., help="a host to keep out of the spare pool"),
+                 reason: Optional[str] = typer.Option(None, "--reason", help="why (kept with the host, shown by "
+                                                      "`pitstop hosts`)"),
+                 as_json: bool = typer.Option(False, "--json"),
+                 coordinator: Optional[str] = coordinator_option()) -> None:
+    """Keep a host out of the spare pool, moving nothing: it is never the destination of an evacuation
+    or a recovery until `pitstop hosts uncordon`. Its workers keep running (evacuate it to move them)."""
+    _host_verb("cordon", name, as_json, coordinator, reason)
 
 
 @hosts_app.command("uncordon")
-def hosts_uncordon(name: str = typer.Argument(..., help="an evacuated (drained) host"),
+def hosts_uncordon(name: str = typer.Argument(..., help="a cordoned or evacuated (drained) host"),
                    as_json: bool = typer.Option(False, "--json"),
                    coordinator: Optional[str] = coordinator_option()) -> None:
-    """Return an evacuated host to service: a spare again if its agent runs with --spare, else active.
-    Until then it is never a destination."""
+    """Let a cordoned host back into the spare pool; return an evacuated host to service: a spare
+    again if its agent runs with --spare, else active. Until then it is never a destination."""
     _host_verb("uncordon", name, as_json, coordinator)
 
 

@@ -155,7 +155,7 @@ async function refresh() {
     const live = {};
     for (const j of jobs) for (const w of j.workers)
       if (["running", "paused", "capturing", "stopped"].includes(w.state)) live[w.host] = (live[w.host] || 0) + 1;
-    rows("#hosts", hosts, h => [h.name, h.role,
+    rows("#hosts", hosts, h => [h.name, h.cordoned ? `${h.role}, cordoned: ${h.cordoned.reason}` : h.role,
       h.silent ? el("span", {class: "bad"}, "silent: taken for failed") :
       h.health && h.health.degraded ? el("span", {class: "bad"}, "degraded: " + h.health.reasons.join("; ")) : "ok",
       String(live[h.name] || 0), age(h.age_s)]);

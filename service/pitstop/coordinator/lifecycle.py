@@ -1,13 +1,17 @@
-"""A host's life after an evacuation: returned to service, given another role, or forgotten.
+"""A host's life around evacuations: cordoned, returned to service, given another role, or forgotten.
 
 Why: an evacuated host is `drained` (or `draining` while its moved workers' memory still
 follows from it) and is never a destination again by itself (planner.OUT_OF_SERVICE): the
-operator emptied it for a reason.  These are the operator's ways back, each refused with the
-reason where it would take a host from under a running operation or lose track of a worker.
+operator emptied it for a reason.  A cordoned host is kept out of the spare pool the same way
+without anything moving off it (a host due for maintenance that still runs its jobs, a spare
+whose hardware is suspect): never the destination of an evacuation or a recovery, never kept as
+a spare for a snapshot's replicas.  These are the operator's ways in and back, each refused with
+the reason where it would take a host from under a running operation or lose track of a worker.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 from pitstop.coordinator.planner import OUT_OF_SERVICE, healthy
@@ -30,19 +34,33 @@ def _not_busy(name: str, busy: dict[str, str]) -> None:
                        action=f"wait for it (`pitstop ops {busy[name]}`), or cancel it")
 
 
-def uncordon(store: Store, name: str, busy: dict[str, str]) -> dict[str, Any]:
-    """Return an evacuated host to service: a spare again if its agent offers itself as one
-    (`--spare`), otherwise active."""
+def cordon(store: Store, name: str, reason: str, requested_by: str) -> dict[str, Any]:
+    """Keep a host out of the spare pool, moving nothing.  Cordoning a cordoned host keeps when
+    it was first cordoned and takes the new reason."""
     h = _host(store, name)
+    since = (h.get("cordoned") or {}).get("since") or time.time()
+    store.set_cordon(name, {"reason": reason, "since": since, "requested_by": requested_by})
+    return _host(store, name)
+
+
+def uncordon(store: Store, name: str, busy: dict[str, str]) -> dict[str, Any]:
+    """Let a cordoned host back into the spare pool; return an evacuated host to service: a spare
+    again if its agent offers itself as one (`--spare`), otherwise active."""
+    h = _host(store, name)
+    if h.get("cordoned") and h["role"] not in OUT_OF_SERVICE:
+        store.set_cordon(name, None)  # nothing moves and no role changes: an operation under way may go on
+        return _host(store, name)
     _not_busy(name, busy)
     if h["role"] == "draining":
         raise Conflict(f"host {name} is still draining: moved workers' memory is being fetched from it",
                        code="host_draining", action="wait until its evacuation is done, then uncordon it")
     if h["role"] not in OUT_OF_SERVICE:
-        raise FailedPrecondition(f"host {name} is {h['role']}, not out of service", code="host_in_service",
+        raise FailedPrecondition(f"host {name} is {h['role']}, neither cordoned nor out of service",
+                                 code="host_in_service",
                                  action="nothing to do; `pitstop hosts set-role` changes an in-service role")
     role = "spare" if h.get("offers_spare") else "active"
     store.set_role(name, role)
+    store.set_cordon(name, None)
     return _host(store, name)
 
 

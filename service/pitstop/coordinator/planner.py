@@ -15,7 +15,13 @@ from pitstop.errors import Conflict, FailedPrecondition, InvalidRequest, NotFoun
 from pitstop.proc import caps
 
 OUT_OF_SERVICE = ("draining", "drained")
-"""Roles of a host that was evacuated: never a destination until an operator returns it."""
+"""Roles of a host that was evacuated: never a destination until an operator returns it.  A
+cordoned host (any role, `cordoned` set: lifecycle.cordon) is no destination either."""
+
+
+def usable_spare(h: dict[str, Any]) -> bool:
+    """A spare the coordinator may send workers to (an evacuation's, a recovery's, a replica's)."""
+    return h["role"] == "spare" and not h.get("cordoned")
 
 
 @dataclass
@@ -139,6 +145,9 @@ def _unusable(h: dict[str, Any], src: dict[str, Any], leaving: list[dict[str, An
     if h["role"] in OUT_OF_SERVICE:  # emptied for maintenance: taken again only once returned to service
         return Unfit(f"{h['role']}: it was evacuated and is out of service",
                      remedy=f"return it with `pitstop hosts uncordon {h['name']}` once it may take workers again")
+    if h.get("cordoned"):  # kept out of the spare pool by an operator; nothing was moved off it
+        return Unfit(f"cordoned ({h['cordoned'].get('reason') or 'no reason given'})",
+                     remedy=f"let it back with `pitstop hosts uncordon {h['name']}` once it may take workers again")
     if h.get("health", {}).get("degraded"):
         return Unfit("degraded: " + ", ".join(h["health"].get("reasons", [])))
     return gpu_mismatch(src, h, leaving) or caps_mismatch(h, leaving)

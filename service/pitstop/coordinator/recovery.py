@@ -32,7 +32,7 @@ import structlog
 
 from pitstop.coordinator.cut import block_ops
 from pitstop.coordinator.fanout import each_while_heard, in_parallel, while_heard
-from pitstop.coordinator.planner import healthy
+from pitstop.coordinator.planner import healthy, usable_spare
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.snapshots import Snapshots, job_cut
 from pitstop.coordinator.store import Store, StoreUnavailable
@@ -420,7 +420,7 @@ class Recoveries:
         md["phase"] = "done"
         md["result"] = "succeeded"
         self.store.set_role(spare, "active")
-        md["spares_left"] = sum(1 for h in self.store.hosts() if h["role"] == "spare"
+        md["spares_left"] = sum(1 for h in self.store.hosts() if usable_spare(h)
                                 and healthy(h, self.s.heartbeat_timeout_s))
         if not md["spares_left"]:
             md["conditions"].append({"type": "SpareLeft", "status": "False", "reason": "NoSpareLeft",
@@ -617,7 +617,7 @@ class Recoveries:
     def _spare(self, candidates: set[str]) -> str | None:
         busy = self.busy()
         hosts = [h for h in self.store.hosts() if h["name"] in candidates and h["name"] not in busy]
-        spares = sorted(h["name"] for h in hosts if h["role"] == "spare")
+        spares = sorted(h["name"] for h in hosts if usable_spare(h))
         return spares[0] if spares else None
 
     def _to_spare(self, job: str, number: int, lost_parts: dict[str, Any], spare: str, op_id: str,

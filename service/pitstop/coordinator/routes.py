@@ -26,6 +26,7 @@ from pitstop.wire.auth import handle_token_ok
 from pitstop.wire.coordinator_requests import (
     Beat,
     ClaimRequest,
+    CordonRequest,
     EvacuateRequest,
     Heartbeat,
     SetRoleRequest,
@@ -91,8 +92,13 @@ def prom(c: CoordinatorDep) -> Response:
     for h in hs:
         roles[h["role"]] = roles.get(h["role"], 0) + 1
     m = c.metrics
+    cordoned = dict.fromkeys(roles, 0)
+    for h in hs:
+        if h.get("cordoned"):
+            cordoned[h["role"]] += 1
     for role, n in roles.items():
         m.hosts.labels(role).set(n)
+        m.cordoned.labels(role).set(cordoned[role])
     m.degraded.set(sum(1 for h in hs if (h.get("health") or {}).get("degraded")))
     m.in_flight.set(len(c.store.ops(running_only=True)))
     m.protection(jobs(c), c.snapshots.paused_total)
@@ -150,9 +156,18 @@ def hosts(c: CoordinatorDep) -> list[dict]:
     return hs
 
 
+@operators.post("/hosts/{name}:cordon")
+def cordon_host(c: CoordinatorDep, name: str, request: Request, body: CordonRequest | None = None) -> dict:
+    """Keep a host out of the spare pool, moving nothing: never the destination of an evacuation or
+    a recovery until `:uncordon`.  Its workers keep running and can still be evacuated from it."""
+    return lifecycle.cordon(c.store, name, (body or CordonRequest()).reason,
+                            getattr(request.state, "requested_by", "") or "unknown")
+
+
 @operators.post("/hosts/{name}:uncordon")
 def uncordon_host(c: CoordinatorDep, name: str) -> dict:
-    """Return an evacuated (drained) host to service: spare if its agent offers itself, else active."""
+    """Let a cordoned host back into the spare pool; return an evacuated (drained) host to service:
+    spare if its agent offers itself, else active."""
     return lifecycle.uncordon(c.store, name, c.driver.busy_hosts())
 
 

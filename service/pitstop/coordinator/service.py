@@ -49,6 +49,8 @@ class Metrics:
         self.heartbeats = Counter("pitstop_coordinator_heartbeats_total", "Agent heartbeats received, by kind "
                                   "(full report, beat over HTTP, beat over UDP)", ["kind"], registry=r)
         self.hosts = Gauge("pitstop_coordinator_hosts", "Known hosts by role", ["role"], registry=r)
+        self.cordoned = Gauge("pitstop_coordinator_hosts_cordoned", "Cordoned hosts (out of the spare pool) by role",
+                              ["role"], registry=r)
         self.downtime = Histogram("pitstop_coordinator_evacuation_downtime_seconds",
                                   "Pause an evacuation's jobs saw, from the first rank's pause to the last one's "
                                   "resume (succeeded evacuations)", registry=r,

@@ -33,7 +33,7 @@ import structlog
 
 from pitstop.coordinator.cut import Cut
 from pitstop.coordinator.fanout import HostSilent, each_while_heard, in_parallel
-from pitstop.coordinator.planner import healthy
+from pitstop.coordinator.planner import healthy, usable_spare
 from pitstop.coordinator.progress import per_step_by_worker
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import LIVE, Store
@@ -73,7 +73,7 @@ def buddies(hosts: list[str], all_hosts: list[dict[str, Any]], timeout_s: float,
     against the one before it, which only the same buddy holds (another would refuse it)."""
     alive = [h for h in all_hosts if healthy(h, timeout_s) and h["role"] in ("active", "spare")]
     domain = {h["name"]: h.get("failure_domain") for h in all_hosts}
-    spares = sorted(h["name"] for h in alive if h["role"] == "spare")
+    spares = sorted(h["name"] for h in alive if usable_spare(h))  # a cordoned spare: as any other host
     names = sorted(h["name"] for h in alive)
     out, why = {}, {}
     for i, host in enumerate(sorted(hosts)):

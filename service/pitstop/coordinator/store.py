@@ -36,7 +36,7 @@ from pitstop.wire.evacuation import EvacuationState
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS hosts (
   name TEXT PRIMARY KEY, url TEXT NOT NULL, role TEXT NOT NULL, info TEXT NOT NULL, last_seen REAL NOT NULL,
-  generation TEXT);
+  generation TEXT, cordon TEXT);
 CREATE TABLE IF NOT EXISTS workers (
   id TEXT PRIMARY KEY, job TEXT NOT NULL, rank INTEGER NOT NULL, host TEXT NOT NULL, state TEXT NOT NULL,
   info TEXT NOT NULL, updated REAL NOT NULL);
@@ -107,8 +107,13 @@ def _typed_operation_state(db: sqlite3.Connection) -> None:
         db.execute("UPDATE operations SET metadata=? WHERE id=?", (json.dumps(md), r["id"]))
 
 
+def _add_cordon(db: sqlite3.Connection) -> None:
+    if "cordon" not in {r["name"] for r in db.execute("PRAGMA table_info(hosts)")}:
+        db.execute("ALTER TABLE hosts ADD COLUMN cordon TEXT")  # a host kept out of the spare pool: why, since, who
+
+
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_add_generation, _index_operations,
-                                                               _typed_operation_state)
+                                                               _typed_operation_state, _add_cordon)
 """Ordered: a database at schema version N (PRAGMA user_version) gets MIGRATIONS[N:], each in its
 own transaction with the version it reaches.  Append only; never edit one that shipped."""
 
@@ -198,7 +203,7 @@ class Store:
         """What the host's agent says it runs right now (fresher than its last heartbeat)."""
         h = self.host(host)
         if h is not None:
-            info = {k: v for k, v in h.items() if k not in ("role", "last_seen", "age_s")}
+            info = {k: v for k, v in h.items() if k not in ("role", "last_seen", "age_s", "cordoned")}
             self.heartbeat({**info, "name": host, "url": h["url"], "workers": workers}, touch=False)
 
     def claim_worker(self, host: str, wid: str, job: str, rank: int, max_age_s: float,
@@ -332,12 +337,16 @@ class Store:
         if health is not None:
             info["gpu_health"], info["health"] = health
         return {"name": name, "url": r["url"], "role": r["role"], "offers_spare": bool(info.get("spare")),
-                "last_seen": last_seen,
+                "cordoned": json.loads(r["cordon"]) if r["cordon"] else None, "last_seen": last_seen,
                 "age_s": round(time.time() - last_seen, 3), **{k: v for k, v in info.items()
-                                                              if k not in ("name", "url", "spare")}}
+                                                              if k not in ("name", "url", "spare", "cordoned")}}
 
     def set_role(self, name: str, role: str) -> None:
         self._x("UPDATE hosts SET role=? WHERE name=?", (role, name))
+
+    def set_cordon(self, name: str, cordon: dict[str, Any] | None) -> None:
+        """Keep a host out of the spare pool (why, since, who asked), or None to let it back."""
+        self._x("UPDATE hosts SET cordon=? WHERE name=?", (json.dumps(cordon) if cordon else None, name))
 
     def remove_host(self, name: str) -> None:
         """Forget a host and what it last reported (its agent, if it ever beats again, registers anew)."""

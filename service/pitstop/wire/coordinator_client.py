@@ -64,6 +64,9 @@ class CoordinatorClient:
         params = {k: v for k, v in (("node", node), ("result", result), ("limit", limit)) if v is not None}
         return self._req("GET", "/v1/moves", params=params)
 
+    def cordon(self, host: str, reason: str | None = None) -> dict:
+        return self._req("POST", f"/v1/hosts/{host}:cordon", json={"reason": reason} if reason else {})
+
     def uncordon(self, host: str) -> dict:
         return self._req("POST", f"/v1/hosts/{host}:uncordon")
 

@@ -17,6 +17,10 @@ class SetRoleRequest(BaseModel):
     role: Literal["active", "spare"] = Field(description="spare: takes evacuated workers; active: runs jobs")
 
 
+class CordonRequest(BaseModel):
+    reason: str = Field("operator request", max_length=500, description="why the host is kept out of the spare pool")
+
+
 class ClaimRequest(BaseModel):
     """An agent about to register a rank asks whether another host runs it already."""
     host: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
