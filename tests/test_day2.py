@@ -7,8 +7,10 @@ out; the end-to-end test runs a coordinator, three agents and real jobs."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -113,7 +115,18 @@ def test_a_drained_host_is_no_destination_until_it_is_returned_to_service(cluste
     op = cc.ops(node="b")[-1]
     assert op["metadata"]["reason"] == "disk replacement"
     assert "operator token" in op["metadata"]["requested_by"]
-    assert {h["name"]: h["role"] for h in cc.hosts()}["b"] == "drained"
+    hs = {h["name"]: h for h in cc.hosts()}
+    assert hs["b"]["role"] == "drained"
+    # why and since when it is out of service, and what runs where: its evacuation's reason and operation
+    assert hs["b"]["role_why"]["reason"] == "disk replacement" and hs["b"]["role_why"]["operation"] == op["name"]
+    assert "operator token" in hs["b"]["role_why"]["requested_by"]
+    assert op["metadata"]["create_time"] <= hs["b"]["role_since"] <= time.time()
+    assert (hs["b"]["live_workers"], hs["a"]["live_workers"], hs["s"]["live_workers"]) == (0, 1, 1)
+    assert hs["s"]["role"] == "active" and hs["s"]["role_why"]["reason"] == "took b's workers"
+    p = subprocess.run([*pitstop_cmd(), "hosts"], env={**cluster.env(), "COLUMNS": "250"}, capture_output=True,
+                       text=True, timeout=60)
+    row = next(ln for ln in p.stdout.splitlines() if ln.startswith("│ b "))
+    assert re.search(r"│ b +│ drained for [0-9.]+s: disk replacement \(%s\) +│ 0 +│" % op["name"], row), p.stdout
 
     for dry in (True, False):  # refused before anything pauses, with the way back named
         with pytest.raises(PitstopError) as e:
@@ -171,12 +184,13 @@ def test_a_cordoned_spare_is_kept_out_of_the_pool_through_the_cli_and_moves_noth
     _wait_jobs(cc, "ja", 1)
 
     p = _cli(cluster, "hosts", "cordon", "s", "--reason", "ECC errors, awaiting RMA")
-    assert p.returncode == 0 and "s is spare, cordoned: ECC errors, awaiting RMA" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 0 and re.search(r"s is spare, cordoned for [0-9.]+s: ECC errors, awaiting RMA", p.stdout), \
+        p.stdout + p.stderr
     h = {h["name"]: h for h in cc.hosts()}["s"]
     assert h["role"] == "spare" and "operator token" in h["cordoned"]["requested_by"]
     p = subprocess.run([*pitstop_cmd(), "hosts"], env={**cluster.env(), "COLUMNS": "250"}, capture_output=True,
                        text=True, timeout=60)  # wide enough for the table not to wrap
-    assert "spare, cordoned: ECC errors, awaiting RMA" in p.stdout, p.stdout
+    assert re.search(r"spare, cordoned for [0-9.]+s: ECC errors, awaiting RMA", p.stdout), p.stdout
     for to in (None, "s"):
         with pytest.raises(PitstopError) as e:
             cc.evacuate("a", to=to, validate_only=True)

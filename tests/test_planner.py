@@ -149,3 +149,30 @@ def test_uncordon_of_a_drained_host_also_lifts_its_cordon(store):
     store.set_role("a", "drained")
     h = lifecycle.uncordon(store, "a", {})
     assert (h["role"], h["cordoned"]) == ("spare", None)
+
+
+def test_a_role_keeps_since_when_and_why(store):
+    """`pitstop hosts` says since when and why a host is out of service: the evacuation's commit
+    (draining) starts it, the fill's end (drained) keeps it, the same role again changes nothing."""
+    from pitstop.coordinator import lifecycle
+
+    beat(store, "a")
+    joined = store.host("a")["role_since"]
+    assert joined and store.host("a")["role_why"] is None
+    why = {"reason": "disk replacement", "requested_by": "the operator token", "operation": "operations/x"}
+    store.set_role("a", "draining", why)
+    h = store.host("a")
+    assert h["role_why"] == why and h["role_since"] >= joined
+    since = h["role_since"]
+    time.sleep(0.01)
+    store.set_role("a", "drained")
+    beat(store, "a")  # a report touches neither
+    assert (store.host("a")["role"], store.host("a")["role_since"], store.host("a")["role_why"]) == \
+        ("drained", since, why)
+    lifecycle.uncordon(store, "a", {}, "an operator")
+    h = store.host("a")
+    assert h["role"] == "active" and h["role_since"] > since
+    assert h["role_why"] == {"reason": "returned to service (uncordon)", "requested_by": "an operator"}
+    back = h["role_since"]
+    store.set_role("a", "active")  # a consumed spare, or a named destination, already active
+    assert store.host("a")["role_since"] == back

@@ -34,14 +34,15 @@ app.add_typer(hosts_app, name="hosts")
 @hosts_app.callback()
 def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"),
           coordinator: Optional[str] = coordinator_option()) -> None:
-    """List hosts: role, health, GPUs, last heartbeat."""
+    """List hosts: role (for a drained or cordoned host since when and why), live workers, health, GPUs,
+    last heartbeat."""
     if ctx.invoked_subcommand:
         return
     hs = ask(coordinator, as_json, lambda c: c.hosts())
     if hs is None:
         return
     t = Table(title="hosts")
-    for c in ("name", "role", "url", "gpus", "health", "last heartbeat"):
+    for c in ("name", "role", "workers", "url", "gpus", "health", "last heartbeat"):
         t.add_column(c)
     for h in hs:
         gpus = f"{h.get('gpu_count')} x {h.get('gpu_model')}" if h.get("gpu_count") else \
@@ -58,14 +59,27 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"),
             status += f"\nauto-evacuation {auto.get('state')}" + (
                 f" ({auto['operation']})" if auto.get("operation") else
                 f": {auto['error']['message']}" if auto.get("error") else "")
-        t.add_row(h["name"], _role(h), h["url"], gpus, status, age(h["age_s"]) + " ago")
+        t.add_row(h["name"], _role(h), str(h.get("live_workers", "?")), h["url"], gpus, status, age(h["age_s"]) + " ago")
     out.print(t)
 
 
 def _role(h: dict[str, Any]) -> str:
-    """The role, and whether an operator keeps the host out of the spare pool."""
+    """The role; for a host out of service since when and why (its evacuation's reason and operation);
+    and whether an operator keeps the host out of the spare pool."""
+    s = h["role"]
+    why, since = h.get("role_why") or {}, h.get("role_since")
+    if h["role"] in ("draining", "drained"):
+        if since:
+            s += f" for {age(time.time() - since)}"
+        if why.get("reason"):
+            s += f": {why['reason']}"
+        if why.get("operation"):
+            s += f" ({why['operation']})"
     c = h.get("cordoned")
-    return h["role"] + (f", cordoned: {c.get('reason') or 'no reason given'}" if c else "")
+    if c:
+        s += f", cordoned for {age(time.time() - c['since'])}" if c.get("since") else ", cordoned"
+        s += f": {c.get('reason') or 'no reason given'}"
+    return s
 
 
 def _host_verb(call: str, name: str, as_json: bool, coordinator: Optional[str], *args: Any) -> None:

@@ -49,6 +49,22 @@ function svgEl(tag, attrs, text) {
 
 function age(s) { return s < 90 ? s.toFixed(1) + " s ago" : (s / 60).toFixed(0) + " min ago"; }
 
+function lasted(s) { return s < 90 ? s.toFixed(0) + " s" : s < 5400 ? (s / 60).toFixed(0) + " min" : (s / 3600).toFixed(1) + " h"; }
+
+// A host's role; out of service (draining, drained): since when and why, with its operation;
+// and whether an operator keeps it out of the spare pool (cordoned).
+function role(h) {
+  const now = Date.now() / 1000, why = h.role_why || {};
+  let s = h.role;
+  if (["draining", "drained"].includes(h.role)) {
+    if (h.role_since) s += ` for ${lasted(now - h.role_since)}`;
+    if (why.reason) s += `: ${why.reason}`;
+    if (why.operation) s += ` (${why.operation})`;
+  }
+  if (h.cordoned) s += `, cordoned for ${lasted(now - h.cordoned.since)}: ${h.cordoned.reason}`;
+  return s;
+}
+
 function rows(table, items, cells) {
   const body = document.querySelector(table + " tbody");
   body.replaceChildren(...items.map(x => el("tr", {}, ...cells(x).map(c => el("td", {}, c)))));
@@ -152,13 +168,10 @@ async function refresh() {
     const [hosts, jobs, ops] = await Promise.all([api("hosts"), api("jobs"), api("operations?limit=10")]);
     document.getElementById("login").style.display = "none";
     document.getElementById("content").hidden = false;
-    const live = {};
-    for (const j of jobs) for (const w of j.workers)
-      if (["running", "paused", "capturing", "stopped"].includes(w.state)) live[w.host] = (live[w.host] || 0) + 1;
-    rows("#hosts", hosts, h => [h.name, h.cordoned ? `${h.role}, cordoned: ${h.cordoned.reason}` : h.role,
+    rows("#hosts", hosts, h => [h.name, role(h),
       h.silent ? el("span", {class: "bad"}, "silent: taken for failed") :
       h.health && h.health.degraded ? el("span", {class: "bad"}, "degraded: " + h.health.reasons.join("; ")) : "ok",
-      String(live[h.name] || 0), age(h.age_s)]);
+      String(h.live_workers), age(h.age_s)]);
     rows("#jobs", jobs, j => [j.job, j.state, j.movable ? "yes" : "no", protection(j.protection),
       j.workers.map(w => `${w.rank}@${w.host}: ${w.state}`).join(", ")]);
     const shown = ops.slice().sort((a, b) => (a.done - b.done) || (b.metadata.create_time - a.metadata.create_time));

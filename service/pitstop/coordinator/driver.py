@@ -665,9 +665,10 @@ class OpRun:
         faults.hit("after_commit_point")
         for wid in self.md.workers:  # the membership first: the coordinator's own record, no agent asked
             self.record(functools.partial(self.d.store.set_worker_host, wid, dest))
-        self.record(lambda: self.d.store.set_role(dest, "active"))
+        why = {"reason": self.md.reason, "requested_by": self.md.requested_by, "operation": f"operations/{self.id}"}
+        self.record(lambda: self.d.store.set_role(dest, "active", {**why, "reason": f"took {node}'s workers"}))
         filling = bool(self.md.bytes_after_resume)
-        self.record(lambda: self.d.store.set_role(node, "draining" if filling else "drained"))
+        self.record(lambda: self.d.store.set_role(node, "draining" if filling else "drained", why))
         self.save()
         self.leave("commit")
         self.condition("Committed", True, "MembershipRecorded", f"{dest} now runs the workers; {node} is drained")

@@ -43,7 +43,7 @@ def cordon(store: Store, name: str, reason: str, requested_by: str) -> dict[str,
     return _host(store, name)
 
 
-def uncordon(store: Store, name: str, busy: dict[str, str]) -> dict[str, Any]:
+def uncordon(store: Store, name: str, busy: dict[str, str], requested_by: str = "") -> dict[str, Any]:
     """Let a cordoned host back into the spare pool; return an evacuated host to service: a spare
     again if its agent offers itself as one (`--spare`), otherwise active."""
     h = _host(store, name)
@@ -59,12 +59,12 @@ def uncordon(store: Store, name: str, busy: dict[str, str]) -> dict[str, Any]:
                                  code="host_in_service",
                                  action="nothing to do; `pitstop hosts set-role` changes an in-service role")
     role = "spare" if h.get("offers_spare") else "active"
-    store.set_role(name, role)
+    store.set_role(name, role, {"reason": "returned to service (uncordon)", "requested_by": requested_by})
     store.set_cordon(name, None)
     return _host(store, name)
 
 
-def set_role(store: Store, name: str, role: Role, busy: dict[str, str]) -> dict[str, Any]:
+def set_role(store: Store, name: str, role: Role, busy: dict[str, str], requested_by: str = "") -> dict[str, Any]:
     """Make an in-service host a spare (it then takes evacuated workers) or active."""
     h = _host(store, name)
     _not_busy(name, busy)
@@ -74,7 +74,8 @@ def set_role(store: Store, name: str, role: Role, busy: dict[str, str]) -> dict[
     if role == "spare" and any(w["state"] in LIVE for w in store.workers(host=name)):
         raise FailedPrecondition(f"host {name} runs workers; a spare is a host with room for a leaving host's",
                                  code="host_runs_workers", action="evacuate it first, or keep it active")
-    store.set_role(name, role)
+    if role != h["role"]:
+        store.set_role(name, role, {"reason": f"set {role} (set-role)", "requested_by": requested_by})
     return _host(store, name)
 
 

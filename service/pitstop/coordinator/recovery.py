@@ -419,7 +419,8 @@ class Recoveries:
         md["destination"] = spare
         md["phase"] = "done"
         md["result"] = "succeeded"
-        self.store.set_role(spare, "active")
+        self.store.set_role(spare, "active", {"reason": f"took job {plan.job}'s lost ranks", "operation":
+                                              f"operations/{op_id}", "requested_by": md.get("requested_by", "")})
         md["spares_left"] = sum(1 for h in self.store.hosts() if usable_spare(h)
                                 and healthy(h, self.s.heartbeat_timeout_s))
         if not md["spares_left"]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -20,6 +21,7 @@ from pitstop.coordinator import ledger, lifecycle
 from pitstop.coordinator.planner import unmovable_workers
 from pitstop.coordinator.service import ROLES, CoordinatorDep, operation_view
 from pitstop.coordinator.snapshots import MIN_EVERY_S, interval
+from pitstop.coordinator.store import LIVE
 from pitstop.errors import Conflict, Forbidden, NotFound, Unprocessable
 from pitstop.httpapi import bearer, require_token, token_matches
 from pitstop.wire.auth import handle_token_ok
@@ -146,13 +148,16 @@ operators = APIRouter(prefix="/v1", dependencies=[Depends(operator)], tags=["ope
 
 @operators.get("/hosts")
 def hosts(c: CoordinatorDep) -> list[dict]:
-    """Every host: role, inventory, health, and whether it is heard from (`silent`: not within
-    the failure deadline; its jobs with snapshots are recovered elsewhere)."""
+    """Every host: role, since when and why (`role_since`, `role_why`: the evacuation's reason, its
+    operation and who asked), `cordoned`, `live_workers`, inventory, health, and whether it is heard
+    from (`silent`: not within the failure deadline; its jobs with snapshots are recovered elsewhere)."""
     hs = c.store.hosts()
+    live = Counter(w["host"] for w in c.store.workers() if w["state"] in LIVE)
     for h in hs:
         if h["name"] in c.auto.status:
             h["auto_evacuation"] = c.auto.status[h["name"]]
         h["silent"] = h["age_s"] > c.settings.failure_deadline_s
+        h["live_workers"] = live[h["name"]]
     return hs
 
 
@@ -160,20 +165,24 @@ def hosts(c: CoordinatorDep) -> list[dict]:
 def cordon_host(c: CoordinatorDep, name: str, request: Request, body: CordonRequest | None = None) -> dict:
     """Keep a host out of the spare pool, moving nothing: never the destination of an evacuation or
     a recovery until `:uncordon`.  Its workers keep running and can still be evacuated from it."""
-    return lifecycle.cordon(c.store, name, (body or CordonRequest()).reason,
-                            getattr(request.state, "requested_by", "") or "unknown")
+    return lifecycle.cordon(c.store, name, (body or CordonRequest()).reason, _who(request))
+
+
+def _who(request: Request) -> str:
+    """Who asked, as `operator` found it: kept with a host's cordon and role change."""
+    return getattr(request.state, "requested_by", "") or "unknown"
 
 
 @operators.post("/hosts/{name}:uncordon")
-def uncordon_host(c: CoordinatorDep, name: str) -> dict:
+def uncordon_host(c: CoordinatorDep, name: str, request: Request) -> dict:
     """Let a cordoned host back into the spare pool; return an evacuated (drained) host to service:
     spare if its agent offers itself, else active."""
-    return lifecycle.uncordon(c.store, name, c.driver.busy_hosts())
+    return lifecycle.uncordon(c.store, name, c.driver.busy_hosts(), _who(request))
 
 
 @operators.post("/hosts/{name}:setRole")
-def set_host_role(c: CoordinatorDep, name: str, body: SetRoleRequest) -> dict:
-    return lifecycle.set_role(c.store, name, body.role, c.driver.busy_hosts())
+def set_host_role(c: CoordinatorDep, name: str, body: SetRoleRequest, request: Request) -> dict:
+    return lifecycle.set_role(c.store, name, body.role, c.driver.busy_hosts(), _who(request))
 
 
 @operators.delete("/hosts/{name}")

@@ -36,7 +36,7 @@ from pitstop.wire.evacuation import EvacuationState
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS hosts (
   name TEXT PRIMARY KEY, url TEXT NOT NULL, role TEXT NOT NULL, info TEXT NOT NULL, last_seen REAL NOT NULL,
-  generation TEXT, cordon TEXT);
+  generation TEXT, cordon TEXT, role_since REAL, role_why TEXT);
 CREATE TABLE IF NOT EXISTS workers (
   id TEXT PRIMARY KEY, job TEXT NOT NULL, rank INTEGER NOT NULL, host TEXT NOT NULL, state TEXT NOT NULL,
   info TEXT NOT NULL, updated REAL NOT NULL);
@@ -54,6 +54,9 @@ CREATE TABLE IF NOT EXISTS fences (
   job TEXT NOT NULL, host TEXT NOT NULL, epoch INTEGER NOT NULL, acked INTEGER NOT NULL DEFAULT 0,
   created REAL NOT NULL, PRIMARY KEY (job, host));
 """
+
+COLUMNS = ("cordoned", "role_since", "role_why")
+"""What Store.hosts() adds from the hosts table's own columns: never taken from (or kept in) a report."""
 
 LIVE = ("running", "paused", "capturing", "stopped")  # "released": the process is gone
 CLAIMED = "claimed"  # a rank an agent is about to register (Store.claim_worker), until its report says more
@@ -112,8 +115,17 @@ def _add_cordon(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE hosts ADD COLUMN cordon TEXT")  # a host kept out of the spare pool: why, since, who
 
 
+def _add_role_change(db: sqlite3.Connection) -> None:
+    have = {r["name"] for r in db.execute("PRAGMA table_info(hosts)")}
+    if "role_since" not in have:  # when a host took its role, and why (an evacuation's reason, who asked)
+        db.execute("ALTER TABLE hosts ADD COLUMN role_since REAL")
+    if "role_why" not in have:
+        db.execute("ALTER TABLE hosts ADD COLUMN role_why TEXT")
+
+
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_add_generation, _index_operations,
-                                                               _typed_operation_state, _add_cordon)
+                                                               _typed_operation_state, _add_cordon,
+                                                               _add_role_change)
 """Ordered: a database at schema version N (PRAGMA user_version) gets MIGRATIONS[N:], each in its
 own transaction with the version it reaches.  Append only; never edit one that shipped."""
 
@@ -203,7 +215,7 @@ class Store:
         """What the host's agent says it runs right now (fresher than its last heartbeat)."""
         h = self.host(host)
         if h is not None:
-            info = {k: v for k, v in h.items() if k not in ("role", "last_seen", "age_s", "cordoned")}
+            info = {k: v for k, v in h.items() if k not in ("role", "last_seen", "age_s") + COLUMNS}
             self.heartbeat({**info, "name": host, "url": h["url"], "workers": workers}, touch=False)
 
     def claim_worker(self, host: str, wid: str, job: str, rank: int, max_age_s: float,
@@ -295,10 +307,11 @@ class Store:
             # The coordinator owns a host's role once it has one (a consumed spare becomes active).
             role = row["role"] if row else ("spare" if hb.get("spare") else "active")
             if touch:
-                self.db.execute("INSERT INTO hosts(name,url,role,info,last_seen,generation) VALUES(?,?,?,?,?,?) "
+                self.db.execute("INSERT INTO hosts(name,url,role,info,last_seen,generation,role_since) "
+                                "VALUES(?,?,?,?,?,?,?) "
                                 "ON CONFLICT(name) DO UPDATE SET url=excluded.url, info=excluded.info, "
                                 "last_seen=excluded.last_seen, generation=excluded.generation",
-                                (name, hb["url"], role, json.dumps(info), now, hb.get("generation")))
+                                (name, hb["url"], role, json.dumps(info), now, hb.get("generation"), now))
             fenced = {r["job"] for r in self.db.execute("SELECT job FROM fences WHERE host=?", (name,))}
             for w in hb.get("workers", []):
                 if w["job"] in fenced:  # recovered elsewhere while this host was away: never again from here
@@ -337,12 +350,23 @@ class Store:
         if health is not None:
             info["gpu_health"], info["health"] = health
         return {"name": name, "url": r["url"], "role": r["role"], "offers_spare": bool(info.get("spare")),
-                "cordoned": json.loads(r["cordon"]) if r["cordon"] else None, "last_seen": last_seen,
+                "cordoned": json.loads(r["cordon"]) if r["cordon"] else None, "role_since": r["role_since"],
+                "role_why": json.loads(r["role_why"]) if r["role_why"] else None, "last_seen": last_seen,
                 "age_s": round(time.time() - last_seen, 3), **{k: v for k, v in info.items()
-                                                              if k not in ("name", "url", "spare", "cordoned")}}
+                                                              if k not in ("name", "url", "spare") + COLUMNS}}
 
-    def set_role(self, name: str, role: str) -> None:
-        self._x("UPDATE hosts SET role=? WHERE name=?", (role, name))
+    def set_role(self, name: str, role: str, why: dict[str, Any] | None = None) -> None:
+        """A host's new role, since now, and why (an evacuation's reason, its operation, who asked).
+        The same role again changes neither (a new `why` replaces the old); `draining` becoming
+        `drained` keeps both: the host left service when its evacuation committed."""
+        with self._tx():
+            r = self.db.execute("SELECT role, role_since, role_why FROM hosts WHERE name=?", (name,)).fetchone()
+            if r is None:
+                return
+            same = r["role"] == role or (r["role"], role) == ("draining", "drained")
+            since = r["role_since"] if same else time.time()
+            why_ = json.dumps(why) if why is not None else r["role_why"] if same else None
+            self.db.execute("UPDATE hosts SET role=?, role_since=?, role_why=? WHERE name=?", (role, since, why_, name))
 
     def set_cordon(self, name: str, cordon: dict[str, Any] | None) -> None:
         """Keep a host out of the spare pool (why, since, who asked), or None to let it back."""
