@@ -74,6 +74,18 @@ def test_the_environment_holds_where_no_flag_is_given_and_a_flag_wins_where_one_
     assert (c.listen, str(c.db)) == ("127.0.0.1:7778", "/srv/d.db")
 
 
+def test_the_agents_own_coordinator_variable_wins_over_the_shared_one(monkeypatch):
+    """Before: `pitstop agent` took PITSTOP_COORDINATOR as its --coordinator flag, which beat
+    PITSTOP_AGENT_COORDINATOR: a host whose shell exported the operators' coordinator joined that one."""
+    monkeypatch.setenv("PITSTOP_COORDINATOR", "http://operators:7000")
+    monkeypatch.setenv("PITSTOP_AGENT_COORDINATOR", "http://agents:7000")
+    assert _started(monkeypatch, "agent", ["agent"]).coordinator == "http://agents:7000"
+    assert _started(monkeypatch, "agent", ["agent", "--coordinator", "http://flag:7000"]).coordinator == \
+        "http://flag:7000"
+    monkeypatch.delenv("PITSTOP_AGENT_COORDINATOR")
+    assert _started(monkeypatch, "agent", ["agent"]).coordinator == "http://operators:7000"  # the shared one still serves
+
+
 def test_an_agent_on_a_wildcard_address_needs_an_address_peers_can_dial():
     """Before: the shipped unit listened on 0.0.0.0:7070 and registered as http://0.0.0.0:7070."""
     for s in (AgentSettings(name="h", listen="0.0.0.0:7070"), AgentSettings(name="h", listen="[::]:7070"),

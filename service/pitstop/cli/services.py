@@ -54,7 +54,10 @@ def agent(
                                        "default: the host name)"),
     listen: Optional[str] = typer.Option(None, help="HOST:PORT for peers and the coordinator "
                                          "(PITSTOP_AGENT_LISTEN; default 127.0.0.1:7070)"),
-    coordinator: Optional[str] = typer.Option(None, envvar="PITSTOP_COORDINATOR", help="coordinator URL"),
+    # No envvar= here: the flag taken from PITSTOP_COORDINATOR would beat PITSTOP_AGENT_COORDINATOR;
+    # the settings read both, the agent's own first (agent/settings.py).
+    coordinator: Optional[str] = typer.Option(None, help="the coordinator's URL (PITSTOP_AGENT_COORDINATOR, "
+                                              "else PITSTOP_COORDINATOR)"),
     state_dir: Optional[Path] = typer.Option(None, help="where the agent keeps its state "
                                              "(PITSTOP_AGENT_STATE_DIR; default /var/lib/pitstop/agent)"),
     image_dir: Optional[Path] = typer.Option(None, help="where images go (PITSTOP_AGENT_IMAGE_DIR; default "
