@@ -144,7 +144,6 @@ def serve(s: AgentSettings) -> None:
     check_security(s)
     check_advertised(s)
     check_lazy_restore(s)
-    hold_state_dir(s)
     _preload()
     become_subreaper()
     host, port = s.host_port()
@@ -152,6 +151,7 @@ def serve(s: AgentSettings) -> None:
     socks = [listening_socket(host, port, "the agent's API (--listen)")]  # first: a failure changes nothing
     try:
         socks.append(listening_socket(data_host, data_port, "image streams (PITSTOP_AGENT_DATA_LISTEN)"))
+        hold_state_dir(s)  # after the ports (a port in use changes nothing), before anything reads the directory
         try:
             agent = Agent(s)
             s.sock.parent.mkdir(parents=True, exist_ok=True)
