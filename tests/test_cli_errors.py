@@ -15,10 +15,11 @@ from pitstop.dev.devcluster import pitstop_cmd
 pytestmark = pytest.mark.timeout(120)
 
 
-def _cli(*args: str, url: str | None = None) -> subprocess.CompletedProcess:
+def _cli(*args: str, url: str | None = None, env_add: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PITSTOP_COORDINATOR"}
     if url is not None:
         env["PITSTOP_COORDINATOR"] = url
+    env.update(env_add or {})
     return subprocess.run([*pitstop_cmd(), *args], env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -78,6 +79,26 @@ def test_run_refuses_before_starting_the_command(tmp_path, agent, status, says):
     assert p.returncode == status, p.stderr
     assert says in p.stderr and "Traceback" not in p.stderr
     assert not marker.exists(), "the command ran although pitstop could not take it in"
+
+
+@pytest.mark.parametrize("args, env, says", [
+    (["--job", "a b"], {}, "--job 'a b' is not a job name pitstop can use"),
+    (["--job", ".hidden"], {}, "a letter or digit first"),
+    (["--job", "j" * 129], {}, "at most 128 characters"),
+    (["--job", "j"], {"SLURM_JOB_ID": "not-a-slurm-id"}, "$SLURM_JOB_ID: String should match pattern"),
+    (["--job", "j"], {"WORLD_SIZE": "20000000", "RANK": "1"}, "the job's ranks ($WORLD_SIZE, $SLURM_NTASKS)"),
+    (["--job", "j", "--address", "10.0.0.5"], {}, "--address: String should have at least 9 characters"),
+])
+def test_run_refuses_what_its_agent_would_refuse_before_starting_the_command(tmp_path, args, env, says):
+    """Before: `pitstop run --job "a b"` started the command, which ran until the agent refused its
+    registration.  Every value the agent checks is checked first (the agent here is never even
+    asked: it does not exist, which would be exit 125)."""
+    marker = tmp_path / "started"
+    p = _cli("run", *args, "--agent", f"http://127.0.0.1:{_closed_port()}", "--", "touch", str(marker), env_add=env)
+    assert p.returncode == 2, p.stderr
+    said = " ".join(p.stderr.split())
+    assert says in said and "the command was not started" in said and "Traceback" not in said, said
+    assert not marker.exists(), "the command ran although its agent would refuse it"
 
 
 @pytest.fixture

@@ -38,6 +38,7 @@ another host:
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,11 +52,19 @@ import httpx
 
 from pitstop import nativelib, nsinit, tls
 from pitstop.endpoints import check_url
-from pitstop.errors import PitstopError
+from pitstop.errors import InvalidRequest, PitstopError
 from pitstop.launcher.seccomp import deny_io_uring
 from pitstop.proc import caps, proctree, signals
 from pitstop.wire.agent_client import AgentClient
-from pitstop.wire.agent_requests import MAX_SNAPSHOT_EVERY_S, MIN_SNAPSHOT_EVERY_S
+from pitstop.wire.agent_requests import (
+    JOB_NAME_MAX,
+    JOB_PATTERN,
+    MAX_SNAPSHOT_EVERY_S,
+    MIN_SNAPSHOT_EVERY_S,
+    NetworkRequest,
+    RegisterRequest,
+    body,
+)
 from pitstop.wire.coordinator_client import HandleClient
 
 AGENT_QUESTION_TIMEOUT_S = 10  # the agent's health or info, asked before the command starts
@@ -212,6 +221,10 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         rank, world = rank_and_world(os.environ, rank)
     except ValueError as e:
         print(f"pitstop run: {e}", file=sys.stderr)
+        return 2
+    why = refused_registration(job, rank, world, address, os.environ.get("SLURM_JOB_ID") or None)
+    if why:
+        print(f"pitstop run: {why}; the command was not started", file=sys.stderr)
         return 2
     env = scheduler_env(without_secrets(dict(os.environ)))
     env.setdefault("USE_LIBUV", "0")
@@ -403,6 +416,28 @@ def bad_snapshot_every(every_s: float | None) -> str | None:
     if not MIN_SNAPSHOT_EVERY_S <= every_s <= MAX_SNAPSHOT_EVERY_S:
         return (f"--snapshot-every {every_s:g}: give between {MIN_SNAPSHOT_EVERY_S:g} and {MAX_SNAPSHOT_EVERY_S:g} "
                 "seconds (every snapshot pauses the whole job)")
+    return None
+
+
+def refused_registration(job: str, rank: int, world: int | None, address: str | None,
+                         slurm_job: str | None) -> str | None:
+    """What the agent would refuse when this worker registers, said before the command starts: a
+    refusal after the start meant a command that had already run (and written, and maybe trained)
+    for nothing.  Checked by the same models the agent checks with (wire/agent_requests.py), this
+    process's pid standing in for the worker's."""
+    if not re.fullmatch(JOB_PATTERN, job) or len(job) > JOB_NAME_MAX:
+        return (f"--job {job!r} is not a job name pitstop can use: a letter or digit first, then letters, "
+                f"digits, '.', '_' or '-', at most {JOB_NAME_MAX} characters (it names directories on every host)")
+    try:
+        body(RegisterRequest, job=job, rank=rank, pid=os.getpid(), address=address, world=world,
+             slurm_job=slurm_job)
+        if address:
+            body(NetworkRequest, job=job, rank=rank, address=address)
+    except InvalidRequest as e:
+        named = {"rank": "the rank (--rank, $RANK, $SLURM_PROCID)", "world": "the job's ranks ($WORLD_SIZE, "
+                 "$SLURM_NTASKS)", "slurm_job": "$SLURM_JOB_ID", "address": "--address"}
+        return "; ".join(f"{named.get(p.split(':')[0], p.split(':')[0])}: {p.split(': ', 1)[-1]}"
+                         for p in e.details.get("problems", [e.message]))
     return None
 
 

@@ -30,7 +30,8 @@ JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 """A job's name: it names directories on every host (a job's snapshots), so never `.` or `..`."""
 WORKER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*\.[0-9]+$"
 """A worker's id: its job's name, a dot, its rank."""
-JobName = Annotated[str, Field(min_length=1, max_length=128, pattern=JOB_PATTERN)]
+JOB_NAME_MAX = 128
+JobName = Annotated[str, Field(min_length=1, max_length=JOB_NAME_MAX, pattern=JOB_PATTERN)]
 WorkerId = Annotated[str, Field(min_length=3, max_length=200, pattern=WORKER_PATTERN)]
 WorkerIds = Annotated[list[WorkerId], Field(min_length=1, max_length=4096)]
 
