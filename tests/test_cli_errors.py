@@ -228,3 +228,29 @@ def test_an_unusable_state_directory_is_said_plainly(command, args, says):
                        capture_output=True, text=True, timeout=60, env=dict(os.environ, PITSTOP_AGENT_IMAGE_MOUNT="off"))
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     assert says in " ".join(p.stderr.split())
+
+
+@pytest.mark.parametrize("command, advice, not_advice", [
+    ("kill", "`pitstop jobs` shows which ranks and where", "`pitstop kill"),
+    ("stop", "`pitstop kill j` ends it", "after SIGKILL"),
+])
+def test_wait_that_runs_out_gives_advice_that_can_help(monkeypatch, command, advice, not_advice):
+    """Before: `pitstop kill j --wait` that ran out advised `pitstop kill j`, the command just run.
+    A coordinator whose job keeps reading running (the logic of the advice only: the client is a
+    stand-in)."""
+    from typer.testing import CliRunner
+
+    from pitstop import cli
+
+    class Client:
+        def signal_job(self, job: str, sig: int) -> dict:
+            return {"job": job, "signal": sig, "workers": [{"worker": "j.0", "host": "a", "delivered": True}]}
+
+        def jobs(self) -> list[dict]:
+            return [{"job": "j", "state": "running", "workers": []}]
+
+    monkeypatch.setattr("pitstop.cli.operators.client", lambda *a, **kw: Client())
+    r = CliRunner().invoke(cli.app, [command, "j", "--wait", "--timeout", "0"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 3, r.output
+    assert advice in said and not_advice not in said, said

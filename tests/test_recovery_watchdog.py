@@ -102,3 +102,25 @@ def test_a_recovery_that_keeps_ending_is_taken_over_later_not_at_every_look(rec,
     rec.takeovers["recover-1"] = (1, 0.0)
     assert rec.watch() == ["recover-1"]
     rec.threads["recover-1"].join(30)
+
+
+def test_a_recovery_of_a_job_nobody_knows_says_so_not_that_it_has_no_snapshot(rec):
+    """Before: `pitstop recover trian` (a typo) answered "job trian has no complete snapshot"."""
+    from pitstop.errors import NotFound, PitstopError
+
+    class Snaps(_Snaps):
+        held: set[str] = set()
+
+        def committed(self, job: str) -> None:
+            return None
+
+    rec.snaps = Snaps()
+    with pytest.raises(NotFound) as e:
+        rec.start("trian")
+    assert e.value.code == "no_such_job" and "no job named 'trian'" in e.value.message
+    assert "pitstop jobs" in e.value.action
+    rec.store.heartbeat({"name": "host-a", "url": "http://host-a:7070",
+                         "workers": [{"id": "llama.0", "job": "llama", "rank": 0, "state": "running"}]})
+    with pytest.raises(PitstopError) as e:  # a job it knows, without a snapshot: that is what it says
+        rec.start("llama")
+    assert e.value.code != "no_such_job" and "has no complete snapshot" in e.value.message

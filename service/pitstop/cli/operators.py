@@ -160,6 +160,7 @@ def _protection(p: dict | None) -> str:
 
 def _signal_job(job: str, sig: int, wait: bool, timeout: float, as_json: bool, coordinator: Optional[str]) -> None:
     """Signal every rank of a job where it runs now; with --wait, until none runs."""
+    import signal
     import time
 
     c = client(coordinator, as_json)
@@ -188,7 +189,14 @@ def _signal_job(job: str, sig: int, wait: bool, timeout: float, as_json: bool, c
                   "is signalled once the move has ended)")
         raise typer.Exit(1)
     if wait and running:
-        err.print(f"[yellow]job {job} still runs after {timeout:.0f} s[/]; `pitstop kill {job}` ends it")
+        if sig == signal.SIGKILL:  # nothing stronger to advise: say where to look instead
+            err.print(f"[yellow]job {job} still reads running {timeout:.0f} s after SIGKILL[/]: `pitstop jobs` "
+                      "shows which ranks and where; a rank on a host that stopped answering reads running until "
+                      "the host is heard again or its job is recovered (`pitstop hosts` says which host is silent); "
+                      "for one whose host answers, look at that host (`pitstop ops --running` for a move under way)",
+                      soft_wrap=True)
+        else:
+            err.print(f"[yellow]job {job} still runs after {timeout:.0f} s[/]; `pitstop kill {job}` ends it")
         raise typer.Exit(EXIT_STILL_RUNNING)
 
 

@@ -235,6 +235,9 @@ class Recoveries:
     # -- the operation ------------------------------------------------------------------------
     def start(self, job: str, lost: str | None = None, requested_by: str = "an operator") -> str:
         """Begin recovering `job` (lost: its failed host; default: the one found silent)."""
+        if not self.store.workers(job=job) and not self.store.snapshots(job):  # a typo is not a job without snapshots
+            raise NotFound(f"no job named {job!r}", code="no_such_job",
+                           action="list jobs with `pitstop jobs` (a job's snapshots: `pitstop snapshots JOB`)")
         if self.running(job):
             raise Conflict(f"job {job} is already being recovered ({self.running(job)})", code="recovery_running",
                            action=f"follow it: pitstop ops {self.running(job)}")
