@@ -24,6 +24,7 @@ enum { TRIM_TORCH = 1, TRIM_MEMPOOL = 2 };               /* trim_how: what was r
 enum { TRIM_OK = 0, TRIM_TIMED_OUT = 1, TRIM_RAISED = 2 }; /* trim_error */
 enum { KIND_INIT = 1, KIND_SPLIT = 2 };
 enum { OP_COLL = 0, OP_SEND = 1, OP_RECV = 2 };
+enum { LOST_NONE = 0, LOST_PARKED = 1, LOST_GAVE_UP = 2 }; /* lost: a peer's failure (version 4) */
 
 struct pitstop_comm_ctl {           /* 1344 bytes */
   uint64_t key;                     /* S: same on every member of the communicator */
@@ -46,7 +47,7 @@ struct pitstop_comm_ctl {           /* 1344 bytes */
 
 struct pitstop_ctl {
   char magic[16];                   /* S: PITSTOP_CTL_MAGIC */
-  uint32_t version;                 /* S: 3 (2: no refusals; 1: no trail, no pause times) */
+  uint32_t version;                 /* S: 4 (3: no lost peers; 2: no refusals; 1: no trail, no pause times) */
   volatile uint32_t ncomms;         /* S */
   volatile uint32_t request;        /* A: quiesce generation; 0 = none */
   volatile uint32_t ack;            /* S: the generation the shim has seen */
@@ -85,6 +86,19 @@ struct pitstop_ctl {
   volatile int32_t refused;         /* S: such things seen so far */
   int32_t pad3;
   char refused_note[512];           /* S: the first of them: what, where, what to do */
+  /* Version 4: a peer's failure in a job that snapshots protect.  While `protect` is set, a
+   * communicator error (ncclRemoteError, ncclSystemError) that a wrapped call returns, or that
+   * ncclCommGetAsyncError reports, does not reach the program: the calling thread parks in the
+   * shim until the job's recovery ends the process (and restores it from the snapshot), until
+   * `protect` is cleared, or until the deadline (PITSTOP_SHIM_LOST_PEER_DEADLINE_S), when the
+   * error is returned as it would have been without the shim. */
+  volatile uint32_t protect;        /* A: the committed snapshot that covers this rank's job (its number); 0: none */
+  volatile int32_t lost;            /* S: LOST_* */
+  volatile int32_t lost_comm;       /* S: index of the communicator whose call failed; -1: a group's end */
+  volatile int32_t lost_error;      /* S: the ncclResult_t that was held back */
+  volatile uint64_t lost_ns;        /* S: CLOCK_REALTIME when the rank parked on it */
+  volatile uint64_t lost_deadline_ns; /* S: ... and when it gives the error to the program */
+  char lost_call[32];               /* S: the NCCL call that failed */
 };
 
 #endif

@@ -11,7 +11,8 @@ Each prototype between "BEGIN API" and "END API" becomes:
       end         end one (shim.c),
       group       keep groups whole at a cut,
       status      translate the handle; "no error" while the real one is down,
-      operation   (takes a stream) translate the handle, pass the quiesce check, count, call,
+      operation   (takes a stream) translate the handle, pass the quiesce check, count, call; a
+                  communicator error in a job that snapshots protect parks the rank for its recovery,
       query       translate the handle,
       unmovable   translate the handle, and mark the process unmovable: the call leaves state in the
                   real communicator that a rebuild would not re-create,
@@ -119,7 +120,9 @@ LIFECYCLE = {
     "ncclCommFinalize": "return pitstop_destroy(L, comm, 2);",
     "ncclGroupStart": "pitstop_group_start();\n  return L->fn.ncclGroupStart();",
     "ncclGroupEnd": "if (pitstop_ctl) pitstop_ctl->in_call = 1;\n  ncclResult_t r = L->fn.ncclGroupEnd();\n"
-                    "  if (pitstop_ctl) pitstop_ctl->in_call = 0;\n  pitstop_group_end();\n  return r;",
+                    "  if (pitstop_ctl) pitstop_ctl->in_call = 0;\n  pitstop_group_end();\n"
+                    "  if (__builtin_expect(r != ncclSuccess, 0)) r = pitstop_peer_lost(NULL, r, \"ncclGroupEnd\");\n"
+                    "  return r;",
     "ncclGroupSimulateEnd": "ncclResult_t r = L->fn.ncclGroupSimulateEnd(simInfo);\n  pitstop_group_end();\n"
                             "  return r;",
     "ncclGetLastError": "struct vcomm *v = pitstop_v(comm);\n"
@@ -218,7 +221,10 @@ def _body(f: dict) -> list[str]:
                 f"  pitstop_count(v, {op}, {peer}, {signature(name)}u, {count}, {dtype});",
                 "  pitstop_ctl->in_call = 1;", "  pitstop_in = v->lib;",
                 f"  ncclResult_t r = {_call('v->lib', f, real_args)};",
-                "  pitstop_ctl->in_call = 0;", "  return r;"]
+                "  pitstop_ctl->in_call = 0;",
+                # a peer's failure, in a job that snapshots protect: parked for its recovery (shim.c)
+                f"  if (__builtin_expect(r != ncclSuccess, 0)) r = pitstop_peer_lost(v, r, \"{name}\");",
+                "  return r;"]
     if cat == "query":
         return ["  struct vcomm *v = pitstop_v(comm);", *foreign,
                 "  pthread_mutex_lock(&pitstop_real_lock);", "  pitstop_in = v->lib;",

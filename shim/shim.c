@@ -13,6 +13,13 @@
  * Every wait has a deadline (PITSTOP_SHIM_DEADLINE_S, default 300 s): a parked rank
  * whose agent vanished resumes on its own if its communicators still exist, and
  * otherwise returns ncclRemoteError rather than hang (cf. NVIDIA/nccl#2349).
+ *
+ * A peer's failure in a job that snapshots protect (the agent sets `protect` in the block):
+ * a communicator error from an operation or from ncclCommGetAsyncError parks the calling
+ * thread instead of reaching the program, which would end the process (PyTorch's watchdog
+ * aborts it); the job's recovery then rolls the live process back to the snapshot.  Past
+ * PITSTOP_SHIM_LOST_PEER_DEADLINE_S (default 120 s), or once `protect` is cleared, the error
+ * goes to the program as it would have without the shim: a job never hangs for good.
  * Idle cost: one load and compare per call; per issued operation, its count, its signature and
  * its time in the trail (ctl.h): four stores and a vDSO clock read, some 20 ns against the
  * microseconds an NCCL launch takes. */
@@ -43,6 +50,11 @@ static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
 /* Wall-clock time, for the pause a rank saw: its park and its resume may be on different hosts. */
 static uint64_t wallNs(void) { struct timespec t; clock_gettime(CLOCK_REALTIME, &t); return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec; }
 static double deadlineS(void) { const char *e = getenv("PITSTOP_SHIM_DEADLINE_S"); double v = e ? atof(e) : 300; return v > 0 ? v : 300; }
+static double lostDeadlineS(void) {
+  const char *e = getenv("PITSTOP_SHIM_LOST_PEER_DEADLINE_S");
+  double v = e ? atof(e) : 120;
+  return v > 0 ? v : 120;
+}
 static void note(const char *fmt, const char *a, long b) {
   if (pitstop_ctl) snprintf(pitstop_ctl->note, sizeof pitstop_ctl->note, fmt, a, b);
 }
@@ -65,7 +77,8 @@ static struct pitstop_ctl *ctl(void) {
   }
   struct pitstop_ctl *c = p;
   memcpy(c->magic, PITSTOP_CTL_MAGIC, sizeof PITSTOP_CTL_MAGIC);
-  c->version = 3;
+  c->version = 4;
+  c->lost_comm = -1;
   c->token = mix((uint64_t)getpid(), (uint64_t)(now() * 1e9));
   c->parked_comm = -1;
   __atomic_store_n(&pitstop_ctl, c, __ATOMIC_RELEASE);
@@ -169,6 +182,48 @@ ncclResult_t pitstop_split(struct pitstop_lib *L, ncclComm_t comm, int color, in
   return r;
 }
 
+/* ---- a peer's failure, in a job that snapshots protect ------------------------------------- */
+static const char *resultName(ncclResult_t r) {
+  return r == ncclRemoteError ? "ncclRemoteError" : r == ncclSystemError ? "ncclSystemError" : "an error";
+}
+
+/* A communicator error (ncclRemoteError, ncclSystemError: a peer's process or host died, or the
+ * network between them) while the agent says a committed snapshot covers the job: the thread
+ * parks here, as at a cut, and the block says so (which call, which communicator, which error,
+ * until when); the job's recovery ends the process and restores it from the snapshot.  The error
+ * reaches the program at the deadline, or at once once `protect` is cleared (the job's snapshots
+ * were dropped: no recovery is coming).  Any other result, or no protection: r, unchanged. */
+ncclResult_t pitstop_peer_lost(struct vcomm *v, ncclResult_t r, const char *call) {
+  struct pitstop_ctl *c = pitstop_ctl;
+  if (!c || !c->protect || (r != ncclRemoteError && r != ncclSystemError)) return r;
+  double limit = lostDeadlineS(), end = now() + limit;
+  if (__atomic_load_n(&c->lost, __ATOMIC_ACQUIRE) != LOST_PARKED) { /* the first thread to park says why */
+    uint64_t at = wallNs();
+    c->lost_comm = v ? v->idx : -1;
+    c->lost_error = (int32_t)r;
+    snprintf(c->lost_call, sizeof c->lost_call, "%s", call);
+    c->lost_ns = at;
+    c->lost_deadline_ns = at + (uint64_t)(limit * 1e9);
+    __atomic_store_n(&c->lost, LOST_PARKED, __ATOMIC_RELEASE);
+    note("%s failed after a peer was lost: parked for the job's recovery (%ld s at most)", call, (long)limit);
+  }
+  int withdrawn = 0;
+  while (now() < end) {
+    if (!c->protect) { withdrawn = 1; break; }
+    struct timespec ts = {0, 5000000};
+    nanosleep(&ts, NULL);
+  }
+  __atomic_store_n(&c->lost, LOST_GAVE_UP, __ATOMIC_RELEASE);
+  if (withdrawn)
+    fprintf(stderr, "pitstop shim: %s returned %s after a peer was lost; the job's snapshots no longer cover it, "
+                    "so the error goes to the program\n", call, resultName(r));
+  else
+    fprintf(stderr, "pitstop shim: %s returned %s after a peer was lost; the rank waited %.0f s "
+                    "(PITSTOP_SHIM_LOST_PEER_DEADLINE_S) for the job's recovery, which did not come, and the "
+                    "error goes to the program\n", call, resultName(r), limit);
+  return r;
+}
+
 ncclResult_t pitstop_async_error(struct pitstop_lib *L, ncclComm_t comm, ncclResult_t *asyncError) {
   struct vcomm *v = pitstop_v(comm);
   if (!v) {
@@ -187,7 +242,12 @@ ncclResult_t pitstop_async_error(struct pitstop_lib *L, ncclComm_t comm, ncclRes
       cc->nranks = n; cc->rank = me; v->pendingInfo = 0;
     }
   }
+  int ready = !v->pendingInfo;
   pthread_mutex_unlock(&pitstop_real_lock);
+  /* A communicator that was up reports a peer's failure (PyTorch's watchdog polls this, and aborts
+   * the process on an error): held back while the job is protected, outside the lock. */
+  if (r == ncclSuccess && ready && *asyncError != ncclSuccess && *asyncError != ncclInProgress)
+    *asyncError = pitstop_peer_lost(v, *asyncError, "ncclCommGetAsyncError");
   return r;
 }
 

@@ -71,6 +71,10 @@ void pitstop_unmovable(const char *call, const char *why);
 void pitstop_refuse(const char *note);
 struct pitstop_ctl *pitstop_ctl_get(void); /* the control block, made on first use */
 ncclResult_t pitstop_enter_slow(struct vcomm *v, int op, int peer);
+/* A call's communicator error in a job that snapshots protect (ctl.h, version 4): the thread parks
+ * until the recovery ends the process, the protection is withdrawn or the deadline passes; then,
+ * or for any other result, r.  v: NULL for a group's end. */
+ncclResult_t pitstop_peer_lost(struct vcomm *v, ncclResult_t r, const char *call);
 ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer);
 
 /* The collective path, inline: a handle check, one load and compare, one store. */

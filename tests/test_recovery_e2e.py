@@ -183,6 +183,85 @@ def nccl_host_dies(cluster, tmp_path) -> dict:
     return {"recovery": m, "snapshot": snap}
 
 
+def _dies_processes_first(cluster, name: str) -> list[str]:
+    """Host `name` dies with its processes going before its link (the kernel took them, then the host
+    went down): its agent and its ranks SIGKILLed while the link is up, so that their connections
+    close and the survivors' next collective fails at once; then the link cut and its launchers
+    killed, as kill_host does.  The ids of the workers it ran."""
+    import signal
+
+    ws = [w for w in _agent_workers(cluster, name).values() if w["state"] in ("running", "paused")]
+    a = cluster.agents[name]
+    a.proc.kill()
+    a.proc.wait(10)
+    for w in ws:
+        subprocess.run(["pkill", "-KILL", "-s", str(os.getsid(w["root_pid"]))], capture_output=True, timeout=10)
+    time.sleep(0.5)  # their connections' ends reach the survivors
+    cluster.net.cut(name)
+    for r in cluster.ranks:
+        if r.agent == name and r.proc.poll() is None:
+            os.killpg(r.proc.pid, signal.SIGKILL)
+    return [w["id"] for w in ws]
+
+
+def nccl_survivors_park(cluster, tmp_path) -> dict:
+    """The NCCL job (unchanged program, host NCCL, the shim) with snapshots; host b dies, its processes
+    before its link, so that the surviving ranks' all-reduces fail at once with ncclRemoteError: the
+    case in which they used to end.  Covered by a committed snapshot (their agent told their shims),
+    they do not end: each parks in its shim, alive, its agent reports it, and the recovery rolls the
+    live processes back from their own parts, as it rolls back ranks that ended.  The job ends bitwise
+    equal to an uninterrupted run."""
+    from .helpers import pace_file
+    from .test_shim_e2e import _start, reference
+
+    steps = 800  # paced at 0.05 s a step until let_finish: two snapshots and a failure to outlast
+    pace_file(tmp_path / "out").write_text("0.05\n")
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_dp.py", steps=steps, run_args=("--snapshot-every", "5"))
+    _wait_jobs(cc, "nccl", 4)
+    wait_for_step(ranks[3].log, 20)
+    first = _committed(cc, "nccl")
+    survivors = ["nccl.0", "nccl.1"]
+
+    def shims() -> dict[str, list[dict]]:
+        with AgentClient(cluster.agents["host-a"].url, cluster.token) as c:
+            return c.shim_blocks_many(survivors)
+    until(lambda: all(b["protect"] >= first["number"] for bs in shims().values() for b in bs), timeout=30,
+          what="the survivors' shims told of the committed snapshot")
+    snap = _committed(cc, "nccl", after=first["number"])  # right after a commit: no snapshot under way when b dies
+    pids = {w: _agent_workers(cluster, "host-a")[w]["root_pid"] for w in survivors}
+    lost = _dies_processes_first(cluster, "host-b")
+    assert sorted(lost) == ["nccl.2", "nccl.3"]
+
+    def parked():
+        got = shims()
+        held = {w: next((b["lost"] for b in got[w] if (b["lost"] or {}).get("state") == "parked"), None)
+                for w in survivors}
+        return held if all(held.values()) else None
+    held = until(parked, timeout=30, what="both survivors parked on their lost peers", every=0.05)
+    assert all(h["error"] == "ncclRemoteError" and h["call"] == "ncclAllReduce" for h in held.values()), held
+    for w, pid in pids.items():  # alive, and their launchers hold them: nothing ended
+        os.kill(pid, 0)
+    assert all(r.proc.poll() is None for r in ranks[:2])
+    reported = until(lambda: {w["id"]: w for w in _agent_workers(cluster, "host-a").values()
+                              if (w.get("peer_lost") or "").startswith("parked on a peer's failure")},
+                     timeout=30, what="host-a's agent reporting its parked ranks", every=0.1)
+    assert sorted(reported) == survivors and all(w["state"] == "running" for w in reported.values()), reported
+
+    m = _recovered(cc, "nccl", "host-b")
+    assert m["snapshot"] >= snap["number"] and m["destination"] == "spare-1" and "rewire" in m["phases"], m
+    assert {w: s["state"] for w, s in m["survivors"].items()} == {w: "parked" for w in survivors}, m["survivors"]
+    assert all(s["error"] == "ncclRemoteError" for s in m["survivors"].values()), m["survivors"]
+    after = _agent_workers(cluster, "host-a")
+    assert all(after[w]["root_pid"] != pids[w] for w in survivors), "the parked processes were rolled back"
+    let_finish(out)
+    for r in ranks[:2]:  # their launchers followed the rolled-back ranks
+        assert r.proc.wait(180) == 0, r.log.read_text(errors="replace")[-2000:]
+    until(lambda: _hashes_written(out, 4), timeout=180, what="every rank's final result")
+    assert_same_as_reference(out, reference("nccl_dp.py", steps))
+    cluster.net.cut("host-b", up=True)
+    return {"recovery": m, "snapshot": snap, "parked": held}
+
+
 def _recovered(cc: CoordinatorClient, job: str, node: str, timeout: float = 120) -> dict:
     op = until(lambda: next((o for o in cc.ops() if o["metadata"].get("job") == job and o["metadata"]["node"] == node
                              and o["done"]), None), timeout=timeout, what=f"the recovery of {job} from {node}")
@@ -424,6 +503,10 @@ def test_gloo_job_recovers_by_itself_from_a_host_that_died_during_a_snapshot(clu
 
 def test_nccl_job_recovers_by_itself_from_a_host_that_died(cluster, tmp_path):
     nccl_host_dies(cluster, tmp_path)
+
+
+def test_nccl_survivors_of_a_host_that_died_park_for_the_recovery_instead_of_ending(cluster, tmp_path):
+    nccl_survivors_park(cluster, tmp_path)
 
 
 def test_a_partitioned_host_back_during_the_recovery_is_fenced_and_a_second_failure_recovers_too(cluster, tmp_path):

@@ -34,17 +34,18 @@ def test_exports_only_nccl_names_and_the_loaders_lookups_and_wraps_the_whole_hea
 def test_control_block_layout_matches_the_c_compiler(tmp_path):
     src = tmp_path / "l.c"
     src.write_text('#include <stddef.h>\n#include <stdio.h>\n#include "ctl.h"\nint main(void){printf("%zu %zu %zu %zu '
-                   '%zu %zu %zu %zu %zu %zu %zu %zu\\n", sizeof(struct pitstop_ctl), offsetof(struct pitstop_ctl, request), '
+                   '%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\\n", sizeof(struct pitstop_ctl), offsetof(struct pitstop_ctl, request), '
                    'offsetof(struct pitstop_ctl, command), offsetof(struct pitstop_ctl, command_seq), '
                    'offsetof(struct pitstop_ctl, comms), sizeof(struct pitstop_comm_ctl), '
                    'offsetof(struct pitstop_comm_ctl, newid_set), offsetof(struct pitstop_comm_ctl, newid), '
                    'offsetof(struct pitstop_comm_ctl, sent), offsetof(struct pitstop_comm_ctl, recv_target), '
-                   'offsetof(struct pitstop_ctl, trail_n), offsetof(struct pitstop_ctl, refused));}\n')
+                   'offsetof(struct pitstop_ctl, trail_n), offsetof(struct pitstop_ctl, refused), '
+                   'offsetof(struct pitstop_ctl, protect), offsetof(struct pitstop_ctl, lost_ns));}\n')
     subprocess.run(["cc", "-I", str(ROOT / "shim"), str(src), "-o", str(tmp_path / "l")], check=True)
     got = [int(x) for x in subprocess.run([str(tmp_path / "l")], capture_output=True, text=True).stdout.split()]
     assert got == [L.SIZE, L.OFF_REQUEST, L.OFF_COMMAND, L.OFF_COMMAND_SEQ, L.HEADER.size, L.COMM.size,
                    L.COMM_OFF_NEWID_SET, L.COMM_OFF_NEWID, L.COMM_OFF_SENT, L.COMM_OFF_RECV_TARGET, L.OFF_TAIL,
-                   L.OFF_REFUSED]
+                   L.OFF_REFUSED, L.OFF_PROTECT, L.OFF_LOST + 16]
 
 
 @pytest.mark.parametrize("script,nonblocking", [("nccl_dp.py", "0"), ("nccl_tp_dp.py", "0"), ("nccl_pipeline.py", "0"),
@@ -429,3 +430,140 @@ def test_the_table_of_nccl_calls_in_the_architecture_document_is_the_generated_o
     begin, end = "<!-- BEGIN nccl-calls (shim/gen_wrappers.py --table) -->\n", "<!-- END nccl-calls -->"
     assert begin in doc and end in doc, "docs/architecture.md lacks the table's markers"
     assert doc.split(begin, 1)[1].split(end, 1)[0] == got, "regenerate it: python3 shim/gen_wrappers.py native/nccl.h --table"
+
+
+# -- a peer's failure, in a job that snapshots protect (shim/ctl.h version 4) --------------------------
+
+def _pair(tmp_path: Path, deadline: str, steps: int = 3000) -> list[subprocess.Popen]:
+    """Two ranks of nccl_dp.py with the shim, stepping slowly, the lost-peer deadline given."""
+    rdv = tmp_path / "rdv"
+    rdv.mkdir()
+    env = dict(os.environ, LD_LIBRARY_PATH=str(ROOT / "native" / "build"), PYTHONPATH=str(WORKLOADS),
+               HOSTNCCL_ADDR="127.0.0.1", WORLD_SIZE="2", LD_PRELOAD=str(SHIM),
+               PITSTOP_SHIM_LOST_PEER_DEADLINE_S=deadline)
+    return [subprocess.Popen([sys.executable, str(WORKLOADS / "nccl_dp.py"), "--steps", str(steps), "--step-sleep",
+                              "0.01", "--rendezvous", str(rdv), "--out", str(tmp_path / "out")],
+                             env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for r in range(2)]
+
+
+def _lost(pid: int) -> dict | None:
+    from pitstop import shimctl
+    bs = shimctl.blocks(pid)
+    return bs[0].view()["lost"] if bs else None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads and writes other processes' memory (root)")
+def test_a_protected_rank_parks_on_a_peers_failure_and_gets_the_error_at_its_deadline(tmp_path):
+    """The agent says a committed snapshot covers the job; then a peer dies (SIGKILL: its connections
+    close, and the surviving rank's all-reduce fails with ncclRemoteError).  The survivor does not
+    end: it parks in the shim, alive, its block saying which call failed with which error and until
+    when, for the job's recovery to roll it back.  No recovery comes here: at the deadline the error
+    reaches the program, which ends as it would have without pitstop, and the shim says why."""
+    import time
+
+    from pitstop import shimctl
+
+    ps = _pair(tmp_path, deadline="4")
+    try:
+        until(lambda: all(shimctl.blocks(p.pid) and any(c["issued"] for c in shimctl.blocks(p.pid)[0].comms)
+                          for p in ps), timeout=60, what="both ranks' shims counting operations")
+        for p in ps:
+            hs = shimctl.headers(p.pid)
+            assert [h.protect for h in hs] == [0]  # a version-4 block, nothing said yet
+            assert shimctl.protect(hs, 7) == 1
+        assert [b.view()["protect"] for p in ps for b in shimctl.blocks(p.pid)] == [7, 7]
+        ps[1].kill()
+        ps[1].wait(10)
+        lost = until(lambda: _lost(ps[0].pid), timeout=30, what="rank 0 parked on its lost peer")
+        assert lost["state"] == "parked" and lost["call"] == "ncclAllReduce" and lost["comm"] == 0, lost
+        assert lost["error"] == "ncclRemoteError" and round(lost["until"] - lost["since"]) == 4, lost
+        assert ps[0].poll() is None, "parked, not ended"
+        said = shimctl.peer_lost(shimctl.headers(ps[0].pid))
+        assert said and said.startswith("parked on a peer's failure: ncclAllReduce on communicator 0 returned "
+                                        "ncclRemoteError"), said
+        t0 = time.monotonic()
+        err = ps[0].communicate(timeout=60)[1]
+        assert ps[0].returncode != 0 and time.monotonic() - t0 < 30
+        assert "ncclAllReduce failed: 6" in err, err[-2000:]  # the program's own error, as without the shim
+        assert "the rank waited 4 s (PITSTOP_SHIM_LOST_PEER_DEADLINE_S) for the job's recovery" in err, err[-2000:]
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads and writes other processes' memory (root)")
+def test_an_unprotected_rank_gets_a_peers_failure_at_once():
+    """No snapshot covers the job (the agent never set `protect`): the error goes to the program at
+    once, as without the shim; nothing is held back."""
+    with tempfile.TemporaryDirectory() as d:
+        ps = _pair(Path(d), deadline="60")
+        try:
+            from pitstop import shimctl
+            until(lambda: all(shimctl.blocks(p.pid) and any(c["issued"] for c in shimctl.blocks(p.pid)[0].comms)
+                              for p in ps), timeout=60, what="both ranks' shims counting operations")
+            ps[1].kill()
+            ps[1].wait(10)
+            err = ps[0].communicate(timeout=30)[1]  # well inside the 60 s it would have been held
+            assert ps[0].returncode != 0 and "ncclAllReduce failed: 6" in err, err[-2000:]
+            assert "pitstop shim" not in err, err[-2000:]
+        finally:
+            for p in ps:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+
+ASYNC_POLLER = """
+import ctypes, os, sys
+import ncclpy
+api = ncclpy.api
+rank = int(os.environ["RANK"])
+c = ncclpy.init(2, ncclpy.share_id(os.environ["UID_FILE"], rank), rank)
+x = ncclpy.np.ones(4, dtype=ncclpy.np.float32)
+ncclpy.allreduce(c, x)
+if rank == 1:
+    os._exit(0)  # the peer is gone: its connections close
+r = api.ncclAllReduce(ncclpy._p(x), ncclpy._p(x), 4, ncclpy.FLOAT32, ncclpy.SUM, c, None)
+print("allreduce", r, flush=True)  # not yet protected: the error, at once
+sys.stdin.readline()  # the test protects the rank, then says go
+e = ctypes.c_int(-1)
+print("poll", api.ncclCommGetAsyncError(c, ctypes.byref(e)), e.value, flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads and writes other processes' memory (root)")
+def test_an_async_error_poll_parks_too_and_a_withdrawn_protection_hands_the_error_on_at_once(tmp_path):
+    """PyTorch's watchdog learns of a peer's failure from ncclCommGetAsyncError and aborts the
+    process: the poll parks like an operation.  The job's snapshots are dropped meanwhile (its
+    recovery failed, or an operator dropped them), the agent clears `protect`, and the held error
+    reaches the program at once, not at the deadline."""
+    from pitstop import shimctl
+
+    env = dict(os.environ, LD_LIBRARY_PATH=str(ROOT / "native" / "build"), PYTHONPATH=str(WORKLOADS),
+               HOSTNCCL_ADDR="127.0.0.1", LD_PRELOAD=str(SHIM), UID_FILE=str(tmp_path / "uid"),
+               PITSTOP_SHIM_LOST_PEER_DEADLINE_S="300")
+    ps = [subprocess.Popen([sys.executable, "-c", ASYNC_POLLER], env=dict(env, RANK=str(r)), stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        assert ps[1].wait(60) == 0
+        assert ps[0].stdout.readline().split() == ["allreduce", "6"]
+        assert shimctl.protect(shimctl.headers(ps[0].pid), 3) == 1
+        ps[0].stdin.write("go\n")
+        ps[0].stdin.flush()
+        lost = until(lambda: _lost(ps[0].pid), timeout=30, what="the poll parked")
+        assert lost["state"] == "parked" and lost["call"] == "ncclCommGetAsyncError", lost
+        assert lost["error"] == "ncclRemoteError" and lost["comm"] == 0, lost
+        assert ps[0].poll() is None
+        assert shimctl.protect(shimctl.headers(ps[0].pid), 0) == 1  # the job's snapshots dropped
+        out, err = ps[0].communicate(timeout=30)
+        assert ps[0].returncode == 0, err
+        assert out.split() == ["poll", "0", "6"], out  # the call succeeds, and reports the error
+        assert "the job's snapshots no longer cover it" in err and err.count("pitstop shim:") == 1, err
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

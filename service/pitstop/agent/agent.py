@@ -30,7 +30,8 @@ from pitstop.proc import caps, proctree
 
 log = structlog.get_logger("pitstop.agent")
 
-UNMOVABLE_EVERY_S = 5.0  # how often a running worker's shim blocks are read for calls it could not track
+SHIM_LOOK_EVERY_S = 5.0  # how often a running worker's shim blocks are read (headers and notes); every beat
+                         # for a job that snapshots protect, whose rank may park on a peer's failure
 
 COUNT_SUFFIXES = ("_bytes", "_threads", "_rounds", "_processes")
 """Phase entries that count something rather than time it (capturing.py, receiving.py)."""
@@ -82,7 +83,7 @@ class Agent:
         self.started = time.time()
         self.data_port: int | None = None  # set by the server once transfer/dataport.py listens
         self.net_owners: dict[str, int] = {}  # worker id -> uid that prepared its network (local socket)
-        self._unmovable_looked: dict[str, float] = {}  # worker id -> when its shim blocks were last read
+        self._shim_looked: dict[str, float] = {}  # worker id -> when its shim blocks were last read
 
     def _count_capture(self, c: Capture) -> None:
         """Called once per capture, when its dump and stream are over (sent, dumped or failed)."""
@@ -135,18 +136,26 @@ class Agent:
                 w.caps = f"{caps.needs(w.root_pid):x}"
             except OSError:
                 pass  # it is exiting; the next listing says so
-            self._look_for_unmovable(w)
+            self._look_at_shim(w)
         return w
 
-    def _look_for_unmovable(self, w: Worker) -> None:
-        """Whether the worker's NCCL shim saw communicators it did not create: once said it stays
-        said (the shim's count only grows), and the blocks are read at most every few seconds, not
-        at every beat (each look reads every process's memory map)."""
+    def _look_at_shim(self, w: Worker) -> None:
+        """The worker's NCCL shim blocks, headers and notes only: what it saw that cannot be moved
+        (once said it stays said: the shim's counts only grow), a peer's failure it holds back for
+        the job's recovery, and the snapshot protection it should know (written where a block
+        differs: a process that made its first communicator since, a block restored from an older
+        snapshot, a rank moved here).  Every few seconds (each look reads every process's memory
+        map); every beat for a job that snapshots protect, so that a rank parked on a peer's failure
+        is reported before the recovery ends it."""
         now = time.monotonic()
-        if w.unmovable or now - self._unmovable_looked.get(w.id, -UNMOVABLE_EVERY_S) < UNMOVABLE_EVERY_S:
+        if not w.protected_by and now - self._shim_looked.get(w.id, -SHIM_LOOK_EVERY_S) < SHIM_LOOK_EVERY_S:
             return
-        self._unmovable_looked[w.id] = now
-        w.unmovable = shimctl.unmovable(w.root_pid)
+        self._shim_looked[w.id] = now
+        hs = shimctl.headers(w.root_pid)
+        if not w.unmovable:
+            w.unmovable = shimctl.unmovable(w.root_pid, hs)
+        w.peer_lost = shimctl.peer_lost(hs)
+        shimctl.protect(hs, w.protected_by or 0)
 
     def resume_overdue(self) -> list[str]:
         """Workers paused with a deadline that has passed while nobody resumed them: the caller that

@@ -37,7 +37,8 @@ def payload(agent: Agent) -> dict:
 
     workers = [agent.refresh(w).model_dump(include={"id", "job", "rank", "state", "root_pid", "moved_to", "net",
                                                       "exit_code", "caps", "unmovable", "slurm_job",
-                                                      "snapshot_every_s", "world", "ended_at", "end_asked", "owner_uid"})
+                                                      "snapshot_every_s", "world", "ended_at", "end_asked", "owner_uid",
+                                                      "peer_lost"})
                for w in list(agent.state.workers.values())]
     return {"name": agent.s.name, "url": agent.s.url, "spare": agent.s.spare, "workers": workers,
             "socket": str(agent.s.sock.absolute()),

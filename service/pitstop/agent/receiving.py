@@ -508,6 +508,7 @@ class DestinationSide:
                    launcher=was.launcher if was else None, world=was.world if was else None,
                    slurm_job=slurm_job or (was.slurm_job if was else None),
                    snapshot_every_s=was.snapshot_every_s if was else None,
+                   protected_by=was.protected_by if was else None,
                    owner_uid=uids.pop() if len(uids) == 1 else 0,
                    restored=True, output_base=output_base or {}, net=net, init_dir=init_dir, running_since=running,
                    keeper=keeper.to_dict() if keeper else None,

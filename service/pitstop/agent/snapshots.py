@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from pitstop import faults, nsinit
+from pitstop import faults, nsinit, shimctl
 from pitstop.agent.state import Worker
 from pitstop.criu import criu_ops, criutrack, image_files, runtime, seal
 from pitstop.errors import (
@@ -498,8 +498,10 @@ class Snapshots:
 
     def drop(self, job: str, keep: int | None = None) -> list[int]:
         """Delete the job's snapshots here (own and replicas), all but `keep` and the parts it is a
-        delta against, if given."""
+        delta against, if given.  The coordinator keeps the job's committed snapshot, so `keep` is
+        also what covers the job's ranks here from now on (None: nothing): their shims are told."""
         checked(job)
+        self.protect(job, keep)
         jd = self.root / job
         dropped = []
         kept = self.chain(job, keep) if keep is not None and jd.exists() else set()
@@ -512,6 +514,22 @@ class Snapshots:
         if keep is None:
             shutil.rmtree(jd, ignore_errors=True)
         return sorted(dropped)
+
+    def protect(self, job: str, number: int | None) -> None:
+        """Tell the job's live ranks here which committed snapshot covers them (None: none): a rank
+        whose collective fails on a peer's failure then waits in its NCCL shim for the recovery that
+        rolls it back, instead of ending (shim/ctl.h `protect`; a worker without the shim, or one
+        whose shim predates it, ends as before).  Written now; the agent's look at each worker's
+        blocks writes it again where a block differs (a process made since, a rank restored)."""
+        for w in [w for w in self.a.state.workers.values() if w.job == job]:
+            if w.protected_by == number:
+                continue
+            self.a.state.update_worker(w, protected_by=number)
+            if w.state in ("running", "paused"):
+                try:
+                    shimctl.protect(shimctl.headers(w.root_pid), number or 0)
+                except OSError as e:  # the look writes it again
+                    log.warning("could not tell a rank's NCCL shim of its snapshot", worker=w.id, error=repr(e))
 
     # -- recovery ------------------------------------------------------------------------------
     def _part(self, job: str, number: int, side: str, wid: str) -> Path:
@@ -674,12 +692,14 @@ class Snapshots:
         out = {}
         for wid, d in parts.items():
             cut = written_files.cut_back(files_of(d), same_host=side == OWN)
-            out[wid] = {**self._restore_dir(d, fresh_net=side == REPLICA), "files_cut_back": cut}
+            out[wid] = {**self._restore_dir(d, fresh_net=side == REPLICA, protected_by=number), "files_cut_back": cut}
         return {"workers": out}
 
-    def _restore_dir(self, d: Path, fresh_net: bool) -> dict[str, Any]:
+    def _restore_dir(self, d: Path, fresh_net: bool, protected_by: int | None = None) -> dict[str, Any]:
         """fresh_net: its network namespace gets a name of its own here (a lost host's rank on a
-        spare), so that nothing of the old host's, should it come back, ever acts on it by name."""
+        spare), so that nothing of the old host's, should it come back, ever acts on it by name.
+        protected_by: the committed snapshot it is restored from, which still covers the job (its
+        shim's block, as dumped, says the one before)."""
         m = Manifest.read(d)
         wk = m.worker
         t0 = time.monotonic()
@@ -694,6 +714,9 @@ class Snapshots:
                                     reopen=file_identity.Reopen.of(m.file_ids, m.host))
         if wk.get("snapshot_every_s"):
             self.a.state.update_worker(w, snapshot_every_s=float(wk["snapshot_every_s"]))
+        if protected_by is not None:
+            self.a.state.update_worker(w, protected_by=protected_by)
+            shimctl.protect(shimctl.headers(w.root_pid), protected_by)
         self.paused(w)
         return {"pid": w.root_pid, "seconds": round(time.monotonic() - t0, 4)}
 

@@ -92,6 +92,11 @@ class Worker(BaseModel):
     # host whose ranks all failed at once from a job that ended (coordinator/recovery.py)
     ended_at: float | None = None
     end_asked: bool = False
+    # The job's committed snapshot, as the coordinator last said (its drop of older ones): its NCCL
+    # shim parks the rank on a peer's failure instead of letting the error end it, and the job's
+    # recovery rolls it back (shim/ctl.h `protect`).  None: no snapshot covers the job, as far as known.
+    protected_by: int | None = None
+    peer_lost: str | None = None  # its shim holds back a communicator error for the recovery (shimctl.peer_lost)
 
 
 class Capture(CaptureReport):

@@ -144,8 +144,14 @@ def jobs(as_json: bool = typer.Option(False, "--json"), coordinator: Optional[st
         why = next((w["unmovable"] for w in j["workers"] if w.get("unmovable")), None)
         t.add_row(j["job"], j["state"], "yes" if j.get("movable", True) else f"no, because {why}",
                   _protection(j.get("protection")),
-                  ", ".join(f"{w['rank']}@{w['host']}: {w['state']}" for w in j["workers"]))
+                  ", ".join(f"{w['rank']}@{w['host']}: {_worker_state(w)}" for w in j["workers"]))
     out.print(t)
+
+
+def _worker_state(w: dict) -> str:
+    """A rank's state as `pitstop jobs` shows it: a running rank whose NCCL shim holds a peer's failure
+    back for the job's recovery says so."""
+    return w["state"] + (" (parked: a peer failed)" if (w.get("peer_lost") or "").startswith("parked") else "")
 
 
 def _protection(p: dict | None) -> str:

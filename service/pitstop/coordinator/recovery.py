@@ -406,7 +406,9 @@ class Recoveries:
         t = self._phase(op_id, md, "fence", t)
         self._fence(plan, md)
         t = self._phase(op_id, md, "stop", t)
-        md.update(self._steps_redone(plan))
+        now, unread = self._survivor_blocks(plan)
+        md.update(self._steps_redone(plan, now, unread))
+        md["survivors"] = self._survivors(plan, now)
         t_pause = time.time()
         in_parallel(lambda h: self._client(h).stop_workers(plan.job, plan.survivors[h]), sorted(plan.survivors))
         t = self._phase(op_id, md, "restore", t)
@@ -470,7 +472,39 @@ class Recoveries:
                     issued_at=snap.get("issued") or {}, ops_per_step=snap.get("ops_per_step") or {},
                     lost_heard=lost in hosts and healthy(hosts[lost], self.s.heartbeat_timeout_s))
 
-    def _steps_redone(self, plan: Plan) -> dict[str, Any]:
+    def _survivor_blocks(self, plan: Plan) -> tuple[dict[str, list[dict[str, Any]]], str | None]:
+        """The surviving ranks' shim blocks, read just before they are stopped (none for a job
+        without the shim's communicators), and why not where they could not be read."""
+        if not plan.nccl:
+            return {}, None
+        try:
+            now: dict[str, list[dict[str, Any]]] = {}
+            for got in in_parallel(lambda h: self._client(h, timeout=FENCE_TIMEOUT_S).shim_blocks_many(
+                    plan.survivors[h]), sorted(plan.survivors)):
+                now.update(got)
+        except PitstopError as e:
+            return {}, e.message
+        return now, None
+
+    def _survivors(self, plan: Plan, blocks: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+        """What each surviving rank was doing when the recovery stopped it: `parked` on a peer's
+        failure (its NCCL shim held a communicator error back for this recovery: the call, the
+        error, since when), `ended` (its collective failed and the error ended it: a job without
+        the shim, or not yet covered when its peer failed), or `running` (blocked in a call, or it
+        never met the failure).  Each is rolled back the same way: a live process is ended first."""
+        states = {w["id"]: w["state"] for w in self.store.workers(job=plan.job)}
+        out: dict[str, Any] = {}
+        for ids in plan.survivors.values():
+            for w in ids:
+                lost = next((b["lost"] for b in blocks.get(w, []) if (b.get("lost") or {}).get("state") == "parked"),
+                            None)
+                if lost:
+                    out[w] = {"state": "parked", "call": lost["call"], "error": lost["error"], "since": lost["since"]}
+                else:
+                    out[w] = {"state": "ended" if states.get(w) in ("exited", "lost") else "running"}
+        return out
+
+    def _steps_redone(self, plan: Plan, now: dict[str, list[dict[str, Any]]], unread: str | None) -> dict[str, Any]:
         """The steps the job does again: for an NCCL job, the operations its surviving ranks issued
         since the snapshot (their shims' counters, read just before they are stopped) over the
         operations a step takes (the period of their trails at the snapshot, progress.py).  A job
@@ -479,14 +513,9 @@ class Recoveries:
         if not plan.nccl or not at:
             return {"steps_redone": None, "steps_redone_why": "the job shows no progress pitstop can count "
                     "without a change to it (no NCCL shim); lost_s says how long it ran since the snapshot"}
-        try:
-            now: dict[str, list[dict[str, Any]]] = {}
-            for got in in_parallel(lambda h: self._client(h, timeout=FENCE_TIMEOUT_S).shim_blocks_many(
-                    plan.survivors[h]), sorted(plan.survivors)):
-                now.update(got)
-        except PitstopError as e:
+        if unread is not None:
             return {"steps_redone": None, "steps_redone_why": f"the surviving ranks' counters could not be read: "
-                    f"{e.message}"}
+                    f"{unread}"}
         ops = {w: sum(block_ops(b) for b in bs) - at[w] for w, bs in now.items() if w in at and bs}
         steps = {w: round(n / per_step[w], 1) for w, n in ops.items() if per_step.get(w)}
         if not steps:

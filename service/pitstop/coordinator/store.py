@@ -399,7 +399,8 @@ class Store:
                 "updated": r["updated"], "address": (info.get("net") or {}).get("address"),
                 "caps": info.get("caps"), "unmovable": info.get("unmovable"), "slurm_job": info.get("slurm_job"),
                 "snapshot_every_s": info.get("snapshot_every_s"), "world": info.get("world"),
-                "exit_code": info.get("exit_code"), "ended_at": info.get("ended_at"), "end_asked": info.get("end_asked")}
+                "exit_code": info.get("exit_code"), "ended_at": info.get("ended_at"), "end_asked": info.get("end_asked"),
+                "peer_lost": info.get("peer_lost")}
 
     def set_worker_host(self, wid: str, host: str, state: str = "running") -> None:
         self._x("UPDATE workers SET host=?, state=?, updated=? WHERE id=?", (host, state, time.time(), wid))

@@ -1,3 +1,12 @@
 """The agent's side of the shim's control block (shim/ctl.h): find, read, write."""
 
-from pitstop.shimctl.access import blocks, command, quiesce, set_targets, unmovable  # noqa: F401
+from pitstop.shimctl.access import (  # noqa: F401
+    blocks,
+    command,
+    headers,
+    peer_lost,
+    protect,
+    quiesce,
+    set_targets,
+    unmovable,
+)

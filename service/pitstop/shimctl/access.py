@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +30,14 @@ class Block:
     resumed_ns: int = 0
     trim: dict[str, Any] | None = None  # the last release of unused device memory (shim/trim.c)
     refused: str | None = None  # why the shim knows it cannot re-create this process's NCCL (version 3)
+    lost: dict[str, Any] | None = None  # parked on a peer's failure, or gave up on it (version 4)
+    protect: int | None = None  # the committed snapshot the agent said covers the job; None: a block before version 4
 
     def view(self, trail: bool = False) -> dict[str, Any]:
         """As the coordinator reads it; the trail (1 KiB of numbers) only where asked for."""
         h = self.header
-        extra: dict[str, Any] = {"pause": self.pause(), "trim": self.trim, "refused": self.refused}
+        extra: dict[str, Any] = {"pause": self.pause(), "trim": self.trim, "refused": self.refused,
+                                 "lost": self.lost, "protect": self.protect}
         if trail and self.trail is not None:
             extra |= {"trail": self.trail, "trail_at": self.trail_at, "trail_n": self.trail_n}
         return extra | {"pid": self.pid, "token": f"{h['token']:016x}", "state": L.STATES.get(h["state"], str(h["state"])),
@@ -89,6 +93,7 @@ def read_block(pid: int, addr: int) -> Block | None:
         h = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(raw, 0)))
         tail = os.pread(fd, L.TAIL.size, addr + L.OFF_TAIL) if h["version"] >= 2 else b""
         refused = _refused(fd, addr, h)
+        protect, lost = _lost(fd, addr, h)
     except (OSError, struct.error):
         return None
     finally:
@@ -105,7 +110,7 @@ def read_block(pid: int, addr: int) -> Block | None:
         c["sent"], c["recvd"] = list(rest[:m]), list(rest[m:2 * m])
         c["send_target"], c["recv_target"] = list(rest[2 * m:3 * m]), list(rest[3 * m:])
         comms.append(c)
-    b = Block(pid, addr, h, comms, refused=refused)
+    b = Block(pid, addr, h, comms, refused=refused, lost=lost, protect=protect)
     if len(tail) == L.TAIL.size:
         vals = L.TAIL.unpack(tail)
         n, ring = vals[0], vals[1:1 + L.TRAIL_LEN]
@@ -146,7 +151,33 @@ def _refused(fd: int, addr: int, h: dict[str, Any]) -> str | None:
     return note.split(b"\0", 1)[0].decode(errors="replace") or "(no note)" if n else None
 
 
-def _header(pid: int, addr: int) -> tuple[dict[str, Any], str | None] | None:
+def _lost(fd: int, addr: int, h: dict[str, Any]) -> tuple[int | None, dict[str, Any] | None]:
+    """A version-4 block's `protect` and the peer's failure it is parked on (or gave up on); (None, None)
+    for an older block, which has neither."""
+    if h["version"] < 4:
+        return None, None
+    protect, state, comm, error, since, until, call = L.LOST.unpack(os.pread(fd, L.LOST.size, addr + L.OFF_LOST))
+    name = L.LOST_STATES.get(state, str(state))
+    if name is None:
+        return protect, None
+    return protect, {"state": name, "call": call.split(b"\0", 1)[0].decode(errors="replace"), "comm": comm,
+                     "error": L.RESULTS.get(error, str(error)), "since": since / 1e9, "until": until / 1e9}
+
+
+@dataclass
+class Header:
+    """One process's block as the agent's periodic look reads it: the header and the notes, not the
+    communicators (a listing, not a pause)."""
+
+    pid: int
+    addr: int
+    header: dict[str, Any]
+    refused: str | None
+    protect: int | None
+    lost: dict[str, Any] | None
+
+
+def _header(pid: int, addr: int) -> Header | None:
     try:
         fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
     except OSError:
@@ -155,33 +186,82 @@ def _header(pid: int, addr: int) -> tuple[dict[str, Any], str | None] | None:
         h = dict(zip(L.HEADER_FIELDS, L.HEADER.unpack_from(os.pread(fd, L.HEADER.size, addr), 0)))
         if not h["magic"].startswith(L.MAGIC):
             return None
-        return h, _refused(fd, addr, h)
+        return Header(pid, addr, h, _refused(fd, addr, h), *_lost(fd, addr, h))
     except (OSError, struct.error):
         return None
     finally:
         os.close(fd)
 
 
-def unmovable(root_pid: int) -> str | None:
-    """Why the shim knows this tree cannot be moved, or None: NCCL loaded that the shim cannot stand
-    in front of, a call that left state only in a real communicator (the shim's note says which,
-    and what to do), or calls on communicators the shim did not create (made by a call that
-    bypassed it).  The cut could neither destroy nor re-create them.  Reads only the blocks'
-    headers and notes (a listing, not a pause)."""
-    seen: dict[int, tuple[int, str | None]] = {}
+def headers(root_pid: int) -> list[Header]:
+    """Every block in the tree, once (a forked child shares its parent's), headers and notes only."""
+    seen: dict[int, Header] = {}
     for pid in proctree.tree(root_pid):
         addr = _find(pid)
         got = _header(pid, addr) if addr is not None else None
         if got is not None:
-            seen[got[0]["token"]] = (got[0]["foreign"], got[1])
-    why = sorted({note for _, note in seen.values() if note})
-    n = sum(foreign for foreign, _ in seen.values())
+            seen.setdefault(got.header["token"], got)
+    return list(seen.values())
+
+
+def unmovable(root_pid: int, hs: list[Header] | None = None) -> str | None:
+    """Why the shim knows this tree cannot be moved, or None: NCCL loaded that the shim cannot stand
+    in front of, a call that left state only in a real communicator (the shim's note says which,
+    and what to do), or calls on communicators the shim did not create (made by a call that
+    bypassed it).  The cut could neither destroy nor re-create them.  Reads only the blocks'
+    headers and notes (a listing, not a pause); hs: those already read."""
+    hs = headers(root_pid) if hs is None else hs
+    why = sorted({x.refused for x in hs if x.refused})
+    n = sum(x.header["foreign"] for x in hs)
     if n:
         why.append(f"the NCCL shim saw {n} call(s) on communicators it did not create (made by a call that "
                    "bypassed it): they could not be re-created after a move; the worker's stderr names the "
                    "first such call ('pitstop shim: ... did not create')")
     said = "; ".join(why)
     return (said if len(said) <= UNMOVABLE_MAX else said[:UNMOVABLE_MAX - 3] + "...") or None
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def peer_lost(hs: list[Header]) -> str | None:
+    """What a worker's agent reports of a peer's failure its shim holds back (ctl.h, version 4): a
+    rank parked for the job's recovery, or one that gave up waiting and handed the error on; None."""
+    for state in ("parked", "gave_up"):
+        for x in hs:
+            lost = x.lost
+            if lost and lost["state"] == state:
+                where = f"{lost['call']} on communicator {lost['comm']}" if lost["comm"] >= 0 else lost["call"]
+                if state == "parked":
+                    return (f"parked on a peer's failure: {where} returned {lost['error']} at {_clock(lost['since'])}; "
+                            f"held for the job's recovery until {_clock(lost['until'])}")
+                return (f"a peer's failure: {where} returned {lost['error']} at {_clock(lost['since'])}; no recovery "
+                        "came while the rank was held, and the error went to the program")
+    return None
+
+
+def protect(hs: list[Header], number: int) -> int:
+    """Tell each block (version 4) that a committed snapshot, `number`, covers the job (0: none any more):
+    a communicator error after a peer's failure then parks the rank for the job's recovery instead of
+    ending it.  Written only where it differs; the blocks written."""
+    n = 0
+    for x in hs:
+        if x.protect is None or x.protect == number:
+            continue
+        try:
+            fd = os.open(f"/proc/{x.pid}/mem", os.O_WRONLY)
+        except OSError:
+            continue
+        try:
+            os.pwrite(fd, struct.pack("<I", number), x.addr + L.OFF_PROTECT)
+            x.protect = number
+            n += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return n
 
 
 def _write(b: Block, offset: int, data: bytes) -> None:

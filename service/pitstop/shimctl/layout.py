@@ -1,7 +1,7 @@
 """Byte layout of shim/ctl.h's struct pitstop_ctl (tests/test_shim.py checks it against the C compiler).
 
-A version-1 block (a shim built before the trail) is SIZE_V1 long, a version-2 one OFF_REFUSED: read as
-far as its version says."""
+A version-1 block (a shim built before the trail) is SIZE_V1 long, a version-2 one OFF_REFUSED, a version-3
+one OFF_LOST: read (and written) as far as its version says."""
 
 from __future__ import annotations
 
@@ -36,7 +36,12 @@ OFF_TAIL = SIZE_V1
 # calls that leave state only in the real communicator): a count and the first one's note.
 REFUSED = struct.Struct("<ii512s")
 OFF_REFUSED = OFF_TAIL + TAIL.size
-SIZE = OFF_REFUSED + REFUSED.size
+# Version 4 appends a peer's failure in a job that snapshots protect (ctl.h): the agent's `protect` (the
+# committed snapshot's number; 0: none), then lost, lost_comm, lost_error, lost_ns, lost_deadline_ns, lost_call
+LOST = struct.Struct("<IiiiQQ32s")
+OFF_LOST = OFF_REFUSED + REFUSED.size
+OFF_PROTECT = OFF_LOST
+SIZE = OFF_LOST + LOST.size
 
 # offsets used for single-field writes
 OFF_REQUEST = 24
@@ -49,6 +54,9 @@ COMM_OFF_NEWID = 56
 STATES = {0: "running", 1: "parked", 2: "destroyed", 3: "ids_ready", 4: "rebuilt", 5: "failed"}
 COMMANDS = {"destroy": 1, "genids": 2, "rebuild": 3, "resume": 4, "release": 5, "trim": 6}
 KINDS = {1: "init", 2: "split"}
+LOST_STATES = {0: None, 1: "parked", 2: "gave_up"}
+RESULTS = {1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError", 4: "ncclInvalidArgument",
+           5: "ncclInvalidUsage", 6: "ncclRemoteError", 7: "ncclInProgress"}
 
 
 def comm_offset(idx: int) -> int:

@@ -70,6 +70,9 @@ class WorkerReport(BaseModel):
     snapshot_every_s: float | None = Field(None, ge=0, le=7 * 86400.0,
                                            description="the snapshot interval its launcher asked for (seconds)")
     owner_uid: int | None = Field(None, ge=0, le=2**32 - 1, description="the user whose rank it is (who registered it)")
+    peer_lost: str | None = Field(None, max_length=1000,
+                                  description="its NCCL shim holds a communicator error back after a peer's failure, "
+                                              "for the job's recovery (or held it, and gave it to the program)")
 
 
 class SnapshotPolicyRequest(BaseModel):
