@@ -90,6 +90,29 @@ def test_exactly_the_pages_written_since_the_start_are_reported(worker):
     assert w("write", 8) == "ok" and w("fds") and w.p.poll() is None  # runs on after the tracking ends
 
 
+def test_memory_mapped_since_reads_as_written_until_a_refresh_registers_it(worker):
+    """A snapshot's interval begins with a refresh: memory the process mapped since the tracking
+    started (a new malloc arena, a tensor's mmap) is registered then, so that from the next
+    interval on only its pages written again count.  Before, such memory read as written at every
+    snapshot, and a long-running rank's deltas grew toward its whole memory."""
+    w = worker()
+    tracked, why = writetrack.start([w.p.pid])
+    t = tracked[w.p.pid]
+    t.protect()
+    try:
+        new = int(w("new"), 16)  # mapped, one page touched, after the start
+        assert any(a <= new < b for a, b in t.written())
+        t.protect()  # a protect alone leaves it unregistered: still all written
+        assert any(a <= new < b for a, b in t.written())
+        t.refresh()
+        assert not any(a <= new < b for a, b in t.written()), "registered and protected by the refresh"
+        assert w.pages(t.written()) == set()
+        w("write", 11)
+        assert w.pages(t.written()) == {11}
+    finally:
+        t.close()
+
+
 def test_a_process_without_the_library_is_not_signalled_and_says_why(worker):
     w = worker(False)
     tracked, why = writetrack.start([w.p.pid])

@@ -358,13 +358,13 @@ class Snapshots:
         have = self.trackers.setdefault(w.id, {})
         for pid in [p for p in have if p not in pids]:  # ended: their tracking ends with them
             have.pop(pid).close()
-        new = [p for p in pids if p not in have]
+        new = [p for p in pids if p not in have and not nsinit.is_init(p)]  # the init holds nothing of the job's
         if new:
             tracked, why = writetrack.start(new)
             have.update(tracked)
             if why:
-                log.info("a snapshot's processes not all tracked: their parts are whole", worker=w.id,
-                         why=sorted(set(why.values()))[:3])
+                log.info("processes of a snapshot's worker not tracked: each is dumped whole", worker=w.id,
+                         processes=len(why), why=sorted(set(why.values()))[:3])
 
     def _parent_for(self, w: Worker, job: str, number: int) -> tuple[tuple[int, int] | None, str | None]:
         """((the part to dump against, its depth), the CRIU that can) where an incremental dump is
@@ -390,7 +390,7 @@ class Snapshots:
             return
         for pid in pids:
             if pid in have:
-                have[pid].protect()
+                have[pid].refresh()  # its new mappings too: else they read as written at every snapshot
         self.reset_at[w.id] = (w.job, number)
 
     def end_tracking(self, wid: str) -> None:

@@ -30,7 +30,7 @@ import signal
 import socket
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pitstop.proc import proctree
@@ -145,11 +145,21 @@ class Tracked:
     uffd: int
     pagemap: int
     registered_bytes: int = 0
+    registered: set[tuple[int, int]] = field(default_factory=set)  # the VMAs (start, end) registered
 
     def protect(self) -> None:
         """Write-protect all of its registered memory that exists: from now on a write shows
         (start() does it)."""
         _scan(self.pid, self.pagemap, wp=True)
+
+    def refresh(self) -> None:
+        """Register the memory it mapped since it was last looked at, then protect everything: the
+        start of a new interval (a snapshot's, after its dump).  Why: a mapping made after the
+        registration (a new malloc arena, a large tensor's mmap) carries no protection, so all of
+        it reads as written at every later look; without this a long-running rank's deltas grew
+        until they were most of its memory (a snapshot's pause from 0.7 s to 3-7.7 s)."""
+        _register(self)
+        self.protect()
 
     def written(self) -> list[tuple[int, int]]:
         """Regions (start, end) written since the start, sorted; call it with the process stopped
@@ -218,11 +228,16 @@ def ineligible(pid: int) -> str | None:
 
 
 def _register(t: Tracked) -> None:
-    """Register each private VMA the pre-copy reads; one that will not register (a mapping the
-    kernel refuses, or one gone since) stays unregistered, so all its pages read as written."""
+    """Register each private VMA the pre-copy reads that is not registered yet; one that will not
+    register (a mapping the kernel refuses, or one gone since) stays unregistered, so all its pages
+    read as written.  (Registering a VMA again with the same uffd is a no-op for the kernel: one
+    that split or merged since is simply asked again.)"""
     for start, end in proctree.private_vmas(t.pid):
+        if (start, end) in t.registered:
+            continue
         try:
             _ioctl(t.uffd, _UFFDIO_REGISTER, _Register(start=start, len=end - start, mode=_MODE_WP))
+            t.registered.add((start, end))
             t.registered_bytes += end - start
         except TrackError:
             continue
