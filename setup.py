@@ -1,5 +1,8 @@
 """The wheel carries pitstop's native parts (native/, shim/) inside the package, built for the
 platform it is built on, so that `pip install` of the wheel gives a host `pitstop doctor` accepts.
+It also carries the scripts that give a host its CRIU (scripts/provision-criu.sh,
+scripts/build-criu.sh) and the patch series the second applies (criu/patches/), laid out as in
+the checkout under pitstop/criu/provisioning/: `pitstop provision-criu` runs them there.
 
 Why a setup.py beside pyproject.toml: the native parts are plain C built by their Makefiles (no
 Python extension modules), and setuptools' build_py is the one hook that runs for every wheel.
@@ -24,6 +27,10 @@ SHIPPED = {  # what a host runs; the test job's abort tracer stays in the checko
 }
 
 
+PROVISIONING = ("scripts/provision-criu.sh", "scripts/build-criu.sh", "criu/patches")
+"""What `pitstop provision-criu` runs (pitstop/criu/provision.py), relative to the checkout's root."""
+
+
 class BuildWithNative(build_py):
     def run(self) -> None:
         super().run()
@@ -36,6 +43,13 @@ class BuildWithNative(build_py):
         for d, names in SHIPPED.items():
             for n in names:
                 shutil.copy2(ROOT / d / n, dest / n)  # copy2 keeps pitstop-init executable
+        prov = Path(self.build_lib) / "pitstop" / "criu" / "provisioning"
+        for rel in PROVISIONING:  # missing: a wheel whose doctor would advise what it cannot run
+            (prov / rel).parent.mkdir(parents=True, exist_ok=True)
+            if (ROOT / rel).is_dir():
+                shutil.copytree(ROOT / rel, prov / rel, dirs_exist_ok=True)
+            else:
+                shutil.copy2(ROOT / rel, prov / rel)
 
 
 class PlatformDistribution(Distribution):

@@ -151,7 +151,7 @@ def test_a_move_to_a_host_whose_criu_cannot_read_shared_pages_rolls_back(cluster
     wait_for_step(ranks[1].log, 8)
     with pytest.raises(PitstopError) as e:
         move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
-    assert "PE_COW" in str(e.value) and "make criu" in str(e.value), e.value
+    assert "PE_COW" in str(e.value) and "pitstop provision-criu" in str(e.value), e.value
     assert a.client().worker("j.1")["state"] == "running"
     _finish(ranks, out)
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80, workers=2))

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,43 @@ def test_a_leftover_criu_lock_table_is_named_with_its_remedy_and_blocks_nothing(
         subprocess.run([rt.nft, "delete", "table", "inet", name], capture_output=True, timeout=30)
     after = _lock_tables_left(rt)
     assert name not in after.detail
+
+
+def test_an_agent_unit_that_runs_a_pitstop_that_is_not_there_is_named_with_the_drop_in(tmp_path):
+    """The unit names /usr/local/bin/pitstop; pitstop installed in a virtual environment is not there,
+    and the agent would fail at every start with systemd's status 203/EXEC.  Doctor says so, and how
+    to point the unit at this pitstop; a drop-in that does is honoured."""
+    from pitstop.doctor import UNIT, agent_unit
+
+    assert agent_unit(tmp_path).ok is None  # not installed: nothing to say
+    units = tmp_path / "etc/systemd/system"
+    units.mkdir(parents=True)
+    shipped = (Path(__file__).resolve().parent.parent / "systemd" / UNIT).read_text()
+    missing = tmp_path / "nowhere" / "pitstop"
+    (units / UNIT).write_text(shipped.replace("/usr/local/bin/pitstop", str(missing)))
+    c = agent_unit(tmp_path)
+    assert c.ok is False and not c.required, c
+    assert f"runs {missing}, which does not exist" in c.detail and "systemctl edit pitstop-agent.service" in c.detail
+    assert "ExecStart= (empty" in c.detail
+    venv = tmp_path / "venv" / "bin" / "pitstop"
+    venv.parent.mkdir(parents=True)
+    venv.write_text("#!/bin/sh\n")
+    venv.chmod(0o755)
+    (units / f"{UNIT}.d").mkdir()
+    (units / f"{UNIT}.d" / "override.conf").write_text(f"[Service]\nExecStart=\nExecStart={venv} agent --name %H\n")
+    c = agent_unit(tmp_path)
+    assert c.ok is True and str(venv) in c.detail, c
+
+
+def test_a_host_without_criu_is_told_a_command_it_has(tmp_path):
+    """Before: "run `make criu`", a target of the source checkout that a host installed from a wheel
+    does not have.  The advice names `pitstop provision-criu`, which the wheel carries."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PITSTOP_CRIU", "PITSTOP_PYCRIU", "PITSTOP_NFT")}
+    env.update(PITSTOP_CRIU_PREFIX=str(tmp_path / "none"), PITSTOP_CRIU_CARRIED_PREFIX=str(tmp_path / "none-carried"),
+               PITSTOP_FORCE_PRIVATE_CRIU="1")
+    p = subprocess.run([sys.executable, "-m", "pitstop.cli", "doctor", "--json"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    got = json.loads(p.stdout)
+    criu = next(c for c in got["checks"] if c["name"] == "criu")
+    assert p.returncode == 1 and not got["ready"] and criu["ok"] is False, got
+    assert "pitstop provision-criu" in criu["detail"] and "make" not in criu["detail"], criu

@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 def test_the_wheel_carries_its_native_parts_and_a_host_installed_from_it_passes_doctor(tmp_path):
     src = tmp_path / "src"  # a copy: a build leaves build/ and egg-info behind
     files = subprocess.run(["git", "ls-files", "service", "native", "shim", "setup.py", "pyproject.toml",
-                            "README.md"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+                            "README.md", "scripts/provision-criu.sh", "scripts/build-criu.sh", "criu/patches"],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for f in files:
         (src / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / f, src / f)
@@ -42,6 +43,12 @@ def test_the_wheel_carries_its_native_parts_and_a_host_installed_from_it_passes_
         assert (z.getinfo("pitstop/native/pitstop-init").external_attr >> 16) & stat.S_IXUSR
         for n in ("dashboard.html", "dashboard.js"):  # the coordinator's dashboard (package data)
             assert f"pitstop/coordinator/{n}" in names, n
+        # what `pitstop provision-criu` runs, laid out as in the checkout: build-criu.sh finds its patches
+        prov = "pitstop/criu/provisioning/"
+        assert {prov + "scripts/provision-criu.sh", prov + "scripts/build-criu.sh"} <= names
+        series = [ln.strip() for ln in z.read(prov + "criu/patches/series").decode().splitlines()
+                  if ln.strip() and not ln.lstrip().startswith("#")]
+        assert series and all(prov + "criu/patches/" + p in names for p in series), series
 
     site = tmp_path / "site"
     p = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(whl)],
@@ -56,3 +63,10 @@ def test_the_wheel_carries_its_native_parts_and_a_host_installed_from_it_passes_
     report = json.loads(d.stdout)
     assert report["ready"], report["reasons"]
     assert d.returncode == 0
+    # doctor's advice for a host without CRIU works from the wheel: the scripts are the installed ones
+    p = subprocess.run([sys.executable, "-c", "from pitstop.criu import provision; print(provision.root())"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == str(site / "pitstop" / "criu" / "provisioning"), p.stdout + p.stderr
+    p = subprocess.run([sys.executable, "-m", "pitstop.cli", "provision-criu", "--stock-only"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300)  # idempotent: reuses what is there
+    assert p.returncode == 0 and "runs now" in p.stdout, p.stdout + p.stderr

@@ -6,6 +6,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,8 +98,55 @@ def run_checks() -> list[Check]:
     checks.append(_image_root())
     checks.append(_huge_tmpfs())
     checks.append(_exit_status_kept())
+    checks.append(agent_unit())
     checks += gpu_checks()
     return checks
+
+
+UNIT = "pitstop-agent.service"
+UNIT_DIRS = ("etc/systemd/system", "run/systemd/system", "usr/local/lib/systemd/system", "usr/lib/systemd/system",
+             "lib/systemd/system")
+"""Where systemd looks for units, first wins (drop-ins `UNIT.d/*.conf` from all of them, by name)."""
+
+
+def unit_exec_start(root: Path = Path("/")) -> tuple[Path, str] | None:
+    """The installed agent unit and the program its ExecStart runs (drop-ins applied: an empty
+    `ExecStart=` clears, the last one counts); None where no unit is installed."""
+    unit = next((root / d / UNIT for d in UNIT_DIRS if (root / d / UNIT).is_file()), None)
+    if unit is None:
+        return None
+    drop_ins = {f.name: f for d in reversed(UNIT_DIRS) for f in (root / d / f"{UNIT}.d").glob("*.conf")}
+    cmd = ""
+    for f in [unit, *(drop_ins[n] for n in sorted(drop_ins))]:
+        section = ""
+        for line in _read(str(f)).splitlines():
+            line = line.strip()
+            if line.startswith("["):
+                section = line
+            elif section == "[Service]" and line.startswith("ExecStart="):
+                cmd = line.split("=", 1)[1].strip()
+    return unit, cmd.lstrip("-@+!:").split()[0].strip("\"'") if cmd.strip("-@+!: ") else ""
+
+
+def agent_unit(root: Path = Path("/")) -> Check:
+    """Whether the installed agent unit runs a pitstop that exists.  The unit names
+    /usr/local/bin/pitstop, where `pip install` as root puts it; a pitstop installed in a virtual
+    environment is elsewhere, and the unit would fail at every start with only systemd's
+    "No such file or directory" (status 203/EXEC) to say why."""
+    name = "agent unit"
+    found = unit_exec_start(root)
+    here = Path(sys.executable).with_name("pitstop")
+    me = str(here) if here.exists() else shutil.which("pitstop") or "/path/to/venv/bin/pitstop"
+    if found is None:
+        return Check(name, None, f"{UNIT} not installed (systemd/{UNIT} in the source)", required=False)
+    unit, program = found
+    if program and os.access(program, os.X_OK):
+        return Check(name, True, f"{unit} runs {program}", required=False)
+    return Check(name, False, f"{unit} runs {program or 'nothing (no ExecStart=)'}, which "
+                 f"{'does not exist' if program else 'cannot start'}: the agent would fail at every start. This "
+                 f"pitstop is {me}; point the unit at it with a drop-in: `systemctl edit {UNIT}`, then "
+                 f"[Service] ExecStart= (empty: clears the unit's) and ExecStart={me} agent ... (the unit's "
+                 "arguments), then `systemctl daemon-reload`", required=False)
 
 
 def _carried(rt: runtime.CriuRuntime) -> Check:
@@ -111,7 +159,7 @@ def _carried(rt: runtime.CriuRuntime) -> Check:
     built = runtime.carried_prefix() / "bin" / "criu"
     why = ("PITSTOP_CRIU_STOCK is set" if built.exists() and os.environ.get("PITSTOP_CRIU_STOCK", "") not in ("", "0")
            else "PITSTOP_CRIU names another" if built.exists()
-           else "not built here (`make criu` runs scripts/build-criu.sh; see its output)")
+           else "not built here (`pitstop provision-criu` builds it, and says why where it cannot)")
     return Check(name, None, f"{why}; the {rt.source} CRIU {rt.version_str} runs. Its cost: ranks with forked "
                  "workers (DataLoader) dump each worker's copy-on-write pages again (images about N + 1 times the "
                  "rank's memory) and restore them one 4 KiB read and compare at a time (a pause 2-3 x longer); "

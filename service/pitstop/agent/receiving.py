@@ -260,8 +260,9 @@ class DestinationSide:
             raise RestoreFailed(f"image {s.image_id} was dumped by pitstop's CRIU: tasks {tasks} share pages with "
                                 f"their parent (PE_COW), which this host's {rt.source} CRIU {rt.version_str} "
                                 "cannot restore",
-                                action="the move rolls back; run `make criu` on this host (scripts/build-criu.sh; "
-                                       "`pitstop doctor` says which CRIU runs), or move to a host that has it")
+                                action="the move rolls back; run `pitstop provision-criu` on this host (it builds "
+                                       "the carried CRIU; `pitstop doctor` says which CRIU runs), or move to a host "
+                                       "that has it")
 
     def _restore_from(self, s: Slot, plan: RestorePlan) -> tuple[Path, Path | None]:
         """The directory CRIU restores from, and the local page server's index where a delta is

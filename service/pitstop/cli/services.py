@@ -48,6 +48,38 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="print the checks 
 
 
 
+@app.command("provision-criu")
+def provision_criu(
+    carried: bool = typer.Option(True, "--carried/--stock-only", help="also build the CRIU pitstop carries "
+                                 "(4.2.1 with pitstop's patches; needs gcc and make)"),
+) -> None:
+    """Give this host the CRIU pitstop runs: CRIU >= 4.2 (the host's if it passes `criu check`, else
+    Debian's, unpacked into ~/.cache/pitstop/criu-4.2 without touching the host's packages), then the
+    CRIU pitstop carries, built into ~/.cache/pitstop/criu-carried. Needs root and Debian's package
+    archive; what `pitstop doctor` advises where CRIU is missing or stock."""
+    from pitstop.criu import provision, runtime
+
+    try:
+        steps = provision.provision(carried)
+    except PitstopError as e:
+        fail(e)
+    for s in steps:
+        if s.ok:
+            out.print(f"[green]ok[/]   {s.script}: {s.path}", soft_wrap=True)
+        else:
+            out.print(f"[red]failed[/] {s.script}:", soft_wrap=True)
+            print("\n".join(s.log.strip().splitlines()[-15:]))
+    runtime.locate.cache_clear()
+    try:
+        rt = runtime.locate()
+    except PitstopError as e:
+        fail(e)
+    out.print(f"CRIU {rt.version_str} runs now ({rt.source}: {rt.binary})" + (
+        "" if rt.carried or not carried else "; the carried CRIU did not build (see above): the stock one runs, "
+        "and `pitstop doctor` says what that costs"), soft_wrap=True)
+    raise typer.Exit(0 if steps[0].ok else 1)
+
+
 @app.command()
 def agent(
     name: Optional[str] = typer.Option(None, help="this host's name in the cluster (PITSTOP_AGENT_NAME; "

@@ -133,7 +133,8 @@ def locate() -> CriuRuntime:
             seen[-1] += f" (probe: {why})"
     raise FailedPrecondition(
         "no CRIU >= 4.2 found" + (f" (tried {'; '.join(seen)})" if seen else ""),
-        action="run `make criu` (scripts/build-criu.sh, scripts/provision-criu.sh) or set PITSTOP_CRIU to a criu >= 4.2",
+        action="run `pitstop provision-criu` (as root: Debian's CRIU >= 4.2 in a private prefix unless the host's "
+               "passes, then the CRIU pitstop carries), or set PITSTOP_CRIU to a criu >= 4.2",
         code="criu_missing")
 
 

@@ -182,7 +182,7 @@ def lock(n: WorkerNet, nft: str | None) -> None:
     """Drop every packet in and out of the namespace except loopback (idempotent)."""
     if not nft:
         raise FailedPrecondition("nft is needed to lock a worker's network during a move", code="no_nft",
-                                 action="run `make criu` (it provides nft) or install nftables")
+                                 action="run `pitstop provision-criu` (it provides nft) or install nftables")
     rules = (f"table inet {LOCK_TABLE} {{\n"
              "  chain in { type filter hook input priority -300; policy drop; iif lo accept; }\n"
              "  chain out { type filter hook output priority -300; policy drop; oif lo accept; }\n}\n")
