@@ -39,6 +39,12 @@ ranks 0-1, host-b: ranks 2-3).  Methods, each on a fresh local cluster:
   with torch.save after a step, every rank exits, the job is relaunched at once, loads and
   continues; its pause runs from the last step before the save to the first after the load.
   No scheduler delay and no fsync are counted: the most favourable case for it.
+- pitstop, stock CRIU (`stock-criu`, `stock-criu-stop-and-copy`): the default (or stop-and-copy)
+  with the stock CRIU instead of the one pitstop carries (PITSTOP_CRIU_STOCK=1, criu/README.md):
+  before and after its patches in one run.
+- pitstop, no loader workers (`no-workers`, `no-workers-stop-and-copy`): the same job without
+  DataLoader workers, where --loader-workers gives some: its images are the ranks' own memory,
+  and its pause what the workers' should come close to.
 - scaling: pitstop with 2, 4 and 8 ranks in the job and the same leaving part (one rank
   on host-b), the others on host-a; eagerly, and with network post-copy; --scaling-repeats
   runs of each size, interleaved, judged by the sizes' medians (every run is in the JSON).
@@ -83,7 +89,9 @@ LOCAL_POST_COPY = {"PITSTOP_AGENT_LAZY_RESTORE": "1"}  # from the copy on the de
 NAIVE_DISK = "naive CRIU, to disk"
 BASELINES = ("naive CRIU", NAIVE_DISK, "checkpoint-restart")
 METHOD_KEYS = ("default", "stop-and-copy", "post-copy", "pre-copy+post-copy", "network-post-copy", "naive",
-               "naive-disk", "checkpoint-restart")
+               "naive-disk", "checkpoint-restart", "stock-criu", "stock-criu-stop-and-copy", "no-workers",
+               "no-workers-stop-and-copy")
+STOCK_CRIU = {"PITSTOP_CRIU_STOCK": "1"}  # the stock CRIU instead of the one pitstop carries (criu/)
 
 
 MEMORY_FS = ("tmpfs", "ramfs")
@@ -276,6 +284,31 @@ CHART_PHASES = {  # method phase -> chart segment
 }
 
 
+def workers_summary(runs: list[dict], pause: dict[str, float]) -> dict[str, float]:
+    """The ratios a job with DataLoader workers is judged by, where their runs were made: its images
+    and pre-copy against the same job's without workers (the ranks' own memory), its pause against
+    that job's, and the stock CRIU against the one pitstop carries."""
+    by = {r["method"]: r for r in runs}
+    out: dict[str, float] = {}
+
+    def ratio(key: str, a: str, b: str, field: str) -> None:
+        if a in by and b in by and by[b].get(field):
+            out[key] = by[a][field] / by[b][field]
+
+    ratio("image bytes: stop-and-copy / no loader workers, stop-and-copy", "pitstop, stop-and-copy",
+          "pitstop, no loader workers, stop-and-copy", "bytes")
+    ratio("pre-copy bytes: pitstop / no loader workers", "pitstop", "pitstop, no loader workers", "pre_copy_sent_bytes")
+    ratio("image bytes: stock CRIU, stop-and-copy / stop-and-copy", "pitstop, stock CRIU, stop-and-copy",
+          "pitstop, stop-and-copy", "bytes")
+    ratio("pre-copy bytes: stock CRIU / pitstop", "pitstop, stock CRIU", "pitstop", "pre_copy_sent_bytes")
+    for a, b in (("pitstop", "pitstop, no loader workers"), ("pitstop, stock CRIU", "pitstop"),
+                 ("pitstop, stop-and-copy", "pitstop, no loader workers, stop-and-copy"),
+                 ("pitstop, stock CRIU, stop-and-copy", "pitstop, stop-and-copy")):
+        if a in pause and b in pause:
+            out[f"job pause: {a} / {b}"] = pause[a] / pause[b]
+    return out
+
+
 def median_runs(runs: list[dict]) -> list[dict]:
     """Per (method, job size), the run whose downtime is the median (the lower middle of an
     even count), in the order the sizes were first run."""
@@ -429,6 +462,17 @@ def main() -> None:
         if "stop-and-copy" in want:
             every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, label="pitstop, stop-and-copy", pre_copy=False,
                                       **job))
+        if "stock-criu" in want:
+            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, STOCK_CRIU, label="pitstop, stock CRIU", **job))
+        if "stock-criu-stop-and-copy" in want:
+            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, STOCK_CRIU,
+                                      label="pitstop, stock CRIU, stop-and-copy", pre_copy=False, **job))
+        if "no-workers" in want:
+            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, label="pitstop, no loader workers",
+                                      **{**job, "loader_workers": 0}))
+        if "no-workers-stop-and-copy" in want:
+            every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, label="pitstop, no loader workers, stop-and-copy",
+                                      pre_copy=False, **{**job, "loader_workers": 0}))
         if not a.skip_post_copy:
             if "post-copy" in want:
                 every_run.append(evacuate(4, [2, 3], a.state_mb, a.steps, LOCAL_POST_COPY,
@@ -510,8 +554,14 @@ def main() -> None:
     for r in runs:
         if r["method"] in BASELINES:
             summary[f"{r['method']} / pitstop (downtime)"] = r["downtime_s"] / ref["downtime_s"]
-    exact = {tuple(r["final"]) for r in every_run + scaling if r["world"] == 4 and r["method"] != "checkpoint-restart"}
+    summary.update(workers_summary(runs, pause))
+    # (the job without loader workers is another job: its own runs must agree among themselves)
+    exact = {tuple(r["final"]) for r in every_run + scaling if r["world"] == 4 and r["method"] != "checkpoint-restart"
+             and "no loader workers" not in r["method"]}
     summary["pitstop_and_naive_identical"] = len(exact) == 1
+    alone = {tuple(r["final"]) for r in every_run if "no loader workers" in r["method"]}
+    if alone:
+        summary["no_loader_workers_runs_identical"] = len(alone) == 1
     summary["runs_whose_ranks_disagree"] = [f"{r['method']} ({r['world']} ranks): from step {r['first_divergent_step']},"
                                             f" moved after step {r['moved_after_step']}"
                                             for r in every_run + scaling if r.get("first_divergent_step") is not None]

@@ -34,6 +34,9 @@ VERSION=4.2.1
 ORIG=criu_${VERSION}.orig.tar.xz
 ORIG_SHA256=29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9
 PATCHES="$ROOT/criu/patches"
+# Another series file (patch names in criu/patches/), for a build with part of the series: the
+# benchmark of each patch's effect (bench/criu_patches.py) builds into prefixes of its own.
+SERIES=${PITSTOP_CRIU_SERIES:-$PATCHES/series}
 # The host's suite for the build dependencies (their libraries must run with the host's libc).
 HOST_SUITE=${PITSTOP_CRIU_BUILD_SUITE:-$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")}
 BUILD_DEPS=(libprotobuf-c-dev protobuf-c-compiler protobuf-compiler libprotobuf-dev libnl-3-dev libnet1-dev
@@ -49,7 +52,7 @@ key() {  # what the build depends on: the source, the patches in series order, t
     while read -r p; do
       [[ -z "$p" || "$p" == \#* ]] && continue
       echo "$p"; sha256sum "$PATCHES/$p" | cut -d' ' -f1
-    done <"$PATCHES/series"
+    done <"$SERIES"
   } | sha256sum | cut -c1-16
 }
 
@@ -125,13 +128,13 @@ fi
 # 3. Patch and build.
 tree="$WORK/criu-$VERSION-$KEY"
 if [[ ! -x "$tree/criu/criu" ]]; then
-  log "building CRIU $VERSION with $(grep -cv '^\s*\(#\|$\)' "$PATCHES/series") patches (build $KEY)"
+  log "building CRIU $VERSION with $(grep -cv '^\s*\(#\|$\)' "$SERIES") patches (build $KEY)"
   rm -rf "$WORK"/criu-"$VERSION"-* "$tree.tmp" && mkdir -p "$tree.tmp"
   tar -C "$tree.tmp" --strip-components=1 -xf "$src/$ORIG"
   while read -r p; do
     [[ -z "$p" || "$p" == \#* ]] && continue
     patch -d "$tree.tmp" -p1 --batch --quiet --no-backup-if-mismatch <"$PATCHES/$p" || die "patch $p does not apply"
-  done <"$PATCHES/series"
+  done <"$SERIES"
   mkdir -p "$tree.tmp/.pitstop-bin"
   # CRIU's images/Makefile gives protoc --proto_path=/usr/include; the sysroot's must come first.
   printf '#!/bin/sh\nexec "%s/usr/bin/protoc" -I"%s/usr/include" "$@"\n' "$sysroot" "$sysroot" >"$tree.tmp/.pitstop-bin/protoc"
@@ -172,7 +175,7 @@ else
   dpkg-deb -x "$WORK"/pycriu/python3-pycriu_*.deb "$WORK/pycriu/root"
   cp -r "$WORK/pycriu/root/usr/lib/python3/dist-packages/pycriu" "$PREFIX.tmp/pycriu/"
 fi
-cp "$PATCHES/series" "$PREFIX.tmp/PATCHES"
+cp "$SERIES" "$PREFIX.tmp/PATCHES"
 echo "$tree" >"$PREFIX.tmp/BUILD-TREE"
 echo "$KEY" >"$PREFIX.tmp/BUILD-KEY"
 "$PREFIX.tmp/bin/criu" --version >/dev/null || die "the built criu does not run"
