@@ -278,21 +278,26 @@ class LocalCluster:
         a = self.agents[name]
         _stop(a.proc, sig)
 
-    def kill_host(self, name: str) -> list[str]:
+    def kill_host(self, name: str, processes_first_s: float | None = None) -> list[str]:
         """Host `name` dies outright, as one that loses power: its agent, its workers and the launchers
         of ranks started there SIGKILLed, its link cut (`net.cut`), its workers' namespaces gone with
-        it.  The ids of the workers it ran."""
+        it.  The ids of the workers it ran.
+
+        processes_first_s: the order hosts often die in instead: the kernel (the OOM killer, a
+        crashing driver) kills the workers' processes first, their peers elsewhere see their
+        connections reset and the agent reports the ranks ended; this long after, the agent, the
+        launchers and the link go."""
         a = self.agents[name]
         with AgentClient(a.url, self.token) as c:
             ws = [w for w in c.workers() if w["state"] in ("running", "paused")]
+        if processes_first_s is not None:
+            self._kill_sessions(ws)
+            time.sleep(processes_first_s)
         if self.net:  # first: a host that loses power sends no reset for its connections
             self.net.cut(name)
         a.proc.kill()
         a.proc.wait(10)
-        for w in ws:
-            with contextlib.suppress(ProcessLookupError):
-                sid = os.getsid(w["root_pid"])
-                subprocess.run(["pkill", "-KILL", "-s", str(sid)], capture_output=True, timeout=10)
+        self._kill_sessions(ws)
         for r in self.ranks:
             if r.agent == name:
                 with contextlib.suppress(ProcessLookupError):
@@ -301,6 +306,14 @@ class LocalCluster:
             if w.get("net"):
                 subprocess.run(["ip", "netns", "delete", w["net"]["netns"]], capture_output=True, timeout=10)
         return [w["id"] for w in ws]
+
+    @staticmethod
+    def _kill_sessions(ws: list[dict]) -> None:
+        """SIGKILL every process of the workers' sessions (a rank and its DataLoader workers)."""
+        for w in ws:
+            with contextlib.suppress(ProcessLookupError):
+                sid = os.getsid(w["root_pid"])
+                subprocess.run(["pkill", "-KILL", "-s", str(sid)], capture_output=True, timeout=10)
 
     def worker_address(self, index: int) -> str:
         """An address for a worker of its own on the hosts' segment (`pitstop run --address`)."""
