@@ -22,6 +22,11 @@ from pitstop.dev.devcluster import LocalCluster, free_port, pitstop_cmd, step_ga
 
 WORKLOAD = ROOT / "tests" / "workloads" / "ddp_train.py"
 STEPS = 200
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+"""Each rank computes on one thread, the job's and the reference's alike: torch's default (a thread
+per core) puts 8 spinning OpenMP threads on a 2-core machine, and the reference run (4 ranks at
+full speed) took 94-125 s that way instead of 24-28 s, with the same final parameters
+(bench/results/2026-12-06-demo.md)."""
 
 
 def say(msg: str) -> None:
@@ -39,7 +44,7 @@ def reference(tmp: Path) -> list[str]:
     procs = [subprocess.Popen([sys.executable, str(WORKLOAD), "--steps", str(STEPS), "--out", str(out),
                                "--step-sleep", "0"],
                               env=dict(os.environ, RANK=str(r), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
-                                       MASTER_PORT=str(port), USE_LIBUV="0"),
+                                       MASTER_PORT=str(port), USE_LIBUV="0", **ONE_THREAD),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(4)]
     if any(p.wait(300) for p in procs):
         raise SystemExit("the reference run failed")
@@ -64,9 +69,10 @@ def main() -> int:
             print(f"   agent {a.name:<8} {a.url}  state {a.state_dir}")
         say(f"starting a 4-rank torch DDP job (gloo, {STEPS} steps) through `pitstop run`, 2 ranks per host")
         out = c.root / "out"
+        pace = c.root / "pace"  # the job sleeps 0.05 s a step while it must stay alive for the move
         ranks = c.start_job("demo", [sys.executable, str(WORKLOAD), "--steps", str(STEPS), "--out", str(out),
-                                     "--state-mb", "64"], 4,
-                            {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"})
+                                     "--state-mb", "64", "--pace-file", str(pace)], 4,
+                            {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}, env=ONE_THREAD)
         wait_for_step(ranks[2].log, 30)
         cli(c, "hosts")
         cli(c, "jobs")
@@ -79,6 +85,7 @@ def main() -> int:
         if rc != 0:
             print("the evacuation failed (see above); the job keeps running where it was")
         say("the job continues; waiting for it to finish")
+        pace.write_text("0\n")  # nothing left to move: its remaining steps at full speed (same result)
         codes = [r.proc.wait(300) for r in ranks]
         print(f"   exit codes of the four `pitstop run` launchers: {codes}")
         gaps = step_gaps(ranks[2].log)
