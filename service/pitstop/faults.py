@@ -7,6 +7,9 @@ Used by the qualification matrix (tests/qualify) to stop a process at a precise 
 damage what it handles, as CRIU's zdtm does with its own hooks.  Points:
   phase:<name>          coordinator, as an evacuation enters a phase
   after_commit_point    coordinator, right after the commit point is recorded
+  snapshot_phase:<name> coordinator, as a snapshot enters a phase (check, pause, lock, dump, resume,
+                        replicate, commit)
+  recovery_phase:<name> coordinator, as a recovery enters a phase (plan, fence, stop, restore, resume)
   capture:before_dump   source agent, before CRIU dumps
   precopy:before_read   source agent, before a pre-copy reads the running worker's memory
   precopy:before_finish source agent, after the pre-copy's pages are read, before its manifest

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import structlog
 
+from pitstop import faults
 from pitstop.coordinator.cut import block_ops
 from pitstop.coordinator.fanout import each_while_heard, in_parallel, while_heard
 from pitstop.coordinator.planner import healthy, usable_spare
@@ -278,8 +279,12 @@ class Recoveries:
         at = min([*ends, *([silent_since] if silent_since else [])], default=None)
         return round(now - at, 3) if at is not None else None
 
-    def start_thread(self, op_id: str) -> None:
-        t = threading.Thread(target=self._run, args=(op_id,), daemon=True, name=f"op-{op_id}")
+    def start_thread(self, op_id: str, after: threading.Thread | None = None) -> None:
+        def run() -> None:
+            if after is not None:
+                after.join()
+            self._run(op_id)
+        t = threading.Thread(target=run, daemon=True, name=f"op-{op_id}")
         with self._threads_lock:
             self.threads[op_id] = t
         t.start()
@@ -338,12 +343,13 @@ class Recoveries:
             self.start_thread(op_id)
         return taken
 
-    def reconcile(self) -> list[str]:
-        """After a coordinator restart: a recovery that was running runs again from the start."""
+    def reconcile(self, after: threading.Thread | None = None) -> list[str]:
+        """After a coordinator restart: a recovery that was running runs again from the start (once
+        `after`, the undoing of a snapshot the last coordinator left under way, has ended)."""
         out = []
         for op in self.store.ops(running_only=True):
             if is_recovery(op):
-                self.start_thread(op["id"])
+                self.start_thread(op["id"], after=after)
                 out.append(op["id"])
         return out
 
@@ -383,6 +389,7 @@ class Recoveries:
         md["phase"] = name
         self.store.update_op(op_id, phase=name, metadata=md)
         log.info("recovery phase", op=op_id, phase=name)
+        faults.hit(f"recovery_phase:{name}")
         return now
 
     def _client(self, host: str, timeout: float | None = None) -> AgentClient:

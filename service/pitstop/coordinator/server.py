@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
+import threading
 from collections.abc import Callable
 
 import structlog
@@ -102,8 +103,11 @@ def serve(s: CoordinatorSettings) -> None:
         raise
     touched = driver.reconcile()
     coord = app.app.state.coordinator  # type: ignore[attr-defined]  # the FastAPI app behind the beats
-    touched += coord.snapshots.reconcile()  # before the recoveries: a job a snapshot left paused runs again first
-    touched += coord.recoveries.reconcile()
+    # a snapshot the last coordinator left under way: its job resumed off the start's path (a host's
+    # answer may wait for its dump under way to end), before the recoveries run again
+    undo = threading.Thread(target=coord.snapshots.reconcile, name="reconcile-snapshots", daemon=True)
+    undo.start()
+    touched += coord.recoveries.reconcile(after=undo)
     guarded = RequestGuard(app, tokens=lambda: (s.operator_token, s.read_token, s.cluster_token))
     server = uvicorn.Server(uvicorn.Config(guarded, host=host, port=port, log_level="warning", lifespan="off",
                                            http=with_header_deadline(tls.http_protocol(), s.header_timeout_s,

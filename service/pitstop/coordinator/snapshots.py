@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import structlog
 
+from pitstop import faults
 from pitstop.coordinator.cut import Cut
 from pitstop.coordinator.fanout import HostSilent, each_while_heard, in_parallel
 from pitstop.coordinator.planner import healthy, usable_spare
@@ -308,6 +309,9 @@ class Snapshots:
         clients: dict[str, AgentClient] = {}
         try:
             for h in sorted(by_host):
+                if not self.heard(h):  # silent: no answer would come; its agent isolates its ranks by itself
+                    problems.append(f"{h}: silent, skipped")
+                    continue
                 try:  # the agent answers once its dump under way, if any, has ended: the dump's deadline
                     clients[h] = self.agent(h, timeout=self.s.capture_deadline_s)
                     clients[h].snapshot_lock(job, by_host[h], False, cut=cut)
@@ -315,7 +319,7 @@ class Snapshots:
                         clients[h].resume_many(by_host[h])
                 except PitstopError as e:
                     problems.append(f"{h}: {e.message}")
-            if cut:
+            if cut and len(clients) == len(by_host):  # every host answered: the job's communicators come back
                 c = job_cut({w: h for h, ws in by_host.items() for w in ws}, lambda h: clients[h], self.s.cut_deadline_s)
                 try:
                     states = {b["state"] for bs in c.get_all(c.workers).values() for b in bs} if c.get_all else set()
@@ -416,6 +420,7 @@ class Snapshots:
             shim = cut.uses_shim()  # NCCL: the shim's consistent cut, communicators destroyed; else SIGSTOP
             record["pause"] = "nccl_cut" if shim else "sigstop"
             self.store.put_snapshot(job, number, "taking", record)  # how it pauses, for a restart to undo it
+            faults.hit("snapshot_phase:check")
             in_parallel(lambda h: clients[h].snapshot_check(job, by_host[h], cut=shim), hosts)
             record["phases"]["check"] = round(time.monotonic() - t0, 4)
             try:
@@ -424,7 +429,9 @@ class Snapshots:
                 if record.get("pause_started"):  # the job did pause: its time is lost, whatever came after
                     self.paused(job, time.monotonic() - record.pop("pause_started"))
             record["pause_s"] = round(pause_s, 4)
+            faults.hit("snapshot_phase:resume")  # resumed, not yet recorded replicating
             self.store.put_snapshot(job, number, "replicating", record)
+            faults.hit("snapshot_phase:replicate")
             self._await_replicas(job, number, hosts, clients, record)
         except PitstopError as e:
             record["error"] = e.message
@@ -439,6 +446,7 @@ class Snapshots:
             for c in clients.values():
                 c.close()
         record["seconds"] = round(time.monotonic() - t0, 4)
+        faults.hit("snapshot_phase:commit")  # every replica complete, not recorded committed yet
         self.commit(job, number, record, generation)
         self.errors.pop(job, None)
         self.store.forget_snapshots(job, keep=number)
@@ -486,12 +494,14 @@ class Snapshots:
                 in_parallel(pause, hosts)
             t = time.monotonic()
             record["phases"]["pause"] = round(t - t_pause, 4)
+            faults.hit("snapshot_phase:pause")  # paused, not locked yet
 
             def lock(h: str) -> None:
                 locked.append(h)
                 clients[h].snapshot_lock(job, by_host[h], True, cut=cut is not None)
             in_parallel(lock, hosts)
             record["phases"]["lock"] = round(time.monotonic() - t, 4)
+            faults.hit("snapshot_phase:lock")  # paused and locked, nothing dumped yet
             t = time.monotonic()
             got = each_while_heard(
                 lambda h: clients[h].snapshot_take(job, number, by_host[h], buddy_url[h], timeout=self.s.capture_deadline_s,
@@ -502,6 +512,7 @@ class Snapshots:
             # an incremental part's pages left in the part before it: not dumped, not sent again
             record["bytes_in_parent"] = sum(p.get("bytes_in_parent", 0) for g in got for p in g["parts"].values())
             record["incremental"] = sorted(w for g in got for w, p in g["parts"].items() if p.get("parent"))
+            faults.hit("snapshot_phase:dump")  # dumped everywhere, still paused and locked
         finally:
             t = time.monotonic()
             undo_errors = []
