@@ -44,6 +44,18 @@ struct endpoint { uint32_t addr; uint16_t port; uint16_t pad; };
 struct hello { uint32_t magic; uint32_t rank; uint32_t nranks; uint32_t pad; uint64_t nonce; struct endpoint ep; };
 struct tablehdr { uint32_t magic; uint32_t nranks; uint64_t nonce; };
 
+/* A reduction operator made by ncclRedOpCreatePreMulSum: each rank's input times the scalar,
+ * then summed.  Its value is ncclNumOps + its index, the lowest free one (as NCCL numbers them
+ * before mangling them with the communicator's address): so an operator re-created on a new
+ * communicator may get another value than the program holds. */
+struct userOp {
+  int used;
+  ncclDataType_t type;
+  ncclScalarResidence_t residence;
+  unsigned char value[8];  /* ncclScalarHostImmediate: the scalar as it was at creation */
+  const void *ptr;         /* ncclScalarDevice: where it is read at each collective ("device" memory is host memory here) */
+};
+
 struct ncclComm {
   int nranks, rank;
   int *fds;             /* fds[p]: connection to rank p; -1 for self */
@@ -51,6 +63,8 @@ struct ncclComm {
   uint64_t splits;      /* splits made from this comm, for child nonces */
   ncclResult_t asyncErr;
   int pending;          /* a nonblocking communicator: GetAsyncError says ncclInProgress this often */
+  struct userOp *ops;   /* its reduction operators (ncclRedOpCreatePreMulSum) */
+  int nops;
 };
 
 static __thread char lastError[512];
@@ -220,7 +234,7 @@ static ncclResult_t mesh(struct ncclComm *c, const struct endpoint *table, int l
 static void freeComm(struct ncclComm *c) {
   if (!c) return;
   if (c->fds) for (int i = 0; i < c->nranks; i++) if (c->fds[i] >= 0) close(c->fds[i]);
-  free(c->fds); free(c);
+  free(c->fds); free(c->ops); free(c);
 }
 
 static ncclResult_t initRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
@@ -417,6 +431,32 @@ static void divideBy(void *acc, size_t n, ncclDataType_t t, int k) {
   }
 }
 
+#define MUL_LOOP(T) { T *a = (T *)acc, k; memcpy(&k, scalar, sizeof k); for (size_t i = 0; i < n; i++) a[i] = (T)(a[i] * k); }
+/* acc *= scalar elementwise, the scalar of the same type; 16-bit floats in float, rounded. */
+static void scaleBy(void *acc, size_t n, ncclDataType_t t, const void *scalar) {
+  switch (t) {
+    case ncclInt8: MUL_LOOP(int8_t) break; case ncclUint8: MUL_LOOP(uint8_t) break;
+    case ncclInt32: MUL_LOOP(int32_t) break; case ncclUint32: MUL_LOOP(uint32_t) break;
+    case ncclInt64: MUL_LOOP(int64_t) break; case ncclUint64: MUL_LOOP(uint64_t) break;
+    case ncclFloat32: MUL_LOOP(float) break; case ncclFloat64: MUL_LOOP(double) break;
+    case ncclFloat16: { uint16_t *a = acc, k; memcpy(&k, scalar, 2); float f = halfToFloat(k);
+      for (size_t i = 0; i < n; i++) a[i] = floatToHalf(halfToFloat(a[i]) * f); } break;
+    case ncclBfloat16: { uint16_t *a = acc, k; memcpy(&k, scalar, 2); float f = bf16ToFloat(k);
+      for (size_t i = 0; i < n; i++) a[i] = floatToBf16(bf16ToFloat(a[i]) * f); } break;
+    default: break;
+  }
+}
+
+/* A communicator's own operator: each of the nranks blocks (copies, ours to change) is multiplied
+ * by its scalar, which leaves a sum to do. */
+static ncclRedOp_t premul(struct ncclComm *c, ncclRedOp_t op, char *blocks, size_t count, size_t bytes, ncclDataType_t t) {
+  if ((int)op < (int)ncclNumOps) return op;
+  struct userOp *u = &c->ops[(int)op - (int)ncclNumOps];
+  const void *k = u->residence == ncclScalarDevice ? u->ptr : u->value;
+  for (int p = 0; p < c->nranks; p++) scaleBy(blocks + (size_t)p * bytes, count, t, k);
+  return ncclSum;
+}
+
 /* Reduce nranks blocks of `bytes` in rank order into out. */
 static void reduceBlocks(void *out, const char *blocks, size_t count, size_t bytes, int nranks, ncclDataType_t t, ncclRedOp_t op) {
   memmove(out, blocks, bytes);
@@ -427,7 +467,13 @@ static void reduceBlocks(void *out, const char *blocks, size_t count, size_t byt
 static ncclResult_t check(struct ncclComm *c, ncclDataType_t t, int op) {
   if (!c) return fail(ncclInvalidArgument, "NULL communicator");
   if (!typeSize(t)) return fail(ncclInvalidArgument, "unsupported datatype %d", (int)t);
-  if (op >= 0 && op >= ncclNumOps) return fail(ncclInvalidArgument, "unsupported reduction op %d", op);
+  if (op >= (int)ncclNumOps) {
+    int ix = op - (int)ncclNumOps;
+    if (ix >= c->nops || !c->ops[ix].used)
+      return fail(ncclInvalidArgument, "reduction op %d is not one of this communicator's", op);
+    if (c->ops[ix].type != t)
+      return fail(ncclInvalidArgument, "reduction op %d was made for datatype %d, not %d", op, (int)c->ops[ix].type, (int)t);
+  }
   return ncclSuccess;
 }
 
@@ -442,7 +488,7 @@ static ncclResult_t allReduce(const void *sb, void *rb, size_t count, ncclDataTy
     s[p] = (struct xfer){(char *)sb, bytes, 0}; r[p] = (struct xfer){tmp + (size_t)p * bytes, bytes, 0};
   }
   ncclResult_t res = exchange(c, s, r);
-  if (res == ncclSuccess) reduceBlocks(rb, tmp, count, bytes, c->nranks, t, op);
+  if (res == ncclSuccess) reduceBlocks(rb, tmp, count, bytes, c->nranks, t, premul(c, op, tmp, count, bytes, t));
   free(tmp); free(s); free(r);
   return res;
 }
@@ -473,7 +519,7 @@ static ncclResult_t reduce(const void *sb, void *rb, size_t count, ncclDataType_
     }
   } else s[root] = (struct xfer){(char *)sb, bytes, 0};
   ncclResult_t res = exchange(c, s, r);
-  if (res == ncclSuccess && tmp) reduceBlocks(rb, tmp, count, bytes, c->nranks, t, op);
+  if (res == ncclSuccess && tmp) reduceBlocks(rb, tmp, count, bytes, c->nranks, t, premul(c, op, tmp, count, bytes, t));
   free(tmp); free(s); free(r);
   return res;
 }
@@ -502,7 +548,7 @@ static ncclResult_t reduceScatter(const void *sb, void *rb, size_t count, ncclDa
     r[p] = (struct xfer){tmp + (size_t)p * bytes, bytes, 0};
   }
   ncclResult_t res = exchange(c, s, r);
-  if (res == ncclSuccess) reduceBlocks(rb, tmp, count, bytes, c->nranks, t, op);
+  if (res == ncclSuccess) reduceBlocks(rb, tmp, count, bytes, c->nranks, t, premul(c, op, tmp, count, bytes, t));
   free(tmp); free(s); free(r);
   return res;
 }
@@ -667,5 +713,40 @@ ncclResult_t ncclCommDeregister(const ncclComm_t comm, void *handle) {
   struct registration *r = handle;
   if (!comm || !r || r->comm != comm) return ncclInvalidArgument;
   free(r);
+  return ncclSuccess;
+}
+
+/* Reduction operators (NCCL 2.11): PreMulSum, each rank's input times a scalar, then summed.  The
+ * scalar is read now (ncclScalarHostImmediate) or at each collective (ncclScalarDevice: a pointer,
+ * host memory here). */
+ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t *op, void *scalar, ncclDataType_t datatype,
+                                      ncclScalarResidence_t residence, ncclComm_t comm) {
+  if (!comm || !op || !scalar) return fail(ncclInvalidArgument, "ncclRedOpCreatePreMulSum: NULL argument");
+  size_t size = typeSize(datatype);
+  if (!size) return fail(ncclInvalidArgument, "ncclRedOpCreatePreMulSum: unsupported datatype %d", (int)datatype);
+  if (residence != ncclScalarDevice && residence != ncclScalarHostImmediate)
+    return fail(ncclInvalidArgument, "ncclRedOpCreatePreMulSum: bad residence %d", (int)residence);
+  int ix = 0;
+  while (ix < comm->nops && comm->ops[ix].used) ix++;
+  if (ix == comm->nops) {
+    struct userOp *more = realloc(comm->ops, (size_t)(comm->nops + 1) * sizeof *more);
+    if (!more) return fail(ncclSystemError, "ncclRedOpCreatePreMulSum: out of memory");
+    comm->ops = more;
+    comm->nops++;
+  }
+  struct userOp *u = &comm->ops[ix];
+  memset(u, 0, sizeof *u);
+  u->used = 1; u->type = datatype; u->residence = residence;
+  if (residence == ncclScalarHostImmediate) memcpy(u->value, scalar, size);
+  else u->ptr = scalar;
+  *op = (ncclRedOp_t)((int)ncclNumOps + ix);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm) {
+  int ix = (int)op - (int)ncclNumOps;
+  if (!comm || ix < 0 || ix >= comm->nops || !comm->ops[ix].used)
+    return fail(ncclInvalidArgument, "ncclRedOpDestroy: %d is not a reduction op of this communicator", (int)op);
+  comm->ops[ix].used = 0;
   return ncclSuccess;
 }

@@ -83,8 +83,9 @@ ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatyp
 ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclGroupStart(void);
 ncclResult_t ncclGroupEnd(void);
-/* Newer calls (NCCL 2.17-2.30; the table in docs/architecture.md says since when).  Host NCCL
- * implements buffer registration only: the shim answers ncclInvalidUsage for a missing one. */
+/* Newer calls (NCCL 2.17-2.30; the table in docs/architecture.md says since when).  Of these, host
+ * NCCL implements buffer registration and the PreMulSum reduction operators only: the shim
+ * answers ncclInvalidUsage for a missing one. */
 ncclResult_t ncclCommInitAll(ncclComm_t *comm, int ndev, const int *devlist);
 ncclResult_t ncclCommInitRankScalable(ncclComm_t *newcomm, int nranks, int myrank, int nId, ncclUniqueId *commIds, ncclConfig_t *config);
 ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeRanksCount, ncclComm_t *newcomm, ncclConfig_t *config, int shrinkFlags);

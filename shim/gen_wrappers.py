@@ -7,7 +7,8 @@ Each prototype between "BEGIN API" and "END API" becomes:
     each further copy the program reaches through dlsym (shim/dl.c);
   - an exported <name> (slot 0) and a static <name>_<k> per further slot (handed back by the
     shim's dlsym), which, by the call's kind in TREATMENT below,
-      create      make a communicator behind a handle of the shim's (shim.c), re-created at a rebuild,
+      create      make a communicator behind a handle of the shim's (shim.c), re-created at a rebuild
+                  (a reduction operator likewise, behind the value the program was given),
       end         end one (shim.c),
       group       keep groups whole at a cut,
       status      translate the handle; "no error" while the real one is down,
@@ -85,8 +86,10 @@ TREATMENT: dict[str, tuple[str, str]] = {
     "ncclCommWindowRegister": ("unmovable", "a window " + _REGISTERED),
     "ncclCommWindowDeregister": ("query", "follows a window, which already made the job unmovable"),
     "ncclWinGetUserPtr": ("query", "follows a window, which already made the job unmovable"),
-    "ncclRedOpCreatePreMulSum": ("unmovable", "a reduction operator " + _REGISTERED + " (no replay of them yet)"),
-    "ncclRedOpDestroy": ("query", "follows an operator, which already made the job unmovable"),
+    "ncclRedOpCreatePreMulSum": ("create", "recorded with its scalar (the value, or the device pointer) and made "
+                                           "again on the rebuilt communicator; the value the program holds is "
+                                           "translated to NCCL's new one in the calls that take an operator"),
+    "ncclRedOpDestroy": ("end", "the operator ends: nothing of it to make again"),
     "ncclDevCommCreate": ("unmovable", "a device communicator lives in memory the job's own kernels use"),
     "ncclDevCommDestroy": ("query", "follows a device communicator, which already made the job unmovable"),
     "ncclMemAlloc": ("pass", "device memory, not a communicator: it moves with the rest of the process's"),
@@ -129,6 +132,8 @@ LIFECYCLE = {
                         "  if (v) { pitstop_in = v->lib; return v->lib->fn.ncclGetLastError(v->real); }\n"
                         "  return L->fn.ncclGetLastError(comm);",
     "ncclCommGetAsyncError": "return pitstop_async_error(L, comm, asyncError);",
+    "ncclRedOpCreatePreMulSum": "return pitstop_redop_create(L, op, scalar, datatype, residence, comm);",
+    "ncclRedOpDestroy": "return pitstop_redop_destroy(L, op, comm);",
 }
 
 # Present in every NCCL the shim supports (2.17+); every other pointer may be NULL.
@@ -215,9 +220,11 @@ def _body(f: dict) -> list[str]:
         dtype = "(int)datatype" if "datatype" in names else "0"
         if "peer" in names:  # point to point: counted per peer, in its direction
             op, peer = ("OP_SEND" if name.endswith("Send") else "OP_RECV"), "peer"
+        # an operator the program made: NCCL's value for it on the current communicator (shim.h)
+        redop = ["  op = pitstop_redop(v, op);"] if "op" in names else []
         return ["  struct vcomm *v = pitstop_v(comm);", *foreign,
                 f"  ncclResult_t q = pitstop_enter(v, {op}, {peer});", "  if (q != ncclSuccess) return q;",
-                "  if (!v->real) return ncclInvalidUsage;",
+                "  if (!v->real) return ncclInvalidUsage;", *redop,
                 f"  pitstop_count(v, {op}, {peer}, {signature(name)}u, {count}, {dtype});",
                 "  pitstop_ctl->in_call = 1;", "  pitstop_in = v->lib;",
                 f"  ncclResult_t r = {_call('v->lib', f, real_args)};",

@@ -299,6 +299,117 @@ ncclResult_t pitstop_missing(const char *call) {
   return ncclInvalidUsage;
 }
 
+/* ---- reduction operators the program makes (ncclRedOpCreatePreMulSum) ------------------------ */
+/* PyTorch makes a PREMUL_SUM operator, issues one collective with it and destroys it, so at a cut
+ * (between collectives) none is usually alive; a program may also keep one across collectives.
+ * Either way each live one is recorded with its creation arguments and made again on the rebuilt
+ * communicator, and the value the program holds is translated to NCCL's new one in the calls that
+ * take an operator: nothing to refuse. */
+static size_t scalarSize(ncclDataType_t t) {
+  switch ((int)t) {
+    case ncclInt8: case ncclUint8: case 10: case 11: return 1; /* 10, 11: NCCL 2.24's 8-bit floats */
+    case ncclFloat16: case ncclBfloat16: return 2;
+    case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
+    case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
+    default: return 0;
+  }
+}
+
+static struct pitstop_redop *findRedop(struct vcomm *v, ncclRedOp_t virt) {
+  if (!v->redops) return NULL;
+  for (int i = 0; i < PITSTOP_MAX_REDOPS; i++)
+    if (v->redops[i].alive && v->redops[i].virt == virt) return &v->redops[i];
+  return NULL;
+}
+
+ncclRedOp_t pitstop_redop_slow(struct vcomm *v, ncclRedOp_t op) {
+  struct pitstop_redop *e = findRedop(v, op);
+  return e ? e->real : op; /* not one the shim recorded: NCCL answers it as it would */
+}
+
+/* Record an operator NCCL just made (its value in *op): the value the program gets is NCCL's,
+ * unless that is already the program's value for another live operator (NCCL's values change at a
+ * rebuild), then one of the shim's. */
+static void recordRedop(struct vcomm *v, ncclRedOp_t *op, const void *scalar, ncclDataType_t type,
+                        ncclScalarResidence_t residence) {
+  size_t size = scalarSize(type);
+  if (!size || (residence != ncclScalarDevice && residence != ncclScalarHostImmediate)) {
+    pitstop_unmovable("ncclRedOpCreatePreMulSum", "an operator of a datatype or residence the shim does not know, "
+                                                  "which it could not make again after a move");
+    return;
+  }
+  if (!v->redops && !(v->redops = calloc(PITSTOP_MAX_REDOPS, sizeof *v->redops))) {
+    pitstop_unmovable("ncclRedOpCreatePreMulSum", "no memory to record the operator, which a move would lose");
+    return;
+  }
+  struct pitstop_redop *e = NULL;
+  for (int i = 0; i < PITSTOP_MAX_REDOPS && !e; i++) if (!v->redops[i].alive) e = &v->redops[i];
+  if (!e) {
+    pitstop_unmovable("ncclRedOpCreatePreMulSum", "more live reduction operators on one communicator than the shim "
+                                                  "records (64): a move could not make them all again");
+    return;
+  }
+  ncclRedOp_t virt = *op;
+  while (findRedop(v, virt)) virt = (ncclRedOp_t)((int)virt < 0x7ffffffe ? (int)virt + 1 : (int)ncclNumOps);
+  memset(e, 0, sizeof *e);
+  e->virt = virt; e->real = *op; e->type = type; e->residence = residence;
+  if (residence == ncclScalarHostImmediate) memcpy(e->value, scalar, size);
+  else e->ptr = (void *)scalar;
+  e->alive = 1;
+  *op = virt;
+}
+
+ncclResult_t pitstop_redop_create(struct pitstop_lib *L, ncclRedOp_t *op, void *scalar, ncclDataType_t datatype,
+                                  ncclScalarResidence_t residence, ncclComm_t comm) {
+  struct vcomm *v = pitstop_v(comm);
+  if (!v) {
+    struct pitstop_lib *T = pitstop_foreign("ncclRedOpCreatePreMulSum", comm, L);
+    return T->fn.ncclRedOpCreatePreMulSum ? T->fn.ncclRedOpCreatePreMulSum(op, scalar, datatype, residence, comm)
+                                          : pitstop_missing("ncclRedOpCreatePreMulSum");
+  }
+  L = pitstop_in = v->lib;
+  if (!L->fn.ncclRedOpCreatePreMulSum) return pitstop_missing("ncclRedOpCreatePreMulSum");
+  pthread_mutex_lock(&pitstop_real_lock);
+  ncclResult_t r = v->real ? L->fn.ncclRedOpCreatePreMulSum(op, scalar, datatype, residence, v->real)
+                           : ncclInvalidUsage; /* between a cut's destroy and its rebuild */
+  if (r == ncclSuccess && op && scalar) recordRedop(v, op, scalar, datatype, residence);
+  pthread_mutex_unlock(&pitstop_real_lock);
+  return r;
+}
+
+ncclResult_t pitstop_redop_destroy(struct pitstop_lib *L, ncclRedOp_t op, ncclComm_t comm) {
+  struct vcomm *v = pitstop_v(comm);
+  if (!v) {
+    struct pitstop_lib *T = pitstop_foreign("ncclRedOpDestroy", comm, L);
+    return T->fn.ncclRedOpDestroy ? T->fn.ncclRedOpDestroy(op, comm) : pitstop_missing("ncclRedOpDestroy");
+  }
+  L = pitstop_in = v->lib;
+  if (!L->fn.ncclRedOpDestroy) return pitstop_missing("ncclRedOpDestroy");
+  pthread_mutex_lock(&pitstop_real_lock);
+  struct pitstop_redop *e = findRedop(v, op);
+  /* between a cut's destroy and its rebuild the operator died with its communicator: only forgotten */
+  ncclResult_t r = v->real ? L->fn.ncclRedOpDestroy(e ? e->real : op, v->real) : e ? ncclSuccess : ncclInvalidUsage;
+  if (r == ncclSuccess && e) e->alive = 0;
+  pthread_mutex_unlock(&pitstop_real_lock);
+  return r;
+}
+
+/* Make every live operator of v again on its rebuilt communicator `real`. */
+static ncclResult_t remakeRedops(struct vcomm *v, ncclComm_t real) {
+  if (!v->redops) return ncclSuccess;
+  for (int i = 0; i < PITSTOP_MAX_REDOPS; i++) {
+    struct pitstop_redop *e = &v->redops[i];
+    if (!e->alive) continue;
+    pitstop_in = v->lib;
+    ncclRedOp_t made;
+    ncclResult_t r = v->lib->fn.ncclRedOpCreatePreMulSum(
+        &made, e->residence == ncclScalarDevice ? e->ptr : (void *)e->value, e->type, e->residence, real);
+    if (r != ncclSuccess) return r;
+    e->real = made;
+  }
+  return ncclSuccess;
+}
+
 ncclResult_t pitstop_destroy(struct pitstop_lib *L, ncclComm_t comm, int how) {
   struct vcomm *v = pitstop_v(comm);
   if (!v) {
@@ -314,6 +425,7 @@ ncclResult_t pitstop_destroy(struct pitstop_lib *L, ncclComm_t comm, int how) {
   v->real = NULL;
   pthread_mutex_unlock(&pitstop_real_lock);
   v->appDestroyed = 1;
+  if (v->redops) memset(v->redops, 0, PITSTOP_MAX_REDOPS * sizeof *v->redops); /* its operators end with it */
   pitstop_ctl->comms[v->idx].alive = 0;
   return r;
 }
@@ -373,6 +485,15 @@ static ncclResult_t rebuildAll(void) {
     }
     if (r != ncclSuccess) {
       for (int i = 0; i < nvcomms; i++) if (tmp[i]) { pitstop_in = vcomms[i]->lib; vcomms[i]->lib->fn.ncclCommDestroy(tmp[i]); }
+      return r;
+    }
+  }
+  for (int i = 0; i < nvcomms; i++) { /* the program's reduction operators, on the new communicators */
+    if (vcomms[i]->appDestroyed || !tmp[i]) continue;
+    ncclResult_t r = remakeRedops(vcomms[i], tmp[i]);
+    if (r != ncclSuccess) {
+      note("re-creating a reduction operator failed (%s %ld)", "ncclResult_t", (long)r);
+      for (int j = 0; j < nvcomms; j++) if (tmp[j]) { pitstop_in = vcomms[j]->lib; vcomms[j]->lib->fn.ncclCommDestroy(tmp[j]); }
       return r;
     }
   }

@@ -33,6 +33,21 @@ extern struct pitstop_lib pitstop_libs[PITSTOP_MAX_LIBS];
  * calls to its own API (through the PLT, back into the shim) then go straight to it. */
 extern __thread struct pitstop_lib *pitstop_in __attribute__((tls_model("initial-exec"))); /* preloaded: static TLS */
 
+#define PITSTOP_MAX_REDOPS 64 /* live reduction operators per communicator the shim re-creates */
+
+/* A reduction operator the program made on a communicator (ncclRedOpCreatePreMulSum): how, so
+ * that a rebuild makes it again on the new communicator.  The program keeps the value it was
+ * given (virt); NCCL's value on the current real communicator (real) may differ after a rebuild
+ * (NCCL numbers operators per communicator and mangles them with its address). */
+struct pitstop_redop {
+  int alive;
+  ncclRedOp_t virt, real;
+  ncclDataType_t type;
+  ncclScalarResidence_t residence;
+  unsigned char value[8]; /* ncclScalarHostImmediate: the scalar as it was at creation */
+  void *ptr;              /* ncclScalarDevice: its address (device memory keeps its address across a move) */
+};
+
 struct vcomm {
   uint32_t magic;
   int idx;
@@ -44,6 +59,7 @@ struct vcomm {
   int pendingInfo;       /* a nonblocking split still in progress: its size and rank are not known yet */
   int appDestroyed;
   uint64_t splits;
+  struct pitstop_redop *redops; /* PITSTOP_MAX_REDOPS of them once the first is made; never moved */
 };
 
 extern struct pitstop_ctl *pitstop_ctl;
@@ -76,6 +92,16 @@ ncclResult_t pitstop_enter_slow(struct vcomm *v, int op, int peer);
  * or for any other result, r.  v: NULL for a group's end. */
 ncclResult_t pitstop_peer_lost(struct vcomm *v, ncclResult_t r, const char *call);
 ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer);
+
+ncclResult_t pitstop_redop_create(struct pitstop_lib *L, ncclRedOp_t *op, void *scalar, ncclDataType_t datatype,
+                                  ncclScalarResidence_t residence, ncclComm_t comm);
+ncclResult_t pitstop_redop_destroy(struct pitstop_lib *L, ncclRedOp_t op, ncclComm_t comm);
+ncclRedOp_t pitstop_redop_slow(struct vcomm *v, ncclRedOp_t op);
+/* The reduction operator to give NCCL for the program's: built-in ones as they are (one compare);
+ * one the program made, NCCL's current value for it. */
+static inline ncclRedOp_t pitstop_redop(struct vcomm *v, ncclRedOp_t op) {
+  return __builtin_expect((int)op < (int)ncclNumOps, 1) ? op : pitstop_redop_slow(v, op);
+}
 
 /* The collective path, inline: a handle check, one load and compare, one store. */
 static inline struct vcomm *pitstop_v(ncclComm_t comm) {

@@ -35,7 +35,7 @@ def _run(script: str, world: int, *args: str) -> list[str]:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_type_and_op_matches_numpy(world):
     outs = _run("nccl_ops_check.py", world, "{rdv}")
-    assert all(o.strip().endswith("ok 29") for o in outs), outs
+    assert all(o.strip().endswith("ok 40") for o in outs), outs
 
 
 def test_exports_only_nccl_names():

@@ -221,7 +221,7 @@ def test_ranks_resume_by_themselves_when_the_agent_vanishes(tmp_path):
 
 # -- every way a program reaches NCCL (shim/dl.c) ---------------------------------------------------
 
-def _ranks(cmd: list[str], world: int, env: dict[str, str], preload: str, probe=None):  # noqa: ANN001, ANN202
+def _ranks(cmd: list[str], world: int, env: dict[str, str], preload: str, probe=None, steps: int = 200):  # noqa: ANN001, ANN202
     """`world` ranks of cmd over the host NCCL, run to their end; probe(pids), if given, once every
     rank's shim has a communicator with an operation counted.  (final hashes, probe's answer, stderrs)"""
     with tempfile.TemporaryDirectory() as d:
@@ -229,7 +229,7 @@ def _ranks(cmd: list[str], world: int, env: dict[str, str], preload: str, probe=
         rdv.mkdir()
         e = dict(os.environ, LD_LIBRARY_PATH=str(ROOT / "native" / "build"), PYTHONPATH=str(WORKLOADS),
                  HOSTNCCL_ADDR="127.0.0.1", WORLD_SIZE=str(world), LD_PRELOAD=preload, **env)
-        ps = [subprocess.Popen([*cmd, "--steps", "200", "--step-sleep", "0.01" if probe else "0",
+        ps = [subprocess.Popen([*cmd, "--steps", str(steps), "--step-sleep", "0.01" if probe else "0",
                                 "--rendezvous", str(rdv), "--out", str(out)], env=dict(e, RANK=str(r)),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(world)]
         seen = None
@@ -567,3 +567,52 @@ def test_an_async_error_poll_parks_too_and_a_withdrawn_protection_hands_the_erro
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+# -- reduction operators the program makes (ncclRedOpCreatePreMulSum) ---------------------------------
+
+def _rebuild_in_place(pids: list[int], times: int = 2) -> list:
+    """The cut, the real communicators destroyed, fresh unique ids, every communicator rebuilt and the
+    ranks resumed, as a move does (less the capture), `times` over, through the control blocks; then
+    what each rank's shim refused."""
+    import time
+
+    from pitstop import shimctl
+    from pitstop.coordinator.cut import Cut
+
+    ws = {f"r{i}": pid for i, pid in enumerate(pids)}
+
+    def post(w: str, body: dict) -> None:
+        for b in shimctl.blocks(ws[w]):
+            if body["op"] == "quiesce":
+                shimctl.quiesce(b, body["gen"])
+            elif body["op"] == "targets":
+                shimctl.set_targets(b, body["targets"])
+            else:
+                shimctl.command(b, body["command"], body.get("ids"))
+
+    for _ in range(times):
+        cut = Cut(list(ws), lambda w: [b.view() for b in shimctl.blocks(ws[w])], post, deadline_s=30)
+        cut.quiesce()
+        cut.destroy()
+        cut.rewire()
+        time.sleep(0.3)
+    return [b.view()["refused"] for pid in pids for b in shimctl.blocks(pid)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads and writes other processes' control blocks (root)")
+@pytest.mark.parametrize("mode", ["around", "kept"])
+def test_reduction_operators_are_made_again_at_a_rebuild_behind_the_values_the_program_holds(mode):
+    """PreMulSum operators (tests/workloads/nccl_premul.py).  'around': one made, used and destroyed
+    around every all-reduce, as PyTorch does: none alive at a cut.  'kept': two kept across
+    collectives, one reading its scalar from the job's memory at each collective, made after a third
+    that was destroyed, so that on a new communicator NCCL numbers them differently from the values
+    the job holds.  Rebuilt in place twice mid-run, the live ones made again and their values
+    translated: nothing refused, and the job ends bitwise equal to the same program without the shim
+    (without the translation, 'kept' would hand NCCL another operator's value, of another type)."""
+    cmd, env = [sys.executable, str(WORKLOADS / "nccl_premul.py")], {"NCCLPY_PREMUL": mode}
+    plain, _, _ = _ranks(cmd, 2, env, "", steps=400)
+    shimmed, refused, errs = _ranks(cmd, 2, env, str(SHIM), probe=_rebuild_in_place, steps=400)
+    assert shimmed == plain
+    assert refused == [None, None], refused
+    assert not any("pitstop shim" in e for e in errs), errs

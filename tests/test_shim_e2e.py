@@ -182,6 +182,30 @@ def test_rank_that_never_reaches_the_cut_fails_cleanly(cluster, tmp_path):
     assert where["nccl.2"] == "host-b"
 
 
+@pytest.mark.parametrize("mode", ["around", "kept"])
+def test_a_job_with_premulsum_operators_moves_across_addresses(cluster, tmp_path, mode):
+    """ncclRedOpCreatePreMulSum (tests/workloads/nccl_premul.py).  'around': an operator made, used and
+    destroyed around every all-reduce, as PyTorch's ProcessGroupNCCL does for PREMUL_SUM, so none is
+    alive at the cut.  'kept': operators alive across collectives, one reading its scalar from the
+    job's memory at each collective, which NCCL numbers differently on the rebuilt communicator.
+    Once refused as unmovable; now listed movable, evacuated across addresses (live operators made
+    again, the job's values translated) and bitwise equal to an uninterrupted run."""
+    env = {"NCCLPY_PREMUL": mode}
+    pace_file(tmp_path / "out").write_text("0.05\n")  # until let_finish: the move must find it running
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_premul.py", job_env=env)
+    wait_for_step(ranks[3].log, 20)
+    blocks = cluster.agents["host-b"].client().shim_blocks_many(["nccl.2", "nccl.3"])
+    assert all(b["comms"] and b["refused"] is None for bs in blocks.values() for b in bs), blocks
+    op = _evacuate(cc, "host-b", to="spare-1")  # the cut refuses what a shim refused (test_cut.py)
+    md = op["metadata"]
+    assert md["result"] == "succeeded", op.get("error")
+    assert md["plan"]["pause"] == "nccl_cut" and md["cut"]["rewired"], md
+    let_finish(out)
+    assert [r.proc.wait(180) for r in ranks] == [0] * 4
+    assert_same_as_reference(out, reference("nccl_premul.py", job_env=env))
+    assert all("pitstop" not in r.log.read_text().replace(str(cluster.root), "") for r in ranks)
+
+
 # -- only live device bytes move: the allocators' unused memory released at the cut ---------------
 
 FAKE_ALLOCATOR = WORKLOADS / "fake_cuda_allocator"

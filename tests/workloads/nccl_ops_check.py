@@ -51,6 +51,40 @@ for dt, code in TYPES.items():
             want = (np.sign(s) * (np.abs(s) // world)).astype(dt)
         assert out.tobytes() == want.tobytes(), (dt, name, out[:5], want[:5])
         n += 1
+# PreMulSum operators: each rank's input times the scalar (in its type; float16 through float32,
+# rounded), then summed in rank order.  An immediate scalar is read when the operator is made, a
+# device one (here host memory) at each collective.
+def premul_ref(dt, k):
+    def scaled(b):
+        return (b.astype(np.float32) * np.float32(k)).astype(dt) if dt == np.float16 else (b * dt(k)).astype(dt)
+    blocks = [scaled(data(r, dt)) for r in range(world)]
+    acc = blocks[0].copy()
+    for b in blocks[1:]:
+        acc = ((acc.astype(np.float32) + b.astype(np.float32)) if dt == np.float16 else acc + b).astype(dt)
+    return acc
+
+
+for dt, code in TYPES.items():
+    for residence in (ncclpy.SCALAR_HOST_IMMEDIATE, ncclpy.SCALAR_DEVICE):
+        k = np.array([3 if np.issubdtype(dt, np.integer) else 0.375], dtype=dt)
+        op = ncclpy.premul_sum(comm, k, residence)
+        assert op >= 5, op
+        made = k[0]
+        k[0] = k[0] * 2  # an immediate scalar was read already; a device one is read below
+        a = data(rank, dt)
+        out = np.empty_like(a)
+        ncclpy.check(api.ncclAllReduce(a.ctypes.data, out.ctypes.data, a.size, code, op, comm, None), "premul")
+        want = premul_ref(dt, made if residence == ncclpy.SCALAR_HOST_IMMEDIATE else k[0])
+        assert out.tobytes() == want.tobytes(), (dt, residence, out[:5], want[:5])
+        ncclpy.redop_destroy(comm, op)
+        n += 1
+# an operator is of its datatype and its communicator, and ends when destroyed
+op = ncclpy.premul_sum(comm, np.array([2.0], dtype=np.float32))
+x = np.ones(3, dtype=np.float64)
+assert api.ncclAllReduce(x.ctypes.data, x.ctypes.data, 3, 8, op, comm, None) == 4  # ncclInvalidArgument
+ncclpy.redop_destroy(comm, op)
+assert api.ncclRedOpDestroy(op, comm) == 4
+n += 1
 # reduce-scatter, allgather, broadcast, reduce
 a = np.arange(world * 4, dtype=np.float32) + rank
 out = np.empty(4, dtype=np.float32)

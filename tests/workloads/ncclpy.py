@@ -23,7 +23,8 @@ api = ctypes.CDLL(None)
 
 FLOAT32, FLOAT64, INT32 = 7, 8, 2
 SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
-_DT = {np.dtype(np.float32): 7, np.dtype(np.float64): 8, np.dtype(np.int32): 2, np.dtype(np.int64): 4}
+_DT = {np.dtype(np.float32): 7, np.dtype(np.float64): 8, np.dtype(np.int32): 2, np.dtype(np.int64): 4,
+       np.dtype(np.float16): 6}
 
 
 class UniqueId(ctypes.Structure):
@@ -48,6 +49,10 @@ for _f in ("ncclSend", "ncclRecv"):
 api.ncclReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                            ctypes.c_void_p, ctypes.c_void_p]
 api.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+api.ncclRedOpCreatePreMulSum.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                         ctypes.c_void_p]
+api.ncclRedOpDestroy.argtypes = [ctypes.c_int, ctypes.c_void_p]
+SCALAR_DEVICE, SCALAR_HOST_IMMEDIATE = 0, 1  # ncclScalarResidence_t
 api.ncclCommGetAsyncError.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
 
 
@@ -156,6 +161,19 @@ def group_start() -> None:
 
 def group_end() -> None:
     check(api.ncclGroupEnd(), "ncclGroupEnd")
+
+
+def premul_sum(comm, scalar: np.ndarray, residence: int = SCALAR_HOST_IMMEDIATE) -> int:
+    """A PreMulSum operator: each rank's input times scalar[0], then summed.  SCALAR_DEVICE: the
+    scalar is read at each collective from where `scalar` lies (it must outlive the operator)."""
+    op = ctypes.c_int(-1)
+    check(api.ncclRedOpCreatePreMulSum(ctypes.byref(op), _p(scalar), _DT[scalar.dtype], residence, comm),
+          "ncclRedOpCreatePreMulSum")
+    return op.value
+
+
+def redop_destroy(comm, op: int) -> None:
+    check(api.ncclRedOpDestroy(op, comm), "ncclRedOpDestroy")
 
 
 def destroy(comm) -> None:
