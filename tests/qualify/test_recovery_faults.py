@@ -34,6 +34,14 @@ def test_nccl_host_dies(cluster, tmp_path, record):
            m["spares_failed"][0]["error"][:200])
 
 
+def test_nccl_survivors_park(cluster, tmp_path, record):
+    got = scenario.nccl_survivors_park(cluster, tmp_path)
+    m = got["recovery"]
+    record("a host of an NCCL job dies with its processes before its link: the survivors' all-reduces fail at once",
+           "the survivors park in their shims (alive, reported by their agent), the recovery rolls them back live; "
+           "bitwise equal", f"survivors {m['survivors']}"[:200] + f"; pause {m['pause_s']:.2f} s")
+
+
 def test_partitioned_host_back_during_the_recovery_then_a_second_failure(cluster, tmp_path, record):
     got = scenario.partitioned_host_back_during_the_recovery_then_a_second_failure(cluster, tmp_path)
     record("a host cut off (partition), back while the recovery restores its ranks elsewhere",
