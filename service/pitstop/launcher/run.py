@@ -15,7 +15,8 @@ another host:
   init itself (`unshare --pid --fork setsid CMD`), as before it existed.  Not --kill-child: that sets
   PR_SET_PDEATHSIG, which CRIU restores faithfully, and the restored worker
   would be killed the moment CRIU (its parent during restore) exits.
-- stdin is /dev/null; stdout and stderr are pipes this launcher drains.  CRIU
+- stdin is /dev/null; stdout and stderr are pipes this launcher drains, one pipe for both
+  where the launcher's own are one stream (`2>&1`: launcher/stdio.py).  CRIU
   hands pipes at the tree's edge back on restore (inherit-fd), where the
   destination agent drains them; this launcher then follows the output through
   its own agent, which forwards to wherever the worker runs.
@@ -53,6 +54,7 @@ import httpx
 from pitstop import nativelib, nsinit, tls
 from pitstop.endpoints import check_url
 from pitstop.errors import InvalidRequest, PitstopError
+from pitstop.launcher import stdio
 from pitstop.launcher.seccomp import deny_io_uring
 from pitstop.proc import caps, proctree, signals
 from pitstop.wire.agent_client import AgentClient
@@ -273,8 +275,10 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
                   "without pitstop's init, and its dumps take turns with its neighbours'", file=sys.stderr)
     start = nsinit.command(init, init_dir, cmd) if init and init_dir else \
         ["unshare", "--pid", "--fork", "setsid", *cmd]
+    # One pipe for both where our stdout and stderr are one stream (`>log 2>&1`): the worker's
+    # order is then the only order (launcher/stdio.py); two pipes otherwise.
     rout, wout = os.pipe()
-    rerr, werr = os.pipe()
+    rerr, werr = (None, wout) if stdio.one_stream() else os.pipe()
     try:
         p = subprocess.Popen([*prefix, *start], env=env,
                              stdin=subprocess.DEVNULL, stdout=wout, stderr=werr)
@@ -285,9 +289,11 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
             _safe(client.drop_network, f"{job}.{rank}")
         return 127
     os.close(wout)
-    os.close(werr)
-    pumps = [threading.Thread(target=_pump, args=(rout, sys.stdout), daemon=True),
-             threading.Thread(target=_pump, args=(rerr, sys.stderr), daemon=True)]
+    if rerr is not None:
+        os.close(werr)
+    pumps = [threading.Thread(target=_pump, args=(rout, sys.stdout), daemon=True)]
+    if rerr is not None:
+        pumps.append(threading.Thread(target=_pump, args=(rerr, sys.stderr), daemon=True))
     for t in pumps:
         t.start()
     root: int | None = None
