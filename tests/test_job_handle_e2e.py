@@ -75,7 +75,9 @@ def test_a_signal_to_the_launcher_reaches_the_rank_that_moved(cluster):
     (trace := cluster.root / "trace.csv").write_text("time_h,host,kind,domain\n1,host-a,planned,rack-1\n")
     r = _cli(cluster, "replay", str(trace), "--hosts", "2", "--moves-from", cluster.coordinator_url, "--json")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["inputs"]["move_pause_s"] == op["metadata"]["downtime_s"]
+    d = json.loads(r.stdout)
+    assert d["given"]["pitstop.planned_s"]["value"] == op["metadata"]["downtime_s"]
+    assert all(s["costs"]["pitstop"]["planned_s"] == op["metadata"]["downtime_s"] for s in d["stacks"].values())
     ranks[0].proc.send_signal(signal.SIGTERM)  # as a scheduler's cancel or Ctrl-C would
     # the launcher passes it to its agent, which passes it to the spare's: the rank dies of it there,
     # and the launcher exits as the rank did (128 + 15)

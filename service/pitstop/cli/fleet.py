@@ -87,59 +87,102 @@ def replay(
     spares_per_domain: int = typer.Option(0, min=0, help="spares held in each failure domain"),
     pooled_spares: int = typer.Option(1, min=0, help="spares held for any domain"),
     repair_h: float = typer.Option(24.0, min=0, help="hours until a used spare is back (the host repaired)"),
+    duration_h: Optional[float] = typer.Option(None, min=0, help="the trace's span (default: its last event)"),
+    ranks: str = typer.Option("gpu", help="gpu: ranks with device memory and NCCL; cpu: the measured CPU ranks"),
+    stack: str = typer.Option("both", help="checkpoint-restart's stack, and the NCCL pitstop rewires with: "
+                              "optimised, default or both"),
+    snapshot_every_min: Optional[float] = typer.Option(None, min=5 / 60, help="pitstop's snapshot interval "
+                                                       "(default: the least costly at the trace's failure rate)"),
+    rewire_off_path: bool = typer.Option(False, "--rewire-off-path", help="what-if: pitstop's NCCL rewire taken "
+                                         "off the pause's critical path (not built)"),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="NAME=VALUE: a pricing input "
+                                             "(pitstop/replay/pricing.py INPUTS), e.g. cuda_checkpoint_gbps=2"),
     move_pause_s: Optional[float] = typer.Option(None, min=0, help="pitstop's pause for one host's move "
-                                                 "(default: --moves-from's median, else bench/projection.py's "
-                                                 "199 s for a 1,024-GPU job)"),
+                                                 "(default: priced; or --moves-from's median)"),
     moves_from: Optional[str] = typer.Option(None, help="a coordinator URL: the median pause of its succeeded "
                                              "evacuations is the move pause (PITSTOP_TOKEN)"),
-    restart_s: float = typer.Option(90.0, min=0, help="checkpoint-restart: relaunch, NCCL init and load"),
-    checkpoint_save_s: float = typer.Option(10.0, min=0, help="the job's pause for one checkpoint"),
-    checkpoint_interval_h: float = typer.Option(1.0, min=0.001, help="hours between the job's checkpoints"),
-    duration_h: Optional[float] = typer.Option(None, min=0, help="the trace's span (default: its last event)"),
+    snapshot_pause_s: Optional[float] = typer.Option(None, min=0, help="the job's time one snapshot costs"),
+    recovery_pause_s: Optional[float] = typer.Option(None, min=0, help="pitstop's recovery pause, stop to resume"),
+    detection_s: Optional[float] = typer.Option(None, min=0, help="pitstop's time to declare a host failed"),
+    restart_s: Optional[float] = typer.Option(None, min=0, help="checkpoint-restart: requeue, start, NCCL, load"),
+    checkpoint_save_s: Optional[float] = typer.Option(None, min=0, help="the job's pause for one checkpoint"),
+    checkpoint_interval_h: Optional[float] = typer.Option(None, min=0.001, help="hours between checkpoints"),
     as_json: bool = typer.Option(False, "--json"),
     chart: Optional[Path] = typer.Option(None, help="also write an SVG chart here"),
 ) -> None:
-    """Price a failure history: GPU-hours lost with pitstop and with checkpoint-restart, what is
-    common to both (checkpoints, idle spares), the sensitivity to each input, and each failure
-    domain's coverage by its spares."""
-    from pitstop.replay import model, report, trace
+    """Price a failure history, a model: GPU-hours lost with pitstop (moves for planned events,
+    recovery from in-memory snapshots for the others, the snapshots' own cost) and with
+    checkpoint-restart, on an optimised and a default stack; per event and per failure; the
+    break-even snapshot interval and CUDA checkpoint rate; where pitstop loses; every input with
+    its kind and source."""
+    from pitstop.replay import report, study, trace
+    from pitstop.replay.pricing import STACKS, Stack
 
     try:
-        bad = [f"--{n.replace('_', '-')} {v}" for n, v in (("repair_h", repair_h), ("move_pause_s", move_pause_s),
-               ("restart_s", restart_s), ("checkpoint_save_s", checkpoint_save_s),
-               ("checkpoint_interval_h", checkpoint_interval_h), ("duration_h", duration_h))
-               if v is not None and not math.isfinite(v)]
+        given = {"move_pause_s": move_pause_s, "snapshot_pause_s": snapshot_pause_s,
+                 "recovery_pause_s": recovery_pause_s, "detection_s": detection_s, "restart_s": restart_s,
+                 "checkpoint_save_s": checkpoint_save_s, "checkpoint_interval_h": checkpoint_interval_h,
+                 "repair_h": repair_h, "duration_h": duration_h, "snapshot_every_min": snapshot_every_min}
+        bad = [f"--{n.replace('_', '-')} {v}" for n, v in given.items() if v is not None and not math.isfinite(v)]
         if bad:
             raise InvalidRequest(f"not a finite number: {', '.join(bad)}", code="bad_input",
                                  action="give each figure as a finite number")
+        if ranks not in ("gpu", "cpu"):
+            raise InvalidRequest(f"--ranks {ranks}: neither gpu nor cpu", code="bad_input", action="give gpu or cpu")
+        stacks: tuple[Stack, ...] | None = {"both": STACKS, "optimised": ("optimised",),
+                                             "default": ("default",)}.get(stack)
+        if stacks is None:
+            raise InvalidRequest(f"--stack {stack}: not optimised, default or both", code="bad_input",
+                                 action="give optimised, default or both")
+        overrides = _settings(set_ or [])
         events = trace.read(trace_file)
         source = str(trace_file)
         pause = move_pause_s
         if pause is None and moves_from:
+            from pitstop.replay.model import median_move_pause_s
             from pitstop.wire.coordinator_client import CoordinatorClient
 
             _same_coordinator(moves_from)
             with CoordinatorClient(moves_from) as c:
-                pause = model.median_move_pause_s(c.ops(done=True, limit=1000))
+                pause = median_move_pause_s(c.ops(done=True, limit=1000))
             if pause is None:
                 raise PitstopError(f"the coordinator at {moves_from} has no succeeded evacuation to measure",
                                    code="no_moves", action="give --move-pause-s")
             source += f"; move pause: the median of {moves_from}'s succeeded evacuations ({pause:.2f} s)"
-        i = model.Inputs(hosts=hosts, gpus_per_host=gpus_per_host, spares_per_domain=spares_per_domain,
-                         pooled_spares=pooled_spares, repair_h=repair_h,
-                         move_pause_s=model.DEFAULT_MOVE_PAUSE_S if pause is None else pause,
-                         restart_s=restart_s, checkpoint_save_s=checkpoint_save_s,
-                         checkpoint_interval_h=checkpoint_interval_h, duration_h=duration_h)
-        r = model.replay(events, i)
-        sens = model.sensitivity(events, i)
+        pit = {k: x for k, x in (("planned_s", pause), ("each_s", snapshot_pause_s),
+                                 ("recover_s", recovery_pause_s), ("detection_s", detection_s)) if x is not None}
+        res = {k: x for k, x in (("recover_s", restart_s), ("each_s", checkpoint_save_s),
+                                 ("every_h", checkpoint_interval_h)) if x is not None}
+        job = study.Job(hosts=hosts, gpus_per_host=gpus_per_host, spares_per_domain=spares_per_domain,
+                        pooled_spares=pooled_spares, repair_h=repair_h, duration_h=duration_h,
+                        ranks="gpu" if ranks == "gpu" else "cpu",
+                        rewire_on_path=not rewire_off_path,
+                        snapshot_every_h=None if snapshot_every_min is None else snapshot_every_min / 60,
+                        overrides=overrides, pitstop_given=pit, restart_given=res)
+        d = study.study(events, job, stacks)
     except PitstopError as e:
         fail(e, as_json)
     if chart:
-        chart.write_text(report.svg(r, sens))
+        chart.write_text(report.svg(d))
     if as_json:
-        print(json.dumps(report.as_dict(r, sens), indent=1))
+        print(json.dumps(study.public(d), indent=1))
     else:
-        print(report.markdown(r, sens, source), end="")
+        print(report.markdown(d, source), end="")
+
+
+def _settings(pairs: list[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for p in pairs:
+        name, eq, value = p.partition("=")
+        try:
+            x = float(value) if eq else float("nan")
+        except ValueError:
+            x = float("nan")
+        if not math.isfinite(x) or x <= 0:
+            raise InvalidRequest(f"--set {p}: give NAME=VALUE with a number above 0", code="bad_input",
+                                 action="e.g. --set cuda_checkpoint_gbps=2 (names: pitstop/replay/pricing.py)")
+        out[name.strip()] = x
+    return out
 
 
 @app.command("replay-synth")
