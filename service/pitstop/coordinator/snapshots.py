@@ -102,6 +102,18 @@ def buddies(hosts: list[str], all_hosts: list[dict[str, Any]], timeout_s: float,
     return out, why
 
 
+def _released(got: dict[str, list[dict[str, Any]]]) -> int:
+    """Device bytes the ranks' allocators released at the cut (shim/trim.c), over every process
+    whose allocator said (0 where none holds device memory: a CPU job)."""
+    total = 0
+    for blocks in got.values():
+        for b in blocks:
+            t = b.get("trim") or {}
+            if t.get("reserved_before") is not None and t.get("reserved_after") is not None:
+                total += int(t["reserved_before"]) - int(t["reserved_after"])
+    return total
+
+
 def job_cut(hosts_of: dict[str, str], client: Callable[[str], AgentClient], deadline_s: float) -> Cut:
     """The consistent-cut driver (coordinator/cut.py) over a job's workers where they run now."""
     def get_all(workers: list[str], trail: bool = False) -> dict[str, list[dict[str, Any]]]:
@@ -490,6 +502,8 @@ class Snapshots:
                 destroyed = True
                 cut.destroy()
                 record["cut_rounds"] = res.rounds
+                if self.s.release_device_cache:  # every rank is checkpointed: live device bytes only, as a move's
+                    record["device_released_bytes"] = _released(cut.trim(cut.workers, deadline_s=self.s.cut_deadline_s))
             else:
                 in_parallel(pause, hosts)
             t = time.monotonic()
