@@ -84,6 +84,7 @@ class Agent:
         self.data_port: int | None = None  # set by the server once transfer/dataport.py listens
         self.net_owners: dict[str, int] = {}  # worker id -> uid that prepared its network (local socket)
         self._shim_looked: dict[str, float] = {}  # worker id -> when its shim blocks were last read
+        self._shim_seen: dict[str, bool] = {}  # worker id -> whether that look found any (a gloo job's: none)
 
     def _count_capture(self, c: Capture) -> None:
         """Called once per capture, when its dump and stream are over (sent, dumped or failed)."""
@@ -145,13 +146,15 @@ class Agent:
         the job's recovery, and the snapshot protection it should know (written where a block
         differs: a process that made its first communicator since, a block restored from an older
         snapshot, a rank moved here).  Every few seconds (each look reads every process's memory
-        map); every beat for a job that snapshots protect, so that a rank parked on a peer's failure
-        is reported before the recovery ends it."""
+        map); every beat for a rank with a shim block in a job that snapshots protect, so that one
+        parked on a peer's failure is reported before the recovery ends it."""
         now = time.monotonic()
-        if not w.protected_by and now - self._shim_looked.get(w.id, -SHIM_LOOK_EVERY_S) < SHIM_LOOK_EVERY_S:
+        often = bool(w.protected_by) and self._shim_seen.get(w.id, True)
+        if not often and now - self._shim_looked.get(w.id, -SHIM_LOOK_EVERY_S) < SHIM_LOOK_EVERY_S:
             return
         self._shim_looked[w.id] = now
         hs = shimctl.headers(w.root_pid)
+        self._shim_seen[w.id] = bool(hs)
         if not w.unmovable:
             w.unmovable = shimctl.unmovable(w.root_pid, hs)
         w.peer_lost = shimctl.peer_lost(hs)
