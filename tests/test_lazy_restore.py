@@ -75,3 +75,18 @@ def test_agent_refuses_lazy_restore_where_the_kernel_cannot(monkeypatch, tmp_pat
     server.check_lazy_restore(AgentSettings(name="x", state_dir=tmp_path, insecure=True))  # off: no check
     monkeypatch.setattr(server.lazy_pages, "supported", lambda rt=None: (True, "Looks good."))
     server.check_lazy_restore(s)
+
+
+def test_the_ledgers_pause_of_a_lazy_restore_lasts_until_the_fill_ends(cluster, tmp_path):
+    """Through the coordinator, the spare restoring lazily from its own copy: the operation is done at
+    the resume, while the moved ranks' memory still fills.  Before: the ledger (and the dashboard)
+    gave the downtime as the job's pause; it is the pause until the fill's end (a gloo job shows no
+    step), and the job's own longest gap between two steps is no longer than that."""
+    from .test_remote_post_copy import _coordinated, _follow, _the_pause_is_the_jobs
+
+    cc, out, kw, ranks = _coordinated(cluster, tmp_path, 1, 100, spare_env={"PITSTOP_AGENT_LAZY_RESTORE": "1"})
+    op, _ = _follow(cc, cc.evacuate("host-b")["name"])
+    assert op["metadata"]["result"] == "succeeded", op
+    assert "fill_start" in op["metadata"]["workers"]["j.1"]["restore_phases"], op["metadata"]["workers"]
+    _the_pause_is_the_jobs(cc, op, ranks[1:])
+    assert_job_ends_intact(out, ranks, tmp_path, 100, **kw)

@@ -19,6 +19,7 @@ import threading
 import pytest
 
 from pitstop.criu import criu_ops
+from pitstop.dev.devcluster import step_gaps
 from pitstop.errors import PitstopError
 from pitstop.memory import lazyrule, page_server, postcopy
 from pitstop.migration.move import move_worker
@@ -397,7 +398,7 @@ def _ends_bitwise_equal(ranks, out, tmp_path, kw: dict) -> None:  # noqa: ANN001
 
 
 def _coordinated(cluster, tmp_path, ranks_on_b: int, steps: int, b_env: dict | None = None,
-                 coordinator_env: dict | None = None):  # noqa: ANN202
+                 coordinator_env: dict | None = None, spare_env: dict | None = None):  # noqa: ANN202
     """host-a runs rank 0; host-b the rest; spare-1 waits.  host-b's agent has post-copy off
     by default: the evacuation asks for it."""
     from pitstop.wire.coordinator_client import CoordinatorClient
@@ -406,7 +407,7 @@ def _coordinated(cluster, tmp_path, ranks_on_b: int, steps: int, b_env: dict | N
     with cluster.starting():
         cluster.start_agent("host-a")
         cluster.start_agent("host-b", env=b_env)
-        cluster.start_agent("spare-1", spare=True)
+        cluster.start_agent("spare-1", spare=True, env=spare_env)
     cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
     out = tmp_path / "out"
     kw = dict(steps=steps, state_mb=64)
@@ -454,8 +455,26 @@ def test_evacuation_asking_for_post_copy_stays_open_until_the_node_may_leave(clu
     assert ("fill", "draining") in seen, seen
     assert _role(cc, "host-b") == "drained"
     assert op["response"]["fill_s"] == md["fill_s"]
+    _the_pause_is_the_jobs(cc, op, ranks[1:])
     until(lambda: not any(cluster.agents["host-b"].image_dir.iterdir()))
     _ends_bitwise_equal(ranks, out, tmp_path, kw)
+
+
+def _the_pause_is_the_jobs(cc, op: dict, moved: list) -> None:  # noqa: ANN001
+    """The ledger's pause of a post-copy move lasts until the moved workers' memory is filled (a
+    gloo job shows no step to the coordinator): not the downtime, which ended at the resume while
+    the ranks still stalled on their pages.  The job's own longest gap between two steps is no
+    longer than it (the ranks step again once their pages are there, at the latest)."""
+    md = until(lambda: (m := cc.op(op["name"])["metadata"]).get("job_pause_until") == "fill end" and m,
+               timeout=60, what="the job's pause settled at the fill's end")
+    ends = [w["fill"]["ended"] for w in md["workers"].values()]
+    assert md["job_pause_s"] == pytest.approx(max(ends) - md["first_pause"], abs=1e-3), md
+    assert md["job_pause_s"] > md["downtime_s"], md
+    entry = next(m for m in cc.moves() if m["operation"] == op["name"])
+    assert (entry["pause_s"], entry["pause_until"], entry["downtime_s"]) == \
+        (md["job_pause_s"], "fill end", md["downtime_s"]), entry
+    gaps = [g for r in moved for g in step_gaps(r.log, since=md["first_pause"])]
+    assert max(gaps) <= md["job_pause_s"] + 0.5, (gaps, md["job_pause_s"])
 
 
 @pytest.mark.e2e

@@ -352,7 +352,7 @@ class DestinationSide:
     def _fill_ended(self, w: Worker, state: str, seconds: float | None = None, reason: str | None = None) -> None:
         if w.fill is not None:
             self.state.update_worker(w, fill=w.fill.model_copy(update={
-                "state": state, "reason": reason,
+                "state": state, "reason": reason, "ended": round(time.time(), 3),
                 "seconds": round(seconds if seconds is not None else time.time() - w.fill.started, 3)}))
 
     def _criu_restore(self, directory: Path, inherit: dict[str, int], net_fd: int | None, lazy: bool,

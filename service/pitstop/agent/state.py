@@ -45,7 +45,8 @@ class Fill(BaseModel):
     source: str | None = None   # the agent that serves the pages (network post-copy); None: local
     images: str                 # the directory the lazy-pages daemon works in
     started: float = Field(default_factory=time.time)
-    seconds: float | None = None
+    seconds: float | None = None  # from the lazy-pages daemon's start (before the restore) to the end
+    ended: float | None = None    # when it ended (wall clock): where the job's pause ends (coordinator/ledger.py)
     reason: str | None = None   # why it failed, or how its end was learnt
 
 

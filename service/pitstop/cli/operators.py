@@ -272,7 +272,7 @@ def ops(op_id: Optional[str] = typer.Argument(None, help="an operation id; omit 
         t.add_column(c)
     for o in data:
         m = o["metadata"]
-        pause = m.get("downtime_s") if m.get("downtime_s") is not None else m.get("pause_s")
+        pause = next((m[k] for k in ("job_pause_s", "downtime_s", "pause_s") if m.get(k) is not None), None)
         why = m.get("reason") or ""
         if m.get("@type", "").endswith("RecoverMetadata"):  # a recovery: what failed, and the work it redid
             why = (f"recovery of {m.get('job')} from snapshot {m.get('snapshot')}"
@@ -304,7 +304,9 @@ def moves(node: Optional[str] = typer.Option(None, "--node", help="only moves fr
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["finished"]))
         t.add_row(m["operation"].removeprefix("operations/") + f"\n{when}",
                   f"{m.get('kind', 'evacuation')}\n{d['node']} -> {d['destination']}\n{m['result'] or ''}",
-                  (f"{m['pause_s']:.2f} s" if m["pause_s"] is not None else "") + _spread(m.get("rank_pause_s")),
+                  (f"{m['pause_s']:.2f} s" if m["pause_s"] is not None else "")
+                  + (f"\nto its {m['pause_until']}\n(downtime {m['downtime_s']:.2f} s)"
+                     if m.get("pause_until") not in (None, "last resume") else "") + _spread(m.get("rank_pause_s")),
                   f"{m['bytes']['before_pause'] / 2**20:.0f} / {(m['bytes']['during_pause'] or 0) / 2**20:.0f}",
                   _recovery(m["recovery"]) if m.get("recovery") else _after(m.get("after_move"), m["result"]),
                   m["why"]["reason"])
@@ -379,6 +381,9 @@ def _print_op(o: dict) -> None:
         t.add_row(outside.get(k, k), f"{v:.3f}")
     if m.get("downtime_s") is not None:
         t.add_row("[bold]downtime (first pause -> last resume)[/]", f"[bold]{m['downtime_s']:.3f}[/]")
+    if m.get("job_pause_s") is not None and m.get("job_pause_until") != "last resume":
+        t.add_row(f"[bold]the job's pause (first pause -> its {m['job_pause_until']}; post-copy)[/]",
+                  f"[bold]{m['job_pause_s']:.3f}[/]")
     if m.get("pre_copy_bytes"):
         t.add_row("bytes sent ahead, while the job ran (pre-copy; phase precopy, before the pause)",
                   f"{m['pre_copy_bytes']:,}")

@@ -130,8 +130,11 @@ function opView(op) {
                                                      : el("span", {class: "bad"}, md.result || "failed"))
                         : el("span", {}, "running, phase " + md.phase);
   const recovery = (md["@type"] || "").endsWith("RecoverMetadata");
-  const secs = recovery ? md.pause_s : md.downtime_s;
-  const pause = secs != null ? `, ${secs.toFixed(2)} s pause` : "";
+  // the pause the job saw: after a post-copy restore, until its first step or the fill's end
+  const secs = recovery ? md.pause_s : (md.job_pause_s ?? md.downtime_s);
+  const longer = !recovery && md.job_pause_s != null && md.job_pause_until !== "last resume";
+  const pause = secs != null ? `, ${secs.toFixed(2)} s pause` +
+    (longer ? ` (until its ${md.job_pause_until}; downtime ${md.downtime_s.toFixed(2)} s)` : "") : "";
   const why = md.reason ? ` (${md.reason})` : "";
   const title = recovery ? `recovery of ${md.job}: ${md.node} → ${md.destination || "?"}` : `${md.node} → ${md.destination}`;
   const d = el("div", {class: "op", "data-op": op.name, "data-phase": md.phase || "", "data-done": String(op.done)},

@@ -44,7 +44,7 @@ import httpx
 import structlog
 
 from pitstop import faults, priority
-from pitstop.coordinator import progress
+from pitstop.coordinator import ledger, progress
 from pitstop.coordinator.cut import Cut, issued_by_worker
 from pitstop.coordinator.fanout import in_parallel
 from pitstop.coordinator.filecheck import check_files
@@ -687,6 +687,7 @@ class OpRun:
         self._check_replacements(dest)  # after the last resume: nobody waits for this look
         self.clean_source()
         failed = self._await_fills(node, dest) if filling and self.d.await_fills else None
+        self._settle_job_pause()
         response = {"@type": "type.pitstop.dev/EvacuateResponse", "node": node, "destination": dest,
                     "workers": sorted(self.md.workers), "downtime_s": self.md.downtime_s,
                     "bytes": self.md.bytes_total}
@@ -706,6 +707,50 @@ class OpRun:
         log.info("evacuated", op=self.id, node=node, dest=dest, downtime_s=self.md.downtime_s,
                  **self.md.phases)
         self._measure_after(resumed_at)
+        self._watch_local_fills(dest)
+
+    def _settle_job_pause(self) -> None:
+        """The pause the job saw (ledger.job_pause), again whenever one of its inputs arrives: the
+        last resume, the fills' ends, the job's first step after the move."""
+        with self.lock:
+            pause, until = ledger.job_pause(self.md)
+            if pause is None or (pause, until) == (self.md.job_pause_s, self.md.job_pause_until):
+                return
+            self.md.job_pause_s, self.md.job_pause_until = pause, until
+            self.save()
+
+    def _watch_local_fills(self, dest: str) -> None:
+        """A post-copy restore from the destination's own copy (its agent's PITSTOP_AGENT_LAZY_RESTORE)
+        holds nothing open: the operation is done at the resume, and its fill runs on.  Its end is
+        the job's pause's end where the job stalls on it (ledger.job_pause): asked of the
+        destination on a thread of its own, until it ends or fill_deadline_s passes."""
+        waiting = [wid for wid, w in self.md.workers.items()
+                   if "fill_start" in w.restore_phases and not w.bytes_after_resume and not w.fill]
+        if not waiting:
+            return
+        url, token = self._url(dest), self.d.s.cluster_token
+
+        def body() -> None:
+            deadline = time.monotonic() + self.d.s.fill_deadline_s
+            with AgentClient(url, token, timeout=AGENT_QUESTION_TIMEOUT_S) as a:
+                while waiting and time.monotonic() < deadline:
+                    for wid in list(waiting):
+                        try:
+                            f = a.worker(wid).get("fill")
+                        except PitstopError:
+                            continue  # asked again next round, until the deadline
+                        if not f or f.get("state") != "filling":
+                            waiting.remove(wid)
+                            if f:
+                                with self.lock:
+                                    self.md.workers[wid].fill = f
+                                    self.best_effort = True  # the operation is done: a refused write waits
+                                    self.save()
+                    if waiting:
+                        time.sleep(self.d.s.fill_poll_s)
+            self._settle_job_pause()
+
+        threading.Thread(target=body, daemon=True, name=f"local-fills-{self.id}").start()
 
     def _measure_after(self, resumed_at: float) -> None:
         """The job's time to useful progress after the move (coordinator/progress.py), watched on a
@@ -764,6 +809,7 @@ class OpRun:
             self.md.after_move = after
             self.best_effort = True  # the operation is done: a refused write only delays this one
             self.save()
+        self._settle_job_pause()
         if self.d.on_after_move:
             self.d.on_after_move(after)
         log.info("the job after the move", op=self.id, **after.model_dump(exclude_none=True))

@@ -26,6 +26,7 @@ SCHEMA_VERSION = 1
 TYPE_URL = "type.pitstop.dev/EvacuateMetadata"
 
 WorkerStep = Literal["pending", "capturing", "captured", "released", "restored", "committed", "rolled_back"]
+PauseEnd = Literal["last resume", "first step", "fill end"]  # what ended the job's pause (coordinator/ledger.py)
 
 
 class _Record(BaseModel):
@@ -190,6 +191,11 @@ class EvacuationState(_Record):
     pause_round_s: float | None = None
     last_resume: float | None = None
     downtime_s: float | None = None
+    # The pause the job saw (coordinator/ledger.job_pause): the downtime, except with post-copy,
+    # whose resumed ranks stall on memory still being filled: until the later of the job's first
+    # step after the move and the fill's end.  Known as its inputs arrive; until names the end.
+    job_pause_s: float | None = None
+    job_pause_until: PauseEnd | None = None
     pre_copy_bytes: int | None = None
     pre_copy_bytes_total: int | None = None  # an estimate, while the pre-copy runs
     bytes_done: int = 0
