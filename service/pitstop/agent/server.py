@@ -122,10 +122,10 @@ def hold_state_dir(s: AgentSettings) -> None:
     try:
         safepath.private_dir(s.state_dir, mode=0o755, what="the agent's state directory")
         statelock.hold(s.state_dir, name=s.name, url=s.url)
-    except OSError as e:
-        raise FailedPrecondition(f"cannot lock the agent's state directory: {e.strerror}: {e.filename or s.state_dir}",
+    except OSError as e:  # as Agent() says it of the image directory, below
+        raise FailedPrecondition(f"cannot prepare the agent's directories: {e.strerror}: {e.filename or s.state_dir}",
                                  code="agent_directories",
-                                 action="give --state-dir on a writable local file system") from None
+                                 action="give --state-dir and --image-dir on writable local file systems") from None
 
 
 def _preload() -> None:
