@@ -86,3 +86,20 @@ def test_snapshot_over_its_budget(cluster, tmp_path, record):
     err = scenario.snapshot_over_its_budget(cluster, tmp_path)["error"]
     record("a host's snapshot budget too small for its ranks", "refused at the check, before any rank paused",
            err[:200])
+
+
+def test_ranks_die_first_then_their_host(cluster, tmp_path, record):
+    from .. import test_recovery_orders_e2e as orders
+
+    m = orders.ranks_die_first_then_their_host(cluster, tmp_path)["recovery"]
+    record("a host's ranks die first (their DataLoader workers with them), the survivors end on connection resets, "
+           "then the host's agent and link go",
+           f"recovered by itself onto {m['destination']}, every rank rolled back; bitwise equal",
+           f"{m['requested_by'][:120]}; found {m['detected_after_s']} s after the failure; pause {m['pause_s']:.2f} s")
+
+
+def test_a_finished_job_is_never_recovered(cluster, tmp_path, record):
+    from .. import test_recovery_orders_e2e as orders
+
+    orders.a_finished_job_is_never_recovered(cluster, tmp_path)
+    record("a job that finished, whose host then dies", "no recovery; its snapshots dropped as a finished job's", "")
