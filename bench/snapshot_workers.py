@@ -93,7 +93,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2, help="loader workers a rank in the second arm")
     p.add_argument("--state-mb", type=float, default=128.0)
     p.add_argument("--every", type=float, default=5.0)
-    p.add_argument("--window", type=float, default=75.0, help="seconds of snapshots per arm")
+    p.add_argument("--window", type=float, default=150.0, help="seconds of snapshots per arm")
     p.add_argument("--warmup", type=int, default=3, help="first snapshots left out (start-up memory)")
     a = p.parse_args()
     arms = [arm(w, a.state_mb, a.every, a.window, a.warmup) for w in (0, a.workers)]
