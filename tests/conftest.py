@@ -12,6 +12,8 @@ from pitstop.dev import devleases
 from pitstop.dev.devcluster import LocalCluster
 from pitstop.proc import proctree
 
+from .postgres import pg_url, postgres  # noqa: F401 - the fixtures of the tests that need a real PostgreSQL
+
 _suite_lock_fd: int | None = None
 
 

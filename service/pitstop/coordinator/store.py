@@ -1,21 +1,34 @@
-"""Coordinator state in SQLite (WAL): hosts, workers, operations, idempotency keys.
+"""The coordinator's state: hosts, workers, operations, idempotency keys, snapshots, fences, and
+which coordinator leads (coordinator/leadership.py).
 
-One connection, serialised by a lock.  Every operation phase is written here
-*before* it starts, which is what lets a restarted coordinator reconcile
+Two databases hold the same records through one schema and one ordered list of migrations:
+SQLite (`Store`, the embedded default: one coordinator on one host, `make demo`) and PostgreSQL
+(`pgstore.PostgresStore`: several coordinators, one leading, on a database that outlives any of
+their hosts); coordinator/database.py picks one by the URL given to --db.  Everything here is
+written once, in the SQL both understand (`?` placeholders, ON CONFLICT upserts, RETURNING); a
+backend supplies only its connection, transactions, error mapping, and where it keeps its schema
+version.
+
+One connection, serialised by a lock.  Every operation phase is written here *before* it starts,
+which is what lets a restarted coordinator (or a standby that takes over) reconcile
 (driver.reconcile).
 
 Liveness is kept in memory and written in batches: at 10,000 agents beating once
-a second, one SQLite transaction per beat costs more CPU than the coordinator has
+a second, one transaction per beat costs more CPU than the coordinator has
 (bench/heartbeat_load.py).  A beat only says "alive, still generation G": it
 touches a dict, and `flush()` writes every changed last_seen (and GPU health) in
 one transaction about once a second.  What a restart loses is at most that second
 of last_seen, which only ages a host by a second.  Full reports (workers, inventory)
-still go to SQLite at once: they change rarely and the planner needs them.
+still go to the database at once: they change rarely and the planner needs them.
 
-A database that cannot be written (a full or failing file system) is reported as
-StoreUnavailable, a value with what to do (503 in the API), never as sqlite3's own
-exception: the driver tells it from an agent's failure and undoes what it can no
-longer record (driver.OpRun.rollback), and an operator is told which file system to fix.
+A database that cannot be written (a full or failing file system, a PostgreSQL server that is
+down or out of reach) is reported as StoreUnavailable, a value with what to do (503 in the API),
+never as the driver's own exception: the driver tells it from an agent's failure and undoes what
+it can no longer record (driver.OpRun.rollback), and an operator is told what to fix.
+
+Where coordinators share the database, every write of the leader is fenced by its term: the
+transaction first reads the lease's term, and a coordinator whose term is no longer the one there
+(a standby took over while it was cut off or stalled) writes nothing (NotLeader).
 """
 
 from __future__ import annotations
@@ -25,35 +38,48 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pitstop.errors import FailedPrecondition, Unavailable
+from pitstop.errors import FailedPrecondition, PitstopError, Unavailable
 from pitstop.wire.evacuation import EvacuationState
 
+# One schema for both databases: types both read the same way (SQLite's affinity takes DOUBLE
+# PRECISION as REAL and BIGINT as INTEGER; PostgreSQL's REAL would be 4 bytes and its INTEGER too
+# small for a fence's epoch, milliseconds since 1970).
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS hosts (
-  name TEXT PRIMARY KEY, url TEXT NOT NULL, role TEXT NOT NULL, info TEXT NOT NULL, last_seen REAL NOT NULL,
-  generation TEXT, cordon TEXT, role_since REAL, role_why TEXT);
+  name TEXT PRIMARY KEY, url TEXT NOT NULL, role TEXT NOT NULL, info TEXT NOT NULL, last_seen DOUBLE PRECISION NOT NULL,
+  generation TEXT, cordon TEXT, role_since DOUBLE PRECISION, role_why TEXT);
 CREATE TABLE IF NOT EXISTS workers (
-  id TEXT PRIMARY KEY, job TEXT NOT NULL, rank INTEGER NOT NULL, host TEXT NOT NULL, state TEXT NOT NULL,
-  info TEXT NOT NULL, updated REAL NOT NULL);
+  id TEXT PRIMARY KEY, job TEXT NOT NULL, rank BIGINT NOT NULL, host TEXT NOT NULL, state TEXT NOT NULL,
+  info TEXT NOT NULL, updated DOUBLE PRECISION NOT NULL);
 CREATE TABLE IF NOT EXISTS operations (
-  id TEXT PRIMARY KEY, node TEXT NOT NULL, dest TEXT, done INTEGER NOT NULL DEFAULT 0,
-  result TEXT, phase TEXT NOT NULL, cancel_requested INTEGER NOT NULL DEFAULT 0,
-  metadata TEXT NOT NULL, error TEXT, response TEXT, created REAL NOT NULL, updated REAL NOT NULL);
+  id TEXT PRIMARY KEY, node TEXT NOT NULL, dest TEXT, done BIGINT NOT NULL DEFAULT 0,
+  result TEXT, phase TEXT NOT NULL, cancel_requested BIGINT NOT NULL DEFAULT 0,
+  metadata TEXT NOT NULL, error TEXT, response TEXT, created DOUBLE PRECISION NOT NULL,
+  updated DOUBLE PRECISION NOT NULL);
 CREATE TABLE IF NOT EXISTS idempotency (
-  key TEXT PRIMARY KEY, body_hash TEXT NOT NULL, op_id TEXT NOT NULL, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS snapshot_policy (job TEXT PRIMARY KEY, every_s REAL NOT NULL, updated REAL NOT NULL);
+  key TEXT PRIMARY KEY, body_hash TEXT NOT NULL, op_id TEXT NOT NULL, created DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS snapshot_policy (
+  job TEXT PRIMARY KEY, every_s DOUBLE PRECISION NOT NULL, updated DOUBLE PRECISION NOT NULL);
 CREATE TABLE IF NOT EXISTS snapshots (
-  job TEXT NOT NULL, number INTEGER NOT NULL, state TEXT NOT NULL, created REAL NOT NULL, info TEXT NOT NULL,
+  job TEXT NOT NULL, number BIGINT NOT NULL, state TEXT NOT NULL, created DOUBLE PRECISION NOT NULL, info TEXT NOT NULL,
   PRIMARY KEY (job, number));
 CREATE TABLE IF NOT EXISTS fences (
-  job TEXT NOT NULL, host TEXT NOT NULL, epoch INTEGER NOT NULL, acked INTEGER NOT NULL DEFAULT 0,
-  created REAL NOT NULL, PRIMARY KEY (job, host));
+  job TEXT NOT NULL, host TEXT NOT NULL, epoch BIGINT NOT NULL, acked BIGINT NOT NULL DEFAULT 0,
+  created DOUBLE PRECISION NOT NULL, PRIMARY KEY (job, host));
 """
+
+LEADERSHIP = """
+CREATE TABLE IF NOT EXISTS leadership (
+  id BIGINT PRIMARY KEY, term BIGINT NOT NULL, holder TEXT, url TEXT, since DOUBLE PRECISION,
+  expires DOUBLE PRECISION NOT NULL, renewed DOUBLE PRECISION)
+"""
+"""The lease (coordinator/leadership.py): one row, id 1.  `term` only grows; the coordinator that
+holds it (`holder`, reached at `url`) leads until `expires`, in the database's own clock."""
 
 COLUMNS = ("cordoned", "role_since", "role_why")
 """What Store.hosts() adds from the hosts table's own columns: never taken from (or kept in) a report."""
@@ -67,6 +93,8 @@ _UNAVAILABLE = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_BUSY, 
                 sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB,
                 sqlite3.SQLITE_NOMEM, sqlite3.SQLITE_PROTOCOL}
 
+Row = Mapping[str, Any]
+
 
 @dataclass(frozen=True)
 class JobOwner:
@@ -76,9 +104,19 @@ class JobOwner:
 
 
 class StoreUnavailable(Unavailable):
-    """The coordinator's database cannot be written (or read) now: a full or failing file system."""
+    """The coordinator's database cannot be written (or read) now: a full or failing file system,
+    a database server that is down or out of reach."""
 
     code = "database_unavailable"
+
+
+class NotLeader(StoreUnavailable):
+    """This coordinator does not lead (any more): it writes nothing and calls no agent.  A kind of
+    StoreUnavailable, so that every path that already copes with a database that refuses a write
+    (the driver's rollback kept in memory, a recovery run again later) copes with this too; the
+    coordinator that leads now reconciles what this one left."""
+
+    code = "not_leader"
 
 
 def _unavailable(e: sqlite3.Error) -> bool:
@@ -86,129 +124,278 @@ def _unavailable(e: sqlite3.Error) -> bool:
     return code is not None and code & 0xFF in _UNAVAILABLE
 
 
-def _add_generation(db: sqlite3.Connection) -> None:
-    if "generation" not in {r["name"] for r in db.execute("PRAGMA table_info(hosts)")}:
-        db.execute("ALTER TABLE hosts ADD COLUMN generation TEXT")  # a database from before beats
+def _add_generation(db: "BaseStore") -> None:
+    if "generation" not in db.columns("hosts"):
+        db.q("ALTER TABLE hosts ADD COLUMN generation TEXT")  # a database from before beats
 
 
-def _index_operations(db: sqlite3.Connection) -> None:
-    db.execute("CREATE INDEX IF NOT EXISTS operations_by_created ON operations(created)")
-    db.execute("CREATE INDEX IF NOT EXISTS operations_by_node ON operations(node, created)")
+def _index_operations(db: "BaseStore") -> None:
+    db.q("CREATE INDEX IF NOT EXISTS operations_by_created ON operations(created)")
+    db.q("CREATE INDEX IF NOT EXISTS operations_by_node ON operations(node, created)")
 
 
-def _typed_operation_state(db: sqlite3.Connection) -> None:
+def _typed_operation_state(db: "BaseStore") -> None:
     """Every operation's metadata through the typed evacuation state (wire/evacuation.py): a record
     of an earlier release gets its schema version, and one this release cannot read stops the
     upgrade here, naming the operation, rather than the driver that would reconcile it later."""
-    for r in db.execute("SELECT id, metadata FROM operations").fetchall():
+    for r in db.q("SELECT id, metadata FROM operations"):
         try:
             md = EvacuationState.load(json.loads(r["metadata"])).dump()
         except (ValueError, TypeError) as e:
             raise FailedPrecondition(f"operation {r['id']} in the coordinator's database cannot be read by this "
                                      f"release: {e}", code="database_unreadable",
                                      action="run the release that wrote it, or remove that operation's row") from None
-        db.execute("UPDATE operations SET metadata=? WHERE id=?", (json.dumps(md), r["id"]))
+        db.q("UPDATE operations SET metadata=? WHERE id=?", (json.dumps(md), r["id"]))
 
 
-def _add_cordon(db: sqlite3.Connection) -> None:
-    if "cordon" not in {r["name"] for r in db.execute("PRAGMA table_info(hosts)")}:
-        db.execute("ALTER TABLE hosts ADD COLUMN cordon TEXT")  # a host kept out of the spare pool: why, since, who
+def _add_cordon(db: "BaseStore") -> None:
+    if "cordon" not in db.columns("hosts"):
+        db.q("ALTER TABLE hosts ADD COLUMN cordon TEXT")  # a host kept out of the spare pool: why, since, who
 
 
-def _add_role_change(db: sqlite3.Connection) -> None:
-    have = {r["name"] for r in db.execute("PRAGMA table_info(hosts)")}
+def _add_role_change(db: "BaseStore") -> None:
+    have = db.columns("hosts")
     if "role_since" not in have:  # when a host took its role, and why (an evacuation's reason, who asked)
-        db.execute("ALTER TABLE hosts ADD COLUMN role_since REAL")
+        db.q("ALTER TABLE hosts ADD COLUMN role_since REAL")
     if "role_why" not in have:
-        db.execute("ALTER TABLE hosts ADD COLUMN role_why TEXT")
+        db.q("ALTER TABLE hosts ADD COLUMN role_why TEXT")
 
 
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_add_generation, _index_operations,
-                                                               _typed_operation_state, _add_cordon,
-                                                               _add_role_change)
-"""Ordered: a database at schema version N (PRAGMA user_version) gets MIGRATIONS[N:], each in its
-own transaction with the version it reaches.  Append only; never edit one that shipped."""
+def _add_leadership(db: "BaseStore") -> None:
+    """The lease that one coordinator of several holds (coordinator/leadership.py), at term 0 and
+    expired: the first coordinator to start takes term 1."""
+    db.q(LEADERSHIP)
+    db.q("INSERT INTO leadership(id, term, expires) VALUES(1, 0, 0) ON CONFLICT(id) DO NOTHING")
 
 
-def migrate(db: sqlite3.Connection) -> int:
-    """Bring a database written by any earlier release to this one's schema; the version reached.
-    A database from a newer release is refused rather than written in a shape it does not know."""
-    have = db.execute("PRAGMA user_version").fetchone()[0]
-    if have > len(MIGRATIONS):
-        raise FailedPrecondition(f"the coordinator's database is at schema version {have}, newer than this "
-                                 f"pitstop ({len(MIGRATIONS)})", code="database_too_new",
-                                 action="run the pitstop release that wrote it, or a newer one")
-    for version, step in enumerate(MIGRATIONS[have:], start=have + 1):
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            step(db)
-            db.execute(f"PRAGMA user_version={version}")
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-    return len(MIGRATIONS)
+MIGRATIONS: tuple[Callable[["BaseStore"], None], ...] = (_add_generation, _index_operations,
+                                                        _typed_operation_state, _add_cordon,
+                                                        _add_role_change, _add_leadership)
+"""Ordered: a database at schema version N (SQLite: PRAGMA user_version; PostgreSQL: the
+schema_version table) gets MIGRATIONS[N:], each in its own transaction with the version it
+reaches.  Append only; never edit one that shipped."""
 
 
-class Store:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(SCHEMA)
+class BaseStore:
+    """The records, over a backend's connection (Store: SQLite; pgstore.PostgresStore).
+
+    A backend implements `_execute`, `_executemany`, `_begin`, `_commit`, `_rollback`,
+    `_translate` (its errors as StoreUnavailable, or None for a mistake in the SQL), `columns`,
+    `_schema_version`/`_set_schema_version`, `_migration_lock` and `_now_sql`."""
+
+    GREATEST = "max"  # the larger of two values: SQLite's two-argument max(); PostgreSQL's GREATEST
+    where = "the coordinator's database"  # what an operator is told to look at
+
+    def __init__(self) -> None:
         self.lock = threading.RLock()
         self._live = threading.Lock()
         self.seen: dict[str, float] = {}             # host -> last beat (unix time), newer than the table's
         self.health: dict[str, tuple[list, dict]] = {}  # host -> (gpu_health, verdict) from beats
         self._dirty: set[str] = set()
-        migrate(self.db)
-        # A restarted coordinator still holds every host's last full report, so it takes their beats
-        # at once instead of asking 10,000 agents for full reports in the same second.
-        self.generation: dict[str, str] = {r["name"]: r["generation"] for r in  # host -> its last report's
-                           self.db.execute("SELECT name, generation FROM hosts WHERE generation IS NOT NULL")}
+        self.generation: dict[str, str] = {}
+        # The leader's term, checked by every write (None: unfenced, one coordinator alone as in the
+        # tests' own stores; set by coordinator/leadership.py once several may share the database)
+        self.fence_term: int | None = None
+        self.fenced = False  # True: writes need fence_term to be the lease's term (a standby: never)
 
-    def _x(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+    # -- what a backend supplies ------------------------------------------------------------------
+    def _execute(self, sql: str, args: tuple = ()) -> list[Row]:
+        raise NotImplementedError
+
+    def _executemany(self, sql: str, rows: list[tuple]) -> None:
+        raise NotImplementedError
+
+    def _begin(self) -> None:
+        raise NotImplementedError
+
+    def _commit(self) -> None:
+        raise NotImplementedError
+
+    def _rollback(self) -> None:
+        raise NotImplementedError
+
+    def _translate(self, e: Exception) -> StoreUnavailable | None:
+        raise NotImplementedError
+
+    def columns(self, table: str) -> set[str]:
+        raise NotImplementedError
+
+    def _schema_version(self) -> int:
+        raise NotImplementedError
+
+    def _set_schema_version(self, version: int) -> None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _migration_lock(self) -> Iterator[None]:
+        yield
+
+    def _now_sql(self) -> tuple[str, tuple]:
+        """SQL for the database's clock (unix seconds) and its arguments: the lease is timed by one
+        clock, whichever coordinator reads it."""
+        return "?", (time.time(),)
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    # -- the plumbing every record uses -----------------------------------------------------------
+    def q(self, sql: str, args: tuple = ()) -> list[Row]:
+        """One statement inside the transaction (or migration) under way: the caller holds the lock."""
+        return self._execute(sql, args)
+
+    def _open(self) -> None:
+        """Schema and migrations; then the hosts' generations (a restarted coordinator still holds
+        every host's last full report, so it takes their beats at once instead of asking 10,000
+        agents for full reports in the same second)."""
+        with self.lock, self._migration_lock():
+            for stmt in filter(str.strip, SCHEMA.split(";")):
+                self._execute(stmt)
+            self.migrate()
+        self.load_generations()
+
+    def load_generations(self) -> None:
+        rows = self._x("SELECT name, generation FROM hosts WHERE generation IS NOT NULL")
+        with self._live:
+            self.generation = {r["name"]: r["generation"] for r in rows}
+
+    def excuse_silence(self, gap_s: float) -> None:
+        """No coordinator listened to the hosts for `gap_s` (a change of leader, a restart): that
+        time is not counted against them.  Each host is taken as heard `gap_s` later than it last
+        was (never later than now), in memory only: its record keeps what was heard."""
+        if gap_s <= 0:
+            return
+        now = time.time()
+        rows = self._x("SELECT name, last_seen FROM hosts")
+        with self._live:
+            for r in rows:
+                self.seen[r["name"]] = max(self.seen.get(r["name"], 0.0), min(now, float(r["last_seen"]) + gap_s))
+
+    def migrate(self) -> int:
+        """Bring a database written by any earlier release to this one's schema; the version reached.
+        A database from a newer release is refused rather than written in a shape it does not know."""
+        have = self._schema_version()
+        if have > len(MIGRATIONS):
+            raise FailedPrecondition(f"the coordinator's database is at schema version {have}, newer than this "
+                                     f"pitstop ({len(MIGRATIONS)})", code="database_too_new",
+                                     action="run the pitstop release that wrote it, or a newer one")
+        for version, step in enumerate(MIGRATIONS[have:], start=have + 1):
+            self._begin()
+            try:
+                step(self)
+                self._set_schema_version(version)
+                self._commit()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self._rollback()
+                raise
+        return len(MIGRATIONS)
+
+    def _x(self, sql: str, args: tuple = ()) -> list[Row]:
+        """One statement on its own: a read, or a write in a transaction of its own (fenced)."""
+        if self.fenced and not sql.lstrip().upper().startswith("SELECT"):
+            with self._tx():
+                return self._execute(sql, args)
         with self.lock, self._guard():
-            return self.db.execute(sql, args).fetchall()
+            return self._execute(sql, args)
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
-        """sqlite3's errors of the file system as StoreUnavailable, saying which one to fix."""
+        """The backend's errors of the database (not of pitstop's SQL) as StoreUnavailable, saying
+        what to fix."""
         try:
             yield
-        except sqlite3.Error as e:
-            if not _unavailable(e):
+        except PitstopError:
+            raise
+        except Exception as e:
+            err = self._translate(e)
+            if err is None:
                 raise
-            raise StoreUnavailable(
-                f"the coordinator cannot use its database {self.path}: {e}",
-                action=f"free space on (or repair) the file system that holds {self.path}, then send this "
-                       "request again; the coordinator keeps trying by itself: an evacuation it cannot record "
-                       "is undone on the agents, and written down once the database takes writes again",
-                details={"database": str(self.path), "sqlite_error": getattr(e, "sqlite_errorname", str(e))}) from e
+            raise err from e
 
     @contextlib.contextmanager
-    def _tx(self) -> Iterator[None]:
-        """One transaction, under the lock; rolled back if anything in it fails.
-
-        SQLite itself rolls back a transaction that hit a full disk or an I/O error: a ROLLBACK
-        sent after that fails with "cannot rollback - no transaction is active", which then hid
-        the real error ("database or disk is full").  So ROLLBACK goes only to a transaction
-        still open, and a failing one never replaces the error that caused it."""
+    def _tx(self, fence: bool = True) -> Iterator[None]:
+        """One transaction, under the lock; rolled back if anything in it fails.  Fenced (unless
+        `fence` is False: the lease's own statements): its first statement checks that this
+        coordinator still holds the lease's term (`_check_term`)."""
         with self.lock, self._guard():
-            if self.db.in_transaction:  # one a failed ROLLBACK left open: nothing of it is ours
-                self.db.execute("ROLLBACK")
-            self.db.execute("BEGIN")
+            self._begin()
             try:
+                if fence and self.fenced:
+                    self._check_term()
                 yield
-                self.db.execute("COMMIT")
+                self._commit()
             except BaseException:
-                if self.db.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):  # tried again before the next BEGIN
-                        self.db.execute("ROLLBACK")
+                self._rollback()
                 raise
+
+    def _check_term(self) -> None:
+        """Inside a transaction: the lease's term is this coordinator's, and stays so until the
+        transaction ends (the row is locked where the database can: FOR SHARE on PostgreSQL; SQLite
+        serialises writers anyway).  NotLeader otherwise: nothing is written."""
+        if self.fence_term is None:
+            raise NotLeader("this coordinator is a standby: it writes nothing", code="not_leader",
+                            action="send the request to the coordinator that leads (`pitstop doctor` names it)")
+        r = self._execute("SELECT term FROM leadership WHERE id=1" + self._share_lock())
+        if not r or int(r[0]["term"]) != self.fence_term:
+            raise NotLeader(f"this coordinator's term {self.fence_term} is over (the database's is "
+                            f"{r[0]['term'] if r else 'unknown'}): another coordinator leads", code="not_leader",
+                            action="nothing: the coordinator that leads now finishes or undoes what this one began")
+
+    def _share_lock(self) -> str:
+        return ""
+
+    # -- the lease (coordinator/leadership.py) ----------------------------------------------------
+    def lease(self) -> dict[str, Any]:
+        """The lease as the database has it, with the database's clock now (`now`)."""
+        now, args = self._now_sql()
+        r = self._x(f"SELECT term, holder, url, since, expires, renewed, {now} AS now FROM leadership WHERE id=1",
+                    args)
+        if not r:
+            return {"term": 0, "holder": None, "url": None, "since": None, "expires": 0.0, "renewed": None,
+                    "now": time.time()}
+        return {k: r[0][k] for k in ("term", "holder", "url", "since", "expires", "renewed", "now")}
+
+    def acquire_lease(self, holder: str, url: str, ttl_s: float) -> dict[str, Any] | None:
+        """Take the lease with the next term, where it has expired (in the database's clock) or was
+        this coordinator's own (`holder`: a restarted coordinator at the same address, whose last
+        life ended); the lease taken (term, since, expires), or None where another holds it."""
+        now, args = self._now_sql()
+        with self._tx(fence=False):
+            r = self._execute(
+                f"UPDATE leadership SET term=term+1, holder=?, url=?, since={now}, renewed={now}, "
+                f"expires={now}+? WHERE id=1 AND (expires < {now} OR holder=?) "
+                "RETURNING term, since, expires", (holder, url, *args, *args, *args, ttl_s, *args, holder))
+        return {k: r[0][k] for k in ("term", "since", "expires")} if r else None
+
+    def renew_lease(self, holder: str, term: int, ttl_s: float) -> float | None:
+        """Extend the lease of `term`, still this coordinator's; its new expiry (database clock), or
+        None where the term is over (another coordinator took the lease)."""
+        now, args = self._now_sql()
+        with self._tx(fence=False):
+            r = self._execute(f"UPDATE leadership SET expires={now}+?, renewed={now} WHERE id=1 AND term=? "
+                              "AND holder=? RETURNING expires", (*args, ttl_s, *args, term, holder))
+        return float(r[0]["expires"]) if r else None
+
+    def release_lease(self, holder: str, term: int) -> bool:
+        """Give the lease up at once (a coordinator that stops): a standby takes over without waiting
+        for it to expire.  The term stays: the next holder's is higher."""
+        with self._tx(fence=False):
+            r = self._execute("UPDATE leadership SET expires=0 WHERE id=1 AND term=? AND holder=? RETURNING term",
+                              (term, holder))
+        return bool(r)
+
+    def raise_term(self, holder: str, term: int, above: int) -> int | None:
+        """Move this coordinator's own lease to a term above `above` (an agent has seen a higher term
+        than this database holds: the database was replaced or restored from a backup), keeping the
+        lease; the new term, or None where the term is no longer this coordinator's."""
+        with self._tx(fence=False):
+            r = self._execute("UPDATE leadership SET term=? WHERE id=1 AND term=? AND holder=? RETURNING term",
+                              (above + 1, term, holder))
+        return int(r[0]["term"]) if r else None
+
+    def _one(self, sql: str, args: tuple = ()) -> Row | None:
+        rows = self.q(sql, args)
+        return rows[0] if rows else None
 
     # hosts and workers --------------------------------------------------------------------------
     def sync_workers(self, host: str, workers: list[dict[str, Any]]) -> None:
@@ -229,16 +416,16 @@ class Store:
         now = time.time()
         with self._tx():
             if not privileged:
-                for r in self.db.execute("SELECT state, info, updated FROM workers WHERE job=? AND state NOT IN (?, ?)",
+                for r in self.q("SELECT state, info, updated FROM workers WHERE job=? AND state NOT IN (?, ?)",
                                          (job, "exited", "released")):
                     if r["state"] == CLAIMED and now - r["updated"] > max_age_s:
                         continue  # a claim whose registration never happened lapses
                     theirs = json.loads(r["info"]).get("owner_uid")
                     if theirs is not None and theirs != owner_uid:
                         return JobOwner(int(theirs))
-            cur = self.db.execute("SELECT host, state, updated FROM workers WHERE id=?", (wid,)).fetchone()
+            cur = self._one("SELECT host, state, updated FROM workers WHERE id=?", (wid,))
             if cur and cur["host"] != host:
-                seen = self.db.execute("SELECT last_seen FROM hosts WHERE name=?", (cur["host"],)).fetchone()
+                seen = self._one("SELECT last_seen FROM hosts WHERE name=?", (cur["host"],))
                 last = max(seen["last_seen"] if seen else 0.0, self.seen.get(cur["host"], 0.0))
                 # a claim that its host's reports never confirmed (the registration failed there)
                 # lapses after the same time as a silent host
@@ -246,7 +433,7 @@ class Store:
                 if held and now - last <= max_age_s:
                     return str(cur["host"])
             w = {"id": wid, "job": job, "rank": rank, "state": CLAIMED, "owner_uid": owner_uid}
-            self.db.execute(
+            self.q(
                 "INSERT INTO workers(id,job,rank,host,state,info,updated) VALUES(?,?,?,?,?,?,?) "
                 "ON CONFLICT(id) DO UPDATE SET job=excluded.job, rank=excluded.rank, host=excluded.host, "
                 "state=excluded.state, info=excluded.info, updated=excluded.updated",
@@ -281,12 +468,12 @@ class Store:
             with self._tx():
                 for name, _, health in rows:
                     if health is not None:
-                        r = self.db.execute("SELECT info FROM hosts WHERE name=?", (name,)).fetchone()
+                        r = self._one("SELECT info FROM hosts WHERE name=?", (name,))
                         if r is not None:
                             info = json.loads(r["info"])
                             info["gpu_health"], info["health"] = health
-                            self.db.execute("UPDATE hosts SET info=? WHERE name=?", (json.dumps(info), name))
-                self.db.executemany("UPDATE hosts SET last_seen=max(last_seen, ?) WHERE name=?",
+                            self.q("UPDATE hosts SET info=? WHERE name=?", (json.dumps(info), name))
+                self._executemany(f"UPDATE hosts SET last_seen={self.GREATEST}(last_seen, ?) WHERE name=?",
                                     [(seen, name) for name, seen, _ in rows if seen is not None])
         except BaseException:
             with self._live:  # written next time
@@ -303,25 +490,25 @@ class Store:
         name = hb["name"]
         info = {k: v for k, v in hb.items() if k not in ("workers", "generation")}
         with self._tx():
-            row = self.db.execute("SELECT role FROM hosts WHERE name=?", (name,)).fetchone()
+            row = self._one("SELECT role FROM hosts WHERE name=?", (name,))
             # The coordinator owns a host's role once it has one (a consumed spare becomes active).
             role = row["role"] if row else ("spare" if hb.get("spare") else "active")
             if touch:
-                self.db.execute("INSERT INTO hosts(name,url,role,info,last_seen,generation,role_since) "
+                self.q("INSERT INTO hosts(name,url,role,info,last_seen,generation,role_since) "
                                 "VALUES(?,?,?,?,?,?,?) "
                                 "ON CONFLICT(name) DO UPDATE SET url=excluded.url, info=excluded.info, "
                                 "last_seen=excluded.last_seen, generation=excluded.generation",
                                 (name, hb["url"], role, json.dumps(info), now, hb.get("generation"), now))
-            fenced = {r["job"] for r in self.db.execute("SELECT job FROM fences WHERE host=?", (name,))}
+            fenced = {r["job"] for r in self.q("SELECT job FROM fences WHERE host=?", (name,))}
             for w in hb.get("workers", []):
                 if w["job"] in fenced:  # recovered elsewhere while this host was away: never again from here
                     continue
                 # Where a worker is: the host that reports it alive.  Its old host's "moved"
                 # is no news, and an end state (exited, lost) counts only from its current host.
-                cur = self.db.execute("SELECT host FROM workers WHERE id=?", (w["id"],)).fetchone()
+                cur = self._one("SELECT host FROM workers WHERE id=?", (w["id"],))
                 if w["state"] not in LIVE and (w["state"] == "moved" or (cur and cur["host"] != name)):
                     continue
-                self.db.execute(
+                self.q(
                     "INSERT INTO workers(id,job,rank,host,state,info,updated) VALUES(?,?,?,?,?,?,?) "
                     "ON CONFLICT(id) DO UPDATE SET host=excluded.host, state=excluded.state, "
                     "info=excluded.info, updated=excluded.updated",
@@ -342,7 +529,7 @@ class Store:
         r = self._x("SELECT * FROM hosts WHERE name=?", (name,))
         return self._host(r[0]) if r else None
 
-    def _host(self, r: sqlite3.Row) -> dict[str, Any]:
+    def _host(self, r: Row) -> dict[str, Any]:
         info = json.loads(r["info"])
         name = r["name"]
         last_seen = max(r["last_seen"], self.seen.get(name, 0.0))
@@ -360,13 +547,13 @@ class Store:
         The same role again changes neither (a new `why` replaces the old); `draining` becoming
         `drained` keeps both: the host left service when its evacuation committed."""
         with self._tx():
-            r = self.db.execute("SELECT role, role_since, role_why FROM hosts WHERE name=?", (name,)).fetchone()
+            r = self._one("SELECT role, role_since, role_why FROM hosts WHERE name=?", (name,))
             if r is None:
                 return
             same = r["role"] == role or (r["role"], role) == ("draining", "drained")
             since = r["role_since"] if same else time.time()
             why_ = json.dumps(why) if why is not None else r["role_why"] if same else None
-            self.db.execute("UPDATE hosts SET role=?, role_since=?, role_why=? WHERE name=?", (role, since, why_, name))
+            self.q("UPDATE hosts SET role=?, role_since=?, role_why=? WHERE name=?", (role, since, why_, name))
 
     def set_cordon(self, name: str, cordon: dict[str, Any] | None) -> None:
         """Keep a host out of the spare pool (why, since, who asked), or None to let it back."""
@@ -375,8 +562,8 @@ class Store:
     def remove_host(self, name: str) -> None:
         """Forget a host and what it last reported (its agent, if it ever beats again, registers anew)."""
         with self._tx():
-            self.db.execute("DELETE FROM workers WHERE host=?", (name,))
-            self.db.execute("DELETE FROM hosts WHERE name=?", (name,))
+            self.q("DELETE FROM workers WHERE host=?", (name,))
+            self.q("DELETE FROM hosts WHERE name=?", (name,))
         with self._live:
             self.seen.pop(name, None)
             self.health.pop(name, None)
@@ -393,7 +580,7 @@ class Store:
         return [self._worker(r) for r in self._x(q + " ORDER BY job, rank", tuple(a))]
 
     @staticmethod
-    def _worker(r: sqlite3.Row) -> dict[str, Any]:
+    def _worker(r: Row) -> dict[str, Any]:
         info = json.loads(r["info"])
         return {"id": r["id"], "job": r["job"], "rank": r["rank"], "host": r["host"], "state": r["state"],
                 "updated": r["updated"], "address": (info.get("net") or {}).get("address"),
@@ -457,10 +644,10 @@ class Store:
                   ) -> None:
         now = time.time()
         with self._tx():
-            self.db.execute("INSERT INTO operations(id,node,dest,phase,metadata,created,updated) "
+            self.q("INSERT INTO operations(id,node,dest,phase,metadata,created,updated) "
                             "VALUES(?,?,?,?,?,?,?)", (op_id, node, dest, "pending", json.dumps(metadata), now, now))
             if idem:
-                self.db.execute("INSERT INTO idempotency(key,body_hash,op_id,created) VALUES(?,?,?,?)",
+                self.q("INSERT INTO idempotency(key,body_hash,op_id,created) VALUES(?,?,?,?)",
                                 (idem[0], idem[1], op_id, now))
 
     def idempotent(self, key: str) -> tuple[str, str] | None:
@@ -495,14 +682,14 @@ class Store:
         """Forget finished operations (and their idempotency keys) older than `older_than_s`."""
         cut = time.time() - older_than_s
         with self._tx():
-            old = [r["id"] for r in self.db.execute("SELECT id FROM operations WHERE done=1 AND updated<?", (cut,))]
+            old = [r["id"] for r in self.q("SELECT id FROM operations WHERE done=1 AND updated<?", (cut,))]
             for op_id in old:
-                self.db.execute("DELETE FROM idempotency WHERE op_id=?", (op_id,))
-                self.db.execute("DELETE FROM operations WHERE id=?", (op_id,))
+                self.q("DELETE FROM idempotency WHERE op_id=?", (op_id,))
+                self.q("DELETE FROM operations WHERE id=?", (op_id,))
         return len(old)
 
     @staticmethod
-    def _op(r: sqlite3.Row) -> dict[str, Any]:
+    def _op(r: Row) -> dict[str, Any]:
         return {"id": r["id"], "node": r["node"], "dest": r["dest"], "done": bool(r["done"]), "result": r["result"],
                 "phase": r["phase"], "cancel_requested": bool(r["cancel_requested"]),
                 "metadata": json.loads(r["metadata"]), "error": json.loads(r["error"]) if r["error"] else None,
@@ -529,3 +716,69 @@ class Store:
 
     def request_cancel(self, op_id: str) -> None:
         self._x("UPDATE operations SET cancel_requested=1, updated=? WHERE id=?", (time.time(), op_id))
+
+
+class Store(BaseStore):
+    """The records in SQLite (WAL): the embedded default, one coordinator on one host."""
+
+    BUSY_TIMEOUT_MS = 5000  # two coordinators of one host on one file take turns, briefly
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self.where = str(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute(f"PRAGMA busy_timeout={self.BUSY_TIMEOUT_MS}")
+        self._open()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _execute(self, sql: str, args: tuple = ()) -> list[Row]:
+        return self.db.execute(sql, args).fetchall()
+
+    def _executemany(self, sql: str, rows: list[tuple]) -> None:
+        self.db.executemany(sql, rows)
+
+    def _begin(self) -> None:
+        """SQLite itself rolls back a transaction that hit a full disk or an I/O error: a ROLLBACK
+        sent after that fails with "cannot rollback - no transaction is active", which then hid
+        the real error ("database or disk is full").  So ROLLBACK goes only to a transaction
+        still open, and a failing one never replaces the error that caused it."""
+        if self.db.in_transaction:  # one a failed ROLLBACK left open: nothing of it is ours
+            self.db.execute("ROLLBACK")
+        # Where coordinators share the file, a transaction's first read (the term) must not have to
+        # become a write later: SQLite would answer BUSY at once instead of waiting its turn.
+        self.db.execute("BEGIN IMMEDIATE" if self.fenced else "BEGIN")
+
+    def _commit(self) -> None:
+        self.db.execute("COMMIT")
+
+    def _rollback(self) -> None:
+        if self.db.in_transaction:
+            with contextlib.suppress(sqlite3.Error):  # tried again before the next BEGIN
+                self.db.execute("ROLLBACK")
+
+    def _translate(self, e: Exception) -> StoreUnavailable | None:
+        """sqlite3's errors of the file system as StoreUnavailable, saying which one to fix."""
+        if not isinstance(e, sqlite3.Error) or not _unavailable(e):
+            return None
+        return StoreUnavailable(
+            f"the coordinator cannot use its database {self.path}: {e}",
+            action=f"free space on (or repair) the file system that holds {self.path}, then send this "
+                   "request again; the coordinator keeps trying by itself: an evacuation it cannot record "
+                   "is undone on the agents, and written down once the database takes writes again",
+            details={"database": str(self.path), "sqlite_error": getattr(e, "sqlite_errorname", str(e))})
+
+    def columns(self, table: str) -> set[str]:
+        return {r["name"] for r in self.db.execute(f"PRAGMA table_info({table})")}
+
+    def _schema_version(self) -> int:
+        return int(self.db.execute("PRAGMA user_version").fetchone()[0])
+
+    def _set_schema_version(self, version: int) -> None:
+        self.db.execute(f"PRAGMA user_version={int(version)}")
