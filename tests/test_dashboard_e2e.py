@@ -65,6 +65,7 @@ def test_the_dashboard_shows_an_evacuation_as_it_happens(cluster, chromium, tmp_
     dom = _dom(chromium, profile, page + "#token=" + READ_TOKEN)
     assert "host-a" in dom and "spare-1" in dom and "0@host-b: running" in dom, dom[-3000:]
     assert re.search(r"active, cordoned for \d+ s: fan noise", dom), dom[-3000:]
+    assert re.search(r"this coordinator \(http://[0-9.:]+\) leads, term \d+ since ", dom), dom[-3000:]
 
     # an evacuation: its phase while it runs, every rank's phases once it is done
     op = cc.evacuate("host-b", reason="PSU swap")

@@ -99,8 +99,43 @@ def run_checks() -> list[Check]:
     checks.append(_huge_tmpfs())
     checks.append(_exit_status_kept())
     checks.append(agent_unit())
+    checks.append(coordinators())
     checks += gpu_checks()
     return checks
+
+
+def coordinators(urls: str | None = None) -> Check:
+    """Which coordinator leads, in which term and since when (coordinator/leadership.py), asked of
+    every coordinator PITSTOP_COORDINATOR names (GET /v1/leader, open); not a check of this host:
+    informational, and a warning where none leads or they disagree."""
+    import time
+
+    import httpx
+
+    from pitstop import tls
+    from pitstop.endpoints import split_urls
+
+    urls = urls if urls is not None else os.environ.get("PITSTOP_COORDINATOR", "")
+    if not urls:
+        return Check("coordinators", None, "PITSTOP_COORDINATOR is not set: none asked", required=False)
+    said, leaders = [], set()
+    for url in split_urls(urls):
+        try:
+            v = httpx.get(url + "/v1/leader", timeout=3, verify=tls.client_context()).json()
+        except (httpx.HTTPError, ValueError) as e:
+            said.append(f"{url}: unreachable ({type(e).__name__})")
+            continue
+        since = v.get("since")
+        when = (f", since {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(since))} "
+                f"({(time.time() - since) / 60:.0f} min)" if since else "")
+        if v.get("role") == "leader":
+            leaders.add(url)
+            said.append(f"{url}: leads, term {v.get('term')}{when}")
+        else:
+            leaders.add(v.get("leader") or "")
+            said.append(f"{url}: {v.get('role')} ({v.get('leader') or 'no coordinator'} leads, term {v.get('term')})")
+    leaders.discard("")
+    return Check("coordinators", len(leaders) == 1, "; ".join(said), required=False)
 
 
 UNIT = "pitstop-agent.service"

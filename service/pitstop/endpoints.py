@@ -69,7 +69,25 @@ def check_host_name(value: str) -> str:
 
 ListenAddress = Annotated[str, AfterValidator(lambda v: _listen(v, any_port=False))]
 DataListenAddress = Annotated[str, AfterValidator(lambda v: _listen(v, any_port=True))]  # 0: any free port
+def split_urls(value: str) -> list[str]:
+    """`URL1,URL2,...` as a list, each without its trailing slash (several coordinators: one leads, and
+    the clients find which)."""
+    return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
+
+
+def check_urls(value: str) -> str:
+    """`value` if it is one http(s) URL or several, comma-separated; ValueError naming the bad one."""
+    urls = [u.strip() for u in value.split(",") if u.strip()]
+    if not urls:
+        raise ValueError("no URL given")
+    for u in urls:
+        check_url(u)
+    return value
+
+
 ServiceURL = Annotated[str, AfterValidator(check_url)]
+ServiceURLs = Annotated[str, AfterValidator(check_urls)]
+"""One URL or several, comma-separated: every coordinator of a cluster, one of which leads."""
 HostName = Annotated[str, AfterValidator(check_host_name)]
 
 

@@ -23,8 +23,9 @@ from pitstop.agent.receiving import DestinationSide, Slot
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.snapshots import Snapshots
 from pitstop.agent.state import LIVE_STATES, AgentState, Capture, Worker
+from pitstop.agent.terms import Terms
 from pitstop.criu import runtime
-from pitstop.errors import PitstopError, TransferFailed
+from pitstop.errors import Conflict, PitstopError, TransferFailed
 from pitstop.network import workerns
 from pitstop.proc import caps, proctree
 
@@ -47,6 +48,10 @@ class Metrics:
                                ["phase"], registry=r, buckets=(.01, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60, 120))
         self.sent = Counter("pitstop_agent_sent_bytes_total", "Image bytes sent to peers", registry=r)
         self.received = Counter("pitstop_agent_received_bytes_total", "Image bytes received", registry=r)
+        self.term = Gauge("pitstop_agent_coordinator_term", "The highest coordinator term this agent has seen "
+                          "(agent/terms.py)", registry=r)
+        self.stale_terms = Counter("pitstop_agent_stale_term_refusals_total", "Calls refused because they carried "
+                                   "the term of a coordinator that no longer leads", registry=r)
         Gauge("pitstop_build_info", "pitstop's version (always 1)", ["version", "service"],
               registry=r).labels(__version__, "agent").set(1)
 
@@ -66,6 +71,7 @@ class Agent:
         safepath.private_dir(settings.state_dir, mode=0o755, what="the agent's state directory")
         safepath.private_dir(settings.images, what="the agent's image directory")
         self.state = AgentState(settings.state_dir)
+        self.terms = Terms(settings.state_dir / "coordinator-term.json")  # the fence against a deposed leader
         self.dest = DestinationSide(settings, self.state)
         self.state.on_forget = self.dest.forget_output
         self.source = SourceSide(settings, self.state, self.dest)
@@ -121,7 +127,24 @@ class Agent:
                 "data_port": self.data_port, "cap_bnd": f"{caps.bounding_set():x}",
                 "post_copy": self.source.post_copy_support(), "image_fs": self.image_fs.describe(),
                 "criu": criu, "workers": len([w for w in self.state.workers.values()
-                                              if w.state in LIVE_STATES])}
+                                              if w.state in LIVE_STATES]),
+                "coordinator_term": self.terms.view()}
+
+    def admit_term(self, term: int, leader: str = "") -> None:
+        """A call (or an announcement) of a coordinator's term: refused where an agent has seen a
+        newer one (agent/terms.py), as 409 stale_term naming that term and its leader."""
+        if self.terms.admit(term, leader):
+            self.metrics.term.set(self.terms.seen)
+            return
+        self.metrics.stale_terms.inc()
+        v = self.terms.view()
+        log.warning("refused a call of a coordinator that no longer leads", term=term, seen=v["term"],
+                    leader=v["leader"])
+        raise Conflict(f"coordinator term {term} is over: this agent has seen term {v['term']}"
+                       + (f" ({v['leader']} leads)" if v["leader"] else ""), code="stale_term",
+                       action="nothing: a coordinator that no longer leads may not act; the one that leads "
+                              "finishes or undoes its operations",
+                       details={"seen": v["term"], "leader": v["leader"]})
 
     def refresh(self, w: Worker, needs: bool = True) -> Worker:
         """needs: also read what capabilities its tree holds (every process's status): for

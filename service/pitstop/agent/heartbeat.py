@@ -24,6 +24,7 @@ import structlog
 
 from pitstop import tls
 from pitstop.agent.agent import Agent
+from pitstop.endpoints import split_urls
 from pitstop.proc import caps
 from pitstop.wire.auth import bearer
 from pitstop.wire.beats import ACK_OK, ACK_RESYNC, decode_ack, encode_beat
@@ -41,6 +42,7 @@ def payload(agent: Agent) -> dict:
                                                       "peer_lost"})
                for w in list(agent.state.workers.values())]
     return {"name": agent.s.name, "url": agent.s.url, "spare": agent.s.spare, "workers": workers,
+            "coordinator_term": agent.terms.seen or None,
             "socket": str(agent.s.sock.absolute()),
             "slurm_node": agent.s.slurm_node or socket.gethostname().split(".")[0],
             "failure_domain": agent.s.failure_domain,
@@ -52,6 +54,7 @@ FULL, BEAT = "/v1/agents:heartbeat", "/v1/agents:beat"
 HEALTH_KEYS = ("index", "uuid", "ecc_uncorrected_volatile", "ecc_uncorrected_aggregate", "retired_pages",
                "retired_pages_pending", "remap_pending", "remap_failure", "throttle_reasons")
 TEMPERATURE_BAND_C = 3  # a GPU's temperature is sent again when it moved by this much
+STANDBY_RETRY_S = 0.2  # a standby answered: the report goes to the leader it named, almost at once
 
 
 def health_signature(readings: list[dict[str, Any]]) -> list:
@@ -77,7 +80,10 @@ class Reporter:
 
     def next(self, report: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """(path, body) of the next message for `report`, a full payload()."""
-        key = json.dumps({k: v for k, v in report.items() if k != "gpu_health"}, sort_keys=True, default=str)
+        # the term a coordinator told it is no change of this host: a takeover must not bring the whole
+        # fleet's full reports at once (it goes with the next full report, for a new database's leader)
+        key = json.dumps({k: v for k, v in report.items() if k not in ("gpu_health", "coordinator_term")},
+                         sort_keys=True, default=str)
         health = health_signature(report.get("gpu_health", []))
         now = time.monotonic()
         if key != self._key:
@@ -165,16 +171,38 @@ UDP_RETRY_AFTER_S = 60.0
 
 
 class Link:
-    """What the report loop and the keepalive share: the datagram channel, and whether reports are
-    getting through."""
+    """What the report loop and the keepalive share: which coordinator reports go to (of several,
+    the one that leads), the datagram channel to it, and whether reports are getting through."""
 
-    def __init__(self) -> None:
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.base = urls[0]
         self.udp: UdpBeats | None = None
         self.failing = False
         self.generation = ""
 
+    def switch(self, to: str | None = None) -> None:
+        """Report to `to` (the leader a standby named), else to the next coordinator given; the
+        datagram channel went to the last one, so it goes (the next full report's answer offers
+        one again)."""
+        if to:
+            nxt = to
+        elif self.base in self.urls:
+            nxt = self.urls[(self.urls.index(self.base) + 1) % len(self.urls)]
+        else:
+            nxt = self.urls[0]
+        if nxt == self.base:
+            return
+        if nxt not in self.urls:
+            self.urls.append(nxt)
+        log.info("reporting to another coordinator", was=self.base, now=nxt)
+        self.base = nxt
+        if self.udp is not None:
+            self.udp.close()
+            self.udp = None
 
-async def keep_alive(agent: Agent, link: Link, base: str) -> None:
+
+async def keep_alive(agent: Agent, link: Link) -> None:
     """While full reports fail (a coordinator flooded with connections, overloaded, or restarting),
     a datagram beat every period still says that this host lives, and its answer (a request for
     the report is one) is contact: the coordinator never takes a host that beats for dead, and the
@@ -188,7 +216,10 @@ async def keep_alive(agent: Agent, link: Link, base: str) -> None:
                 continue
             udp = link.udp
             if udp is None:
-                url = httpx.URL(base)
+                url = httpx.URL(link.base)
+                if assumed is not None and assumed.addr != (url.host, url.port):
+                    assumed.close()  # the report loop moved to another coordinator
+                    assumed = None
                 if assumed is None and url.port:
                     assumed = UdpBeats(url.host, url.port, agent.s.cluster_token)
                 udp = assumed
@@ -207,21 +238,21 @@ async def keep_alive(agent: Agent, link: Link, base: str) -> None:
 
 async def heartbeat_loop(agent: Agent) -> None:
     assert agent.s.coordinator, "started only where a coordinator is configured (server.py)"
-    base = agent.s.coordinator.rstrip("/")
-    link = Link()
-    alive = asyncio.create_task(keep_alive(agent, link, base))
+    link = Link(split_urls(agent.s.coordinator))
+    alive = asyncio.create_task(keep_alive(agent, link))
     try:
-        await _report_loop(agent, base, link)
+        await _report_loop(agent, link)
     finally:
         alive.cancel()
 
 
-async def _report_loop(agent: Agent, base: str, link: Link) -> None:
+async def _report_loop(agent: Agent, link: Link) -> None:
     headers = bearer(agent.s.cluster_token)
     rep = Reporter(agent.s.full_report_s)
     misses, udp_off_until = 0, 0.0
     async with httpx.AsyncClient(timeout=5.0, verify=tls.client_context()) as c:
         while True:
+            base = link.base
             url, path, udp_missed = base, BEAT, False
             udp = link.udp
             try:
@@ -251,7 +282,18 @@ async def _report_loop(agent: Agent, base: str, link: Link) -> None:
                 if r.status_code >= 300:
                     if path == FULL:  # not stored: say it all again (a lost beat needs nothing: 409 tells)
                         rep.failed()
+                    leader = _not_leader(r)
+                    if leader is not None:  # a standby: report to the leader it names (none yet: the next)
+                        link.switch(leader or None)
+                        rep.failed()
+                        await asyncio.sleep(STANDBY_RETRY_S)
+                        continue
                     raise httpx.HTTPStatusError(r.text[:200], request=r.request, response=r)
+                if path == FULL and not _current_term(agent, r):
+                    rep.failed()  # a coordinator that no longer leads: no contact, report to another
+                    link.switch()
+                    raise httpx.HTTPStatusError("a coordinator of an older term answered", request=r.request,
+                                                response=r)
                 agent.coordinator_seen = time.monotonic()
                 if path == FULL:
                     udp = link.udp = await _udp_for(udp, r, base, agent.s.cluster_token)
@@ -273,10 +315,44 @@ async def _report_loop(agent: Agent, base: str, link: Link) -> None:
                     log.warning("heartbeat failed; will keep trying (beats by datagram meanwhile)", url=url,
                                 error=repr(e)[:200])
                 link.failing = True
+                if len(link.urls) > 1 and isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    link.switch()  # that coordinator is gone: the next one leads, or names who does
             if agent.s.self_fence_s and time.monotonic() - agent.coordinator_seen > agent.s.self_fence_s:
                 if await asyncio.to_thread(agent.snapshots.isolate, agent.s.self_fence_s):
                     rep.failed()  # the next report is a full one: its answer says which jobs were fenced
             await asyncio.sleep(agent.s.heartbeat_s)
+
+
+def _not_leader(r: httpx.Response) -> str | None:
+    """A standby's answer (coordinator/standby.py): the leader's URL, "" while none leads; None for
+    any other answer."""
+    if r.status_code != 503:
+        return None
+    try:
+        err = r.json().get("error") or {}
+        if err.get("code") != "not_leader":
+            return None
+        return str((err.get("details") or {}).get("leader") or "").rstrip("/")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _current_term(agent: Agent, r: httpx.Response) -> bool:
+    """The term in a full report's answer, taken (an agent refuses older terms from then on); False
+    where it is older than one this agent has seen: that coordinator no longer leads."""
+    try:
+        got = r.json()
+        term, leader = got.get("term"), got.get("leader")
+    except (ValueError, AttributeError):
+        return True
+    if not isinstance(term, int):
+        return True  # a coordinator that predates terms
+    if agent.terms.admit(term, leader if isinstance(leader, str) else ""):
+        agent.metrics.term.set(agent.terms.seen)
+        return True
+    log.warning("a coordinator of an older term answered; reporting to another", term=term,
+                seen=agent.terms.seen)
+    return False
 
 
 def _fences(r: httpx.Response) -> dict[str, int]:

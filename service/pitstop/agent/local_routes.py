@@ -107,7 +107,8 @@ def claim_rank(agent: Agent, job: str, rank: int, uid: int) -> None:
     if not agent.s.coordinator:
         return
     try:
-        with CoordinatorClient(agent.s.coordinator, agent.s.cluster_token, timeout=CLAIM_TIMEOUT_S) as c:
+        with CoordinatorClient(agent.s.coordinator, agent.s.cluster_token, timeout=CLAIM_TIMEOUT_S,
+                               follow_s=CLAIM_TIMEOUT_S) as c:
             c.claim(agent.s.name, job, rank, owner_uid=uid, privileged=privileged(uid))
     except PitstopError as e:
         if e.code == "duplicate_rank":

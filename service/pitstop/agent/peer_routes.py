@@ -18,11 +18,12 @@ from starlette.concurrency import run_in_threadpool
 from pitstop import priority, shimctl, tls
 from pitstop.agent.agent import Agent, AgentDep
 from pitstop.agent.state import LIVE_STATES, Worker, WorkerState
-from pitstop.errors import Conflict, PitstopError, TransferFailed
+from pitstop.errors import Conflict, InvalidRequest, PitstopError, TransferFailed
 from pitstop.httpapi import require_token
 from pitstop.proc import files, proctree
 from pitstop.transfer.stream import overdue, receive_into
 from pitstop.wire import agent_requests
+from pitstop.wire.agent_client import TERM_HEADER
 
 
 async def auth(request: Request, agent: AgentDep) -> None:
@@ -31,6 +32,7 @@ async def auth(request: Request, agent: AgentDep) -> None:
     host's certificate, stolen with its host, cannot fence, stop or restore another host's ranks."""
     tls.require_role(request.scope, ("coordinator",))
     require_token(request, agent.s.cluster_token, "cluster", "PITSTOP_CLUSTER_TOKEN")
+    _fenced(request, agent)
 
 
 async def from_peers(request: Request, agent: AgentDep) -> None:
@@ -38,6 +40,20 @@ async def from_peers(request: Request, agent: AgentDep) -> None:
     signal passed on, a moved rank's output followed) and the coordinator too."""
     tls.require_role(request.scope, ("agent", "coordinator"))
     require_token(request, agent.s.cluster_token, "cluster", "PITSTOP_CLUSTER_TOKEN")
+    _fenced(request, agent)
+
+
+def _fenced(request: Request, agent: Agent) -> None:
+    """A coordinator's call carries its term: refused where it is older than one this agent has seen
+    (agent/terms.py).  After the token: an unauthenticated request learns nothing of the terms."""
+    raw = request.headers.get(TERM_HEADER)
+    if raw is None:
+        return  # another agent's call, or an older coordinator's
+    try:
+        term = int(raw)
+    except ValueError:
+        raise InvalidRequest(f"{TERM_HEADER} {raw[:40]!r} is not a number", action="send the lease's term") from None
+    agent.admit_term(term)
 
 
 open_router = APIRouter()
@@ -134,6 +150,14 @@ def worker_files(agent: AgentDep, wid: str) -> dict:
         raise Conflict(f"worker {wid} is {w.state}; only a running or paused worker's files are listed",
                        action="check the worker's state")
     return {"files": [f.as_dict() for f in files.used_files(proctree.tree(w.root_pid))]}
+
+
+@router.post("/coordinator:term", responses={409: {"description": "an agent has seen a newer term"}})
+def coordinator_term(agent: AgentDep, req: agent_requests.TermRequest) -> dict[str, Any]:
+    """A coordinator that took the lease announces its term before it acts: from then on this agent
+    refuses every call of an older term (agent/terms.py).  The term this agent has seen, after."""
+    agent.admit_term(req.term, req.leader)
+    return agent.terms.view()
 
 
 @router.post("/files:check")

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pitstop.endpoints import DataListenAddress, HostName, ListenAddress, ServiceURL, split_host_port
+from pitstop.endpoints import DataListenAddress, HostName, ListenAddress, ServiceURL, ServiceURLs, split_host_port
 
 IMAGE_ROOT = Path("/run/pitstop/images")
 """Not /dev/shm: any local user may create entries there, a directory the agent would then
@@ -26,7 +26,9 @@ class AgentSettings(BaseSettings):
     realtime: bool = True
     listen: ListenAddress = "127.0.0.1:7070"
     advertise_url: ServiceURL | None = None  # what peers and the coordinator use; default http://<listen>
-    coordinator: ServiceURL | None = Field(default=None, validation_alias=AliasChoices(
+    # Every coordinator, comma-separated: the agent reports to the one that leads, and finds it
+    # again when the leader changes (agent/heartbeat.py)
+    coordinator: ServiceURLs | None = Field(default=None, validation_alias=AliasChoices(
         "PITSTOP_AGENT_COORDINATOR", "PITSTOP_COORDINATOR"))
     state_dir: Path = Path("/var/lib/pitstop/agent")
     # default: /run/pitstop/images/<name>; every component must be root's (safepath.py), and the

@@ -82,7 +82,8 @@ def given(**flags: Any) -> dict[str, Any]:
 
 def coordinator_option() -> Any:
     return typer.Option(None, "--coordinator", envvar="PITSTOP_COORDINATOR", show_envvar=True,
-                        help="the coordinator's URL, http(s)://HOST:PORT")
+                        help="the coordinator's URL, http(s)://HOST:PORT; several, comma-separated, where "
+                             "coordinators stand by for one another (the one that leads is found)")
 
 
 def agent_option() -> Any:

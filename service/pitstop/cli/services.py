@@ -170,18 +170,24 @@ def hold(
 def coordinator(
     listen: Optional[str] = typer.Option(None, help="HOST:PORT for operators and agents "
                                          "(PITSTOP_COORDINATOR_LISTEN; default 127.0.0.1:7000)"),
-    db: Optional[Path] = typer.Option(None, help="SQLite database file (PITSTOP_COORDINATOR_DB; "
-                                      "default /var/lib/pitstop/coordinator.db)"),
+    db: Optional[str] = typer.Option(None, help="a SQLite file, or a postgresql://USER@HOST/DB URL that two or more "
+                                     "coordinators share, one leading (PITSTOP_COORDINATOR_DB; default "
+                                     "/var/lib/pitstop/coordinator.db)"),
+    advertise_url: Optional[str] = typer.Option(None, "--advertise-url", help="how agents, operators and the "
+                                                "other coordinators reach this one (PITSTOP_COORDINATOR_ADVERTISE_URL;"
+                                                " default http(s)://LISTEN)"),
     insecure: Optional[bool] = typer.Option(None, "--insecure", help="allow running without tokens "
                                             "(PITSTOP_COORDINATOR_INSECURE)", show_default=False),
     log_json: bool = typer.Option(False, "--log-json"),
 ) -> None:
-    """Run the coordinator (operator REST API, migration driver)."""
+    """Run the coordinator (operator REST API, migration driver).  Two or more on one PostgreSQL
+    database: one leads, the others stand by and take over within seconds of its loss."""
     from pitstop.coordinator.server import serve
     from pitstop.coordinator.settings import CoordinatorSettings
 
     setup_logs(log_json)
     try:
-        serve(settings_of(CoordinatorSettings, **given(listen=listen, db=db, insecure=insecure)))
+        serve(settings_of(CoordinatorSettings, **given(listen=listen, db=db, advertise_url=advertise_url,
+                                                       insecure=insecure)))
     except PitstopError as e:
         fail(e)

@@ -165,12 +165,22 @@ function protection(p) {
   return el("span", {class: "bad"}, "no: " + p.why_not);
 }
 
+// Which coordinator leads (GET /v1/leader), since when: a standby's page says who to look at instead.
+function leadership(l) {
+  if (!l || l.term == null) return "";
+  const since = l.since ? ` since ${new Date(l.since * 1000).toLocaleString()} (${lasted(Date.now() / 1000 - l.since)})` : "";
+  if (l.role === "leader") return `this coordinator (${l.this}) leads, term ${l.term}${since}`;
+  return `this coordinator (${l.this}) stands by: ${l.leader || "no coordinator"} leads, term ${l.term}${since}`;
+}
+
 async function refresh() {
   const status = document.getElementById("status");
   try {
-    const [hosts, jobs, ops] = await Promise.all([api("hosts"), api("jobs"), api("operations?limit=10")]);
+    const [hosts, jobs, ops, lead] = await Promise.all([api("hosts"), api("jobs"), api("operations?limit=10"),
+                                                        api("leader")]);
     document.getElementById("login").style.display = "none";
     document.getElementById("content").hidden = false;
+    document.getElementById("leader").textContent = leadership(lead);
     rows("#hosts", hosts, h => [h.name, role(h),
       h.silent ? el("span", {class: "bad"}, "silent: taken for failed") :
       h.health && h.health.degraded ? el("span", {class: "bad"}, "degraded: " + h.health.reasons.join("; ")) : "ok",

@@ -50,9 +50,9 @@ from pitstop.coordinator.fanout import in_parallel
 from pitstop.coordinator.filecheck import check_files
 from pitstop.coordinator.recovery import is_recovery
 from pitstop.coordinator.settings import CoordinatorSettings
-from pitstop.coordinator.store import Store, StoreUnavailable
+from pitstop.coordinator.store import BaseStore, StoreUnavailable
 from pitstop.errors import DeadlineExceeded, NotFound, PitstopError, Unavailable
-from pitstop.wire.agent_client import AgentClient
+from pitstop.wire.agent_client import AgentClient, Fence
 from pitstop.wire.capture_report import CaptureReport
 from pitstop.wire.evacuation import AfterMove, CutRecord, EvacuationState, MovePlan
 
@@ -211,8 +211,8 @@ class OpRun:
         with self.lock:
             c = self._clients.get(host)
             if c is None:
-                c = self._clients[host] = AgentClient(self._url(host), self.d.s.cluster_token,
-                                                      timeout=self.d.s.step_timeout_s)
+                c = self._clients[host] = _agent_client(self._url(host), self.d.s.cluster_token,
+                                                        self.d.s.step_timeout_s, self.d.fence)
             return c
 
     def _url(self, host: str) -> str:
@@ -732,7 +732,7 @@ class OpRun:
 
         def body() -> None:
             deadline = time.monotonic() + self.d.s.fill_deadline_s
-            with AgentClient(url, token, timeout=AGENT_QUESTION_TIMEOUT_S) as a:
+            with _agent_client(url, token, AGENT_QUESTION_TIMEOUT_S, self.d.fence) as a:
                 while waiting and time.monotonic() < deadline:
                     for wid in list(waiting):
                         try:
@@ -769,11 +769,11 @@ class OpRun:
         hosts = dict(self.md.peers) | {wid: self.md.destination for wid in self.md.workers}
         groups = _by_agent(list(hosts.items()))
         urls = {h: self._url(h) for h, _ in groups}
-        token = self.d.s.cluster_token
+        token, fence = self.d.s.cluster_token, self.d.fence
 
         def body() -> None:
             # clients of its own: the operation's close when its thread ends
-            clients = {h: AgentClient(u, token, timeout=PROGRESS_READ_TIMEOUT_S) for h, u in urls.items()}
+            clients = {h: _agent_client(u, token, PROGRESS_READ_TIMEOUT_S, fence) for h, u in urls.items()}
 
             last: dict[str, list[dict[str, Any]]] = {}
             per_step = before.per_step if before else None
@@ -887,7 +887,7 @@ class OpRun:
         ended: dict[str, dict[str, Any]] = {}
         last_error = ""
         deadline = time.monotonic() + self.d.s.fill_deadline_s
-        with AgentClient(url, self.d.s.cluster_token, timeout=AGENT_QUESTION_TIMEOUT_S) as a:
+        with _agent_client(url, self.d.s.cluster_token, AGENT_QUESTION_TIMEOUT_S, self.d.fence) as a:
             while waiting and time.monotonic() < deadline:
                 for wid in list(waiting):
                     try:
@@ -1119,6 +1119,15 @@ def _device_memory(blocks: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _agent_client(url: str, token: str | None, timeout: float, fence: Fence | None) -> AgentClient:
+    """A client of one agent whose every call carries the leader's term (fence; None: a coordinator
+    that leads alone, as in the tests' own drivers)."""
+    c = AgentClient(url, token, timeout=timeout)
+    if fence is not None:
+        c.terms = fence
+    return c
+
+
 def _times(answers: list[list[dict[str, Any]]], key: str) -> dict[str, float]:
     """Each worker's `key` (a wall-clock time its agent wrote) from the agents' answers, where given."""
     return {w["id"]: float(w[key]) for ws in answers for w in (ws or []) if isinstance(w, dict) and w.get(key)}
@@ -1141,13 +1150,14 @@ def _op_error(e: PitstopError) -> dict[str, Any]:
 
 
 class Driver:
-    def __init__(self, store: Store, settings: CoordinatorSettings,
+    def __init__(self, store: BaseStore, settings: CoordinatorSettings,
                  on_phase: Callable[[str, float], None] | None = None,
                  on_result: Callable[[str, int, float | None], None] | None = None,
                  on_after_move: Callable[[AfterMove], None] | None = None,
-                 await_fills: bool = True) -> None:
+                 await_fills: bool = True, fence: Fence | None = None) -> None:
         self.store = store
         self.s = settings
+        self.fence = fence  # the leader's term on every call to an agent (coordinator/leadership.py)
         # Network post-copy: the operation stays open until every fill has ended (the node must
         # stay up until then).  Off only for one-worker moves in tests (migration/move.py).
         self.await_fills = await_fills
@@ -1288,8 +1298,10 @@ class Driver:
                   takeover=run.takeovers)
         self._spawn(run.id, lambda r: r.recover(), run)
 
-    def reconcile(self) -> list[str]:
-        """After a restart: finish what passed its commit point, roll back everything else."""
+    def reconcile(self, by: str = "a restarted coordinator") -> list[str]:
+        """After a restart, or a standby's takeover (coordinator/takeover.py): finish what passed its
+        commit point, roll back everything else.  by: who resumes them, as each operation's
+        `Resumed` condition says (its time is when the new coordinator began driving it)."""
         touched = []
         for op in self.store.ops():
             if op["done"] and op["metadata"].get("source_cleanup_pending"):
@@ -1300,12 +1312,32 @@ class Driver:
             touched.append(op["id"])
             if op["metadata"].get("committed"):
                 log.info("reconcile: finishing committed operation", op=op["id"])
-                self._spawn(op["id"], lambda r: r._finish_commit(PitstopError("coordinator restarted")))
+                self._spawn(op["id"], functools.partial(_finish, by=by))
             else:
                 phase = op["phase"]
                 log.info("reconcile: rolling back operation", op=op["id"], phase=phase)
                 restarted = PitstopError(
-                    f"the coordinator restarted during phase {phase!r}, before the commit point; rolled back",
-                    code="coordinator_restarted", action="evacuate again if the host must still be drained")
-                self._spawn(op["id"], functools.partial(OpRun.rollback, err=restarted))
+                    f"the coordinator restarted (or another took over) during phase {phase!r}, before the commit "
+                    "point; rolled back", code="coordinator_restarted",
+                    action="evacuate again if the host must still be drained")
+                self._spawn(op["id"], functools.partial(_roll_back, by=by, err=restarted))
         return touched
+
+
+def _finish(run: OpRun, by: str) -> None:
+    _resumed(run, by, "finished past the commit point")
+    run._finish_commit(PitstopError("coordinator restarted"))
+
+
+def _roll_back(run: OpRun, by: str, err: PitstopError) -> None:
+    _resumed(run, by, "rolled back")
+    run.rollback(err)
+
+
+def _resumed(run: OpRun, by: str, how: str) -> None:
+    """The first write of a coordinator that resumes an operation it did not start: who, and when
+    (its record's update time).  A database that refuses it delays nothing on the agents."""
+    try:
+        run.condition("Resumed", True, "CoordinatorChanged", f"resumed by {by}: {how}")
+    except StoreUnavailable:
+        pass

@@ -15,13 +15,13 @@ import time
 from typing import Any, Literal
 
 from pitstop.coordinator.planner import OUT_OF_SERVICE, healthy
-from pitstop.coordinator.store import LIVE, Store
+from pitstop.coordinator.store import LIVE, BaseStore
 from pitstop.errors import Conflict, FailedPrecondition, NotFound
 
 Role = Literal["active", "spare"]
 
 
-def _host(store: Store, name: str) -> dict[str, Any]:
+def _host(store: BaseStore, name: str) -> dict[str, Any]:
     h = store.host(name)
     if h is None:
         raise NotFound(f"no host named {name!r}", action="list hosts with `pitstop hosts`")
@@ -34,7 +34,7 @@ def _not_busy(name: str, busy: dict[str, str]) -> None:
                        action=f"wait for it (`pitstop ops {busy[name]}`), or cancel it")
 
 
-def cordon(store: Store, name: str, reason: str, requested_by: str) -> dict[str, Any]:
+def cordon(store: BaseStore, name: str, reason: str, requested_by: str) -> dict[str, Any]:
     """Keep a host out of the spare pool, moving nothing.  Cordoning a cordoned host keeps when
     it was first cordoned and takes the new reason."""
     h = _host(store, name)
@@ -43,7 +43,7 @@ def cordon(store: Store, name: str, reason: str, requested_by: str) -> dict[str,
     return _host(store, name)
 
 
-def uncordon(store: Store, name: str, busy: dict[str, str], requested_by: str = "") -> dict[str, Any]:
+def uncordon(store: BaseStore, name: str, busy: dict[str, str], requested_by: str = "") -> dict[str, Any]:
     """Let a cordoned host back into the spare pool; return an evacuated host to service: a spare
     again if its agent offers itself as one (`--spare`), otherwise active."""
     h = _host(store, name)
@@ -64,7 +64,7 @@ def uncordon(store: Store, name: str, busy: dict[str, str], requested_by: str = 
     return _host(store, name)
 
 
-def set_role(store: Store, name: str, role: Role, busy: dict[str, str], requested_by: str = "") -> dict[str, Any]:
+def set_role(store: BaseStore, name: str, role: Role, busy: dict[str, str], requested_by: str = "") -> dict[str, Any]:
     """Make an in-service host a spare (it then takes evacuated workers) or active."""
     h = _host(store, name)
     _not_busy(name, busy)
@@ -79,7 +79,7 @@ def set_role(store: Store, name: str, role: Role, busy: dict[str, str], requeste
     return _host(store, name)
 
 
-def remove(store: Store, name: str, busy: dict[str, str], heartbeat_timeout_s: float) -> dict[str, Any]:
+def remove(store: BaseStore, name: str, busy: dict[str, str], heartbeat_timeout_s: float) -> dict[str, Any]:
     """Forget a host that is gone (decommissioned, or dead with nothing left on it)."""
     h = _host(store, name)
     _not_busy(name, busy)

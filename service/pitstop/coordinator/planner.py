@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pitstop.coordinator.store import LIVE, Store
+from pitstop.coordinator.store import LIVE, BaseStore
 from pitstop.errors import Conflict, FailedPrecondition, InvalidRequest, NotFound
 from pitstop.proc import caps
 
@@ -81,7 +81,7 @@ def unmovable_workers(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [w for w in workers if w.get("unmovable") and w["state"] in LIVE]
 
 
-def plan(store: Store, node: str, to: str | None, busy_hosts: dict[str, str], heartbeat_timeout_s: float) -> Plan:
+def plan(store: BaseStore, node: str, to: str | None, busy_hosts: dict[str, str], heartbeat_timeout_s: float) -> Plan:
     src = store.host(node)
     if src is None:
         raise NotFound(f"no host named {node!r}", action="list hosts with `pitstop hosts`")

@@ -36,9 +36,9 @@ from pitstop.coordinator.fanout import each_while_heard, in_parallel, while_hear
 from pitstop.coordinator.planner import healthy, usable_spare
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.snapshots import Snapshots, job_cut
-from pitstop.coordinator.store import Store, StoreUnavailable
+from pitstop.coordinator.store import BaseStore, StoreUnavailable
 from pitstop.errors import Conflict, FailedPrecondition, NotFound, PitstopError
-from pitstop.wire.agent_client import AgentClient
+from pitstop.wire.agent_client import AgentClient, Fence
 
 log = structlog.get_logger("pitstop.coordinator.recovery")
 
@@ -79,9 +79,11 @@ class Plan:
 
 
 class Recoveries:
-    def __init__(self, store: Store, settings: CoordinatorSettings, snapshots: Snapshots,
-                 busy: Any, on_done: Callable[[dict[str, Any]], None] = lambda md: None) -> None:
+    def __init__(self, store: BaseStore, settings: CoordinatorSettings, snapshots: Snapshots,
+                 busy: Any, on_done: Callable[[dict[str, Any]], None] = lambda md: None,
+                 fence: Fence | None = None) -> None:
         self.store, self.s, self.snaps, self.busy = store, settings, snapshots, busy
+        self.fence = fence  # the leader's term on every call to an agent (coordinator/leadership.py)
         self.on_done = on_done  # the metrics, once a recovery's record is final
         self._local = threading.local()
         self._threads_lock = threading.Lock()
@@ -219,7 +221,7 @@ class Recoveries:
             if h is None or not healthy(h, self.s.heartbeat_timeout_s):
                 continue
             try:
-                with AgentClient(h["url"], self.s.cluster_token, timeout=FENCE_TIMEOUT_S) as c:
+                with AgentClient(h["url"], self.s.cluster_token, timeout=FENCE_TIMEOUT_S, fence=self.fence) as c:
                     got = c.fence(f["job"], f["epoch"], "the coordinator fenced this host")
                 self.store.ack_fence(f["job"], f["host"])
                 log.warning("a fenced host came back; its old workers were ended", job=f["job"], host=f["host"],
@@ -399,10 +401,11 @@ class Recoveries:
         if h is None:
             raise NotFound(f"host {host} is unknown", action="it must heartbeat to the coordinator")
         if timeout is not None:
-            return AgentClient(h["url"], self.s.cluster_token, timeout=timeout)
+            return AgentClient(h["url"], self.s.cluster_token, timeout=timeout, fence=self.fence)
         cache = self._local.__dict__.setdefault("clients", {})
         if host not in cache:
-            cache[host] = AgentClient(h["url"], self.s.cluster_token, timeout=self.s.step_timeout_s)
+            cache[host] = AgentClient(h["url"], self.s.cluster_token, timeout=self.s.step_timeout_s,
+                                      fence=self.fence)
         return cache[host]
 
     def _recover(self, op_id: str, md: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pitstop import tls
 from pitstop.coordinator import ledger, lifecycle
 from pitstop.coordinator.planner import unmovable_workers
-from pitstop.coordinator.service import ROLES, CoordinatorDep, operation_view
+from pitstop.coordinator.service import ROLES, Coordinator, CoordinatorDep, operation_view
 from pitstop.coordinator.snapshots import MIN_EVERY_S, interval
 from pitstop.coordinator.store import LIVE
 from pitstop.errors import Conflict, Forbidden, NotFound, Unprocessable
@@ -83,8 +83,20 @@ open_routes = APIRouter()
 
 
 @open_routes.get("/healthz")
-def healthz() -> dict:
-    return {"ok": True}
+def healthz(c: CoordinatorDep) -> dict:
+    """ok, and whether this coordinator leads or stands by (a load balancer in front of several
+    sends writes to the one whose role is `leader`)."""
+    return {"ok": True, "role": leader(c)["role"]}
+
+
+@open_routes.get("/v1/leader")
+def leader(c: CoordinatorDep) -> dict:
+    """Which coordinator leads, in which term, since when (unix time), as this one knows it; and
+    this one's own URL and role (leader, standby).  Open: the agents, `pitstop doctor` and the CLI
+    ask it to find the leader among the URLs they were given."""
+    if c.lead is None:
+        return {"leader": None, "term": None, "since": None, "this": None, "role": "leader"}
+    return c.lead.view()
 
 
 @open_routes.get("/metrics")
@@ -103,6 +115,7 @@ def prom(c: CoordinatorDep) -> Response:
         m.cordoned.labels(role).set(cordoned[role])
     m.degraded.set(sum(1 for h in hs if (h.get("health") or {}).get("degraded")))
     m.in_flight.set(len(c.store.ops(running_only=True)))
+    m.leadership(c.lead.view() if c.lead is not None else None)
     m.protection(jobs(c), c.snapshots.paused_total)
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -112,15 +125,27 @@ agents = APIRouter(prefix="/v1", dependencies=[Depends(cluster)], tags=["agents"
 
 @agents.post("/agents:heartbeat")
 def heartbeat(c: CoordinatorDep, hb: Heartbeat) -> dict:
+    if c.lead is not None and hb.coordinator_term is not None and c.lead.term is not None \
+            and hb.coordinator_term > c.lead.term:
+        c.lead.raise_above(hb.coordinator_term)  # this database holds less than an agent has seen (a new one)
     reasons = c.policy.evaluate(hb.gpu_health)
-    c.store.heartbeat({**hb.model_dump(), "health": {"degraded": bool(reasons), "reasons": reasons}})
+    c.store.heartbeat({**hb.model_dump(exclude={"coordinator_term"}),
+                       "health": {"degraded": bool(reasons), "reasons": reasons}})
     c.driver.node_seen(hb.name)
     c.metrics.heartbeats.labels("full").inc()
     c.health_verdict(hb.name, reasons)
     # jobs recovered elsewhere while this host was away: their workers here end (coordinator/recovery.py)
     fences = [{"job": f["job"], "epoch": f["epoch"]} for f in c.store.fences(host=hb.name, unacked=True)]
     return {"ok": True, "beat_udp_port": c.settings.host_port()[1] if c.settings.beat_udp else None,
-            "fences": fences}
+            "fences": fences, **_term(c)}
+
+
+def _term(c: "Coordinator") -> dict:
+    """The leader's term and URL, in its answers to the agents: each agent refuses, from then on, the
+    calls of any older term (agent/terms.py)."""
+    if c.lead is None or c.lead.term is None:
+        return {}
+    return {"term": c.lead.term, "leader": c.lead.me}
 
 
 @agents.post("/agents:beat", responses={409: {"description": "no full report of this generation: send one"}})

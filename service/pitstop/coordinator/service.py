@@ -15,17 +15,20 @@ from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pitstop import __version__
+from pitstop.coordinator import takeover
+from pitstop.coordinator.database import open_store
 from pitstop.coordinator.driver import Driver
 from pitstop.coordinator.fanout import in_parallel
 from pitstop.coordinator.filecheck import check_files
 from pitstop.coordinator.health_policy import AutoEvacuator
+from pitstop.coordinator.leadership import Leadership
 from pitstop.coordinator.planner import plan
 from pitstop.coordinator.recovery import Recoveries
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.snapshots import Snapshots
-from pitstop.coordinator.store import LIVE, JobOwner, Store
+from pitstop.coordinator.store import LIVE, BaseStore, JobOwner
 from pitstop.errors import Conflict, FailedPrecondition, Forbidden, NotFound, PitstopError
-from pitstop.wire.agent_client import AgentClient
+from pitstop.wire.agent_client import AgentClient, Fence
 from pitstop.wire.coordinator_requests import EvacuateRequest
 from pitstop.wire.evacuation import AfterMove
 
@@ -74,6 +77,14 @@ class Metrics:
             "A job's step time after a move over its step time before (its collective rate before over after)",
             registry=r, buckets=(.5, .8, .9, .95, 1.0, 1.05, 1.1, 1.25, 1.5, 2, 4))
         self.in_flight = Gauge("pitstop_coordinator_operations_in_flight", "Evacuations not done yet", registry=r)
+        self.leader = Gauge("pitstop_coordinator_leader", "1 while this coordinator leads, 0 while it stands by "
+                            "(coordinator/leadership.py)", registry=r)
+        self.term = Gauge("pitstop_coordinator_term", "The lease's term as this coordinator last read it", registry=r)
+        self.leader_since = Gauge("pitstop_coordinator_leader_since_seconds", "When the coordinator that leads took "
+                                  "the lease (unix time)", registry=r)
+        self.term_changes = Counter("pitstop_coordinator_term_changes_total", "New terms this coordinator has seen "
+                                    "(its own included): each is a change of leader", registry=r)
+        self._term_changes_counted = 0
         self.degraded = Gauge("pitstop_coordinator_hosts_degraded", "Hosts whose GPU health readings are degraded",
                               registry=r)
         Gauge("pitstop_build_info", "pitstop's version (always 1)", ["version", "service"],
@@ -96,6 +107,21 @@ class Metrics:
         self.recovery_redone = Histogram(
             "pitstop_coordinator_recovery_work_redone_seconds", "The work a recovered job does again: its time "
             "since the snapshot it was rolled back to", registry=r, buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600))
+
+    def leadership(self, view: dict[str, Any] | None) -> None:
+        """The leadership gauges, from Leadership.view() (None: a coordinator that leads alone)."""
+        if view is None:
+            self.leader.set(1)
+            return
+        self.leader.set(1 if view["role"] == "leader" else 0)
+        if view.get("term") is not None:
+            self.term.set(view["term"])
+        if view.get("since") is not None:
+            self.leader_since.set(view["since"])
+        new = view.get("term_changes", 0) - self._term_changes_counted
+        if new > 0:
+            self.term_changes.inc(new)
+            self._term_changes_counted += new
 
     def recovered(self, md: dict[str, Any]) -> None:
         """A recovery ended: its result, and for one that succeeded its pause and work redone."""
@@ -154,7 +180,7 @@ def operation_view(op: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def sync_workers(store: Store, settings: CoordinatorSettings, node: str) -> None:
+def sync_workers(store: BaseStore, settings: CoordinatorSettings, node: str, fence: Fence | None = None) -> None:
     """Ask the agents what they run right now: heartbeats may lag a job that just started, and
     the plan (and the consistent cut) must know every rank of the affected jobs.  Each host
     that has heartbeated recently is asked, in parallel, with a short deadline; an agent that
@@ -164,7 +190,7 @@ def sync_workers(store: Store, settings: CoordinatorSettings, node: str) -> None
 
     def one(h: dict) -> None:
         try:
-            with AgentClient(h["url"], settings.cluster_token, timeout=PLAN_SYNC_TIMEOUT_S) as a:
+            with AgentClient(h["url"], settings.cluster_token, timeout=PLAN_SYNC_TIMEOUT_S, fence=fence) as a:
                 store.sync_workers(h["name"], a.workers())
         except (PitstopError, httpx.HTTPError, httpx.InvalidURL, ValueError):
             pass  # planned with what its heartbeats said
@@ -175,15 +201,20 @@ def sync_workers(store: Store, settings: CoordinatorSettings, node: str) -> None
 class Coordinator:
     """Everything one coordinator process holds; shared by every route."""
 
-    def __init__(self, settings: CoordinatorSettings, store: Store | None = None) -> None:
+    def __init__(self, settings: CoordinatorSettings, store: BaseStore | None = None,
+                 lead: Leadership | None = None) -> None:
+        """lead: this coordinator's side of the lease (server.py); None: a coordinator that always
+        acts, with no other beside it (in-process tests)."""
         self.settings = settings
-        self.store = store or Store(settings.db)
+        self.store = store or open_store(settings.db)
+        self.lead = lead
+        self.fence: Fence | None = lead  # every call to an agent carries the lease's term
         self.metrics = Metrics()
         self.driver = Driver(self.store, settings, on_phase=lambda p, s: self.metrics.phase.labels(p).observe(s),
-                             on_result=self.metrics.result, on_after_move=self.metrics.after_move)
-        self.snapshots = Snapshots(self.store, settings, self.driver.busy_hosts)
+                             on_result=self.metrics.result, on_after_move=self.metrics.after_move, fence=lead)
+        self.snapshots = Snapshots(self.store, settings, self.driver.busy_hosts, fence=lead)
         self.recoveries = Recoveries(self.store, settings, self.snapshots, self.driver.busy_hosts,
-                                     on_done=self.metrics.recovered)
+                                     on_done=self.metrics.recovered, fence=lead)
         self.policy = settings.health_policy()
         self.auto = AutoEvacuator(
             start=lambda node, reason: self.start_evacuation(node, None, reason,
@@ -192,10 +223,22 @@ class Coordinator:
             has_workers=lambda node: any(w["state"] in LIVE for w in self.store.workers(host=node)),
             retry_s=settings.health_retry_s)
 
+    def leading(self) -> bool:
+        """Whether this coordinator acts (a standby only reads: coordinator/leadership.py)."""
+        return self.lead is None or self.lead.leading()
+
+    def take_over(self, term: int, gap_s: float) -> list[str]:
+        """This coordinator took the lease (at its start, or a standby when the leader was lost):
+        every operation in flight resumed through the path a restarted coordinator takes.
+        gap_s: how long no coordinator led (the last one's last renewal until now); hosts are not
+        held silent for that time (coordinator/takeover.py)."""
+        return takeover.take_over(self, term, gap_s)
+
     def beat_seen(self, name: str, generation: str) -> bool:
         """A beat noted in memory (contact, whatever its generation); a node that reports again is
-        asked to finish earlier moves' cleanup.  False: ask it for a full report."""
-        if not self.store.beat(name, generation):
+        asked to finish earlier moves' cleanup.  False: ask it for a full report (or, on a
+        standby, send it to the leader)."""
+        if not self.leading() or not self.store.beat(name, generation):
             return False
         self.driver.node_seen(name)
         return True
@@ -204,7 +247,7 @@ class Coordinator:
                          idempotency: tuple[str, str] | None = None, post_copy: bool | None = None,
                          pre_copy: bool | None = None, requested_by: str = "the coordinator") -> str:
         s = self.settings
-        sync_workers(self.store, s, node)
+        sync_workers(self.store, s, node, self.fence)
         p = plan(self.store, node, to, self.driver.busy_hosts(), s.heartbeat_timeout_s)
         if post_copy:
             self.check_post_copy(p.node)
@@ -214,14 +257,14 @@ class Coordinator:
     def validate_evacuation(self, node: str, body: EvacuateRequest) -> dict[str, Any]:
         """Every check an evacuation makes before anything pauses, and the plan it would follow."""
         s = self.settings
-        sync_workers(self.store, s, node)
+        sync_workers(self.store, s, node, self.fence)
         p = plan(self.store, node, body.to, self.driver.busy_hosts(), s.heartbeat_timeout_s)
         if body.post_copy:
             self.check_post_copy(p.node)
         ids = [w["id"] for w in p.leaving]
         t = min(30.0, s.step_timeout_s)  # an answer now, not a move's patience
-        with AgentClient(p.node["url"], s.cluster_token, timeout=t) as src, \
-                AgentClient(p.dest["url"], s.cluster_token, timeout=t) as dst:
+        with AgentClient(p.node["url"], s.cluster_token, timeout=t, fence=self.fence) as src, \
+                AgentClient(p.dest["url"], s.cluster_token, timeout=t, fence=self.fence) as dst:
             files = check_files(src, dst, ids)
         err = files.error(p.dest["name"])
         if err:
@@ -233,7 +276,8 @@ class Coordinator:
     def check_post_copy(self, host: dict[str, Any]) -> None:
         """Refuse post-copy the source cannot serve before anything pauses, not mid-move."""
         try:
-            with AgentClient(host["url"], self.settings.cluster_token, timeout=POST_COPY_CHECK_TIMEOUT_S) as a:
+            with AgentClient(host["url"], self.settings.cluster_token, timeout=POST_COPY_CHECK_TIMEOUT_S,
+                             fence=self.fence) as a:
                 support = a.info().get("post_copy") or {}
         except (PitstopError, httpx.HTTPError, ValueError) as e:
             raise FailedPrecondition(f"cannot ask {host['name']}'s agent whether it can serve post-copy: "
@@ -253,7 +297,7 @@ class Coordinator:
         """A signal for every rank of a job (`pitstop stop|kill JOB`), delivered by the agent each
         rank runs under now: what each agent said, per rank.  The agents are asked what they run
         first, so a rank that just moved or started is not missed."""
-        sync_workers(self.store, self.settings, "")
+        sync_workers(self.store, self.settings, "", self.fence)
         ws = [w for w in self.store.workers(job=job) if w["state"] in LIVE]
         if not ws:
             raise NotFound(f"job {job!r} has no running ranks", code="no_such_job",
@@ -266,7 +310,7 @@ class Coordinator:
     def signal_worker(self, wid: str, sig: int) -> dict[str, Any]:
         """A signal for one rank (its launcher's, passed through its handle), where it runs now."""
         job = wid.rpartition(".")[0]
-        sync_workers(self.store, self.settings, "")
+        sync_workers(self.store, self.settings, "", self.fence)
         w = next((x for x in self.store.workers(job=job) if x["id"] == wid), None)
         if w is None or w["state"] not in LIVE:
             raise NotFound(f"worker {wid} does not run", code="no_such_worker",
@@ -276,7 +320,8 @@ class Coordinator:
     def _signal(self, w: dict[str, Any], sig: int, urls: dict[str, str]) -> dict[str, Any]:
         r: dict[str, Any] = {"worker": w["id"], "host": w["host"], "delivered": False}
         try:
-            with AgentClient(urls[w["host"]], self.settings.cluster_token, timeout=SIGNAL_TIMEOUT_S) as a:
+            with AgentClient(urls[w["host"]], self.settings.cluster_token, timeout=SIGNAL_TIMEOUT_S,
+                             fence=self.fence) as a:
                 r["delivered"] = bool(a.signal(w["id"], sig).get("delivered"))
         except PitstopError as e:
             r.update(error=e.message, code=e.code)
@@ -314,7 +359,7 @@ class Coordinator:
         if h is None:
             return b"", {"x-pitstop-state": "unreachable", "x-pitstop-error": f"host {w['host']} is not known"}
         try:
-            with AgentClient(h["url"], self.settings.cluster_token, timeout=OUTPUT_TIMEOUT_S) as a:
+            with AgentClient(h["url"], self.settings.cluster_token, timeout=OUTPUT_TIMEOUT_S, fence=self.fence) as a:
                 return a.output(wid, stream, offset)
         except PitstopError as e:
             return b"", {"x-pitstop-state": "unreachable", "x-pitstop-error": e.message[:200]}

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pitstop.endpoints import ListenAddress, split_host_port
+from pitstop.coordinator.database import DatabaseURL
+from pitstop.endpoints import ListenAddress, ServiceURL, split_host_port
 
 if TYPE_CHECKING:
     from pitstop.coordinator.health_policy import HealthPolicy
@@ -18,9 +18,18 @@ class CoordinatorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PITSTOP_COORDINATOR_", extra="ignore", populate_by_name=True)
 
     listen: ListenAddress = "127.0.0.1:7000"
+    # How agents, operators and the other coordinators reach this one: its identity in the lease
+    # (coordinator/leadership.py) and the URL a standby sends clients to.  Default http(s)://<listen>;
+    # required where --listen is a wildcard (0.0.0.0) and the database is shared.
+    advertise_url: ServiceURL | None = None
+    # The leader's lease (coordinator/leadership.py): renewed every third of it; a standby takes over
+    # within about this long of the leader's loss.  Why 3 s: see leadership.py.
+    lease_s: float = Field(default=3.0, ge=0.5, le=120)
     nice: int = Field(default=-10, ge=-20, le=19)  # CPU priority beside busy jobs (pitstop/priority.py)
     realtime: bool = True  # the pause and resume rounds' calls on SCHED_FIFO (pitstop/priority.py)
-    db: Path = Path("/var/lib/pitstop/coordinator.db")
+    # A SQLite path (one coordinator on one host) or a postgresql:// URL (two or more coordinators
+    # sharing it, one leading): coordinator/database.py
+    db: DatabaseURL = "/var/lib/pitstop/coordinator.db"
     operator_token: str | None = Field(default=None, validation_alias=AliasChoices("PITSTOP_TOKEN"))
     # A connection's request line and headers must all arrive this long after its first byte (httpapi.py)
     header_timeout_s: float = Field(default=10.0, gt=0)
@@ -99,3 +108,9 @@ class CoordinatorSettings(BaseSettings):
 
     def host_port(self) -> tuple[str, int]:
         return split_host_port(self.listen)
+
+    def url(self) -> str:
+        """This coordinator's URL: --advertise-url, else its listen address."""
+        from pitstop.tls import scheme
+
+        return (self.advertise_url or f"{scheme()}://{self.listen}").rstrip("/")

@@ -37,9 +37,9 @@ from pitstop.coordinator.fanout import HostSilent, each_while_heard, in_parallel
 from pitstop.coordinator.planner import healthy, usable_spare
 from pitstop.coordinator.progress import per_step_by_worker
 from pitstop.coordinator.settings import CoordinatorSettings
-from pitstop.coordinator.store import LIVE, Store
+from pitstop.coordinator.store import LIVE, BaseStore
 from pitstop.errors import Conflict, FailedPrecondition, PitstopError
-from pitstop.wire.agent_client import AgentClient
+from pitstop.wire.agent_client import AgentClient, Fence
 
 log = structlog.get_logger("pitstop.coordinator.snapshots")
 
@@ -51,7 +51,7 @@ QUICK_TIMEOUT_S = 5.0  # pause, lock, unlock, resume, check: quick calls; no ans
 PAUSE_MARGIN_S = 60.0  # a snapshot's pause may last its dumps' deadline and this: past it the agents resume by themselves
 
 
-def interval(store: Store, job: str, workers: list[dict[str, Any]]) -> float | None:
+def interval(store: BaseStore, job: str, workers: list[dict[str, Any]]) -> float | None:
     """The job's snapshot interval: the API's value where one was set (0: off), else the
     smallest `pitstop run --snapshot-every` among its live ranks; None: no snapshots."""
     set_ = store.snapshot_policy(job)
@@ -132,8 +132,10 @@ def job_cut(hosts_of: dict[str, str], client: Callable[[str], AgentClient], dead
 class Snapshots:
     """The coordinator's snapshot schedule and the taking of each snapshot."""
 
-    def __init__(self, store: Store, settings: CoordinatorSettings, busy: Callable[[], dict[str, str]]) -> None:
+    def __init__(self, store: BaseStore, settings: CoordinatorSettings, busy: Callable[[], dict[str, str]],
+                 fence: Fence | None = None) -> None:
         self.store, self.s, self.busy = store, settings, busy
+        self.fence = fence  # the leader's term on every call to an agent (coordinator/leadership.py)
         self.last: dict[str, float] = {}  # job -> when its last snapshot began (monotonic)
         self.errors: dict[str, str] = {}  # job -> why its last snapshot failed
         self.taking: set[str] = set()
@@ -152,7 +154,7 @@ class Snapshots:
         h = self.store.host(host)
         if h is None:
             raise PitstopError(f"host {host} is unknown", action="it must heartbeat to the coordinator")
-        return AgentClient(h["url"], self.s.cluster_token, timeout=timeout or self.s.step_timeout_s)
+        return AgentClient(h["url"], self.s.cluster_token, timeout=timeout or self.s.step_timeout_s, fence=self.fence)
 
     # -- the schedule --------------------------------------------------------------------------
     def due(self) -> list[str]:

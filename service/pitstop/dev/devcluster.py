@@ -136,6 +136,19 @@ class AgentProc:
 
 
 @dataclass
+class CoordinatorProc:
+    """One coordinator of several on a shared database (LocalCluster.start_coordinators)."""
+
+    url: str
+    port: int
+    proc: subprocess.Popen
+    log: Path
+    db: str
+    env: dict[str, str]
+    extra: list[str]
+
+
+@dataclass
 class Rank:
     rank: int
     proc: subprocess.Popen
@@ -154,6 +167,7 @@ class LocalCluster:
     coordinator_url: str | None = None
     coordinator_db: Path | None = None
     coordinator_proc: subprocess.Popen | None = None
+    coordinators: list[CoordinatorProc] = field(default_factory=list)  # several on one database, one leading
     shm: Path = field(default_factory=lambda: Path(os.environ.get("PITSTOP_DEV_SHM", "/dev/shm")) / f"pitstop-{secrets.token_hex(4)}")
     net: NetHosts | None = None  # set: every agent is a host in its own network namespace
     tls_dir: Path | None = None  # set: mutual TLS from a CA made here, a certificate per process
@@ -225,6 +239,66 @@ class LocalCluster:
         self.coordinator_url = f"{self.scheme}://{host}:{port}"
         wait_http(self.coordinator_url + "/healthz", proc=p, verify=self._verify(), log=log_path)
         return self.coordinator_url
+
+    def start_coordinators(self, dbs: list[str], envs: list[dict[str, str]] | None = None,
+                           extra: list[str] | None = None, at_once: bool = True) -> list[CoordinatorProc]:
+        """One coordinator per entry of `dbs`, each on that database (a postgresql:// URL: the same
+        one for all, or one each through a proxy a test can cut), with its own environment
+        (`envs`, e.g. fault points).  at_once: all started side by side (one of them leads);
+        else one after another, each up before the next starts (the first leads).  The agents, the
+        CLI and the launchers started after this are given every coordinator's URL
+        (comma-separated) and find the leader (coordinator/leadership.py)."""
+        host = "127.0.0.1"
+        if self.net:
+            self.net.setup()
+            host = self.net.gateway  # reachable from every host namespace
+        ports = [free_port() for _ in dbs]
+        self.coordinator_url = ",".join(f"{self.scheme}://{host}:{p}" for p in [*[c.port for c in self.coordinators],
+                                                                                 *ports])
+        envs = envs or [{} for _ in dbs]
+        got = []
+        for port, db, env in zip(ports, dbs, envs):
+            c = self._spawn_coordinator(host, port, db, dict(env), list(extra or []))
+            got.append(c)
+            if not at_once:
+                wait_http(c.url + "/healthz", proc=c.proc, verify=self._verify(), log=c.log)
+        for c in got:
+            wait_http(c.url + "/healthz", proc=c.proc, verify=self._verify(), log=c.log)
+        self.coordinators += got
+        return got
+
+    def _spawn_coordinator(self, host: str, port: int, db: str, env: dict[str, str],
+                           extra: list[str]) -> CoordinatorProc:
+        log_path = self.root / f"coordinator-{port}.log"
+        log = open(log_path, "ab")
+        p = subprocess.Popen([*pitstop_cmd(), "coordinator", "--listen", f"{host}:{port}", "--db", db, *extra],
+                             env={**self.env(), **self.tls_env("coordinator", [host, "127.0.0.1"]), **env},
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.procs.append(p)
+        return CoordinatorProc(f"{self.scheme}://{host}:{port}", port, p, log_path, db, env, extra)
+
+    def restart_coordinator(self, c: CoordinatorProc, env: dict[str, str] | None = None,
+                            db: str | None = None) -> CoordinatorProc:
+        """Start a coordinator of start_coordinators again (after it was killed), on its port (its
+        database and environment, unless given)."""
+        host = c.url.rsplit(":", 1)[0].split("://", 1)[1]
+        again = self._spawn_coordinator(host, c.port, db or c.db, c.env if env is None else env, c.extra)
+        wait_http(again.url + "/healthz", proc=again.proc, verify=self._verify(), log=again.log)
+        self.coordinators[self.coordinators.index(c)] = again
+        return again
+
+    def leader(self) -> CoordinatorProc | None:
+        """The coordinator of start_coordinators that says it leads now (None: none does)."""
+        for c in self.coordinators:
+            if c.proc.poll() is not None:
+                continue
+            try:
+                if httpx.get(c.url + "/v1/leader", timeout=2, verify=self._verify()).json().get("role") == "leader":
+                    return c
+            except (httpx.HTTPError, ValueError):
+                continue
+        return None
 
     def start_agent(self, name: str, spare: bool = False, port: int | None = None,
                     env: dict[str, str] | None = None, image_dir: Path | None = None,

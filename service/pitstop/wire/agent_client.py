@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import httpx
 
@@ -25,10 +25,16 @@ from pitstop.wire.agent_requests import (
     SignalRequest,
     SnapshotRequest,
     SnapshotWorkersRequest,
+    TermRequest,
     WorkersRequest,
     body,
 )
 from pitstop.wire.auth import bearer
+
+TERM_HEADER = "x-pitstop-term"
+"""The coordinator's term on every call it makes to an agent (coordinator/leadership.py): an agent
+refuses a term lower than one it has seen (409 stale_term), so a coordinator that no longer leads
+cannot act through it."""
 
 ROLLBACK_TIMEOUT_S = 180.0  # a rollback may restore the source from its own dump: a restore's time
 VERIFY_TIMEOUT_S = 180.0  # digests of every image file, read back from the destination's disk
@@ -48,12 +54,23 @@ def raise_for(r: httpx.Response) -> Any:
     raise PitstopError.from_dict(err, http_status=r.status_code)
 
 
+class Fence(Protocol):
+    """The coordinator's side of the term (coordinator/leadership.py)."""
+
+    def current(self) -> int:
+        """The term to send; raises (a PitstopError) where the caller may not act any more."""
+
+    def stale(self, seen: int) -> None:
+        """An agent refused the term: it has seen `seen`."""
+
+
 class AgentClient:
     def __init__(self, url: str, token: str | None = None, *, uds: str | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, fence: Fence | None = None) -> None:
         self.url = url.rstrip("/")
         self.token = token  # the cluster token its calls carry (None: none, or mutual TLS alone)
         self.uds = uds  # the agent's local socket, where the caller's own process is known (SO_PEERCRED)
+        self.terms = fence  # the coordinator's: every call carries its term (None: a peer, the launcher)
         headers = bearer(token)
         transport = httpx.HTTPTransport(uds=uds) if uds else None
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
@@ -71,6 +88,8 @@ class AgentClient:
     def _req(self, method: str, path: str, **kw: Any) -> Any:
         if kw.get("timeout", 0) is None:  # not given: the client's own timeout, never httpx's "no timeout at all"
             del kw["timeout"]
+        if self.terms is not None:
+            kw["headers"] = {**(kw.get("headers") or {}), TERM_HEADER: str(self.terms.current())}
         try:
             r = self.http.request(method, path, **kw)
         except httpx.TimeoutException as e:
@@ -79,7 +98,17 @@ class AgentClient:
         except httpx.HTTPError as e:
             raise Unavailable(f"cannot reach agent at {self.url}: {e!r}",
                               action="check that the agent runs and the address is right") from None
-        return raise_for(r)
+        return self._raise_for(r)
+
+    def _raise_for(self, r: httpx.Response) -> Any:
+        try:
+            return raise_for(r)
+        except PitstopError as e:
+            if e.code == "stale_term" and self.terms is not None:
+                seen = e.details.get("seen")
+                if isinstance(seen, int):
+                    self.terms.stale(seen)
+            raise
 
     # reading
     def info(self, timeout: float | None = None) -> dict:
@@ -116,12 +145,14 @@ class AgentClient:
         return self._req("POST", f"/v1/workers/{wid}:exited", json=body(ExitedRequest, code=code, at=at, asked=asked))
 
     def output(self, wid: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]:
+        headers = {TERM_HEADER: str(self.terms.current())} if self.terms is not None else None
         try:
-            r = self.http.get(f"/v1/workers/{wid}/output", params={"stream": stream, "offset": offset})
+            r = self.http.get(f"/v1/workers/{wid}/output", params={"stream": stream, "offset": offset},
+                              headers=headers)
         except httpx.HTTPError as e:
             raise Unavailable(f"cannot reach agent at {self.url}: {e!r}", action="check the agent") from None
         if r.status_code >= 300:
-            raise_for(r)
+            self._raise_for(r)
         return r.content, {k.lower(): v for k, v in r.headers.items()}
 
     def worker_files(self, wid: str, timeout: float = 30.0) -> list[dict] | None:
@@ -297,6 +328,12 @@ class AgentClient:
 
     def stop_workers(self, job: str, ids: list[str], timeout: float | None = None) -> dict:
         return self._req("POST", f"/v1/jobs/{job}:stopWorkers", json=body(WorkersRequest, ids=ids), timeout=timeout)
+
+    def announce_term(self, term: int, leader: str, timeout: float | None = None) -> dict:
+        """A coordinator that took the lease tells the agent its term before acting: from then on
+        the agent refuses every call of an older one (a cut-off leader's)."""
+        return self._req("POST", "/v1/coordinator:term", json=body(TermRequest, term=term, leader=leader),
+                         timeout=timeout)
 
     def fence(self, job: str, epoch: int, reason: str = "", timeout: float | None = None) -> dict:
         return self._req("POST", f"/v1/jobs/{job}:fence", json=body(FenceRequest, job=job, epoch=epoch, reason=reason),

@@ -72,6 +72,13 @@ class CheckFilesRequest(BaseModel):
     side: Literal["own", "replica"] = "own"
 
 
+class TermRequest(BaseModel):
+    """A coordinator that took the lease, announcing its term (coordinator/leadership.py)."""
+
+    term: int = Field(ge=1, le=2**62, description="the lease's term: only grows")
+    leader: str = Field("", max_length=2048, description="the URL of the coordinator that leads in it")
+
+
 class FenceRequest(BaseModel):
     job: JobName
     epoch: int = Field(ge=1, le=2**62, description="the recovery that fenced this host's workers of the job")

@@ -4,32 +4,46 @@ agent makes outside its heartbeats (`claim`, with the cluster token)."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import httpx
 
 from pitstop import tls
-from pitstop.endpoints import check_url
+from pitstop.endpoints import check_urls, split_urls
 from pitstop.errors import FailedPrecondition, InvalidRequest, Unavailable
 from pitstop.wire.agent_client import raise_for
 from pitstop.wire.auth import bearer
 
+FOLLOW_S = 15.0
+"""How long a call looks for the leader among the coordinators it was given: a leader's loss is
+taken over within about 4 s (coordinator/leadership.py), with margin for a loaded host."""
+RETRY_S = 0.3  # between two rounds over the coordinators while none of them leads
+
 
 class CoordinatorClient:
-    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
+    """The coordinator's API.  `url` may name several coordinators, comma-separated: a call goes to
+    the one that leads, found by trying each (a refused connection sent nothing, so trying the next
+    is safe even for a POST) and by following a standby's answer (`503 not_leader` names the
+    leader, coordinator/standby.py).  A standby answers reads itself."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0,
+                 follow_s: float = FOLLOW_S) -> None:
         url = url or os.environ.get("PITSTOP_COORDINATOR")
         if not url:
             raise FailedPrecondition("no coordinator given", code="no_coordinator",
                                      action="set PITSTOP_COORDINATOR=http://HOST:PORT or pass --coordinator")
         try:
-            check_url(url)
+            check_urls(url)
         except ValueError as e:
             raise InvalidRequest(f"coordinator URL {e}", code="bad_coordinator_url",
-                                 action="give the URL with its scheme, e.g. http://10.0.0.5:7000") from None
-        self.url = url.rstrip("/")
+                                 action="give the URL with its scheme, e.g. http://10.0.0.5:7000 (several: "
+                                        "comma-separated)") from None
+        self.urls = split_urls(url)
+        self.url = self.urls[0]  # the one calls go to: the leader, once found
+        self.follow_s = follow_s
         token = token if token is not None else os.environ.get("PITSTOP_TOKEN")
-        self.http = httpx.Client(base_url=self.url, timeout=timeout, verify=tls.client_context(),
-                                 headers=bearer(token))
+        self.http = httpx.Client(timeout=timeout, verify=tls.client_context(), headers=bearer(token))
 
     def close(self) -> None:
         self.http.close()
@@ -40,13 +54,50 @@ class CoordinatorClient:
     def __exit__(self, *a: object) -> None:
         self.close()
 
+    def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """The request, at the coordinator that leads (see the class).  Connection errors are
+        tried on the next coordinator only: a request that reached one may have acted there."""
+        end = time.monotonic() + self.follow_s
+        tried: set[str] = set()
+        while True:
+            try:
+                r = self.http.request(method, self.url + path, **kw)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                tried.add(self.url)
+                if len(self.urls) == 1:
+                    raise self._unreachable(e) from None
+                if len(tried) >= len(self.urls):  # a round over all of them: wait, then again
+                    if time.monotonic() >= end:
+                        raise self._unreachable(e) from None
+                    time.sleep(RETRY_S)
+                    tried.clear()
+                self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
+                continue
+            except httpx.HTTPError as e:
+                raise self._unreachable(e) from None
+            leader = _not_leader(r)
+            if leader is None or time.monotonic() >= end:
+                return r
+            if leader and leader != self.url:  # a standby named the leader: go there
+                if leader not in self.urls:
+                    self.urls.append(leader)
+                self.url = leader
+                continue
+            time.sleep(RETRY_S)  # between two leaders: ask again (another coordinator, where there are several)
+            self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
+
+    def _unreachable(self, e: Exception) -> Unavailable:
+        where = self.url if len(self.urls) == 1 else f"any of {', '.join(self.urls)}"
+        return Unavailable(f"cannot reach the coordinator at {where}: {e!r}",
+                           action="check the coordinator URL (--coordinator or PITSTOP_COORDINATOR) "
+                                  "and that the coordinator runs")
+
     def _req(self, method: str, path: str, **kw: Any) -> Any:
-        try:
-            return raise_for(self.http.request(method, path, **kw))
-        except httpx.HTTPError as e:
-            raise Unavailable(f"cannot reach the coordinator at {self.url}: {e!r}",
-                              action="check the coordinator URL (--coordinator or PITSTOP_COORDINATOR) "
-                                     "and that the coordinator runs") from None
+        return raise_for(self._send(method, path, **kw))
+
+    def leader(self) -> dict:
+        """Who leads, as the coordinator asked knows it (GET /v1/leader, open)."""
+        return self._req("GET", "/v1/leader")
 
     def hosts(self) -> list[dict]:
         return self._req("GET", "/v1/hosts")
@@ -118,11 +169,7 @@ class CoordinatorClient:
         return self._output(f"/v1/workers/{wid}/output", stream, offset)
 
     def _output(self, path: str, stream: str, offset: int) -> tuple[bytes, dict[str, str]]:
-        try:
-            r = self.http.get(path, params={"stream": stream, "offset": offset})
-        except httpx.HTTPError as e:
-            raise Unavailable(f"cannot reach the coordinator at {self.url}: {e!r}",
-                              action="check the coordinator and its URL") from None
+        r = self._send("GET", path, params={"stream": stream, "offset": offset})
         if r.status_code >= 300:
             raise_for(r)
         return r.content, {k.lower(): v for k, v in r.headers.items()}
@@ -152,3 +199,18 @@ class HandleClient(CoordinatorClient):
     def signal(self, sig: int) -> dict:
         return self._req("POST", f"/v1/workers/{self.wid}/handle:signal", params={"signal": sig})
 
+
+
+def _not_leader(r: httpx.Response) -> str | None:
+    """A standby's answer (coordinator/standby.py): the leader's URL, "" while none leads; None for
+    any other answer."""
+    if r.status_code != 503:
+        return None
+    try:
+        err = r.json().get("error") or {}
+    except ValueError:
+        return None
+    if not isinstance(err, dict) or err.get("code") != "not_leader":
+        return None
+    leader = (err.get("details") or {}).get("leader")
+    return str(leader).rstrip("/") if leader else ""

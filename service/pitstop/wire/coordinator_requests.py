@@ -104,6 +104,9 @@ class Heartbeat(BaseModel):
                                 description="the agent's capability bounding set (hex): what it can give a "
                                             "restored worker")
     gpu_health: list[dict[str, Any]] = Field(default_factory=list, description="NVML readings, one per GPU")
+    coordinator_term: int | None = Field(None, ge=0, le=2**62, description="the highest coordinator term this "
+                                         "agent has seen: a leader whose database holds less (a new or restored "
+                                         "database) moves its lease above it")
     generation: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
                                    description="names this report; later beats that carry it mean 'nothing "
                                                "changed but GPU health' (POST /v1/agents:beat)")
