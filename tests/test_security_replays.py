@@ -17,6 +17,7 @@ from pitstop.dev.devcluster import pitstop_cmd
 
 from .helpers import WORKLOADS, until, wait_for_step
 from .test_coordinator_e2e import _wait_jobs
+from .test_local_socket_owners import _as_nobody as _as_nobody_on_socket
 from .test_worker_network_e2e import _cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -39,6 +40,18 @@ def open_dir():
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _appender_with_snapshots(cluster, cc, log: Path, out: Path, *args: str) -> list:
+    """The one-rank appender job on host-b with its own address and a snapshot every 5 s, once a
+    snapshot of it is committed."""
+    ranks = cluster.start_job("app", [sys.executable, str(WORKLOADS / "appender.py"), "--log", str(log), "--out",
+                                      str(out), *args], 1, {0: "host-b"},
+                              addresses={0: cluster.worker_address(0)}, run_args=["--snapshot-every", "5"])
+    _wait_jobs(cc, "app", 1)
+    until(lambda: [s for s in cc.snapshots("app")["snapshots"] if s["state"] == "committed"], timeout=90,
+          what="a committed snapshot")
+    return ranks
+
+
 def test_c1_a_recovery_never_follows_a_users_links_to_roots_files(cluster, open_dir):
     """C1: a local user turns the job's log and its input file into links to root's files after a
     snapshot.  Before the fix the recovery truncated the root file through the link (50 -> 0 bytes)
@@ -55,12 +68,7 @@ def test_c1_a_recovery_never_follows_a_users_links_to_roots_files(cluster, open_
     secret.chmod(0o600)
     log, data, out = job / "job.log", job / "input", job / "result"
     data.write_text("input\n")
-    ranks = cluster.start_job("app", [sys.executable, str(WORKLOADS / "appender.py"), "--log", str(log), "--out",
-                                      str(out), "--hold", str(data), "--steps", "500"], 1, {0: "host-b"},
-                              addresses={0: cluster.worker_address(0)}, run_args=["--snapshot-every", "5"])
-    _wait_jobs(cc, "app", 1)
-    until(lambda: [s for s in cc.snapshots("app")["snapshots"] if s["state"] == "committed"], timeout=90,
-          what="a committed snapshot")
+    ranks = _appender_with_snapshots(cluster, cc, log, out, "--hold", str(data), "--steps", "500")
     wait_for_step(ranks[0].log, 150)
     _as_nobody(f"rm -f {log} {data} && ln -s {victim} {log} && ln -s {secret} {data}")
     p = subprocess.run([*pitstop_cmd(), "recover", "app", "--node", "host-b", "--wait", "--json"], env=cluster.env(),
@@ -77,19 +85,8 @@ def test_c1_a_recovery_never_follows_a_users_links_to_roots_files(cluster, open_
 
 
 def _on_socket_as_nobody(sock: Path, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-    """One request on an agent's local socket from uid 65534 (group nogroup), connected after
-    dropping root, so that the kernel's SO_PEERCRED names that user."""
-    data = json.dumps(body or {}).encode()
-    request = (f"{method} {path} HTTP/1.1\r\nhost: a\r\ncontent-type: application/json\r\n"
-               f"content-length: {len(data)}\r\nconnection: close\r\n\r\n").encode() + data
-    probe = ("import os, socket, sys; os.setgroups([]); os.setgid(65534); os.setuid(65534); "
-             "s = socket.socket(socket.AF_UNIX); "
-             f"s.connect({str(sock)!r}); s.sendall({request!r}); "
-             "d = b''\nwhile (c := s.recv(65536)): d += c\nsys.stdout.buffer.write(d)")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=60)
-    assert out.stdout.startswith(b"HTTP/1.1 "), out.stderr[-1500:]
-    head, _, payload = out.stdout.partition(b"\r\n\r\n")
-    return int(head.split()[1]), json.loads(payload or b"{}")
+    """One request on an agent's local socket from uid 65534 (tests/test_local_socket_owners.py)."""
+    return _as_nobody_on_socket(sock, method, path, body or {})
 
 
 @pytest.fixture
@@ -274,12 +271,7 @@ def test_h3_a_flood_of_idle_connections_forces_no_recovery(cluster, tmp_path, mo
         cc = _cluster(cluster, spares=1)
         log, out = tmp_path / "job.log", tmp_path / "result"
         steps = 1400
-        ranks = cluster.start_job("app", [sys.executable, str(WORKLOADS / "appender.py"), "--log", str(log), "--out",
-                                          str(out), "--steps", str(steps), "--step-sleep", "0.03"], 1, {0: "host-b"},
-                                  addresses={0: cluster.worker_address(0)}, run_args=["--snapshot-every", "5"])
-        _wait_jobs(cc, "app", 1)
-        until(lambda: [s for s in cc.snapshots("app")["snapshots"] if s["state"] == "committed"], timeout=90,
-              what="a committed snapshot")
+        ranks = _appender_with_snapshots(cluster, cc, log, out, "--steps", str(steps), "--step-sleep", "0.03")
         url = httpx_url(cluster.coordinator_url)
         side = []
         for n, (sources, per_source) in enumerate(((["127.0.0.2"], 4300),
