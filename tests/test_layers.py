@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("tools", {"dev", "doctor", "migration", "replay"}),
     ("services", {"agent", "coordinator", "launcher", "slurm"}),
     ("wire", {"wire"}),
-    ("mechanisms", {"gpu", "shimctl", "network", "memory"}),
+    ("mechanisms", {"gpu", "shimctl", "network", "memory", "container"}),
     ("criu", {"criu"}),
     ("transfer", {"transfer"}),
     ("proc", {"proc"}),

@@ -11,6 +11,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from pitstop.container import podman
 from pitstop.criu import netlock, runtime
 from pitstop.errors import PitstopError
 from pitstop.memory import lazy_pages
@@ -99,6 +100,7 @@ def run_checks() -> list[Check]:
     checks.append(_huge_tmpfs())
     checks.append(_exit_status_kept())
     checks.append(agent_unit())
+    checks.append(containers())
     checks.append(coordinators())
     checks += gpu_checks()
     return checks
@@ -136,6 +138,29 @@ def coordinators(urls: str | None = None) -> Check:
             said.append(f"{url}: {v.get('role')} ({v.get('leader') or 'no coordinator'} leads, term {v.get('term')})")
     leaders.discard("")
     return Check("coordinators", len(leaders) == 1, "; ".join(said), required=False)
+
+
+def containers() -> Check:
+    """Whether ranks in containers can move from and to this host (container/podman.py): podman,
+    and an OCI runtime that checkpoints (runc; crun only where built with CRIU)."""
+    name = "ranks in containers"
+    version = podman.Podman().version()
+    if version is None:
+        return Check(name, None, "podman is not installed: ranks run in containers elsewhere cannot move here, "
+                                 "nor containers from here (apt-get install podman runc)", required=False)
+    can = {rt: podman.runtime_cannot_checkpoint(rt) for rt in ("runc", "crun") if podman.runtime_path(rt)}
+    good = sorted(rt for rt, why in can.items() if why is None)
+    try:
+        default = podman.Podman().info().get("host", {}).get("ociRuntime", {}).get("name", "")
+    except PitstopError:
+        default = ""
+    if not good:
+        return Check(name, False, f"podman {version}, but no OCI runtime here can checkpoint: "
+                                  + "; ".join(f"{rt}: {why}" for rt, why in can.items()) + " (install runc)",
+                     required=False)
+    note = "" if default in good else (f"; podman's default runtime {default or '(unknown)'} cannot checkpoint: "
+                                       f"run ranks' containers with --runtime {good[0]}")
+    return Check(name, True, f"podman {version}; checkpointing runtimes: {', '.join(good)}{note}", required=False)
 
 
 UNIT = "pitstop-agent.service"
