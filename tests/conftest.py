@@ -16,6 +16,13 @@ from .postgres import pg_url, postgres  # noqa: F401 - the fixtures of the tests
 
 _suite_lock_fd: int | None = None
 
+# The suite's jobs ask for snapshots every few seconds to reach the case under test within its
+# deadline; on a busy machine a snapshot pauses a job seconds, and the coordinator would lengthen
+# their interval to keep the pause share under 5 % (coordinator/snapshots.py, effective) and leave
+# the test waiting a minute for a snapshot.  That lengthening has its own test
+# (tests/test_snapshot_logic.py); every other test runs without it.
+os.environ.setdefault("PITSTOP_COORDINATOR_SNAPSHOT_PAUSE_SHARE", "1")
+
 
 def pytest_sessionstart(session):  # noqa: ANN001, ANN201
     """One run of this suite per machine at a time.  Its leak checks take what appeared during

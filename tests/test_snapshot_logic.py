@@ -82,6 +82,28 @@ def test_a_snapshot_begun_before_a_recovery_never_commits(tmp_path):
     snaps.commit("j", 4, {"parts": {}}, generation=1)  # one begun after the recovery counts
 
 
+def test_an_interval_whose_pauses_would_take_more_than_the_share_is_lengthened_and_says_why(tmp_path):
+    """A snapshot every 5 s that pauses the job 3 s would stop it more than half its time: the
+    interval becomes pause / share, said in `stretched`, and returns to the one asked once the
+    pauses are short again.  The job's protection is judged against the interval it gets."""
+    from pitstop.coordinator.settings import CoordinatorSettings
+    from pitstop.coordinator.snapshots import Snapshots
+
+    snaps = Snapshots(Store(tmp_path / "c.db"), CoordinatorSettings(insecure=True, snapshot_pause_share=0.05),
+                      busy=dict)
+    assert snaps.effective("j", 5.0) == 5.0  # no pause measured yet
+    snaps.paused("j", 0.2)
+    assert snaps.effective("j", 5.0) == 5.0 and "j" not in snaps.stretched  # 4 %: under the share
+    snaps.paused("j", 3.0)
+    assert snaps.effective("j", 5.0) == pytest.approx(60.0)
+    assert "every 60 s, not the 5 s asked" in snaps.stretched["j"]
+    assert "PITSTOP_COORDINATOR_SNAPSHOT_PAUSE_SHARE" in snaps.stretched["j"]
+    assert snaps.paused_total["j"] == pytest.approx(3.2)
+    snaps.paused("j", 0.1)
+    assert snaps.effective("j", 5.0) == 5.0 and "j" not in snaps.stretched
+    assert snaps.effective("j", None) is None  # a job that asked for no snapshots gets none
+
+
 def test_the_interval_is_the_apis_else_the_smallest_a_rank_asked(tmp_path):
     s = Store(tmp_path / "c.db")
     ws = [{"snapshot_every_s": 60.0}, {"snapshot_every_s": 30.0}, {"snapshot_every_s": None}]
