@@ -630,12 +630,15 @@ class Recoveries:
         them, everything restored so far is ended and the recovery fails (nothing runs half)."""
         tried: list[str] = []
         last: PitstopError | None = None
+        earlier = md.get("destination")  # where an earlier run of this recovery (a coordinator since lost) sent them
         for _ in range(SPARE_TRIES):
-            spare = self._spare(plan.alive - set(tried) - set(plan.survivors))
+            spare = self._spare(plan.alive - set(tried) - set(plan.survivors), op_id)
             if spare is None:
                 break
             tried.append(spare)
             self.store.clear_fence(plan.job, spare)  # a host fenced for the job earlier takes its ranks now
+            if spare == earlier:  # the copies that run restored there are ended first, as the survivors' are
+                self._discard(spare, plan.job, list(plan.lost_parts))
             md["destination"] = spare
             self.store.update_op(op_id, dest=spare, metadata=md)
             try:
@@ -657,8 +660,10 @@ class Recoveries:
                             + (f": {last.message}" if last else ""),
                             action="the job's ranks were ended; restart it from its own checkpoint")
 
-    def _spare(self, candidates: set[str]) -> str | None:
-        busy = self.busy()
+    def _spare(self, candidates: set[str], op_id: str) -> str | None:
+        """The first usable spare of `candidates` that no other operation holds (this recovery's own
+        record names the spare an earlier run of it chose: that one stays a candidate)."""
+        busy = {h: o for h, o in self.busy().items() if o != op_id}
         hosts = [h for h in self.store.hosts() if h["name"] in candidates and h["name"] not in busy]
         spares = sorted(h["name"] for h in hosts if usable_spare(h))
         return spares[0] if spares else None

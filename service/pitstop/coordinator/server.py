@@ -202,10 +202,10 @@ def serve(s: CoordinatorSettings) -> None:
             udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(app.datagrams, sock=udp_sock)
         dog = asyncio.create_task(watchdog_loop())
         flusher = asyncio.create_task(flush_loop(driver.store, s.flush_s, leading))
-        watcher = asyncio.create_task(watch_loop([driver.watch, coord.recoveries.watch], s.watchdog_s, leading))
+        watcher = asyncio.create_task(watch_loop([driver.watch, coord.recoveries.watch], s.watchdog_s, coord.on_duty))
         pruner = asyncio.create_task(prune_loop(driver.store, s.ops_retention_days * 86400, leading=leading))
-        duties = [asyncio.create_task(tick_loop("snapshot schedule", coord.snapshots.tick, TICK_S, leading)),
-                  asyncio.create_task(tick_loop("failure detection", coord.recoveries.tick, TICK_S, leading))]
+        duties = [asyncio.create_task(tick_loop("snapshot schedule", coord.snapshots.tick, TICK_S, coord.on_duty)),
+                  asyncio.create_task(tick_loop("failure detection", coord.recoveries.tick, TICK_S, coord.on_duty))]
         role = lead.view()
         log.info("coordinator up", listen=s.listen, url=s.url(), db=describe(s.db), role=role["role"],
                  term=role["term"], leader=role["leader"], reconciled=touched)

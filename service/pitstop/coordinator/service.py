@@ -8,6 +8,7 @@ the app's state (`CoordinatorDep`), so that routes are declared once, at module 
 
 from __future__ import annotations
 
+import threading
 from typing import Annotated, Any
 
 import httpx
@@ -208,6 +209,12 @@ class Coordinator:
         self.settings = settings
         self.store = store or open_store(settings.db)
         self.lead = lead
+        # Set once this process's takeover (its reconcile) has run: until then the duties (the
+        # watchdog, the snapshot schedule, failure detection) stand still, or a new leader's
+        # watchdog would run a recovery the reconcile is about to run too (two runs of one
+        # recovery racing for its spare), and a host silent while nobody led would be declared
+        # failed before the takeover excuses that time.
+        self._taken_over = threading.Event()
         self.fence: Fence | None = lead  # every call to an agent carries the lease's term
         self.metrics = Metrics()
         self.driver = Driver(self.store, settings, on_phase=lambda p, s: self.metrics.phase.labels(p).observe(s),
@@ -227,12 +234,19 @@ class Coordinator:
         """Whether this coordinator acts (a standby only reads: coordinator/leadership.py)."""
         return self.lead is None or self.lead.leading()
 
+    def on_duty(self) -> bool:
+        """Whether the leader's background duties run now: it leads and its takeover is done."""
+        return self.leading() and (self.lead is None or self._taken_over.is_set())
+
     def take_over(self, term: int, gap_s: float) -> list[str]:
         """This coordinator took the lease (at its start, or a standby when the leader was lost):
         every operation in flight resumed through the path a restarted coordinator takes.
         gap_s: how long no coordinator led (the last one's last renewal until now); hosts are not
         held silent for that time (coordinator/takeover.py)."""
-        return takeover.take_over(self, term, gap_s)
+        try:
+            return takeover.take_over(self, term, gap_s)
+        finally:  # even a takeover that failed half way: the watchdog then adopts what it left
+            self._taken_over.set()
 
     def beat_seen(self, name: str, generation: str) -> bool:
         """A beat noted in memory (contact, whatever its generation); a node that reports again is

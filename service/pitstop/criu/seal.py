@@ -26,16 +26,24 @@ Seal = dict[str, list]
 """relative path -> [inode, size, mtime_ns, ctime_ns] or that plus the file's digest."""
 
 
+# What CRIU writes into an image directory when it restores from it, and never reads: a snapshot's
+# part restored once (a recovery that is then run again from its start, by a new leader) is the same
+# dump after it.
+RESTORE_WRITES = frozenset({"stats-restore"})
+
+
 def _files(root: Path) -> dict[str, Path]:
     """The files a restore of `root` reads: its own and its parent's (not its subdirectories, which
-    hold views cut from the dump for the stream, nor CRIU's logs, which it appends to)."""
+    hold views cut from the dump for the stream, nor CRIU's logs, which it appends to, nor what a
+    restore from it writes there)."""
     out: dict[str, Path] = {}
     for base, prefix in ((root, ""), (root / "parent", "parent/")):
         if prefix and not base.is_dir():
             continue
         with os.scandir(os.path.realpath(base)) as it:
             for e in it:
-                if not e.name.endswith(".log") and not e.is_dir(follow_symlinks=False):
+                if (not e.name.endswith(".log") and e.name not in RESTORE_WRITES
+                        and not e.is_dir(follow_symlinks=False)):
                     out[prefix + e.name] = Path(e.path)
     return out
 

@@ -56,13 +56,20 @@ class CoordinatorClient:
 
     def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
         """The request, at the coordinator that leads (see the class).  Connection errors are
-        tried on the next coordinator only: a request that reached one may have acted there."""
+        tried on the next coordinator only: a request that reached one may have acted there.  A
+        read acts nowhere: one that timed out (a coordinator stalled, a frozen VM) goes to the next
+        coordinator too, and one a coordinator answered "database unavailable" (PostgreSQL
+        restarting) is asked again until follow_s."""
         end = time.monotonic() + self.follow_s
         tried: set[str] = set()
+        safe = method in ("GET", "HEAD")
         while True:
             try:
                 r = self.http.request(method, self.url + path, **kw)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                if safe and _database_unavailable(r) and time.monotonic() < end:
+                    time.sleep(RETRY_S)
+                    continue
+            except (httpx.ConnectError, httpx.ConnectTimeout, *((httpx.TimeoutException,) if safe else ())) as e:
                 tried.add(self.url)
                 if len(self.urls) == 1:
                     raise self._unreachable(e) from None
@@ -199,6 +206,17 @@ class HandleClient(CoordinatorClient):
     def signal(self, sig: int) -> dict:
         return self._req("POST", f"/v1/workers/{self.wid}/handle:signal", params={"signal": sig})
 
+
+
+def _database_unavailable(r: httpx.Response) -> bool:
+    """A coordinator's answer that it cannot use its database now (coordinator/store.py)."""
+    if r.status_code != 503:
+        return False
+    try:
+        err = r.json().get("error") or {}
+    except ValueError:
+        return False
+    return isinstance(err, dict) and err.get("code") == "database_unavailable"
 
 
 def _not_leader(r: httpx.Response) -> str | None:
