@@ -148,3 +148,14 @@ def test_runc_checkpoints_and_a_crun_without_criu_is_named():
         assert (why is None) == plus, why
         if not plus:
             assert "+CRIU" in why
+
+
+def test_doctor_says_whether_ranks_in_containers_can_move_here():
+    from pitstop import doctor
+
+    c = doctor.containers()
+    assert c.name == "ranks in containers" and not c.required
+    if podman.Podman().version() is None:
+        assert c.ok is None and "podman is not installed" in c.detail
+    elif podman.runtime_cannot_checkpoint("runc") is None:
+        assert c.ok is True and "runc" in c.detail, c.detail

@@ -32,7 +32,7 @@ import httpx
 import structlog
 
 from pitstop import faults, nsinit, tls
-from pitstop.agent import reclaim
+from pitstop.agent import containers, reclaim
 from pitstop.agent.capture_kinds import (
     DELTA,
     PARENT,
@@ -45,6 +45,7 @@ from pitstop.agent.capture_kinds import (
 )
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import AgentState, Capture, Worker
+from pitstop.container import config as container_config
 from pitstop.criu import criu_ops, criutrack, netlock, runtime, seal
 from pitstop.errors import (
     CaptureFailed,
@@ -167,6 +168,9 @@ class SourceSide:
         with self.state.lock:
             w = self.state.worker(worker_id)
             self._check_capturable(w)
+            if w.container is not None and remote:
+                log.info("a container travels whole: its runtime's restore takes no post-copy", worker=w.id)
+                remote = False
             cid = "cap-" + uuid.uuid4().hex[:12]
             cap = Capture(id=cid, worker_id=w.id, image_dir=str(self.s.images / cid),
                           dest_url=dest_url, image_id=image_id or (cid if dest_url else None),
@@ -228,6 +232,9 @@ class SourceSide:
         with self.state.lock:
             w = self.state.worker(worker_id)
             self._check_capturable(w)
+        if w.container is not None:
+            return {"image_id": image_id, "skipped": "the worker is a container: its runtime checkpoints it whole "
+                                                     "at the pause (docs/architecture.md, 'Ranks in containers')"}
         if w.restored and proctree.filling(proctree.tree(w.root_pid)):
             return {"image_id": image_id, "skipped": "the worker's memory is still being filled after its last move"}
         pids = proctree.tree(w.root_pid)
@@ -604,6 +611,8 @@ class SourceSide:
             self._fail(cap, w, e, resumed_by=undo.resumed_by)
 
     def _capture(self, cap: Capture, w: Worker, undo: Undo) -> None:
+        if w.container is not None:
+            return self._capture_container(cap, w, undo)
         self._wait_for_fill(cap, w)
         images = Path(cap.image_dir)
         images.mkdir(parents=True, exist_ok=True)
@@ -703,6 +712,88 @@ class SourceSide:
         log.info("captured and sent", capture=cap.id, worker=w.id, dest=cap.dest_url, kind=kind.name,
                  bytes=cap.bytes_total, deduplicated=cap.bytes_deduplicated,
                  **{k: round(v, 4) for k, v in ph.items()})
+
+    def _capture_container(self, cap: Capture, w: Worker, undo: Undo) -> None:
+        """A container's capture (container/podman.py): its runtime checkpoints it, CRIU writing the
+        images straight into this capture's directory, which streams to the destination as they
+        are written, with the container's own files after them.  The container's processes are
+        gone once it is checkpointed: from there the way back is restoring it here from those
+        images, as its runtime does (_restore_container_here)."""
+        ctr = dict(w.container or {})
+        images = Path(cap.image_dir)
+        images.mkdir(parents=True, exist_ok=True)
+        images.chmod(0o700)
+        tail = DirectoryTail(images, on_progress=lambda n: setattr(cap, "bytes_sent", n),
+                             compression=self._compression(cap.dest_url) if cap.dest_url else None)
+        t0 = time.monotonic()
+        sender = _Sender(self, cap, tail, t0) if cap.dest_url else None
+        stop_stream = sender.stop if sender else lambda e: setattr(tail, "failure", e)
+        undo.push("stream", stop_stream)
+        if sender and self.s.stream_while_dumping:
+            sender.start()
+        cap.stopped_at = time.time()
+        undo.stage("pitstop (GPU lock undone)")
+        suspended = self.gpu.suspend(proctree.tree(w.root_pid), rescan=lambda: proctree.tree(w.root_pid))
+        if suspended:
+            undo.push("gpu", lambda e: self._resume_gpu(cap))
+            self.state.update_capture(cap, gpu=suspended.record())
+        faults.hit("capture:before_dump")
+        # A checkpoint that fails leaves the container running: runc's CRIU thaws it
+        undo.stage("the container runtime (the checkpoint failed; the container ran on)")
+        t_dump = time.monotonic()
+        export = images.parent / f"{cap.id}.export.tar"
+        try:
+            stats = containers.podman(self.s).checkpoint(ctr["id"], ctr.get("static_dir", ""), images, export,
+                                                         timeout_s=self.s.dump_timeout_s + 60)
+            container_config.keep_from_export(export, images)
+        except (OSError, ValueError) as e:
+            raise CaptureFailed(f"the container's checkpoint could not be kept: {e}",
+                                action="the container is restored here from its images; see the agent's log") from None
+        finally:
+            export.unlink(missing_ok=True)
+        dump_end = time.monotonic()
+        self.state.update_capture(cap, run_id=_run_id(images), seal=seal.take(images), phases={
+            **cap.phases, "before_dump": t_dump - t0, "freeze": stats.get("freezing_time", 0.0),
+            "dump": dump_end - t_dump, "frozen": stats.get("frozen_time", 0.0),
+            "memdump": stats.get("memdump_time", 0.0), "runtime_checkpoint": stats.get("runtime_checkpoint", 0.0)})
+        self.state.update_worker(w, state="stopped")
+        undo.stage("pitstop", replace=("gpu", "stream"),
+                   push=(("rollback", lambda e: self._restore_container_here(cap, w)), ("stream", stop_stream)))
+        faults.hit("capture:after_dump")
+        tail.manifest_base = Manifest(capture_id=cap.id, criu_version=runtime.locate().version_str,
+                                      worker={"id": w.id, "job": w.job, "rank": w.rank,
+                                              **({"world": w.world} if w.world else {}),
+                                              **({"slurm_job": w.slurm_job} if w.slurm_job else {}),
+                                              **({"snapshot_every_s": w.snapshot_every_s}
+                                                 if w.snapshot_every_s else {})},
+                                      gpu=cap.gpu, keep_peers=cap.keep_peers, container=ctr, host=self.s.name)
+        tail.finished.set()
+        if sender is None:
+            total = sum(f.stat().st_size for f in images.iterdir() if f.is_file())
+            self.state.update_capture(cap, state="dumped", bytes_total=total)
+            log.info("captured", capture=cap.id, worker=w.id, kind="container", **cap.phases)
+            return
+        if not sender.started:
+            sender.start()
+        sender.finish(self.s.transfer_timeout_s)
+        ph = {**cap.phases, "transfer": sender.done - t0, "transfer_after_dump": max(0.0, sender.done - dump_end)}
+        self.state.update_capture(cap, state="sent", phases=ph,
+                                  bytes_total=tail.manifest.total_bytes if tail.manifest else cap.bytes_sent,
+                                  compression=tail.compression.summary() if tail.compression else None)
+        log.info("captured and sent", capture=cap.id, worker=w.id, dest=cap.dest_url, kind="container",
+                 bytes=cap.bytes_total, **{k: round(v, 4) for k, v in ph.items()})
+
+    def _restore_container_here(self, cap: Capture, w: Worker) -> str:
+        """Bring a checkpointed container back on this host, from its own images, as its runtime
+        restores it (the rollback of a container's move)."""
+        self._check_seal(cap)
+        faults.hit("rollback:before_restore")
+        init, here, _ = containers.restore(self.s, Path(cap.image_dir), w.container or {})
+        netlock.release(cap.run_id)
+        self.state.update_worker(w, state="running", root_pid=init, start_time=proctree.start_time(init) or 0,
+                                 container=here, launcher=containers.launcher_pid(init, here) or w.launcher,
+                                 running_since=time.time(), paused_at=None)
+        return f"restored here as container {here.get('name')} (pid {init})"
 
     def reconcile(self) -> list[str]:
         """After an agent restart: captures whose thread died with the previous agent process.
@@ -871,6 +962,8 @@ class SourceSide:
         the restored sockets exist, so no peer packet ever meets a missing socket (an RST);
         killing the source first is silent, because its sockets are still in repair mode.
         """
+        if w.container is not None:  # checkpointed: its processes are gone already
+            return self._restore_container_here(cap, w)
         self._check_seal(cap)  # before the kill: refused, the source stays as it is (stopped)
         proctree.kill_and_wait(w.root_pid)
         faults.hit("rollback:before_restore")
@@ -919,6 +1012,10 @@ class SourceSide:
             raise Conflict(f"capture {cid} is {cap.state}; only a sent capture can be released",
                            action="wait until the images are sent")
         w = self.state.worker(cap.worker_id)
+        if w.container is not None:  # its runtime ended its processes as it checkpointed it
+            self.state.update_capture(cap, state="released", phases={**cap.phases, "release": 0.0})
+            self.state.update_worker(w, state="released")
+            return cap
         t0 = time.monotonic()
         started = proctree.start_time(w.root_pid)
         # its ports free now, its memory freed while the copy restores; or the exit waited for
@@ -945,7 +1042,9 @@ class SourceSide:
             raise Conflict(f"capture {cid} is {cap.state}; it cannot be committed",
                            action="only a capture whose images were sent can be committed")
         w = self.state.worker(cap.worker_id)
-        if cap.state != "released":
+        if w.container is not None:  # gone since its checkpoint; the runtime forgets it here too
+            self._forget_container(w)
+        elif cap.state != "released":
             proctree.kill_and_wait(w.root_pid)
             self._drop_net(w)
         else:
@@ -965,6 +1064,16 @@ class SourceSide:
         log.info("committed", capture=cid, worker=w.id, moved_to=moved_to)
         return cap
 
+    def _forget_container(self, w: Worker) -> None:
+        """The checkpointed container the source's runtime still lists (one not run with --rm):
+        after the commit the container runs on the destination only."""
+        try:
+            containers.podman(self.s).remove((w.container or {})["id"])
+        except PitstopError as e:
+            log.warning("could not remove the moved container from this host's runtime", worker=w.id,
+                        container=(w.container or {}).get("name"), error=e.message,
+                        action="remove it with `podman rm`; it does not run")
+
     def _expire_page_source(self, src: PageSource) -> None:
         if not src.done.wait(self.s.lazy_fill_timeout_s):
             log.error("the destination's fill did not end in time; its dump is deleted here",
@@ -983,7 +1092,7 @@ class SourceSide:
         w = self.state.worker(cap.worker_id)
         t0 = time.monotonic()
         try:
-            if cap.state in ("sent", "dumped"):
+            if cap.state in ("sent", "dumped") or w.container is not None:
                 how = self._rollback_stopped(cap, w)
             else:  # released: the source is gone; restore it here from our own images, lock still held
                 self._await_exit(cid)
@@ -1042,6 +1151,15 @@ class SourceSide:
         if t:
             t.join(timeout_s)
         return self.state.capture(cid)
+
+
+def _run_id(images: Path) -> str:
+    """The run id of the CRIU that dumped into `images` (its network lock's name, criu/netlock.py)."""
+    try:
+        with open(images / "inventory.img", "rb") as f:
+            return str(runtime.locate().import_pycriu().images.load(f)["entries"][0].get("dump_criu_run_id", ""))
+    except (OSError, KeyError, IndexError, ValueError, PitstopError):
+        return ""
 
 
 def dedup_pages(setting: str, processes: int, over_tls: bool) -> bool:

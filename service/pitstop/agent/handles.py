@@ -138,6 +138,9 @@ class Handles:
         finally:
             with self._lock:
                 self._watched.discard(wid)
+        w = self.state.workers.get(wid)
+        if w is not None and w.state in HERE + MOVING and (w.launcher or {}).get("pid") not in (None, pid):
+            self.watch(w)  # its handle passed to another process while this one was watched (a rollback)
 
     def _launcher_gone(self, wid: str, pid: int) -> None:
         while True:
@@ -146,6 +149,8 @@ class Handles:
                 return  # ended, lost, or moved: a moved rank outlives its old launcher
             if (w.launcher or {}).get("pid") != pid:
                 return  # another process holds the worker's handle here now (`pitstop hold`)
+            if w.container is not None and pid == w.root_pid:
+                return  # the container's init is its launcher: the container ended with it
             if w.state in HERE:
                 break
             time.sleep(SETTLE_EVERY_S)  # a move under way commits or rolls back within its deadlines

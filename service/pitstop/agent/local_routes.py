@@ -11,7 +11,7 @@ import structlog
 from fastapi import APIRouter, Request
 
 from pitstop import nsinit
-from pitstop.agent import peercred
+from pitstop.agent import containers, peercred
 from pitstop.agent.agent import Agent, AgentDep
 from pitstop.agent.peercred import caller_pid, caller_uid, privileged
 from pitstop.agent.state import LIVE_STATES, Worker
@@ -46,7 +46,8 @@ def register(agent: AgentDep, req: agent_requests.RegisterRequest, request: Requ
 
 
 def _register(agent: Agent, req: agent_requests.RegisterRequest, request: Request) -> Worker:
-    pid = req.pid
+    # in a container, the container is the worker (agent/containers.py): its init, found here
+    pid, found = containers.registrant(caller_pid(request.scope), req.pid, req.container)
     if not proctree.exists(pid):
         raise FailedPrecondition(f"pid {pid} does not exist", code="no_such_process",
                                  action="register the worker's tree root while it runs")
@@ -68,6 +69,7 @@ def _register(agent: Agent, req: agent_requests.RegisterRequest, request: Reques
         if other is not None:
             raise _not_your_job(uid, req.job, other.owner_uid)
     claim_rank(agent, req.job, req.rank, uid)  # before the lock: a network call must not hold up pauses
+    container = containers.describe(agent.s, found, pid, caller_pid(request.scope)) if found else None
     with agent.state.lock:
         old = agent.state.workers.get(wid)
         if old and old.state in LIVE_STATES and proctree.exists(old.root_pid):
@@ -86,7 +88,7 @@ def _register(agent: Agent, req: agent_requests.RegisterRequest, request: Reques
             net = wn.to_dict()
         w = Worker(id=wid, job=req.job, rank=req.rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
                    net=net, init_dir=nsinit.owned_dir(pid), owner_uid=uid, world=req.world, slurm_job=req.slurm_job,
-                   launcher=_launcher(request), snapshot_every_s=req.snapshot_every_s)
+                   launcher=_launcher(request), snapshot_every_s=req.snapshot_every_s, container=container)
         agent.state.workers[wid] = w
         agent.state.save()
     agent.handles.watch(w)

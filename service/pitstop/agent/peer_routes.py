@@ -16,9 +16,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from pitstop import priority, shimctl, tls
+from pitstop.agent import containers
 from pitstop.agent.agent import Agent, AgentDep
 from pitstop.agent.state import LIVE_STATES, Worker, WorkerState
-from pitstop.errors import Conflict, InvalidRequest, PitstopError, TransferFailed
+from pitstop.errors import Conflict, FailedPrecondition, InvalidRequest, PitstopError, TransferFailed
 from pitstop.httpapi import require_token
 from pitstop.proc import files, proctree
 from pitstop.transfer.stream import overdue, receive_into
@@ -149,6 +150,14 @@ def worker_files(agent: AgentDep, wid: str) -> dict:
     if w.state not in ("running", "paused"):
         raise Conflict(f"worker {wid} is {w.state}; only a running or paused worker's files are listed",
                        action="check the worker's state")
+    if w.container is not None:  # its files are the image's and its mounts': the container's needs say them
+        if w.container.get("unmovable"):
+            raise FailedPrecondition(f"worker {wid} runs in container {w.container.get('name') or w.container['id'][:12]}, "
+                                     f"which cannot move: {w.container['unmovable']}. Nothing was paused",
+                                     code="container_cannot_move",
+                                     action="run the container with runc (`podman run --runtime runc`) under podman, "
+                                            "or leave this job where it runs")
+        return {"files": [], "container": w.container}
     return {"files": [f.as_dict() for f in files.used_files(proctree.tree(w.root_pid))]}
 
 
@@ -163,7 +172,10 @@ def coordinator_term(agent: AgentDep, req: agent_requests.TermRequest) -> dict[s
 @router.post("/files:check")
 def check_files(agent: AgentDep, req: agent_requests.FilesCheckRequest) -> dict:
     """What this host lacks of the paths a worker's restore would need: each with why."""
-    return {"lacking": files.lacking([files.UsedFile(f.path, f.kind, f.size) for f in req.files])}
+    lack = files.lacking([files.UsedFile(f.path, f.kind, f.size) for f in req.files])
+    if req.container is not None:
+        lack += containers.lacking(agent.s, req.container)
+    return {"lacking": lack}
 
 
 @router.post("/workers/{wid}:pause")
@@ -381,4 +393,6 @@ def restore(agent: AgentDep, image_id: str) -> dict:
         raise
     agent.metrics.restores.labels("ok").inc()
     agent.metrics.phases(phases)
+    if w.container is not None:  # its launcher came with it: its end ends the worker here (agent/handles.py)
+        agent.handles.watch(w)
     return {"worker": w.model_dump(), "phases": phases}

@@ -24,7 +24,7 @@ import httpx
 import structlog
 
 from pitstop import faults, nsinit
-from pitstop.agent import exitkeeper, peercred, reclaim, scope
+from pitstop.agent import containers, exitkeeper, peercred, reclaim, scope
 from pitstop.agent.restore_kinds import PageFill, RestorePlan
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import LIVE_STATES, AgentState, Fill, Worker
@@ -156,6 +156,8 @@ class DestinationSide:
             return
         self.state.update_worker(w, state="lost", reason=why + "; this copy was stopped (the source runs the rank)")
         proctree.discard_copy(w.root_pid)
+        if w.container is not None:
+            self._forget_container(w)
         log.warning("stopped a restored copy whose move was rolled back", worker=worker_id, reason=why)
 
     # -- restoring -----------------------------------------------------------------------------
@@ -203,6 +205,8 @@ class DestinationSide:
         if m.pre_copy_of:
             raise InvalidRequest(f"image {image_id} is a pre-copy, not a capture: it is restored as the parent "
                                  f"of image {m.pre_copy_of}", action=f"restore {m.pre_copy_of} instead")
+        if m.container is not None:
+            return self._restore_container(s, m, t0)
         plan = RestorePlan.of(m, self.s.lazy_restore)
         self._check_criu_reads(s, plan)
         t_view = time.monotonic()
@@ -244,6 +248,62 @@ class DestinationSide:
         else:
             self.discard(image_id, abandon=False)
         return w, phases
+
+    def _restore_container(self, s: Slot, m: Manifest, t0: float) -> tuple[Worker, dict[str, float]]:
+        """A container's checkpoint, restored by this host's container runtime (agent/containers.py):
+        the container is re-created under its own id and name, and this agent keeps its record."""
+        assert m.container is not None
+        wk = m.worker
+        t1 = time.monotonic()
+        s.idle.clear()
+        try:
+            faults.hit("restore:before_criu")
+            init, rec, phases = containers.restore(self.s, s.directory, m.container)
+            uids = peercred.process_uids(init)
+            w = Worker(id=wk["id"], job=wk["job"], rank=int(wk["rank"]), root_pid=init,
+                       start_time=proctree.start_time(init) or 0, restored=True, container=rec,
+                       launcher=containers.launcher_pid(init, rec), world=wk.get("world"),
+                       slurm_job=wk.get("slurm_job"), snapshot_every_s=wk.get("snapshot_every_s"),
+                       owner_uid=uids.pop() if len(uids) == 1 else 0, running_since=time.time())
+            with self.state.lock:
+                self.state.workers[w.id] = w
+                self.state.save()
+            with self.lock:
+                s.restored = w.id
+                abandoned = s.abort.is_set()
+            if abandoned:
+                self.stop_abandoned(w.id, "its move was rolled back while it was being restored")
+                raise RestoreFailed(f"the restore of {s.image_id} was abandoned (its move was rolled back)",
+                                    action="nothing to do: the source runs the worker")
+        finally:
+            s.idle.set()
+        threading.Thread(target=self._watch_container, args=(w,), daemon=True, name=f"ctr-{w.id}").start()
+        self.discard(s.image_id, abandon=False)
+        log.info("restored a container", worker=w.id, container=rec.get("name"), pid=init)
+        return w, {"verify": t1 - t0, "restore": time.monotonic() - t1, **phases}
+
+    def _watch_container(self, w: Worker) -> None:
+        """Until the restored container ends: its status is the container's, as its runtime says
+        (its `pitstop run` reports it first, as a rule)."""
+        while proctree.is_running(w.root_pid, w.start_time):
+            time.sleep(0.5)
+        if w.state != "running":
+            return
+        code = None
+        try:
+            rec = containers.podman(self.s).inspect((w.container or {}).get("id", ""))
+            code = (rec or {}).get("State", {}).get("ExitCode")
+        except PitstopError:
+            pass
+        if w.state == "running":
+            self.state.update_worker(w, state="exited", exit_code=code, ended_at=time.time())
+        log.info("restored container ended", worker=w.id, code=code)
+
+    def _forget_container(self, w: Worker) -> None:
+        try:
+            containers.podman(self.s).remove((w.container or {}).get("id", ""))
+        except PitstopError as e:
+            log.warning("could not remove an abandoned container copy", worker=w.id, error=e.message)
 
     def _check_criu_reads(self, s: Slot, plan: RestorePlan) -> None:
         """An image whose children share pages with their parent (PE_COW, written by the CRIU pitstop
@@ -635,8 +695,8 @@ class DestinationSide:
         status unknown."""
         for w in list(self.state.workers.values()):
             if w.restored and w.state == "running":
-                threading.Thread(target=self._watch_adopted, args=(w,), daemon=True,
-                                 name=f"adopted-{w.id}").start()
+                watch = self._watch_container if w.container is not None else self._watch_adopted
+                threading.Thread(target=watch, args=(w,), daemon=True, name=f"adopted-{w.id}").start()
 
     def _watch_adopted(self, w: Worker) -> None:
         while proctree.is_running(w.root_pid, w.start_time):

@@ -11,7 +11,7 @@ import httpx
 from fastapi import APIRouter, Request, Response
 
 from pitstop import tls
-from pitstop.agent import peercred
+from pitstop.agent import containers, peercred
 from pitstop.agent.agent import AgentDep
 from pitstop.agent.state import Worker
 from pitstop.errors import FailedPrecondition
@@ -23,8 +23,14 @@ router = APIRouter()
 
 
 @router.get("/info")
-def info(agent: AgentDep) -> dict:
-    return agent.info()
+def info(agent: AgentDep, request: Request) -> dict:
+    """On the local socket, also what the agent sees of the caller: the container it runs in, if
+    any (`pitstop run` inside one registers the container: launcher/incontainer.py)."""
+    out = agent.info()
+    if peercred.local(request.scope):
+        pid = peercred.caller_pid(request.scope)
+        out = {**out, "caller": {"pid": pid, "container": containers.caller_container(pid) if pid else None}}
+    return out
 
 
 def _theirs(request: Request, w: Worker) -> Worker:

@@ -156,6 +156,13 @@ class Snapshots:
         for w in self._workers(job, ids):
             if w.state not in ("running", "paused"):
                 raise Conflict(f"worker {w.id} is {w.state}", action="snapshots are taken of running workers")
+            if w.container is not None:  # its runtime checkpoints it, and only whole (agent/containers.py)
+                raise FailedPrecondition(
+                    f"worker {w.id} is container {w.container.get('name') or w.container.get('id', '')[:12]}: "
+                    "pitstop takes no snapshots of containers (a container moves; its recovery from a lost host "
+                    "is not built)", code="snapshot_of_container",
+                    action="run the job's ranks on the host (`pitstop run --address`) to have snapshots, or rely "
+                           "on the job's own checkpoints for lost hosts")
             self._own_net(w, cut)
         self._check_budget(job, self._workers(job, ids))
         for w in self._workers(job, ids):

@@ -98,6 +98,9 @@ class Worker(BaseModel):
     # recovery rolls it back (shim/ctl.h `protect`).  None: no snapshot covers the job, as far as known.
     protected_by: int | None = None
     peer_lost: str | None = None  # its shim holds back a communicator error for the recovery (shimctl.peer_lost)
+    # The container it is (agent/containers.py): its root is the container's init, and the container
+    # runtime checkpoints and restores it.  None: a worker on the host.
+    container: dict[str, Any] | None = None
 
 
 class Capture(CaptureReport):

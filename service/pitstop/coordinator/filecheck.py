@@ -38,8 +38,8 @@ def check_files(src: AgentClient, dst: AgentClient, workers: list[str]) -> FileC
     res = FileCheck()
 
     def one(wid: str) -> None:
-        used = src.worker_files(wid)
-        lack = dst.lacking_files(used) if used is not None else None
+        need = src.worker_needs(wid)
+        lack = dst.lacking_files(need["files"], container=need.get("container")) if need is not None else None
         if lack is None:
             res.unchecked.append(wid)
         elif lack:

@@ -54,7 +54,7 @@ import httpx
 from pitstop import nativelib, nsinit, tls
 from pitstop.endpoints import check_url
 from pitstop.errors import InvalidRequest, PitstopError
-from pitstop.launcher import stdio
+from pitstop.launcher import incontainer, stdio
 from pitstop.launcher.seccomp import deny_io_uring
 from pitstop.proc import caps, proctree, signals
 from pitstop.wire.agent_client import AgentClient
@@ -255,6 +255,14 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         print(f"pitstop run: {e}; the command was not started", file=sys.stderr)
         return 125
     _limit_caps(info)
+    if incontainer.inside(info):  # the container is the worker (launcher/incontainer.py)
+        client.close()
+        if client.uds is None or address:
+            print("pitstop run: in a container, give --agent unix:/PATH, the agent's socket mounted into the "
+                  "container (its network is the container runtime's: no --address)", file=sys.stderr)
+            return 2
+        return incontainer.run(cmd, env, job=job, rank=rank, world=world, sock=client.uds,
+                               snapshot_every_s=snapshot_every_s)
     prefix: list[str] = []
     if address:  # its own network namespace and address, made by the agent (network/workerns.py)
         try:

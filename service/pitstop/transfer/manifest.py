@@ -65,6 +65,9 @@ class Manifest(BaseModel):
     # ino]) and the host it was dumped on: what the restore's reopen of each path is checked against.
     file_ids: dict[str, list[int]] = Field(default_factory=dict)
     host: str = ""
+    # A container's checkpoint (container/podman.py): the container as its source agent recorded it
+    # (agent/containers.py); its runtime restores it.  None: a process tree pitstop's CRIU restores.
+    container: dict[str, Any] | None = None
 
     @property
     def total_bytes(self) -> int:

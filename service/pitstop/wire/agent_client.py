@@ -122,10 +122,12 @@ class AgentClient:
 
     # local (Unix socket) calls
     def register(self, job: str, rank: int, pid: int, address: str | None = None, world: int | None = None,
-                 slurm_job: str | None = None, snapshot_every_s: float | None = None) -> dict:
+                 slurm_job: str | None = None, snapshot_every_s: float | None = None,
+                 container: bool = False) -> dict:
+        """container: the caller runs in a container, which is the worker (launcher/incontainer.py)."""
         return self._req("POST", "/v1/workers", json=body(RegisterRequest, job=job, rank=rank, pid=pid,
                                                           address=address, world=world, slurm_job=slurm_job,
-                                                          snapshot_every_s=snapshot_every_s))
+                                                          snapshot_every_s=snapshot_every_s, container=container))
 
     def signal(self, wid: str, sig: int) -> dict:
         """Deliver a signal to the worker wherever it runs now (agent/handles.py); both doors."""
@@ -161,10 +163,17 @@ class AgentClient:
         return self._or_each(lambda: self._req("GET", f"/v1/workers/{wid}/files", timeout=timeout)["files"],
                              lambda: None)
 
-    def lacking_files(self, files: list[dict], timeout: float = 30.0) -> list[dict] | None:
-        """What this agent's host lacks of those paths, each with why; None from an agent that
-        predates the call."""
-        return self._or_each(lambda: self._req("POST", "/v1/files:check", json=body(FilesCheckRequest, files=files),
+    def worker_needs(self, wid: str, timeout: float = 30.0) -> dict | None:
+        """What a restore of the worker needs: {"files": [...], "container": the container it is, or
+        None}; refused where it cannot move at all (a container whose runtime cannot checkpoint).
+        None from an agent that predates the call."""
+        return self._or_each(lambda: self._req("GET", f"/v1/workers/{wid}/files", timeout=timeout), lambda: None)
+
+    def lacking_files(self, files: list[dict], timeout: float = 30.0, container: dict | None = None) -> list[dict] | None:
+        """What this agent's host lacks of those paths (and of the worker's container, if any), each
+        with why; None from an agent that predates the call."""
+        return self._or_each(lambda: self._req("POST", "/v1/files:check",
+                                               json=body(FilesCheckRequest, files=files, container=container),
                                                timeout=timeout)["lacking"], lambda: None)
 
     def pause(self, wid: str) -> dict:

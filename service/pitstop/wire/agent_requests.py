@@ -119,8 +119,11 @@ class CommitRequest(BaseModel):
 class RegisterRequest(BaseModel):
     job: JobName
     rank: int = Field(ge=0, le=10_000_000)
-    pid: int = Field(gt=1, le=2**22)
+    pid: int = Field(ge=1, le=2**22, description="the worker's root; with `container`, the caller itself, as its "
+                                               "container numbers it")
     address: str | None = Field(None, description="the worker's own address, prepared with POST /v1/networks")
+    container: bool = Field(False, description="the caller is `pitstop run` inside a container: the worker is the "
+                                               "container (launcher/incontainer.py)")
     world: int | None = Field(None, ge=1, le=10_000_000, description="the job's number of ranks, where known")
     slurm_job: str | None = Field(None, max_length=64, pattern=r"^[0-9]+(_[0-9]+)?(\+[0-9]+)?$",
                                   description="the Slurm job whose task started it (SLURM_JOB_ID)")
@@ -162,3 +165,5 @@ class UsedFileModel(BaseModel):
 class FilesCheckRequest(BaseModel):
     files: list[UsedFileModel] = Field(max_length=files.MAX_FILES,
                                        description="paths a worker's restore needs (GET /v1/workers/{id}/files)")
+    container: dict[str, Any] | None = Field(None, description="the worker's container, as its agent records it: "
+                                                               "its image, runtime, mounts and devices are checked")
