@@ -11,6 +11,10 @@ possible); they share this machine's cores with the coordinator, so the figures 
 lower bound for the coordinator on a machine of its own.  Reports requests/s achieved,
 p50/p99/max latency and the coordinator's CPU use; writes bench/out/heartbeat_load.json.
 
+--db both (the default) runs the same load twice in one run, the coordinator on SQLite, then on a
+private PostgreSQL (pitstop.dev.devpostgres, durable: fsync and synchronous commit on, as a real
+install), and reports both, with the PostgreSQL server's own CPU use.
+
     .venv/bin/python bench/heartbeat_load.py --agents 10000 --rate 1 --seconds 30 --procs 2
 """
 
@@ -149,6 +153,86 @@ def cpu_seconds(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def session_cpu_seconds(sid: int) -> float:
+    """CPU seconds of every live process of a session (a PostgreSQL server: its postmaster and backends)."""
+    total = 0.0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            f = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(f[3]) == sid:
+            total += (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+# Every simulated agent connects from this machine's one address: the coordinator's cap on the
+# connections of one source (128, against a flood from one host) would refuse all but the first
+# 128 agents' full reports, which a fleet of hosts with their own addresses never meets.
+ONE_SOURCE = {"PITSTOP_COORDINATOR_MAX_CONNECTIONS_PER_SOURCE": "20000"}
+
+
+def run(a: argparse.Namespace, db: str) -> dict:
+    """The load against one coordinator on `db` (sqlite or postgresql); its figures."""
+    pg = None
+    with LocalCluster(root=Path(tempfile.mkdtemp(prefix="pitstop-hb-"))) as c:
+        try:
+            if db == "postgresql":
+                from pitstop.dev.devpostgres import PrivatePostgres
+
+                pg = PrivatePostgres(durable=True)
+                url = c.start_coordinators([pg.create_database()], envs=[ONE_SOURCE])[0].url
+                pid = c.coordinators[0].proc.pid
+            else:
+                url = c.start_coordinator(env=ONE_SOURCE)
+                assert c.coordinator_proc is not None
+                pid = c.coordinator_proc.pid
+            host, port = url.split("//")[1].split(":")
+            warm = time.monotonic() + a.ramp_s + 5
+            until = warm + a.seconds
+            q: mp.Queue = mp.Queue()
+            chunks = [range(k, a.agents, a.procs) for k in range(a.procs)]
+            ps = [mp.Process(target=generator, args=(ids, host, int(port), c.token, a.rate, a.ramp_s, warm, until,
+                                                     a.full_only, a.transport == "udp" and not a.full_only, q))
+                  for ids in chunks]
+            for p in ps:
+                p.start()
+            time.sleep(max(0.0, warm - time.monotonic()))
+            cpu0, t0 = cpu_seconds(pid), time.monotonic()
+            db0 = session_cpu_seconds(pg.proc.pid) if pg and pg.proc else 0.0
+            time.sleep(max(0.0, until - time.monotonic()))
+            cpu1, t1 = cpu_seconds(pid), time.monotonic()
+            db1 = session_cpu_seconds(pg.proc.pid) if pg and pg.proc else 0.0
+            lat: list[float] = []
+            errors: list[str] = []
+            kinds: dict[str, int] = {}
+            for _ in ps:
+                lt, er, kd = q.get(timeout=120)
+                lat += lt
+                errors += er
+                for k, v in kd.items():
+                    kinds[k] = kinds.get(k, 0) + v
+            for p in ps:
+                p.join(30)
+        finally:
+            for co in c.coordinators:  # before its database goes
+                if co.proc.poll() is None:
+                    co.proc.terminate()
+                    co.proc.wait(30)
+            if pg is not None:
+                pg.close()
+    lat.sort()
+    pct = (lambda x: lat[min(len(lat) - 1, int(x * len(lat)))] * 1000) if lat else (lambda x: float("nan"))
+    return {"database": db, "measured_by_kind": kinds,
+            "achieved_per_s": round(len(lat) / a.seconds, 1), "p50_ms": round(pct(0.5), 2),
+            "p99_ms": round(pct(0.99), 2), "max_ms": round(lat[-1] * 1000, 2) if lat else None,
+            "errors": len(errors), "error_kinds": sorted(set(errors))[:5],
+            "coordinator_cpu_cores": round((cpu1 - cpu0) / (t1 - t0), 2),
+            **({"database_server_cpu_cores": round((db1 - db0) / (t1 - t0), 2)} if pg else {})}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--agents", type=int, default=10000)
@@ -159,6 +243,8 @@ def main() -> None:
     ap.add_argument("--full-only", action="store_true", help="every heartbeat a full report (no beats)")
     ap.add_argument("--transport", choices=("udp", "http"), default="udp",
                     help="how beats travel (full reports always go over HTTP)")
+    ap.add_argument("--db", choices=("both", "sqlite", "postgresql"), default="both",
+                    help="the coordinator's database; both: the same load on each, one after the other")
     a = ap.parse_args()
     import resource
 
@@ -166,44 +252,11 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if a.agents + 64 > hard:
         raise SystemExit(f"{a.agents} agents need {a.agents + 64} open files; the limit here is {hard}")
-    with LocalCluster(root=Path(tempfile.mkdtemp(prefix="pitstop-hb-"))) as c:
-        url = c.start_coordinator()
-        host, port = url.split("//")[1].split(":")
-        pid = c.coordinator_proc.pid
-        warm = time.monotonic() + a.ramp_s + 5
-        until = warm + a.seconds
-        q: mp.Queue = mp.Queue()
-        chunks = [range(k, a.agents, a.procs) for k in range(a.procs)]
-        ps = [mp.Process(target=generator, args=(ids, host, int(port), c.token, a.rate, a.ramp_s, warm, until,
-                                                 a.full_only, a.transport == "udp" and not a.full_only, q))
-              for ids in chunks]
-        for p in ps:
-            p.start()
-        time.sleep(max(0.0, warm - time.monotonic()))
-        cpu0, t0 = cpu_seconds(pid), time.monotonic()
-        time.sleep(max(0.0, until - time.monotonic()))
-        cpu1, t1 = cpu_seconds(pid), time.monotonic()
-        lat: list[float] = []
-        errors: list[str] = []
-        kinds: dict[str, int] = {}
-        for _ in ps:
-            lt, er, kd = q.get(timeout=120)
-            lat += lt
-            errors += er
-            for k, v in kd.items():
-                kinds[k] = kinds.get(k, 0) + v
-        for p in ps:
-            p.join(30)
-    lat.sort()
-    pct = (lambda x: lat[min(len(lat) - 1, int(x * len(lat)))] * 1000) if lat else (lambda x: float("nan"))
+    runs = [run(a, db) for db in (("sqlite", "postgresql") if a.db == "both" else (a.db,))]
     res = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(sys.argv),
            "agents": a.agents, "rate_hz": a.rate, "offered_per_s": a.agents * a.rate,
            "protocol": "full reports only" if a.full_only else f"beats over {a.transport} (full report on change)",
-           "measured_by_kind": kinds,
-           "achieved_per_s": round(len(lat) / a.seconds, 1), "p50_ms": round(pct(0.5), 2),
-           "p99_ms": round(pct(0.99), 2), "max_ms": round(lat[-1] * 1000, 2) if lat else None,
-           "errors": len(errors), "error_kinds": sorted(set(errors))[:5],
-           "coordinator_cpu_cores": round((cpu1 - cpu0) / (t1 - t0), 2)}
+           **(runs[0] if len(runs) == 1 else {"runs": runs})}
     Path("bench/out").mkdir(parents=True, exist_ok=True)
     Path("bench/out/heartbeat_load.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
