@@ -277,3 +277,35 @@ def test_a_postgresql_restarted_under_the_store_is_unavailable_then_reconnected(
         assert s.op("op-1") is not None and [h["name"] for h in s.hosts()] == ["a"]
     finally:
         s.close()
+
+
+def test_a_closed_sqlite_store_answers_unavailable_never_crashes(tmp_path):
+    """A thread of an operation still saving as its coordinator closes the store (in-process tests,
+    a coordinator stopping): the close waits for the statement under way, and later ones get
+    StoreUnavailable.  Closing under a running statement crashed the process (sqlite3)."""
+    from pitstop.coordinator.store import Store, StoreUnavailable
+
+    s = Store(tmp_path / "c.db")
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        while not stop.is_set():
+            try:
+                s.ops(running_only=True)
+            except StoreUnavailable:
+                return
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                return
+
+    ts = [threading.Thread(target=writer) for _ in range(4)]
+    for t in ts:
+        t.start()
+    s.close()
+    stop.set()
+    for t in ts:
+        t.join(10)
+    assert not errors, errors
+    with pytest.raises(StoreUnavailable, match="is closed"):
+        s.ops()

@@ -736,20 +736,31 @@ class Store(BaseStore):
         self._open()
 
     def close(self) -> None:
-        self.db.close()
+        """Under the lock: closing the connection while another thread runs a statement on it
+        crashes the process (sqlite3 frees what that statement uses).  A thread that comes later
+        (an operation's, as its coordinator stops) gets StoreUnavailable, as from a database down."""
+        with self.lock:
+            self._closed = True
+            self.db.close()
+
+    def _open_db(self) -> sqlite3.Connection:
+        if getattr(self, "_closed", False):
+            raise StoreUnavailable(f"the coordinator's database {self.path} is closed: the coordinator is stopping",
+                                   action="nothing to do: a coordinator that starts again takes up what it left")
+        return self.db
 
     def _execute(self, sql: str, args: tuple = ()) -> list[Row]:
-        return self.db.execute(sql, args).fetchall()
+        return self._open_db().execute(sql, args).fetchall()
 
     def _executemany(self, sql: str, rows: list[tuple]) -> None:
-        self.db.executemany(sql, rows)
+        self._open_db().executemany(sql, rows)
 
     def _begin(self) -> None:
         """SQLite itself rolls back a transaction that hit a full disk or an I/O error: a ROLLBACK
         sent after that fails with "cannot rollback - no transaction is active", which then hid
         the real error ("database or disk is full").  So ROLLBACK goes only to a transaction
         still open, and a failing one never replaces the error that caused it."""
-        if self.db.in_transaction:  # one a failed ROLLBACK left open: nothing of it is ours
+        if self._open_db().in_transaction:  # one a failed ROLLBACK left open: nothing of it is ours
             self.db.execute("ROLLBACK")
         # Where coordinators share the file, a transaction's first read (the term) must not have to
         # become a write later: SQLite would answer BUSY at once instead of waiting its turn.
