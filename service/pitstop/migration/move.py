@@ -64,7 +64,7 @@ def move_worker(src: AgentClient, dst: AgentClient, worker_id: str, *, dest_name
             return _move(store, Path(tmp), src, dst, worker_id, dest_name, capture_deadline_s, peers,
                          post_copy, pre_copy)
         finally:
-            store.db.close()
+            store.close()  # under its lock: a fill thread of this move may still be saving
 
 
 def _move(store: Store, tmp: Path, src: AgentClient, dst: AgentClient, worker_id: str, dest_name: str,
