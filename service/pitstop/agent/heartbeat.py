@@ -28,6 +28,7 @@ from pitstop.endpoints import split_urls
 from pitstop.proc import caps
 from pitstop.wire.auth import bearer
 from pitstop.wire.beats import ACK_OK, ACK_RESYNC, decode_ack, encode_beat
+from pitstop.wire.coordinator_client import not_leader
 
 log = structlog.get_logger("pitstop.agent.heartbeat")
 
@@ -282,7 +283,7 @@ async def _report_loop(agent: Agent, link: Link) -> None:
                 if r.status_code >= 300:
                     if path == FULL:  # not stored: say it all again (a lost beat needs nothing: 409 tells)
                         rep.failed()
-                    leader = _not_leader(r)
+                    leader = not_leader(r)
                     if leader is not None:  # a standby: report to the leader it names (none yet: the next)
                         link.switch(leader or None)
                         rep.failed()
@@ -321,20 +322,6 @@ async def _report_loop(agent: Agent, link: Link) -> None:
                 if await asyncio.to_thread(agent.snapshots.isolate, agent.s.self_fence_s):
                     rep.failed()  # the next report is a full one: its answer says which jobs were fenced
             await asyncio.sleep(agent.s.heartbeat_s)
-
-
-def _not_leader(r: httpx.Response) -> str | None:
-    """A standby's answer (coordinator/standby.py): the leader's URL, "" while none leads; None for
-    any other answer."""
-    if r.status_code != 503:
-        return None
-    try:
-        err = r.json().get("error") or {}
-        if err.get("code") != "not_leader":
-            return None
-        return str((err.get("details") or {}).get("leader") or "").rstrip("/")
-    except (ValueError, AttributeError):
-        return None
 
 
 def _current_term(agent: Agent, r: httpx.Response) -> bool:

@@ -82,7 +82,7 @@ class CoordinatorClient:
                 continue
             except httpx.HTTPError as e:
                 raise self._unreachable(e) from None
-            leader = _not_leader(r)
+            leader = not_leader(r)
             if leader is None or time.monotonic() >= end:
                 return r
             if leader and leader != self.url:  # a standby named the leader: go there
@@ -208,27 +208,27 @@ class HandleClient(CoordinatorClient):
 
 
 
+def _unavailable_error(r: httpx.Response) -> dict | None:
+    """A coordinator's 503 problem ({"code", "message", "details"}), or None for any other answer."""
+    if r.status_code != 503:
+        return None
+    try:
+        err = r.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return err if isinstance(err, dict) else None
+
+
 def _database_unavailable(r: httpx.Response) -> bool:
     """A coordinator's answer that it cannot use its database now (coordinator/store.py)."""
-    if r.status_code != 503:
-        return False
-    try:
-        err = r.json().get("error") or {}
-    except ValueError:
-        return False
-    return isinstance(err, dict) and err.get("code") == "database_unavailable"
+    return (_unavailable_error(r) or {}).get("code") == "database_unavailable"
 
 
-def _not_leader(r: httpx.Response) -> str | None:
+def not_leader(r: httpx.Response) -> str | None:
     """A standby's answer (coordinator/standby.py): the leader's URL, "" while none leads; None for
-    any other answer."""
-    if r.status_code != 503:
-        return None
-    try:
-        err = r.json().get("error") or {}
-    except ValueError:
-        return None
-    if not isinstance(err, dict) or err.get("code") != "not_leader":
+    any other answer.  The agents' heartbeat reads it too."""
+    err = _unavailable_error(r)
+    if err is None or err.get("code") != "not_leader":
         return None
     leader = (err.get("details") or {}).get("leader")
     return str(leader).rstrip("/") if leader else ""
