@@ -159,6 +159,12 @@ def test_datagram_beats_are_authenticated_and_never_replayed():
     assert len(sent) == 1 and p.dropped == 5  # dropped without an answer
     p.datagram_received(encode_beat(b"tok", 14, "gpu-1", "g-0", now), ("h", 1))  # unknown generation
     assert sent[-1] == (14, ACK_RESYNC) and counted == [1]
+    stopping = BeatDatagrams(beat=lambda n, g: None, token="tok", count=lambda: counted.append(1))
+    stopping.connection_made(T())
+    stopping.datagram_received(encode_beat(b"tok", 15, "gpu-1", "g-1", now), ("h", 1))
+    # a coordinator that is stopping answers nothing: a "resync" from it would bring the agent's full
+    # report, for nothing, to the coordinator after it (which has the last one on disk)
+    assert len(sent) == 2 and stopping.dropped == 1 and counted == [1]
 
 
 def test_udp_beat_without_an_answer_times_out():

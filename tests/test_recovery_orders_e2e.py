@@ -28,6 +28,14 @@ def _quicker_detection(monkeypatch):
     monkeypatch.setenv("PITSTOP_AGENT_SELF_FENCE_S", "3")
 
 
+@pytest.fixture(autouse=True)
+def _no_multiprocessing_leftovers():
+    """The same clean-up after a failed run too: a recovery that failed leaves the killed loader
+    workers' directories as well, and the suite's leak check would then report those instead."""
+    yield
+    _multiprocessing_leftovers()
+
+
 def _cluster(cluster) -> CoordinatorClient:
     cluster.net = NetHosts()
     cluster.start_coordinator()

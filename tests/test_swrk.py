@@ -145,3 +145,30 @@ def test_a_worker_killed_mid_request_is_reaped_by_close() -> None:
     spawned.close()
     spawned.close()  # twice is harmless
     assert not Path(f"/proc/{pid}").exists()
+
+
+def test_a_wrapper_still_open_for_writing_in_a_forked_child_starts_once_that_child_execs(tmp_path: Path) -> None:
+    """CI, 2026-12-07: a move's restore failed with "[Errno 26] Text file busy" on the CRIU wrapper
+    script written for it (criu/runtime.py, preloaded_wrapper), because a process another thread
+    forked meanwhile still held the script's write descriptor.  Here a descriptor open for writing
+    stands in for that child; it closes 0.3 s later, and the start goes through then."""
+    script = tmp_path / "criu-wrapper.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o755)
+    held = os.open(script, os.O_WRONLY)
+    with pytest.raises(OSError) as busy:  # the control: the kernel refuses it while it is held
+        subprocess.Popen([str(script)])
+    assert busy.value.errno == 26
+    threading.Timer(0.3, os.close, args=(held,)).start()
+    w = swrk.SpawnedSwrk(str(script))
+    w.connect(False)
+    assert w.swrk and w._proc is not None
+    w.close()
+    assert w._proc.returncode == 0
+
+
+def test_a_start_refused_for_another_reason_is_not_tried_again(tmp_path: Path) -> None:
+    script = tmp_path / "not-executable.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    with pytest.raises(PermissionError):
+        swrk.SpawnedSwrk(str(script)).connect(False)

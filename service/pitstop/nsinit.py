@@ -155,6 +155,19 @@ def pinned(path: str | None) -> Iterator[None]:
             os.close(fd)
 
 
+CWD_LOST = "Can't open cwd"
+
+
+def lost_cwd(path: str | None, criu_errors: list[str]) -> str | None:
+    """Where a restore failed because CRIU could not open the init directory it works in: what is
+    there now ("missing", "present, pinned", "present, not pinned"); None for any other failure."""
+    if not path or not valid(path) or not any(CWD_LOST in line for line in criu_errors):
+        return None
+    if not os.path.isdir(path):
+        return "missing"
+    return "present, pinned" if os.path.exists(os.path.join(path, PIN)) else "present, not pinned"
+
+
 def remove(path: str | Path | None) -> None:
     """Remove the init directory of a worker that ended here (only while empty; never through a link)."""
     if not path or not valid(str(path)):

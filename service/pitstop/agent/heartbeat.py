@@ -285,8 +285,7 @@ async def _report_loop(agent: Agent, link: Link) -> None:
                         rep.failed()
                     leader = not_leader(r)
                     if leader is not None:  # a standby: report to the leader it names (none yet: the next)
-                        link.switch(leader or None)
-                        rep.failed()
+                        link.switch(leader or None)  # a beat needs nothing more: the leader shares the database
                         await asyncio.sleep(STANDBY_RETRY_S)
                         continue
                     raise httpx.HTTPStatusError(r.text[:200], request=r.request, response=r)

@@ -87,6 +87,10 @@ class Leadership:
     def leading(self) -> bool:
         return self.term is not None and self.lost is None and self.clock() < self.valid_until
 
+    def stopping(self) -> bool:
+        """Told to stop (stop() ran): the lease is given up, or about to be."""
+        return self._stop.is_set()
+
     def current(self) -> int:
         """The term to send with a call to an agent; NotLeader where this coordinator may not act."""
         term = self.term

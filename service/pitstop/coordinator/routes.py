@@ -22,7 +22,7 @@ from pitstop.coordinator.planner import unmovable_workers
 from pitstop.coordinator.service import ROLES, Coordinator, CoordinatorDep, operation_view
 from pitstop.coordinator.snapshots import MIN_EVERY_S, interval
 from pitstop.coordinator.store import LIVE
-from pitstop.errors import Conflict, Forbidden, NotFound, Unprocessable
+from pitstop.errors import Conflict, Forbidden, NotFound, Unavailable, Unprocessable
 from pitstop.httpapi import bearer, require_token, token_matches
 from pitstop.wire.auth import handle_token_ok
 from pitstop.wire.coordinator_requests import (
@@ -151,7 +151,11 @@ def _term(c: "Coordinator") -> dict:
 @agents.post("/agents:beat", responses={409: {"description": "no full report of this generation: send one"}})
 async def beat(c: CoordinatorDep, b: Beat) -> dict:
     """Runs on the event loop and touches only memory (Store.beat): 10,000 agents send one a second."""
-    if not c.beat_seen(b.name, b.generation):
+    seen = c.beat_seen(b.name, b.generation)
+    if seen is None:
+        raise Unavailable("this coordinator is stopping", code="stopping",
+                          action="beat again in a moment: a restarted coordinator or a standby takes over")
+    if not seen:
         raise Conflict(f"no full report of generation {b.generation} from {b.name}", code="resync",
                        action="send a full report (POST /v1/agents:heartbeat), then beat again")
     c.metrics.heartbeats.labels("beat").inc()

@@ -248,10 +248,14 @@ class Coordinator:
         finally:  # even a takeover that failed half way: the watchdog then adopts what it left
             self._taken_over.set()
 
-    def beat_seen(self, name: str, generation: str) -> bool:
+    def beat_seen(self, name: str, generation: str) -> bool | None:
         """A beat noted in memory (contact, whatever its generation); a node that reports again is
         asked to finish earlier moves' cleanup.  False: ask it for a full report (or, on a
-        standby, send it to the leader)."""
+        standby, send it to the leader).  None: this coordinator is stopping, and says nothing: a
+        "send a full report" from it would bring every agent's full report to the next leader
+        (or to itself, restarted), which has the last one already."""
+        if self.lead is not None and self.lead.stopping():
+            return None
         if not self.leading() or not self.store.beat(name, generation):
             return False
         self.driver.node_seen(name)

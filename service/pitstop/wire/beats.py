@@ -41,7 +41,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 class BeatFastPath:
     """ASGI middleware: answers plain beats from memory, passes everything else on."""
 
-    def __init__(self, app: Callable, *, beat: Callable[[str, str], bool], token: str | None,
+    def __init__(self, app: Callable, *, beat: Callable[[str, str], bool | None], token: str | None,
                  count: Callable[[], None], count_udp: Callable[[], None] | None = None) -> None:
         self.app = app
         self._beat = beat
@@ -95,7 +95,7 @@ class BeatFastPath:
         name, gen = b["name"], b["generation"]
         if not (isinstance(name, str) and isinstance(gen, str) and _NAME.fullmatch(name) and _GEN.fullmatch(gen)):
             return False
-        return self._beat(name, gen)  # False: unknown generation; the route answers 409
+        return self._beat(name, gen) is True  # else the route answers (409: unknown generation; 503: stopping)
 
 
 def _replay(messages: list[dict[str, Any]], receive: Receive) -> Receive:
@@ -187,7 +187,7 @@ def decode_ack(key: bytes, data: bytes) -> tuple[int, int] | None:
 class BeatDatagrams(asyncio.DatagramProtocol):
     """The coordinator's UDP beat endpoint: verify, note the beat in memory, ack."""
 
-    def __init__(self, *, beat: Callable[[str, str], bool], token: str | None, count: Callable[[], None],
+    def __init__(self, *, beat: Callable[[str, str], bool | None], token: str | None, count: Callable[[], None],
                  clock: Callable[[], float] = time.time) -> None:
         self._beat = beat
         self._key = (token or "").encode()
@@ -214,6 +214,9 @@ class BeatDatagrams(asyncio.DatagramProtocol):
             return
         self._last_seq[name] = seq
         ok = self._beat(name, gen)
+        if ok is None:  # a coordinator that is stopping: no answer (the agent beats over HTTP instead)
+            self.dropped += 1
+            return
         if ok:
             self._count()
         assert self.transport is not None
