@@ -221,8 +221,10 @@ def _suite_tmpdir(tmp_path_factory):
 
 
 # Caches a tool keeps in $TMPDIR on purpose, for every later run (torch's compile cache, which
-# torchrun's import of torch makes): not a test's leftover; the suite's directory goes at its end.
-TMP_CACHES = ("torchinductor_",)
+# torchrun's import of torch makes), and the session's own PostgreSQL server (tests/postgres.py,
+# made by the first test that needs it, stopped and removed at the session's end): not a test's
+# leftover; the suite's directory goes at its end.
+TMP_CACHES = ("torchinductor_", "pitstop-pg-")
 INIT_DIRS = "init"
 
 
