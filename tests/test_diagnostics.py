@@ -21,9 +21,9 @@ def test_a_kept_diagnostic_outlives_its_images_and_only_the_newest_stay(tmp_path
     kept = []
     for i in range(capturing.DIAGNOSTICS_KEPT + 3):
         (images / "dump.log").write_text(f"dump {i}\n")
-        kept.append(side._keep_diagnostic(images / "dump.log", f"cap-{i}-dump.log"))
+        kept.append(side.keep_diagnostic(images / "dump.log", f"cap-{i}-dump.log"))
         os.utime(kept[-1], (time.time() - 1000 + i,) * 2)  # distinct ages, whatever the clock's grain
     left = sorted(p.name for p in (tmp_path / "state" / "diagnostics").iterdir())
     assert left == sorted(f"cap-{i}-dump.log" for i in range(3, capturing.DIAGNOSTICS_KEPT + 3))
     assert kept[-1].read_text() == f"dump {capturing.DIAGNOSTICS_KEPT + 2}\n"
-    assert side._keep_diagnostic(images / "missing.log", "x.log") is None  # says so in the log, raises nothing
+    assert side.keep_diagnostic(images / "missing.log", "x.log") is None  # says so in the log, raises nothing

@@ -112,3 +112,49 @@ def test_every_unit_has_a_layer():
     placed = set().union(*(u for _, u in LAYERS))
     assert units - placed == set(), "place these in LAYERS (tests/test_layers.py) and docs/architecture.md"
     assert placed - units == set(), "these are in LAYERS but no longer exist"
+
+
+def circles(files: dict[Path, str | None]) -> list[list[str]]:
+    """Modules that import one another, directly or round a loop (every import counts, those for
+    type checking too): each circle once, as its modules in import order."""
+    graph: dict[str, set[str]] = {}
+    for path, source in files.items():
+        name = ".".join(_module_name(path)[0])
+        graph.setdefault(name, set()).update(m for m in imports_of(path, source) if m != name and m != "pitstop")
+    found: list[list[str]] = []
+    seen: set[frozenset[str]] = set()
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+    path: list[str] = []
+
+    def walk(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                loop = path[path.index(n):]
+                if frozenset(loop) not in seen:
+                    seen.add(frozenset(loop))
+                    found.append(loop)
+            elif n in graph and not state.get(n):
+                walk(n)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if not state.get(m):
+            walk(m)
+    return found
+
+
+def test_no_two_modules_import_each_other():
+    """Within a unit too: a circle (the agent and its snapshots, the coordinator's service and its
+    takeover, each needing the other) means neither can be read, tested or changed alone; the
+    lower one names what it needs (a Protocol, or the collaborators themselves) instead."""
+    assert circles(_tree()) == []
+
+
+def test_a_circle_is_caught():
+    a = {PKG / "agent" / "agent.py": "from pitstop.agent.snapshots import Snapshots\n",
+         PKG / "agent" / "snapshots.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                         "    from pitstop.agent.agent import Agent\n"}
+    assert circles(a) == [["pitstop.agent.agent", "pitstop.agent.snapshots"]]

@@ -83,7 +83,7 @@ class Agent:
         self.image_fs = imagefs.prepare(settings.images, enabled=settings.image_mount, size=settings.image_mount_size)
         self.dest.adopt()
         self.handles = Handles(settings, self.state)
-        self.snapshots = Snapshots(self)
+        self.snapshots = Snapshots(settings, self.state, self.source, self.dest)
         self.coordinator_seen = time.monotonic()  # the last answer of the coordinator (agent/heartbeat.py)
         self.handles.adopt()
         self.started = time.time()

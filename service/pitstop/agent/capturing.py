@@ -361,13 +361,13 @@ class SourceSide:
         tail = DirectoryTail(d, on_progress=lambda n: progress.__setitem__("bytes_sent", n),
                              compression=self._compression(dest_url))
         errors: list[BaseException] = []
-        sender = threading.Thread(target=self._send_to, args=(dest_url, pre_id, tail, errors, [0.0]),
+        sender = threading.Thread(target=self.send_to, args=(dest_url, pre_id, tail, errors, [0.0]),
                                   name=f"precopy-{image_id}", daemon=True)
         sender.start()
         try:
             try:
                 faults.hit("precopy:before_read")
-                basis = precopy.snapshot(w.id, pids, d, stop=stop, track=self._track_writes())
+                basis = precopy.snapshot(w.id, pids, d, stop=stop, track=self.track_writes())
             except BaseException as e:
                 tail.failure = e if isinstance(e, Exception) else Exception(repr(e))
                 raise
@@ -404,7 +404,7 @@ class SourceSide:
             return None
         return b
 
-    def _track_writes(self) -> bool:
+    def track_writes(self) -> bool:
         """Whether a pre-copy asks the kernel what the worker wrote (memory/writetrack.py); the
         kernel is asked once per agent."""
         if not self.s.precopy_write_tracking:
@@ -487,14 +487,14 @@ class SourceSide:
             # pitstop has marked the dump (memory/lazyrule.py): keep the log to see what it was.
             log.warning("post-copy found no lazy pages in the dump: all of it travels before the restore",
                         capture=cap.id, worker=cap.worker_id, eager_bytes=sp.eager_bytes,
-                        dump_log=str(self._keep_diagnostic(images / criu_ops.DUMP_LOG, f"{cap.id}-dump.log")))
+                        dump_log=str(self.keep_diagnostic(images / criu_ops.DUMP_LOG, f"{cap.id}-dump.log")))
         self.page_sources[cap.image_id] = PageSource(cap, sp)  # type: ignore[index]
         self.state.update_capture(cap, post_copy={**postcopy.describe(sp), "pages_served": 0},
                                   phases={**cap.phases, "split": time.monotonic() - t0})
         return {"url": self.s.url, "data_port": self.data_port, "image_id": cap.image_id,
                 "lazy_bytes": sp.lazy_bytes}
 
-    def _keep_diagnostic(self, src: Path, name: str) -> Path | None:
+    def keep_diagnostic(self, src: Path, name: str) -> Path | None:
         """Copy a file that explains something odd out of an image directory (deleted after the
         move) into <state dir>/diagnostics, keeping the newest DIAGNOSTICS_KEPT."""
         d = self.s.state_dir / "diagnostics"
@@ -684,7 +684,7 @@ class SourceSide:
         if not kind.whole:  # their views hard-link the dump's files, which changes their ctime: sealed again
             self.state.update_capture(cap, seal=seal.take(images))
         tail.manifest_base = Manifest(capture_id=cap.id, stdio=[StdioPipe(**d) for d in stdio],
-                                      criu_version=runtime.locate().version_str, output_base=self._output_end(w),
+                                      criu_version=runtime.locate().version_str, output_base=self.output_end(w),
                                       worker={"id": w.id, "job": w.job, "rank": w.rank,
                                               **({"init_dir": w.init_dir} if w.init_dir else {}),
                                               **({"slurm_job": w.slurm_job} if w.slurm_job else {})}, gpu=cap.gpu,
@@ -881,7 +881,7 @@ class SourceSide:
         with self._locks_guard:
             return self._cwd_locks.setdefault(cwd, threading.Lock()), cwd
 
-    def _output_end(self, w: Worker) -> dict[str, int]:
+    def output_end(self, w: Worker) -> dict[str, int]:
         """Where this host's copy of the worker's output ends: the next host continues from there."""
         if not w.restored:
             return {}
@@ -892,9 +892,9 @@ class SourceSide:
         return out
 
     def _send(self, cap: Capture, tail: DirectoryTail, errors: list[BaseException], done: list[float]) -> None:
-        self._send_to(cap.dest_url, cap.image_id, tail, errors, done)  # type: ignore[arg-type]
+        self.send_to(cap.dest_url, cap.image_id, tail, errors, done)  # type: ignore[arg-type]
 
-    def _send_to(self, dest_url: str, image_id: str, tail: DirectoryTail, errors: list[BaseException],
+    def send_to(self, dest_url: str, image_id: str, tail: DirectoryTail, errors: list[BaseException],
                  done: list[float]) -> None:
         url = f"{dest_url.rstrip('/')}/v1/images/{image_id}"
         try:
@@ -968,7 +968,7 @@ class SourceSide:
         proctree.kill_and_wait(w.root_pid)
         faults.hit("rollback:before_restore")
         restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
-                                             stdio=cap.stdio, replace=True, output_base=self._output_end(w),
+                                             stdio=cap.stdio, replace=True, output_base=self.output_end(w),
                                              gpu=cap.gpu, net=w.net, init_dir=w.init_dir,
                                              reopen=file_identity.Reopen.read(cap.image_dir))
         netlock.release(cap.run_id)
@@ -1099,7 +1099,7 @@ class SourceSide:
                 self._check_seal(cap)
                 faults.hit("rollback:before_restore")
                 restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
-                                                     stdio=cap.stdio, replace=True, output_base=self._output_end(w),
+                                                     stdio=cap.stdio, replace=True, output_base=self.output_end(w),
                                                      gpu=cap.gpu, net=w.net, init_dir=w.init_dir,
                                                      reopen=file_identity.Reopen.read(cap.image_dir))
                 netlock.release(cap.run_id)

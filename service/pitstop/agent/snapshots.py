@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from pitstop import faults, nsinit, shimctl
-from pitstop.agent.state import Worker
+from pitstop.agent.settings import AgentSettings
+from pitstop.agent.state import AgentState, Worker
 from pitstop.criu import criu_ops, criutrack, image_files, runtime, seal
 from pitstop.errors import (
     CaptureFailed,
@@ -53,7 +54,8 @@ from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.agent_requests import JOB_PATTERN, WORKER_PATTERN
 
 if TYPE_CHECKING:
-    from pitstop.agent.agent import Agent
+    from pitstop.agent.capturing import SourceSide
+    from pitstop.agent.receiving import DestinationSide
 
 log = structlog.get_logger("pitstop.agent.snapshots")
 
@@ -114,12 +116,15 @@ class Replication:
 
 
 class Snapshots:
-    def __init__(self, agent: "Agent") -> None:
-        self.a = agent
-        self.root = agent.s.images / "snapshots"
+    def __init__(self, settings: AgentSettings, state: AgentState, source: "SourceSide",
+                 dest: "DestinationSide") -> None:
+        """The agent's settings and workers; its source side dumps and sends a part as a capture's
+        would, its destination side restores one."""
+        self.s, self.state, self.source, self.dest = settings, state, source, dest
+        self.root = settings.images / "snapshots"
         self.lock = threading.Lock()
         self.replications: dict[tuple[str, int], Replication] = {}
-        self.fences_file = agent.s.state_dir / "fences.json"
+        self.fences_file = settings.state_dir / "fences.json"
         self.isolated: set[str] = set()  # workers stopped and cut off while the coordinator was out of reach
         self.trackers: dict[str, dict[int, writetrack.Tracked]] = {}  # worker -> its processes' write tracking
         self.reset_at: dict[str, tuple[str, int]] = {}  # worker -> (job, the part its tracking was last reset at)
@@ -132,7 +137,7 @@ class Snapshots:
         return d / wid if wid else d
 
     def _workers(self, job: str, ids: list[str]) -> list[Worker]:
-        ws = [self.a.state.worker(wid) for wid in dict.fromkeys(ids)]
+        ws = [self.state.worker(wid) for wid in dict.fromkeys(ids)]
         bad = [f"{w.id} belongs to job {w.job}" for w in ws if w.job != job]
         if bad:
             raise Conflict("; ".join(bad), action="name only the job's own workers")
@@ -173,9 +178,9 @@ class Snapshots:
 
     def budget(self) -> int:
         """Bytes snapshots may hold here."""
-        if self.a.s.snapshot_budget_mb:
-            return self.a.s.snapshot_budget_mb << 20
-        return shutil.disk_usage(self.a.s.images).total // 2
+        if self.s.snapshot_budget_mb:
+            return self.s.snapshot_budget_mb << 20
+        return shutil.disk_usage(self.s.images).total // 2
 
     def usage(self) -> int:
         """Bytes the snapshots hold here now (own parts and replicas)."""
@@ -203,7 +208,7 @@ class Snapshots:
         used, budget = self.usage(), self.budget()
         if used + need > budget:
             raise FailedPrecondition(
-                f"a snapshot of job {job} would take about {need >> 20} MiB on {self.a.s.name}, which holds "
+                f"a snapshot of job {job} would take about {need >> 20} MiB on {self.s.name}, which holds "
                 f"{used >> 20} MiB of snapshots already: over its budget of {budget >> 20} MiB",
                 code="snapshot_budget", action="raise PITSTOP_AGENT_SNAPSHOT_BUDGET_MB on that host (the image "
                 "directory must have the room), snapshot less often, or give the job hosts with more memory")
@@ -214,7 +219,7 @@ class Snapshots:
         and lifted after the last, so that no byte is acknowledged by a rank already dumped and
         missing from the sender's images (or the reverse).  Never lifted under a dump under way."""
         if not locked:
-            self.wait_dumps(ids, self.a.s.dump_timeout_s)
+            self.wait_dumps(ids, self.s.dump_timeout_s)
         nft = runtime.locate().nft
         for w in self._workers(job, ids):
             net = self._own_net(w, cut)
@@ -309,7 +314,7 @@ class Snapshots:
         pids = proctree.tree(w.root_pid)
         stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
         parent, binary = (None, None) if whole else self._parent_for(w, job, number)
-        gpu = self.a.source.gpu.suspend(pids, rescan=lambda: proctree.tree(w.root_pid))
+        gpu = self.source.gpu.suspend(pids, rescan=lambda: proctree.tree(w.root_pid))
         depth = 0
         try:
             faults.hit("snapshot:before_dump")
@@ -320,34 +325,34 @@ class Snapshots:
                 d.mkdir(mode=0o700, exist_ok=True)
                 os.symlink(f"../../../{p}/{OWN}/{w.id}", d / PARENT)  # from <job>/<n>/own/<wid>
                 try:
-                    res = criu_ops.dump(w.root_pid, d, timeout_s=self.a.s.dump_timeout_s, leave_running=True,
+                    res = criu_ops.dump(w.root_pid, d, timeout_s=self.s.dump_timeout_s, leave_running=True,
                                         own_netns=own, parent=PARENT, binary=binary, log_level=criutrack.LOG_LEVEL)
                 except CaptureFailed as e:  # CRIU let the tree be; its writes are still tracked
                     log.warning("an incremental snapshot failed; dumping whole", worker=w.id, reason=e.message)
-                    kept = self.a.source._keep_diagnostic(d / criu_ops.DUMP_LOG, f"snapshot-incremental-{w.id}.log")
+                    kept = self.source.keep_diagnostic(d / criu_ops.DUMP_LOG, f"snapshot-incremental-{w.id}.log")
                     if kept:
                         log.info("its CRIU log is kept", log=str(kept))
                     for f in d.iterdir():
                         f.unlink()
                     parent, depth = None, 0
             if res is None:  # whole; with the dump's time recorded where a delta may follow it (CRIU's pid-reuse check)
-                tracked = bool(self.trackers.get(w.id)) and criutrack.binary(self.a.s.state_dir)[0]
-                res = criu_ops.dump(w.root_pid, d, timeout_s=self.a.s.dump_timeout_s, leave_running=True, own_netns=own,
+                tracked = bool(self.trackers.get(w.id)) and criutrack.binary(self.s.state_dir)[0]
+                res = criu_ops.dump(w.root_pid, d, timeout_s=self.s.dump_timeout_s, leave_running=True, own_netns=own,
                                     track_mem=bool(tracked), binary=tracked or None)
             self._reset_tracking(w, number, pids)
             sealed = seal.take(d)  # a stat of each file, no byte read: checked before any restore of the part
             ids = file_identity.identities(pids)
         finally:
             if gpu:
-                self.a.source.gpu.resume_in_place(gpu.record())
+                self.source.gpu.resume_in_place(gpu.record())
         (d / META).write_text(json.dumps({"parent": parent[0] if parent else None, "depth": depth + 1 if parent else 0,
                                           "pages_written": res.pages_written, "pages_in_parent": res.pages_in_parent,
                                           "seal": sealed}))
         (d / FILES).write_text(json.dumps([f.to_dict() for f in written_files.written_files(pids)]))
         size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
         m = Manifest(capture_id=d.name, stdio=[StdioPipe(**s) for s in stdio], criu_version=runtime.locate().version_str,
-                     output_base=self.a.source._output_end(w), gpu=gpu.record() if gpu else {}, net=w.net,
-                     host=self.a.s.name, file_ids=ids,
+                     output_base=self.source.output_end(w), gpu=gpu.record() if gpu else {}, net=w.net,
+                     host=self.s.name, file_ids=ids,
                      worker={"id": w.id, "job": w.job, "rank": w.rank, **({"init_dir": w.init_dir} if w.init_dir else {}),
                              **({"slurm_job": w.slurm_job} if w.slurm_job else {}),
                              **({"snapshot_every_s": w.snapshot_every_s} if w.snapshot_every_s else {})})
@@ -359,7 +364,7 @@ class Snapshots:
     def track(self, w: Worker) -> None:
         """Track the writes of every process of the worker not tracked yet; asked while it runs
         (the handoff needs its processes to answer a signal), before the snapshot's pause."""
-        if not self.a.source._track_writes():
+        if not self.source.track_writes():
             return
         pids = proctree.tree(w.root_pid)
         have = self.trackers.setdefault(w.id, {})
@@ -388,7 +393,7 @@ class Snapshots:
         depth = _meta(prev).get("depth", 0)
         if depth + 1 >= CHAIN_MAX:
             return None, None
-        binary, _ = criutrack.binary(self.a.s.state_dir)
+        binary, _ = criutrack.binary(self.s.state_dir)
         return ((at[1], depth), binary) if binary else (None, None)
 
     def _reset_tracking(self, w: Worker, number: int, pids: list[int]) -> None:
@@ -431,11 +436,11 @@ class Snapshots:
         tail.finished.set()
         errors: list[BaseException] = []
         done = [0.0]
-        self.a.source._send_to(dest_url, iid, tail, errors, done)
+        self.source.send_to(dest_url, iid, tail, errors, done)
         if errors:
             e = errors[0]
             raise e if isinstance(e, PitstopError) else TransferFailed(repr(e), action="check the peer agent")
-        with AgentClient(dest_url, self.a.s.cluster_token, timeout=self.a.s.transfer_timeout_s) as peer:
+        with AgentClient(dest_url, self.s.cluster_token, timeout=self.s.transfer_timeout_s) as peer:
             peer.verify(iid)
             if keep:
                 peer.keep_replica(iid, *keep)
@@ -446,11 +451,11 @@ class Snapshots:
         if iid != image_id(job, number, wid):
             raise Conflict(f"image {iid} is not part {wid} of snapshot {number} of job {job}",
                            action="name the image the part was sent as")
-        src = self.a.dest.take_verified(iid)
+        src = self.dest.take_verified(iid)
         size = sum(f.stat().st_size for f in src.iterdir() if f.is_file())
         if self.usage() + size > self.budget():
             shutil.rmtree(src, ignore_errors=True)
-            raise FailedPrecondition(f"{self.a.s.name} cannot keep a {size >> 20} MiB replica: it holds {self.usage() >> 20} "
+            raise FailedPrecondition(f"{self.s.name} cannot keep a {size >> 20} MiB replica: it holds {self.usage() >> 20} "
                                      f"MiB of snapshots, and its budget is {self.budget() >> 20} MiB",
                                      code="snapshot_budget",
                                      action="raise PITSTOP_AGENT_SNAPSHOT_BUDGET_MB on that host, or add a spare")
@@ -528,10 +533,10 @@ class Snapshots:
         rolls it back, instead of ending (shim/ctl.h `protect`; a worker without the shim, or one
         whose shim predates it, ends as before).  Written now; the agent's look at each worker's
         blocks writes it again where a block differs (a process made since, a rank restored)."""
-        for w in [w for w in self.a.state.workers.values() if w.job == job]:
+        for w in [w for w in self.state.workers.values() if w.job == job]:
             if w.protected_by == number:
                 continue
-            self.a.state.update_worker(w, protected_by=number)
+            self.state.update_worker(w, protected_by=number)
             if w.state in ("running", "paused"):
                 try:
                     shimctl.protect(shimctl.headers(w.root_pid), number or 0)
@@ -553,11 +558,11 @@ class Snapshots:
         restored next instead of reporting the rank's end."""
         stopped = []
         for wid in dict.fromkeys(ids):
-            w = self.a.state.workers.get(wid)
+            w = self.state.workers.get(wid)
             if w is None or w.job != job:
                 continue
             if w.state in ("running", "paused", "capturing", "stopped"):
-                self.a.state.update_worker(w, state="stopped", reason=why)
+                self.state.update_worker(w, state="stopped", reason=why)
                 proctree.kill_and_wait(w.root_pid)
                 stopped.append(wid)
             self.end_tracking(wid)
@@ -580,20 +585,20 @@ class Snapshots:
         why = f"fenced: job {job} was recovered elsewhere (recovery {epoch}) while this host was away" + (
             f"; {reason}" if reason else "")
         killed = []
-        for w in [w for w in self.a.state.workers.values() if w.job == job]:
+        for w in [w for w in self.state.workers.values() if w.job == job]:
             if w.state in ("running", "paused", "capturing", "stopped"):
                 proctree.kill_and_wait(w.root_pid)
                 killed.append(w.id)
             if w.state not in ("exited", "moved"):
-                self.a.state.update_worker(w, state="lost", reason=why, fenced_epoch=epoch)
+                self.state.update_worker(w, state="lost", reason=why, fenced_epoch=epoch)
             else:
-                self.a.state.update_worker(w, fenced_epoch=epoch)
+                self.state.update_worker(w, fenced_epoch=epoch)
             net = workerns.from_dict(w.net)
             if net:
                 workerns.destroy(net)
         # its init's directory: empty now, removed once nothing works in it (not at once: on a machine
         # whose hosts share /run, the rank's copy on the spare is being restored into that very path)
-        for w in [w for w in self.a.state.workers.values() if w.job == job and w.init_dir]:
+        for w in [w for w in self.state.workers.values() if w.job == job and w.init_dir]:
             t = threading.Timer(FENCED_INIT_DIR_KEEP_S, nsinit.remove_unused, args=(w.init_dir,))
             t.daemon = True
             t.start()
@@ -612,13 +617,13 @@ class Snapshots:
         this one on the network.  Whether any was isolated now."""
         nft = runtime.locate().nft
         done = False
-        for w in list(self.a.state.workers.values()):
+        for w in list(self.state.workers.values()):
             if w.snapshot_every_s and w.state == "running" and w.id not in self.isolated:
                 net = workerns.from_dict(w.net)
                 if net:
                     workerns.lock(net, nft)
                 proctree.stop(proctree.tree(w.root_pid))
-                self.a.state.update_worker(w, state="paused", paused_at=time.time(),
+                self.state.update_worker(w, state="paused", paused_at=time.time(),
                                            reason=f"isolated: the coordinator did not answer for {silent_s:g} s")
                 self.isolated.add(w.id)
                 done = True
@@ -632,7 +637,7 @@ class Snapshots:
         elsewhere now); the others run on where they stopped."""
         nft = runtime.locate().nft
         for wid in sorted(self.isolated):
-            w = self.a.state.workers.get(wid)
+            w = self.state.workers.get(wid)
             if w is None:
                 continue
             if w.job in fences:
@@ -643,7 +648,7 @@ class Snapshots:
                 net = workerns.from_dict(w.net)
                 if net:
                     workerns.unlock(net, nft)
-                self.a.state.update_worker(w, state="running", running_since=time.time(), reason=None)
+                self.state.update_worker(w, state="running", running_since=time.time(), reason=None)
         log.info("the coordinator answers again; isolated ranks ended or resumed", workers=sorted(self.isolated),
                  fenced=sorted(fences))
         self.isolated.clear()
@@ -681,9 +686,9 @@ class Snapshots:
             try:
                 out[wid] = written_files.cut_back(files_of(d), apply=False, same_host=side == OWN)
             except FailedPrecondition as e:
-                more = reopen.problems(image_files.reopened(d), self.a.s.name)
+                more = reopen.problems(image_files.reopened(d), self.s.name)
                 raise FailedPrecondition("; ".join([e.message, *more]), code=e.code, action=e.action) from None
-            reopen.check(image_files.reopened(d), self.a.s.name)
+            reopen.check(image_files.reopened(d), self.s.name)
         return {"workers": out}
 
     def restore(self, job: str, number: int, ids: list[str], side: str = OWN) -> dict[str, Any]:
@@ -715,14 +720,14 @@ class Snapshots:
         wn = workerns.from_dict(net)
         if wn and fresh_net:
             net = {**wn.to_dict(), "netns": f"{workerns.netns_name(str(wk['id']))}-{secrets.token_hex(3)}"}
-        w = self.a.dest.restore_dir(d, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
+        w = self.dest.restore_dir(d, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
                                     stdio=[p.model_dump() for p in m.stdio], replace=True, output_base=m.output_base,
                                     gpu=m.gpu or None, net=net, init_dir=wk.get("init_dir"),
                                     reopen=file_identity.Reopen.of(m.file_ids, m.host))
         if wk.get("snapshot_every_s"):
-            self.a.state.update_worker(w, snapshot_every_s=float(wk["snapshot_every_s"]))
+            self.state.update_worker(w, snapshot_every_s=float(wk["snapshot_every_s"]))
         if protected_by is not None:
-            self.a.state.update_worker(w, protected_by=protected_by)
+            self.state.update_worker(w, protected_by=protected_by)
             shimctl.protect(shimctl.headers(w.root_pid), protected_by)
         self.paused(w)
         return {"pid": w.root_pid, "seconds": round(time.monotonic() - t0, 4)}
@@ -730,7 +735,7 @@ class Snapshots:
     def paused(self, w: Worker) -> None:
         """A restored part runs nothing until the coordinator resumes the whole job: it was dumped
         stopped and CRIU restores it so; its record says paused so that the job's resume reaches it."""
-        self.a.state.update_worker(w, state="paused", paused_at=time.time())
+        self.state.update_worker(w, state="paused", paused_at=time.time())
 
     def send_replicas(self, job: str, number: int, ids: list[str], dest_url: str) -> dict[str, Any]:
         """Send the replicas of these workers to a spare, which keeps them as replicas and restores

@@ -16,7 +16,7 @@ Before any of that, two things a single restarted coordinator never needed:
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
@@ -25,14 +25,33 @@ from pitstop.errors import PitstopError
 from pitstop.wire.agent_client import AgentClient
 
 if TYPE_CHECKING:
-    from pitstop.coordinator.service import Coordinator
+    from pitstop.coordinator.driver import Driver
+    from pitstop.coordinator.leadership import Leadership
+    from pitstop.coordinator.recovery import Recoveries
+    from pitstop.coordinator.settings import CoordinatorSettings
+    from pitstop.coordinator.snapshots import Snapshots
+    from pitstop.coordinator.store import BaseStore
+    from pitstop.wire.agent_client import Fence
 
 log = structlog.get_logger("pitstop.coordinator.takeover")
 
 ANNOUNCE_TIMEOUT_S = 2.0  # one agent told the new term; one that does not answer learns it from its next beat
 
 
-def take_over(c: "Coordinator", term: int, gap_s: float) -> list[str]:
+class Leader(Protocol):
+    """What a takeover works with: the coordinator that took the lease (coordinator/service.py),
+    named here by what it has rather than imported (the service calls this module)."""
+
+    settings: "CoordinatorSettings"
+    store: "BaseStore"
+    lead: "Leadership | None"
+    fence: "Fence | None"
+    driver: "Driver"
+    snapshots: "Snapshots"
+    recoveries: "Recoveries"
+
+
+def take_over(c: Leader, term: int, gap_s: float) -> list[str]:
     """The operations resumed (their ids)."""
     c.store.load_generations()  # the reports the last leader took: beats are taken at once
     c.store.excuse_silence(gap_s)
@@ -49,7 +68,7 @@ def take_over(c: "Coordinator", term: int, gap_s: float) -> list[str]:
     return touched
 
 
-def in_flight_hosts(c: "Coordinator") -> set[str]:
+def in_flight_hosts(c: Leader) -> set[str]:
     """Every host an operation in flight may act on: its node and destination, and every host of
     the jobs it concerns (an evacuation's peers, a recovery's survivors)."""
     hosts: set[str] = set()
@@ -63,7 +82,7 @@ def in_flight_hosts(c: "Coordinator") -> set[str]:
     return hosts
 
 
-def announce(c: "Coordinator", term: int) -> tuple[int, int]:
+def announce(c: Leader, term: int) -> tuple[int, int]:
     """Tell the agents the new term: those of the operations in flight now, before anything is
     resumed; the others in the background (their heartbeats' answers carry it too).  (told,
     not answering) of the first group."""
