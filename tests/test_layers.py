@@ -158,3 +158,28 @@ def test_a_circle_is_caught():
          PKG / "agent" / "snapshots.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                          "    from pitstop.agent.agent import Agent\n"}
     assert circles(a) == [["pitstop.agent.agent", "pitstop.agent.snapshots"]]
+
+
+HTTP_CALLS = {"Client", "AsyncClient", "get", "post", "put", "patch", "delete", "request", "stream"}
+
+
+def http_clients_outside_wire(files: dict[Path, str | None]) -> list[str]:
+    """Every place outside pitstop.wire (and the dev tools that stand clusters up) that makes an
+    HTTP client or call of its own: the services talk to each other only through the wire's
+    clients, each call with a named deadline."""
+    bad = []
+    for path, source in files.items():
+        unit = _unit(".".join(_module_name(path)[0]))
+        if unit in ("wire", "dev"):
+            continue
+        for n in ast.walk(ast.parse(source if source is not None else path.read_text())):
+            if isinstance(n, ast.Attribute) and n.attr in HTTP_CALLS and isinstance(n.value, ast.Name) \
+                    and n.value.id == "httpx":
+                bad.append(f"{path.relative_to(PKG.parent)}:{n.lineno} httpx.{n.attr}")
+    return bad
+
+
+def test_no_http_client_outside_the_wire():
+    assert http_clients_outside_wire(_tree()) == []
+    made = {PKG / "agent" / "heartbeat.py": "import httpx\nc = httpx.AsyncClient(timeout=5.0)\n"}
+    assert http_clients_outside_wire(made) == ["pitstop/agent/heartbeat.py:2 httpx.AsyncClient"]

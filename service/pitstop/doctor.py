@@ -106,6 +106,9 @@ def run_checks() -> list[Check]:
     return checks
 
 
+LEADER_QUESTION_TIMEOUT_S = 3.0  # one coordinator asked who leads; one that takes longer is reported unreachable
+
+
 def coordinators(urls: str | None = None) -> Check:
     """Which coordinator leads, in which term and since when (coordinator/leadership.py), asked of
     every coordinator PITSTOP_COORDINATOR names (GET /v1/leader, open); not a check of this host:
@@ -114,8 +117,8 @@ def coordinators(urls: str | None = None) -> Check:
 
     import httpx
 
-    from pitstop import tls
     from pitstop.endpoints import split_urls
+    from pitstop.wire.coordinator_client import leader_view
 
     urls = urls if urls is not None else os.environ.get("PITSTOP_COORDINATOR", "")
     if not urls:
@@ -123,7 +126,7 @@ def coordinators(urls: str | None = None) -> Check:
     said, leaders = [], set()
     for url in split_urls(urls):
         try:
-            v = httpx.get(url + "/v1/leader", timeout=3, verify=tls.client_context()).json()
+            v = leader_view(url, LEADER_QUESTION_TIMEOUT_S)
         except (httpx.HTTPError, ValueError) as e:
             said.append(f"{url}: unreachable ({type(e).__name__})")
             continue

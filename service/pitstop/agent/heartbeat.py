@@ -22,13 +22,11 @@ from typing import Any
 import httpx
 import structlog
 
-from pitstop import tls
 from pitstop.agent.agent import Agent
 from pitstop.endpoints import split_urls
 from pitstop.proc import caps
-from pitstop.wire.auth import bearer
 from pitstop.wire.beats import ACK_OK, ACK_RESYNC, decode_ack, encode_beat
-from pitstop.wire.coordinator_client import not_leader
+from pitstop.wire.coordinator_client import Reports, not_leader
 
 log = structlog.get_logger("pitstop.agent.heartbeat")
 
@@ -248,10 +246,9 @@ async def heartbeat_loop(agent: Agent) -> None:
 
 
 async def _report_loop(agent: Agent, link: Link) -> None:
-    headers = bearer(agent.s.cluster_token)
     rep = Reporter(agent.s.full_report_s)
     misses, udp_off_until = 0, 0.0
-    async with httpx.AsyncClient(timeout=5.0, verify=tls.client_context()) as c:
+    async with Reports(agent.s.cluster_token) as c:
         while True:
             base = link.base
             url, path, udp_missed = base, BEAT, False
@@ -274,12 +271,12 @@ async def _report_loop(agent: Agent, link: Link) -> None:
                     else:
                         udp_missed = True  # this beat goes by HTTP
                 url = base + path
-                r = await c.post(url, json=body, headers=headers)
+                r = await c.post(url, body)
                 if r.status_code == 409:  # the coordinator lacks our last full report: send it now
                     rep.failed()
                     path, body = rep.next(payload(agent))
                     url = base + path
-                    r = await c.post(url, json=body, headers=headers)
+                    r = await c.post(url, body)
                 if r.status_code >= 300:
                     if path == FULL:  # not stored: say it all again (a lost beat needs nothing: 409 tells)
                         rep.failed()

@@ -10,14 +10,11 @@ from __future__ import annotations
 import httpx
 from fastapi import APIRouter, Request, Response
 
-from pitstop import tls
 from pitstop.agent import containers, peercred
 from pitstop.agent.agent import AgentDep
 from pitstop.agent.state import Worker
 from pitstop.errors import FailedPrecondition
-from pitstop.wire.auth import bearer
-
-FOLLOW_OUTPUT_TIMEOUT_S = 10.0  # a moved worker's output, fetched from the agent it moved to
+from pitstop.wire.agent_client import fetch_output
 
 router = APIRouter()
 
@@ -54,11 +51,8 @@ async def output(agent: AgentDep, wid: str, request: Request, stream: str = "std
     w = agent.refresh(_theirs(request, agent.state.worker(wid)))
     agent.state.read(wid)
     if w.state == "moved" and w.moved_to:
-        headers = bearer(agent.s.cluster_token)
         try:
-            async with httpx.AsyncClient(timeout=FOLLOW_OUTPUT_TIMEOUT_S, verify=tls.client_context()) as c:
-                r = await c.get(f"{w.moved_to['url'].rstrip('/')}/v1/workers/{wid}/output",
-                                params={"stream": stream, "offset": offset}, headers=headers)
+            r = await fetch_output(w.moved_to["url"], agent.s.cluster_token, wid, stream, offset)
         except httpx.HTTPError as e:
             return Response(b"", headers={"X-Pitstop-State": "unreachable", "X-Pitstop-Error": repr(e)[:200]})
         return Response(r.content, status_code=r.status_code,

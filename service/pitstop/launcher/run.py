@@ -49,15 +49,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-import httpx
-
-from pitstop import nativelib, nsinit, tls
+from pitstop import nativelib, nsinit
 from pitstop.endpoints import check_url
 from pitstop.errors import InvalidRequest, PitstopError
 from pitstop.launcher import incontainer, stdio
 from pitstop.launcher.seccomp import deny_io_uring
 from pitstop.proc import caps, proctree, signals
-from pitstop.wire.agent_client import AgentClient
+from pitstop.wire.agent_client import AgentClient, health
 from pitstop.wire.agent_requests import (
     JOB_NAME_MAX,
     JOB_PATTERN,
@@ -84,13 +82,9 @@ def agent_client(agent_url: str) -> AgentClient:
     token = os.environ.get("PITSTOP_CLUSTER_TOKEN")
     if agent_url.startswith("unix:"):
         return AgentClient("http://agent", uds=agent_url[len("unix:"):])
-    try:
-        h = httpx.get(agent_url.rstrip("/") + "/healthz", timeout=AGENT_QUESTION_TIMEOUT_S, verify=tls.client_context()).json()
-        sock = h.get("socket")
-        if sock and os.access(sock, os.W_OK):
-            return AgentClient("http://agent", uds=sock)
-    except (httpx.HTTPError, ValueError):
-        pass
+    sock = (health(agent_url, AGENT_QUESTION_TIMEOUT_S) or {}).get("socket")
+    if isinstance(sock, str) and sock and os.access(sock, os.W_OK):
+        return AgentClient("http://agent", uds=sock)
     return AgentClient(agent_url, token)
 
 

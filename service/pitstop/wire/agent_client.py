@@ -38,6 +38,25 @@ cannot act through it."""
 
 ROLLBACK_TIMEOUT_S = 180.0  # a rollback may restore the source from its own dump: a restore's time
 VERIFY_TIMEOUT_S = 180.0  # digests of every image file, read back from the destination's disk
+FOLLOW_OUTPUT_TIMEOUT_S = 10.0  # a moved worker's output, fetched from the agent it moved to
+
+
+def health(url: str, timeout_s: float) -> dict[str, Any] | None:
+    """What an agent says of itself before any token (GET /healthz: its name, its local socket's
+    path); None where it does not answer, or answers something else."""
+    try:
+        h = httpx.get(url.rstrip("/") + "/healthz", timeout=timeout_s, verify=tls.client_context()).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    return h if isinstance(h, dict) else None
+
+
+async def fetch_output(url: str, token: str | None, wid: str, stream: str, offset: int,
+                       timeout_s: float = FOLLOW_OUTPUT_TIMEOUT_S) -> httpx.Response:
+    """A worker's output from the agent at `url` (where it moved), as that agent answered it, for
+    an agent to pass on (agent/shared_routes.py); httpx.HTTPError where it cannot be reached."""
+    async with httpx.AsyncClient(timeout=timeout_s, verify=tls.client_context(), headers=bearer(token)) as c:
+        return await c.get(f"{url.rstrip('/')}/v1/workers/{wid}/output", params={"stream": stream, "offset": offset})
 
 
 def raise_for(r: httpx.Response) -> Any:

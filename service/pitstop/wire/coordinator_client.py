@@ -19,6 +19,36 @@ FOLLOW_S = 15.0
 """How long a call looks for the leader among the coordinators it was given: a leader's loss is
 taken over within about 4 s (coordinator/leadership.py), with margin for a loaded host."""
 RETRY_S = 0.3  # between two rounds over the coordinators while none of them leads
+REPORT_TIMEOUT_S = 5.0  # one heartbeat, a full report or a beat: the loop beats again a period later anyway
+
+
+def leader_view(url: str, timeout_s: float) -> dict[str, Any]:
+    """What this one coordinator says of the lease (GET /v1/leader, open), asked once, followed
+    nowhere (`pitstop doctor` asks each coordinator in turn); httpx.HTTPError or ValueError where it
+    does not answer so."""
+    v = httpx.get(url.rstrip("/") + "/v1/leader", timeout=timeout_s, verify=tls.client_context()).json()
+    if not isinstance(v, dict):
+        raise ValueError(f"{url}/v1/leader answered {type(v).__name__}, not an object")
+    return v
+
+
+class Reports:
+    """An agent's heartbeats over HTTP (agent/heartbeat.py): full reports and beats to whichever
+    coordinator the loop chose, with the cluster token, one pool of connections, each call within
+    REPORT_TIMEOUT_S.  Answers come back as they are: the loop reads a 409, a standby's 503 and a
+    full report's answer (the term, the datagram port, the fences) itself."""
+
+    def __init__(self, token: str | None) -> None:
+        self.http = httpx.AsyncClient(timeout=REPORT_TIMEOUT_S, verify=tls.client_context(), headers=bearer(token))
+
+    async def post(self, url: str, body: dict[str, Any]) -> httpx.Response:
+        return await self.http.post(url, json=body)
+
+    async def __aenter__(self) -> "Reports":
+        return self
+
+    async def __aexit__(self, *a: object) -> None:
+        await self.http.aclose()
 
 
 class CoordinatorClient:
