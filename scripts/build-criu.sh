@@ -57,8 +57,11 @@ key() {  # what the build depends on: the source, the patches in series order, t
 }
 
 KEY=$(key)
+# Reused only with its build tree: CRIU's own tests (scripts/criu-zdtm.sh) run from it, and a build of
+# another series (a benchmark's, into another PREFIX) replaces the tree of this one.
 if [[ -x "$PREFIX/bin/criu" && "$(cat "$PREFIX/BUILD-KEY" 2>/dev/null)" == "$KEY" ]] \
-   && "$PREFIX/bin/criu" --version >/dev/null 2>&1 && [[ -d "$PREFIX/pycriu/pycriu" ]]; then
+   && "$PREFIX/bin/criu" --version >/dev/null 2>&1 && [[ -d "$PREFIX/pycriu/pycriu" ]] \
+   && [[ -f "$(cat "$PREFIX/BUILD-TREE" 2>/dev/null)/test/zdtm.py" ]]; then
   log "reusing $PREFIX (build $KEY)"; echo "$PREFIX/bin/criu"; exit 0
 fi
 command -v gcc >/dev/null && command -v make >/dev/null || die "need gcc and make to build CRIU"

@@ -245,3 +245,53 @@ def test_a_host_whose_ranks_ended_first_and_then_went_silent_is_taken_for_lost(t
     assert world([("exited", t0, {**failed, "end_asked": True})] * 2, [("exited", t0, failed)] * 2).failed_hosts("j") == []
     # ended before the snapshot: the snapshot holds them ended, nothing to roll back to
     assert world([("exited", t0, failed)] * 2, [("running", None, {})] * 2, snapshot_at=now).failed_hosts("j") == []
+
+
+def test_a_snapshot_that_fails_after_the_jobs_snapshots_were_dropped_writes_no_record_back(tmp_path, monkeypatch):
+    """A fresh-clone run, 2026-12-07: host b and its replicas' buddy died; the recovery failed (unrecoverable) and
+    dropped the job's snapshots; a snapshot begun just before then failed on b's silence and wrote
+    its record back, 'failed', saying the previous one still counted (there was none left)."""
+    from pitstop.coordinator.settings import CoordinatorSettings
+    from pitstop.coordinator.snapshots import Snapshots
+    from pitstop.errors import PitstopError
+
+    s = Store(tmp_path / "c.db")
+    for h in ("a", "b", "c"):
+        s.heartbeat({"name": h, "url": f"http://{h}:1", "spare": h == "c",
+                     "workers": [{"id": "j.0", "job": "j", "rank": 0, "state": "running", "world": 2}] if h == "a" else
+                     [{"id": "j.1", "job": "j", "rank": 1, "state": "running", "world": 2}] if h == "b" else []})
+    snaps = Snapshots(s, CoordinatorSettings(insecure=True), busy=dict)
+    s.put_snapshot("j", 1, "committed", {"parts": {}})
+
+    class Silent:
+        def __init__(self, *a, **k):  # noqa: ANN002, ANN003
+            pass
+
+        def close(self):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):  # noqa: ANN002
+            pass
+
+        def snapshot_drop(self, job, **k):  # noqa: ANN001, ANN003
+            pass
+
+        def __getattr__(self, name):
+            def call(*a, **k):  # noqa: ANN002, ANN003, ANN202
+                snaps.drop_everywhere("j", "its recovery failed")  # meanwhile, on the recovery's thread
+                raise PitstopError("GET http://b:1/v1/workers:batchGetShim timed out")
+            return call
+
+    monkeypatch.setattr(snaps, "agent", lambda host, timeout=None: Silent())
+    with pytest.raises(PitstopError, match="timed out"):
+        snaps.take("j")
+    assert s.snapshots("j") == [], "no record written back after the drop"
+    # a failure with the records still there is recorded as before
+    s.put_snapshot("j", 1, "committed", {"parts": {}})
+    monkeypatch.setattr(Silent, "__getattr__", lambda self, name: (_ for _ in ()).throw(PitstopError("refused")))
+    with pytest.raises(PitstopError, match="refused"):
+        snaps.take("j")
+    assert [(x["number"], x["state"]) for x in s.snapshots("j")] == [(1, "committed"), (2, "failed")]

@@ -450,11 +450,19 @@ class Snapshots:
         except PitstopError as e:
             record["error"] = e.message
             self.errors[job] = e.message
-            self.store.put_snapshot(job, number, "failed", record)
+            # its record, written "taking" as it began, is gone where a failed recovery dropped the job's
+            # snapshots meanwhile: a failure is no reason to write one back
+            dropped = not any(x["number"] == number for x in self.store.snapshots(job))
+            if not dropped:
+                self.store.put_snapshot(job, number, "failed", record)
             threading.Thread(target=self._drop, args=(job, dict(clients), self._committed(job)), daemon=True,
                              name=f"drop-{job}-{number}").start()
             clients = {}
-            log.warning("snapshot failed; the previous one still counts", job=job, number=number, error=e.message)
+            if dropped:
+                log.warning("a snapshot under way when the job's snapshots were dropped failed; no record kept",
+                            job=job, number=number, error=e.message)
+            else:
+                log.warning("snapshot failed; the previous one still counts", job=job, number=number, error=e.message)
             raise
         finally:
             for c in clients.values():
