@@ -6,6 +6,7 @@ Real processes in real PID namespaces."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,6 +102,29 @@ def test_only_directories_named_as_a_launcher_names_them_are_made_for_a_restore(
     assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "pitstop-init.a").exists()
     nsinit.remove_unused(ok)
     assert not Path(ok).exists()
+
+
+def test_an_init_registered_before_its_chdir_is_read_in_its_own_directory(tmp_path):
+    """The launcher registers the init once it leads its session, before it moves into its directory
+    (native/pitinit.c: setsid, chdir, fork).  Read then, a busy machine gave the launcher's directory:
+    the worker's snapshots named no init directory, and its restore on a spare failed with CRIU's
+    "Can't open cwd" (CI).  A stand-in init (bash, named as the init) that is slow to move in."""
+    fake = tmp_path / nsinit.BINARY
+    shutil.copy2(shutil.which("bash"), fake)
+    own = tmp_path / "pitstop-init.job.0.abc123"
+    own.mkdir()
+    (tmp_path / "slow").mkdir()
+    os.mkfifo(tmp_path / "slow" / "fifo")
+    # read -t on a FIFO opened both ways: half a second of waiting with no child to give it away
+    p = subprocess.Popen([str(fake), "-c", f"exec 3<>{tmp_path}/slow/fifo; read -t 0.5 -u 3; cd {own}; "
+                                           "sleep 30 & wait"], cwd=tmp_path / "slow")
+    try:
+        until(lambda: nsinit.is_init(p.pid), 10, "the stand-in init")
+        assert os.readlink(f"/proc/{p.pid}/cwd") == str(tmp_path / "slow")  # not moved in yet
+        assert nsinit.owned_dir(p.pid) == str(own)
+    finally:
+        proctree.kill_tree(p.pid)
+        p.wait(10)
 
 
 def test_with_pid_namespace_the_init_makes_it_and_a_killed_tree_ends_without_a_word(tmp_path):

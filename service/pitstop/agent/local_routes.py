@@ -70,6 +70,7 @@ def _register(agent: Agent, req: agent_requests.RegisterRequest, request: Reques
             raise _not_your_job(uid, req.job, other.owner_uid)
     claim_rank(agent, req.job, req.rank, uid)  # before the lock: a network call must not hold up pauses
     container = containers.describe(agent.s, found, pid, caller_pid(request.scope)) if found else None
+    init_dir = nsinit.owned_dir(pid)  # may wait for the init to fork its command: not under the lock
     with agent.state.lock:
         old = agent.state.workers.get(wid)
         if old and old.state in LIVE_STATES and proctree.exists(old.root_pid):
@@ -87,7 +88,7 @@ def _register(agent: Agent, req: agent_requests.RegisterRequest, request: Reques
                                                 "(`pitstop run --address` does both)")
             net = wn.to_dict()
         w = Worker(id=wid, job=req.job, rank=req.rank, root_pid=pid, start_time=proctree.start_time(pid) or 0,
-                   net=net, init_dir=nsinit.owned_dir(pid), owner_uid=uid, world=req.world, slurm_job=req.slurm_job,
+                   net=net, init_dir=init_dir, owner_uid=uid, world=req.world, slurm_job=req.slurm_job,
                    launcher=_launcher(request), snapshot_every_s=req.snapshot_every_s, container=container)
         agent.state.workers[wid] = w
         agent.state.save()

@@ -440,27 +440,6 @@ class DestinationSide:
                     phases["uffd_fill_threads"] = float(threads)
         return pid, secs
 
-    def _criu_restore_in(self, init_dir: str | None, directory: Path, inherit: dict[str, int],
-                         net_fd: int | None, lazy: bool, abort: threading.Event | None,
-                         phases: dict[str, float] | None) -> tuple[int, float]:
-        """_criu_restore with the worker's init directory pinned (nsinit.pinned), and done once more
-        where CRIU found that directory gone all the same ("Can't open cwd"; CI, 2026-12-07, a rank
-        rolled back from its own snapshot part while its earlier copy's end was being handled).
-        A failed CRIU restore leaves nothing running, so a second one is safe; not for a post-copy
-        restore, whose fill daemon served the first.  The warning says what was found, to trace
-        whoever removes a pinned directory."""
-        with nsinit.pinned(init_dir):
-            try:
-                return self._criu_restore(directory, inherit, net_fd, lazy, abort, phases)
-            except RestoreFailed as e:
-                lost = nsinit.lost_cwd(init_dir, (e.details or {}).get("criu_errors", []))
-                if lazy or (abort is not None and abort.is_set()) or lost is None:
-                    raise
-        log.warning("the worker's init directory was gone when CRIU opened it; restoring once more",
-                    directory=init_dir, found_after=lost)
-        with nsinit.pinned(init_dir):
-            return self._criu_restore(directory, inherit, net_fd, lazy, abort, phases)
-
     def restore_dir(self, directory: Path, *, worker_id: str, job: str, rank: int,
                     stdio: list[dict[str, Any]], replace: bool = False,
                     output_base: dict[str, int] | None = None, gpu: dict[str, Any] | None = None,
@@ -541,7 +520,8 @@ class DestinationSide:
                 undo.push("fill", lambda e: fill.kill())
                 if phases is not None:
                     phases["fill_start"] = time.monotonic() - t_fill
-            pid, secs = self._criu_restore_in(init_dir, directory, inherit, net_fd, fill is not None, abort, phases)
+            with nsinit.pinned(init_dir):
+                pid, secs = self._criu_restore(directory, inherit, net_fd, fill is not None, abort, phases)
             if fill and faults.value("restore:kill_fill"):  # held, so that it cannot finish first
                 os.kill(fill.pid, signal.SIGSTOP)
             gone = fill.guard(pid) if fill else None
