@@ -97,6 +97,26 @@ def test_roles_cordons_claims_and_removal(store):
     assert store.host("a") is None and [h["name"] for h in store.hosts()] == ["b"]
 
 
+def test_a_report_of_the_copy_a_move_left_arriving_after_the_commit_keeps_the_worker_where_it_went(store):
+    """An agent's report written while its rank was being captured, handled after the move had
+    committed, took the rank back to the host it had left until the new host's next beat (a
+    fresh-clone run: `jobs` listed a moved rank on its old host).  Only that very copy is old news:
+    a new process of the same rank on that host (moved back, or a job started again) is not."""
+    store.heartbeat(_report("a", [_w("j", 0, root_pid=100, start_time=7)]))
+    store.set_worker_host("j.0", "b", "running")  # the move committed
+    store.heartbeat(_report("a", [_w("j", 0, state="stopped", root_pid=100, start_time=7)]))  # written before
+    assert store.workers(job="j")[0]["host"] == "b"
+    store.heartbeat(_report("b", [_w("j", 0, root_pid=200, start_time=9)]))
+    store.heartbeat(_report("a", [_w("j", 0, state="running", root_pid=100, start_time=7)]))
+    assert store.workers(job="j")[0]["host"] == "b"
+    store.set_worker_host("j.0", "a", "running")  # moved back: a new process there
+    store.heartbeat(_report("a", [_w("j", 0, root_pid=300, start_time=11)]))
+    store.heartbeat(_report("b", [_w("j", 0, state="capturing", root_pid=200, start_time=9)]))  # b's late report
+    assert store.workers(job="j")[0]["host"] == "a"
+    store.heartbeat(_report("b", [_w("j", 0, root_pid=400, start_time=12)]))  # another process: b runs it now
+    assert store.workers(job="j")[0]["host"] == "b"
+
+
 def test_snapshots_policies_and_fences(store):
     store.set_snapshot_policy("j", 30.0)
     assert store.snapshot_policy("j") == 30.0

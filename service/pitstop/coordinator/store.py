@@ -55,7 +55,7 @@ CREATE TABLE IF NOT EXISTS hosts (
   generation TEXT, cordon TEXT, role_since DOUBLE PRECISION, role_why TEXT);
 CREATE TABLE IF NOT EXISTS workers (
   id TEXT PRIMARY KEY, job TEXT NOT NULL, rank BIGINT NOT NULL, host TEXT NOT NULL, state TEXT NOT NULL,
-  info TEXT NOT NULL, updated DOUBLE PRECISION NOT NULL);
+  info TEXT NOT NULL, updated DOUBLE PRECISION NOT NULL, left_behind TEXT);
 CREATE TABLE IF NOT EXISTS operations (
   id TEXT PRIMARY KEY, node TEXT NOT NULL, dest TEXT, done BIGINT NOT NULL DEFAULT 0,
   result TEXT, phase TEXT NOT NULL, cancel_requested BIGINT NOT NULL DEFAULT 0,
@@ -168,12 +168,27 @@ def _add_leadership(db: "BaseStore") -> None:
     db.q("INSERT INTO leadership(id, term, expires) VALUES(1, 0, 0) ON CONFLICT(id) DO NOTHING")
 
 
+def _add_left_behind(db: "BaseStore") -> None:
+    if "left_behind" not in db.columns("workers"):  # the copy a worker's move or recovery left (set_worker_host)
+        db.q("ALTER TABLE workers ADD COLUMN left_behind TEXT")
+
+
 MIGRATIONS: tuple[Callable[["BaseStore"], None], ...] = (_add_generation, _index_operations,
                                                         _typed_operation_state, _add_cordon,
-                                                        _add_role_change, _add_leadership)
+                                                        _add_role_change, _add_leadership, _add_left_behind)
 """Ordered: a database at schema version N (SQLite: PRAGMA user_version; PostgreSQL: the
 schema_version table) gets MIGRATIONS[N:], each in its own transaction with the version it
 reaches.  Append only; never edit one that shipped."""
+
+
+def _is_left_behind(reported: dict[str, Any], host: str, left_behind: str | None) -> bool:
+    """Whether `host` reports the very copy of a worker that it left when the worker moved away
+    (same process, by pid and start time): old news, however late it arrives."""
+    if not left_behind:
+        return False
+    left = json.loads(left_behind)
+    return bool(left.get("host") == host and left.get("root_pid") is not None
+                and (reported.get("root_pid"), reported.get("start_time")) == (left["root_pid"], left.get("start_time")))
 
 
 class BaseStore:
@@ -505,9 +520,11 @@ class BaseStore:
                     continue
                 # Where a worker is: the host that reports it alive.  Its old host's "moved"
                 # is no news, and an end state (exited, lost) counts only from its current host.
-                cur = self._one("SELECT host FROM workers WHERE id=?", (w["id"],))
+                cur = self._one("SELECT host, left_behind FROM workers WHERE id=?", (w["id"],))
                 if w["state"] not in LIVE and (w["state"] == "moved" or (cur and cur["host"] != name)):
                     continue
+                if cur and cur["host"] != name and _is_left_behind(w, name, cur["left_behind"]):
+                    continue  # a report written before the move committed, read after: the copy it left
                 self.q(
                     "INSERT INTO workers(id,job,rank,host,state,info,updated) VALUES(?,?,?,?,?,?,?) "
                     "ON CONFLICT(id) DO UPDATE SET host=excluded.host, state=excluded.state, "
@@ -590,7 +607,21 @@ class BaseStore:
                 "peer_lost": info.get("peer_lost")}
 
     def set_worker_host(self, wid: str, host: str, state: str = "running") -> None:
-        self._x("UPDATE workers SET host=?, state=?, updated=? WHERE id=?", (host, state, time.time(), wid))
+        """The worker runs on `host` now (a move committed, a recovery restored it).  The copy it
+        left on its old host is remembered: a report of that copy still in flight at the commit,
+        handled after it, must not take the worker back (`jobs` listed a moved rank on the host it
+        had left until the new host's next beat, and an evacuation planned then would miss it)."""
+        with self._tx():
+            cur = self._one("SELECT host, info FROM workers WHERE id=?", (wid,))
+            if cur is None:
+                return
+            left = None
+            if cur["host"] != host:
+                info = json.loads(cur["info"])
+                left = json.dumps({"host": cur["host"], "root_pid": info.get("root_pid"),
+                                   "start_time": info.get("start_time")})
+            self.q("UPDATE workers SET host=?, state=?, updated=?, left_behind=? WHERE id=?",
+                   (host, state, time.time(), left, wid))
 
     # snapshots, their policy, fences (coordinator/snapshots.py, recovery.py) -------------------
     def snapshot_policy(self, job: str) -> float | None:
