@@ -402,8 +402,10 @@ def buddy_changes_to_a_spare_that_joins(cluster, tmp_path) -> dict:
     cc = _racked(cluster, ["host-a", "host-b", "spare-1"])
     out = tmp_path / "out"
     addrs = {r: cluster.worker_address(r) for r in range(2)}
-    cluster.start_job("pair", ddp_cmd(out, steps=STEPS), 2, {0: "host-a", 1: "host-b"}, addresses=addrs,
-                      run_args=["--snapshot-every", "5"])
+    # paced until let_finish: five snapshots 5 s apart must find it running (220 steps ended at the
+    # fourth on a busy machine)
+    ranks = cluster.start_job("pair", ddp_cmd(out, steps=1200), 2, {0: "host-a", 1: "host-b"}, addresses=addrs,
+                              run_args=["--snapshot-every", "5"])
     _wait_jobs(cc, "pair", 2)
     first = _committed(cc, "pair")
     assert first["buddies"] == {"host-a": "host-b", "host-b": "spare-1"}, first
@@ -423,6 +425,8 @@ def buddy_changes_to_a_spare_that_joins(cluster, tmp_path) -> dict:
     assert snap["buddies"]["host-b"] == "spare-1", "a buddy still among the best is kept"
     after = _committed(cc, "pair", after=snap["number"])
     assert after["whole"] == {} and sorted(after["incremental"]) == ["pair.0", "pair.1"], after
+    let_finish(out)
+    assert [r.proc.wait(120) for r in ranks] == [0, 0]
     return {"whole": snap, "next": after}
 
 
