@@ -18,8 +18,13 @@
 #define PITSTOP_MAX_PEERS 32   /* point-to-point tracked per peer rank below this */
 #define PITSTOP_TRAIL 256      /* the last operations' signatures kept (version 2) */
 
-enum { ST_RUNNING = 0, ST_PARKED = 1, ST_DESTROYED = 2, ST_IDS_READY = 3, ST_REBUILT = 4, ST_FAILED = 5 };
-enum { CMD_NONE = 0, CMD_DESTROY = 1, CMD_GENIDS = 2, CMD_REBUILD = 3, CMD_RESUME = 4, CMD_RELEASE = 5, CMD_TRIM = 6 };
+enum { ST_RUNNING = 0, ST_PARKED = 1, ST_DESTROYED = 2, ST_IDS_READY = 3, ST_REBUILT = 4, ST_FAILED = 5,
+       ST_REBUILDING = 6 /* version 5: a rebuild under way on a thread of the shim (CMD_PREBUILD) */ };
+enum { CMD_NONE = 0, CMD_DESTROY = 1, CMD_GENIDS = 2, CMD_REBUILD = 3, CMD_RESUME = 4, CMD_RELEASE = 5, CMD_TRIM = 6,
+       /* version 5, the early rewire (a move's surviving ranks re-create their communicators while the
+        * leaving ones are captured and restored): */
+       CMD_PREBUILD = 7,   /* rebuild with newid on a thread of the shim; done as soon as it has begun */
+       CMD_MAKEIDS = 8 };  /* a fresh id for each INIT communicator whose want_id the agent set */
 enum { TRIM_TORCH = 1, TRIM_MEMPOOL = 2 };               /* trim_how: what was released */
 enum { TRIM_OK = 0, TRIM_TIMED_OUT = 1, TRIM_RAISED = 2 }; /* trim_error */
 enum { KIND_INIT = 1, KIND_SPLIT = 2 };
@@ -36,8 +41,8 @@ struct pitstop_comm_ctl {           /* 1344 bytes */
   volatile int32_t alive;           /* S: 1 while the application holds it */
   volatile int32_t newid_set;       /* A: 1 when newid holds the id to rebuild with */
   uint8_t newid[128];               /* A */
-  volatile int32_t myid_set;        /* S: 1 when myid holds a fresh id (rank 0 of an INIT comm) */
-  int32_t pad;
+  volatile int32_t myid_set;        /* S: 1 when myid holds a fresh id (rank 0 of an INIT comm; CMD_MAKEIDS: the asked) */
+  volatile int32_t want_id;         /* A: 1: CMD_MAKEIDS makes this communicator's fresh id here (version 5) */
   uint8_t myid[128];                /* S */
   volatile uint64_t sent[PITSTOP_MAX_PEERS];        /* S: sends issued to each peer */
   volatile uint64_t recvd[PITSTOP_MAX_PEERS];       /* S: receives issued from each peer */
@@ -47,7 +52,7 @@ struct pitstop_comm_ctl {           /* 1344 bytes */
 
 struct pitstop_ctl {
   char magic[16];                   /* S: PITSTOP_CTL_MAGIC */
-  uint32_t version;                 /* S: 4 (3: no lost peers; 2: no refusals; 1: no trail, no pause times) */
+  uint32_t version;                 /* S: 5 (4: no early rewire; 3: no lost peers; 2: no refusals; 1: no trail, no pause times) */
   volatile uint32_t ncomms;         /* S */
   volatile uint32_t request;        /* A: quiesce generation; 0 = none */
   volatile uint32_t ack;            /* S: the generation the shim has seen */

@@ -8,7 +8,10 @@
  * and carries out the agent's commands: destroy the real communicators (so nothing
  * of NCCL crosses the checkpoint), generate fresh unique ids, rebuild every
  * communicator in creation order (splits replayed), resume.  The handles never
- * change; the application sees no error.
+ * change; the application sees no error.  In a move's early rewire the ranks that stay
+ * rebuild on a thread of the shim while the leaving ones are captured and restored
+ * (CMD_PREBUILD, with ids one of them made: CMD_MAKEIDS); NCCL's init waits in its
+ * bootstrap until the restored ranks join with the same ids.
  *
  * Every wait has a deadline (PITSTOP_SHIM_DEADLINE_S, default 300 s): a parked rank
  * whose agent vanished resumes on its own if its communicators still exist, and
@@ -26,6 +29,7 @@
 #define _GNU_SOURCE
 #include "shim.h"
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -77,7 +81,7 @@ static struct pitstop_ctl *ctl(void) {
   }
   struct pitstop_ctl *c = p;
   memcpy(c->magic, PITSTOP_CTL_MAGIC, sizeof PITSTOP_CTL_MAGIC);
-  c->version = 4;
+  c->version = 5;
   c->lost_comm = -1;
   c->token = mix((uint64_t)getpid(), (uint64_t)(now() * 1e9));
   c->parked_comm = -1;
@@ -458,10 +462,19 @@ static ncclResult_t ready(struct pitstop_lib *L, ncclComm_t c) {
   return ncclRemoteError;
 }
 
-static ncclResult_t rebuildAll(void) {
+typedef uint8_t newids_t[PITSTOP_MAX_COMMS][128];
+
+static void dropAll(ncclComm_t *tmp) {
+  for (int i = 0; i < nvcomms; i++)
+    if (tmp[i]) { pitstop_in = vcomms[i]->lib; vcomms[i]->lib->fn.ncclCommDestroy(tmp[i]); tmp[i] = NULL; }
+}
+
+/* Every communicator made again into tmp, in creation order (splits replayed on their re-created
+ * parents), INIT ones with the given ids.  On a failure nothing is left made. */
+static ncclResult_t makeAll(newids_t ids, ncclComm_t *tmp) {
   struct pitstop_ctl *c = pitstop_ctl;
-  ncclComm_t tmp[PITSTOP_MAX_COMMS] = {0};
-  for (int e = 0; e < nevents; e++) {
+  int n = nevents;
+  for (int e = 0; e < n; e++) {
     struct event ev = events[e];
     ncclResult_t r;
     if (ev.kind == KIND_INIT) {
@@ -469,7 +482,7 @@ static ncclResult_t rebuildAll(void) {
       struct pitstop_lib *L = pitstop_in = v->lib;
       struct pitstop_comm_ctl *cc = &c->comms[ev.idx];
       ncclUniqueId id;
-      memcpy(id.internal, cc->newid, sizeof id.internal);
+      memcpy(id.internal, ids[ev.idx], sizeof id.internal);
       r = v->scalable ? L->fn.ncclCommInitRankScalable(&tmp[ev.idx], cc->nranks, cc->rank, 1, &id, v->config)
         : v->hasConfig ? L->fn.ncclCommInitRankConfig(&tmp[ev.idx], cc->nranks, id, cc->rank, v->config)
                        : L->fn.ncclCommInitRank(&tmp[ev.idx], cc->nranks, id, cc->rank);
@@ -484,16 +497,22 @@ static ncclResult_t rebuildAll(void) {
       else if (out) L->fn.ncclCommDestroy(out);
     }
     if (r != ncclSuccess) {
-      for (int i = 0; i < nvcomms; i++) if (tmp[i]) { pitstop_in = vcomms[i]->lib; vcomms[i]->lib->fn.ncclCommDestroy(tmp[i]); }
+      dropAll(tmp);
       return r;
     }
   }
+  return ncclSuccess;
+}
+
+/* The made communicators behind the program's handles, with its live reduction operators made
+ * again on them; on a failure nothing is left made. */
+static ncclResult_t installAll(ncclComm_t *tmp) {
   for (int i = 0; i < nvcomms; i++) { /* the program's reduction operators, on the new communicators */
     if (vcomms[i]->appDestroyed || !tmp[i]) continue;
     ncclResult_t r = remakeRedops(vcomms[i], tmp[i]);
     if (r != ncclSuccess) {
       note("re-creating a reduction operator failed (%s %ld)", "ncclResult_t", (long)r);
-      for (int j = 0; j < nvcomms; j++) if (tmp[j]) { pitstop_in = vcomms[j]->lib; vcomms[j]->lib->fn.ncclCommDestroy(tmp[j]); }
+      dropAll(tmp);
       return r;
     }
   }
@@ -509,33 +528,149 @@ static ncclResult_t rebuildAll(void) {
   return ncclSuccess;
 }
 
+/* The ids the agent wrote for this rebuild, copied once as it begins. */
+static void takeIds(newids_t ids) {
+  for (int i = 0; i < nvcomms; i++) memcpy(ids[i], pitstop_ctl->comms[i].newid, sizeof ids[i]);
+}
+
+static void rebuilt(ncclResult_t r) {
+  struct pitstop_ctl *c = pitstop_ctl;
+  c->error = (int32_t)r;
+  c->state = r == ncclSuccess ? ST_REBUILT : ST_FAILED;
+  note("rebuilt communicators: %s (%ld)", r == ncclSuccess ? "ok" : "FAILED", (long)r);
+}
+
+/* ---- the early rewire: a rebuild on a thread of the shim (CMD_PREBUILD) ----------------------
+ * A move's surviving ranks re-create their communicators while the leaving ranks are captured and
+ * restored: each NCCL init waits in its bootstrap until the restored ranks join with the same ids.
+ * On a thread, so that the parked thread keeps its deadline and its command loop: a destroy
+ * abandons the rebuild (an NCCL init cannot be called off; what it makes once it returns is
+ * destroyed, never installed), and a rank whose agent vanished still gives the program
+ * ncclRemoteError at PITSTOP_SHIM_DEADLINE_S instead of waiting in NCCL's bootstrap for good.
+ * NCCL creates a communicator on the calling thread's current CUDA device: the thread is given
+ * the parked thread's current context (CUDA's driver, where it is loaded already). */
+struct rebuild {
+  newids_t ids;  /* its own copy: ids written for a later rebuild never reach an abandoned one */
+  void *cuctx;
+  int abandoned; /* under rebuildLock */
+};
+static pthread_mutex_t rebuildLock = PTHREAD_MUTEX_INITIALIZER;
+static struct rebuild *underWay; /* the rebuild the parked thread waits for (under rebuildLock) */
+
+typedef int (*cuctx_get_fn)(void **);
+typedef int (*cuctx_set_fn)(void *);
+
+/* The CUDA driver's entry point `name`, where libcuda is loaded already (never loaded for this). */
+static void *cudaDriver(const char *name) {
+  void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+  void *f = h ? dlsym(h, name) : NULL;
+  if (h) dlclose(h);
+  return f;
+}
+
+static void *rebuildMain(void *arg) {
+  struct rebuild *job = arg;
+  if (job->cuctx) {
+    cuctx_set_fn set = (cuctx_set_fn)cudaDriver("cuCtxSetCurrent");
+    if (set) set(job->cuctx);
+  }
+  ncclComm_t tmp[PITSTOP_MAX_COMMS] = {0};
+  ncclResult_t r = makeAll(job->ids, tmp);
+  pthread_mutex_lock(&rebuildLock);
+  if (job->abandoned) { /* the parked thread gave up on it: nothing of it reaches the program */
+    dropAll(tmp);
+  } else {
+    if (r == ncclSuccess) r = installAll(tmp);
+    rebuilt(r);
+    underWay = NULL;
+  }
+  pthread_mutex_unlock(&rebuildLock);
+  free(job);
+  return NULL;
+}
+
+static void prebuild(void) {
+  struct pitstop_ctl *c = pitstop_ctl;
+  struct rebuild *job = calloc(1, sizeof *job);
+  if (!job) { rebuilt(ncclSystemError); return; }
+  takeIds(job->ids);
+  cuctx_get_fn get = (cuctx_get_fn)cudaDriver("cuCtxGetCurrent");
+  if (get && get(&job->cuctx) != 0) job->cuctx = NULL;
+  pthread_mutex_lock(&rebuildLock);
+  underWay = job;
+  c->state = ST_REBUILDING;
+  pthread_attr_t at;
+  pthread_attr_init(&at);
+  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+  pthread_t t;
+  int made = pthread_create(&t, &at, rebuildMain, job) == 0;
+  pthread_attr_destroy(&at);
+  if (made) note("rebuilding communicators on a thread of the %s (%ld of them)", "shim", nvcomms);
+  else underWay = NULL;
+  pthread_mutex_unlock(&rebuildLock);
+  if (!made) { /* no thread to be had: the same rebuild on this one */
+    ncclComm_t tmp[PITSTOP_MAX_COMMS] = {0};
+    ncclResult_t r = makeAll(job->ids, tmp);
+    rebuilt(r == ncclSuccess ? installAll(tmp) : r);
+    free(job);
+  }
+}
+
+/* Give up on the rebuild under way, if one is: the block says DESTROYED at once (no real
+ * communicator behind the program's handles, nothing pending), and what the thread makes is
+ * destroyed when NCCL returns it.  1 if one was under way. */
+static int abandonRebuild(void) {
+  pthread_mutex_lock(&rebuildLock);
+  struct rebuild *job = underWay;
+  if (job) {
+    job->abandoned = 1;
+    underWay = NULL;
+    pitstop_ctl->state = ST_DESTROYED;
+  }
+  pthread_mutex_unlock(&rebuildLock);
+  return job != NULL;
+}
+
+static void makeIds(int asked) {
+  struct pitstop_ctl *c = pitstop_ctl;
+  for (int i = 0; i < nvcomms; i++) {
+    struct pitstop_comm_ctl *cc = &c->comms[i];
+    cc->myid_set = 0;
+    if (cc->kind != KIND_INIT || (asked ? !cc->want_id : cc->rank != 0)) continue;
+    ncclUniqueId id;
+    struct pitstop_lib *L = pitstop_in = vcomms[i]->lib; /* an id of the library that rebuilds it */
+    if (L->fn.ncclGetUniqueId(&id) == ncclSuccess) { memcpy(cc->myid, id.internal, sizeof cc->myid); cc->myid_set = 1; }
+  }
+  c->state = ST_IDS_READY;
+}
+
 static void runCommand(uint32_t cmd) {
   struct pitstop_ctl *c = pitstop_ctl;
   switch (cmd) {
     case CMD_DESTROY:
+      if (abandonRebuild()) note("abandoned the rebuild under %s (%ld communicators)", "way", nvcomms);
       destroyAll();
       c->state = ST_DESTROYED;
       note("destroyed %s communicators (%ld)", "all", nvcomms);
       break;
-    case CMD_GENIDS:
-      for (int i = 0; i < nvcomms; i++) {
-        struct pitstop_comm_ctl *cc = &c->comms[i];
-        if (cc->kind == KIND_INIT && cc->rank == 0) {
-          ncclUniqueId id;
-          struct pitstop_lib *L = pitstop_in = vcomms[i]->lib; /* an id of the library that rebuilds it */
-          if (L->fn.ncclGetUniqueId(&id) == ncclSuccess) { memcpy(cc->myid, id.internal, sizeof cc->myid); cc->myid_set = 1; }
-        }
-      }
-      c->state = ST_IDS_READY;
+    case CMD_GENIDS: /* rank 0 of each INIT communicator */
+      makeIds(0);
+      break;
+    case CMD_MAKEIDS: /* those the coordinator chose: a member that stays, in an early rewire */
+      makeIds(1);
       break;
     case CMD_TRIM:
       pitstop_trim(c);
       break;
-    case CMD_REBUILD: {
-      ncclResult_t r = rebuildAll();
-      c->error = (int32_t)r;
-      c->state = r == ncclSuccess ? ST_REBUILT : ST_FAILED;
-      note("rebuilt communicators: %s (%ld)", r == ncclSuccess ? "ok" : "FAILED", (long)r);
+    case CMD_REBUILD:
+    case CMD_PREBUILD: {
+      if (c->state == ST_REBUILT) break; /* rebuilt already, with these ids (an early rewire's survivor) */
+      if (cmd == CMD_PREBUILD) { prebuild(); break; }
+      newids_t ids;
+      ncclComm_t tmp[PITSTOP_MAX_COMMS] = {0};
+      takeIds(ids);
+      ncclResult_t r = makeAll(ids, tmp);
+      rebuilt(r == ncclSuccess ? installAll(tmp) : r);
       break;
     }
     default:
@@ -572,7 +707,9 @@ ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer) {
   for (;;) {
     if (c->request != gen) { gen = c->request; c->ack = gen; start = now(); }
     uint32_t seq = c->command_seq;
-    if (seq != c->done_seq) {
+    /* While a rebuild runs on the shim's thread, a command waits for its end; a destroy alone
+     * abandons it. */
+    if (seq != c->done_seq && (c->state != ST_REBUILDING || c->command == CMD_DESTROY)) {
       uint32_t cmd = c->command;
       if (cmd == CMD_RESUME || cmd == CMD_RELEASE) {
         if (cmd == CMD_RELEASE && c->state == ST_DESTROYED) { c->done_seq = seq; continue; } /* needs a rebuild */
@@ -588,7 +725,8 @@ ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer) {
       start = now();
       continue;
     }
-    int destroyed = c->state == ST_DESTROYED || c->state == ST_IDS_READY || c->state == ST_FAILED;
+    int destroyed = c->state == ST_DESTROYED || c->state == ST_IDS_READY || c->state == ST_FAILED ||
+                    c->state == ST_REBUILDING;
     if (!destroyed && c->state != ST_REBUILT && idx >= 0 && allowed(&c->comms[idx], op, peer)) {
       /* Publish "leaving" before trusting the allowance (Dekker with the coordinator, which
        * writes final targets and then re-reads states): either it sees us leave, or we see
@@ -608,6 +746,14 @@ ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer) {
       parked = 1;
     }
     if (now() - start > limit) {
+      if (c->state == ST_REBUILDING) { /* the restored ranks never joined: the program is told */
+        if (!abandonRebuild()) continue; /* it ended just now: look again */
+        note("quiesce %s: the early rebuild did not finish within %ld s; abandoned", "failed", (long)limit);
+        fprintf(stderr, "pitstop shim: the communicators' rebuild did not finish within %.0f s "
+                        "(PITSTOP_SHIM_DEADLINE_S): no word from the agent and no rank joined; returning "
+                        "ncclRemoteError\n", limit);
+        return ncclRemoteError;
+      }
       if (!destroyed) { /* the agent vanished: carry on as if nothing happened */
         pitstop_seen = gen; c->state = ST_RUNNING; c->parked_comm = -1;
         note("quiesce %s: no word from the agent for %ld s; resumed", "timed out", (long)limit);

@@ -101,3 +101,144 @@ def test_a_transport_that_reads_every_rank_in_one_call_is_used_instead():
 
     cut = Cut(["r0", "r1", "r2"], get_one, lambda w, body: None, deadline_s=1, get_all=get_all)
     assert cut.uses_shim() is False and asked == [["r0", "r1", "r2"]]
+
+
+# -- the early rewire's steps, against blocks that act as the shim does ------------------------------
+
+class Shims:
+    """Control blocks that carry out the cut's commands as shim/shim.c does, states and ids only: an
+    INIT communicator's rebuild finishes once every member rebuilds it with the same id (NCCL's
+    bootstrap), so a rank that stays waits in `rebuilding` until the leaving ones join."""
+
+    def __init__(self, members: dict[str, dict[str, int]], nranks: dict[str, int], version: int = 5) -> None:
+        self.blocks = {w: {"token": w, "pid": i + 100, "version": version, "state": "destroyed", "note": "",
+                           "command_seq": 0, "done_seq": 0,
+                           "comms": [{"key": k, "kind": "init", "rank": r, "nranks": nranks[k], "alive": True,
+                                      "issued": 5, "sent": [], "recvd": [], "myid": None} for k, r in ms.items()]}
+                       for i, (w, ms) in enumerate(members.items())}
+        self.using: dict[str, dict[str, str]] = {}  # worker -> the ids its rebuild uses
+        self.posted: list[tuple[str, str, dict]] = []
+        self.fresh = 0
+
+    def get(self, w: str) -> list[dict]:
+        return [dict(self.blocks[w], comms=[dict(c) for c in self.blocks[w]["comms"]])]
+
+    def post(self, w: str, body: dict) -> None:
+        b = self.blocks[w]
+        name, ids = body["command"], body.get("ids") or {}
+        self.posted.append((w, name, dict(ids)))
+        b["command_seq"] += 1
+        if b["state"] == "rebuilding" and name != "destroy":
+            raise AssertionError(f"{name} posted to {w} while its rebuild runs")
+        if name in ("makeids", "genids"):
+            for c in b["comms"]:
+                asked = ids.get(c["key"]) == str(c["rank"]) if name == "makeids" else c["rank"] == 0
+                self.fresh += asked
+                c["myid"] = f"id{self.fresh}" if asked else None
+            b["state"] = "ids_ready"
+        elif name in ("prebuild", "rebuild") and b["state"] != "rebuilt":
+            self.using[w] = {c["key"]: ids[c["key"]] for c in b["comms"]}
+            b["state"] = "rebuilding"
+        elif name == "destroy":
+            self.using.pop(w, None)
+            b["state"] = "destroyed"
+        elif name == "resume":
+            b["state"] = "running"
+        b["done_seq"] = b["command_seq"]
+        self._bootstrap()
+
+    def _bootstrap(self) -> None:
+        for w, b in self.blocks.items():
+            if b["state"] != "rebuilding":
+                continue
+            if all(sum(1 for v, u in self.using.items() if self.blocks[v]["state"] in ("rebuilding", "rebuilt")
+                       and u.get(c["key"]) == self.using[w][c["key"]]) == c["nranks"] for c in b["comms"]):
+                b["state"] = "rebuilt"
+
+    def cut(self) -> Cut:
+        return Cut(list(self.blocks), self.get, self.post, deadline_s=1, poll_s=0.001)
+
+    def told(self, name: str) -> list[str]:
+        return sorted(w for w, n, _ in self.posted if n == name)
+
+
+# a world of 4, a pair on the leaving host (r2, r3) and a pair across (r1, r2); r2 and r3 leave
+MEMBERS = {"r0": {"w": 0}, "r1": {"w": 1, "x": 0}, "r2": {"w": 2, "p": 0, "x": 1}, "r3": {"w": 3, "p": 1}}
+SIZES = {"w": 4, "p": 2, "x": 2}
+
+
+def test_the_shim_version_the_cut_asks_for_is_the_one_that_has_the_early_rewire():
+    from pitstop.coordinator.cut import EARLY_REWIRE_SHIM
+    from pitstop.shimctl import layout
+
+    assert EARLY_REWIRE_SHIM == layout.EARLY_REWIRE_VERSION
+    assert {"prebuild", "makeids"} <= set(layout.COMMANDS) and "rebuilding" in layout.STATES.values()
+
+
+def test_early_ids_come_from_the_lowest_ranked_member_that_stays_and_never_from_a_leaving_rank():
+    s = Shims(MEMBERS, SIZES)
+    cut = s.cut()
+    ids = cut.early_ids({"r2", "r3"})
+    # the world's id from r0 (rank 0 stays); the pair across from r1 (its rank 0); the pair on the
+    # leaving host has no member that stays: no early id (a restored member makes it later)
+    assert s.posted == [("r0", "makeids", {"w": "0"}), ("r1", "makeids", {"x": "0"})]
+    assert ids == {"w": "id1", "x": "id2"}
+    s2 = Shims(MEMBERS, SIZES)
+    s2.cut().early_ids({"r0", "r1"})  # rank 0 of the world leaves: the lowest rank that stays makes it
+    assert s2.posted == [("r2", "makeids", {"w": "2", "x": "1", "p": "0"})]
+
+
+def test_no_early_rewire_with_a_shim_older_than_it_or_with_no_rank_that_stays():
+    s = Shims(MEMBERS, SIZES, version=4)
+    cut = s.cut()
+    assert cut.early_ids({"r3"}) is None and s.posted == []
+    assert cut.why_not and "r0" in cut.why_not and "older" in cut.why_not
+    s = Shims(MEMBERS, SIZES)
+    cut = s.cut()
+    assert cut.early_ids({"r0", "r1", "r2", "r3"}) is None and s.posted == [] and cut.why_not
+
+
+def test_the_ranks_that_stay_wait_until_the_restored_ones_join_with_the_same_ids_and_then_all_resume():
+    s = Shims(MEMBERS, SIZES)
+    cut = s.cut()
+    ids = cut.early_ids({"r2", "r3"})
+    cut.prebuild(ids, {"r2", "r3"})
+    assert s.told("prebuild") == ["r0", "r1"]
+    assert {w: b["state"] for w, b in s.blocks.items()} == {"r0": "rebuilding", "r1": "rebuilding",
+                                                             "r2": "destroyed", "r3": "destroyed"}
+    order: list[str] = []
+    _, every = cut.finish_rewire(ids, on_join=lambda: order.append(f"joined after {len(s.posted)} posts"))
+    # the pair on the leaving host: its id from its own rank 0 (r2), once restored
+    assert s.posted[4] == ("r2", "makeids", {"p": "0"}) and every == {**ids, "p": "id3"}
+    assert order == ["joined after 5 posts"]  # recorded before the restored ranks are told
+    assert s.told("prebuild") == ["r0", "r1", "r2", "r3"] and s.told("resume") == ["r0", "r1", "r2", "r3"]
+    assert all(b["state"] == "running" for b in s.blocks.values())
+
+
+def test_a_rollback_joins_the_survivors_early_rebuild_where_the_ids_are_unspent_and_redoes_it_otherwise():
+    for spent in (False, True):
+        s = Shims(MEMBERS, SIZES)
+        cut = s.cut()
+        ids = cut.early_ids({"r2", "r3"})
+        cut.prebuild(ids, {"r2", "r3"})
+        s.posted.clear()
+        _, every = s.cut().rejoin(ids, spent=spent)
+        if not spent:  # the rolled-back sources join: nothing destroyed, no fresh world id
+            assert s.told("destroy") == [] and s.told("prebuild") == ["r2", "r3"]
+            assert every["w"] == ids["w"]
+        else:  # a restored copy may have used them: abandoned, and everything made again with fresh ids
+            assert s.told("destroy") == ["r0", "r1", "r2", "r3"] and s.told("genids") == ["r0", "r1", "r2", "r3"]
+            assert s.told("rebuild") == ["r0", "r1", "r2", "r3"] and every["w"] != ids["w"]
+        assert all(b["state"] == "running" for b in s.blocks.values()), spent
+
+
+def test_a_rank_whose_early_rebuild_failed_has_the_rewire_redone_in_place():
+    s = Shims(MEMBERS, SIZES)
+    cut = s.cut()
+    ids = cut.early_ids({"r3"})
+    cut.prebuild(ids, {"r3"})
+    s.blocks["r1"]["state"], s.blocks["r1"]["note"] = "failed", "rebuilt communicators: FAILED (6)"
+    s.posted.clear()
+    _, every = cut.finish_rewire(ids)
+    assert [n for _, n, _ in s.posted][:4] == ["destroy"] * 4 and every["w"] != ids["w"]
+    assert all(b["state"] == "running" for b in s.blocks.values())

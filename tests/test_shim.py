@@ -34,18 +34,19 @@ def test_exports_only_nccl_names_and_the_loaders_lookups_and_wraps_the_whole_hea
 def test_control_block_layout_matches_the_c_compiler(tmp_path):
     src = tmp_path / "l.c"
     src.write_text('#include <stddef.h>\n#include <stdio.h>\n#include "ctl.h"\nint main(void){printf("%zu %zu %zu %zu '
-                   '%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\\n", sizeof(struct pitstop_ctl), offsetof(struct pitstop_ctl, request), '
+                   '%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\\n", sizeof(struct pitstop_ctl), offsetof(struct pitstop_ctl, request), '
                    'offsetof(struct pitstop_ctl, command), offsetof(struct pitstop_ctl, command_seq), '
                    'offsetof(struct pitstop_ctl, comms), sizeof(struct pitstop_comm_ctl), '
                    'offsetof(struct pitstop_comm_ctl, newid_set), offsetof(struct pitstop_comm_ctl, newid), '
                    'offsetof(struct pitstop_comm_ctl, sent), offsetof(struct pitstop_comm_ctl, recv_target), '
                    'offsetof(struct pitstop_ctl, trail_n), offsetof(struct pitstop_ctl, refused), '
-                   'offsetof(struct pitstop_ctl, protect), offsetof(struct pitstop_ctl, lost_ns));}\n')
+                   'offsetof(struct pitstop_ctl, protect), offsetof(struct pitstop_ctl, lost_ns), '
+                   'offsetof(struct pitstop_comm_ctl, want_id));}\n')
     subprocess.run(["cc", "-I", str(ROOT / "shim"), str(src), "-o", str(tmp_path / "l")], check=True)
     got = [int(x) for x in subprocess.run([str(tmp_path / "l")], capture_output=True, text=True).stdout.split()]
     assert got == [L.SIZE, L.OFF_REQUEST, L.OFF_COMMAND, L.OFF_COMMAND_SEQ, L.HEADER.size, L.COMM.size,
                    L.COMM_OFF_NEWID_SET, L.COMM_OFF_NEWID, L.COMM_OFF_SENT, L.COMM_OFF_RECV_TARGET, L.OFF_TAIL,
-                   L.OFF_REFUSED, L.OFF_PROTECT, L.OFF_LOST + 16]
+                   L.OFF_REFUSED, L.OFF_PROTECT, L.OFF_LOST + 16, L.COMM_OFF_WANT_ID]
 
 
 @pytest.mark.parametrize("script,nonblocking", [("nccl_dp.py", "0"), ("nccl_tp_dp.py", "0"), ("nccl_pipeline.py", "0"),
@@ -616,3 +617,143 @@ def test_reduction_operators_are_made_again_at_a_rebuild_behind_the_values_the_p
     assert shimmed == plain
     assert refused == [None, None], refused
     assert not any("pitstop shim" in e for e in errs), errs
+
+
+# -- the early rewire: the ranks that stay rebuild while the leaving ones are away (CMD_PREBUILD) -------
+
+def _block_cut(pids: list[int], deadline_s: float = 30):  # noqa: ANN202
+    """A Cut over these processes' control blocks, as the agents would drive it (r0, r1, ...)."""
+    from pitstop import shimctl
+    from pitstop.coordinator.cut import Cut
+
+    ws = {f"r{i}": pid for i, pid in enumerate(pids)}
+
+    def post(w: str, body: dict) -> None:
+        for b in shimctl.blocks(ws[w]):
+            if body["op"] == "quiesce":
+                shimctl.quiesce(b, body["gen"])
+            elif body["op"] == "targets":
+                shimctl.set_targets(b, body["targets"])
+            else:
+                shimctl.command(b, body["command"], body.get("ids"))
+
+    return Cut(list(ws), lambda w: [b.view() for b in shimctl.blocks(ws[w])], post, deadline_s=deadline_s)
+
+
+def _views(cut) -> dict[str, dict]:  # noqa: ANN001
+    return {w: bs[0] for w, bs in zip(cut.workers, [cut.get(w) for w in cut.workers])}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads and writes other processes' control blocks (root)")
+@pytest.mark.parametrize("groups,leaving", [("split", ("r2", "r3")), ("init", ("r2", "r3")), ("split", ("r0",))])
+def test_an_early_rebuild_waits_in_nccls_bootstrap_until_the_leaving_ranks_join(groups, leaving):
+    """The tensor x data parallel job (a world, and its pairs split from it or made with InitRank of
+    their own), cut and its communicators destroyed.  The ranks that stay make the fresh ids (each
+    communicator's lowest-ranked member that stays: rank 0's world id comes from rank 1 where rank 0
+    leaves) and begin rebuilding on a thread of their shims: a second later they still wait in the
+    bootstrap, their parked threads free.  Then the leaving ranks are told the same ids (a pair wholly
+    among them gets its id from its own first member then) and everyone resumes: the job ends bitwise
+    equal to the same program without the shim."""
+    import time
+
+    cmd = [sys.executable, str(WORKLOADS / "nccl_tp_dp.py")]
+    env = {"NCCLPY_GROUPS": groups}
+    away = set(leaving)
+
+    def probe(pids: list[int]) -> dict:
+        cut = _block_cut(pids)
+        cut.quiesce()
+        cut.destroy()
+        ids = cut.early_ids(away)
+        made = {w: sorted(c["key"] for c in v["comms"] if c["myid"]) for w, v in _views(cut).items()}
+        cut.prebuild(ids, away)
+        time.sleep(1.0)
+        waiting = {w: (v["state"], v["done_seq"] == v["command_seq"]) for w, v in _views(cut).items()}
+        joined: list[str] = []
+        _, every = cut.finish_rewire(ids, on_join=lambda: joined.append("told"))
+        return {"ids": ids, "made": made, "waiting": waiting, "every": every, "joined": joined,
+                "world": next(c["key"] for c in cut.get("r0")[0]["comms"] if c["kind"] == "init")}
+
+    plain, _, _ = _ranks(cmd, 4, env, "", steps=600)
+    shimmed, seen, errs = _ranks(cmd, 4, env, str(SHIM), probe=probe, steps=600)
+    assert shimmed == plain
+    stay = sorted({"r0", "r1", "r2", "r3"} - away)
+    assert seen["waiting"] == {w: ("destroyed" if w in away else "rebuilding", True) for w in sorted(seen["waiting"])}
+    assert all(not seen["made"][w] for w in away), seen["made"]  # no id from a rank that leaves
+    assert seen["world"] in seen["made"][stay[0]], seen  # the world's id from the lowest rank that stays
+    inits = 5 if groups == "init" else 1  # init: the world and four pairs; split: the world alone
+    assert len(seen["every"]) == inits and seen["joined"] == ["told"], seen
+    # a pair wholly on the leaving ranks (init, r2 and r3) has no early id: its own first member made it
+    assert len(seen["ids"]) == (4 if groups == "init" and away == {"r2", "r3"} else inits), seen["ids"]
+    assert not any("pitstop shim" in e for e in errs), errs
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads and writes other processes' control blocks (root)")
+def test_a_destroy_abandons_an_early_rebuild_and_the_rewire_is_redone_in_place():
+    """A rollback whose sources cannot join (the ids were spent): the ranks that stay are waiting in
+    their early rebuild's bootstrap; a destroy abandons it at once (the block says destroyed, the
+    parked thread takes commands again), and the communicators are re-created in place with fresh
+    ids while the abandoned NCCL inits are still waiting (they fail at the host NCCL's own timeout,
+    and what they would have made is never installed).  The job ends bitwise equal."""
+    import time
+
+    cmd = [sys.executable, str(WORKLOADS / "nccl_tp_dp.py")]
+    env = {"HOSTNCCL_TIMEOUT_S": "6"}
+
+    def probe(pids: list[int]) -> list:
+        cut = _block_cut(pids)
+        cut.quiesce()
+        cut.destroy()
+        ids = cut.early_ids({"r3"})
+        cut.prebuild(ids, {"r3"})
+        before = sorted({v["state"] for w, v in _views(cut).items() if w != "r3"})
+        t0 = time.monotonic()
+        cut.redo()
+        took = time.monotonic() - t0
+        time.sleep(8)  # the abandoned inits end at the host NCCL's timeout meanwhile
+        return [before, took]
+
+    plain, _, _ = _ranks(cmd, 4, env, "", steps=1500)
+    shimmed, (before, took), errs = _ranks(cmd, 4, env, str(SHIM), probe=probe, steps=1500)
+    assert shimmed == plain
+    assert before == ["rebuilding"], before
+    assert took < 5, took  # not held by the inits it abandoned (they wait 6 s)
+    assert not any("pitstop shim" in e for e in errs), errs
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads and writes other processes' control blocks (root)")
+def test_an_early_rebuild_nobody_joins_ends_at_the_shims_deadline_with_an_error(tmp_path):
+    """The agent vanishes once a rank that stays began its early rebuild: nobody joins, and NCCL's
+    init would wait for its own timeout (120 s here).  The parked thread keeps the shim's deadline
+    (PITSTOP_SHIM_DEADLINE_S, 3 s): it abandons the rebuild and the program gets ncclRemoteError,
+    as when communicators are gone and no rebuild comes; it never waits in NCCL for good."""
+    import time
+
+    from pitstop import shimctl
+
+    rdv = tmp_path / "rdv"
+    rdv.mkdir()
+    env = dict(os.environ, LD_LIBRARY_PATH=str(ROOT / "native" / "build"), PYTHONPATH=str(WORKLOADS),
+               HOSTNCCL_ADDR="127.0.0.1", WORLD_SIZE="2", LD_PRELOAD=str(SHIM), PITSTOP_SHIM_DEADLINE_S="3",
+               HOSTNCCL_TIMEOUT_S="120")
+    ps = [subprocess.Popen([sys.executable, str(WORKLOADS / "nccl_dp.py"), "--steps", "100000", "--step-sleep",
+                            "0.01", "--rendezvous", str(rdv), "--out", str(tmp_path / "out")],
+                           env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+          for r in range(2)]
+    try:
+        until(lambda: all(shimctl.blocks(p.pid) and any(c["issued"] for c in shimctl.blocks(p.pid)[0].comms)
+                          for p in ps), timeout=60, what="both ranks' shims counting operations")
+        cut = _block_cut([p.pid for p in ps])
+        cut.quiesce()
+        cut.destroy()
+        cut.prebuild(cut.early_ids({"r1"}), {"r1"})
+        t0 = time.monotonic()
+        err = ps[0].communicate(timeout=30)[1]
+        assert ps[0].returncode != 0 and time.monotonic() - t0 < 15, (ps[0].returncode, err[-1000:])
+        assert "the communicators' rebuild did not finish within 3 s (PITSTOP_SHIM_DEADLINE_S)" in err, err[-1000:]
+        assert "ncclAllReduce failed: 6" in err, err[-1000:]  # ncclRemoteError, to the program
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=30)

@@ -5,6 +5,7 @@ through the coordinator with a consistent cut and rewired communicators."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -99,6 +100,10 @@ def test_evacuate_nccl_job_across_addresses(cluster, tmp_path, script):
     assert md["result"] == "succeeded", op.get("error")
     assert md["plan"]["pause"] == "nccl_cut", md["plan"]  # the shim's consistent cut, not SIGSTOP
     assert "rewire" in md["phases"] and md["cut"]["rewired"] and md["cut"]["new_ids"]
+    # the early rewire (the default): the ranks that stay began re-creating their communicators as the
+    # capture began; the restored ones joined them; the full ids are not kept once spent
+    assert md["cut"]["early"] is True and md["cut"]["prewire_s"] > 0 and "early_ids" not in md["cut"], md["cut"]
+    assert any(c["type"] == "Rewired" and "began during the capture" in c["message"] for c in md["conditions"])
     # no allocator the shim could reach (no torch, no CUDA runtime): nothing released, the move as before
     assert md["workers"]["nccl.2"]["device_memory"] == {"released_by": ["nothing reachable"]}, md["workers"]
     assert any(c["type"] == "Quiesced" and c["reason"] == "ConsistentCut" for c in md["conditions"])
@@ -118,6 +123,8 @@ def test_evacuate_nccl_job_across_addresses(cluster, tmp_path, script):
     assert a["ops_per_step"] == {"nccl_dp.py": 2, "nccl_tp_dp.py": 4, "nccl_pipeline.py": 4}[script], a
     # timed by each rank's shim (its operations' stamps), not by the coordinator's reads
     assert a["timed_by"] == "shim" and a["first_collectives_s"] <= a["first_step_s"] < 10, a
+    # from the last restore (the destination's clock) to every rank's first collective done (the shims')
+    assert md["last_restore"] < a["first_collectives_at"] < md["last_restore"] + 10, (md["last_restore"], a)
     # the pause each rank saw, from its own shim: all four, each about the move's
     pauses = entry["rank_pause_s"]
     assert sorted(pauses) == [f"nccl.{r}" for r in range(4)], entry
@@ -136,6 +143,70 @@ def test_evacuate_nccl_job_across_addresses(cluster, tmp_path, script):
     assert "consistent cut reached" in log and "communicators re-created with new unique ids" in log
     # nothing in the application knew: no pitstop name in its output
     assert all("pitstop" not in r.log.read_text().replace(str(cluster.root), "") for r in ranks)
+
+
+def test_the_early_rewire_off_re_creates_every_communicator_after_the_restore(cluster, tmp_path):
+    """PITSTOP_COORDINATOR_EARLY_REWIRE=false: the order before the early rewire, every rank
+    re-creating its communicators once the leaving ones are restored, rank 0's ids."""
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_tp_dp.py",
+                            coord_env={"PITSTOP_COORDINATOR_EARLY_REWIRE": "false"})
+    wait_for_step(ranks[3].log, 20)
+    md = _evacuate(cc, "host-b")["metadata"]
+    assert md["result"] == "succeeded" and md["cut"]["rewired"], md
+    assert md["cut"]["early"] is False and "EARLY_REWIRE=false" in md["cut"]["early_why_not"], md["cut"]
+    assert "prewire_s" not in md["cut"] and "early_ids" not in md["cut"], md["cut"]
+    let_finish(out)
+    assert [r.proc.wait(180) for r in ranks] == [0] * 4
+    assert_same_as_reference(out, reference("nccl_tp_dp.py"))
+
+
+def test_a_pair_wholly_on_the_leaving_host_gets_its_id_from_a_restored_rank(cluster, tmp_path):
+    """The tensor x data parallel job with its pairs made by ncclCommInitRank of their own
+    (NCCLPY_GROUPS=init, as PyTorch's new_group makes them): the pair of ranks 2 and 3 lies wholly
+    on host-b.  The ranks that stay make the ids of the world and of the three pairs they belong to
+    and rebuild during the capture; the leaving pair's id is made by rank 2 once restored.  Bitwise
+    equal to an uninterrupted run."""
+    env = {"NCCLPY_GROUPS": "init"}
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_tp_dp.py", job_env=env)
+    wait_for_step(ranks[3].log, 20)
+    md = _evacuate(cc, "host-b")["metadata"]
+    assert md["result"] == "succeeded" and md["cut"]["early"] is True, md
+    assert len(md["cut"]["new_ids"]) == 5, md["cut"]
+    let_finish(out)
+    assert [r.proc.wait(180) for r in ranks] == [0] * 4
+    assert_same_as_reference(out, reference("nccl_tp_dp.py", job_env=env))
+
+
+@pytest.mark.parametrize("fault", ["restore_fails", "ids_spent"])
+def test_a_rollback_with_the_early_rebuild_under_way_leaves_the_job_whole(cluster, tmp_path, fault):
+    """The ranks that stay are waiting in their early rebuild's bootstrap when the move fails.
+    restore_fails: the destination's restore fails (the sources were released): each source is
+    restored from its own images and joins the survivors' rebuild with the same ids, none redone.
+    ids_spent: the record already says the restored ranks were told the ids (a fault right after):
+    the early rebuild is abandoned and every communicator re-created in place with fresh ids.
+    Either way the job ends bitwise equal to an uninterrupted run, on its own hosts."""
+    spent = fault == "ids_spent"
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_tp_dp.py",
+                            coord_env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "rewire:ids_spent=fail"}
+                            if spent else None,
+                            agent_env=None if spent else {"spare-1": {"PITSTOP_ENABLE_FAULTS": "1",
+                                                                      "PITSTOP_FAULTS": "restore:before_criu=fail"}})
+    wait_for_step(ranks[3].log, 20)
+    op = _evacuate(cc, "host-b")
+    md = op["metadata"]
+    assert md["result"] == "failed" and "injected fault" in op["error"]["message"], op.get("error")
+    assert not op["error"]["details"][0].get("metadata", {}).get("rollback_problems"), op["error"]
+    assert md["cut"]["prewire_s"] > 0 and md["cut"]["early_ids"] and not md["cut"]["destroyed"], md["cut"]
+    assert bool(md["cut"].get("early_joined")) is spent, md["cut"]
+    log = (cluster.root / "coordinator.log").read_text()
+    assert ("redone in place" in log) is spent, log[-3000:]
+    if not spent:  # the rollback's rewire: the two rolled-back sources joined the survivors' rebuild
+        assert re.search(r"communicators re-created with new unique ids .*early=True.*joined=2", log), log[-3000:]
+    let_finish(out)
+    assert [r.proc.wait(180) for r in ranks] == [0] * 4
+    assert_same_as_reference(out, reference("nccl_tp_dp.py"))
+    where = {w["id"]: w["host"] for j in cc.jobs() for w in j["workers"]}
+    assert where["nccl.2"] == "host-b" and where["nccl.3"] == "host-b"
 
 
 def test_evacuate_a_job_whose_communicators_are_nonblocking(cluster, tmp_path):

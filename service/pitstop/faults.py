@@ -7,6 +7,8 @@ Used by the qualification matrix (tests/qualify) to stop a process at a precise 
 damage what it handles, as CRIU's zdtm does with its own hooks.  Points:
   phase:<name>          coordinator, as an evacuation enters a phase
   after_commit_point    coordinator, right after the commit point is recorded
+  rewire:ids_spent      coordinator, in an early rewire, once the record says the restored ranks are
+                        told the ranks that stay's ids (fail: a rollback must then redo the rewire)
   snapshot_phase:<name> coordinator, as a snapshot enters a phase (check, pause, lock, dump, resume,
                         replicate, commit)
   recovery_phase:<name> coordinator, as a recovery enters a phase (plan, fence, stop, restore, resume)

@@ -3,6 +3,9 @@
 Ranks (tp, dp) = (rank % 2, rank // 2).  Each step: the tensor-parallel pair all-gathers
 its shards of an activation and all-reduces a partial product; the data-parallel pair
 all-reduces gradients; the world broadcasts a scalar from rank 0.
+NCCLPY_GROUPS=init: the pairs are communicators of their own, each made with ncclCommInitRank
+from an id its first member shares (as PyTorch's new_group makes them without splitting), so
+that a pair can lie wholly on one host.
 """
 
 import os
@@ -15,8 +18,12 @@ a = args()
 assert a.world == 4, "this workload is 2 x 2"
 world = ncclpy.init(a.world, ncclpy.share_id(os.path.join(a.rendezvous, "world.id"), a.rank), a.rank)
 tp_rank, dp_rank = a.rank % 2, a.rank // 2
-tp = ncclpy.split(world, color=dp_rank, key=tp_rank)    # ranks sharing a dp index
-dp = ncclpy.split(world, color=tp_rank, key=dp_rank)    # ranks sharing a tp index
+if os.environ.get("NCCLPY_GROUPS") == "init":
+    tp = ncclpy.init(2, ncclpy.share_id(os.path.join(a.rendezvous, f"tp{dp_rank}.id"), tp_rank), tp_rank)
+    dp = ncclpy.init(2, ncclpy.share_id(os.path.join(a.rendezvous, f"dp{tp_rank}.id"), dp_rank), dp_rank)
+else:
+    tp = ncclpy.split(world, color=dp_rank, key=tp_rank)    # ranks sharing a dp index
+    dp = ncclpy.split(world, color=tp_rank, key=dp_rank)    # ranks sharing a tp index
 rng = np.random.default_rng(100 + a.rank)
 W = (rng.standard_normal((32, 16)) * 0.1).astype(np.float32)   # this rank's shard
 for step in range(1, a.steps + 1):

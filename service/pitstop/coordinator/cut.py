@@ -18,6 +18,14 @@ fresh unique id; the ids are handed to every member; every rank rebuilds its
 communicators in creation order (splits replayed) and resumes.  A rank that never
 reaches the cut within the deadline fails the quiesce; the others are released
 and the job continues as it was.
+
+The early rewire (a move's, `early_ids`, `prebuild`, `finish_rewire`): as soon as the
+leaving ranks are being captured, the ranks that stay make the fresh ids (each
+communicator's lowest-ranked member that stays: its bootstrap root lives where nothing
+moves) and begin their rebuild on a thread of their shims; NCCL's init waits in its
+bootstrap until the restored ranks join with the same ids.  A rollback has the
+rolled-back sources join the same way (`rejoin`) where nobody that left used the ids;
+otherwise the early rebuild is abandoned and redone in place (`redo`).
 """
 
 from __future__ import annotations
@@ -43,6 +51,11 @@ class GetAllBlocks(Protocol):
 
     def __call__(self, workers: list[str], trail: bool = False) -> dict[str, list[dict[str, Any]]]: ...
 Post = Callable[[str, dict[str, Any]], Any]
+
+
+# shim/ctl.h's first version that rebuilds on a thread of the shim (prebuild) and makes the ids the
+# coordinator asks for (makeids); shimctl/layout.py EARLY_REWIRE_VERSION, checked by tests/test_cut.py
+EARLY_REWIRE_SHIM = 5
 
 
 class CutFailed(PitstopError):
@@ -85,6 +98,30 @@ def _refused(blocks: list[tuple[str, dict[str, Any]]]) -> CutFailed | None:
                             "reason says, then start the job again", details={"workers": refused})
 
 
+def _init_members(blocks: list[tuple[str, dict[str, Any]]]) -> dict[str, list[tuple[str, int]]]:
+    """Each top-level communicator (by key): its members, as (worker, rank)."""
+    out: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for w, b in blocks:
+        for c in b["comms"]:
+            if c["kind"] == "init":
+                out[c["key"]].append((w, int(c["rank"])))
+    return out
+
+
+def _id_makers(blocks: list[tuple[str, dict[str, Any]]], among: set[str],
+               only: set[str] | None = None) -> dict[str, dict[str, str]]:
+    """Who makes each top-level communicator's fresh id (those of `only`, else all): its
+    lowest-ranked member among the workers `among`, as worker -> {communicator: that rank}.  A
+    communicator with no member there is left out."""
+    out: dict[str, dict[str, str]] = defaultdict(dict)
+    for key, ms in _init_members(blocks).items():
+        there = [(r, w) for w, r in ms if w in among]
+        if there and (only is None or key in only):
+            r, w = min(there)
+            out[w][key] = str(r)
+    return dict(out)
+
+
 class Cut:
     def __init__(self, workers: list[str], get_blocks: GetBlocks, post: Post, deadline_s: float = 60.0,
                  poll_s: float = 0.003, get_all: GetAllBlocks | None = None) -> None:
@@ -95,6 +132,7 @@ class Cut:
         self.deadline_s = deadline_s
         self.poll_s = poll_s
         self.gen = int(time.time() * 1000) & 0x7FFFFFFF or 1
+        self.why_not: str | None = None  # why early_ids found no early rewire to begin
 
     def _all(self, workers: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
         """Every worker's blocks (or those of `workers`), read at once: one round trip per round,
@@ -253,6 +291,13 @@ class Cut:
         """Have every worker (or those of `workers`) carry out a command; their blocks once all
         have, each in one of the `want` states."""
         self._post_all({"op": "command", "command": name, "ids": ids or {}}, workers)
+        return self._await(name, want, deadline_s, workers)
+
+    def _await(self, name: str, want: set[str], deadline_s: float | None = None,
+               workers: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+        """The blocks of every worker (or of `workers`) once each has carried out its last command
+        and is in one of the `want` states; CutFailed where one failed, DeadlineExceeded past the
+        deadline."""
         end = time.monotonic() + (deadline_s or self.deadline_s)
         while True:
             blocks = self._all(workers)
@@ -292,6 +337,97 @@ class Cut:
         log.info("communicators re-created with new unique ids", communicators=len(ids),
                  ids={k: v[:16] + "…" for k, v in ids.items()})
         return time.monotonic() - t0, ids
+
+    # -- the early rewire ------------------------------------------------------------------------
+    def early_ids(self, leaving: set[str]) -> dict[str, str] | None:
+        """Fresh unique ids for every top-level communicator with a member that stays, each made by
+        its lowest-ranked member that stays (its bootstrap root then lives in a process the move
+        does not touch); those with no such member get theirs from a restored rank later
+        (finish_rewire).  None where the early rewire cannot run, with why in the log: a shim
+        older than it, or no rank that stays."""
+        blocks = self._all()
+        old = sorted({w for w, b in blocks if int(b.get("version") or 0) < EARLY_REWIRE_SHIM})
+        if old:
+            self.why_not = f"a shim older than the early rewire in {', '.join(old[:4])}"
+            return None
+        makers = _id_makers(blocks, {w for w in self.workers if w not in leaving})
+        if not makers:
+            self.why_not = "no rank that stays is a member of any communicator"
+            return None
+        return self._make_ids(makers)
+
+    def prebuild(self, ids: dict[str, str], leaving: set[str]) -> None:
+        """The ranks that stay begin re-creating every communicator with `ids`, each on a thread of
+        its shim: their NCCL inits wait in the bootstrap until the restored ranks join.  Returns
+        once every one has begun (or, a communicator of survivors alone, finished)."""
+        staying = [w for w in self.workers if w not in leaving]
+        self._command("prebuild", {"rebuilding", "rebuilt"}, ids, workers=staying)
+
+    def finish_rewire(self, ids: dict[str, str], on_join: Callable[[], None] | None = None
+                      ) -> tuple[float, dict[str, str]]:
+        """The early rewire's end, the leaving ranks restored: ids for the communicators no rank that
+        stays belongs to (made by their lowest-ranked member), every rank not rebuilding yet told to
+        rebuild with the same ids (the restored ones: they join the survivors' bootstraps), every
+        rank rebuilt, all resumed.  A rank that stays whose early rebuild failed: the whole rewire
+        is redone in place instead.  on_join: called before the first rank is told, from when the
+        ids are spent (a rollback can no longer join them)."""
+        t0 = time.monotonic()
+        blocks = self._all()
+        failed = [f"{w} (pid {b['pid']}): {b['note']}" for w, b in blocks if b["state"] == "failed"]
+        if failed:
+            log.warning("an early rebuild failed; the rewire is redone in place", failed=failed)
+            return self.redo()
+        missing = {k for k in _init_members(blocks) if k not in ids}
+        if missing:
+            ids = {**ids, **self._make_ids(_id_makers(blocks, set(self.workers), only=missing))}
+        fresh = sorted({w for w, b in blocks if b["state"] in ("destroyed", "ids_ready")})
+        if on_join:
+            on_join()
+        self._command("prebuild", {"rebuilding", "rebuilt"}, ids, workers=fresh)
+        self._await("prebuild", {"rebuilt"})
+        self._command("resume", {"running", "parked"})
+        log.info("communicators re-created with new unique ids", communicators=len(ids), early=True,
+                 joined=len(fresh), ids={k: v[:16] + "…" for k, v in ids.items()})
+        return time.monotonic() - t0, ids
+
+    def rejoin(self, ids: dict[str, str], spent: bool) -> tuple[float, dict[str, str]]:
+        """A rollback's rewire in place after an early one had begun: the rolled-back sources join
+        the survivors' rebuild with the same ids, where none of the ids was handed to a restored
+        rank (`spent` False) and no rank's rebuild failed; otherwise, or if joining fails, the
+        early rebuild is abandoned and everything re-created with fresh ids (redo)."""
+        if not spent:
+            try:
+                return self.finish_rewire(ids)
+            except PitstopError as e:
+                log.warning("the rolled-back ranks could not join the early rebuild; redone in place",
+                            error=e.message)
+        else:
+            log.info("the early rewire's ids were handed to restored ranks: the rewire is redone in place")
+        return self.redo()
+
+    def redo(self) -> tuple[float, dict[str, str]]:
+        """Every rank's communicators re-created in place with fresh ids: whatever was rebuilt is
+        destroyed and a rebuild still under way abandoned first (its NCCL init cannot be called
+        off: what it makes is destroyed when it returns)."""
+        t0 = time.monotonic()
+        self._command("destroy", {"destroyed"})
+        secs, ids = self.rewire()
+        return time.monotonic() - t0, ids
+
+    def _make_ids(self, makers: dict[str, dict[str, str]]) -> dict[str, str]:
+        """Fresh ids made where `makers` says (worker -> {communicator: rank of the member that makes
+        it}); every communicator's."""
+        workers = sorted(makers)
+        in_parallel(lambda w: self.post(w, {"op": "command", "command": "makeids", "ids": makers[w]}), workers)
+        blocks = self._await("makeids", {"ids_ready"}, workers=workers)
+        ids = {c["key"]: c["myid"] for w, b in blocks for c in b["comms"]
+               if c["kind"] == "init" and c["myid"] and makers[w].get(c["key"]) == str(c["rank"])}
+        lacking = sorted({k for m in makers.values() for k in m} - set(ids))
+        if lacking:
+            raise CutFailed(f"no fresh unique id for communicator(s) {lacking} from "
+                            + ", ".join(f"{w}: {sorted(m)}" for w, m in makers.items() if set(m) & set(lacking)),
+                            action="see the workers' agents' logs")
+        return ids
 
     def trim(self, workers: list[str], deadline_s: float = 60.0) -> dict[str, list[dict[str, Any]]]:
         """Release the device memory the given (leaving) workers hold reserved without using it

@@ -113,6 +113,10 @@ class OpRun:
         # clock): stopped (SIGSTOP, or the capture stopping a leaving rank) and running again.
         self.rank_stopped: dict[str, float] = {}
         self.rank_running: dict[str, float] = {}
+        # The early rewire's first half (_prewire), on a thread beside the capture; told to post
+        # nothing more once the rewire or a rollback takes over.
+        self._prewire: threading.Thread | None = None
+        self._prewire_stop = threading.Event()
 
     # -- bookkeeping --------------------------------------------------------------------------
     def save(self, **kw: Any) -> None:
@@ -372,6 +376,7 @@ class OpRun:
         with self.lock:  # from here a rollback must look for captures on the node, even unrecorded ones
             self.md.capture_begun = True
             self.save()
+        self._begin_prewire()
 
         def capture(wid: str) -> None:
             w = self.md.workers[wid]
@@ -407,6 +412,65 @@ class OpRun:
                        + (f"; {later} bytes of memory follow after the resume (network post-copy)" if later else ""))
         self.check()
 
+    def _begin_prewire(self) -> None:
+        """The early rewire's first half, on a thread of its own as the capture begins: the ranks that
+        stay make fresh ids and begin re-creating their communicators (coordinator/cut.py), so that
+        after the restore only the restored ranks' joining is left in the pause.  The ids are
+        recorded before any rank is told: a rollback, or a restarted coordinator's, joins them."""
+        cutmd = self.md.cut
+        if cutmd is None or not cutmd.destroyed:
+            return
+        if not self.d.s.early_rewire:
+            with self.lock:
+                cutmd.early_why_not = "PITSTOP_COORDINATOR_EARLY_REWIRE=false"
+                self.save()
+            return
+        t0 = time.monotonic()
+
+        def body() -> None:
+            try:
+                cut = self.cut()
+                leaving = set(self.md.workers)
+                ids = cut.early_ids(leaving)
+                if ids is None or self._prewire_stop.is_set():
+                    with self.lock:
+                        cutmd.early_why_not = cut.why_not or "the rewire began first"
+                        self.save()
+                    return
+                with self.lock:
+                    cutmd.early_ids = ids
+                    try:
+                        self.save()
+                    except StoreUnavailable:
+                        cutmd.unset("early_ids")  # unrecorded: nobody may rebuild with them
+                        raise
+                if self._prewire_stop.is_set():
+                    return  # the ranks not told yet are told by the rewire, or the rollback, with these ids
+                cut.prebuild(ids, leaving)
+                with self.lock:
+                    cutmd.prewire_s = round(time.monotonic() - t0, 4)
+                    self.save()
+                log.info("the ranks that stay are re-creating their communicators", op=self.id,
+                         communicators=len(ids), seconds=cutmd.prewire_s)
+            except Exception as e:  # noqa: BLE001 - the rewire after the restore does what is left
+                why = getattr(e, "message", repr(e))
+                log.warning("the early rewire did not begin; the rewire after the restore does it", op=self.id,
+                            error=why)
+                with self.lock:
+                    cutmd.early_why_not = f"it failed to begin: {why}"[:500]
+                    with contextlib.suppress(StoreUnavailable):
+                        self.save()
+
+        self._prewire = threading.Thread(target=body, daemon=True, name=f"prewire-{self.id}")
+        self._prewire.start()
+
+    def _end_prewire(self) -> None:
+        """Let the early rewire's thread post nothing more, and wait for it (its calls have deadlines)."""
+        self._prewire_stop.set()
+        t = self._prewire
+        if t is not None:
+            t.join(3 * self.d.s.cut_deadline_s + 30)
+
     def _verify(self, m: "_Move") -> None:
         self.enter("verify")
         self.each(lambda wid: m.dst.verify(self.image_id(wid)))
@@ -440,6 +504,10 @@ class OpRun:
             self.rank_running.update(_times([[r["worker"]]], "running_since"))
 
         self.each(restore)
+        ran = [self.rank_running[w] for w in self.md.workers if w in self.rank_running]
+        if ran:
+            with self.lock:
+                self.md.last_restore = max(ran)
         self.leave("restore")
         self.condition("Restored", True, "WorkersRestored", f"on {m.dest}")
 
@@ -447,16 +515,34 @@ class OpRun:
         """NCCL jobs: communicators re-created behind the same handles, at the new addresses."""
         if self.md.cut and self.md.cut.destroyed:
             self.enter("rewire")
-            secs, ids = self.cut(moved=True).rewire()
+            self._end_prewire()
+            cutmd = self.md.cut
+            if cutmd.early_ids:  # the ranks that stay began during the capture: the restored ones join them
+                secs, ids = self.cut(moved=True).finish_rewire(cutmd.early_ids, on_join=self._early_ids_spent)
+            else:
+                secs, ids = self.cut(moved=True).rewire()
+            early = bool(cutmd.early_ids)
             with self.lock:
-                assert self.md.cut is not None
-                self.md.cut.destroyed, self.md.cut.rewired = False, True
-                self.md.cut.new_ids = {k: v[:32] for k, v in ids.items()}
+                cutmd.destroyed, cutmd.rewired = False, True
+                cutmd.new_ids = {k: v[:32] for k, v in ids.items()}
+                cutmd.early = early
+                cutmd.unset("early_ids")  # spent, and in new_ids: the record need not keep them whole
                 self.save()
             self.leave("rewire")
             self.condition("Rewired", True, "CommunicatorsRecreated",
-                           f"{len(ids)} communicator(s) re-created with new unique ids")
+                           f"{len(ids)} communicator(s) re-created with new unique ids"
+                           + ("; the ranks that stay began during the capture, the restored ones joined them"
+                              if early else f" after the restore ({cutmd.early_why_not or 'no early rewire'})"))
         self.check()
+
+    def _early_ids_spent(self) -> None:
+        """Recorded before a restored rank is told the early rewire's ids: from here a rollback
+        cannot have the sources join them (a restored copy may have used them) and redoes."""
+        with self.lock:
+            assert self.md.cut is not None
+            self.md.cut.early_joined = True
+            self.save()
+        faults.hit("rewire:ids_spent")
 
     @contextlib.contextmanager
     def _precopy_progress(self, src: AgentClient) -> Iterator[Callable[[], float]]:
@@ -1053,8 +1139,13 @@ class OpRun:
         problems += self._resume_peers()
         cutmd = self.md.cut
         if cutmd is not None and cutmd.used:
+            self._end_prewire()
             try:
-                if cutmd.destroyed:
+                if cutmd.destroyed and cutmd.early_ids:
+                    # the ranks that stay are rebuilding: the sources join them where they can
+                    self.cut().rejoin(cutmd.early_ids, spent=bool(cutmd.early_joined))
+                    cutmd.destroyed = False
+                elif cutmd.destroyed:
                     # the workers run where they were: give them communicators again
                     self.cut().rewire()
                     cutmd.destroyed = False

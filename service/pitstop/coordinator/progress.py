@@ -142,7 +142,8 @@ def with_op_times(after: AfterMove, times: dict[str, tuple], resumed_at: float |
     which learns of the resume a round trip after the ranks run."""
     if not after.measured or after.ranks is None or len(times) != after.ranks or resumed_at is None:
         return after
-    update: dict = {"first_collectives_s": round(max(t[0] for t in times.values()) - resumed_at, 4),
+    first = max(t[0] for t in times.values())
+    update: dict = {"first_collectives_s": round(first - resumed_at, 4), "first_collectives_at": round(first, 6),
                     "timed_by": "shim"}
     if after.ops_per_step and all(t[1] is not None for t in times.values()):
         update["first_step_s"] = round(max(t[1] for t in times.values()) - resumed_at, 4)

@@ -65,6 +65,10 @@ class CoordinatorSettings(BaseSettings):
     # unused (PyTorch's cache, CUDA's memory pools: shim/trim.c) before their CUDA checkpoint, so
     # that only live bytes move.  False: every reserved byte moves, as a job that cannot be reached.
     release_device_cache: bool = True
+    # The early rewire: a move's ranks that stay begin re-creating their NCCL communicators as the
+    # leaving ranks' capture begins (coordinator/cut.py), so that the restored ranks only join them.
+    # False: every rank re-creates them after the restore, inside the pause.
+    early_rewire: bool = True
     # After a move, how long the job's collectives are watched for its time to useful progress
     # (coordinator/progress.py; 0: not watched)
     progress_window_s: float = Field(default=10.0, ge=0, le=600)

@@ -40,7 +40,8 @@ class Block:
                                  "lost": self.lost, "protect": self.protect}
         if trail and self.trail is not None:
             extra |= {"trail": self.trail, "trail_at": self.trail_at, "trail_n": self.trail_n}
-        return extra | {"pid": self.pid, "token": f"{h['token']:016x}", "state": L.STATES.get(h["state"], str(h["state"])),
+        return extra | {"pid": self.pid, "version": h["version"], "token": f"{h['token']:016x}",
+                "state": L.STATES.get(h["state"], str(h["state"])),
                 "request": h["request"], "ack": h["ack"], "parked_comm": h["parked_comm"],
                 "parked_op": L.OPS.get(h["parked_op"], "?"), "parked_peer": h["parked_peer"],
                 "in_call": bool(h["in_call"]), "foreign": h["foreign"],
@@ -301,8 +302,17 @@ def set_targets(b: Block, targets: dict[str, Any]) -> None:
 
 
 def command(b: Block, name: str, ids: dict[str, str] | None = None) -> None:
+    """Post a command to the block.  ids: for rebuild and prebuild, each communicator's new unique id
+    (by its key, hex); for makeids, the communicators this process makes fresh ids for: each key
+    with the rank of the member that makes it (decimal), so that only that member's block is asked
+    where one worker's processes hold several members."""
     for i, c in enumerate(b.comms):
-        newid = (ids or {}).get(f"{c['key']:016x}")
+        key = f"{c['key']:016x}"
+        if name == "makeids":
+            want = key in (ids or {}) and (ids or {})[key] == str(c["rank"])
+            _write(b, L.comm_offset(i) + L.COMM_OFF_WANT_ID, struct.pack("<i", int(want)))
+            continue
+        newid = (ids or {}).get(key)
         if newid:
             _write(b, L.comm_offset(i) + L.COMM_OFF_NEWID, bytes.fromhex(newid))
             _write(b, L.comm_offset(i) + L.COMM_OFF_NEWID_SET, struct.pack("<i", 1))

@@ -17,7 +17,7 @@ COMM = struct.Struct(f"<QQQiiiiiiii128sii128s{MAX_PEERS}Q{MAX_PEERS}Q{MAX_PEERS}
 HEADER_FIELDS = ("magic", "version", "ncomms", "request", "ack", "state", "command", "command_seq", "done_seq",
                  "parked_comm", "error", "parked_op", "parked_peer", "token", "in_call", "foreign", "note")
 COMM_FIELDS = ("key", "issued", "target", "nranks", "rank", "kind", "parent", "color", "key_arg", "alive",
-               "newid_set", "newid", "myid_set", "pad", "myid")
+               "newid_set", "newid", "myid_set", "want_id", "myid")
 COMM_OFF_SENT = 320
 COMM_OFF_RECVD = COMM_OFF_SENT + 8 * MAX_PEERS
 COMM_OFF_SEND_TARGET = COMM_OFF_RECVD + 8 * MAX_PEERS
@@ -50,9 +50,12 @@ OFF_COMMAND_SEQ = 40
 COMM_OFF_TARGET = 16
 COMM_OFF_NEWID_SET = 52
 COMM_OFF_NEWID = 56
+COMM_OFF_WANT_ID = 188  # version 5: CMD_MAKEIDS makes this communicator's fresh id in this process
 
-STATES = {0: "running", 1: "parked", 2: "destroyed", 3: "ids_ready", 4: "rebuilt", 5: "failed"}
-COMMANDS = {"destroy": 1, "genids": 2, "rebuild": 3, "resume": 4, "release": 5, "trim": 6}
+STATES = {0: "running", 1: "parked", 2: "destroyed", 3: "ids_ready", 4: "rebuilt", 5: "failed", 6: "rebuilding"}
+# prebuild, makeids, the state rebuilding and want_id: version 5 (the early rewire)
+COMMANDS = {"destroy": 1, "genids": 2, "rebuild": 3, "resume": 4, "release": 5, "trim": 6, "prebuild": 7, "makeids": 8}
+EARLY_REWIRE_VERSION = 5
 KINDS = {1: "init", 2: "split"}
 LOST_STATES = {0: None, 1: "parked", 2: "gave_up"}
 RESULTS = {1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError", 4: "ncclInvalidArgument",

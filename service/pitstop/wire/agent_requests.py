@@ -108,8 +108,10 @@ class ShimOp(BaseModel):
     op: Literal["quiesce", "targets", "command"]
     gen: int = Field(0, ge=0, le=2**31 - 1)
     targets: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    command: Literal["destroy", "genids", "rebuild", "resume", "release", "trim"] = "release"
-    ids: dict[str, str] = Field(default_factory=dict)
+    command: Literal["destroy", "genids", "rebuild", "resume", "release", "trim", "prebuild", "makeids"] = "release"
+    ids: dict[str, str] = Field(default_factory=dict, description="rebuild, prebuild: each communicator's new unique "
+                                "id by its key; makeids: the communicators to make fresh ids for, each key with "
+                                "the rank of the member that makes it")
 
 
 class CommitRequest(BaseModel):

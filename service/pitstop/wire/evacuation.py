@@ -114,6 +114,16 @@ class CutRecord(_Record):
     rewired: bool | None = None
     new_ids: dict[str, str] | None = None  # communicator -> the first 32 hex digits of its new unique id
     trim_s: float | None = None  # the leaving ranks' release of unused device memory (in the pause)
+    # The early rewire (coordinator/cut.py): the ranks that stay re-create their communicators while the
+    # leaving ones are captured and restored.  The full unique ids they rebuild with, recorded before
+    # any of them is told: a rollback (a restarted coordinator's too) has the rolled-back sources join
+    # with the same ids, unless the restored ranks were already told to (`early_joined`), or a rank
+    # failed: then the rebuild is abandoned and redone in place.
+    early_ids: dict[str, str] | None = None  # until the rewire ends (then in new_ids, shortened)
+    early_joined: bool | None = None
+    early: bool | None = None  # the ranks that stay were told to begin (True), or the rewire waited (False)
+    prewire_s: float | None = None  # from the capture's start until every rank that stays was rebuilding
+    early_why_not: str | None = None  # why the rewire waited for the restore (setting, an older shim, ...)
 
 
 class Condition(_Record):
@@ -146,6 +156,9 @@ class AfterMove(_Record):
     # every rank issued two collectives (or sends, receives) after the last resume: its first one had
     # returned (on a CPU, or a GPU job that waits on its results; a GPU launch alone returns at once)
     first_collectives_s: float | None = None
+    # ... and when that was (wall clock), timed by the ranks' shims: against the operation's
+    # last_restore, what the rewire and the resume left in the pause after the restore
+    first_collectives_at: float | None = None
     # the job's collective rate over the trailing second first back to 90 % of its rate before
     back_to_speed_s: float | None = None
     # every rank did a whole step's work after the move: its operations per step (the period of the
@@ -189,6 +202,7 @@ class EvacuationState(_Record):
     capture_begun: bool = True
     first_pause: float | None = None
     pause_round_s: float | None = None
+    last_restore: float | None = None  # when the last restored worker ran on the destination (its wall clock)
     last_resume: float | None = None
     downtime_s: float | None = None
     # The pause the job saw (coordinator/ledger.job_pause): the downtime, except with post-copy,
