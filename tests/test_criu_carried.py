@@ -21,6 +21,9 @@ import pytest
 from pitstop.criu import runtime
 from pitstop.memory import cowpages
 from pitstop.memory.dumpview import PE_COW, PE_PRESENT, task_images
+from pitstop.proc import proctree
+
+from .helpers import until
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")]
@@ -131,12 +134,8 @@ def _results(tmp_path: Path, restored: int) -> list[str]:
 
 def _stop(pids: list[int]) -> None:
     """SIGSTOP each and wait until the kernel says stopped (state T)."""
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    end = time.monotonic() + 10
-    while any(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T" for pid in pids):
-        assert time.monotonic() < end, "the tree did not stop"
-        time.sleep(0.01)
+    proctree.stop(pids)
+    until(lambda: all(proctree.state(p) == "T" for p in pids), 10, "the tree stopped")
 
 
 @pytest.mark.timeout(180)

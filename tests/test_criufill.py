@@ -161,7 +161,7 @@ def test_a_failed_read_fails_as_libcs_does(lib: Path, tmp_path: Path) -> None:
     assert out[0] == out[1] == ["-1", "14"]  # EFAULT both ways
 
 
-def test_each_restore_gets_its_own_wrapper_and_leaves_nothing(tmp_path: Path) -> None:
+def test_each_restore_gets_its_own_report_and_leaves_nothing(tmp_path: Path) -> None:
     try:
         rt = runtime.locate()
     except Exception as e:  # noqa: BLE001
@@ -172,13 +172,13 @@ def test_each_restore_gets_its_own_wrapper_and_leaves_nothing(tmp_path: Path) ->
     stale.parent.mkdir(parents=True)
     stale.write_text("1 2 3\n")
     with criufill.preloaded(rt, tmp_path) as (a, ra), criufill.preloaded(rt, tmp_path) as (b, rb):
-        assert a != b and ra != rb
+        assert ra != rb and dict(a.env)["PITSTOP_CRIUFILL_REPORT"] == str(ra)
+        assert dict(b.env)["PITSTOP_CRIUFILL_REPORT"] == str(rb)
         assert not stale.exists()
-        text = Path(a).read_text()
-        assert f'PITSTOP_CRIUFILL_REPORT="{ra}"' in text and str(criufill.library()) in text
+        assert a.environ()["LD_PRELOAD"].split(":")[0] == str(criufill.library())
         ra.write_text("7 100 5 2\n8 50 0 1\nnot a line\n")
         assert criufill.read_report(ra) == (150, 5, 2)
-        p = subprocess.run([a, "--version"], capture_output=True, text=True, timeout=30)
+        p = subprocess.run([a.binary, "--version"], capture_output=True, text=True, timeout=30, env=a.environ())
         assert p.returncode == 0 and "Version" in p.stdout
     assert list((tmp_path / criufill.DIRNAME).iterdir()) == []
     assert criufill.read_report(ra) == (0, 0, 0)

@@ -112,10 +112,11 @@ def test_crius_facts_cache_is_kept_apart():
             here.rmdir()
 
 
-def test_crius_dirty_tracking_check_passes_only_with_the_library(tmp_path):
-    path, why = criutrack.binary(tmp_path)
-    assert path, why
-    p = subprocess.run([path, "check", "--feature", "mem_dirty_track"], capture_output=True, text=True, timeout=60)
+def test_crius_dirty_tracking_check_passes_only_with_the_library():
+    command, why = criutrack.command()
+    assert command, why
+    p = subprocess.run([command.binary, "check", "--feature", "mem_dirty_track"], capture_output=True, text=True,
+                       timeout=60, env=command.environ())
     assert p.returncode == 0 and "is supported" in p.stdout + p.stderr
     plain = subprocess.run([runtime.locate().binary, "check", "--feature", "mem_dirty_track"],
                            capture_output=True, text=True, timeout=60)
@@ -130,15 +131,15 @@ def test_crius_dirty_tracking_check_passes_only_with_the_library(tmp_path):
         w.close()
 
 
-def test_an_untested_criu_is_not_used(monkeypatch, tmp_path):
+def test_an_untested_criu_is_not_used(monkeypatch):
     """The library answers the questions CRIU 4.2 asks; another CRIU may ask differently, and a
     question it did not answer would read as "unchanged": such a CRIU dumps whole."""
     real = runtime.locate()
     fake = runtime.CriuRuntime(real.binary, (9, 9, 0), real.pycriu_path, real.nft, real.source)
     monkeypatch.setattr(runtime, "locate", lambda: fake)
-    criutrack.binary.cache_clear()
+    criutrack.command.cache_clear()
     try:
-        path, why = criutrack.binary(tmp_path)
-        assert path is None and "CRIU 9.9.0 is not one the incremental dump was tested with" in why, why
+        command, why = criutrack.command()
+        assert command is None and "CRIU 9.9.0 is not one the incremental dump was tested with" in why, why
     finally:
-        criutrack.binary.cache_clear()
+        criutrack.command.cache_clear()

@@ -6,7 +6,6 @@ Real processes in real PID namespaces."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -104,24 +103,22 @@ def test_only_directories_named_as_a_launcher_names_them_are_made_for_a_restore(
     assert not Path(ok).exists()
 
 
-def test_an_init_registered_before_its_chdir_is_read_in_its_own_directory(tmp_path):
-    """The launcher registers the init once it leads its session, before it moves into its directory
-    (native/pitinit.c: setsid, chdir, fork).  Read then, a busy machine gave the launcher's directory:
-    the worker's snapshots named no init directory, and its restore on a spare failed with CRIU's
-    "Can't open cwd" (CI).  A stand-in init (bash, named as the init) that is slow to move in."""
-    fake = tmp_path / nsinit.BINARY
-    shutil.copy2(shutil.which("bash"), fake)
+def test_the_launcher_registers_the_init_only_once_it_has_moved_into_its_directory(tmp_path):
+    """The launcher registered the init as soon as it led its session, before it moved into its
+    directory (native/pitinit.c: setsid, chdir, fork): on a busy machine the agent then read the
+    launcher's directory, the rank's snapshots named no init directory, and its restore on a spare
+    failed with CRIU's "Can't open cwd" (CI).  A stand-in init that is slow to move in: bash, made a
+    session leader by setsid, waiting half a second on a FIFO (no child to give it away)."""
+    from pitstop.launcher.run import _find_ns_init
+
     own = tmp_path / "pitstop-init.job.0.abc123"
     own.mkdir()
-    (tmp_path / "slow").mkdir()
-    os.mkfifo(tmp_path / "slow" / "fifo")
-    # read -t on a FIFO opened both ways: half a second of waiting with no child to give it away
-    p = subprocess.Popen([str(fake), "-c", f"exec 3<>{tmp_path}/slow/fifo; read -t 0.5 -u 3; cd {own}; "
-                                           "sleep 30 & wait"], cwd=tmp_path / "slow")
+    os.mkfifo(tmp_path / "fifo")
+    init = f"exec 3<>{tmp_path}/fifo; read -t 0.5 -u 3; cd {own}; sleep 30 & wait"
+    p = subprocess.Popen(["bash", "-c", f"setsid bash -c '{init}' & wait"], cwd=tmp_path)
     try:
-        until(lambda: nsinit.is_init(p.pid), 10, "the stand-in init")
-        assert os.readlink(f"/proc/{p.pid}/cwd") == str(tmp_path / "slow")  # not moved in yet
-        assert nsinit.owned_dir(p.pid) == str(own)
+        root = _find_ns_init(p)
+        assert os.readlink(f"/proc/{root}/cwd") == str(own)
     finally:
         proctree.kill_tree(p.pid)
         p.wait(10)

@@ -125,9 +125,9 @@ def held(script: str, report: Path) -> Iterator[_Held]:
 
 def _incremental_dump(root: int, images: Path, basis: precopy.Basis) -> criu_ops.DumpResult:
     """CRIU's own incremental dump against the pre-copy in ../pre (criu/criutrack.py)."""
-    binary, why = criutrack.binary(images.parent)
-    assert binary, why
-    res = criu_ops.dump(root, images, parent="../pre", binary=binary, log_level=criutrack.LOG_LEVEL)
+    command, why = criutrack.command()
+    assert command, why
+    res = criu_ops.dump(root, images, parent="../pre", command=command, log_level=criutrack.LOG_LEVEL)
     basis.close()
     assert os.readlink(images / "parent") == "../pre"
     assert sum(f.stat().st_size for f in images.glob("pages-*.img")) == res.pages_written * precopy.PAGE
@@ -195,8 +195,8 @@ def test_restore_from_a_delta_and_its_pre_copy_is_the_process_as_dumped(tmp_path
         elif tracked:  # CRIU's reads of the parent's pages by UFFDIO_COPY, as the agent restores (criufill.py)
             rt = runtime.locate()
             assert not criufill.unavailable(rt), criufill.unavailable(rt)
-            with criufill.preloaded(rt, tmp_path / "state") as (binary, filled):
-                restored, _ = criu_ops.restore(view, {}, binary=binary)
+            with criufill.preloaded(rt, tmp_path / "state") as (command, filled):
+                restored, _ = criu_ops.restore(view, {}, command=command)
                 copied, left, _ = criufill.read_report(filled)
             assert copied >= 60 << 20, (copied, left)
         else:

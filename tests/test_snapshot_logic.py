@@ -71,6 +71,8 @@ def test_a_snapshot_begun_before_a_recovery_never_commits(tmp_path):
     s = Store(tmp_path / "c.db")
     snaps = Snapshots(s, CoordinatorSettings(insecure=True), busy=dict)
     s.put_snapshot("j", 1, "committed", {"parts": {}})
+    for n in (2, 3, 4):  # each recorded as it began
+        s.put_snapshot("j", n, "taking", {"parts": {}})
     snaps.commit("j", 2, {"parts": {}}, generation=0)  # no recovery meanwhile: it counts
     snaps.hold("j")  # a recovery begins from snapshot 2 ...
     with pytest.raises(Conflict, match="recovery of the job began"):
@@ -78,8 +80,14 @@ def test_a_snapshot_begun_before_a_recovery_never_commits(tmp_path):
     snaps.release("j")  # ... and ends; snapshot 3, begun before it, completes only now
     with pytest.raises(Conflict, match="recovery of the job began"):
         snaps.commit("j", 3, {"parts": {}}, generation=0)
-    assert {x["number"]: x["state"] for x in s.snapshots("j")} == {1: "committed", 2: "committed", 3: "failed"}
+    assert {x["number"]: x["state"] for x in s.snapshots("j")} == {1: "committed", 2: "committed", 3: "failed",
+                                                                    4: "taking"}
     snaps.commit("j", 4, {"parts": {}}, generation=1)  # one begun after the recovery counts
+    s.put_snapshot("j", 5, "taking", {"parts": {}})
+    s.forget_snapshots("j", keep=None)  # the job's snapshots dropped (a failed recovery) while 5 was taken
+    with pytest.raises(Conflict, match="were dropped"):
+        snaps.commit("j", 5, {"parts": {}}, generation=1)
+    assert s.snapshots("j") == []  # nothing written back
 
 
 def test_an_interval_whose_pauses_would_take_more_than_the_share_is_lengthened_and_says_why(tmp_path):

@@ -99,17 +99,19 @@ def test_roles_cordons_claims_and_removal(store):
 
 def test_a_report_of_the_copy_a_move_left_arriving_after_the_commit_keeps_the_worker_where_it_went(store):
     """An agent's report written while its rank was being captured, handled after the move had
-    committed, took the rank back to the host it had left until the new host's next beat (a
-    fresh-clone run: `jobs` listed a moved rank on its old host).  Only that very copy is old news:
-    a new process of the same rank on that host (moved back, or a job started again) is not."""
+    committed, took the rank back to the host it had left until the new host's next beat.  Only
+    that very copy, as the move names it, is old news: a new process of the same rank on that host
+    (moved back, or a job started again) is not.  The destination's report of the restored copy may
+    come before the commit."""
     store.heartbeat(_report("a", [_w("j", 0, root_pid=100, start_time=7)]))
-    store.set_worker_host("j.0", "b", "running")  # the move committed
+    store.heartbeat(_report("b", [_w("j", 0, state="paused", root_pid=200, start_time=9)]))  # restored, before
+    store.set_worker_host("j.0", "b", "running", left={"host": "a", "pid": 100, "start_time": 7})  # committed
     store.heartbeat(_report("a", [_w("j", 0, state="stopped", root_pid=100, start_time=7)]))  # written before
     assert store.workers(job="j")[0]["host"] == "b"
-    store.heartbeat(_report("b", [_w("j", 0, root_pid=200, start_time=9)]))
-    store.heartbeat(_report("a", [_w("j", 0, state="running", root_pid=100, start_time=7)]))
-    assert store.workers(job="j")[0]["host"] == "b"
-    store.set_worker_host("j.0", "a", "running")  # moved back: a new process there
+    store.heartbeat(_report("a", [_w("j", 0, state="running", root_pid=100, start_time=8)]))  # pid reused: new
+    assert store.workers(job="j")[0]["host"] == "a"
+    store.set_worker_host("j.0", "b", "running", left={"host": "a", "pid": 100, "start_time": 8})
+    store.set_worker_host("j.0", "a", "running", left={"host": "b", "pid": 200, "start_time": 9})  # moved back
     store.heartbeat(_report("a", [_w("j", 0, root_pid=300, start_time=11)]))
     store.heartbeat(_report("b", [_w("j", 0, state="capturing", root_pid=200, start_time=9)]))  # b's late report
     assert store.workers(job="j")[0]["host"] == "a"

@@ -52,7 +52,7 @@ def _fd_targets(pid: int) -> set[str]:
 
 def test_the_worker_starts_with_no_python_in_the_child_and_pycriu_would_run_some(mark: Path) -> None:
     rt = runtime.locate()
-    spawned = swrk.SpawnedSwrk(rt.binary)
+    spawned = swrk.SpawnedSwrk(runtime.CriuCommand(rt.binary))
     spawned.connect(False)
     pid = spawned.swrk
     try:
@@ -75,7 +75,7 @@ def test_only_the_fds_meant_for_it_reach_the_worker() -> None:
     meant_r, meant_w = os.pipe()
     other_r, other_w = os.pipe()
     os.set_inheritable(other_r, True)  # another restore's fd, made inheritable for its own CRIU
-    spawned = swrk.SpawnedSwrk(rt.binary, pass_fds=(meant_r,))
+    spawned = swrk.SpawnedSwrk(runtime.CriuCommand(rt.binary), pass_fds=(meant_r,))
     try:
         spawned.connect(False)
         seen = _fd_targets(spawned.swrk)
@@ -89,7 +89,7 @@ def test_only_the_fds_meant_for_it_reach_the_worker() -> None:
 
 def test_a_self_dump_is_refused_with_a_reason() -> None:
     with pytest.raises(RuntimeError, match="not supported"):
-        swrk.SpawnedSwrk(runtime.locate().binary).connect(True)
+        swrk.SpawnedSwrk(runtime.CriuCommand(runtime.locate().binary)).connect(True)
 
 
 def test_dumps_started_from_several_threads_at_once_all_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,7 +137,7 @@ def test_a_worker_killed_mid_request_is_reaped_by_close() -> None:
     criu_ops closes the worker itself, so none is left a zombie of the agent."""
     import signal
 
-    spawned = swrk.SpawnedSwrk(runtime.locate().binary)
+    spawned = swrk.SpawnedSwrk(runtime.CriuCommand(runtime.locate().binary))
     spawned.connect(False)
     pid = spawned.swrk
     os.kill(pid, signal.SIGKILL)
@@ -147,28 +147,21 @@ def test_a_worker_killed_mid_request_is_reaped_by_close() -> None:
     assert not Path(f"/proc/{pid}").exists()
 
 
-def test_a_wrapper_still_open_for_writing_in_a_forked_child_starts_once_that_child_execs(tmp_path: Path) -> None:
-    """CI, 2026-12-07: a move's restore failed with "[Errno 26] Text file busy" on the CRIU wrapper
-    script written for it (criu/runtime.py, preloaded_wrapper), because a process another thread
-    forked meanwhile still held the script's write descriptor.  Here a descriptor open for writing
-    stands in for that child; it closes 0.3 s later, and the start goes through then."""
-    script = tmp_path / "criu-wrapper.sh"
-    script.write_text("#!/bin/sh\nexit 0\n")
-    script.chmod(0o755)
-    held = os.open(script, os.O_WRONLY)
-    with pytest.raises(OSError) as busy:  # the control: the kernel refuses it while it is held
-        subprocess.Popen([str(script)])
-    assert busy.value.errno == 26
-    threading.Timer(0.3, os.close, args=(held,)).start()
-    w = swrk.SpawnedSwrk(str(script))
+def test_the_commands_environment_reaches_crius_worker_and_a_preload_goes_first(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A preload for one CRIU run is in its environment, not in a script written just before it
+    runs: the kernel refused such a script (ETXTBSY) while a process another thread had forked
+    still held its write descriptor (CI, a move's restore).  A stand-in for CRIU that records
+    what it was given."""
+    seen = tmp_path / "env"
+    fake = tmp_path / "criu"
+    fake.write_text(f'#!/bin/sh\necho "$LD_PRELOAD|$PITSTOP_CRIUFILL_REPORT|$1" > {seen}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("LD_PRELOAD", "/already/there.so")
+    rt = runtime.CriuRuntime(str(fake), (4, 2, 1), Path("/nonexistent"), None, "host")
+    cmd = runtime.preloaded(rt, Path("/lib/x.so"), env={"PITSTOP_CRIUFILL_REPORT": "/r"})
+    w = swrk.SpawnedSwrk(cmd)
     w.connect(False)
-    assert w.swrk and w._proc is not None
     w.close()
-    assert w._proc.returncode == 0
-
-
-def test_a_start_refused_for_another_reason_is_not_tried_again(tmp_path: Path) -> None:
-    script = tmp_path / "not-executable.sh"
-    script.write_text("#!/bin/sh\nexit 0\n")
-    with pytest.raises(PermissionError):
-        swrk.SpawnedSwrk(str(script)).connect(False)
+    assert seen.read_text().strip() == "/lib/x.so:/already/there.so|/r|swrk"
+    assert "PITSTOP_CRIUFILL_REPORT" not in os.environ  # the agent's own environment is untouched

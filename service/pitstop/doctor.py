@@ -316,15 +316,11 @@ def _write_tracking() -> Check:
 def _incremental_dump() -> Check:
     """Whether CRIU can dump a pre-copied worker incrementally (criu/criutrack.py), or dumps all
     its memory during the pause for pitstop to cut the delta from."""
-    import tempfile
-
     from pitstop.criu import criutrack
 
     name = "incremental dump after a pre-copy"
-    with tempfile.TemporaryDirectory(prefix="pitstop-doctor-") as d:
-        path, why = criutrack.binary(Path(d))
-        criutrack.binary.cache_clear()  # its wrapper went with the directory
-    if path is None:
+    command, why = criutrack.command()
+    if command is None:
         return Check(name, False, f"{why}: the pause holds CRIU's full dump of each pre-copied worker",
                      required=False)
     return Check(name, True, f"available: CRIU dumps only what changed since the pre-copy, told by "

@@ -24,7 +24,6 @@ import contextlib
 import os
 import re
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,35 +69,16 @@ def valid(path: str) -> bool:
     return p.is_absolute() and os.path.normpath(path) == path and bool(_NAME.match(p.name))
 
 
-INIT_FORK_WAIT_S = 2.0  # from the init's setsid to its fork of the command: microseconds, unless starved
-
-
-def owned_dir(pid: int, wait_s: float = INIT_FORK_WAIT_S) -> str | None:
-    """The init directory `pid` works in, where `pid` is a pitstop init; else None.
-
-    Read once the init has forked its command: the launcher registers the init as soon as it leads
-    its session, which is before its chdir into the directory (native/pitinit.c: setsid, chdir,
-    fork), and on a busy machine the agent read the launcher's directory instead.  The worker's
-    snapshots then named no init directory, and a restore where it had been removed (a spare, or a
-    rollback after the launcher's cleanup) failed with CRIU's "Can't open cwd"."""
+def owned_dir(pid: int) -> str | None:
+    """The init directory `pid` works in, where `pid` is a pitstop init; else None.  Read once the
+    init has forked its command (the launcher registers it only then): it moves in before."""
     if not is_init(pid):
         return None
-    end = time.monotonic() + wait_s
-    while not _forked(pid) and time.monotonic() < end:
-        time.sleep(0.002)
     try:
         cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
         return None
     return cwd if valid(cwd) else None
-
-
-def _forked(pid: int) -> bool:
-    """Whether the init (one thread) has a child: its command, forked after its chdir."""
-    try:
-        return bool(Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
-    except OSError:
-        return True  # gone: nothing to wait for
 
 
 def is_init(pid: int) -> bool:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from pitstop import faults
 from pitstop.criu import criu_ops
+from pitstop.criu.runtime import CriuCommand
 from pitstop.memory import precopy
 from pitstop.memory.precopy import Basis
 
@@ -43,10 +44,10 @@ class SourceSide(Protocol):
     kinds stay below the agent's capture loop, which imports them."""
 
     def _dump(self, cap: "Capture", w: "Worker", images: Path, own_net: bool, overlap: bool,
-              parent: str | None = None, binary: str | None = None) -> criu_ops.DumpResult: ...
+              parent: str | None = None, command: CriuCommand | None = None) -> criu_ops.DumpResult: ...
 
     def _incremental_dump(self, cap: "Capture", w: "Worker", images: Path, own_net: bool, overlap: bool,
-                          basis: Basis, binary: str) -> criu_ops.DumpResult | None: ...
+                          basis: Basis, command: CriuCommand) -> criu_ops.DumpResult | None: ...
 
     def _delta(self, cap: "Capture", images: Path, basis: Basis) -> None: ...
 
@@ -112,7 +113,7 @@ class PreCopyDelta(CaptureKind):
 @dataclass
 class CriuIncremental(CaptureKind):
     basis: Basis
-    binary: str  # the CRIU that tracks what changed (criu/criutrack.py)
+    command: CriuCommand  # the CRIU that tracks what changed (criu/criutrack.py)
     name: ClassVar[str] = "criu_incremental"
     whole: ClassVar[bool] = False
 
@@ -125,7 +126,7 @@ class CriuIncremental(CaptureKind):
 
     def dump(self, side: "SourceSide", cap: "Capture", w: "Worker", images: Path, own_net: bool,
              overlap: bool) -> Dumped:
-        res = side._incremental_dump(cap, w, images, own_net, overlap, self.basis, self.binary)
+        res = side._incremental_dump(cap, w, images, own_net, overlap, self.basis, self.command)
         if res is None:  # dumped whole after all: the delta is cut from it, as without CRIU's help
             fallback = PreCopyDelta(self.basis)
             return Dumped(side._dump(cap, w, images, own_net, overlap), fallback)

@@ -174,7 +174,8 @@ class SourceSide:
             cid = "cap-" + uuid.uuid4().hex[:12]
             cap = Capture(id=cid, worker_id=w.id, image_dir=str(self.s.images / cid),
                           dest_url=dest_url, image_id=image_id or (cid if dest_url else None),
-                          keep_peers=keep_peers, want_post_copy=remote)
+                          keep_peers=keep_peers, want_post_copy=remote,
+                          source_pid=w.root_pid, source_start_time=w.start_time)
             self.state.captures[cid] = cap
             self.state.update_worker(w, state="capturing")
         t = threading.Thread(target=self._run_and_report, args=(cap, w), name=f"capture-{cid}", daemon=True)
@@ -416,20 +417,20 @@ class SourceSide:
                             reason=self._write_tracking_unavailable)
         return not self._write_tracking_unavailable
 
-    def _criu_parent(self) -> str | None:
+    def _criu_parent(self) -> runtime.CriuCommand | None:
         """The CRIU to dump a pre-copied worker incrementally with (criu/criutrack.py), or None
         where the full dump and pitstop's delta are used; the reason is logged once."""
         if not self.s.precopy_criu_parent:
             return None
-        path, why = criutrack.binary(self.s.state_dir)
+        command, why = criutrack.command()
         if why and not self._criu_parent_logged:
             self._criu_parent_logged = True
             log.warning("a pre-copied worker's pause holds CRIU's full dump: its incremental dump is unavailable",
                         reason=why)
-        return path
+        return command
 
     def _incremental_dump(self, cap: Capture, w: Worker, images: Path, own_net: bool, overlap: bool,
-                          basis: Basis, binary: str) -> criu_ops.DumpResult | None:
+                          basis: Basis, command: runtime.CriuCommand) -> criu_ops.DumpResult | None:
         """CRIU dumps only what the worker wrote since its pre-copy; the rest stays in the pre-copy,
         moved into the images as their `parent` (the source's own full copy until the move ends).
         None, with the images emptied, where CRIU could not: the caller dumps whole instead."""
@@ -438,7 +439,7 @@ class SourceSide:
         if faults.value("capture:break_parent"):  # CRIU then refuses the parent (no pid-reuse check)
             (images / PARENT / "inventory.img").unlink()
         try:
-            res = self._dump(cap, w, images, own_net, overlap, parent=PARENT, binary=binary)
+            res = self._dump(cap, w, images, own_net, overlap, parent=PARENT, command=command)
         except CaptureFailed as e:  # CRIU resumed the tree; its writes are still tracked
             log.warning("CRIU's incremental dump failed; dumping whole", capture=cap.id, worker=w.id,
                         reason=e.message)
@@ -597,8 +598,8 @@ class SourceSide:
         basis = self._basis_for(cap, w) if cap.dest_url else None
         if basis is None:
             return Whole()
-        binary = self._criu_parent() if basis.local is not None else None
-        return CriuIncremental(basis, binary) if binary else PreCopyDelta(basis)
+        command = self._criu_parent() if basis.local is not None else None
+        return CriuIncremental(basis, command) if command else PreCopyDelta(basis)
 
     def _run(self, cap: Capture, w: Worker) -> None:
         """The capture's steps; each one that changes something pushes its way back onto one undo
@@ -846,7 +847,7 @@ class SourceSide:
         return notes
 
     def _dump(self, cap: Capture, w: Worker, images: Path, own_net: bool, overlap: bool,
-              parent: str | None = None, binary: str | None = None) -> criu_ops.DumpResult:
+              parent: str | None = None, command: runtime.CriuCommand | None = None) -> criu_ops.DumpResult:
         attempt = 0
         while True:
             attempt += 1
@@ -855,7 +856,7 @@ class SourceSide:
                 with procwindow.DumpStartWindow(lock, cwd if overlap else ""):
                     res = criu_ops.dump(w.root_pid, images, timeout_s=self.s.dump_timeout_s,
                                         own_netns=workerns.netns_inode(w.root_pid) if own_net else None,
-                                        parent=parent, binary=binary,
+                                        parent=parent, command=command,
                                         log_level=criutrack.LOG_LEVEL if parent else 4)
                 if attempt > 1:
                     self.state.update_capture(cap, phases={**cap.phases, "dump_attempts": attempt})

@@ -35,7 +35,7 @@ def payload(agent: Agent) -> dict:
     from pitstop.gpu.health import readings
     from pitstop.gpu.inventory import inventory
 
-    workers = [agent.refresh(w).model_dump(include={"id", "job", "rank", "state", "root_pid", "moved_to", "net",
+    workers = [agent.refresh(w).model_dump(include={"id", "job", "rank", "state", "root_pid", "start_time", "moved_to", "net",
                                                       "exit_code", "caps", "unmovable", "slurm_job",
                                                       "snapshot_every_s", "world", "ended_at", "end_asked", "owner_uid",
                                                       "peer_lost"})

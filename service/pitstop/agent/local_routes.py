@@ -70,7 +70,10 @@ def _register(agent: Agent, req: agent_requests.RegisterRequest, request: Reques
             raise _not_your_job(uid, req.job, other.owner_uid)
     claim_rank(agent, req.job, req.rank, uid)  # before the lock: a network call must not hold up pauses
     container = containers.describe(agent.s, found, pid, caller_pid(request.scope)) if found else None
-    init_dir = nsinit.owned_dir(pid)  # may wait for the init to fork its command: not under the lock
+    init_dir = nsinit.owned_dir(pid)
+    if init_dir is None and nsinit.is_init(pid):
+        log.warning("a worker's init does not work in a directory of its own: a restore on another host "
+                    "needs the directory it works in to exist there", worker=f"{req.job}.{req.rank}", pid=pid)
     with agent.state.lock:
         old = agent.state.workers.get(wid)
         if old and old.state in LIVE_STATES and proctree.exists(old.root_pid):

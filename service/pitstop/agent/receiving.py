@@ -427,10 +427,10 @@ class DestinationSide:
             log.warning("restores fill memory at CRIU's page-fault rate: the UFFDIO_COPY fill is unavailable",
                         reason=why)
         with contextlib.ExitStack() as stack:
-            binary, report = stack.enter_context(criufill.preloaded(rt, self.s.state_dir)) if fill and not why \
+            command, report = stack.enter_context(criufill.preloaded(rt, self.s.state_dir)) if fill and not why \
                 else (None, None)
             pid, secs = criu_ops.restore(directory, inherit, net_fd=net_fd, lazy=lazy, rt=rt,
-                                         timeout_s=self.s.restore_timeout_s, abort=abort, binary=binary)
+                                         timeout_s=self.s.restore_timeout_s, abort=abort, command=command)
             if phases is not None:
                 phases["criu_restore"] = secs
                 if report is not None:

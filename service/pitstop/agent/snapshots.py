@@ -313,7 +313,7 @@ class Snapshots:
         holds what is written from now on."""
         pids = proctree.tree(w.root_pid)
         stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
-        parent, binary = (None, None) if whole else self._parent_for(w, job, number)
+        parent, command = (None, None) if whole else self._parent_for(w, job, number)
         gpu = self.source.gpu.suspend(pids, rescan=lambda: proctree.tree(w.root_pid))
         depth = 0
         try:
@@ -326,7 +326,8 @@ class Snapshots:
                 os.symlink(f"../../../{p}/{OWN}/{w.id}", d / PARENT)  # from <job>/<n>/own/<wid>
                 try:
                     res = criu_ops.dump(w.root_pid, d, timeout_s=self.s.dump_timeout_s, leave_running=True,
-                                        own_netns=own, parent=PARENT, binary=binary, log_level=criutrack.LOG_LEVEL)
+                                        own_netns=own, parent=PARENT, command=command,
+                                        log_level=criutrack.LOG_LEVEL)
                 except CaptureFailed as e:  # CRIU let the tree be; its writes are still tracked
                     log.warning("an incremental snapshot failed; dumping whole", worker=w.id, reason=e.message)
                     kept = self.source.keep_diagnostic(d / criu_ops.DUMP_LOG, f"snapshot-incremental-{w.id}.log")
@@ -336,9 +337,9 @@ class Snapshots:
                         f.unlink()
                     parent, depth = None, 0
             if res is None:  # whole; with the dump's time recorded where a delta may follow it (CRIU's pid-reuse check)
-                tracked = bool(self.trackers.get(w.id)) and criutrack.binary(self.s.state_dir)[0]
+                tracked = criutrack.command()[0] if self.trackers.get(w.id) else None
                 res = criu_ops.dump(w.root_pid, d, timeout_s=self.s.dump_timeout_s, leave_running=True, own_netns=own,
-                                    track_mem=bool(tracked), binary=tracked or None)
+                                    track_mem=tracked is not None, command=tracked)
             self._reset_tracking(w, number, pids)
             sealed = seal.take(d)  # a stat of each file, no byte read: checked before any restore of the part
             ids = file_identity.identities(pids)
@@ -378,7 +379,7 @@ class Snapshots:
                 log.info("processes of a snapshot's worker not tracked: each is dumped whole", worker=w.id,
                          processes=len(why), why=sorted(set(why.values()))[:3])
 
-    def _parent_for(self, w: Worker, job: str, number: int) -> tuple[tuple[int, int] | None, str | None]:
+    def _parent_for(self, w: Worker, job: str, number: int) -> tuple[tuple[int, int] | None, runtime.CriuCommand | None]:
         """((the part to dump against, its depth), the CRIU that can) where an incremental dump is
         right: the tracking was reset at that very part, which is still here and complete, and the
         chain is shorter than CHAIN_MAX.  Else (None, None).  A process not tracked (the namespace's
@@ -393,8 +394,8 @@ class Snapshots:
         depth = _meta(prev).get("depth", 0)
         if depth + 1 >= CHAIN_MAX:
             return None, None
-        binary, _ = criutrack.binary(self.s.state_dir)
-        return ((at[1], depth), binary) if binary else (None, None)
+        command, _ = criutrack.command()
+        return ((at[1], depth), command) if command else (None, None)
 
     def _reset_tracking(self, w: Worker, number: int, pids: list[int]) -> None:
         have = self.trackers.get(w.id, {})

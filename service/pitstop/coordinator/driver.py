@@ -749,8 +749,9 @@ class OpRun:
         self._pass_commit_point()
         self.enter("commit")
         faults.hit("after_commit_point")
-        for wid in self.md.workers:  # the membership first: the coordinator's own record, no agent asked
-            self.record(functools.partial(self.d.store.set_worker_host, wid, dest))
+        for wid, w in self.md.workers.items():  # the membership first: the coordinator's own record, no agent asked
+            left = {"host": node, **w.left_copy} if w.left_copy else None
+            self.record(functools.partial(self.d.store.set_worker_host, wid, dest, left=left))
         why = {"reason": self.md.reason, "requested_by": self.md.requested_by, "operation": f"operations/{self.id}"}
         self.record(lambda: self.d.store.set_role(dest, "active", {**why, "reason": f"took {node}'s workers"}))
         filling = bool(self.md.bytes_after_resume)

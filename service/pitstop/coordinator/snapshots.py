@@ -298,7 +298,7 @@ class Snapshots:
                 record["error"] = ("the coordinator restarted during it; the job was resumed" if not problems else
                                    "the coordinator restarted during it; resuming the job: " + "; ".join(problems))
                 self.errors[job] = record["error"]
-                self.store.put_snapshot(job, number, "failed", record)
+                self.store.update_snapshot(job, number, "failed", record)
                 hosts = sorted({p["host"] for p in record.get("parts", {}).values()} | set(record.get("buddies", {}).values()))
                 clients = {}
                 for h in hosts:
@@ -389,9 +389,16 @@ class Snapshots:
         with self.lock:
             if job in self.held or self.recoveries.get(job, 0) != generation:
                 record["error"] = "a recovery of the job began before this snapshot was complete"
-                self.store.put_snapshot(job, number, "failed", record)
+                self.store.update_snapshot(job, number, "failed", record)
                 raise Conflict(record["error"], action="the next snapshot follows the recovery")
-            self.store.put_snapshot(job, number, "committed", record)
+            self._record(job, number, "committed", record)
+
+    def _record(self, job: str, number: int, state: str, record: dict[str, Any]) -> None:
+        """The snapshot's record at its next step; a snapshot whose record was dropped meanwhile
+        (the job's snapshots dropped by a failed recovery or its end) goes no further."""
+        if not self.store.update_snapshot(job, number, state, record):
+            raise Conflict(f"the snapshots of job {job} were dropped while snapshot {number} was taken",
+                           code="snapshot_dropped", action="the next snapshot is taken if the job runs on")
 
     def _take(self, job: str, generation: int) -> dict[str, Any]:
         ws = [w for w in self.store.workers(job=job) if w["state"] in ("running", "paused", "capturing", "stopped")]
@@ -433,7 +440,7 @@ class Snapshots:
             cut = job_cut({w["id"]: w["host"] for w in ws}, lambda h: clients[h], self.s.cut_deadline_s)
             shim = cut.uses_shim()  # NCCL: the shim's consistent cut, communicators destroyed; else SIGSTOP
             record["pause"] = "nccl_cut" if shim else "sigstop"
-            self.store.put_snapshot(job, number, "taking", record)  # how it pauses, for a restart to undo it
+            self._record(job, number, "taking", record)  # how it pauses, for a restart to undo it
             faults.hit("snapshot_phase:check")
             in_parallel(lambda h: clients[h].snapshot_check(job, by_host[h], cut=shim), hosts)
             record["phases"]["check"] = round(time.monotonic() - t0, 4)
@@ -444,7 +451,7 @@ class Snapshots:
                     self.paused(job, time.monotonic() - record.pop("pause_started"))
             record["pause_s"] = round(pause_s, 4)
             faults.hit("snapshot_phase:resume")  # resumed, not yet recorded replicating
-            self.store.put_snapshot(job, number, "replicating", record)
+            self._record(job, number, "replicating", record)
             faults.hit("snapshot_phase:replicate")
             self._await_replicas(job, number, hosts, clients, record)
         except PitstopError as e:
@@ -452,9 +459,7 @@ class Snapshots:
             self.errors[job] = e.message
             # its record, written "taking" as it began, is gone where a failed recovery dropped the job's
             # snapshots meanwhile: a failure is no reason to write one back
-            dropped = not any(x["number"] == number for x in self.store.snapshots(job))
-            if not dropped:
-                self.store.put_snapshot(job, number, "failed", record)
+            dropped = not self.store.update_snapshot(job, number, "failed", record)
             threading.Thread(target=self._drop, args=(job, dict(clients), self._committed(job)), daemon=True,
                              name=f"drop-{job}-{number}").start()
             clients = {}

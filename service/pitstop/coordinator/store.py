@@ -187,8 +187,8 @@ def _is_left_behind(reported: dict[str, Any], host: str, left_behind: str | None
     if not left_behind:
         return False
     left = json.loads(left_behind)
-    return bool(left.get("host") == host and left.get("root_pid") is not None
-                and (reported.get("root_pid"), reported.get("start_time")) == (left["root_pid"], left.get("start_time")))
+    return left.get("host") == host and (reported.get("root_pid"), reported.get("start_time")) == \
+        (left.get("pid"), left.get("start_time"))
 
 
 class BaseStore:
@@ -606,22 +606,19 @@ class BaseStore:
                 "exit_code": info.get("exit_code"), "ended_at": info.get("ended_at"), "end_asked": info.get("end_asked"),
                 "peer_lost": info.get("peer_lost")}
 
-    def set_worker_host(self, wid: str, host: str, state: str = "running") -> None:
-        """The worker runs on `host` now (a move committed, a recovery restored it).  The copy it
-        left on its old host is remembered: a report of that copy still in flight at the commit,
-        handled after it, must not take the worker back (`jobs` listed a moved rank on the host it
-        had left until the new host's next beat, and an evacuation planned then would miss it)."""
-        with self._tx():
-            cur = self._one("SELECT host, info FROM workers WHERE id=?", (wid,))
-            if cur is None:
-                return
-            left = None
-            if cur["host"] != host:
-                info = json.loads(cur["info"])
-                left = json.dumps({"host": cur["host"], "root_pid": info.get("root_pid"),
-                                   "start_time": info.get("start_time")})
-            self.q("UPDATE workers SET host=?, state=?, updated=?, left_behind=? WHERE id=?",
-                   (host, state, time.time(), left, wid))
+    def set_worker_host(self, wid: str, host: str, state: str = "running",
+                        left: dict[str, Any] | None = None) -> None:
+        """The worker runs on `host` now (a move committed, a recovery restored it).  left: the copy
+        it left, {"host", "pid", "start_time"}, as the operation knows it: a report of that copy
+        written before the commit and handled after it must not take the worker back (`jobs` then
+        listed a moved rank on the host it had left until the new host's next beat, and an
+        evacuation planned meanwhile would have missed it).  From the operation, not from the last
+        report: the destination may have reported the restored copy before the commit."""
+        if left is None:
+            self._x("UPDATE workers SET host=?, state=?, updated=? WHERE id=?", (host, state, time.time(), wid))
+        else:
+            self._x("UPDATE workers SET host=?, state=?, updated=?, left_behind=? WHERE id=?",
+                    (host, state, time.time(), json.dumps(left), wid))
 
     # snapshots, their policy, fences (coordinator/snapshots.py, recovery.py) -------------------
     def snapshot_policy(self, job: str) -> float | None:
@@ -638,6 +635,12 @@ class BaseStore:
     def put_snapshot(self, job: str, number: int, state: str, info: dict[str, Any]) -> None:
         self._x("INSERT INTO snapshots(job, number, state, created, info) VALUES(?,?,?,?,?) ON CONFLICT(job, number) "
                 "DO UPDATE SET state=excluded.state, info=excluded.info", (job, number, state, time.time(), json.dumps(info)))
+
+    def update_snapshot(self, job: str, number: int, state: str, info: dict[str, Any]) -> bool:
+        """A snapshot's record, where it still exists: False where it was dropped meanwhile (a failed
+        recovery, or the job's end, dropped the job's snapshots), which nothing may write back."""
+        return bool(self._x("UPDATE snapshots SET state=?, info=? WHERE job=? AND number=? RETURNING number",
+                            (state, json.dumps(info), job, number)))
 
     def snapshots(self, job: str) -> list[dict[str, Any]]:
         return [{"job": r["job"], "number": r["number"], "state": r["state"], "created": r["created"],

@@ -45,11 +45,12 @@ class DumpResult:
     pages_in_parent: int = 0  # an incremental dump's pages left in its parent image
 
 
-def _criu(rt: runtime.CriuRuntime, binary: str | None = None, pass_fds: tuple[int, ...] = ()):  # noqa: ANN202
+def _criu(rt: runtime.CriuRuntime, command: runtime.CriuCommand | None = None,  # noqa: ANN202
+          pass_fds: tuple[int, ...] = ()):
     """pycriu's client, with its worker started by subprocess, not os.fork (criu/swrk.py)."""
     pycriu = rt.import_pycriu()
     c = pycriu.criu()
-    c._comm = swrk.SpawnedSwrk(binary or rt.binary, pass_fds)
+    c._comm = swrk.SpawnedSwrk(command or runtime.CriuCommand(rt.binary), pass_fds)
     return pycriu, c
 
 
@@ -63,20 +64,21 @@ NET_KEY = "wnet"
 
 
 def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | None = None,
-         rt: runtime.CriuRuntime | None = None, parent: str | None = None, binary: str | None = None,
+         rt: runtime.CriuRuntime | None = None, parent: str | None = None,
+         command: runtime.CriuCommand | None = None,
          log_level: int = 4, leave_running: bool = False, track_mem: bool = False) -> DumpResult:
     """Dump the tree rooted at root_pid into `images`, leaving it stopped.
 
     leave_running: a snapshot's dump (agent/snapshots.py): CRIU gives the tree back as it found it
     (a tree the coordinator stopped stays stopped) and takes its sockets out of repair mode.
     track_mem: a whole dump that a later incremental one can take as its parent (CRIU then records
-    the dump's time, its pid-reuse check); only with `binary`, as for `parent`.
+    the dump's time, its pid-reuse check); only with `command`, as for `parent`.
 
     parent: an incremental dump (CRIU's --track-mem) against the image directory at this path
-    (relative to `images`); only with `binary`, a CRIU that can tell what changed
+    (relative to `images`); only with `command`, a CRIU that can tell what changed
     (criu/criutrack.py)."""
     rt = rt or runtime.locate()
-    pycriu, c = _criu(rt, binary)
+    pycriu, c = _criu(rt, command)
     images.mkdir(parents=True, exist_ok=True)
     dfd = os.open(images, os.O_DIRECTORY)
     try:
@@ -165,7 +167,8 @@ class _Deadline:
 
 def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None, lazy: bool = False,
             rt: runtime.CriuRuntime | None = None, timeout_s: float = 120.0,
-            abort: threading.Event | None = None, binary: str | None = None) -> tuple[int, float]:
+            abort: threading.Event | None = None,
+            command: runtime.CriuCommand | None = None) -> tuple[int, float]:
     """Restore a tree detached from us; return (host pid of its root, seconds).
 
     `inherit` maps CRIU external ids ("pipe:[ino]") to fds of ours that take
@@ -173,14 +176,14 @@ def restore(images: Path, inherit: dict[str, int], *, net_fd: int | None = None,
     root becomes its child once CRIU exits.  lazy: the tree's anonymous memory
     is left to a lazy-pages daemon the caller started (memory/lazy_pages.py).
     timeout_s, abort: CRIU and the partial tree are killed past the deadline or once
-    `abort` is set (_Deadline), and RestoreFailed says which.  binary: a CRIU to run instead of
+    `abort` is set (_Deadline), and RestoreFailed says which.  command: a CRIU to run instead of
     rt's (one with a library preloaded: criu/criufill.py).
     """
     rt = rt or runtime.locate()
     if net_fd is not None:
         inherit = {**inherit, NET_KEY: net_fd}
     # CRIU takes the inherited fds by number in its own process: they go to its worker alone
-    pycriu, c = _criu(rt, binary, pass_fds=tuple(inherit.values()))
+    pycriu, c = _criu(rt, command, pass_fds=tuple(inherit.values()))
     dfd = os.open(images, os.O_DIRECTORY)  # CRIU reads it through /proc/<our pid>/fd
     try:
         c.opts.images_dir_fd = dfd

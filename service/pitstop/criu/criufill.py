@@ -7,9 +7,9 @@ pages with userfaultfd's UFFDIO_COPY, which neither faults nor zeroes.  It appli
 with a parent (a pre-copy and its delta: pitstop's default), which CRIU reads through libc; the
 rest CRIU reads in its restorer, untouched.
 
-Each restore gets its own wrapper (a script in the agent's state directory naming the report
-file the library appends to), so that restores running at once each learn their own figures;
-both files go when the restore ends, and those of an agent that died are removed by the next.
+Each restore's CRIU is told its own report file (in the agent's state directory, named in its
+environment), so that restores running at once each learn their own figures; the file goes when
+the restore ends, and those of an agent that died are removed by the next.
 Used for the CRIU this was read against (TESTED); the library falls back to CRIU's own read
 for anything it does not take, so the fast path may be missing, never wrong.
 """
@@ -56,22 +56,19 @@ def _remove_stale(where: Path) -> None:
 
 
 @contextlib.contextmanager
-def preloaded(rt: runtime.CriuRuntime, state_dir: Path) -> Iterator[tuple[str, Path]]:
-    """(a CRIU to restore with, the report file it appends to) for one restore; both removed after."""
+def preloaded(rt: runtime.CriuRuntime, state_dir: Path) -> Iterator[tuple[runtime.CriuCommand, Path]]:
+    """(a CRIU to restore with, the report file it appends to) for one restore; the report is
+    removed after."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"native/build/{LIBRARY} is not built")
     where = state_dir / DIRNAME
     where.mkdir(parents=True, exist_ok=True)
     _remove_stale(where)
-    token = f"{os.getpid()}-{secrets.token_hex(6)}"
-    report = where / f"{token}.report"
-    path = runtime.preloaded_wrapper(rt, lib, where, token, "native/criufill.c (criu/criufill.py)",
-                                     env={"PITSTOP_CRIUFILL_REPORT": str(report)})
+    report = where / f"{os.getpid()}-{secrets.token_hex(6)}.report"
     try:
-        yield str(path), report
+        yield runtime.preloaded(rt, lib, env={"PITSTOP_CRIUFILL_REPORT": str(report)}), report
     finally:
-        path.unlink(missing_ok=True)
         report.unlink(missing_ok=True)
 
 

@@ -41,17 +41,10 @@ def library() -> Path | None:
     return nativelib.built("PITSTOP_CRIUTRACK", LIBRARY)
 
 
-def wrapper(rt: runtime.CriuRuntime, lib: Path, where: Path) -> Path:
-    """A CRIU that runs with the library preloaded, written in `where` (the agent's state
-    directory): pycriu starts `criu swrk` from a path, with this process's environment, so the
-    preload must be in what it starts."""
-    return runtime.preloaded_wrapper(rt, lib, where, "criu-writetracked", "native/criutrack.c (criu/criutrack.py)")
-
-
-@functools.lru_cache(maxsize=8)
-def binary(where: Path) -> tuple[str | None, str]:
-    """(the wrapper to dump with, written in `where`, "") where CRIU's incremental dump can be
-    used; else (None, why).  Asked once per process and place."""
+@functools.lru_cache(maxsize=1)
+def command() -> tuple[runtime.CriuCommand | None, str]:
+    """(the CRIU to dump with, the library preloaded, "") where CRIU's incremental dump can be
+    used; else (None, why).  Asked once per process."""
     lib = library()
     if lib is None:
         return None, f"native/build/{LIBRARY} is not built; run `make native`"
@@ -62,13 +55,13 @@ def binary(where: Path) -> tuple[str | None, str]:
     if tuple(rt.version[:2]) not in TESTED:
         return None, (f"CRIU {rt.version_str} is not one the incremental dump was tested with "
                       f"({', '.join('.'.join(map(str, v)) for v in TESTED)})")
+    cmd = runtime.preloaded(rt, lib)
     try:
-        path = wrapper(rt, lib, where)
-        p = subprocess.run([str(path), "check", "--feature", "mem_dirty_track"], capture_output=True,
-                           text=True, timeout=CHECK_TIMEOUT_S)
+        p = subprocess.run([cmd.binary, "check", "--feature", "mem_dirty_track"], capture_output=True,
+                           text=True, timeout=CHECK_TIMEOUT_S, env=cmd.environ())
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"could not run CRIU with {LIBRARY}: {e}"
     if p.returncode != 0 or "is supported" not in p.stdout + p.stderr:
         last = (p.stdout + p.stderr).strip().splitlines()[-1:] or ["no output"]
         return None, f"CRIU with {LIBRARY} does not report dirty tracking: {last[0]}"
-    return str(path), ""
+    return cmd, ""

@@ -14,7 +14,6 @@ matches the binary.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import re
 import shutil
@@ -138,19 +137,23 @@ def locate() -> CriuRuntime:
         code="criu_missing")
 
 
-def preloaded_wrapper(rt: CriuRuntime, lib: Path, where: Path, stem: str, why: str,
-                      env: dict[str, str] | None = None) -> Path:
-    """A script in `where` that runs this CRIU with `lib` preloaded (and `env` set): pycriu starts
-    `criu swrk` from a path, with the caller's environment, so a preload for one CRIU run must be
-    in what it starts.  Named by its content, written once, atomically."""
-    where.mkdir(parents=True, exist_ok=True)
-    sets = "".join(f'{k}="{v}" ' for k, v in sorted((env or {}).items()))
-    text = f'#!/bin/sh\n# pitstop: CRIU with {why}\n' \
-           f'{sets}LD_PRELOAD="{lib}${{LD_PRELOAD:+:$LD_PRELOAD}}" exec "{rt.binary}" "$@"\n'
-    path = where / f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.sh"
-    if not path.exists():
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(text)
-        tmp.chmod(0o755)
-        os.replace(tmp, path)
-    return path
+@dataclass(frozen=True)
+class CriuCommand:
+    """A CRIU to start (criu/swrk.py): its binary and what its environment adds, a library
+    preloaded into it and that library's settings.  Not a script that sets them: a script written
+    just before it runs is refused by the kernel (ETXTBSY) while a process another thread forked
+    meanwhile still holds its write descriptor, which failed a move's restore in CI."""
+
+    binary: str
+    env: tuple[tuple[str, str], ...] = ()
+
+    def environ(self) -> dict[str, str]:
+        """This process's environment with the command's additions (a preload goes first)."""
+        return {**os.environ, **dict(self.env)}
+
+
+def preloaded(rt: CriuRuntime, lib: Path, env: dict[str, str] | None = None) -> CriuCommand:
+    """This CRIU with `lib` preloaded (ahead of any preload this process has) and `env` set."""
+    before = os.environ.get("LD_PRELOAD")
+    return CriuCommand(rt.binary, (*sorted((env or {}).items()),
+                                   ("LD_PRELOAD", f"{lib}:{before}" if before else str(lib))))

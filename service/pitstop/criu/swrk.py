@@ -21,21 +21,15 @@ comes from the pycriu that runtime.py provisions with CRIU itself.
 
 from __future__ import annotations
 
-import errno
 import socket
 import subprocess
-import time
 from collections.abc import Iterable
+
+from pitstop.criu.runtime import CriuCommand
 
 # How long a CRIU that has answered may take to exit before it is killed. It exits right after
 # its answer; this bound only keeps a wedged one from holding the agent's thread forever.
 EXIT_WAIT_S = 30.0
-# How long a start refused with ETXTBSY is tried again.  A CRIU wrapper script (criu/runtime.py,
-# preloaded_wrapper) is written just before it runs; a process forked meanwhile by another of
-# the agent's threads holds the script's write descriptor until its own exec, and the kernel
-# refuses to run a file open for writing.  That child execs within milliseconds (Go's os/exec
-# retries the same way).
-TEXT_BUSY_RETRY_S = 2.0
 
 
 class SpawnedSwrk:
@@ -43,9 +37,10 @@ class SpawnedSwrk:
 
     COMM_BIN = 2  # pycriu's value for "binary"
 
-    def __init__(self, binary: str, pass_fds: Iterable[int] = ()) -> None:
+    def __init__(self, command: CriuCommand, pass_fds: Iterable[int] = ()) -> None:
         self.comm_type = self.COMM_BIN
-        self.comm = binary
+        self.command = command
+        self.comm = command.binary
         self.pass_fds = tuple(pass_fds)
         self.swrk: int | None = None
         self.daemon = False
@@ -58,7 +53,10 @@ class SpawnedSwrk:
             raise RuntimeError("a detached criu swrk (a self-dump) is not supported by pitstop")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self._proc = _spawn([self.comm, "swrk", str(theirs.fileno())], (theirs.fileno(), *self.pass_fds))
+            self._proc = subprocess.Popen([self.command.binary, "swrk", str(theirs.fileno())],
+                                          pass_fds=(theirs.fileno(), *self.pass_fds), env=self.command.environ(),
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL)
         except BaseException:
             ours.close()
             raise
@@ -83,19 +81,3 @@ class SpawnedSwrk:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-
-
-def _spawn(argv: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen:
-    """Popen, tried again for TEXT_BUSY_RETRY_S while the kernel says the program is open for
-    writing (ETXTBSY: see TEXT_BUSY_RETRY_S); any other failure is raised at once."""
-    end = time.monotonic() + TEXT_BUSY_RETRY_S
-    delay = 0.005
-    while True:
-        try:
-            return subprocess.Popen(argv, pass_fds=pass_fds, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        except OSError as e:
-            if e.errno != errno.ETXTBSY or time.monotonic() >= end:
-                raise
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)

@@ -93,11 +93,15 @@ class EndedAtOnce(Exception):
 
 
 def _find_ns_init(p: subprocess.Popen, timeout_s: float = 10.0) -> int:
+    """The namespace's init, once it leads its session (CRIU needs the tree's root to) and has forked
+    the command: it moves into its directory before that fork (native/pitinit.c), and the agent
+    records that directory at the registration.  Found at its setsid alone, on a busy machine it had
+    not moved in yet: the rank's snapshots named no init directory, and its restore on a spare
+    failed with CRIU's "Can't open cwd"."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         kids = proctree.children(p.pid)
-        # Registered only once `setsid` has run: CRIU needs the root to lead its session.
-        if kids and proctree.session_id(kids[0]) == kids[0]:
+        if kids and proctree.session_id(kids[0]) == kids[0] and proctree.children(kids[0]):
             return kids[0]
         if p.poll() is not None:
             raise EndedAtOnce()

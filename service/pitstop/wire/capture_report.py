@@ -35,5 +35,9 @@ class CaptureReport(BaseModel):
     post_copy: dict[str, Any] | None = None
     pre_copy: dict[str, Any] | None = None  # the delta against a pre-copy: bytes left in it, bytes sent now
     stopped_at: float | None = None  # wall clock: the worker stopped making progress (its network, GPUs, dump)
+    # The copy being captured (pid, start time): once the move commits, the coordinator takes no
+    # late report of this very copy for the worker's new whereabouts (coordinator/store.py)
+    source_pid: int | None = None
+    source_start_time: int | None = None
     created: float = Field(default_factory=time.time)
     updated: float = Field(default_factory=time.time)

@@ -77,6 +77,7 @@ class WorkerProgress(_Record):
     pre_copy_compression: dict[str, Any] | None = None
     bytes_after_resume: int | None = None  # network post-copy: these follow after the resume
     restored_pid: int | None = None
+    left_copy: dict[str, int] | None = None  # the source's copy, {"pid", "start_time"}, as its capture said
     restore_phases: dict[str, Any] = Field(default_factory=dict)
     fill: dict[str, Any] | None = None  # network post-copy: how the destination's fill ended
     # Device memory released at the cut before the CUDA checkpoint (shim/trim.c): what released it
@@ -90,6 +91,8 @@ class WorkerProgress(_Record):
         self.bytes_done = self.bytes_total or self.bytes_done
         self.capture_phases = cap.phases
         self.bytes_deduplicated = cap.bytes_deduplicated
+        if cap.source_pid is not None:
+            self.left_copy = {"pid": cap.source_pid, "start_time": cap.source_start_time or 0}
         if cap.compression:
             self.compression = cap.compression
         pre = cap.pre_copy
