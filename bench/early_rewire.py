@@ -105,7 +105,8 @@ def _summary(runs: list[dict], key: str) -> dict | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3, help="runs per arm, alternating")
-    ap.add_argument("--steps", type=int, default=100_000, help="the job's steps (it is ended after the move)")
+    ap.add_argument("--steps", type=int, default=1500,
+                    help="the job's steps: paced at 0.02 s until the move has ended, then run out at full speed")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args()
     if a.runs < 1:

@@ -356,3 +356,43 @@ def test_pid_clash_on_the_destination(cluster, tmp_path, record):
     record("PID clash on the destination (another worker there with the same in-namespace PIDs)",
            "no clash: each restore gets a fresh PID namespace; " + outcome,
            f"pid 1 of both namespaces; host pids {ours['root_pid']} and {theirs['root_pid']}")
+
+
+@pytest.mark.parametrize("phase", ["capture", "restore", "rewire"])
+def test_coordinator_restarted_during_an_nccl_moves_early_rewire(cluster, tmp_path, record, phase):
+    """An NCCL job's move, its ranks that stay re-creating their communicators from the capture
+    on (the early rewire, coordinator/cut.py), the coordinator killed in `phase`: the restarted
+    one rolls the move back from the operation's record, the sources joining the rebuild the
+    ranks that stay began (or all re-created in place where restored ranks had the ids), and
+    the job finishes bitwise equal to an uninterrupted run on its own hosts."""
+    from ..helpers import let_finish, pace_file
+    from ..test_shim_e2e import _start, reference
+
+    pace_file(tmp_path / "out").write_text("0.05\n")  # until let_finish: the move must find it running
+    # capture: the leaving ranks' dumps held, so that the coordinator dies with the rebuild begun;
+    # later phases: the coordinator held as it enters them
+    held = {"agent_env": {"host-b": _faults("capture:before_dump=sleep:6")}} if phase == "capture" else \
+        {"coord_env": _faults(f"phase:{phase}=sleep:6")}
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_tp_dp.py", **held)
+    wait_for_step(ranks[3].log, 20)
+    op = _wait_op(cc, cc.evacuate("host-b")["name"], timeout=120,
+                  until=lambda o: o["metadata"]["phase"] == phase and (phase != "capture" or
+                                                                        (o["metadata"].get("cut") or {}).get("early_ids")))
+    port = int(cluster.coordinator_url.rsplit(":", 1)[1])
+    os.killpg(cluster.coordinator_proc.pid, signal.SIGKILL)
+    cluster.coordinator_proc.wait(10)
+    cluster.start_coordinator(port=port)
+    cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
+    op = _wait_op(cc, op["name"])
+    cut = op["metadata"].get("cut") or {}
+    assert op["metadata"]["result"] == "failed", op.get("error")
+    assert not (op["error"]["details"][0].get("metadata") or {}).get("rollback_problems"), op["error"]
+    let_finish(out)
+    assert [r.proc.wait(240) for r in ranks] == [0] * 4
+    assert [(out / f"rank{r}.sha256").read_text().strip() for r in range(4)] == reference("nccl_tp_dp.py")
+    where = {w["id"]: w["host"] for j in cc.jobs() for w in j["workers"]}
+    assert where["nccl.2"] == where["nccl.3"] == "host-b", where
+    assert cut.get("early_ids"), cut  # the ranks that stay had begun their rebuild with recorded ids
+    record(f"coordinator restarted in phase {phase} of an NCCL move, the early rewire begun",
+           "rolled back on restart, the sources joining the rebuild begun; job finished bitwise equal on its hosts",
+           op["error"]["message"][:160])
