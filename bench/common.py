@@ -30,6 +30,17 @@ print(n, time.process_time() - c0, flush=True)
 """
 
 
+def until(pred: Callable[[], object], timeout: float, what: str = "condition", every: float = 0.1):  # noqa: ANN201
+    """Poll `pred` until it returns something true (returned), or raise TimeoutError(what)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every)
+    raise TimeoutError(f"{what}: not within {timeout:g} s")
+
+
 def pinned_to(cpus: set[int] | None) -> Callable[[], None] | None:
     """A `preexec_fn` that binds a child, and every thread it will start, to `cpus` (None: as the
     parent is).  Set before exec rather than after the spawn: a mask set from outside reaches only

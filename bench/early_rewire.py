@@ -24,12 +24,11 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine  # noqa: E402
+from bench.common import machine, until  # noqa: E402
 from pitstop.dev.devcluster import LocalCluster  # noqa: E402
 from pitstop.dev.netns import NetHosts  # noqa: E402
 from pitstop.wire.coordinator_client import CoordinatorClient  # noqa: E402
@@ -38,16 +37,6 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ROOT / "tests" / "workloads"
 OUT = ROOT / "bench" / "out" / "early_rewire.json"
 ARMS = {"early": {}, "after": {"PITSTOP_COORDINATOR_EARLY_REWIRE": "false"}}
-
-
-def _until(pred, timeout: float, every: float = 0.1, what: str = "condition"):  # noqa: ANN001, ANN202
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(every)
-    raise TimeoutError(f"{what}: not within {timeout} s")
 
 
 def _step(log: Path) -> int:
@@ -71,13 +60,13 @@ def one_run(arm: str, steps: int) -> dict:
         ranks = c.start_job("nccl", cmd, 4, {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"},
                             env={"PYTHONPATH": str(WORKLOADS)}, run_args=["--host-nccl"])
         cc = CoordinatorClient(c.coordinator_url, c.operator_token)
-        _until(lambda: _step(ranks[3].log) >= 30, 120, what="step 30 of rank 3")
+        until(lambda: _step(ranks[3].log) >= 30, 120, what="step 30 of rank 3")
         op = cc.evacuate("host-b", reason=f"bench: early rewire, arm {arm}")
-        op = _until(lambda: (o := cc.op(op["name"]))["done"] and o, 180, what="the evacuation")
+        op = until(lambda: (o := cc.op(op["name"]))["done"] and o, 180, what="the evacuation")
         md = op["metadata"]
         if md["result"] != "succeeded":
             raise RuntimeError(f"arm {arm}: the evacuation failed: {op.get('error')}")
-        entry = _until(lambda: next((m for m in cc.moves() if m["operation"] == op["name"] and m["after_move"]
+        entry = until(lambda: next((m for m in cc.moves() if m["operation"] == op["name"] and m["after_move"]
                                      and m["after_move"].get("first_collectives_at")), None),
                        60, what="the ledger's after-move figures")
         a = entry["after_move"]

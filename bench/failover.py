@@ -33,7 +33,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine  # noqa: E402
+from bench.common import machine, until  # noqa: E402
 from pitstop.dev.devcluster import LocalCluster  # noqa: E402
 from pitstop.dev.devpostgres import PrivatePostgres  # noqa: E402
 from pitstop.wire.coordinator_client import CoordinatorClient  # noqa: E402
@@ -42,27 +42,17 @@ WORKLOADS = Path(__file__).resolve().parents[1] / "tests" / "workloads"
 HOLD_S = 10  # the capture held on host-b: long enough for any takeover
 
 
-def _until(pred, timeout: float, every: float = 0.02):  # noqa: ANN001, ANN202
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(every)
-    raise TimeoutError("not within %s s" % timeout)
-
-
 def one_run(c: LocalCluster, cc: CoordinatorClient) -> dict:
-    leader = _until(c.leader, 30)
+    leader = until(c.leader, 30, every=0.02)
     standby = next(x for x in c.coordinators if x is not leader)
     op = cc.evacuate("host-b", reason="bench: failover")
-    _until(lambda: cc.op(op["name"])["metadata"]["phase"] == "capture", 120)
+    until(lambda: cc.op(op["name"])["metadata"]["phase"] == "capture", 120, every=0.02)
     time.sleep(1)
     before = cc.op(op["name"])["metadata"]["update_time"]
     killed_at, t0 = time.time(), time.monotonic()
     os.killpg(leader.proc.pid, signal.SIGKILL)
     leader.proc.wait(10)
-    _until(lambda: httpx.get(standby.url + "/v1/leader", timeout=2).json()["role"] == "leader", 30)
+    until(lambda: httpx.get(standby.url + "/v1/leader", timeout=2).json()["role"] == "leader", 30, every=0.02)
     takeover = time.monotonic() - t0
 
     def resumed() -> float | None:
@@ -72,8 +62,8 @@ def one_run(c: LocalCluster, cc: CoordinatorClient) -> dict:
             return md["update_time"]
         return None
 
-    first = _until(resumed, 60) - killed_at
-    done = _until(lambda: (o := cc.op(op["name"]))["done"] and o, 240, every=0.1)
+    first = until(resumed, 60, every=0.02) - killed_at
+    done = until(lambda: (o := cc.op(op["name"]))["done"] and o, 240, every=0.1)
     took = time.monotonic() - t0
     assert done["metadata"]["result"] == "failed", done  # rolled back: the job runs on host-b
     c.restart_coordinator(leader)  # back, as a standby, for the next run

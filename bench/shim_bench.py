@@ -114,14 +114,8 @@ def quiesce_rewire(world: int, cycles: int = 3) -> dict:
             time.sleep(0.1)
         time.sleep(1.0)
 
-        def post(w: str, body: dict) -> None:
-            for b in shimctl.blocks(pids[w]):
-                if body["op"] == "quiesce":
-                    shimctl.quiesce(b, body["gen"])
-                elif body["op"] == "targets":
-                    shimctl.set_targets(b, body["targets"])
-                else:
-                    shimctl.command(b, body["command"], body.get("ids"))
+        def post(w: str, step: dict) -> None:
+            shimctl.apply(pids[w], step)
 
         rows = []
         for _ in range(cycles):

@@ -579,21 +579,9 @@ def _rebuild_in_place(pids: list[int], times: int = 2) -> list:
     import time
 
     from pitstop import shimctl
-    from pitstop.coordinator.cut import Cut
-
-    ws = {f"r{i}": pid for i, pid in enumerate(pids)}
-
-    def post(w: str, body: dict) -> None:
-        for b in shimctl.blocks(ws[w]):
-            if body["op"] == "quiesce":
-                shimctl.quiesce(b, body["gen"])
-            elif body["op"] == "targets":
-                shimctl.set_targets(b, body["targets"])
-            else:
-                shimctl.command(b, body["command"], body.get("ids"))
 
     for _ in range(times):
-        cut = Cut(list(ws), lambda w: [b.view() for b in shimctl.blocks(ws[w])], post, deadline_s=30)
+        cut = _block_cut(pids)
         cut.quiesce()
         cut.destroy()
         cut.rewire()
@@ -627,17 +615,8 @@ def _block_cut(pids: list[int], deadline_s: float = 30):  # noqa: ANN202
     from pitstop.coordinator.cut import Cut
 
     ws = {f"r{i}": pid for i, pid in enumerate(pids)}
-
-    def post(w: str, body: dict) -> None:
-        for b in shimctl.blocks(ws[w]):
-            if body["op"] == "quiesce":
-                shimctl.quiesce(b, body["gen"])
-            elif body["op"] == "targets":
-                shimctl.set_targets(b, body["targets"])
-            else:
-                shimctl.command(b, body["command"], body.get("ids"))
-
-    return Cut(list(ws), lambda w: [b.view() for b in shimctl.blocks(ws[w])], post, deadline_s=deadline_s)
+    return Cut(list(ws), lambda w: [b.view() for b in shimctl.blocks(ws[w])],
+               lambda w, step: shimctl.apply(ws[w], step), deadline_s=deadline_s)
 
 
 def _views(cut) -> dict[str, dict]:  # noqa: ANN001

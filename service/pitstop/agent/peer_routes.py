@@ -274,15 +274,7 @@ def shim_op(agent: AgentDep, wid: str, req: agent_requests.ShimOp) -> dict:
     w = agent.state.worker(wid)
     if w.state not in LIVE_STATES:
         raise Conflict(f"worker {wid} is {w.state}", action="only live workers have a shim to talk to")
-    bs = shimctl.blocks(w.root_pid)
-    for b in bs:
-        if req.op == "quiesce":
-            shimctl.quiesce(b, req.gen)
-        elif req.op == "targets":
-            shimctl.set_targets(b, req.targets)
-        elif req.op == "command":
-            shimctl.command(b, req.command, req.ids)
-    return {"blocks": len(bs)}
+    return {"blocks": shimctl.apply(w.root_pid, req.model_dump())}
 
 
 @router.post("/precopies")

@@ -1,6 +1,7 @@
 """The agent's side of the shim's control block (shim/ctl.h): find, read, write."""
 
 from pitstop.shimctl.access import (  # noqa: F401
+    apply,
     blocks,
     command,
     headers,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import struct
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -318,3 +319,19 @@ def command(b: Block, name: str, ids: dict[str, str] | None = None) -> None:
             _write(b, L.comm_offset(i) + L.COMM_OFF_NEWID_SET, struct.pack("<i", 1))
     _write(b, L.OFF_COMMAND, struct.pack("<I", L.COMMANDS[name]))
     _write(b, L.OFF_COMMAND_SEQ, struct.pack("<I", b.header["command_seq"] + 1))
+
+
+def apply(pid: int, step: Mapping[str, Any]) -> int:
+    """One step of a consistent cut on every control block of the tree at `pid`: `step` is what
+    coordinator/cut.py posts (op "quiesce" with its gen, "targets", or "command" with its name and
+    ids), through the agent (agent/peer_routes.py) or, in the tests and benchmarks, directly.
+    How many blocks it reached."""
+    bs = blocks(pid)
+    for b in bs:
+        if step["op"] == "quiesce":
+            quiesce(b, step["gen"])
+        elif step["op"] == "targets":
+            set_targets(b, step["targets"])
+        elif step["op"] == "command":
+            command(b, step["command"], step.get("ids"))
+    return len(bs)
