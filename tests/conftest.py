@@ -126,6 +126,8 @@ def cluster(tmp_path_factory, request):
         if rep is not None and rep.failed:
             dest = tmp_path_factory.getbasetemp() / "failed-logs" / request.node.name
             _keep_logs(c.root, dest)
+            if c.shm.exists():  # CRIU's own logs (dump.log, restore.log) beside the images
+                _keep_logs(c.shm, dest / "images")
             print(f"\nlogs of the failed test kept in {dest}")
         c.close()
         left = _leftovers(str(c.root))
