@@ -107,10 +107,13 @@ def _keep_logs(root: Path, dest: Path, limit: int = 20 << 20) -> None:
     """Copy a failed test's logs (ranks, agents, coordinator) out of the cluster before it is removed:
     rare failures (such as the MKL race of docs/reliability.md) are diagnosed from the step lines."""
     for f in root.rglob("*"):
-        if f.is_file() and (f.suffix == ".log" or f.suffix in (".stdout", ".stderr")) and f.stat().st_size < limit:
-            target = dest / f.relative_to(root)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, target)
+        try:
+            if f.is_file() and (f.suffix == ".log" or f.suffix in (".stdout", ".stderr")) and f.stat().st_size < limit:
+                target = dest / f.relative_to(root)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, target)
+        except OSError:  # removed meanwhile (a running agent's images): the others are kept
+            continue
 
 
 @pytest.fixture
