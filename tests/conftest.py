@@ -106,7 +106,7 @@ def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201
 def _keep_logs(root: Path, dest: Path, limit: int = 20 << 20) -> None:
     """Copy a failed test's logs (ranks, agents, coordinator) out of the cluster before it is removed:
     rare failures (such as the MKL race of docs/reliability.md) are diagnosed from the step lines."""
-    for f in root.rglob("*"):
+    for f in (Path(d) / n for d, _, names in os.walk(root) for n in names):  # walk: a vanished directory is skipped
         try:
             if f.is_file() and (f.suffix == ".log" or f.suffix in (".stdout", ".stderr")) and f.stat().st_size < limit:
                 target = dest / f.relative_to(root)
