@@ -124,6 +124,21 @@ def test_the_launcher_registers_the_init_only_once_it_has_moved_into_its_directo
         p.wait(10)
 
 
+def test_without_pitstops_init_the_command_is_the_init_and_is_found_at_once(tmp_path):
+    """`pitstop run` without native/build/pitstop-init starts `unshare --pid --fork setsid CMD`: CMD
+    is the namespace's init and may fork nothing; it is found without waiting for a child."""
+    from pitstop.launcher.run import _find_ns_init
+
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "sleep", "30"], cwd=tmp_path)
+    try:
+        t0 = time.monotonic()
+        root = _find_ns_init(p, timeout_s=5, forks=False)
+        assert os.path.basename(os.readlink(f"/proc/{root}/exe")) == "sleep" and time.monotonic() - t0 < 4
+    finally:
+        proctree.kill_tree(p.pid)
+        p.wait(10)
+
+
 def test_with_pid_namespace_the_init_makes_it_and_a_killed_tree_ends_without_a_word(tmp_path):
     """`pitstop run`'s start: the init makes the namespace and leads its session; when a move
     kills the tree, the waiter outside exits 128 + 9 and prints nothing into the job's stderr
@@ -174,6 +189,27 @@ def test_pitstop_run_starts_the_worker_under_the_init_and_passes_signals_on(clus
         os.kill(p.pid, signal.SIGTERM)  # to the launcher, as a scheduler would
         assert p.wait(60) == 128 + signal.SIGTERM, p.stderr.read()[-2000:]
         assert not Path(d).exists()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+@pytest.mark.e2e
+def test_pitstop_run_without_the_init_built_registers_the_command_as_the_init(cluster, tmp_path):
+    """Without native/build/pitstop-init the command is its namespace's init and forks nothing: the
+    launcher registers it without waiting for a child of its own (it waited, and gave up, once)."""
+    cluster.start_agent("host-a")
+    p = subprocess.Popen([*pitstop_cmd(), "run", "--job", "plain", "--rank", "0", "--agent",
+                          cluster.agents["host-a"].url, "--", "sleep", "120"],
+                         env={**cluster.env(), "PITSTOP_INIT": str(tmp_path / "absent")},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        w = cluster.wait_registered("host-a", "plain.0")
+        assert not nsinit.is_init(w["root_pid"]) and not w.get("init_dir")
+        os.kill(p.pid, signal.SIGTERM)  # its end goes as unshare's does (its exit status, not this test's)
+        p.wait(60)
+        assert "pitstop-init is not built" in p.stderr.read()
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)

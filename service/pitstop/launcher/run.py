@@ -92,16 +92,17 @@ class EndedAtOnce(Exception):
     """The command ended before it could be registered (a command that has nothing to do)."""
 
 
-def _find_ns_init(p: subprocess.Popen, timeout_s: float = 10.0) -> int:
-    """The namespace's init, once it leads its session (CRIU needs the tree's root to) and has forked
-    the command: it moves into its directory before that fork (native/pitinit.c), and the agent
-    records that directory at the registration.  Found at its setsid alone, on a busy machine it had
-    not moved in yet: the rank's snapshots named no init directory, and its restore on a spare
-    failed with CRIU's "Can't open cwd"."""
+def _find_ns_init(p: subprocess.Popen, timeout_s: float = 10.0, forks: bool = True) -> int:
+    """The namespace's init, once it leads its session (CRIU needs the tree's root to) and, where it
+    is pitstop's init (`forks`), has forked the command: it moves into its directory before that
+    fork (native/pitinit.c), and the agent records that directory at the registration.  Found at
+    its setsid alone, on a busy machine it had not moved in yet: the rank's snapshots named no init
+    directory, and its restore on a spare failed with CRIU's "Can't open cwd".  Without pitstop's
+    init the command itself is the init, and need fork nothing."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         kids = proctree.children(p.pid)
-        if kids and proctree.session_id(kids[0]) == kids[0] and proctree.children(kids[0]):
+        if kids and proctree.session_id(kids[0]) == kids[0] and (not forks or proctree.children(kids[0])):
             return kids[0]
         if p.poll() is not None:
             raise EndedAtOnce()
@@ -304,7 +305,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         t.start()
     root: int | None = None
     try:
-        root = _find_ns_init(p)
+        root = _find_ns_init(p, forks=bool(init and init_dir))
         try:
             w = client.register(job, rank, root, address, world=world,
                                 slurm_job=os.environ.get("SLURM_JOB_ID") or None, snapshot_every_s=snapshot_every_s)
