@@ -23,6 +23,14 @@ _suite_lock_fd: int | None = None
 # (tests/test_snapshot_logic.py); every other test runs without it.
 os.environ.setdefault("PITSTOP_COORDINATOR_SNAPSHOT_PAUSE_SHARE", "1")
 
+# Every rank the suite starts computes on one intra-op thread, as torchrun starts the ranks it runs
+# side by side (OMP_NUM_THREADS=1 per process).  torch's default is a thread per core, and an
+# OpenMP thread spins between parallel regions: four ranks stepping every 50 ms kept both cores
+# of a 2-core machine spinning, so every agent, CRIU and coordinator under test ran on what was
+# left (the demo scenario took 41 s instead of 20 s; same final parameters).  A test that needs
+# several threads in a rank sets its own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_sessionstart(session):  # noqa: ANN001, ANN201
     """One run of this suite per machine at a time.  Its leak checks take what appeared during
