@@ -5,6 +5,7 @@ Real processes in real PID namespaces."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -214,3 +215,51 @@ def test_pitstop_run_without_the_init_built_registers_the_command_as_the_init(cl
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def test_a_launcher_that_cannot_find_the_init_ends_the_whole_tree_it_started(tmp_path):
+    """When `pitstop run` gives up on finding the namespace's init, it kills what it started.  It
+    killed only its direct child (the outer unshare or init), and the command's tree, in its own
+    PID namespace, ran on with nobody to end it.  Run in a process of its own (the launcher limits
+    the caller's system calls for the worker), with the search made to fail once the tree runs."""
+    script = f"""
+import json, sys, time
+from pitstop.errors import PitstopError
+from pitstop.launcher import run as launcher
+from pitstop.proc import proctree
+
+class Agent:
+    def info(self, timeout=None):
+        return {{}}
+    def close(self):
+        pass
+
+def comm(pid):
+    try:
+        return open(f"/proc/{{pid}}/comm").read().strip()
+    except OSError:
+        return None
+
+def never(p, timeout_s=10.0, forks=True):
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        tree = proctree.tree(p.pid)
+        if any(comm(t) == "sleep" for t in tree):
+            open({str(tmp_path / "tree.json")!r}, "w").write(json.dumps(tree))
+            break
+        time.sleep(0.01)
+    raise PitstopError("the command did not start in its own PID namespace")
+
+launcher._find_ns_init = never
+launcher.agent_client = lambda url: Agent()
+sys.exit(launcher.run(["sleep", "60"], job="leak", agent_url="http://127.0.0.1:9", rank=0))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, WORLD_SIZE="1"))
+    assert r.returncode == 125, r.stderr
+    assert "could not register with the agent" in r.stderr
+    tree = json.loads((tmp_path / "tree.json").read_text())
+    left = [t for t in tree if proctree.exists(t)]
+    proctree.kill_all(left)  # a test leaves nothing behind, failed or not
+    assert len(tree) >= 3  # unshare or the outer init, the namespace's init, the command
+    assert not left, "the command's tree was left running"

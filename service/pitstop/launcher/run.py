@@ -329,8 +329,10 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     except PitstopError as e:
         print(f"pitstop run: could not register with the agent: {e}" + (f"; {e.action}" if e.action else ""),
               file=sys.stderr)
-        if root is not None:  # the command runs as the namespace's init's child: the outer process alone
-            proctree.kill_tree(root)  # would leave them both running
+        # The command runs as the namespace's init's child, the init as unshare's: killing the
+        # outer process alone would leave the others running.  Where the init was never found
+        # (it did not lead its session in time), the tree is taken from the outer process.
+        proctree.kill_tree(root if root is not None else p.pid)
         p.kill()
         p.wait()
         nsinit.remove_unused(init_dir)
