@@ -22,7 +22,7 @@ ranks 0-1, host-b: ranks 2-3).  Methods, each on a fresh local cluster:
 - pitstop, pre-copy + post-copy: the default's pre-copy with the spare restoring lazily: CRIU's
   daemon cannot read the pre-copy as a parent image, so a local page server answers it from the
   delta and the pre-copy (memory/lazydelta.py).  Nothing depends on the source after the commit.
-- pitstop, network post-copy: the sources split their dumps (PITSTOP_AGENT_REMOTE_POST_COPY=1,
+- pitstop, network post-copy: the sources split their dumps (PITSTOP_COORDINATOR_POST_COPY=1,
   memory/postcopy.py): only the pages a restore must place travel before it; the spare's
   lazy-pages daemon fetches the rest from the sources after the job resumes.  Its fill time
   and rate are reported next to the downtime.
@@ -84,7 +84,7 @@ from pitstop.wire.coordinator_client import CoordinatorClient  # noqa: E402
 from tests.helpers import ddp_cmd  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
-NETWORK_POST_COPY = {"PITSTOP_AGENT_REMOTE_POST_COPY": "1"}
+NETWORK_POST_COPY = {"PITSTOP_COORDINATOR_POST_COPY": "1"}
 LOCAL_POST_COPY = {"PITSTOP_AGENT_LAZY_RESTORE": "1"}  # from the copy on the destination
 NAIVE_DISK = "naive CRIU, to disk"
 BASELINES = ("naive CRIU", NAIVE_DISK, "checkpoint-restart")

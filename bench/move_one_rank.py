@@ -35,6 +35,8 @@ def main() -> None:
                     help="moves before the measured one (this VM pays a large first-touch cost for fresh "
                          "memory; warm-up moves measure the steady state, and are reported too)")
     ap.add_argument("--tls", action="store_true", help="mutual TLS between the agents (the stream's TLS cost)")
+    ap.add_argument("--post-copy", action="store_true",
+                    help="network post-copy: only the pages a restore must place travel before it")
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (a tree to move)")
     ap.add_argument("--agent-env", action="append", default=[], metavar="NAME=VALUE",
                     help="agent setting for both agents, e.g. PITSTOP_AGENT_LAZY_RESTORE=1 or "
@@ -65,9 +67,9 @@ def main() -> None:
             src, dst = hosts[i % 2]
             filled = dst.log.read_text(errors="replace").count("memory filled")
             warm.append(move_worker(src.client(), dst.client(), "bench.1", dest_name=dst.name,
-                                    peers=[(a.client(), "bench.0")]).downtime_s)
+                                    peers=[(a.client(), "bench.0")], post_copy=args.post_copy).downtime_s)
             time.sleep(1.0)
-            if "PITSTOP_AGENT_REMOTE_POST_COPY" in env or "PITSTOP_AGENT_LAZY_RESTORE" in env:
+            if args.post_copy or "PITSTOP_AGENT_LAZY_RESTORE" in env:
                 end = time.monotonic() + 120  # the next move would wait for this fill: not what it measures
                 while dst.log.read_text(errors="replace").count("memory filled") == filled and time.monotonic() < end:
                     time.sleep(0.1)
@@ -75,7 +77,8 @@ def main() -> None:
         prewarm(args.prewarm_gib)
         mark = time.time()
         cpu0 = {n: cpu_seconds(x.proc.pid) for n, x in (("source", src), ("destination", dst))}
-        rep = move_worker(src.client(), dst.client(), "bench.1", dest_name=dst.name, peers=[(a.client(), "bench.0")])
+        rep = move_worker(src.client(), dst.client(), "bench.1", dest_name=dst.name, peers=[(a.client(), "bench.0")],
+                          post_copy=args.post_copy)
         time.sleep(0.3)  # CRIU's processes are reaped, their time counted in their agent's
         cpu = {f"{n} {what}": round(cpu_seconds(x.proc.pid)[i] - cpu0[n][i], 3)
                for n, x in (("source", src), ("destination", dst)) for i, what in enumerate(("agent", "CRIU"))}

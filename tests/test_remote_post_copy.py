@@ -37,13 +37,15 @@ from .helpers import (
     wait_for_step,
 )
 
-REMOTE = {"PITSTOP_AGENT_REMOTE_POST_COPY": "1"}
+
+def _post_copy_move(*args, **kw):  # noqa: ANN002, ANN003, ANN202 - a move that asks for post-copy
+    return move_worker(*args, post_copy=True, **kw)
 
 
 def _job(cluster, tmp_path, steps: int, workers: int = 0, src_env: dict | None = None,
          dst_env: dict | None = None):  # noqa: ANN202
     with cluster.starting():
-        a = cluster.start_agent("a", env={**REMOTE, **(src_env or {})})
+        a = cluster.start_agent("a", env=src_env or {})
         b = cluster.start_agent("b", spare=True, env=dst_env or {})
     out = tmp_path / "out"
     kw = dict(steps=steps, state_mb=64, workers=workers)
@@ -68,7 +70,7 @@ def test_moves_rank_bitwise_equal_sending_only_eager_pages(cluster, tmp_path, wo
     post-copy tests here move one process each."""
     a, b, out, kw, ranks = _job(cluster, tmp_path, 80, workers)
     before = proctree.tree(a.client().worker("j.1")["root_pid"])
-    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
+    rep = _post_copy_move(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     assert len(proctree.tree(rep.restored_pid)) == len(before)
     cap = a.client().get_capture(rep.capture_id)
     pc = cap["post_copy"]
@@ -95,7 +97,7 @@ FILL_FAILURES = [  # (source fault, destination settings, what the lost worker's
 def test_source_failing_mid_fill_stops_the_worker_before_it_reads_zeros(cluster, tmp_path, fault, dst_env, said):
     a, b, out, kw, ranks = _job(cluster, tmp_path, 400, src_env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": fault},
                                 dst_env=dst_env)
-    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
+    rep = _post_copy_move(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     pc = a.client().get_capture(rep.capture_id)["post_copy"]
     assert pc["lazy_bytes"] > 64 << 20, pc  # the premise: pages left to fetch, so the fault can bite
     until(lambda: b.client().worker("j.1")["state"] == "lost")
@@ -122,7 +124,7 @@ def test_moving_again_while_the_fill_runs_waits_for_it_and_loses_no_page(cluster
     # once did in a full run): what is tested is that it waits, not how long a fill takes
     a, b, out, kw, ranks = _job(cluster, tmp_path, 80, src_env=slow,
                                 dst_env={"PITSTOP_AGENT_CAPTURE_FILL_WAIT_S": "180"})
-    first = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
+    first = _post_copy_move(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     assert proctree.filling(proctree.tree(first.restored_pid)), "the fill should still be running"
     back = move_worker(b.client(), a.client(), "j.1", dest_name="a", peers=[(a.client(), "j.0")])
     assert "memory filled" in b.log.read_text(errors="replace")  # the first fill had ended ...
@@ -140,7 +142,7 @@ def test_fill_outlives_a_destination_agent_restart_and_its_images_go_after(clust
     fill, and the restarted agent removes the images once nothing uses them."""
     slow = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:after_reply=sleep:0.005"}
     a, b, out, kw, ranks = _job(cluster, tmp_path, 80, src_env=slow)
-    first = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
+    first = _post_copy_move(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     assert proctree.filling(proctree.tree(first.restored_pid)), "the fill should still be running"
     port = int(b.url.rsplit(":", 1)[1])
     cluster.stop_agent("b")
@@ -165,7 +167,7 @@ def test_capture_refuses_while_the_fill_outlasts_its_wait_and_the_worker_runs_on
     slow = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:after_reply=sleep:0.002"}
     a, b, out, kw, ranks = _job(cluster, tmp_path, 400, src_env=slow,
                                 dst_env={"PITSTOP_AGENT_CAPTURE_FILL_WAIT_S": "0.2"})
-    move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
+    _post_copy_move(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     with pytest.raises(PitstopError, match="still being filled") as e:
         move_worker(b.client(), a.client(), "j.1", dest_name="a", peers=[(a.client(), "j.0")])
     assert "PITSTOP_AGENT_CAPTURE_FILL_WAIT_S" in e.value.action
@@ -183,7 +185,7 @@ def test_failed_restore_rolls_back_from_the_full_dump(cluster, tmp_path):
     a, b, out, kw, ranks = _job(cluster, tmp_path, 80, dst_env={
         "PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "restore:before_criu=fail"})
     with pytest.raises(PitstopError, match="injected fault"):
-        move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
+        _post_copy_move(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     assert a.client().worker("j.1")["state"] == "running"
     let_finish(out)
     codes = [r.proc.wait(120) for r in ranks]
@@ -482,10 +484,15 @@ def _the_pause_is_the_jobs(cc, op: dict, moved: list) -> None:  # noqa: ANN001
 def test_coordinator_restarted_during_the_fill_waits_for_it_again(cluster, tmp_path):
     import signal
 
+    """The evacuation does not ask: post-copy is the coordinator's default (PITSTOP_COORDINATOR_POST_COPY),
+    settled once into the operation's plan, which the restarted coordinator (without the setting)
+    follows."""
     slow = {"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:after_reply=sleep:0.003"}
-    cc, out, kw, ranks = _coordinated(cluster, tmp_path, 1, 100, b_env=slow)
-    name = cc.evacuate("host-b", post_copy=True)["name"]
+    cc, out, kw, ranks = _coordinated(cluster, tmp_path, 1, 100, b_env=slow,
+                                      coordinator_env={"PITSTOP_COORDINATOR_POST_COPY": "1"})
+    name = cc.evacuate("host-b")["name"]
     until(lambda: cc.op(name)["metadata"]["phase"] == "fill", timeout=120, every=0.05)
+    assert cc.op(name)["metadata"]["plan"]["post_copy"] is True
     downtime = cc.op(name)["metadata"]["downtime_s"]
     port = int(cluster.coordinator_url.rsplit(":", 1)[1])
     os.killpg(cluster.coordinator_proc.pid, signal.SIGKILL)
@@ -539,7 +546,8 @@ def test_fill_past_the_coordinators_deadline_keeps_the_node_draining(cluster, tm
 def test_post_copy_a_source_cannot_serve_is_refused_before_anything_pauses(cluster, tmp_path):
     from pitstop.errors import PitstopError as E
 
-    cc, out, kw, ranks = _coordinated(cluster, tmp_path, 1, 400, b_env={"PITSTOP_AGENT_DATA_STREAM": "0"})
+    cc, out, kw, ranks = _coordinated(cluster, tmp_path, 1, 100, b_env={"PITSTOP_AGENT_DATA_STREAM": "0"},
+                                      coordinator_env={"PITSTOP_COORDINATOR_POST_COPY": "1"})
     with pytest.raises(E) as e:
         cc.evacuate("host-b", post_copy=True)
     assert e.value.code == "post_copy_unavailable" and e.value.http_status == 412, e.value
@@ -547,14 +555,19 @@ def test_post_copy_a_source_cannot_serve_is_refused_before_anything_pauses(clust
     assert cc.ops() == []
     n = step_times(ranks[1].log)[-1][0]
     wait_for_step(ranks[1].log, n + 3)  # never paused
-    _stop_job(ranks)
+    # Not asked, only the coordinator's default: it gives way, logged, and the images travel whole.
+    op, _ = _follow(cc, cc.evacuate("host-b")["name"])
+    assert op["metadata"]["result"] == "succeeded" and op["metadata"]["plan"]["post_copy"] is False, op
+    assert "post-copy by default is unavailable on the source" in (cluster.root / "coordinator.log").read_text()
+    _ends_bitwise_equal(ranks, out, tmp_path, kw)
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
-def test_a_move_can_turn_the_agents_post_copy_off(cluster, tmp_path):
+def test_a_move_that_does_not_ask_for_post_copy_sends_whole_images(cluster, tmp_path):
+    """The agent owns no default: a capture that does not ask is not split."""
     a, b, out, kw, ranks = _job(cluster, tmp_path, 60)
-    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")], post_copy=False)
+    rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     assert a.client().get_capture(rep.capture_id)["post_copy"] is None
     assert b.client().worker("j.1")["fill"] is None
     assert rep.bytes > 64 << 20  # the whole image travelled
@@ -562,3 +575,14 @@ def test_a_move_can_turn_the_agents_post_copy_off(cluster, tmp_path):
     codes = [r.proc.wait(120) for r in ranks]
     assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, **kw))
+
+
+def test_the_agent_setting_that_moved_to_the_coordinator_is_named_at_start():
+    """Post-copy is the coordinator's decision (PITSTOP_COORDINATOR_POST_COPY); an upgraded host that
+    still sets the agent's former setting is told at start, not left moving whole without a word."""
+    from pitstop.agent import server
+
+    assert server.warn_moved_settings({"PITSTOP_AGENT_REMOTE_POST_COPY": "1", "PITSTOP_AGENT_NAME": "a"}) == \
+        ["PITSTOP_AGENT_REMOTE_POST_COPY"]
+    assert server.warn_moved_settings({"PITSTOP_AGENT_NAME": "a"}) == []
+    assert "PITSTOP_COORDINATOR_POST_COPY" in server.MOVED_SETTINGS["PITSTOP_AGENT_REMOTE_POST_COPY"][0]

@@ -193,31 +193,30 @@ class SourceSide:
                                      code="worker_gone", action="nothing to capture; the worker exited")
 
     def post_copy_support(self) -> dict[str, Any]:
-        """Whether this agent can serve a capture's pages after the resume, and its default;
-        the coordinator asks before anything pauses when an evacuation asks for post-copy."""
+        """Whether this agent can serve a capture's pages after the resume (None: it can; else why
+        not).  A capability, not a policy: whether a move uses it is the coordinator's decision
+        (its PITSTOP_COORDINATOR_POST_COPY, or the evacuation's request), asked before anything
+        pauses."""
         why = None
         if tls.enabled():
             why = "this agent's data port uses TLS, which the page protocol does not carry"
         elif not self.s.data_stream or not self.data_port:
             why = "this agent has no plain data port (PITSTOP_AGENT_DATA_STREAM=0)"
-        return {"default": self.s.remote_post_copy, "unavailable": why}
+        return {"unavailable": why}
 
     def settle_post_copy(self, want: bool | None, dest_url: str | None, strict: bool = True) -> bool:
-        """Whether a move from here goes network post-copy: the one place it is decided, from what
-        the caller asked (None: this agent's PITSTOP_AGENT_REMOTE_POST_COPY) and what this agent
-        can do.  Asked for and impossible: refused where `strict` (before anything stops); only the
-        agent's own default gives way quietly, logged."""
-        if not dest_url or not (self.s.remote_post_copy if want is None else want):
+        """Whether a move from here goes network post-copy: what the caller asked (None or False:
+        no), if this agent can.  Asked for and impossible: refused where `strict` (before anything
+        stops); a pre-copy (not strict) just goes on without it."""
+        if not dest_url or not want:
             return False
         why = self.post_copy_support()["unavailable"]
         if not why:
             return True
-        if want and strict:
+        if strict:
             raise FailedPrecondition(f"post-copy over the network was asked for, but {why}",
                                      code="post_copy_unavailable",
                                      action="evacuate without post-copy (the images travel whole)")
-        if want is None:
-            log.warning("post-copy over the network is unavailable; the images travel whole", reason=why)
         return False
 
     def precopy(self, worker_id: str, dest_url: str, image_id: str, post_copy: bool | None = None) -> dict[str, Any]:
@@ -478,8 +477,7 @@ class SourceSide:
         except OSError as e:
             raise CaptureFailed(f"could not split the dump for post-copy: {e}",
                                 action="the source is restored from its dump; move it without "
-                                       "post-copy (PITSTOP_AGENT_REMOTE_POST_COPY=0, or "
-                                       "`pitstop evacuate --no-post-copy`)") from None
+                                       "post-copy (`pitstop evacuate --no-post-copy`)") from None
         if sp.made_lazy_bytes:  # CRIU's stack test marked them eager: a dump it would have sent whole
             log.info("pitstop marked pages lazy that CRIU did not", capture=cap.id, worker=cap.worker_id,
                      made_lazy_bytes=sp.made_lazy_bytes, lazy_bytes=sp.lazy_bytes)

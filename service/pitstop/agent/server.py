@@ -116,6 +116,23 @@ def check_lazy_restore(s: AgentSettings) -> None:
                    "(CONFIG_USERFAULTFD, vm.unprivileged_userfaultfd does not matter for root)")
 
 
+MOVED_SETTINGS = {  # an agent's setting that is now another service's: (where it went, why)
+    "PITSTOP_AGENT_REMOTE_POST_COPY": ("PITSTOP_COORDINATOR_POST_COPY on the coordinator",
+                                       "whether a move uses post-copy is decided for the whole move, "
+                                       "by the coordinator; the agent only says whether it can serve it"),
+}
+
+
+def warn_moved_settings(env: dict[str, str]) -> list[str]:
+    """A setting the agent no longer reads is named at start with where it went, not ignored
+    without a word (an upgraded host would quietly move without post-copy); the names warned of."""
+    named = [k for k in MOVED_SETTINGS if k in env]
+    for k in named:
+        where, why = MOVED_SETTINGS[k]
+        log.warning(f"{k} is no longer an agent setting and is ignored here: set {where} instead", why=why)
+    return named
+
+
 def hold_state_dir(s: AgentSettings) -> None:
     """Before anything in the state directory is read or written (the local socket, the state
     file, diagnostics): the directory is this agent's alone for its life (agent/statelock.py)."""
@@ -144,6 +161,7 @@ def serve(s: AgentSettings) -> None:
     check_security(s)
     check_advertised(s)
     check_lazy_restore(s)
+    warn_moved_settings(dict(os.environ))
     _preload()
     become_subreaper()
     host, port = s.host_port()

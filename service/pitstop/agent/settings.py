@@ -90,12 +90,9 @@ class AgentSettings(BaseSettings):
     # memory is all in place; a lazy-pages daemon fills it.  Shorter downtime; after the commit
     # the worker depends on that daemon until the fill ends (it is stopped if the daemon fails).
     lazy_restore: bool = False
-    # Post-copy over the network (memory/postcopy.py), a setting of the *source*: only the pages
-    # a restore must place travel before it; the destination's lazy-pages daemon fetches the rest
-    # from this agent after the job resumes.  Shortest downtime; after the commit the moved worker
-    # depends on this host until the fill ends (it is stopped, with the reason, if the fill fails).
-    # Needs a plain data port: with TLS the images travel whole.
-    remote_post_copy: bool = False
+    # How long a fill after the resume may take, post-copy from the local copy or over the network
+    # (memory/postcopy.py; whether a move uses the latter is the coordinator's PITSTOP_COORDINATOR_POST_COPY):
+    # the destination waits this long for its pages, the source serves them this long.
     lazy_fill_timeout_s: float = 600.0
     # A source's page server silent this long while the destination waits on a page: the moved
     # worker is stopped (memory/page_relay.py) rather than left hanging or reading zeros.

@@ -415,8 +415,8 @@ def evacuate(
     post_copy: Optional[bool] = typer.Option(
         None, "--post-copy/--no-post-copy",
         help="network post-copy: the job resumes before most of the moved memory has travelled; it follows "
-             "from NODE, which must stay up until the operation is done.  Default: the source agent's "
-             "PITSTOP_AGENT_REMOTE_POST_COPY"),
+             "from NODE, which must stay up until the operation is done.  Default: the coordinator's "
+             "PITSTOP_COORDINATOR_POST_COPY (off)"),
     pre_copy: Optional[bool] = typer.Option(
         None, "--pre-copy/--no-pre-copy",
         help="send the leaving workers' memory while the job still runs, then only what changed during the "

@@ -655,11 +655,17 @@ class OpRun:
 
     def _settle(self, src: AgentClient) -> MovePlan:
         """The move's plan, decided here once and recorded: what the request asked, else the
-        coordinator's setting (pre-copy) or the source agent's (post-copy, asked of it now)."""
+        coordinator's settings.  Post-copy by default gives way, logged, where the source cannot
+        serve it (asked for, it was refused before anything paused: service.check_post_copy)."""
         post = self.md.post_copy
-        if post is None:
+        if post is None and self.d.s.post_copy:
             support = src.info(timeout=AGENT_QUESTION_TIMEOUT_S).get("post_copy") or {}
-            post = bool(support.get("default")) and not support.get("unavailable")
+            why = support.get("unavailable") if "unavailable" in support else "its agent predates post-copy"
+            post = not why
+            if why:
+                log.warning("post-copy by default is unavailable on the source; the images travel whole",
+                            op=self.id, node=self.md.node, reason=why)
+        post = bool(post)
         pre = (self.d.s.pre_copy if self.md.pre_copy is None else self.md.pre_copy) and not post
         with self.lock:
             self.md.plan = MovePlan(pre_copy=pre, post_copy=post)

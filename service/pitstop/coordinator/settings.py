@@ -91,6 +91,14 @@ class CoordinatorSettings(BaseSettings):
     pre_copy: bool = True
     precopy_deadline_s: float = 600.0
     precopy_stall_s: float = 30.0
+    # Post-copy over the network (memory/postcopy.py), for evacuations that do not say: only the
+    # pages a restore must place travel before it; the destination fetches the rest from the
+    # source after the job resumes.  Shortest pause; until every fill has ended the moved ranks
+    # depend on the source host, so the operation (and the node, `draining`) stays open.  Off by
+    # default: a node drained for a failing part should leave at once.  A source that cannot serve
+    # it (a TLS data port, none at all) moves without it, logged; asked for in the request, it is
+    # refused instead, before anything pauses.
+    post_copy: bool = False
     # GPU health policy (health_policy.py): a host past any of these is degraded.
     auto_evacuate: bool = True            # start an evacuation of a degraded host by itself
     health_max_temperature_c: float = 90.0

@@ -49,10 +49,11 @@ class MoveReport:
 
 def move_worker(src: AgentClient, dst: AgentClient, worker_id: str, *, dest_name: str = "",
                 capture_deadline_s: float = 300.0, peers: Sequence[tuple[AgentClient, str]] = (),
-                post_copy: bool | None = None, pre_copy: bool = False) -> MoveReport:
+                post_copy: bool = False, pre_copy: bool = False) -> MoveReport:
     """Run the whole move; raise PitstopError (the worker still running where it was) on failure.
 
-    post_copy: network post-copy for this move (None: the source agent's setting).
+    post_copy: network post-copy for this move (refused before anything pauses where the source
+    cannot serve it).
     peers: the job's other workers (agent, worker id), paused for the move as an evacuation
     pauses them: nothing is sent into the worker's connections while it is dumped.
     dest_name: the destination's name, as the source records where the worker went (default:
@@ -68,7 +69,7 @@ def move_worker(src: AgentClient, dst: AgentClient, worker_id: str, *, dest_name
 
 
 def _move(store: Store, tmp: Path, src: AgentClient, dst: AgentClient, worker_id: str, dest_name: str,
-          capture_deadline_s: float, peers: Sequence[tuple[AgentClient, str]], post_copy: bool | None,
+          capture_deadline_s: float, peers: Sequence[tuple[AgentClient, str]], post_copy: bool,
           pre_copy: bool) -> MoveReport:
     names: dict[str, str] = {}  # agent URL -> the name it is known by in this move
     for c, name in ((src, None), (dst, dest_name or None), *((p, None) for p, _ in peers)):

@@ -92,8 +92,8 @@ class CaptureRequest(BaseModel):
     keep_peers: list[str] | None = Field(None, description="addresses of the job's workers: the worker's "
                                          "connections to any other address are reset at the destination")
     post_copy: bool | None = Field(None, description="send only the pages a restore must place; the "
-                                   "destination fetches the rest after the job resumes.  Default: this "
-                                   "agent's PITSTOP_AGENT_REMOTE_POST_COPY")
+                                   "destination fetches the rest after the job resumes.  Not given: no "
+                                   "(the coordinator decides each move's and always says)")
 
 
 class PreCopyRequest(BaseModel):

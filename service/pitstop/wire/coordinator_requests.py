@@ -42,7 +42,7 @@ class EvacuateRequest(BaseModel):
         None, description="network post-copy: only the pages a restore must place travel before the job "
         "resumes; the rest follow from the node afterwards, and the operation (and the node, `draining`) "
         "stays open until they have.  Shortest pause; the node must stay up until the operation is done. "
-        "Default: each source agent's PITSTOP_AGENT_REMOTE_POST_COPY")
+        "Default: the coordinator's PITSTOP_COORDINATOR_POST_COPY (off)")
     pre_copy: bool | None = Field(
         None, description="pre-copy: the leaving workers' memory is sent while the job still runs, and only "
         "what changed travels during the pause.  Skipped for a move with network post-copy; a pre-copy "
