@@ -41,7 +41,7 @@ def _fill(s: AgentState, n: int) -> None:
         s.workers[f"w-{i:06x}"] = Worker(id=f"w-{i:06x}", job="job", rank=i % 8, root_pid=1000 + i, start_time=1,
                                          state="moved", moved_to={"agent": "spare-1", "url": "https://10.0.0.2:7070"},
                                          registered_at=1000.0 + i)
-    s._loaded -= st.UNREAD_S + 1  # nobody follows the old ones any more
+    s._loaded -= st.ENDED_WORKER_UNREAD_S + 1  # nobody follows the old ones any more
 
 
 def _write_s(history: int, repeats: int, forget: bool) -> tuple[float, int]:

@@ -52,7 +52,7 @@ def test_an_ended_worker_is_forgotten_only_once_nobody_reads_it(tmp_path):
     s.save()
     assert len(s.workers) == n + 2 and forgotten == []  # all of them were read "now" (loaded or created)
 
-    s._loaded -= st.UNREAD_S + 1  # an hour on: nobody has read them since
+    s._loaded -= st.ENDED_WORKER_UNREAD_S + 1  # an hour on: nobody has read them since
     s.read("job.0")  # but a launcher still follows the oldest, a moved worker
     s.save()
     assert "job.0" in s.workers and {"job.run", "job.rel"} <= set(s.workers)

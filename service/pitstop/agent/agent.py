@@ -24,6 +24,7 @@ from pitstop.agent.settings import AgentSettings
 from pitstop.agent.snapshots import Snapshots
 from pitstop.agent.state import LIVE_STATES, AgentState, Capture, Worker
 from pitstop.agent.terms import Terms
+from pitstop.agent.timeouts import SHIM_LOOK_EVERY_S
 from pitstop.criu import runtime
 from pitstop.errors import Conflict, PitstopError, TransferFailed
 from pitstop.network import workerns
@@ -31,7 +32,6 @@ from pitstop.proc import caps, proctree
 
 log = structlog.get_logger("pitstop.agent")
 
-SHIM_LOOK_EVERY_S = 5.0  # how often a running worker's shim blocks are read (headers and notes); every beat
                          # for a job that snapshots protect, whose rank may park on a peer's failure
 
 COUNT_SUFFIXES = ("_bytes", "_threads", "_rounds", "_processes")

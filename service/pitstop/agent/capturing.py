@@ -45,6 +45,7 @@ from pitstop.agent.capture_kinds import (
 )
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import AgentState, Capture, Worker
+from pitstop.agent.timeouts import PRECOPY_DISCARD_TIMEOUT_S, PRECOPY_STREAM_STOP_WAIT_S, STREAM_STOP_WAIT_S
 from pitstop.container import config as container_config
 from pitstop.criu import criu_ops, criutrack, netlock, runtime, seal
 from pitstop.errors import (
@@ -80,9 +81,6 @@ MAX_BASES = 64  # pre-copies whose capture has not come yet (an operation that d
 NO_LAZY_NOTICE_BYTES = 16 << 20  # a post-copy dump this big with no lazy page is odd: its CRIU log is kept
 DIAGNOSTICS_KEPT = 8
 
-STREAM_STOP_WAIT_S = 30.0  # a failed capture's stream, told to end with an error frame, to finish sending it
-PRECOPY_STREAM_STOP_WAIT_S = 10.0  # an abandoned pre-copy's stream to end (it stops within one piece)
-DISCARD_TIMEOUT_S = 10.0  # asking a destination to drop a pre-copy nobody will use (best effort)
 
 
 class PageSource:
@@ -925,8 +923,8 @@ class SourceSide:
 
     def _discard_at(self, dest_url: str, image_id: str) -> None:
         try:
-            with AgentClient(dest_url, self.s.cluster_token, timeout=DISCARD_TIMEOUT_S) as dest:
-                dest.discard(image_id, timeout=DISCARD_TIMEOUT_S)
+            with AgentClient(dest_url, self.s.cluster_token, timeout=PRECOPY_DISCARD_TIMEOUT_S) as dest:
+                dest.discard(image_id, timeout=PRECOPY_DISCARD_TIMEOUT_S)
         except PitstopError as e:
             log.warning("could not discard a pre-copy nobody will use", dest=dest_url, image=image_id, error=e.message)
 

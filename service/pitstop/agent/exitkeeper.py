@@ -12,7 +12,7 @@ the status once the worker has been reaped, and stops the keeper.
 
 Why a process and not systemd's file-descriptor store: it works the same with and without
 systemd (the dev cluster, the tests, a host that runs the agent by hand), and nothing needs
-the unit's cooperation.  The keeper ends by itself after KEEP_S, so one whose agent never came
+the unit's cooperation.  The keeper ends by itself after EXIT_KEEPER_LIFETIME_S, so one whose agent never came
 back does not stay forever.  On a kernel without PIDFD_INFO_EXIT no keeper is started and an
 adopted worker's status stays unknown, as the agent says.
 """
@@ -31,9 +31,9 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from pitstop.agent.timeouts import EXIT_KEEPER_LIFETIME_S
 from pitstop.proc import proctree
 
-KEEP_S = 7 * 24 * 3600
 KEEPER_NAME = "pitstop-exit-keeper"  # its argv[0]: `ps` says what it is, and for which worker
 
 _SYS_PIDFD_GETFD = 438  # x86_64 and aarch64 (asm-generic) alike
@@ -103,7 +103,7 @@ def start(worker_id: str, pid: int, start_time: int, owner: str = "") -> Keeper 
     try:
         if proctree.start_time(pid) != start_time:  # the pid was reused: not our worker
             return None
-        p = subprocess.Popen([f"{KEEPER_NAME} {worker_id} {owner}".rstrip(), str(KEEP_S)],
+        p = subprocess.Popen([f"{KEEPER_NAME} {worker_id} {owner}".rstrip(), str(EXIT_KEEPER_LIFETIME_S)],
                              executable=shutil.which("sleep"), pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
     except OSError:

@@ -35,14 +35,13 @@ import structlog
 
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import AgentState, Worker
+from pitstop.agent.timeouts import FORWARD_SIGNAL_TIMEOUT_S, SETTLE_EVERY_S
 from pitstop.errors import Conflict, FailedPrecondition, PitstopError
 from pitstop.proc import proctree, signals
 from pitstop.wire.agent_client import AgentClient
 
 log = structlog.get_logger("pitstop.agent.handles")
 
-FORWARD_SIGNAL_TIMEOUT_S = 10.0  # the agent a worker moved to, asked to deliver a signal
-SETTLE_EVERY_S = 0.5  # how often a worker whose launcher died mid-move is looked at again
 
 MOVING = ("capturing", "stopped", "released")
 HERE = ("running", "paused")

@@ -23,6 +23,7 @@ import httpx
 import structlog
 
 from pitstop.agent.agent import Agent
+from pitstop.agent.timeouts import STANDBY_RETRY_S, UDP_RETRY_AFTER_S
 from pitstop.endpoints import split_urls
 from pitstop.proc import caps
 from pitstop.wire.beats import ACK_OK, ACK_RESYNC, decode_ack, encode_beat
@@ -53,7 +54,6 @@ FULL, BEAT = "/v1/agents:heartbeat", "/v1/agents:beat"
 HEALTH_KEYS = ("index", "uuid", "ecc_uncorrected_volatile", "ecc_uncorrected_aggregate", "retired_pages",
                "retired_pages_pending", "remap_pending", "remap_failure", "throttle_reasons")
 TEMPERATURE_BAND_C = 3  # a GPU's temperature is sent again when it moved by this much
-STANDBY_RETRY_S = 0.2  # a standby answered: the report goes to the leader it named, almost at once
 
 
 def health_signature(readings: list[dict[str, Any]]) -> list:
@@ -166,7 +166,6 @@ class _Acks(asyncio.DatagramProtocol):
 
 
 UDP_MISSES_BEFORE_HTTP = 3
-UDP_RETRY_AFTER_S = 60.0
 
 
 class Link:

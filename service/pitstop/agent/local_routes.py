@@ -15,6 +15,7 @@ from pitstop.agent import containers, peercred
 from pitstop.agent.agent import Agent, AgentDep
 from pitstop.agent.peercred import caller_pid, caller_uid, privileged
 from pitstop.agent.state import LIVE_STATES, Worker
+from pitstop.agent.timeouts import CLAIM_TIMEOUT_S
 from pitstop.errors import Conflict, FailedPrecondition, Forbidden, NotFound, PitstopError
 from pitstop.network import workerns
 from pitstop.proc import proctree
@@ -24,7 +25,6 @@ from pitstop.wire.coordinator_client import CoordinatorClient
 
 log = structlog.get_logger("pitstop.agent.local_routes")
 
-CLAIM_TIMEOUT_S = 3.0  # the coordinator, asked at registration whether another host runs the rank
 
 
 def own(request: Request, what: str, owner: int | None) -> int:

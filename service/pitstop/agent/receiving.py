@@ -28,6 +28,7 @@ from pitstop.agent import containers, exitkeeper, peercred, reclaim, scope
 from pitstop.agent.restore_kinds import PageFill, RestorePlan
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import LIVE_STATES, AgentState, Fill, Worker
+from pitstop.agent.timeouts import OUTPUT_PUMP_DRAIN_S
 from pitstop.criu import criu_ops, criufill, image_files, runtime
 from pitstop.errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed, Unavailable
 from pitstop.gpu.checkpoint import GpuCheckpointer
@@ -612,7 +613,7 @@ class DestinationSide:
             code = self._kept_status(w)
         for p in pumps:  # its last output is in the files before anyone hears it exited
             try:
-                p.wait(10)
+                p.wait(OUTPUT_PUMP_DRAIN_S)
             except subprocess.TimeoutExpired:
                 log.warning("an output pump outlived its worker", worker=w.id, pump=p.pid)
         self._ended(w, code)

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import structlog
 
+from pitstop.agent.timeouts import SCOPE_BUS_TIMEOUT_S, SCOPE_CALL_TIMEOUT_S
+
 log = structlog.get_logger("pitstop.agent.scope")
 
 
@@ -30,7 +32,7 @@ def scope_name(worker_id: str, pid: int) -> str:
 
 
 def busctl_args(worker_id: str, pid: int, more: tuple[int, ...] = ()) -> list[str]:
-    return ["busctl", "call", "--timeout=10", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+    return ["busctl", "call", f"--timeout={SCOPE_BUS_TIMEOUT_S}", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
             "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))",
             scope_name(worker_id, pid), "fail", "3",
             "PIDs", "au", str(1 + len(more)), str(pid), *map(str, more),
@@ -45,7 +47,7 @@ def place(worker_id: str, pid: int, *, more: tuple[int, ...] = (), present: Call
     if not present():
         return None
     try:
-        p = run(busctl_args(worker_id, pid, more), capture_output=True, text=True, timeout=15)
+        p = run(busctl_args(worker_id, pid, more), capture_output=True, text=True, timeout=SCOPE_CALL_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         log.warning("cannot place restored worker in a scope", worker=worker_id, error=str(e))
         return None

@@ -19,6 +19,7 @@ from pitstop.agent.api import local_app, peer_app
 from pitstop.agent.peercred import checked
 from pitstop.agent.receiving import become_subreaper
 from pitstop.agent.settings import AgentSettings
+from pitstop.agent.timeouts import PAUSE_LOOK_S
 from pitstop.criu import runtime
 from pitstop.endpoints import listening_socket
 from pitstop.errors import FailedPrecondition
@@ -36,7 +37,6 @@ The agent runs beside the training job: its memory must stay bounded whoever con
 LOCAL_CONCURRENCY = 128  # launchers and their output readers on this host
 
 
-PAUSE_LOOK_S = 1.0  # how often paused workers' deadlines are looked at (Agent.resume_overdue)
 
 
 async def overdue_pause_loop(agent: Agent) -> None:

@@ -34,6 +34,7 @@ import structlog
 from pitstop import faults, nsinit, shimctl
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import AgentState, Worker
+from pitstop.agent.timeouts import FENCED_INIT_DIR_KEEP_S
 from pitstop.criu import criu_ops, criutrack, image_files, runtime, seal
 from pitstop.errors import (
     CaptureFailed,
@@ -64,7 +65,6 @@ PARENT = "parent"  # a part's link to the part it is a delta against (CRIU's --p
 META = "snapshot.json"  # {"parent": number or null, "depth": deltas down to a whole part}
 CHAIN_MAX = 8  # deltas on one whole part; then a whole one again, so that a chain (and a restore) stays short
 PAGE = 4096
-FENCED_INIT_DIR_KEEP_S = 60.0
 FILES = "files.json"  # the regular files the worker writes, as of the snapshot (proc/written_files.py)
 
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field
 
+from pitstop.agent.timeouts import ENDED_WORKER_UNREAD_S
 from pitstop.errors import NotFound
 from pitstop.wire.capture_report import CaptureReport, CaptureState  # noqa: F401 - CaptureState re-exported
 
@@ -29,10 +30,6 @@ LIVE_STATES = ("running", "paused", "capturing", "stopped")  # a process exists 
 ENDED_WORKERS = ("moved", "exited", "lost")  # nothing runs here: kept only to be asked about
 ENDED_CAPTURES = ("committed", "rolled_back", "failed")  # nothing more can be done with these
 KEEP_ENDED = 64  # ended captures, and ended workers, kept whatever their age (inspection, retried calls)
-# An ended worker is forgotten only once nobody has read its output for this long: a moved
-# worker's launcher reads it through this agent every 0.2 s for as long as the job runs, and
-# gives up after 10 minutes without an answer (launcher/run.py).
-UNREAD_S = 3600.0
 FillState = Literal["filling", "filled", "failed", "unknown"]
 
 
@@ -137,7 +134,7 @@ class AgentState:
 
     def prune(self) -> None:
         """Forget ended captures beyond the newest KEEP_ENDED, and ended workers beyond the newest
-        KEEP_ENDED that nobody has read for UNREAD_S (each handed to on_forget)."""
+        KEEP_ENDED that nobody has read for ENDED_WORKER_UNREAD_S (each handed to on_forget)."""
         with self.lock:
             ended = sorted((c for c in self.captures.values() if c.state in ENDED_CAPTURES), key=lambda c: c.updated)
             for c in ended[:max(0, len(ended) - KEEP_ENDED)]:
@@ -146,7 +143,7 @@ class AgentState:
             done = sorted((w for w in self.workers.values() if w.state in ENDED_WORKERS),
                           key=lambda w: w.registered_at)
             workers = [w for w in done[:max(0, len(done) - KEEP_ENDED)]
-                       if now - self._last_read.get(w.id, self._loaded) > UNREAD_S]
+                       if now - self._last_read.get(w.id, self._loaded) > ENDED_WORKER_UNREAD_S]
             for w in workers:
                 del self.workers[w.id]
                 self._last_read.pop(w.id, None)

@@ -51,20 +51,23 @@ from pitstop.coordinator.filecheck import check_files
 from pitstop.coordinator.recovery import is_recovery
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import BaseStore, StoreUnavailable
+from pitstop.coordinator.timeouts import (
+    AGENT_QUESTION_TIMEOUT_S,
+    MOVE_PAUSE_MARGIN_S,
+    PRECOPY_PROGRESS_EVERY_S,
+    PRECOPY_STOP_WAIT_S,
+    PREWIRE_JOIN_EXTRA_S,
+    PROGRESS_READ_TIMEOUT_S,
+    TAKEOVER_BACKOFF_MAX_S,
+)
 from pitstop.errors import DeadlineExceeded, NotFound, PitstopError, Unavailable
 from pitstop.wire.agent_client import AgentClient, Fence
 from pitstop.wire.capture_report import CaptureReport
 from pitstop.wire.evacuation import AfterMove, CutRecord, EvacuationState, MovePlan
 
 log = structlog.get_logger("pitstop.coordinator.driver")
-PRECOPY_PROGRESS_EVERY_S = 1.0  # how often a pre-copy's progress is read from the source
-PRECOPY_STOP_WAIT_S = 15.0  # how long a stopped pre-copy may take to end (it stops within a 4 MiB read)
-TAKEOVER_BACKOFF_MAX_S = 300.0  # the watchdog's longest wait between two takeovers of one operation
 
-AGENT_QUESTION_TIMEOUT_S = 10.0  # one quick question to a live agent (its info, a worker's fill): no answer
-                                 # by then means it is not answering, not that it is busy
 
-PROGRESS_READ_TIMEOUT_S = 2.0  # one read of the job's collective counts after a move: a late one is a missed sample
 
 
 class Cancelled(PitstopError):
@@ -72,7 +75,6 @@ class Cancelled(PitstopError):
     code = "cancelled"
 
 
-PAUSE_MARGIN_S = 60.0  # a move's peers may stay paused its whole deadline and this; then their agents resume them
 
 
 class OpRun:
@@ -81,7 +83,7 @@ class OpRun:
     def pause_deadline_s(self) -> float:
         """How long the peers' pause may last before their agents end it by themselves: the whole
         operation's deadline (its rollback comes before it) and a margin."""
-        return self.d.s.operation_deadline_s + PAUSE_MARGIN_S
+        return self.d.s.operation_deadline_s + MOVE_PAUSE_MARGIN_S
 
     def __init__(self, driver: "Driver", op_id: str) -> None:
         self.d = driver
@@ -469,7 +471,7 @@ class OpRun:
         self._prewire_stop.set()
         t = self._prewire
         if t is not None:
-            t.join(3 * self.d.s.cut_deadline_s + 30)
+            t.join(3 * self.d.s.cut_deadline_s + PREWIRE_JOIN_EXTRA_S)
 
     def _verify(self, m: "_Move") -> None:
         self.enter("verify")

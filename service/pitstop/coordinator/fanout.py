@@ -6,10 +6,10 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
+from pitstop.coordinator.timeouts import HEARD_POLL_S
 from pitstop.errors import Unavailable
 
 T = TypeVar("T")
-HEARD_POLL_S = 0.5
 
 
 def in_parallel(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:

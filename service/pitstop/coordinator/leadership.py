@@ -42,11 +42,10 @@ from typing import Any
 import structlog
 
 from pitstop.coordinator.store import BaseStore, NotLeader, StoreUnavailable
+from pitstop.coordinator.timeouts import DEADLINE_LOOK_S, LEASE_THREAD_JOIN_S, STANDBY_LOOK_S
 
 log = structlog.get_logger("pitstop.coordinator.leadership")
 
-STANDBY_LOOK_S = 0.5  # how often a standby reads the lease (and tries to take an expired one)
-DEADLINE_LOOK_S = 0.05  # how often the leader's own deadline is checked, whatever the renewals do
 
 
 class Leadership:
@@ -156,7 +155,7 @@ class Leadership:
             except StoreUnavailable:
                 pass  # it expires by itself
         for t in self._threads:
-            t.join(2)
+            t.join(LEASE_THREAD_JOIN_S)
 
     def try_acquire(self) -> bool:
         """One attempt at the lease (a standby's look); True where this coordinator leads now."""

@@ -22,11 +22,8 @@ from psycopg import errors as pgerrors
 from psycopg.rows import dict_row
 
 from pitstop.coordinator.store import BaseStore, Row, StoreUnavailable
+from pitstop.coordinator.timeouts import PG_CONNECT_TIMEOUT_S, PG_STATEMENT_TIMEOUT_MS
 
-CONNECT_TIMEOUT_S = 5
-# A statement that waits longer than this (a lock held by a stuck session, a server too loaded to
-# answer) fails as StoreUnavailable rather than holding the coordinator's only connection for ever.
-STATEMENT_TIMEOUT_MS = 15000
 # TCP keepalives and the kernel's limit on unacknowledged data: a server that vanished (its host
 # powered off, the link cut) is found out in seconds, not after the kernel's 15 minutes of retries.
 KEEPALIVE = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3,
@@ -70,8 +67,8 @@ class PostgresStore(BaseStore):
                 with contextlib.suppress(Exception):
                     c.close()
             self.conn = None
-            c = psycopg.connect(self.url, autocommit=True, row_factory=dict_row, connect_timeout=CONNECT_TIMEOUT_S,
-                                options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
+            c = psycopg.connect(self.url, autocommit=True, row_factory=dict_row, connect_timeout=PG_CONNECT_TIMEOUT_S,
+                                options=f"-c statement_timeout={PG_STATEMENT_TIMEOUT_MS}",
                                 application_name="pitstop-coordinator", **KEEPALIVE)  # type: ignore[arg-type]
             self.conn = c
         return c

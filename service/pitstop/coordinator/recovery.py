@@ -37,19 +37,18 @@ from pitstop.coordinator.planner import healthy, usable_spare
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.snapshots import Snapshots, job_cut
 from pitstop.coordinator.store import BaseStore, StoreUnavailable
+from pitstop.coordinator.timeouts import RECOVERY_AGENT_TIMEOUT_S, TAKEOVER_BACKOFF_MAX_S
 from pitstop.errors import Conflict, FailedPrecondition, NotFound, PitstopError
 from pitstop.wire.agent_client import AgentClient, Fence
 
 log = structlog.get_logger("pitstop.coordinator.recovery")
 
 TYPE_URL = "type.pitstop.dev/RecoverMetadata"
-FENCE_TIMEOUT_S = 10.0
 CRASH_WINDOW_S = 2.0  # a host's ranks of a job that all failed within this of each other failed "at once"
 CRASH_RECOVERIES_PER_HOUR = 3  # a job whose ranks keep failing so is then left to its operator
 CRASH_BY = "the coordinator (ranks failed"
 REPORTED_SINCE_S = 1.5  # agents report every second: a host not heard this long after a crash may be dying too
 SPARE_TRIES = 2
-TAKEOVER_BACKOFF_MAX_S = 300.0  # a recovery whose thread keeps ending is run again at most this rarely
 
 
 def is_recovery(op: dict[str, Any]) -> bool:
@@ -221,7 +220,7 @@ class Recoveries:
             if h is None or not healthy(h, self.s.heartbeat_timeout_s):
                 continue
             try:
-                with AgentClient(h["url"], self.s.cluster_token, timeout=FENCE_TIMEOUT_S, fence=self.fence) as c:
+                with AgentClient(h["url"], self.s.cluster_token, timeout=RECOVERY_AGENT_TIMEOUT_S, fence=self.fence) as c:
                     got = c.fence(f["job"], f["epoch"], "the coordinator fenced this host")
                 self.store.ack_fence(f["job"], f["host"])
                 log.warning("a fenced host came back; its old workers were ended", job=f["job"], host=f["host"],
@@ -489,7 +488,7 @@ class Recoveries:
             return {}, None
         try:
             now: dict[str, list[dict[str, Any]]] = {}
-            for got in in_parallel(lambda h: self._client(h, timeout=FENCE_TIMEOUT_S).shim_blocks_many(
+            for got in in_parallel(lambda h: self._client(h, timeout=RECOVERY_AGENT_TIMEOUT_S).shim_blocks_many(
                     plan.survivors[h]), sorted(plan.survivors)):
                 now.update(got)
         except PitstopError as e:
@@ -569,7 +568,7 @@ class Recoveries:
         not answer is told when it reports again (enforce_fences) and isolates them meanwhile
         by itself (agent/snapshots.py).  Whether it answered."""
         try:
-            with self._client(lost, timeout=FENCE_TIMEOUT_S) as c:
+            with self._client(lost, timeout=RECOVERY_AGENT_TIMEOUT_S) as c:
                 c.fence(job, epoch, "fenced by the recovery that replaces its ranks")
         except PitstopError:
             return False
@@ -588,7 +587,7 @@ class Recoveries:
         def ask(h: str) -> str | None:
             own, replica = need[h]
             try:
-                with self._client(h, timeout=FENCE_TIMEOUT_S) as c:
+                with self._client(h, timeout=RECOVERY_AGENT_TIMEOUT_S) as c:
                     have = [s for s in c.snapshots(job) if s["number"] == number]
             except PitstopError as e:
                 return f"{h}: {e.message}"
@@ -614,8 +613,8 @@ class Recoveries:
 
         def ask(a: tuple[str, str, list[str]]) -> str | None:
             try:
-                with self._client(a[0], timeout=FENCE_TIMEOUT_S) as c:
-                    c.snapshot_check_files(job, number, a[2], a[1], timeout=FENCE_TIMEOUT_S)
+                with self._client(a[0], timeout=RECOVERY_AGENT_TIMEOUT_S) as c:
+                    c.snapshot_check_files(job, number, a[2], a[1], timeout=RECOVERY_AGENT_TIMEOUT_S)
             except PitstopError as e:
                 return f"{a[0]}: {e.message}"
             return None
@@ -693,7 +692,7 @@ class Recoveries:
             log.warning("could not end a half-restored rank: its host is silent", host=host, job=job)
             return False
         try:
-            with self._client(host, timeout=FENCE_TIMEOUT_S) as c:
+            with self._client(host, timeout=RECOVERY_AGENT_TIMEOUT_S) as c:
                 c.stop_workers(job, ids)
             return True
         except PitstopError as e:

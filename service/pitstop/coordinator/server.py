@@ -20,15 +20,13 @@ from pitstop.coordinator.database import describe, open_store, shared
 from pitstop.coordinator.leadership import Leadership
 from pitstop.coordinator.service import Coordinator
 from pitstop.coordinator.settings import CoordinatorSettings
-from pitstop.coordinator.snapshots import TICK_S
 from pitstop.coordinator.store import BaseStore, StoreUnavailable
+from pitstop.coordinator.timeouts import DUTY_TICK_S, STEP_DOWN_PAUSE_S
 from pitstop.endpoints import listening_socket
 from pitstop.errors import FailedPrecondition
 from pitstop.httpapi import RequestGuard, with_header_deadline
 from pitstop.sdnotify import notify, watchdog_loop
 from pitstop.stopping import STOP_S, leave_within
-
-STEP_DOWN_PAUSE_S = 0.2
 
 CONCURRENCY = 4096
 """Connections and requests at once; past it uvicorn answers 503.  Each agent keeps one
@@ -204,8 +202,8 @@ def serve(s: CoordinatorSettings) -> None:
         flusher = asyncio.create_task(flush_loop(driver.store, s.flush_s, leading))
         watcher = asyncio.create_task(watch_loop([driver.watch, coord.recoveries.watch], s.watchdog_s, coord.on_duty))
         pruner = asyncio.create_task(prune_loop(driver.store, s.ops_retention_days * 86400, leading=leading))
-        duties = [asyncio.create_task(tick_loop("snapshot schedule", coord.snapshots.tick, TICK_S, coord.on_duty)),
-                  asyncio.create_task(tick_loop("failure detection", coord.recoveries.tick, TICK_S, coord.on_duty))]
+        duties = [asyncio.create_task(tick_loop("snapshot schedule", coord.snapshots.tick, DUTY_TICK_S, coord.on_duty)),
+                  asyncio.create_task(tick_loop("failure detection", coord.recoveries.tick, DUTY_TICK_S, coord.on_duty))]
         role = lead.view()
         log.info("coordinator up", listen=s.listen, url=s.url(), db=describe(s.db), role=role["role"],
                  term=role["term"], leader=role["leader"], reconciled=touched)

@@ -28,16 +28,16 @@ from pitstop.coordinator.recovery import Recoveries
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.snapshots import Snapshots
 from pitstop.coordinator.store import LIVE, BaseStore, JobOwner
+from pitstop.coordinator.timeouts import (
+    ATTACH_OUTPUT_TIMEOUT_S,
+    PLAN_SYNC_TIMEOUT_S,
+    POST_COPY_CHECK_TIMEOUT_S,
+    SIGNAL_TIMEOUT_S,
+)
 from pitstop.errors import Conflict, FailedPrecondition, Forbidden, NotFound, PitstopError
 from pitstop.wire.agent_client import AgentClient, Fence
 from pitstop.wire.coordinator_requests import EvacuateRequest
 from pitstop.wire.evacuation import AfterMove
-
-PLAN_SYNC_TIMEOUT_S = 3.0  # each agent's worker list, asked in parallel while a request waits to be planned
-POST_COPY_CHECK_TIMEOUT_S = 5.0  # the source's post-copy support, asked before anything pauses
-OUTPUT_TIMEOUT_S = 10.0  # a worker's output, read from its agent for `pitstop attach`
-SIGNAL_TIMEOUT_S = 15.0  # each agent asked to deliver a signal to a job's rank (it may pass it on once)
-
 
 ROLES = ("active", "spare", "draining", "drained")
 
@@ -377,7 +377,7 @@ class Coordinator:
         if h is None:
             return b"", {"x-pitstop-state": "unreachable", "x-pitstop-error": f"host {w['host']} is not known"}
         try:
-            with AgentClient(h["url"], self.settings.cluster_token, timeout=OUTPUT_TIMEOUT_S, fence=self.fence) as a:
+            with AgentClient(h["url"], self.settings.cluster_token, timeout=ATTACH_OUTPUT_TIMEOUT_S, fence=self.fence) as a:
                 return a.output(wid, stream, offset)
         except PitstopError as e:
             return b"", {"x-pitstop-state": "unreachable", "x-pitstop-error": e.message[:200]}

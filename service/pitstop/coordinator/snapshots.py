@@ -38,17 +38,18 @@ from pitstop.coordinator.planner import healthy, usable_spare
 from pitstop.coordinator.progress import per_step_by_worker
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import LIVE, BaseStore
+from pitstop.coordinator.timeouts import (
+    ENDED_JOB_SNAPSHOTS_KEEP_S,
+    SNAPSHOT_DROP_TIMEOUT_S,
+    SNAPSHOT_PAUSE_MARGIN_S,
+    SNAPSHOT_STEP_TIMEOUT_S,
+)
 from pitstop.errors import Conflict, FailedPrecondition, PitstopError
 from pitstop.wire.agent_client import AgentClient, Fence
 
 log = structlog.get_logger("pitstop.coordinator.snapshots")
 
-TICK_S = 1.0
 MIN_EVERY_S = 5.0  # as `pitstop run --snapshot-every` (wire/agent_requests.py)
-DROP_TIMEOUT_S = 10.0
-ENDED_KEEP_S = 60.0  # a job with no live rank keeps its snapshots this long (a recovery may be about to start)
-QUICK_TIMEOUT_S = 5.0  # pause, lock, unlock, resume, check: quick calls; no answer by then is a host in trouble
-PAUSE_MARGIN_S = 60.0  # a snapshot's pause may last its dumps' deadline and this: past it the agents resume by themselves
 
 
 def interval(store: BaseStore, job: str, workers: list[dict[str, Any]]) -> float | None:
@@ -236,7 +237,7 @@ class Snapshots:
     def forget_ended(self) -> None:
         """A job none of whose ranks is live any more needs its snapshots no longer once it
         finished (a rank exited 0) or was stopped (its end was asked for): dropped on every host
-        that answers after ENDED_KEEP_S, then forgotten.  A job that ended by failing keeps its last
+        that answers after ENDED_JOB_SNAPSHOTS_KEEP_S, then forgotten.  A job that ended by failing keeps its last
         committed snapshot (a recovery, by itself or an operator's, may still restore it) for
         failed_snapshot_keep_s, and says why in its listing (`kept`)."""
         by_job: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -252,7 +253,7 @@ class Snapshots:
             since = self.ended.setdefault(job, now)
             over = any(w["state"] == "exited" and w.get("exit_code") == 0 or w.get("end_asked") for w in ws)
             if over or self.committed(job) is None:
-                if now - since >= ENDED_KEEP_S:
+                if now - since >= ENDED_JOB_SNAPSHOTS_KEEP_S:
                     self._forget(job, "its ranks have all ended (it finished or was stopped)")
                 continue
             keep_s = self.s.failed_snapshot_keep_s
@@ -273,7 +274,7 @@ class Snapshots:
         """Every snapshot of the job, on every host that answers, and its records."""
         for h in [h for h in self.store.hosts() if healthy(h, self.s.heartbeat_timeout_s)]:
             try:
-                with self.agent(h["name"], timeout=DROP_TIMEOUT_S) as c:
+                with self.agent(h["name"], timeout=SNAPSHOT_DROP_TIMEOUT_S) as c:
                     c.snapshot_drop(job)
             except PitstopError as e:
                 log.info("a job's snapshots could not be dropped there now", job=job, host=h["name"], error=e.message)
@@ -303,7 +304,7 @@ class Snapshots:
                 clients = {}
                 for h in hosts:
                     try:
-                        clients[h] = self.agent(h, timeout=DROP_TIMEOUT_S)
+                        clients[h] = self.agent(h, timeout=SNAPSHOT_DROP_TIMEOUT_S)
                     except PitstopError:
                         continue
                 threading.Thread(target=self._drop, args=(job, clients, self._committed(job)), daemon=True,
@@ -434,7 +435,7 @@ class Snapshots:
         record["whole"] = {h: f"its buddy changed from {before[h]} to {buddy[h]}" for h in hosts
                            if before.get(h) not in (None, buddy[h])}
         self.store.put_snapshot(job, number, "taking", record)
-        clients = {h: self.agent(h, timeout=QUICK_TIMEOUT_S) for h in set(hosts) | set(buddy.values())}
+        clients = {h: self.agent(h, timeout=SNAPSHOT_STEP_TIMEOUT_S) for h in set(hosts) | set(buddy.values())}
         t0 = time.monotonic()
         try:
             cut = job_cut({w["id"]: w["host"] for w in ws}, lambda h: clients[h], self.s.cut_deadline_s)
@@ -480,7 +481,7 @@ class Snapshots:
         everyone = {h["name"]: h for h in self.store.hosts() if healthy(h, self.s.heartbeat_timeout_s)}
         for h in everyone:
             try:
-                with self.agent(h, timeout=DROP_TIMEOUT_S) as c:
+                with self.agent(h, timeout=SNAPSHOT_DROP_TIMEOUT_S) as c:
                     c.snapshot_drop(job, keep=number)
             except PitstopError as e:
                 log.info("an older snapshot could not be dropped now", job=job, host=h, error=e.message)
@@ -507,7 +508,7 @@ class Snapshots:
         try:
             def pause(h: str) -> None:
                 # past this the agents resume the job by themselves: this coordinator would have, unless it died
-                clients[h].pause_many(by_host[h], deadline_s=self.s.capture_deadline_s + PAUSE_MARGIN_S)
+                clients[h].pause_many(by_host[h], deadline_s=self.s.capture_deadline_s + SNAPSHOT_PAUSE_MARGIN_S)
                 paused.append(h)
             if cut is not None:
                 res = cut.quiesce()  # releases the job itself when no cut is reached

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import structlog
 
 from pitstop.coordinator.fanout import in_parallel
+from pitstop.coordinator.timeouts import ANNOUNCE_TIMEOUT_S
 from pitstop.errors import PitstopError
 from pitstop.wire.agent_client import AgentClient
 
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("pitstop.coordinator.takeover")
 
-ANNOUNCE_TIMEOUT_S = 2.0  # one agent told the new term; one that does not answer learns it from its next beat
 
 
 class Leader(Protocol):

@@ -29,7 +29,7 @@ LIBRARY = "libpitstop_criutrack.so"
 # against and whose incremental dumps the tests restore bitwise.  Another CRIU may ask for
 # soft-dirty some other way; until tested, it gets the full dump.
 TESTED = ((4, 2),)
-CHECK_TIMEOUT_S = 30.0
+DIRTY_TRACK_CHECK_TIMEOUT_S = 30.0  # `criu check --feature mem_dirty_track` with the tracking library preloaded: one probe
 # The incremental dump's CRIU log level.  At 4 (debug) CRIU writes a line per run of pages, in
 # or out of the parent: a delta is thousands of short runs, and those lines doubled its memory
 # dump (0.23 against 0.05 s for a 780 MB process, 2026-12-02).  3 keeps errors, warnings and
@@ -58,7 +58,7 @@ def command() -> tuple[runtime.CriuCommand | None, str]:
     cmd = runtime.preloaded(rt, lib)
     try:
         p = subprocess.run([cmd.binary, "check", "--feature", "mem_dirty_track"], capture_output=True,
-                           text=True, timeout=CHECK_TIMEOUT_S, env=cmd.environ())
+                           text=True, timeout=DIRTY_TRACK_CHECK_TIMEOUT_S, env=cmd.environ())
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"could not run CRIU with {LIBRARY}: {e}"
     if p.returncode != 0 or "is supported" not in p.stdout + p.stderr:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pitstop.errors import FailedPrecondition
 
-CHECK_TIMEOUT_S = 60  # `criu check` probes many kernel features; seconds on a loaded host
+CRIU_CHECK_TIMEOUT_S = 60  # `criu check` probes many kernel features; seconds on a loaded host
 VERSION_TIMEOUT_S = 30  # `criu --version`
 
 MIN_VERSION = (4, 2)
@@ -79,7 +79,7 @@ class CriuRuntime:
 
     def check(self) -> tuple[bool, str]:
         """Run `criu check`; return (ok, CRIU's own words)."""
-        p = subprocess.run([self.binary, "check"], capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
+        p = subprocess.run([self.binary, "check"], capture_output=True, text=True, timeout=CRIU_CHECK_TIMEOUT_S)
         out = (p.stdout + p.stderr).strip()
         return p.returncode == 0, out
 

@@ -28,10 +28,10 @@ import sys
 import time
 
 from pitstop.errors import PitstopError
+from pitstop.launcher.timeouts import CONTAINER_AGENT_CALL_TIMEOUT_S
 from pitstop.wire.agent_client import AgentClient
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
-CALL_TIMEOUT_S = 10.0
 EXITED_TRIES = 20  # the exit report, retried while the container is being moved (its agent changes)
 
 
@@ -45,7 +45,7 @@ def inside(info: dict) -> bool:
 
 def _client(sock: str) -> AgentClient:
     """A client for one call: closed after it, so no connection outlives the call."""
-    return AgentClient("http://agent", uds=sock, timeout=CALL_TIMEOUT_S)
+    return AgentClient("http://agent", uds=sock, timeout=CONTAINER_AGENT_CALL_TIMEOUT_S)
 
 
 def run(cmd: list[str], env: dict[str, str], *, job: str, rank: int, world: int | None, sock: str,

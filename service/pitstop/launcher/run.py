@@ -54,6 +54,15 @@ from pitstop.endpoints import check_url
 from pitstop.errors import InvalidRequest, PitstopError
 from pitstop.launcher import incontainer, stdio
 from pitstop.launcher.seccomp import deny_io_uring
+from pitstop.launcher.timeouts import (
+    AGENT_GONE_S,
+    AGENT_INFO_TIMEOUT_S,
+    ENDED_AT_ONCE_WAIT_S,
+    HANDLE_TIMEOUT_S,
+    NS_INIT_FIND_S,
+    PUMP_DRAIN_S,
+    SIGNAL_MOVING_FOR_S,
+)
 from pitstop.proc import caps, proctree, signals
 from pitstop.wire.agent_client import AgentClient, health
 from pitstop.wire.agent_requests import (
@@ -67,12 +76,6 @@ from pitstop.wire.agent_requests import (
 )
 from pitstop.wire.coordinator_client import HandleClient
 
-AGENT_QUESTION_TIMEOUT_S = 10  # the agent's health or info, asked before the command starts
-PUMP_DRAIN_S = 5  # the output pumps, to pass on what the ended command wrote last
-ENDED_AT_ONCE_WAIT_S = 10  # a command the agent refused because it had just ended: its exit status
-AGENT_GONE_S = 5.0  # this host's agent silent this long while following a moved rank: follow it via the coordinator
-HANDLE_TIMEOUT_S = 10.0  # one call to the coordinator with the rank's handle
-
 MOVING = ("capturing", "stopped", "released", "moved")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 
@@ -82,7 +85,7 @@ def agent_client(agent_url: str) -> AgentClient:
     token = os.environ.get("PITSTOP_CLUSTER_TOKEN")
     if agent_url.startswith("unix:"):
         return AgentClient("http://agent", uds=agent_url[len("unix:"):])
-    sock = (health(agent_url, AGENT_QUESTION_TIMEOUT_S) or {}).get("socket")
+    sock = (health(agent_url, AGENT_INFO_TIMEOUT_S) or {}).get("socket")
     if isinstance(sock, str) and sock and os.access(sock, os.W_OK):
         return AgentClient("http://agent", uds=sock)
     return AgentClient(agent_url, token)
@@ -92,7 +95,7 @@ class EndedAtOnce(Exception):
     """The command ended before it could be registered (a command that has nothing to do)."""
 
 
-def _find_ns_init(p: subprocess.Popen, timeout_s: float = 10.0, forks: bool = True) -> int:
+def _find_ns_init(p: subprocess.Popen, timeout_s: float = NS_INIT_FIND_S, forks: bool = True) -> int:
     """The namespace's init, once it leads its session (CRIU needs the tree's root to) and, where it
     is pitstop's init (`forks`), has forked the command: it moves into its directory before that
     fork (native/pitinit.c), and the agent records that directory at the registration.  Found at
@@ -249,7 +252,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         return 2
     client = agent_client(agent_url)
     try:  # before the command starts: a worker its agent cannot take in is one nobody can move
-        info = client.info(timeout=AGENT_QUESTION_TIMEOUT_S)
+        info = client.info(timeout=AGENT_INFO_TIMEOUT_S)
     except PitstopError as e:
         print(f"pitstop run: {e}; the command was not started", file=sys.stderr)
         return 125
@@ -535,7 +538,6 @@ def scheduler_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-SIGNAL_MOVING_FOR_S = 120.0  # a signal for a worker in the middle of a move, retried until the move has ended
 
 
 def _signal_moved(client: AgentClient, wid: str, sig: int) -> None:

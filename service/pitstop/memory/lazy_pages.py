@@ -43,7 +43,7 @@ from pitstop.criu import criulog, runtime
 from pitstop.errors import RestoreFailed
 
 STOP_WAIT_S = 10  # a lazy-pages daemon or page relay, killed, to be reaped
-CHECK_TIMEOUT_S = 60  # CRIU's lazy-pages support probe
+LAZY_PAGES_CHECK_TIMEOUT_S = 60  # CRIU's lazy-pages support probe (`criu check --feature uffd-noncoop`)
 
 LOG = "lazy-pages.log"
 RELAY_LOG = "page-relay.log"  # the relay's stderr: empty unless it crashed
@@ -265,5 +265,5 @@ def supported(rt: runtime.CriuRuntime | None = None) -> tuple[bool, str]:
     """Whether this kernel can serve restores lazily: CRIU's uffd checks, in its words."""
     rt = rt or runtime.locate()
     p = subprocess.run([rt.binary, "check", "--feature", "uffd-noncoop"],
-                       capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
+                       capture_output=True, text=True, timeout=LAZY_PAGES_CHECK_TIMEOUT_S)
     return p.returncode == 0, (p.stdout + p.stderr).strip()
