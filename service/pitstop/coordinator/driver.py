@@ -36,7 +36,6 @@ import functools
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -48,14 +47,13 @@ from pitstop.coordinator import ledger, progress
 from pitstop.coordinator.cut import Cut, issued_by_worker
 from pitstop.coordinator.fanout import in_parallel
 from pitstop.coordinator.filecheck import check_files
+from pitstop.coordinator.precopies import PreCopies
 from pitstop.coordinator.recovery import is_recovery
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import BaseStore, StoreUnavailable
 from pitstop.coordinator.timeouts import (
     AGENT_QUESTION_TIMEOUT_S,
     MOVE_PAUSE_MARGIN_S,
-    PRECOPY_PROGRESS_EVERY_S,
-    PRECOPY_STOP_WAIT_S,
     PREWIRE_JOIN_EXTRA_S,
     PROGRESS_READ_TIMEOUT_S,
     TAKEOVER_BACKOFF_MAX_S,
@@ -79,6 +77,10 @@ class Cancelled(PitstopError):
 
 class OpRun:
     """One operation being driven (or reconciled) by this coordinator process."""
+
+    @property
+    def settings(self) -> CoordinatorSettings:
+        return self.d.s
 
     def pause_deadline_s(self) -> float:
         """How long the peers' pause may last before their agents end it by themselves: the whole
@@ -305,7 +307,7 @@ class OpRun:
 
     def _precopy_phase(self, m: "_Move") -> None:
         assert m.plan is not None
-        self._pre_copy(m.src, m.dst, m.plan)
+        PreCopies(self, m.src).send(m.dst, m.plan)
 
     def _pause(self, m: "_Move") -> None:
         """Pause: the intent persisted first, so a restart knows whom to resume."""
@@ -546,100 +548,6 @@ class OpRun:
             self.save()
         faults.hit("rewire:ids_spent")
 
-    @contextlib.contextmanager
-    def _precopy_progress(self, src: AgentClient) -> Iterator[Callable[[], float]]:
-        """Follow the source's pre-copies into the operation (`pre_copy_bytes` of about
-        `pre_copy_bytes_total`) while they run: a host's memory can take minutes to send, and
-        `pitstop evacuate --wait` should show it moving.  Yields when they last moved
-        (time.monotonic()): how the wait tells a slow pre-copy from a stalled one.  Best
-        effort: a missed reading only leaves the figures where they were."""
-        stop = threading.Event()
-        ours = {self.image_id(w) for w in self.md.workers}
-        moved = [time.monotonic(), -1]  # when, and the bytes then
-
-        def follow() -> None:
-            while not stop.wait(PRECOPY_PROGRESS_EVERY_S):
-                try:
-                    got = [p for p in src.precopies(timeout=PRECOPY_PROGRESS_EVERY_S) if p.get("image_id") in ours]
-                except PitstopError:
-                    continue
-                if got:
-                    sent = sum(int(p.get("bytes_sent") or 0) for p in got)
-                    if sent > moved[1]:
-                        moved[:] = [time.monotonic(), sent]
-                    with self.lock:
-                        self.md.pre_copy_bytes = sent
-                        self.md.pre_copy_bytes_total = sum(int(p.get("bytes_total") or 0) for p in got)
-                        try:
-                            self.save()
-                        except StoreUnavailable:
-                            pass  # the phase's own write, after the pre-copies, says it and rolls back
-
-        t = threading.Thread(target=follow, name=f"precopy-progress-{self.id}", daemon=True)
-        t.start()
-        try:
-            yield lambda: moved[0]
-        finally:
-            stop.set()
-            t.join(PRECOPY_PROGRESS_EVERY_S + 1)
-
-    def _wait_for_precopies(self, running: dict[str, threading.Thread], last_moved: Callable[[], float]) -> str:
-        """'' once every pre-copy has ended; otherwise why the coordinator gives up on those
-        still running.  Two deadlines: a whole one, and one for a pre-copy that stopped moving
-        (a slow one on a big host is worth waiting for; a stalled one is not).  A cancel of the
-        evacuation is honoured here too (raised)."""
-        t0 = time.monotonic()
-        deadline, stall = self.d.s.precopy_deadline_s, self.d.s.precopy_stall_s
-        while True:
-            alive = [t for t in running.values() if t.is_alive()]
-            if not alive:
-                return ""
-            now = time.monotonic()
-            if now - t0 > deadline:
-                return f"timed out: not done within {deadline:g} s (PITSTOP_COORDINATOR_PRECOPY_DEADLINE_S)"
-            if now - last_moved() > stall:
-                return f"timed out: no bytes sent for {stall:g} s (PITSTOP_COORDINATOR_PRECOPY_STALL_S)"
-            self.check()
-            alive[0].join(0.2)
-
-    def _stop_precopies(self, src: AgentClient, running: dict[str, threading.Thread]) -> list[str]:
-        """Stop the pre-copies still running (DELETE /v1/precopies/{id}) and wait a little for
-        them to end; the workers whose pre-copy was stopped."""
-        stopped = [wid for wid, t in running.items() if t.is_alive()]
-        for wid in stopped:
-            try:
-                src.stop_precopy(self.image_id(wid))
-            except PitstopError as e:  # ended meanwhile, or the source is gone (checked after)
-                log.info("could not stop a pre-copy", op=self.id, worker=wid, error=e.message)
-        end = time.monotonic() + PRECOPY_STOP_WAIT_S
-        for wid in stopped:
-            running[wid].join(max(0.0, end - time.monotonic()))
-        return stopped
-
-    def _end_precopies(self, src: AgentClient | None) -> None:
-        """Stop this operation's pre-copies still running on the source and wait (a little)
-        for them to end, so that none lands at the destination after the rollback discarded
-        what was there.  Best effort: nothing running is the usual answer."""
-        if src is None:
-            return
-        ours = {self.image_id(w) for w in self.md.workers}
-        try:
-            running = {p["image_id"] for p in src.precopies() if p.get("image_id") in ours}
-        except PitstopError:
-            return  # the source is gone: so are its pre-copies
-        for image_id in ours:  # also drops an ended one's copy kept for the incremental dump
-            try:
-                src.stop_precopy(image_id)
-            except PitstopError:
-                pass  # it ended meanwhile, or its capture took it
-        end = time.monotonic() + PRECOPY_STOP_WAIT_S
-        while running and time.monotonic() < end:
-            time.sleep(0.1)
-            try:
-                running = {p["image_id"] for p in src.precopies() if p.get("image_id") in ours}
-            except PitstopError:
-                return
-
     def _check_files(self, src: AgentClient, dst: AgentClient) -> None:
         """Refuse, before anything pauses, a destination that lacks files the leaving workers use
         by path (their Python, libraries, working directories, open files: proc/files.py).
@@ -673,69 +581,6 @@ class OpRun:
             self.md.plan = MovePlan(pre_copy=pre, post_copy=post)
             self.save()
         return self.md.plan
-
-    def _pre_copy(self, src: AgentClient, dst: AgentClient, plan: MovePlan) -> None:
-        """Send the leaving workers' memory while the job still runs (memory/precopy.py).
-
-        Best effort by design: a pre-copy only shortens the pause that follows, so one that
-        fails, passes its deadline or stalls is stopped, reported, and the move sends everything
-        instead."""
-        if not plan.pre_copy:
-            return
-        self.enter("precopy")
-        results: dict[str, Any] = {}
-
-        def one(wid: str) -> None:
-            try:
-                results[wid] = src.precopy(wid, dst.url, self.image_id(wid), post_copy=plan.post_copy,
-                                           timeout=self.d.s.precopy_deadline_s + 30)
-            except PitstopError as e:
-                results[wid] = {"error": e.message}
-                log.warning("pre-copy failed; the move sends everything", op=self.id, worker=wid, error=e.message)
-
-        ids = list(self.md.workers)
-        running = {wid: threading.Thread(target=one, args=(wid,), name=f"precopy-{wid}", daemon=True) for wid in ids}
-        for t in running.values():
-            t.start()
-        gave_up = ""
-        try:
-            with self._precopy_progress(src) as last_moved:
-                gave_up = self._wait_for_precopies(running, last_moved)
-        finally:  # given up on, or the evacuation cancelled: what still runs is stopped, not left to compete
-            stopped = self._stop_precopies(src, running)
-        final: dict[str, Any] = {}  # not `results`: a stopped pre-copy's thread may still write there
-        for wid in ids:
-            r = results.get(wid)
-            if wid in stopped and (r is None or "error" in r):  # one that ended well as it was stopped counts
-                r = {"error": gave_up}
-                log.warning("pre-copy given up on; the move sends everything", op=self.id, worker=wid, why=gave_up)
-            final[wid] = r or {"error": "no answer"}
-        sent = sum(r.get("bytes", 0) for r in final.values())
-        failed = {w: r["error"] for w, r in final.items() if "error" in r}
-        if failed:  # a source that stopped answering would fail the move after the pause: stop before it
-            try:
-                src.info(timeout=AGENT_QUESTION_TIMEOUT_S)
-            except PitstopError as e:
-                raise Unavailable(f"the agent on {self.md.node} stopped answering during the pre-copy "
-                                  f"({e.message}); nothing was paused", code="source_unavailable",
-                                  action=f"check the agent on {self.md.node}, then evacuate again") from None
-        skipped = {r["skipped"] for r in final.values() if "skipped" in r}
-        with self.lock:
-            self.md.pre_copy_bytes = sent
-            for wid, r in final.items():
-                if r.get("compression"):
-                    self.md.workers[wid].pre_copy_compression = r["compression"]
-            self.md.unset("pre_copy_bytes_total")  # an estimate, for the progress while it ran
-            self.save()
-        self.leave("precopy")
-        if failed:
-            self.condition("PreCopied", False, "PreCopyFailed", "; ".join(f"{w}: {m}" for w, m in failed.items())
-                           + " (those workers' memory travels whole during the pause)")
-        elif skipped:
-            self.condition("PreCopied", False, "PreCopySkipped", "; ".join(sorted(skipped)))
-        else:
-            self.condition("PreCopied", True, "MemorySentAhead", f"{sent} bytes sent while the job ran")
-        self.check()
 
     def _pass_commit_point(self) -> None:
         """The commit point is its record: until the database holds `committed`, a restarted
@@ -1107,7 +952,8 @@ class OpRun:
         except PitstopError as e:
             src = dst = None
             problems.append(e.message)
-        self._end_precopies(src)  # one still sending (a coordinator restarted mid-way) would land after the discard
+        if src is not None:  # one still sending (a coordinator restarted mid-way) would land after the discard
+            PreCopies(self, src).end()
         for wid, w in self.md.workers.items():
             if dst is not None:
                 try:  # a copy the spare already restored is discarded
