@@ -44,8 +44,9 @@ import structlog
 
 from pitstop import faults, priority
 from pitstop.coordinator import ledger, progress
+from pitstop.coordinator.aftermove import AfterMoveWatch
 from pitstop.coordinator.cut import Cut, issued_by_worker
-from pitstop.coordinator.fanout import in_parallel
+from pitstop.coordinator.fanout import by_agent, in_parallel
 from pitstop.coordinator.filecheck import check_files
 from pitstop.coordinator.precopies import PreCopies
 from pitstop.coordinator.recovery import is_recovery
@@ -55,7 +56,6 @@ from pitstop.coordinator.timeouts import (
     AGENT_QUESTION_TIMEOUT_S,
     MOVE_PAUSE_MARGIN_S,
     PREWIRE_JOIN_EXTRA_S,
-    PROGRESS_READ_TIMEOUT_S,
     TAKEOVER_BACKOFF_MAX_S,
 )
 from pitstop.errors import DeadlineExceeded, NotFound, PitstopError, Unavailable
@@ -81,6 +81,10 @@ class OpRun:
     @property
     def settings(self) -> CoordinatorSettings:
         return self.d.s
+
+    @property
+    def fence(self) -> Fence | None:
+        return self.d.fence
 
     def pause_deadline_s(self) -> float:
         """How long the peers' pause may last before their agents end it by themselves: the whole
@@ -219,11 +223,11 @@ class OpRun:
         with self.lock:
             c = self._clients.get(host)
             if c is None:
-                c = self._clients[host] = _agent_client(self._url(host), self.d.s.cluster_token,
-                                                        self.d.s.step_timeout_s, self.d.fence)
+                c = self._clients[host] = AgentClient(self.url(host), self.d.s.cluster_token,
+                                                      timeout=self.d.s.step_timeout_s, fence=self.d.fence)
             return c
 
-    def _url(self, host: str) -> str:
+    def url(self, host: str) -> str:
         """The host's agent, as the store knows it; else as this operation last reached it: a
         database that cannot even be read must not keep an undo from the agents."""
         try:
@@ -246,7 +250,7 @@ class OpRun:
             hosts[wid] = self.md.destination if moved else self.md.node
 
         def get_all(workers: list[str], trail: bool = False) -> dict[str, list[dict[str, Any]]]:
-            groups = _by_agent([(w, hosts[w]) for w in workers])
+            groups = by_agent([(w, hosts[w]) for w in workers])
             out: dict[str, list[dict[str, Any]]] = {}
             for got in in_parallel(lambda g: self.agent(g[0]).shim_blocks_many(g[1], trail=trail), groups):
                 out.update(got)
@@ -349,7 +353,7 @@ class OpRun:
                 # past the operation's deadline and a margin the agents resume them by themselves: this
                 # coordinator would have (rolled back), unless it died and never came back
                 got = in_parallel(lambda g: self.agent(g[0]).pause_many(g[1], deadline_s=self.pause_deadline_s()),
-                                  _by_agent(peers))
+                                  by_agent(peers))
                 self.rank_stopped.update(_times(got, "paused_at"))
                 with self.lock:  # leave() writes them: one state write after the round, not two
                     self.md.paused.extend(wid for wid, _ in peers)
@@ -627,7 +631,7 @@ class OpRun:
         self._check_replacements(dest)  # after the last resume: nobody waits for this look
         self.clean_source()
         failed = self._await_fills(node, dest) if filling and self.d.await_fills else None
-        self._settle_job_pause()
+        self.settle_job_pause()
         response = {"@type": "type.pitstop.dev/EvacuateResponse", "node": node, "destination": dest,
                     "workers": sorted(self.md.workers), "downtime_s": self.md.downtime_s,
                     "bytes": self.md.bytes_total}
@@ -646,10 +650,22 @@ class OpRun:
         self.finish(phase="done", done=True, result="succeeded", response=response)
         log.info("evacuated", op=self.id, node=node, dest=dest, downtime_s=self.md.downtime_s,
                  **self.md.phases)
-        self._measure_after(resumed_at)
-        self._watch_local_fills(dest)
+        watch = AfterMoveWatch(self)
+        watch.measure(resumed_at)
+        watch.watch_local_fills(dest)
 
-    def _settle_job_pause(self) -> None:
+    def record_after(self, after: AfterMove) -> None:
+        """The job after the move (aftermove.py), into the record, the ledger's pause and the metrics."""
+        with self.lock:
+            self.md.after_move = after
+            self.best_effort = True  # the operation is done: a refused write only delays this one
+            self.save()
+        self.settle_job_pause()
+        if self.d.on_after_move:
+            self.d.on_after_move(after)
+        log.info("the job after the move", op=self.id, **after.model_dump(exclude_none=True))
+
+    def settle_job_pause(self) -> None:
         """The pause the job saw (ledger.job_pause), again whenever one of its inputs arrives: the
         last resume, the fills' ends, the job's first step after the move."""
         with self.lock:
@@ -658,101 +674,6 @@ class OpRun:
                 return
             self.md.job_pause_s, self.md.job_pause_until = pause, until
             self.save()
-
-    def _watch_local_fills(self, dest: str) -> None:
-        """A post-copy restore from the destination's own copy (its agent's PITSTOP_AGENT_LAZY_RESTORE)
-        holds nothing open: the operation is done at the resume, and its fill runs on.  Its end is
-        the job's pause's end where the job stalls on it (ledger.job_pause): asked of the
-        destination on a thread of its own, until it ends or fill_deadline_s passes."""
-        waiting = [wid for wid, w in self.md.workers.items()
-                   if "fill_start" in w.restore_phases and not w.bytes_after_resume and not w.fill]
-        if not waiting:
-            return
-        url, token = self._url(dest), self.d.s.cluster_token
-
-        def body() -> None:
-            deadline = time.monotonic() + self.d.s.fill_deadline_s
-            with _agent_client(url, token, AGENT_QUESTION_TIMEOUT_S, self.d.fence) as a:
-                while waiting and time.monotonic() < deadline:
-                    for wid in list(waiting):
-                        try:
-                            f = a.worker(wid).get("fill")
-                        except PitstopError:
-                            continue  # asked again next round, until the deadline
-                        if not f or f.get("state") != "filling":
-                            waiting.remove(wid)
-                            if f:
-                                with self.lock:
-                                    self.md.workers[wid].fill = f
-                                    self.best_effort = True  # the operation is done: a refused write waits
-                                    self.save()
-                    if waiting:
-                        time.sleep(self.d.s.fill_poll_s)
-            self._settle_job_pause()
-
-        threading.Thread(target=body, daemon=True, name=f"local-fills-{self.id}").start()
-
-    def _measure_after(self, resumed_at: float) -> None:
-        """The job's time to useful progress after the move (coordinator/progress.py), watched on a
-        thread of its own after the operation is done, and added to its record when known: nobody
-        waits for it."""
-        if self.d.s.progress_window_s <= 0:
-            return
-        if self.progress_cut is None:
-            why = ("the job's ranks use no NCCL communicator the shim counts (gloo, or none): nothing shows "
-                   "its progress without a change to it" if self.md.plan and self.md.plan.pause == "sigstop"
-                   else "the move was finished by a coordinator that did not see its cut")
-            pauses = progress.pauses_between(self.rank_stopped, self.rank_running)
-            self._record_after(progress.not_measured(why).model_copy(update={"rank_pause_s": pauses or None}))
-            return
-        cut, before, window = self.progress_cut, self.progress_before, self.d.s.progress_window_s
-        hosts = dict(self.md.peers) | {wid: self.md.destination for wid in self.md.workers}
-        groups = _by_agent(list(hosts.items()))
-        urls = {h: self._url(h) for h, _ in groups}
-        token, fence = self.d.s.cluster_token, self.d.fence
-
-        def body() -> None:
-            # clients of its own: the operation's close when its thread ends
-            clients = {h: _agent_client(u, token, PROGRESS_READ_TIMEOUT_S, fence) for h, u in urls.items()}
-
-            last: dict[str, list[dict[str, Any]]] = {}
-            per_step = before.per_step if before else None
-            times: dict[str, tuple] = {}
-
-            def read() -> dict[str, int]:
-                got: dict[str, list[dict[str, Any]]] = {}
-                trail = len(times) < len(cut.issued)  # until every rank's operations are timed
-                for part in in_parallel(lambda g: clients[g[0]].shim_blocks_many(g[1], trail=trail), groups):
-                    got.update(part)
-                last.clear()
-                last.update(got)
-                if trail:
-                    times.update(progress.op_times(got, cut, per_step))
-                return issued_by_worker([(w, b) for w, bs in got.items() for b in bs])
-
-            try:
-                after = progress.watch(read, cut, resumed_at, before, window_s=window)
-                # the pause times are written by the shims at the resume, and read since
-                after = progress.with_op_times(after, times, progress.last_resume(last))
-                pauses = progress.rank_pauses(last)
-                self._record_after(after.model_copy(update={"rank_pause_s": pauses or None}))
-            except Exception as e:  # noqa: BLE001 - a measurement: it must never take the coordinator down
-                log.warning("could not measure the job's progress after the move", op=self.id, error=repr(e))
-            finally:
-                for c in clients.values():
-                    c.close()
-
-        threading.Thread(target=body, daemon=True, name=f"progress-{self.id}").start()
-
-    def _record_after(self, after: AfterMove) -> None:
-        with self.lock:
-            self.md.after_move = after
-            self.best_effort = True  # the operation is done: a refused write only delays this one
-            self.save()
-        self._settle_job_pause()
-        if self.d.on_after_move:
-            self.d.on_after_move(after)
-        log.info("the job after the move", op=self.id, **after.model_dump(exclude_none=True))
 
     def clean_source(self, later: bool = False) -> bool:
         """Past the resume: the node's agent frees each moved worker's images and CRIU's network lock.
@@ -822,12 +743,12 @@ class OpRun:
         it.  Asks the destination's agent, which watches each fill (agent/receiving.py), with a
         short timeout per call; never raises (the commit is behind us); says what went wrong."""
         self.enter("fill")
-        url = self._url(dest)
+        url = self.url(dest)
         waiting = [wid for wid, w in self.md.workers.items() if w.bytes_after_resume]
         ended: dict[str, dict[str, Any]] = {}
         last_error = ""
         deadline = time.monotonic() + self.d.s.fill_deadline_s
-        with _agent_client(url, self.d.s.cluster_token, AGENT_QUESTION_TIMEOUT_S, self.d.fence) as a:
+        with AgentClient(url, self.d.s.cluster_token, timeout=AGENT_QUESTION_TIMEOUT_S, fence=self.d.fence) as a:
             while waiting and time.monotonic() < deadline:
                 for wid in list(waiting):
                     try:
@@ -918,7 +839,7 @@ class OpRun:
             self.rank_running.update(_times([got], "running_since"))
             return None
 
-        return [p for p in in_parallel(resume, _by_agent(list(self.md.peers.items()))) if p]
+        return [p for p in in_parallel(resume, by_agent(list(self.md.peers.items()))) if p]
 
     # -- the way back -------------------------------------------------------------------------
     def recover(self) -> None:
@@ -1065,26 +986,9 @@ def _device_memory(blocks: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _agent_client(url: str, token: str | None, timeout: float, fence: Fence | None) -> AgentClient:
-    """A client of one agent whose every call carries the leader's term (fence; None: a coordinator
-    that leads alone, as in the tests' own drivers)."""
-    c = AgentClient(url, token, timeout=timeout)
-    if fence is not None:
-        c.terms = fence
-    return c
-
-
 def _times(answers: list[list[dict[str, Any]]], key: str) -> dict[str, float]:
     """Each worker's `key` (a wall-clock time its agent wrote) from the agents' answers, where given."""
     return {w["id"]: float(w[key]) for ws in answers for w in (ws or []) if isinstance(w, dict) and w.get(key)}
-
-
-def _by_agent(peers: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
-    """(worker, agent) pairs as (agent, its workers), in first-seen order."""
-    out: dict[str, list[str]] = {}
-    for wid, node in peers:
-        out.setdefault(node, []).append(wid)
-    return list(out.items())
 
 
 def _op_error(e: PitstopError) -> dict[str, Any]:

@@ -59,3 +59,11 @@ def each_while_heard(fn: Callable[[str], T], hosts: list[str], heard: Callable[[
     """fn(host) for every host at once (in_parallel), each call abandoned once its own host is
     silent (while_heard)."""
     return in_parallel(lambda h: while_heard(lambda: fn(h), h, heard, what), hosts)
+
+
+def by_agent(pairs: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
+    """(worker, agent) pairs as (agent, its workers), in first-seen order: one call per agent."""
+    out: dict[str, list[str]] = {}
+    for wid, node in pairs:
+        out.setdefault(node, []).append(wid)
+    return list(out.items())
