@@ -31,7 +31,6 @@ stays paused because a thread died.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
@@ -49,13 +48,13 @@ from pitstop.coordinator.cut import Cut, issued_by_worker
 from pitstop.coordinator.fanout import by_agent, in_parallel
 from pitstop.coordinator.filecheck import check_files
 from pitstop.coordinator.precopies import PreCopies
+from pitstop.coordinator.prewire import EarlyRewire
 from pitstop.coordinator.recovery import is_recovery
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import BaseStore, StoreUnavailable
 from pitstop.coordinator.timeouts import (
     AGENT_QUESTION_TIMEOUT_S,
     MOVE_PAUSE_MARGIN_S,
-    PREWIRE_JOIN_EXTRA_S,
     TAKEOVER_BACKOFF_MAX_S,
 )
 from pitstop.errors import DeadlineExceeded, NotFound, PitstopError, Unavailable
@@ -121,10 +120,8 @@ class OpRun:
         # clock): stopped (SIGSTOP, or the capture stopping a leaving rank) and running again.
         self.rank_stopped: dict[str, float] = {}
         self.rank_running: dict[str, float] = {}
-        # The early rewire's first half (_prewire), on a thread beside the capture; told to post
-        # nothing more once the rewire or a rollback takes over.
-        self._prewire: threading.Thread | None = None
-        self._prewire_stop = threading.Event()
+        # The early rewire's first half, on a thread beside the capture (prewire.py).
+        self.prewire = EarlyRewire(self)
 
     # -- bookkeeping --------------------------------------------------------------------------
     def save(self, **kw: Any) -> None:
@@ -384,7 +381,7 @@ class OpRun:
         with self.lock:  # from here a rollback must look for captures on the node, even unrecorded ones
             self.md.capture_begun = True
             self.save()
-        self._begin_prewire()
+        self.prewire.begin()
 
         def capture(wid: str) -> None:
             w = self.md.workers[wid]
@@ -419,65 +416,6 @@ class OpRun:
         self.condition("Transferred", True, "ImagesStreamed", f"{self.md.bytes_total} bytes"
                        + (f"; {later} bytes of memory follow after the resume (network post-copy)" if later else ""))
         self.check()
-
-    def _begin_prewire(self) -> None:
-        """The early rewire's first half, on a thread of its own as the capture begins: the ranks that
-        stay make fresh ids and begin re-creating their communicators (coordinator/cut.py), so that
-        after the restore only the restored ranks' joining is left in the pause.  The ids are
-        recorded before any rank is told: a rollback, or a restarted coordinator's, joins them."""
-        cutmd = self.md.cut
-        if cutmd is None or not cutmd.destroyed:
-            return
-        if not self.d.s.early_rewire:
-            with self.lock:
-                cutmd.early_why_not = "PITSTOP_COORDINATOR_EARLY_REWIRE=false"
-                self.save()
-            return
-        t0 = time.monotonic()
-
-        def body() -> None:
-            try:
-                cut = self.cut()
-                leaving = set(self.md.workers)
-                ids = cut.early_ids(leaving)
-                if ids is None or self._prewire_stop.is_set():
-                    with self.lock:
-                        cutmd.early_why_not = cut.why_not or "the rewire began first"
-                        self.save()
-                    return
-                with self.lock:
-                    cutmd.early_ids = ids
-                    try:
-                        self.save()
-                    except StoreUnavailable:
-                        cutmd.unset("early_ids")  # unrecorded: nobody may rebuild with them
-                        raise
-                if self._prewire_stop.is_set():
-                    return  # the ranks not told yet are told by the rewire, or the rollback, with these ids
-                cut.prebuild(ids, leaving)
-                with self.lock:
-                    cutmd.prewire_s = round(time.monotonic() - t0, 4)
-                    self.save()
-                log.info("the ranks that stay are re-creating their communicators", op=self.id,
-                         communicators=len(ids), seconds=cutmd.prewire_s)
-            except Exception as e:  # noqa: BLE001 - the rewire after the restore does what is left
-                why = getattr(e, "message", repr(e))
-                log.warning("the early rewire did not begin; the rewire after the restore does it", op=self.id,
-                            error=why)
-                with self.lock:
-                    cutmd.early_why_not = f"it failed to begin: {why}"[:500]
-                    with contextlib.suppress(StoreUnavailable):
-                        self.save()
-
-        self._prewire = threading.Thread(target=body, daemon=True, name=f"prewire-{self.id}")
-        self._prewire.start()
-
-    def _end_prewire(self) -> None:
-        """Let the early rewire's thread post nothing more, and wait for it (its calls have deadlines)."""
-        self._prewire_stop.set()
-        t = self._prewire
-        if t is not None:
-            t.join(3 * self.d.s.cut_deadline_s + PREWIRE_JOIN_EXTRA_S)
 
     def _verify(self, m: "_Move") -> None:
         self.enter("verify")
@@ -523,7 +461,7 @@ class OpRun:
         """NCCL jobs: communicators re-created behind the same handles, at the new addresses."""
         if self.md.cut and self.md.cut.destroyed:
             self.enter("rewire")
-            self._end_prewire()
+            self.prewire.end()
             cutmd = self.md.cut
             if cutmd.early_ids:  # the ranks that stay began during the capture: the restored ones join them
                 secs, ids = self.cut(moved=True).finish_rewire(cutmd.early_ids, on_join=self._early_ids_spent)
@@ -915,7 +853,7 @@ class OpRun:
         problems += self._resume_peers()
         cutmd = self.md.cut
         if cutmd is not None and cutmd.used:
-            self._end_prewire()
+            self.prewire.end()
             try:
                 if cutmd.destroyed and cutmd.early_ids:
                     # the ranks that stay are rebuilding: the sources join them where they can
