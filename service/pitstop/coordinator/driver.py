@@ -60,7 +60,7 @@ from pitstop.coordinator.timeouts import (
 from pitstop.errors import DeadlineExceeded, NotFound, PitstopError, Unavailable
 from pitstop.wire.agent_client import AgentClient, Fence
 from pitstop.wire.capture_report import CaptureReport
-from pitstop.wire.evacuation import AfterMove, CutRecord, EvacuationState, MovePlan
+from pitstop.wire.evacuation import AfterMove, CutRecord, EvacuationState, MovePlan, WorkerProgress
 
 log = structlog.get_logger("pitstop.coordinator.driver")
 
@@ -795,19 +795,22 @@ class OpRun:
             action="evacuate again if the host must still be drained; the coordinator's log has the error"))
 
     def rollback(self, err: PitstopError) -> None:
-        """Undo on the agents whatever the database does: its writes here are best effort."""
+        """Undo on the agents whatever the database does: its writes here are best effort.
+
+        Two lists of what could not be undone: `problems`, where the job may not be whole where it
+        was (the operator must act), and `leftovers`, where it is whole but the destination may
+        hold a copy to clean up."""
         cancelled = isinstance(err, Cancelled) or err.code == "cancelled"
         log.warning("rolling back", op=self.id, reason=err.message)
         self.best_effort = True
         self.undoing = self.undoing or err
         self.enter("rollback")
-        node, dest = self.md.node, self.md.destination
-        problems: list[str] = []   # the job may not be whole where it was: the operator must act
-        leftovers: list[str] = []  # the job is whole; the destination may hold a copy to clean up
+        problems: list[str] = []
+        leftovers: list[str] = []
         src: AgentClient | None
         dst: AgentClient | None
         try:
-            src, dst = self.agent(node), self.agent(dest)
+            src, dst = self.agent(self.md.node), self.agent(self.md.destination)
         except PitstopError as e:
             src = dst = None
             problems.append(e.message)
@@ -815,76 +818,98 @@ class OpRun:
             PreCopies(self, src).end()
         for wid, w in self.md.workers.items():
             if dst is not None:
-                try:  # a copy the spare already restored is discarded
-                    got = dst.worker(wid)
-                    if got.get("restored") and got["state"] in ("running", "paused", "capturing", "stopped"):
-                        dst.discard_worker(wid)
-                except PitstopError as e:
-                    if e.http_status != 404:
-                        leftovers.append(f"{wid} on {dest}: {e.message}")
-                try:  # also stops a copy a restore registered after the look above
-                    dst.discard(self.image_id(wid))
-                except PitstopError as e:
-                    leftovers.append(f"{wid}'s images on {dest}: {e.message}")
-            if src is None:
-                continue
-            if not (w.capture_id or self.md.capture_begun):
-                w.state = "rolled_back"  # never asked to capture: nothing to undo on the node
-                continue
-            in_flight = False
-            try:
-                cid = w.capture_id or next((c["id"] for c in src.captures()
-                                                   if c.get("image_id") == self.image_id(wid)), None)
-                if cid:
-                    c = src.get_capture(cid)
-                    if c["state"] == "dumping":
-                        in_flight = True
-                        c = src.wait_capture(cid, self.d.s.capture_deadline_s)
-                    if c["state"] not in ("failed", "rolled_back", "committed"):
-                        src.rollback(cid)
-                w.state = "rolled_back"
-            except PitstopError as e:
-                problems.append(f"{wid} on {node}: {e.message}")
-            if in_flight and dst is not None:
-                try:  # its stream went on after the discard above: what it brought to the destination
-                    dst.discard(self.image_id(wid))
-                except PitstopError as e:
-                    leftovers.append(f"{wid}'s images on {dest}: {e.message}")
+                leftovers += self._discard_copy(dst, wid)
+            if src is not None:
+                self._undo_capture(src, dst, wid, w, problems, leftovers)
         problems += self._resume_peers()
-        cutmd = self.md.cut
-        if cutmd is not None and cutmd.used:
-            self.prewire.end()
+        problems += self._rewire_in_place()
+        out = self._rolled_back(err, problems, leftovers)
+        self.condition("RolledBack", not problems, "Cancelled" if cancelled else "Failed", out.message)
+        self.d.count("cancelled" if cancelled else "failed", 0)
+        self.finish(phase="done", done=True, result="cancelled" if cancelled else "failed", error=_op_error(out))
+
+    def _discard_copy(self, dst: AgentClient, wid: str) -> list[str]:
+        """A copy the spare already restored is discarded, and the images it holds: what could not be."""
+        left = []
+        try:
+            got = dst.worker(wid)
+            if got.get("restored") and got["state"] in ("running", "paused", "capturing", "stopped"):
+                dst.discard_worker(wid)
+        except PitstopError as e:
+            if e.http_status != 404:
+                left.append(f"{wid} on {self.md.destination}: {e.message}")
+        try:  # also stops a copy a restore registered after the look above
+            dst.discard(self.image_id(wid))
+        except PitstopError as e:
+            left.append(f"{wid}'s images on {self.md.destination}: {e.message}")
+        return left
+
+    def _undo_capture(self, src: AgentClient, dst: AgentClient | None, wid: str, w: WorkerProgress,
+                      problems: list[str], leftovers: list[str]) -> None:
+        """The source's capture of `wid` rolled back (its worker resumed or restored from its own
+        images); one still dumping is waited for first, and what its stream brought to the
+        destination after the discard is discarded again."""
+        if not (w.capture_id or self.md.capture_begun):
+            w.state = "rolled_back"  # never asked to capture: nothing to undo on the node
+            return
+        in_flight = False
+        try:
+            cid = w.capture_id or next((c["id"] for c in src.captures()
+                                        if c.get("image_id") == self.image_id(wid)), None)
+            if cid:
+                c = src.get_capture(cid)
+                if c["state"] == "dumping":
+                    in_flight = True
+                    c = src.wait_capture(cid, self.d.s.capture_deadline_s)
+                if c["state"] not in ("failed", "rolled_back", "committed"):
+                    src.rollback(cid)
+            w.state = "rolled_back"
+        except PitstopError as e:
+            problems.append(f"{wid} on {self.md.node}: {e.message}")
+        if in_flight and dst is not None:
             try:
-                if cutmd.destroyed and cutmd.early_ids:
-                    # the ranks that stay are rebuilding: the sources join them where they can
-                    self.cut().rejoin(cutmd.early_ids, spent=bool(cutmd.early_joined))
-                    cutmd.destroyed = False
-                elif cutmd.destroyed:
-                    # the workers run where they were: give them communicators again
-                    self.cut().rewire()
-                    cutmd.destroyed = False
-                else:
-                    self.cut().release()
+                dst.discard(self.image_id(wid))
             except PitstopError as e:
-                problems.append(f"rewiring in place: {e.message}")
+                leftovers.append(f"{wid}'s images on {self.md.destination}: {e.message}")
+
+    def _rewire_in_place(self) -> list[str]:
+        """The job's communicators again where its workers run (they were cut for the move): the
+        sources join the ranks that stay where those are rebuilding already (the early rewire)."""
+        cutmd = self.md.cut
+        if cutmd is None or not cutmd.used:
+            return []
+        self.prewire.end()
+        try:
+            if cutmd.destroyed and cutmd.early_ids:
+                self.cut().rejoin(cutmd.early_ids, spent=bool(cutmd.early_joined))
+                cutmd.destroyed = False
+            elif cutmd.destroyed:
+                self.cut().rewire()
+                cutmd.destroyed = False
+            else:
+                self.cut().release()
+        except PitstopError as e:
+            return [f"rewiring in place: {e.message}"]
+        return []
+
+    def _rolled_back(self, err: PitstopError, problems: list[str], leftovers: list[str]) -> PitstopError:
+        """The operation's error: the cause, then what the rollback could not undo and what to do."""
+        node, dest = self.md.node, self.md.destination
         msg = err.message
         if problems:
             msg += "; ROLLBACK INCOMPLETE: " + "; ".join(problems)
         elif leftovers:
             msg += f"; rolled back, but {dest} could not be cleaned up: " + "; ".join(leftovers)
-        self.condition("RolledBack", not problems, "Cancelled" if cancelled else "Failed", msg)
-        out = PitstopError(msg, code=err.code, http_status=err.http_status,
-                           action=(err.action + "; " if err.action else "") +
-                           (f"the job keeps running on {node}" if not problems else
-                            "some workers may still be stopped: see the problems listed and the agents' logs")
-                           + (f"; on {dest}, check that no copy of {', '.join(sorted(self.md.workers))} "
-                              f"runs there; {dest}'s agent removes the images of this move when it starts again"
-                              if leftovers and not problems else ""),
-                           details={**err.details, "rollback_problems": problems,
-                                    "destination_leftovers": leftovers,
-                                    **({"database_error": self.store_error} if self.store_error else {})})
-        self.d.count("cancelled" if cancelled else "failed", 0)
-        self.finish(phase="done", done=True, result="cancelled" if cancelled else "failed", error=_op_error(out))
+        return PitstopError(msg, code=err.code, http_status=err.http_status,
+                            action=(err.action + "; " if err.action else "") +
+                            (f"the job keeps running on {node}" if not problems else
+                             "some workers may still be stopped: see the problems listed and the agents' logs")
+                            + (f"; on {dest}, check that no copy of {', '.join(sorted(self.md.workers))} "
+                               f"runs there; {dest}'s agent removes the images of this move when it starts again"
+                               if leftovers and not problems else ""),
+                            details={**err.details, "rollback_problems": problems,
+                                     "destination_leftovers": leftovers,
+                                     **({"database_error": self.store_error} if self.store_error else {})})
 
 
 @dataclass
