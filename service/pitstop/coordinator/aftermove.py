@@ -3,54 +3,31 @@ ranks restored lazily from the destination's own copy.  Nobody waits for either;
 thread of its own and adds what it learns to the operation's record, where a refused write only
 delays it (the operation is done: best effort).
 
-The operation (driver.OpRun) is what it reports into, through the small surface of `Operation`."""
+The operation (driver.OpRun) is what it reports into, through the small surface of `Evacuation` (evacuation_ops.py)."""
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
 from pitstop.coordinator import progress
 from pitstop.coordinator.cut import issued_by_worker
+from pitstop.coordinator.evacuation_ops import Evacuation
 from pitstop.coordinator.fanout import by_agent, in_parallel
-from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.timeouts import AGENT_QUESTION_TIMEOUT_S, PROGRESS_READ_TIMEOUT_S
 from pitstop.errors import PitstopError
-from pitstop.wire.agent_client import AgentClient, Fence
-from pitstop.wire.evacuation import AfterMove, EvacuationState
+from pitstop.wire.agent_client import AgentClient
 
 log = structlog.get_logger("pitstop.coordinator.aftermove")
-
-
-class Operation(Protocol):
-    """What the watch needs of the evacuation it follows (driver.OpRun)."""
-
-    id: str
-    md: EvacuationState
-    lock: threading.RLock
-    best_effort: bool
-    progress_before: progress.Sample | None
-    progress_cut: progress.Sample | None
-    rank_stopped: dict[str, float]
-    rank_running: dict[str, float]
-
-    @property
-    def settings(self) -> CoordinatorSettings: ...
-    @property
-    def fence(self) -> Fence | None: ...
-    def url(self, host: str) -> str: ...
-    def save(self, **kw: Any) -> None: ...
-    def settle_job_pause(self) -> None: ...
-    def record_after(self, after: AfterMove) -> None: ...
 
 
 class AfterMoveWatch:
     """The watches of one done move."""
 
-    def __init__(self, run: Operation) -> None:
+    def __init__(self, run: Evacuation) -> None:
         self.run = run
 
     def watch_local_fills(self, dest: str) -> None:

@@ -44,9 +44,11 @@ import structlog
 from pitstop import faults, priority
 from pitstop.coordinator import ledger, progress
 from pitstop.coordinator.aftermove import AfterMoveWatch
+from pitstop.coordinator.cleanup import SourceCleanup
 from pitstop.coordinator.cut import Cut, issued_by_worker
 from pitstop.coordinator.fanout import by_agent, in_parallel
 from pitstop.coordinator.filecheck import check_files
+from pitstop.coordinator.fills import AfterCommit
 from pitstop.coordinator.precopies import PreCopies
 from pitstop.coordinator.prewire import EarlyRewire
 from pitstop.coordinator.recovery import is_recovery
@@ -57,7 +59,7 @@ from pitstop.coordinator.timeouts import (
     MOVE_PAUSE_MARGIN_S,
     TAKEOVER_BACKOFF_MAX_S,
 )
-from pitstop.errors import DeadlineExceeded, NotFound, PitstopError, Unavailable
+from pitstop.errors import DeadlineExceeded, PitstopError, Unavailable
 from pitstop.wire.agent_client import AgentClient, Fence
 from pitstop.wire.capture_report import CaptureReport
 from pitstop.wire.evacuation import AfterMove, CutRecord, EvacuationState, MovePlan, WorkerProgress
@@ -84,6 +86,10 @@ class OpRun:
     @property
     def fence(self) -> Fence | None:
         return self.d.fence
+
+    @property
+    def store(self) -> BaseStore:
+        return self.d.store
 
     def pause_deadline_s(self) -> float:
         """How long the peers' pause may last before their agents end it by themselves: the whole
@@ -566,9 +572,10 @@ class OpRun:
             self.md.last_resume = resumed_at
             if self.md.first_pause is not None:  # recorded as the pause began: always, but say none if not
                 self.md.downtime_s = round(self.md.last_resume - self.md.first_pause, 4)
-        self._check_replacements(dest)  # after the last resume: nobody waits for this look
+        after = AfterCommit(self)
+        after.check_replacements(dest)  # after the last resume: nobody waits for this look
         self.clean_source()
-        failed = self._await_fills(node, dest) if filling and self.d.await_fills else None
+        failed = after.await_network(node, dest) if filling and self.d.await_fills else None
         self.settle_job_pause()
         response = {"@type": "type.pitstop.dev/EvacuateResponse", "node": node, "destination": dest,
                     "workers": sorted(self.md.workers), "downtime_s": self.md.downtime_s,
@@ -614,141 +621,8 @@ class OpRun:
             self.save()
 
     def clean_source(self, later: bool = False) -> bool:
-        """Past the resume: the node's agent frees each moved worker's images and CRIU's network lock.
-
-        After the job runs again, on purpose: the node being evacuated may be the failing one,
-        and nothing the job needs waits on it (when this came before the resume, a node that
-        stopped answering after the commit point held every peer paused, and past the retries
-        left them so).  Bounded by source_cleanup_deadline_s; what is left is recorded in
-        `source_cleanup_pending` and tried again whenever the node's agent reports
-        (Driver.node_seen, with `later`: the operation is done and keeps its phase).  Whether
-        nothing is left."""
-        node, dest = self.md.node, self.md.destination
-        moved_to = {"agent": dest, "url": (self.d.store.host(dest) or {}).get("url", "")}
-        deadline = time.monotonic() + self.d.s.source_cleanup_deadline_s
-        if not later:
-            self.enter("cleanup")
-        problems: list[str] = []
-        while True:
-            pending = self.md.pending_cleanup()
-            if not pending or time.monotonic() >= deadline:
-                break
-
-            def commit(wid: str) -> str | None:
-                w = self.md.workers[wid]
-                try:
-                    if w.capture_id is None:  # no capture of it on the node: nothing to free
-                        raise NotFound(f"{wid} has no capture on record")
-                    self.agent(node).commit(w.capture_id, moved_to,
-                                            timeout=max(1.0, min(10.0, deadline - time.monotonic())))
-                except PitstopError as e:
-                    if e.http_status != 404:  # 404: the node has no such capture, so nothing to free
-                        return f"{wid}: {e.message}"
-                with self.lock:
-                    w.state = "committed"
-                return None
-
-            problems = [p for p in in_parallel(commit, pending) if p]
-            if problems and time.monotonic() < deadline:
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-        pending = self.md.pending_cleanup()
-        with self.lock:
-            self.md.source_cleanup_pending = pending
-            resp = self.op.get("response") if later else None
-            if resp and not pending and "source_cleanup_pending" in resp:
-                resp = {k: v for k, v in resp.items() if k != "source_cleanup_pending"}
-                self.save(response=resp)
-            else:
-                self.save()
-        self.d.cleanup_pending(node, self.id, bool(pending))
-        if not later:
-            self.leave("cleanup")
-        if pending:
-            self.condition("SourceCleaned", False, "NodeUnreachable",
-                           f"the job runs on {dest}; {node}'s agent did not free the images of "
-                           f"{', '.join(pending)} ({'; '.join(problems) or 'no answer'}): tried again whenever "
-                           f"{node}'s agent reports; nothing to do unless {node} is to be reused without its agent")
-            log.warning("source not cleaned up; tried again when it reports", op=self.id, node=node, workers=pending)
-        else:
-            self.condition("SourceCleaned", True, "ImagesFreed", f"{node} freed the moved workers' images and locks")
-        return not pending
-
-    def _await_fills(self, node: str, dest: str) -> PitstopError | None:
-        """Network post-copy: after the resume the moved workers' memory still comes from `node`.
-
-        The operation stays open, and the node `draining`, until every fill has ended: an
-        operator who powers the node off once the operation is done must not take a rank with
-        it.  Asks the destination's agent, which watches each fill (agent/receiving.py), with a
-        short timeout per call; never raises (the commit is behind us); says what went wrong."""
-        self.enter("fill")
-        url = self.url(dest)
-        waiting = [wid for wid, w in self.md.workers.items() if w.bytes_after_resume]
-        ended: dict[str, dict[str, Any]] = {}
-        last_error = ""
-        deadline = time.monotonic() + self.d.s.fill_deadline_s
-        with AgentClient(url, self.d.s.cluster_token, timeout=AGENT_QUESTION_TIMEOUT_S, fence=self.d.fence) as a:
-            while waiting and time.monotonic() < deadline:
-                for wid in list(waiting):
-                    try:
-                        f = a.worker(wid).get("fill")
-                    except PitstopError as e:
-                        last_error = e.message
-                        continue  # asked again next round, until the deadline
-                    if not f or f.get("state") != "filling":
-                        ended[wid] = f or {"state": "unknown", "reason": f"{dest} has no fill on record for it"}
-                        waiting.remove(wid)
-                        with self.lock:
-                            self.md.workers[wid].fill = ended[wid]
-                            self.save()
-                if waiting:
-                    time.sleep(self.d.s.fill_poll_s)
-        self.leave("fill")
-        with self.lock:
-            self.md.fill_s = round(time.time() - (self.md.last_resume or time.time()), 4)
-            self.save()
-        if waiting:
-            why = (f"{', '.join(waiting)} still filling after {self.d.s.fill_deadline_s:.0f} s"
-                   + (f" (last error asking {dest}: {last_error})" if last_error else ""))
-            self.condition("MemoryFilled", False, "FillUnconfirmed", why)
-            return PitstopError(f"the workers run on {dest}, but their memory may still come from {node}: {why}",
-                                code="fill_unconfirmed",
-                                action=f"keep {node} up until `GET /v1/workers` on {dest} shows no fill "
-                                       f"'filling'; then it may leave (it stays 'draining' until then)")
-        self.record(lambda: self.d.store.set_role(node, "drained"))
-        bad = {wid: f for wid, f in ended.items() if f.get("state") != "filled"}
-        if bad:
-            why = "; ".join(f"{wid}: {f.get('state')} ({f.get('reason') or 'no reason given'})" for wid, f in bad.items())
-            self.condition("MemoryFilled", False, "FillFailed", why)
-            return PitstopError(f"after the commit point the memory of some moved workers could not be filled "
-                                f"from {node}: {why}", code="fill_failed",
-                                action="the job's state was moved, but those workers were stopped rather than run "
-                                       f"on missing memory: restart the job from its last checkpoint; {node} may leave")
-        self.condition("MemoryFilled", True, "Filled", f"every moved worker's memory is on {dest} "
-                       f"{self.md.fill_s} s after the resume; {node} may leave")
-        return None
-
-    def _check_replacements(self, dest: str) -> None:
-        """Say plainly if a moved worker did not survive its first moments at the destination.
-
-        Past the commit point there is nothing to roll back to; the job's own recovery (its
-        checkpoint-restart) is out of pitstop's scope, but the operation must not hide it."""
-        gone = []
-        for wid in self.md.workers:
-            try:
-                w = self.agent(dest).worker(wid)
-            except PitstopError as e:
-                gone.append(f"{wid}: destination agent unreachable ({e.message})")
-                continue
-            if w.get("state") not in ("running", "paused"):
-                gone.append(f"{wid}: {w.get('state')}" + (f" (exit code {w['exit_code']})"
-                                                           if w.get("exit_code") is not None else ""))
-        if gone:
-            self.condition("ReplacementsRunning", False, "ReplacementEnded",
-                           "after the commit point: " + "; ".join(gone) + ". The job's state was moved intact; "
-                           "restart the job from its last checkpoint")
-            log.error("moved worker ended right after the move", op=self.id, workers=gone)
-        else:
-            self.condition("ReplacementsRunning", True, "Running", f"every moved worker runs on {dest}")
+        """The source frees what the move left there (cleanup.py); whether nothing is left."""
+        return SourceCleanup(self, self.d.cleanup_pending).free(later)
 
     def _finish_commit(self, err: PitstopError) -> None:
         """Past the commit point: retry the remaining steps; never roll back."""

@@ -13,41 +13,24 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
-from pitstop.coordinator.settings import CoordinatorSettings
+from pitstop.coordinator.evacuation_ops import Evacuation
 from pitstop.coordinator.store import StoreUnavailable
 from pitstop.coordinator.timeouts import AGENT_QUESTION_TIMEOUT_S, PRECOPY_PROGRESS_EVERY_S, PRECOPY_STOP_WAIT_S
 from pitstop.errors import PitstopError, Unavailable
 from pitstop.wire.agent_client import AgentClient
-from pitstop.wire.evacuation import EvacuationState, MovePlan
+from pitstop.wire.evacuation import MovePlan
 
 log = structlog.get_logger("pitstop.coordinator.precopies")
-
-
-class Operation(Protocol):
-    """What the pre-copies need of the evacuation they belong to (driver.OpRun)."""
-
-    id: str
-    md: EvacuationState
-    lock: threading.RLock
-
-    @property
-    def settings(self) -> CoordinatorSettings: ...
-    def image_id(self, wid: str) -> str: ...
-    def save(self, **kw: Any) -> None: ...
-    def enter(self, phase: str) -> None: ...
-    def leave(self, phase: str) -> None: ...
-    def condition(self, type_: str, status: bool, reason: str, message: str = "") -> None: ...
-    def check(self) -> None: ...
 
 
 class PreCopies:
     """This move's pre-copies from one source."""
 
-    def __init__(self, run: Operation, src: AgentClient) -> None:
+    def __init__(self, run: Evacuation, src: AgentClient) -> None:
         self.run = run
         self.src = src
         self.ours = {run.image_id(w) for w in run.md.workers}  # the pre-copies' ids on the source

@@ -11,36 +11,20 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Protocol
 
 import structlog
 
-from pitstop.coordinator.cut import Cut
-from pitstop.coordinator.settings import CoordinatorSettings
+from pitstop.coordinator.evacuation_ops import Evacuation
 from pitstop.coordinator.store import StoreUnavailable
 from pitstop.coordinator.timeouts import PREWIRE_JOIN_EXTRA_S
-from pitstop.wire.evacuation import EvacuationState
 
 log = structlog.get_logger("pitstop.coordinator.prewire")
-
-
-class Operation(Protocol):
-    """What the early rewire needs of the evacuation it belongs to (driver.OpRun)."""
-
-    id: str
-    md: EvacuationState
-    lock: threading.RLock
-
-    @property
-    def settings(self) -> CoordinatorSettings: ...
-    def save(self, **kw: Any) -> None: ...
-    def cut(self, moved: bool = False) -> Cut: ...
 
 
 class EarlyRewire:
     """One move's early rewire."""
 
-    def __init__(self, run: Operation) -> None:
+    def __init__(self, run: Evacuation) -> None:
         self.run = run
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
