@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from pitstop.coordinator import driver as driver_mod
+from pitstop.coordinator import evacuation_run
 from pitstop.coordinator.api import build
-from pitstop.coordinator.driver import Driver, OpRun
+from pitstop.coordinator.driver import Driver
+from pitstop.coordinator.evacuation_run import OpRun
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import Store, StoreUnavailable
 from pitstop.errors import NotFound, PitstopError
@@ -152,7 +153,7 @@ def world(tmp_path, monkeypatch):
     """A store and driver with one evacuation (train.1 from host-b to spare-1) caught in its
     capture: train.0 on host-a paused, train.1's capture under way.  Agents are fakes."""
     calls: list = []
-    monkeypatch.setattr(driver_mod, "AgentClient", lambda url, token=None, timeout=None: FakeAgent(url, calls))
+    monkeypatch.setattr(evacuation_run, "AgentClient", lambda url, token=None, timeout=None, fence=None: FakeAgent(url, calls))
     store = Store(tmp_path / "c.db")
     for name in ("host-a", "host-b", "spare-1"):
         store.heartbeat(_report(name, workers=0))

@@ -45,6 +45,21 @@ class PitstopError(Exception):
         return f"{self.message} ({self.action})" if self.action else self.message
 
 
+_RPC_CODES = {"invalid_request": (3, "INVALID_ARGUMENT"), "not_found": (5, "NOT_FOUND"), "conflict": (10, "ABORTED"),
+              "cancelled": (1, "CANCELLED"), "deadline_exceeded": (4, "DEADLINE_EXCEEDED"),
+              "unavailable": (14, "UNAVAILABLE"), "database_unavailable": (14, "UNAVAILABLE"),
+              "image_integrity": (15, "DATA_LOSS")}
+
+
+def rpc_status(e: PitstopError) -> dict[str, Any]:
+    """The error as a google.rpc.Status, the shape AIP-151 operations carry in their `error`: the
+    code and its name, the message, and pitstop's own code and action in an ErrorInfo detail."""
+    code, status = _RPC_CODES.get(e.code, (9, "FAILED_PRECONDITION") if e.http_status == 412 else (13, "INTERNAL"))
+    return {"code": code, "status": status, "message": e.message,
+            "details": [{"@type": "type.pitstop.dev/ErrorInfo", "reason": e.code, "action": e.action,
+                         **({"metadata": e.details} if e.details else {})}]}
+
+
 class InvalidRequest(PitstopError):
     http_status = 400
     code = "invalid_request"

@@ -454,3 +454,15 @@ class Cut:
             except PitstopError as e:
                 log.warning("release failed", worker=w, error=e.message)
 
+
+def device_memory(blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One worker's release at the cut, over its processes' blocks: what released memory, and the
+    bytes its allocators held reserved before and after (None where no allocator said)."""
+    trims = [b["trim"] for b in blocks if b.get("trim")]
+    before = [t["reserved_before"] for t in trims if t["reserved_before"] is not None]
+    after = [t["reserved_after"] for t in trims if t["reserved_after"] is not None]
+    how = sorted({h for t in trims for h in t["how"]})
+    out: dict[str, Any] = {"released_by": how or ["nothing reachable"]}
+    if before and after:
+        out.update(reserved_before=sum(before), reserved_after=sum(after), released=sum(before) - sum(after))
+    return out

@@ -17,6 +17,10 @@ from pitstop.wire.agent_client import AgentClient, Fence
 from pitstop.wire.evacuation import AfterMove, EvacuationState
 
 
+class Ends(Protocol):
+    def end(self) -> None: ...
+
+
 class Evacuation(Protocol):
     id: str
     md: EvacuationState
@@ -27,6 +31,11 @@ class Evacuation(Protocol):
     progress_cut: progress.Sample | None
     rank_stopped: dict[str, float]
     rank_running: dict[str, float]
+
+    @property
+    def store_error(self) -> str | None: ...
+    @property
+    def prewire(self) -> Ends: ...  # the early rewire (prewire.py): ended before a rollback rewires in place
 
     @property
     def settings(self) -> CoordinatorSettings: ...
@@ -46,3 +55,18 @@ class Evacuation(Protocol):
     def check(self) -> None: ...
     def settle_job_pause(self) -> None: ...
     def record_after(self, after: AfterMove) -> None: ...
+
+
+class DriverHooks(Protocol):
+    """What an operation needs of the driver that runs it (driver.Driver): the store, the settings,
+    the leader's term, and where it reports its phases, results and leftovers."""
+
+    s: CoordinatorSettings
+    store: BaseStore
+    fence: Fence | None
+    await_fills: bool  # off only for one-worker moves in tests (migration/move.py)
+    on_after_move: Callable[[AfterMove], None] | None
+
+    def cleanup_pending(self, node: str, op_id: str, pending: bool) -> None: ...
+    def count(self, result: str, nbytes: int, downtime_s: float | None = None) -> None: ...
+    def observe_phase(self, phase: str, seconds: float) -> None: ...
