@@ -31,6 +31,28 @@ os.environ.setdefault("PITSTOP_COORDINATOR_SNAPSHOT_PAUSE_SHARE", "1")
 # several threads in a rank sets its own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The suite runs its modules on parallel workers (pytest-xdist, `make test`): each takes its own
+# part of the free ports and subnets (dev/devleases.py, share), so that two workers never choose
+# the same one a moment apart.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _XDIST_WORKER.startswith("gw") and os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ[devleases.SHARE] = f"{int(_XDIST_WORKER[2:])}/{int(os.environ['PYTEST_XDIST_WORKER_COUNT'])}"
+
+
+_LONGEST = ("test_recovery_e2e.py", "test_recovery_orders_e2e.py", "test_pause_owner_e2e.py", "test_remote_post_copy.py",
+            "test_shim_e2e.py", "test_security_replays.py", "test_worker_network_e2e.py", "test_precopy_e2e.py",
+            "test_coordinator_e2e.py", "test_slurm_e2e.py", "test_gpu_script.py")
+
+
+def _is_worker(config) -> bool:  # noqa: ANN001
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config):  # noqa: ANN001, ANN201
+    if _is_worker(config):  # as above, where xdist sets its variables only now
+        wi = config.workerinput
+        os.environ[devleases.SHARE] = f"{int(wi['workerid'][2:])}/{int(wi['workercount'])}"
+
 
 def pytest_sessionstart(session):  # noqa: ANN001, ANN201
     """One run of this suite per machine at a time.  Its leak checks take what appeared during
@@ -38,6 +60,8 @@ def pytest_sessionstart(session):  # noqa: ANN001, ANN201
     run at the same time would have its agents' mounts and network namespaces removed under it,
     and fail both runs in ways that point nowhere.  So the second one stops at once, saying why."""
     global _suite_lock_fd
+    if _is_worker(session.config):
+        return  # the run's controller holds the lock and makes the run's leak checks
     d = devleases.registry()
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = d / "test-suite.lock"
@@ -55,6 +79,25 @@ def pytest_sessionstart(session):  # noqa: ANN001, ANN201
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}, started {proctree.start_time(os.getpid())}\n".encode(), 0)
     _suite_lock_fd = fd  # held until this process exits
+    session.config.stash[_BEFORE] = {"tables": _lock_tables(), "mounts": _mount_points()}
+
+
+_BEFORE = pytest.StashKey[dict]()
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: ANN001, ANN201
+    """The whole run's leak checks, once every test (on every worker) has ended: what appeared
+    during the run and is still there is its leftover, removed, and the run fails saying what."""
+    if _is_worker(session.config) or _BEFORE not in session.config.stash:
+        return
+    before = session.config.stash[_BEFORE]
+    problems = _tables_left(before["tables"]) + _mounts_left(before["mounts"])
+    if problems:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        for p in problems:
+            if tr is not None:
+                tr.write_line(f"LEAK: {p}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _foreign_paths() -> list[str]:
@@ -79,6 +122,13 @@ def _e2e_ready() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Parallel workers (--dist loadgroup) take whole modules: a module's tests share its fixtures
+    # (a module-scoped cluster, a Slurm, a systemd), its job names and its reference runs.
+    for it in items:
+        if not it.get_closest_marker("xdist_group"):
+            it.add_marker(pytest.mark.xdist_group(it.nodeid.split("::")[0]))
+    # The longest modules first: a worker that takes one of them last would end the run alone.
+    items.sort(key=lambda it: _LONGEST.index(it.path.name) if it.path.name in _LONGEST else len(_LONGEST))
     reason = _e2e_ready()
     if reason is None:
         return
@@ -129,7 +179,7 @@ def cluster(tmp_path_factory, request):
     """A LocalCluster that must leave no process, directory or tmpfs file behind.  If the test
     failed, its logs are kept under <pytest's base temp>/failed-logs/<test name>."""
     c = LocalCluster(root=tmp_path_factory.mktemp("cluster"))
-    nets_before = _worker_nets()
+    nets_before = _worker_nets(c.worker_netns_prefix)
     try:
         yield c
     finally:
@@ -149,34 +199,34 @@ def cluster(tmp_path_factory, request):
                 pass
         assert not left, f"processes left behind: {left}"
         assert not c.shm.exists(), f"{c.shm} left behind"
-        nets = _worker_nets() - nets_before  # named here, not by a later test that counts them
+        nets = _worker_nets(c.worker_netns_prefix) - nets_before  # named here, not by a later test
         for n in nets:
             subprocess.run(["ip", "netns", "delete", n], capture_output=True, timeout=10)
         assert not nets, f"worker network namespaces left behind: {sorted(nets)}"
 
 
-def _worker_nets() -> set[str]:
+def _worker_nets(prefix: str) -> set[str]:
+    """The workers' network namespaces of one cluster (its own prefix: others may run beside it)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
-    return {ln.split()[0] for ln in out.splitlines() if ln.startswith("pitstop-w-")}
+    return {ln.split()[0] for ln in out.splitlines() if ln.startswith(prefix)}
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _no_criu_lock_tables_left():
+def _lock_tables() -> set[tuple[str, str]]:
+    try:
+        rt = runtime.locate()
+    except Exception:  # noqa: BLE001
+        return set()
+    if not rt.nft or os.geteuid() != 0:
+        return set()
+    return set(netlock.tables(rt))
+
+
+def _tables_left(before: set[tuple[str, str]]) -> list[str]:
     """Every dump's nftables lock must be lifted by commit or rollback."""
-    def tables() -> set[tuple[str, str]]:
-        try:
-            rt = runtime.locate()
-        except Exception:  # noqa: BLE001
-            return set()
-        if not rt.nft or os.geteuid() != 0:
-            return set()
-        return set(netlock.tables(rt))
-    before = tables()
-    yield
-    left = tables() - before
+    left = _lock_tables() - before
     for family, name in left:
         subprocess.run([runtime.locate().nft, "delete", "table", family, name], capture_output=True)
-    assert not left, f"CRIU network-lock tables left behind: {left}"
+    return [f"CRIU network-lock tables left behind: {sorted(left)}"] if left else []
 
 
 # iproute2 bind-mounts its namespace directory on itself at the first `ip netns add` after boot
@@ -186,23 +236,22 @@ def _no_criu_lock_tables_left():
 IPROUTE_NETNS_DIRS = ("/run/netns", "/var/run/netns")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _no_mounts_left():
+def _mount_points() -> set[str]:
+    with open("/proc/self/mountinfo") as f:
+        return {line.split()[4] for line in f}
+
+
+def _mounts_left(before: set[str]) -> list[str]:
     """Agents mount their image directories (agent/imagefs.py): none may outlive the suite."""
-    def points() -> set[str]:
-        with open("/proc/self/mountinfo") as f:
-            return {line.split()[4] for line in f}
-    before = points()
-    yield
     theirs = _foreign_paths()
-    left = {p for p in points() - before if not any((p + "/").startswith(f) for f in theirs)}
+    left = {p for p in _mount_points() - before if not any((p + "/").startswith(f) for f in theirs)}
     for d in IPROUTE_NETNS_DIRS:
         if d in left and not os.listdir(d):
             left.discard(d)
             subprocess.run(["umount", "-l", d], capture_output=True)  # as the suite found it
     for p in sorted(left, key=len, reverse=True):
         subprocess.run(["umount", "-l", p], capture_output=True)
-    assert not left, f"mounts left behind: {sorted(left)}"
+    return [f"mounts left behind: {sorted(left)}"] if left else []
 
 
 @pytest.fixture(scope="session")

@@ -105,7 +105,7 @@ def _netns() -> set[str]:
     return {ln.split()[0] for ln in out.splitlines()}
 
 
-def test_h1_a_network_is_named_by_its_whole_worker_id(cluster, group_socket):
+def test_h1_a_network_is_named_by_its_whole_worker_id(cluster, group_socket, monkeypatch):
     """H1: `DELETE /v1/networks/victim-0` from a member of the socket's group removed the network of
     root's worker victim.0 (names mapped `.` to `-`); and the second rank of a job whose name has 39+
     characters destroyed its first rank's network (names were cut at 40 characters).  Now a network
@@ -125,6 +125,7 @@ def test_h1_a_network_is_named_by_its_whole_worker_id(cluster, group_socket):
                                addresses={0: cluster.worker_address(1), 1: cluster.worker_address(2)})
     for wid in ("victim.0", f"{long_job}.0", f"{long_job}.1"):
         cluster.wait_registered("host-a", wid)
+    monkeypatch.setenv(workerns.NETNS_PREFIX_ENV, cluster.worker_netns_prefix)  # as its agents name them
     names = {workerns.netns_name(w) for w in ("victim.0", f"{long_job}.0", f"{long_job}.1")}
     assert len(names) == 3 and names <= _netns(), "each rank its own namespace, the long job's two included"
     for alias in ("victim-0", "victim_0"):

@@ -18,7 +18,13 @@ from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, let_finish, r
 from .slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
-STEPS = 80
+# The jobs must outlive every check the tests make while they run (a drain, a move, a cancel, a
+# second drain): paced at 0.1 s a step, 1,000 steps last minutes on a busy machine, and once the
+# checks are done the rest run at full speed (let_finish).  At 80 steps a job whose ranks compute
+# on one thread each ended before the move's checks (it had lasted only because four ranks of two
+# spinning threads each were slow on two cores).
+STEPS = 1000
+STEP_SLEEP = 0.1
 SLEEPER = [sys.executable, str(WORKLOADS / "sleeper.py"), "300"]
 
 
@@ -88,7 +94,7 @@ def test_a_drain_in_slurm_moves_the_ranks_with_no_pitstop_command(cluster, slurm
         agents = _agent_files(cluster, tmp_path)
         out = tmp_path / "out"
         task = (f'exec {shlex.join(pitstop_cmd())} run --job train --agent "$(cat {agents}/$SLURMD_NODENAME)" -- '
-                f'{shlex.join(ddp_cmd(out, steps=STEPS))}')
+                f'{shlex.join(ddp_cmd(out, steps=STEPS, step_sleep=STEP_SLEEP))}')
         env = slurm.env(cluster.env())
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             env.pop(k, None)
@@ -174,7 +180,7 @@ def test_a_released_node_leaves_the_job_and_can_reboot(cluster, slurm, tmp_path)
                                      f"--output={tmp_path}/{name}.rank%t.log", "sh", "-c", task], env=env,
                                     stdout=open(tmp_path / f"{name}-srun.log", "ab"), stderr=subprocess.STDOUT,
                                     start_new_session=True)
-        train = srun("train", ddp_cmd(out, steps=STEPS))
+        train = srun("train", ddp_cmd(out, steps=STEPS, step_sleep=STEP_SLEEP))
         idle = srun("idle", SLEEPER)
 
         def running(job):

@@ -21,9 +21,10 @@ from .test_coordinator_e2e import _wait_jobs, _wait_op
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 
-def _netns_left() -> list[str]:
+def _netns_left(cluster) -> list[str]:  # noqa: ANN001
+    """This cluster's workers' namespaces (others may run beside it, under prefixes of their own)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [ln.split()[0] for ln in out.splitlines() if ln.startswith("pitstop-w-")]
+    return [ln.split()[0] for ln in out.splitlines() if ln.startswith(cluster.worker_netns_prefix)]
 
 
 def _finish(ranks, out=None, timeout=240):
@@ -74,7 +75,7 @@ def test_gloo_job_survives_evacuating_a_host_then_the_store_host(cluster, tmp_pa
     print(f"\npause seen by the job: evacuating host-b {g1:.2f} s (downtime "
           f"{op1['metadata']['downtime_s']:.2f} s); evacuating host-a (the store) {g2:.2f} s "
           f"(downtime {op2['metadata']['downtime_s']:.2f} s)")
-    assert _netns_left() == [], "every worker's namespace goes with the worker"
+    assert _netns_left(cluster) == [], "every worker's namespace goes with the worker"
 
 
 def test_torchrun_tree_moves_whole_and_the_job_finishes(cluster, tmp_path):
@@ -105,7 +106,7 @@ def test_torchrun_tree_moves_whole_and_the_job_finishes(cluster, tmp_path):
     # after its store's host was evacuated (1 of 7 runs, 2026-12-03; not yet understood).
     _finish(nodes)
     assert_same_as_reference(out, reference_hashes(tmp_path, 4, steps=220))
-    assert _netns_left() == []
+    assert _netns_left(cluster) == []
 
 
 def test_unrelated_connection_is_reset_not_hung_and_the_worker_continues(cluster, tmp_path):
@@ -149,4 +150,4 @@ def test_unrelated_connection_is_reset_not_hung_and_the_worker_continues(cluster
     assert len({s.split()[0] for s in seen}) == 2  # the old connection, then exactly one new one
     gap = max(step_gaps(ranks[0].log, since=t0))
     assert gap < op["metadata"]["downtime_s"] + 5, "the reset must come at once, not after a timeout"
-    assert _netns_left() == []
+    assert _netns_left(cluster) == []

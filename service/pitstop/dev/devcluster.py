@@ -31,6 +31,7 @@ import httpx
 from pitstop.agent import imagefs
 from pitstop.dev import devleases
 from pitstop.dev.netns import NetHosts
+from pitstop.network import workerns
 from pitstop.proc import proctree
 from pitstop.wire.agent_client import AgentClient
 
@@ -56,7 +57,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     lo, hi = _ephemeral_range()
     below = (max(1024, lo - 16384), lo) if lo > 2048 else None
     above = (hi + 1, 65536) if hi < 65535 - 1024 else None
-    spans = [r for r in (below, above) if r]
+    spans = [devleases.in_share(*r) for r in (below, above) if r]  # this run's part of each
     rng = random.Random()  # its own: a test that seeds the global one must not replay our ports
     for _ in range(256 if spans else 0):
         port = rng.randrange(*rng.choice(spans))
@@ -178,7 +179,8 @@ class LocalCluster:
         """Remove what killed runs left (dev/devleases.py), then lease what this cluster will make."""
         for line in devleases.sweep():
             print(f"pitstop devcluster: {line}", file=sys.stderr, flush=True)
-        devleases.take(self.lease, marker=self.lease, paths=[str(self.shm), str(self.root)])
+        devleases.take(self.lease, marker=self.lease, paths=[str(self.shm), str(self.root)],
+                       netns_prefix=self.worker_netns_prefix)
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
             # SIGTERM (a CI timeout, `kill`) ends a run as Ctrl-C does, through its `with` blocks,
             # `finally`s and pytest's teardowns, which stop and remove what it started
@@ -213,9 +215,16 @@ class LocalCluster:
     def scheme(self) -> str:
         return "https" if self.tls_dir else "http"
 
+    @property
+    def worker_netns_prefix(self) -> str:
+        """Its workers' network namespaces are named under this (network/workerns.py): one
+        machine may run several local clusters at once, whose jobs may have the same names."""
+        return f"{workerns.NETNS_PREFIX}{self.lease.rsplit('-', 1)[-1]}-"
+
     def env(self) -> dict[str, str]:
         e = dict(os.environ, PITSTOP_CLUSTER_TOKEN=self.token, PITSTOP_TOKEN=self.operator_token,
                  PYTHONUNBUFFERED="1", PITSTOP_INIT_DIRS=str(self.root / "init"),
+                 **{workerns.NETNS_PREFIX_ENV: self.worker_netns_prefix},
                  **{devleases.MARKER: self.lease}, **self.tls_env("operator"))
         if self.coordinator_url:
             e["PITSTOP_COORDINATOR"] = self.coordinator_url

@@ -38,6 +38,28 @@ def registry() -> Path:
     return Path(tempfile.gettempdir()) / f"pitstop-dev-{os.geteuid()}"
 
 
+SHARE = "PITSTOP_DEV_SHARE"
+
+
+def share() -> tuple[int, int]:
+    """This run's share of the machine among runs started side by side on purpose (the test
+    suite's parallel workers): (i, n) from PITSTOP_DEV_SHARE="i/n", else (0, 1).  A free port or
+    subnet is chosen in this share only: two runs that each check "free" and then take it a
+    moment later would otherwise, now and then, take the same one."""
+    try:
+        i, n = (int(x) for x in os.environ.get(SHARE, "0/1").split("/"))
+    except ValueError:
+        return 0, 1
+    return (i, n) if 0 <= i < n else (0, 1)
+
+
+def in_share(lo: int, hi: int) -> tuple[int, int]:
+    """The part [lo, hi) of a range that is this run's (share())."""
+    i, n = share()
+    step = (hi - lo) // n
+    return lo + i * step, lo + (i + 1) * step if i < n - 1 else hi
+
+
 def take(name: str, **what: Any) -> Path:
     """Record that this process holds `what` (keys: paths, netns_prefix, links, marker)."""
     d = registry()

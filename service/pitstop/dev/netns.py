@@ -26,9 +26,9 @@ def _free_subnet() -> int:
     other.  Random among the free ones, so that two runs starting together rarely pick alike."""
     p = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True)
     taken = {int(x.split(".")[2]) for x in p.stdout.split() if x.startswith("10.213.") and x.count(".") == 3}
-    free = [n for n in range(20, 220) if n not in taken]
+    free = [n for n in range(*devleases.in_share(20, 220)) if n not in taken]  # this run's part
     if not free:
-        raise RuntimeError("every 10.213.20-219.0/24 is in use here: remove the pst*br bridges "
+        raise RuntimeError("every 10.213.N.0/24 of this run's share of 20-219 is in use here: remove the pst*br bridges "
                            "that earlier runs left (`ip -br link | grep pst`)")
     return secrets.choice(free)
 

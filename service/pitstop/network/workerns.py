@@ -80,11 +80,23 @@ def spec(worker_id: str, address: str) -> WorkerNet:
     return WorkerNet(str(iface), mac, netns_name(worker_id))
 
 
+NETNS_PREFIX = "pitstop-w-"
+NETNS_PREFIX_ENV = "PITSTOP_WORKER_NETNS_PREFIX"
+"""Where several clusters share one machine's namespaces (local clusters side by side: the test
+suite's parallel workers), each names its workers' namespaces under a prefix of its own, which
+must begin with NETNS_PREFIX; a host runs one agent, and uses NETNS_PREFIX."""
+
+
+def netns_prefix() -> str:
+    p = os.environ.get(NETNS_PREFIX_ENV, "")
+    return p if p.startswith(NETNS_PREFIX) and re.fullmatch(r"[A-Za-z0-9_-]{1,40}", p) else NETNS_PREFIX
+
+
 def netns_name(worker_id: str) -> str:
     """The namespace of exactly this worker id: a readable part, and a digest of the whole id, so
     that no other id ("a-0" for "a.0", a long job name cut short) ever names the same namespace."""
     readable = re.sub(r"[^A-Za-z0-9_-]", "-", worker_id)[:32]
-    return f"pitstop-w-{readable}-{hashlib.blake2b(worker_id.encode(), digest_size=5).hexdigest()}"
+    return f"{netns_prefix()}{readable}-{hashlib.blake2b(worker_id.encode(), digest_size=5).hexdigest()}"
 
 
 def from_dict(d: dict | None) -> WorkerNet | None:
