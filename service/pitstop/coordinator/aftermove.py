@@ -3,7 +3,7 @@ ranks restored lazily from the destination's own copy.  Nobody waits for either;
 thread of its own and adds what it learns to the operation's record, where a refused write only
 delays it (the operation is done: best effort).
 
-The operation (driver.OpRun) is what it reports into, through the small surface of `Evacuation` (evacuation_ops.py)."""
+The operation (evacuation_run.OpRun) is what it reports into, through the small surface of `Evacuation` (evacuation_ops.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a phase's collaborator needs of the evacuation it belongs to (driver.OpRun), written once:
+"""What a phase's collaborator needs of the evacuation it belongs to (evacuation_run.OpRun), written once:
 the pre-copies (precopies.py), the early rewire (prewire.py), the fills and the source's cleanup
 after the commit (fills.py, cleanup.py) and the after-move watch (aftermove.py) each hold their own
 state and report into the operation through this surface only, never through its private parts."""

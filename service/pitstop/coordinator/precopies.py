@@ -3,7 +3,7 @@
 whole one, and one for a pre-copy that stopped moving), and stopped.
 
 Its own state is the pre-copies' threads and when their bytes last moved; the operation
-(driver.OpRun) is what it reports into: its record, its conditions and its cancel.  Best effort
+(evacuation_run.OpRun) is what it reports into: its record, its conditions and its cancel.  Best effort
 by design: a pre-copy only shortens the pause that follows, so one that fails, passes its
 deadline or stalls is stopped, reported, and the move sends everything instead."""
 

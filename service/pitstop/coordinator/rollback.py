@@ -1,4 +1,4 @@
-"""The way back of a move before its commit point (driver's OpRun.rollback calls these in order):
+"""The way back of a move before its commit point (evacuation_run.OpRun.rollback calls these in order):
 a copy the spare restored is discarded with its images, the source's capture is undone (its
 worker resumed, or restored from its own images once released), and the job's communicators
 are made again where its workers run.  What could not be undone is said in two lists:

@@ -77,7 +77,7 @@ class CoordinatorSettings(BaseSettings):
     # the node stays `draining`: powering it off could still take a rank with it.
     fill_deadline_s: float = 900.0
     # After the resume, how long an operation keeps asking the node to free the moved workers'
-    # images and network locks (driver.clean_source); what is left is asked again when the
+    # images and network locks (cleanup.py, SourceCleanup); what is left is asked again when the
     # node's agent reports, at most every source_cleanup_retry_s.  The job never waits on it.
     source_cleanup_deadline_s: float = 60.0
     source_cleanup_retry_s: float = 10.0

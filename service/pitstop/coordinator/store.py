@@ -24,7 +24,7 @@ still go to the database at once: they change rarely and the planner needs them.
 A database that cannot be written (a full or failing file system, a PostgreSQL server that is
 down or out of reach) is reported as StoreUnavailable, a value with what to do (503 in the API),
 never as the driver's own exception: the driver tells it from an agent's failure and undoes what
-it can no longer record (driver.OpRun.rollback), and an operator is told what to fix.
+it can no longer record (evacuation_run.OpRun.rollback), and an operator is told what to fix.
 
 Where coordinators share the database, every write of the leader is fenced by its term: the
 transaction first reads the lease's term, and a coordinator whose term is no longer the one there

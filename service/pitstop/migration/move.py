@@ -1,7 +1,7 @@
 """Move one worker from a source agent to a destination agent, by the coordinator's own driver.
 
 Tests and benchmarks move a single worker between two agents without a running coordinator.
-They do it with the same code an evacuation runs (coordinator/driver.py): a one-worker plan,
+They do it with the same code an evacuation runs (coordinator/driver.py, evacuation_run.py): a one-worker plan,
 driven over a throwaway store in this process, through the same phases (check the files,
 settle the plan, pause the job's other workers, capture, verify, release, restore, commit,
 resume, clean the source) and the same way back.  So there is one step order and one rollback

@@ -193,7 +193,7 @@ class EvacuationState(_Record):
     # Workers with their own addresses keep their connections to each other; any other connection
     # of a moved worker is reset at the destination (network/workerns.py).
     keep_peers: list[str] | None = None
-    plan: MovePlan | None = None  # settled as the move begins (coordinator/driver.py)
+    plan: MovePlan | None = None  # settled as the move begins (coordinator/evacuation_run.py)
     phase: str | None = None
     phases: dict[str, float] = Field(default_factory=dict)  # seconds each phase took
     conditions: list[Condition] = Field(default_factory=list)
