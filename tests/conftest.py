@@ -122,12 +122,8 @@ def _e2e_ready() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    # Parallel workers (--dist loadgroup) take whole modules: a module's tests share its fixtures
-    # (a module-scoped cluster, a Slurm, a systemd), its job names and its reference runs.
-    for it in items:
-        if not it.get_closest_marker("xdist_group"):
-            it.add_marker(pytest.mark.xdist_group(it.nodeid.split("::")[0]))
-    # The longest modules first: a worker that takes one of them last would end the run alone.
+    # Parallel workers (`make test`: --dist loadfile) take whole modules, the longest first: a worker
+    # that took one of them last would end the run alone.
     items.sort(key=lambda it: _LONGEST.index(it.path.name) if it.path.name in _LONGEST else len(_LONGEST))
     reason = _e2e_ready()
     if reason is None:

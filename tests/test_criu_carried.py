@@ -31,7 +31,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(os.geteuid() != 0, reason="CRI
 MIB = 32
 # A parent maps MIB MiB and gives every page its own bytes; child 0 then writes nothing, child 1
 # a quarter of the pages, and the parent an eighth (after the forks).  On SIGUSR1 each checks its
-# memory against the digest it took before the dump and appends a line to argv[2].
+# memory against the digest it took before the dump and appends a line to argv[2].  Each waits
+# for the signal by polling a flag: with signal.pause(), a restored task resumed just before its
+# pause (CRIU restarts the interrupted call) could take the signal first and then wait for ever
+# (seen once on a loaded machine: "no results").
 TREE = r"""
 import hashlib, mmap, os, signal, sys, time
 N = %d << 20
@@ -41,8 +44,8 @@ for i in range(0, N, 4096):
 go = []
 signal.signal(signal.SIGUSR1, lambda *_: go.append(1))
 def wait_and_check(name, digest):
-    while not go:
-        signal.pause()
+    while not go:  # polled, not signal.pause(): a SIGUSR1 that lands before the pause would be waited for again
+        time.sleep(0.02)
     ok = hashlib.sha256(m).hexdigest() == digest
     with open(sys.argv[2], "a") as f:
         f.write(f"{name} {'ok' if ok else 'bad'}\n")
@@ -69,7 +72,7 @@ while len(got) < 2:  # both children have written what they write
     got += os.read(r, 2)
 open(sys.argv[1], "w").close()
 while not go:
-    signal.pause()
+    time.sleep(0.02)
 for k in kids:
     os.kill(k, signal.SIGUSR1)
 bad = sum(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) != 0 for k in kids)

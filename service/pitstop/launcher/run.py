@@ -51,10 +51,11 @@ from typing import Protocol
 
 from pitstop import nativelib, nsinit
 from pitstop.endpoints import check_url
-from pitstop.errors import InvalidRequest, PitstopError
+from pitstop.errors import InvalidRequest, NotFound, PitstopError
 from pitstop.launcher import incontainer, stdio
 from pitstop.launcher.seccomp import deny_io_uring
 from pitstop.launcher.timeouts import (
+    AGENT_ANSWER_AFTER_END_S,
     AGENT_GONE_S,
     AGENT_INFO_TIMEOUT_S,
     ENDED_AT_ONCE_WAIT_S,
@@ -367,7 +368,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     ended_at = time.time()
     for t in pumps:
         t.join(PUMP_DRAIN_S)
-    info = _safe(client.worker, wid) or {}
+    info = _after_end(client, wid)
     if info.get("state") not in MOVING and not info.get("restored"):
         _safe(lambda: client.exited(wid, code, at=ended_at, asked=bool(asked)))
         if not (code != 0 and info.get("snapshot_every_s") and _recovered(client, wid, info.get("root_pid"))):
@@ -376,6 +377,26 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
                 nsinit.remove_unused(init_dir)  # its init's, where the tree was killed
             return code
     return _follow_recoveries(client, wid, handle)
+
+
+def _after_end(client: AgentClient, wid: str) -> dict:
+    """The rank's record once its process here has ended: whether a move took it (then it is
+    followed where it runs now) or it ended.  An agent that does not answer is asked again: it may
+    be busy with the very move that ended the process (a capture, the commit) on a loaded machine,
+    and a launcher that took no answer for "ended" exited with the killed process's status while
+    its rank trained on elsewhere.  No answer by the deadline: taken as ended, as before."""
+    end = time.monotonic() + AGENT_ANSWER_AFTER_END_S
+    while True:
+        try:
+            return client.worker(wid)
+        except NotFound:
+            return {}
+        except PitstopError as e:
+            if time.monotonic() >= end:
+                print(f"pitstop run: this host's agent did not say what became of worker {wid} "
+                      f"({e.message}); taking it as ended", file=sys.stderr)
+                return {}
+        time.sleep(0.5)
 
 
 def _handle(w: dict, wid: str) -> HandleClient | None:

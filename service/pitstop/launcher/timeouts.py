@@ -14,6 +14,9 @@ NS_INIT_FIND_S = 10.0
 # The command ended while the agent looked at it (the agent refused a process that was gone):
 # its exit status, collected before the launcher reports it.
 ENDED_AT_ONCE_WAIT_S = 10.0
+# The rank's record, asked of this host's agent once the rank's process here has ended (a move, or
+# its own end): an agent busy with that very move may answer late, and no answer is not an end.
+AGENT_ANSWER_AFTER_END_S = 30.0
 # The output pumps, to pass on what the ended command wrote last.
 PUMP_DRAIN_S = 5.0
 # This host's agent silent this long while the launcher follows a moved rank: it follows the
