@@ -54,13 +54,19 @@ check: $(STAMP) native
 	$(BIN)/mypy service/pitstop
 	$(BIN)/python -m pytest -q -m "not e2e and not slow" -p no:cacheprovider --durations=5 $(PYTEST_ARGS)
 
-# The suite's modules run on TEST_WORKERS parallel workers, each module whole on one (most of an
-# end-to-end test's time is waiting on a job, not computing); the REST APIs' fuzzing runs apart, as
-# schemathesis does not parametrize its cases on a worker.  TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
+# TEST_WORKERS=2: the suite's modules on two parallel workers, each module whole on one (most of an
+# end-to-end test's time is waiting on a job, not computing), and the REST APIs' fuzzing apart
+# (schemathesis does not parametrize its cases on a worker): about 23 minutes on 2 cores instead of
+# 34.  Not yet the default: two of its first three full runs met timing races of tests that one
+# process never meets (docs/reliability.md).
+TEST_WORKERS ?= 0
 test: setup
+ifeq ($(TEST_WORKERS),0)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+else
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=tests/test_api_fuzz.py $(PYTEST_ARGS)
 	$(BIN)/python -m pytest tests/test_api_fuzz.py $(PYTEST_ARGS)
+endif
 
 demo: setup
 	$(BIN)/python scripts/demo.py

@@ -52,7 +52,8 @@ def test_the_dashboard_shows_an_evacuation_as_it_happens(cluster, chromium, tmp_
         cluster.start_agent("spare-1", spare=True)
     cc = CoordinatorClient(cluster.coordinator_url, cluster.operator_token)
     out = tmp_path / "out"
-    ranks = cluster.start_job("train", ddp_cmd(out, steps=150), 1, {0: "host-b"})
+    # paced until let_finish: the job must run through every look below (each a browser's page load)
+    ranks = cluster.start_job("train", ddp_cmd(out, steps=1500), 1, {0: "host-b"})
     wait_for_step(ranks[0].log, 5)
     page = cluster.coordinator_url + "/dashboard"
     profile = tmp_path / "profile"
