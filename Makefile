@@ -57,8 +57,8 @@ check: $(STAMP) native
 # TEST_WORKERS=2: the suite's modules on two parallel workers, each module whole on one (most of an
 # end-to-end test's time is waiting on a job, not computing), and the REST APIs' fuzzing apart
 # (schemathesis does not parametrize its cases on a worker): about 23 minutes on 2 cores instead of
-# 34.  Not yet the default: two of its first three full runs met timing races of tests that one
-# process never meets (docs/reliability.md).
+# 34.  Not yet the default: beside another test, a test meets timing races that one process does
+# not (docs/reliability.md).
 TEST_WORKERS ?= 0
 test: setup
 ifeq ($(TEST_WORKERS),0)
