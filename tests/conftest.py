@@ -31,14 +31,6 @@ os.environ.setdefault("PITSTOP_COORDINATOR_SNAPSHOT_PAUSE_SHARE", "1")
 # several threads in a rank sets its own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The suite runs its modules on parallel workers (pytest-xdist, `make test`): each takes its own
-# part of the free ports and subnets (dev/devleases.py, share), so that two workers never choose
-# the same one a moment apart.
-_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-if _XDIST_WORKER.startswith("gw") and os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    os.environ[devleases.SHARE] = f"{int(_XDIST_WORKER[2:])}/{int(os.environ['PYTEST_XDIST_WORKER_COUNT'])}"
-
-
 _LONGEST = ("test_recovery_e2e.py", "test_recovery_orders_e2e.py", "test_pause_owner_e2e.py", "test_remote_post_copy.py",
             "test_shim_e2e.py", "test_security_replays.py", "test_worker_network_e2e.py", "test_precopy_e2e.py",
             "test_coordinator_e2e.py", "test_slurm_e2e.py", "test_gpu_script.py")
@@ -49,7 +41,10 @@ def _is_worker(config) -> bool:  # noqa: ANN001
 
 
 def pytest_configure(config):  # noqa: ANN001, ANN201
-    if _is_worker(config):  # as above, where xdist sets its variables only now
+    """On parallel workers (`make test TEST_WORKERS=2`, pytest-xdist) each takes its own part of the
+    free ports and subnets (dev/devleases.py, share), so that two workers never choose the same one
+    a moment apart; every process a test starts inherits it."""
+    if _is_worker(config):
         wi = config.workerinput
         os.environ[devleases.SHARE] = f"{int(wi['workerid'][2:])}/{int(wi['workercount'])}"
 
