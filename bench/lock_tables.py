@@ -71,7 +71,7 @@ def dump_one(port: int, conns: int, work: Path, n: int, lift: bool) -> float:
     p = holder(port, conns)
     images = work / f"d{n}"
     try:
-        r = criu_ops.dump(p.pid, images, timeout_s=60, log_level=2)
+        r = criu_ops.dump(p.pid, images, criu_ops.DumpOptions(timeout_s=60, log_level=2))
         if lift:
             netlock.release(r.run_id)
         return r.frozen_s

@@ -82,15 +82,18 @@ def test_kept_pre_copies_expire_from_one_sweeper_that_holds_none_a_move_has_take
     import gc
     import threading
     import time
-    import types
     import weakref
 
-    from pitstop.agent.capturing import SourceSide
+    from pitstop.agent.dumper import Dumper
+    from pitstop.agent.page_sources import PageSources
+    from pitstop.agent.precopies import PreCopies
+    from pitstop.agent.sending import ImageSender
     from pitstop.agent.settings import AgentSettings
     from pitstop.memory.precopy import Basis
 
-    src = SourceSide(AgentSettings(state_dir=tmp_path / "s", image_dir=tmp_path / "i", precopy_keep_s=1.0),
-                     AgentState(tmp_path), types.SimpleNamespace(gpu=None))
+    s = AgentSettings(state_dir=tmp_path / "s", image_dir=tmp_path / "i", precopy_keep_s=1.0)
+    state = AgentState(tmp_path)
+    src = PreCopies(s, state, ImageSender(s), PageSources(s, state), Dumper(s))
     kept = tmp_path / "pre-a"
     kept.mkdir()
     threads = threading.active_count()

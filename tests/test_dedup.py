@@ -130,6 +130,6 @@ def test_receiver_refuses_path_tricks_in_references(tmp_path):
     ("auto", 3, True, True), ("auto", 3, False, False), ("auto", 1, True, False),
     ("on", 3, False, True), ("on", 1, False, False), ("off", 3, True, False)])
 def test_when_the_sender_looks_for_copy_on_write_pages(setting, processes, over_tls, want):
-    from pitstop.agent.capturing import dedup_pages
+    from pitstop.agent.sending import dedup_pages
 
     assert dedup_pages(setting, processes, over_tls) is want

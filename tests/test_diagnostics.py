@@ -6,24 +6,21 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-from pitstop.agent import capturing
-from pitstop.agent.capturing import SourceSide
-from pitstop.agent.settings import AgentSettings
+from pitstop.agent import diagnostics
 
 
 def test_a_kept_diagnostic_outlives_its_images_and_only_the_newest_stay(tmp_path: Path) -> None:
-    side = SourceSide(AgentSettings(state_dir=tmp_path / "state"), state=None, restorer=SimpleNamespace(gpu=None))
+    state = tmp_path / "state"
     images = tmp_path / "images"
     images.mkdir()
-    (tmp_path / "state").mkdir()
+    state.mkdir()
     kept = []
-    for i in range(capturing.DIAGNOSTICS_KEPT + 3):
+    for i in range(diagnostics.KEPT + 3):
         (images / "dump.log").write_text(f"dump {i}\n")
-        kept.append(side.keep_diagnostic(images / "dump.log", f"cap-{i}-dump.log"))
+        kept.append(diagnostics.keep(state, images / "dump.log", f"cap-{i}-dump.log"))
         os.utime(kept[-1], (time.time() - 1000 + i,) * 2)  # distinct ages, whatever the clock's grain
-    left = sorted(p.name for p in (tmp_path / "state" / "diagnostics").iterdir())
-    assert left == sorted(f"cap-{i}-dump.log" for i in range(3, capturing.DIAGNOSTICS_KEPT + 3))
-    assert kept[-1].read_text() == f"dump {capturing.DIAGNOSTICS_KEPT + 2}\n"
-    assert side.keep_diagnostic(images / "missing.log", "x.log") is None  # says so in the log, raises nothing
+    left = sorted(p.name for p in (state / "diagnostics").iterdir())
+    assert left == sorted(f"cap-{i}-dump.log" for i in range(3, diagnostics.KEPT + 3))
+    assert kept[-1].read_text() == f"dump {diagnostics.KEPT + 2}\n"
+    assert diagnostics.keep(state, images / "missing.log", "x.log") is None  # says so in the log, raises nothing

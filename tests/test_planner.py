@@ -60,7 +60,7 @@ def test_busy_silent_and_degraded_spares_are_skipped_with_reasons(store):
     beat(store, "sick", spare=True, health={"degraded": True, "reasons": ["ECC errors 12 > 10"]})
     beat(store, "silent", spare=True)
     store.db.execute("UPDATE hosts SET last_seen=? WHERE name='silent'", (time.time() - 60,))
-    store.seen["silent"] = time.time() - 60  # liveness lives in memory first (Store.beat)
+    store.live.forget("silent")  # liveness lives in memory first (coordinator/liveness.py)
     with pytest.raises(FailedPrecondition) as e:
         plan(store, "a", None, {"busy": "op-1"}, 5.0)
     msg = e.value.message

@@ -127,7 +127,8 @@ def _incremental_dump(root: int, images: Path, basis: precopy.Basis) -> criu_ops
     """CRIU's own incremental dump against the pre-copy in ../pre (criu/criutrack.py)."""
     command, why = criutrack.command()
     assert command, why
-    res = criu_ops.dump(root, images, parent="../pre", command=command, log_level=criutrack.LOG_LEVEL)
+    res = criu_ops.dump(root, images, criu_ops.DumpOptions(parent="../pre", command=command,
+                                                           log_level=criutrack.LOG_LEVEL))
     basis.close()
     assert os.readlink(images / "parent") == "../pre"
     assert sum(f.stat().st_size for f in images.glob("pages-*.img")) == res.pages_written * precopy.PAGE

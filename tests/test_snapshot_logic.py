@@ -239,7 +239,7 @@ def test_a_host_whose_ranks_ended_first_and_then_went_silent_is_taken_for_lost(t
         d.mkdir()
         r = _crash_world(d, {"host-a": a, "host-b": b}, snapshot_at)
         if b_silent:
-            r.store.seen.pop("host-b", None)
+            r.store.live.forget("host-b")  # nothing heard since, in memory either
             r.store._x("UPDATE hosts SET last_seen=? WHERE name=?", (now - 60, "host-b"))
         return r
 

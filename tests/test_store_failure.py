@@ -294,7 +294,8 @@ def test_a_database_of_an_earlier_release_is_migrated_in_order_and_a_newer_one_r
     heartbeats had generations, at version 0, reaches the current version with its rows kept."""
     import sqlite3
 
-    from pitstop.coordinator.store import MIGRATIONS, Store
+    from pitstop.coordinator.schema import MIGRATIONS
+    from pitstop.coordinator.store import Store
     from pitstop.errors import FailedPrecondition
 
     old = tmp_path / "old.db"

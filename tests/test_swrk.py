@@ -113,7 +113,7 @@ def test_dumps_started_from_several_threads_at_once_all_end(tmp_path: Path, monk
     def one(i: int) -> None:
         try:
             go.wait(10)
-            results[i] = criu_ops.dump(procs[i].pid, tmp_path / f"img{i}", timeout_s=30)
+            results[i] = criu_ops.dump(procs[i].pid, tmp_path / f"img{i}", criu_ops.DumpOptions(timeout_s=30))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 

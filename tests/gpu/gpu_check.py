@@ -276,7 +276,7 @@ def check_b(a: argparse.Namespace, work: Path, ref: str) -> dict:
         if s is None and not a.cpu_dry_run:
             raise AssertionError(f"no process of the tree {pids} was seen holding /dev/nvidia*")
         record = s.record() if s else {}
-        dump = criu_ops.dump(root, images, timeout_s=60)
+        dump = criu_ops.dump(root, images, criu_ops.DumpOptions(timeout_s=60))
         image_bytes = sum(f.stat().st_size for f in images.iterdir())
         if a.b_plain:
             os.kill(root, signal.SIGKILL)  # our child: reaping it frees its pid for the restore

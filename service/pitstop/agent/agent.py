@@ -75,6 +75,8 @@ class Agent:
         self.dest = DestinationSide(settings, self.state)
         self.state.on_forget = self.dest.forget_output
         self.source = SourceSide(settings, self.state, self.dest)
+        self.precopies = self.source.precopies  # the routes' and the server's way to them
+        self.pages = self.source.pages
         self.metrics = Metrics()
         self.source.on_finished = self._count_capture
         reclaim.sweep(settings.images)
@@ -125,7 +127,7 @@ class Agent:
             criu = {"error": e.message}
         return {"name": self.s.name, "url": self.s.url, "spare": self.s.spare, "version": __version__,
                 "data_port": self.data_port, "cap_bnd": f"{caps.bounding_set():x}",
-                "post_copy": self.source.post_copy_support(), "image_fs": self.image_fs.describe(),
+                "post_copy": self.pages.support(), "image_fs": self.image_fs.describe(),
                 "criu": criu, "workers": len([w for w in self.state.workers.values()
                                               if w.state in LIVE_STATES]),
                 "coordinator_term": self.terms.view()}

@@ -43,15 +43,14 @@ class SourceSide(Protocol):
     """What a kind asks of the capturing agent (agent/capturing.py SourceSide), and no more: the
     kinds stay below the agent's capture loop, which imports them."""
 
-    def _dump(self, cap: "Capture", w: "Worker", images: Path, own_net: bool, overlap: bool,
-              parent: str | None = None, command: CriuCommand | None = None) -> criu_ops.DumpResult: ...
+    def dump_whole(self, cap: "Capture", w: "Worker", images: Path, overlap: bool) -> criu_ops.DumpResult: ...
 
-    def _incremental_dump(self, cap: "Capture", w: "Worker", images: Path, own_net: bool, overlap: bool,
-                          basis: Basis, command: CriuCommand) -> criu_ops.DumpResult | None: ...
+    def dump_incremental(self, cap: "Capture", w: "Worker", images: Path, overlap: bool, basis: Basis,
+                         command: CriuCommand) -> tuple[criu_ops.DumpResult, bool]: ...
 
-    def _delta(self, cap: "Capture", images: Path, basis: Basis) -> None: ...
+    def cut_delta(self, cap: "Capture", images: Path, basis: Basis) -> None: ...
 
-    def _split(self, cap: "Capture", images: Path) -> dict: ...
+    def split(self, cap: "Capture", images: Path) -> dict: ...
 
 
 @dataclass
@@ -80,9 +79,8 @@ class CaptureKind:
         """The kind once the pre-copy's tracking cannot be trusted (a GPU appeared since)."""
         return self
 
-    def dump(self, side: "SourceSide", cap: "Capture", w: "Worker", images: Path, own_net: bool,
-             overlap: bool) -> Dumped:
-        return Dumped(side._dump(cap, w, images, own_net, overlap), self)
+    def dump(self, side: "SourceSide", cap: "Capture", w: "Worker", images: Path, overlap: bool) -> Dumped:
+        return Dumped(side.dump_whole(cap, w, images, overlap), self)
 
     def after_dump(self, side: "SourceSide", cap: "Capture", images: Path) -> tuple[dict[str, Any] | None, str | None]:
         """Write what travels instead of the dump; (post-copy's page source, pre-copy's parent)."""
@@ -106,7 +104,7 @@ class PreCopyDelta(CaptureKind):
         return "after_dump" if stream_while_dumping else "at_end"
 
     def after_dump(self, side: "SourceSide", cap: "Capture", images: Path) -> tuple[dict[str, Any] | None, str | None]:
-        side._delta(cap, images, self.basis)
+        side.cut_delta(cap, images, self.basis)
         return None, _parent_of(cap)
 
 
@@ -124,13 +122,10 @@ class CriuIncremental(CaptureKind):
         self.basis.drop_local()
         return PreCopyDelta(self.basis)
 
-    def dump(self, side: "SourceSide", cap: "Capture", w: "Worker", images: Path, own_net: bool,
-             overlap: bool) -> Dumped:
-        res = side._incremental_dump(cap, w, images, own_net, overlap, self.basis, self.command)
-        if res is None:  # dumped whole after all: the delta is cut from it, as without CRIU's help
-            fallback = PreCopyDelta(self.basis)
-            return Dumped(side._dump(cap, w, images, own_net, overlap), fallback)
-        return Dumped(res, self)
+    def dump(self, side: "SourceSide", cap: "Capture", w: "Worker", images: Path, overlap: bool) -> Dumped:
+        res, incremental = side.dump_incremental(cap, w, images, overlap, self.basis, self.command)
+        # dumped whole after all: the delta is cut from it, as without CRIU's help
+        return Dumped(res, self if incremental else PreCopyDelta(self.basis))
 
     def after_dump(self, side: "SourceSide", cap: "Capture", images: Path) -> tuple[dict[str, Any] | None, str | None]:
         faults.hit("precopy:before_delta")  # CRIU wrote the delta itself
@@ -148,7 +143,7 @@ class PostCopyView(CaptureKind):
         return "at_end"
 
     def after_dump(self, side: "SourceSide", cap: "Capture", images: Path) -> tuple[dict[str, Any] | None, str | None]:
-        return side._split(cap, images), None
+        return side.split(cap, images), None
 
 
 def _parent_of(cap: "Capture") -> str:

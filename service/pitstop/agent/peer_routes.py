@@ -280,21 +280,21 @@ def shim_op(agent: AgentDep, wid: str, req: agent_requests.ShimOp) -> dict:
 @router.post("/precopies")
 def precopy(agent: AgentDep, req: agent_requests.PreCopyRequest) -> dict:
     """Blocking: it returns when the worker's memory is at the destination (or why not)."""
-    return agent.source.precopy(req.worker_id, req.dest_url, req.image_id, post_copy=req.post_copy)
+    return agent.precopies.run(req.worker_id, req.dest_url, req.image_id, post_copy=req.post_copy)
 
 
 @router.get("/precopies")
 def precopies(agent: AgentDep) -> dict:
     """Pre-copies under way: bytes sent so far of about how many (the coordinator's progress)."""
     with agent.state.lock:
-        return {"precopies": [dict(p) for p in agent.source.precopies.values()]}
+        return {"precopies": [dict(p) for p in agent.precopies.under_way.values()]}
 
 
 @router.delete("/precopies/{image_id}")
 def stop_precopy(agent: AgentDep, image_id: str) -> dict:
     """Stop a pre-copy under way: the coordinator gave up waiting for it (stalled, past its
     deadline, or the evacuation was cancelled), and it must not compete with the move."""
-    return agent.source.stop_precopy(image_id)
+    return agent.precopies.stop(image_id)
 
 
 @router.post("/captures", status_code=202)

@@ -198,8 +198,8 @@ def serve(s: AgentSettings) -> None:
                                         timeout_graceful_shutdown=int(STOP_S // 2)))
     port_ = DataPort(data_host, data_port, sock=data_sock, token=s.cluster_token, open_slot=agent.dest.open_slot,
                      fail_slot=agent.dest.fail_slot, finished=agent.finish_slot, on_error=agent.storage_error,
-                     idle_timeout_s=min(s.transfer_timeout_s, 60.0), pages_for=agent.source.pages_for).start()
-    agent.data_port = agent.source.data_port = s.data_advertise_port or port_.port
+                     idle_timeout_s=min(s.transfer_timeout_s, 60.0), pages_for=agent.pages.pages_for).start()
+    agent.data_port = agent.pages.data_port = s.data_advertise_port or port_.port
     extra = []
     if s.coordinator:
         from pitstop.agent.heartbeat import heartbeat_loop
@@ -221,7 +221,7 @@ def serve(s: AgentSettings) -> None:
                  coordinator=s.coordinator, insecure=not s.cluster_token)
         done, pending = await asyncio.wait(tasks[:2], return_when=asyncio.FIRST_COMPLETED)
         notify("STOPPING=1")
-        if agent.source.stop_all_precopies():
+        if agent.precopies.stop_all():
             log.info("pre-copies under way stopped: the agent is stopping")
         tcp.should_exit = uds.should_exit = True
         port_.close()

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from pitstop import faults, nsinit, shimctl
+from pitstop.agent.dumper import manifest
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import AgentState, Worker
 from pitstop.agent.timeouts import FENCED_INIT_DIR_KEEP_S
@@ -49,8 +50,9 @@ from pitstop.errors import (
 from pitstop.memory import writetrack
 from pitstop.network import workerns
 from pitstop.proc import file_identity, proctree, written_files
-from pitstop.transfer.manifest import MANIFEST, Manifest, StdioPipe, check_image_id, verify
+from pitstop.transfer.manifest import MANIFEST, Manifest, check_image_id, verify
 from pitstop.transfer.stream import DirectoryTail
+from pitstop.undo import Undo
 from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.agent_requests import JOB_PATTERN, WORKER_PATTERN
 
@@ -66,6 +68,7 @@ META = "snapshot.json"  # {"parent": number or null, "depth": deltas down to a w
 CHAIN_MAX = 8  # deltas on one whole part; then a whole one again, so that a chain (and a restore) stays short
 PAGE = 4096
 FILES = "files.json"  # the regular files the worker writes, as of the snapshot (proc/written_files.py)
+_DUMPED = Exception("the part is dumped")  # why a part's undo stack is unwound once its dump is over: always
 
 
 def _meta(d: Path) -> dict[str, Any]:
@@ -307,65 +310,58 @@ class Snapshots:
         return out
 
     def _dump(self, w: Worker, d: Path, job: str, number: int, whole: bool = False) -> dict[str, Any]:
-        """One worker's part: CRIU's incremental dump against the part the tracking was last reset
-        at, where the whole tree is tracked and the chain is short enough (and `whole` was not
-        asked); else whole.  Then the tracking is reset (the job is still paused), so the next part
-        holds what is written from now on."""
+        """One worker's part, through the agent's one dump path (agent/dumper.py): CRIU's
+        incremental dump against the part the tracking was last reset at, where the whole tree is
+        tracked and the chain is short enough (and `whole` was not asked); else whole.  Then the
+        tracking is reset (the job is still paused), so the next part holds what is written from
+        now on.  The GPUs' suspension is an undo step: they run again whatever the dump did."""
         pids = proctree.tree(w.root_pid)
         stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
         parent, command = (None, None) if whole else self._parent_for(w, job, number)
         gpu = self.source.gpu.suspend(pids, rescan=lambda: proctree.tree(w.root_pid))
-        depth = 0
+        undo = Undo(resumed_by="the snapshot's dump (CRIU leaves the tree as it found it)")
+        if gpu:
+            undo.push("gpu", lambda e: self.source.gpu.resume_in_place(gpu.record()))
         try:
             faults.hit("snapshot:before_dump")
-            own = workerns.netns_inode(w.root_pid) if w.net else None
-            res = None
-            if parent is not None:
-                p, depth = parent
-                d.mkdir(mode=0o700, exist_ok=True)
-                os.symlink(f"../../../{p}/{OWN}/{w.id}", d / PARENT)  # from <job>/<n>/own/<wid>
-                try:
-                    res = criu_ops.dump(w.root_pid, d, timeout_s=self.s.dump_timeout_s, leave_running=True,
-                                        own_netns=own, parent=PARENT, command=command,
-                                        log_level=criutrack.LOG_LEVEL)
-                except CaptureFailed as e:  # CRIU let the tree be; its writes are still tracked
-                    log.warning("an incremental snapshot failed; dumping whole", worker=w.id, reason=e.message)
-                    kept = self.source.keep_diagnostic(d / criu_ops.DUMP_LOG, f"snapshot-incremental-{w.id}.log")
-                    if kept:
-                        log.info("its CRIU log is kept", log=str(kept))
-                    for f in d.iterdir():
-                        f.unlink()
-                    parent, depth = None, 0
-            if res is None:  # whole; with the dump's time recorded where a delta may follow it (CRIU's pid-reuse check)
-                tracked = criutrack.command()[0] if self.trackers.get(w.id) else None
-                res = criu_ops.dump(w.root_pid, d, timeout_s=self.s.dump_timeout_s, leave_running=True, own_netns=own,
-                                    track_mem=tracked is not None, command=tracked)
+            res, parent = self._dump_part(w, d, parent, command)
             self._reset_tracking(w, number, pids)
             sealed = seal.take(d)  # a stat of each file, no byte read: checked before any restore of the part
             ids = file_identity.identities(pids)
         finally:
-            if gpu:
-                self.source.gpu.resume_in_place(gpu.record())
-        (d / META).write_text(json.dumps({"parent": parent[0] if parent else None, "depth": depth + 1 if parent else 0,
+            undo.unwind(_DUMPED)
+        (d / META).write_text(json.dumps({"parent": parent[0] if parent else None,
+                                          "depth": parent[1] + 1 if parent else 0,
                                           "pages_written": res.pages_written, "pages_in_parent": res.pages_in_parent,
                                           "seal": sealed}))
         (d / FILES).write_text(json.dumps([f.to_dict() for f in written_files.written_files(pids)]))
         size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
-        m = Manifest(capture_id=d.name, stdio=[StdioPipe(**s) for s in stdio], criu_version=runtime.locate().version_str,
-                     output_base=self.source.output_end(w), gpu=gpu.record() if gpu else {}, net=w.net,
-                     host=self.s.name, file_ids=ids,
-                     worker={"id": w.id, "job": w.job, "rank": w.rank, **({"init_dir": w.init_dir} if w.init_dir else {}),
-                             **({"slurm_job": w.slurm_job} if w.slurm_job else {}),
-                             **({"snapshot_every_s": w.snapshot_every_s} if w.snapshot_every_s else {})})
-        m.write(d)  # last: the part is complete
+        manifest(w, d.name, host=self.s.name, stdio=stdio, output_base=self.source.output_end(w),
+                 gpu=gpu.record() if gpu else {}, file_ids=ids, snapshot=True).write(d)  # last: the part is complete
         return {"bytes": size, "dump_s": round(res.seconds, 4), "frozen_s": round(res.frozen_s, 4),
                 "parent": parent[0] if parent else None, "bytes_in_parent": res.pages_in_parent * PAGE}
+
+    def _dump_part(self, w: Worker, d: Path, parent: tuple[int, int] | None,
+                   command: runtime.CriuCommand | None) -> tuple[criu_ops.DumpResult, tuple[int, int] | None]:
+        """The dump itself; (its result, (the part it is against, that part's depth) or None)."""
+        dumper = self.source.dumper
+        # whole: with the dump's time recorded where a delta may follow it (CRIU's pid-reuse check)
+        tracked = criutrack.command()[0] if self.trackers.get(w.id) else None
+        whole = dumper.options(w, leave_running=True, track_mem=tracked is not None, command=tracked)
+        if parent is None:
+            return dumper.dump(w, d, whole), None
+        d.mkdir(mode=0o700, exist_ok=True)
+        os.symlink(f"../../../{parent[0]}/{OWN}/{w.id}", d / PARENT)  # from <job>/<n>/own/<wid>
+        res, incremental = dumper.incremental_else_whole(
+            w, d, dumper.options(w, leave_running=True, parent=PARENT, command=command), whole,
+            overlap=True, log_name=f"snapshot-incremental-{w.id}.log")
+        return res, parent if incremental else None
 
     # -- what changed since the last part: the kernel's write tracking (memory/writetrack.py) ---
     def track(self, w: Worker) -> None:
         """Track the writes of every process of the worker not tracked yet; asked while it runs
         (the handoff needs its processes to answer a signal), before the snapshot's pause."""
-        if not self.source.track_writes():
+        if not self.source.precopies.track_writes():
             return
         pids = proctree.tree(w.root_pid)
         have = self.trackers.setdefault(w.id, {})
@@ -437,7 +433,7 @@ class Snapshots:
         tail.finished.set()
         errors: list[BaseException] = []
         done = [0.0]
-        self.source.send_to(dest_url, iid, tail, errors, done)
+        self.source.sender.send(dest_url, iid, tail, errors, done)
         if errors:
             e = errors[0]
             raise e if isinstance(e, PitstopError) else TransferFailed(repr(e), action="check the peer agent")

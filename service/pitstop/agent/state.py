@@ -22,7 +22,8 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, Field
 
 from pitstop.agent.timeouts import ENDED_WORKER_UNREAD_S
-from pitstop.errors import NotFound
+from pitstop.errors import Conflict, FailedPrecondition, NotFound
+from pitstop.proc import proctree
 from pitstop.wire.capture_report import CaptureReport, CaptureState  # noqa: F401 - CaptureState re-exported
 
 WorkerState = Literal["running", "paused", "capturing", "stopped", "released", "moved", "exited", "lost"]
@@ -165,6 +166,19 @@ class AgentState:
             raise NotFound(f"no worker {wid!r} is registered on this agent",
                            action="list workers with GET /v1/workers; only workers started "
                                   "through `pitstop run` can be captured")
+        return w
+
+    def capturable(self, wid: str) -> Worker:
+        """The worker, if a capture or a pre-copy may begin now: running, and still the process
+        it was registered as (one found gone is marked lost).  Called with the lock held."""
+        w = self.worker(wid)
+        if w.state != "running":
+            raise Conflict(f"worker {w.id} is {w.state}, not running", code="worker_not_running",
+                           action="wait for the operation that holds it to finish")
+        if not proctree.is_running(w.root_pid, w.start_time):
+            self.update_worker(w, state="lost")
+            raise FailedPrecondition(f"worker {w.id} (pid {w.root_pid}) is no longer running",
+                                     code="worker_gone", action="nothing to capture; the worker exited")
         return w
 
     def capture(self, cid: str) -> Capture:

@@ -13,13 +13,9 @@ One connection, serialised by a lock.  Every operation phase is written here *be
 which is what lets a restarted coordinator (or a standby that takes over) reconcile
 (driver.reconcile).
 
-Liveness is kept in memory and written in batches: at 10,000 agents beating once
-a second, one transaction per beat costs more CPU than the coordinator has
-(bench/heartbeat_load.py).  A beat only says "alive, still generation G": it
-touches a dict, and `flush()` writes every changed last_seen (and GPU health) in
-one transaction about once a second.  What a restart loses is at most that second
-of last_seen, which only ages a host by a second.  Full reports (workers, inventory)
-still go to the database at once: they change rarely and the planner needs them.
+Liveness is kept in memory and written in batches (coordinator/liveness.py): a beat touches
+memory, `flush()` writes every changed last_seen in one transaction about once a second.  Full
+reports (workers, inventory) still go to the database at once: the planner needs them.
 
 A database that cannot be written (a full or failing file system, a PostgreSQL server that is
 down or out of reach) is reported as StoreUnavailable, a value with what to do (503 in the API),
@@ -38,48 +34,14 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pitstop.coordinator.liveness import Liveness
+from pitstop.coordinator.schema import MIGRATIONS, SCHEMA
 from pitstop.errors import FailedPrecondition, PitstopError, Unavailable
-from pitstop.wire.evacuation import EvacuationState
-
-# One schema for both databases: types both read the same way (SQLite's affinity takes DOUBLE
-# PRECISION as REAL and BIGINT as INTEGER; PostgreSQL's REAL would be 4 bytes and its INTEGER too
-# small for a fence's epoch, milliseconds since 1970).
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS hosts (
-  name TEXT PRIMARY KEY, url TEXT NOT NULL, role TEXT NOT NULL, info TEXT NOT NULL, last_seen DOUBLE PRECISION NOT NULL,
-  generation TEXT, cordon TEXT, role_since DOUBLE PRECISION, role_why TEXT);
-CREATE TABLE IF NOT EXISTS workers (
-  id TEXT PRIMARY KEY, job TEXT NOT NULL, rank BIGINT NOT NULL, host TEXT NOT NULL, state TEXT NOT NULL,
-  info TEXT NOT NULL, updated DOUBLE PRECISION NOT NULL, left_behind TEXT);
-CREATE TABLE IF NOT EXISTS operations (
-  id TEXT PRIMARY KEY, node TEXT NOT NULL, dest TEXT, done BIGINT NOT NULL DEFAULT 0,
-  result TEXT, phase TEXT NOT NULL, cancel_requested BIGINT NOT NULL DEFAULT 0,
-  metadata TEXT NOT NULL, error TEXT, response TEXT, created DOUBLE PRECISION NOT NULL,
-  updated DOUBLE PRECISION NOT NULL);
-CREATE TABLE IF NOT EXISTS idempotency (
-  key TEXT PRIMARY KEY, body_hash TEXT NOT NULL, op_id TEXT NOT NULL, created DOUBLE PRECISION NOT NULL);
-CREATE TABLE IF NOT EXISTS snapshot_policy (
-  job TEXT PRIMARY KEY, every_s DOUBLE PRECISION NOT NULL, updated DOUBLE PRECISION NOT NULL);
-CREATE TABLE IF NOT EXISTS snapshots (
-  job TEXT NOT NULL, number BIGINT NOT NULL, state TEXT NOT NULL, created DOUBLE PRECISION NOT NULL, info TEXT NOT NULL,
-  PRIMARY KEY (job, number));
-CREATE TABLE IF NOT EXISTS fences (
-  job TEXT NOT NULL, host TEXT NOT NULL, epoch BIGINT NOT NULL, acked BIGINT NOT NULL DEFAULT 0,
-  created DOUBLE PRECISION NOT NULL, PRIMARY KEY (job, host));
-"""
-
-LEADERSHIP = """
-CREATE TABLE IF NOT EXISTS leadership (
-  id BIGINT PRIMARY KEY, term BIGINT NOT NULL, holder TEXT, url TEXT, since DOUBLE PRECISION,
-  expires DOUBLE PRECISION NOT NULL, renewed DOUBLE PRECISION)
-"""
-"""The lease (coordinator/leadership.py): one row, id 1.  `term` only grows; the coordinator that
-holds it (`holder`, reached at `url`) leads until `expires`, in the database's own clock."""
 
 COLUMNS = ("cordoned", "role_since", "role_why")
 """What Store.hosts() adds from the hosts table's own columns: never taken from (or kept in) a report."""
@@ -124,63 +86,6 @@ def _unavailable(e: sqlite3.Error) -> bool:
     return code is not None and code & 0xFF in _UNAVAILABLE
 
 
-def _add_generation(db: "BaseStore") -> None:
-    if "generation" not in db.columns("hosts"):
-        db.q("ALTER TABLE hosts ADD COLUMN generation TEXT")  # a database from before beats
-
-
-def _index_operations(db: "BaseStore") -> None:
-    db.q("CREATE INDEX IF NOT EXISTS operations_by_created ON operations(created)")
-    db.q("CREATE INDEX IF NOT EXISTS operations_by_node ON operations(node, created)")
-
-
-def _typed_operation_state(db: "BaseStore") -> None:
-    """Every operation's metadata through the typed evacuation state (wire/evacuation.py): a record
-    of an earlier release gets its schema version, and one this release cannot read stops the
-    upgrade here, naming the operation, rather than the driver that would reconcile it later."""
-    for r in db.q("SELECT id, metadata FROM operations"):
-        try:
-            md = EvacuationState.load(json.loads(r["metadata"])).dump()
-        except (ValueError, TypeError) as e:
-            raise FailedPrecondition(f"operation {r['id']} in the coordinator's database cannot be read by this "
-                                     f"release: {e}", code="database_unreadable",
-                                     action="run the release that wrote it, or remove that operation's row") from None
-        db.q("UPDATE operations SET metadata=? WHERE id=?", (json.dumps(md), r["id"]))
-
-
-def _add_cordon(db: "BaseStore") -> None:
-    if "cordon" not in db.columns("hosts"):
-        db.q("ALTER TABLE hosts ADD COLUMN cordon TEXT")  # a host kept out of the spare pool: why, since, who
-
-
-def _add_role_change(db: "BaseStore") -> None:
-    have = db.columns("hosts")
-    if "role_since" not in have:  # when a host took its role, and why (an evacuation's reason, who asked)
-        db.q("ALTER TABLE hosts ADD COLUMN role_since REAL")
-    if "role_why" not in have:
-        db.q("ALTER TABLE hosts ADD COLUMN role_why TEXT")
-
-
-def _add_leadership(db: "BaseStore") -> None:
-    """The lease that one coordinator of several holds (coordinator/leadership.py), at term 0 and
-    expired: the first coordinator to start takes term 1."""
-    db.q(LEADERSHIP)
-    db.q("INSERT INTO leadership(id, term, expires) VALUES(1, 0, 0) ON CONFLICT(id) DO NOTHING")
-
-
-def _add_left_behind(db: "BaseStore") -> None:
-    if "left_behind" not in db.columns("workers"):  # the copy a worker's move or recovery left (set_worker_host)
-        db.q("ALTER TABLE workers ADD COLUMN left_behind TEXT")
-
-
-MIGRATIONS: tuple[Callable[["BaseStore"], None], ...] = (_add_generation, _index_operations,
-                                                        _typed_operation_state, _add_cordon,
-                                                        _add_role_change, _add_leadership, _add_left_behind)
-"""Ordered: a database at schema version N (SQLite: PRAGMA user_version; PostgreSQL: the
-schema_version table) gets MIGRATIONS[N:], each in its own transaction with the version it
-reaches.  Append only; never edit one that shipped."""
-
-
 def _is_left_behind(reported: dict[str, Any], host: str, left_behind: str | None) -> bool:
     """Whether `host` reports the very copy of a worker that it left when the worker moved away
     (same process, by pid and start time): old news, however late it arrives."""
@@ -203,11 +108,7 @@ class BaseStore:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self._live = threading.Lock()
-        self.seen: dict[str, float] = {}             # host -> last beat (unix time), newer than the table's
-        self.health: dict[str, tuple[list, dict]] = {}  # host -> (gpu_health, verdict) from beats
-        self._dirty: set[str] = set()
-        self.generation: dict[str, str] = {}
+        self.live = Liveness()  # the beats, between the batches that write them (flush)
         # The leader's term, checked by every write (None: unfenced, one coordinator alone as in the
         # tests' own stores; set by coordinator/leadership.py once several may share the database)
         self.fence_term: int | None = None
@@ -270,8 +171,7 @@ class BaseStore:
 
     def load_generations(self) -> None:
         rows = self._x("SELECT name, generation FROM hosts WHERE generation IS NOT NULL")
-        with self._live:
-            self.generation = {r["name"]: r["generation"] for r in rows}
+        self.live.load({r["name"]: r["generation"] for r in rows})
 
     def excuse_silence(self, gap_s: float) -> None:
         """No coordinator listened to the hosts for `gap_s` (a change of leader, a restart): that
@@ -279,11 +179,7 @@ class BaseStore:
         was (never later than now), in memory only: its record keeps what was heard."""
         if gap_s <= 0:
             return
-        now = time.time()
-        rows = self._x("SELECT name, last_seen FROM hosts")
-        with self._live:
-            for r in rows:
-                self.seen[r["name"]] = max(self.seen.get(r["name"], 0.0), min(now, float(r["last_seen"]) + gap_s))
+        self.live.excuse({r["name"]: float(r["last_seen"]) for r in self._x("SELECT name, last_seen FROM hosts")}, gap_s)
 
     def migrate(self) -> int:
         """Bring a database written by any earlier release to this one's schema; the version reached.
@@ -441,7 +337,7 @@ class BaseStore:
             cur = self._one("SELECT host, state, updated FROM workers WHERE id=?", (wid,))
             if cur and cur["host"] != host:
                 seen = self._one("SELECT last_seen FROM hosts WHERE name=?", (cur["host"],))
-                last = max(seen["last_seen"] if seen else 0.0, self.seen.get(cur["host"], 0.0))
+                last = self.live.last_seen(cur["host"], seen["last_seen"] if seen else 0.0)
                 # a claim that its host's reports never confirmed (the registration failed there)
                 # lapses after the same time as a silent host
                 held = cur["state"] in LIVE or (cur["state"] == CLAIMED and now - cur["updated"] <= max_age_s)
@@ -456,27 +352,15 @@ class BaseStore:
         return None
 
     def beat(self, name: str, generation: str) -> bool:
-        """A beat from an agent; False: ask it for a full report (its generation is not the last
-        one held).  Either way a beat from a known host is contact: its host is alive, whether or
-        not its report got through (a flood or an overloaded coordinator may hold the report back;
-        the host must not be taken for dead meanwhile, nor its jobs recovered)."""
-        current = self.generation.get(name) == generation
-        if current or name in self.generation:
-            with self._live:
-                self.seen[name] = time.time()
-                self._dirty.add(name)
-        return current
+        """A beat (coordinator/liveness.py); False: ask the agent for a full report."""
+        return self.live.beat(name, generation)
 
     def set_health(self, name: str, gpu_health: list, verdict: dict) -> None:
-        with self._live:
-            self.health[name] = (gpu_health, verdict)
-            self._dirty.add(name)
+        self.live.set_health(name, gpu_health, verdict)
 
     def flush(self) -> int:
         """Write the beats and health readings gathered since the last flush, in one transaction."""
-        with self._live:
-            dirty, self._dirty = self._dirty, set()
-            rows = [(n, self.seen.get(n), self.health.pop(n, None)) for n in dirty]
+        rows = self.live.take()
         if not rows:
             return 0
         try:
@@ -491,11 +375,7 @@ class BaseStore:
                 self._executemany(f"UPDATE hosts SET last_seen={self.GREATEST}(last_seen, ?) WHERE name=?",
                                     [(seen, name) for name, seen, _ in rows if seen is not None])
         except BaseException:
-            with self._live:  # written next time
-                self._dirty |= dirty
-                for name, _, health in rows:
-                    if health is not None:
-                        self.health.setdefault(name, health)
+            self.live.put_back(rows)  # written next time
             raise
         return len(rows)
 
@@ -531,13 +411,7 @@ class BaseStore:
                     "info=excluded.info, updated=excluded.updated",
                     (w["id"], w["job"], w["rank"], name, w["state"], json.dumps(w), now))
         if touch:
-            with self._live:
-                self.seen[name] = now
-                self.health.pop(name, None)  # the report carried fresher readings
-                if hb.get("generation"):
-                    self.generation[name] = hb["generation"]
-                else:
-                    self.generation.pop(name, None)
+            self.live.reported(name, now, hb.get("generation"))
 
     def hosts(self) -> list[dict[str, Any]]:
         return [self._host(r) for r in self._x("SELECT * FROM hosts ORDER BY name")]
@@ -549,8 +423,8 @@ class BaseStore:
     def _host(self, r: Row) -> dict[str, Any]:
         info = json.loads(r["info"])
         name = r["name"]
-        last_seen = max(r["last_seen"], self.seen.get(name, 0.0))
-        health = self.health.get(name)
+        last_seen = self.live.last_seen(name, r["last_seen"])
+        health = self.live.health(name)
         if health is not None:
             info["gpu_health"], info["health"] = health
         return {"name": name, "url": r["url"], "role": r["role"], "offers_spare": bool(info.get("spare")),
@@ -581,10 +455,7 @@ class BaseStore:
         with self._tx():
             self.q("DELETE FROM workers WHERE host=?", (name,))
             self.q("DELETE FROM hosts WHERE name=?", (name,))
-        with self._live:
-            self.seen.pop(name, None)
-            self.health.pop(name, None)
-            self.generation.pop(name, None)
+        self.live.forget(name)
 
     def workers(self, host: str | None = None, job: str | None = None) -> list[dict[str, Any]]:
         q, a = "SELECT * FROM workers WHERE 1=1", []

@@ -43,6 +43,7 @@ class DumpResult:
     run_id: str
     stats: dict[str, Any] = field(default_factory=dict)
     pages_in_parent: int = 0  # an incremental dump's pages left in its parent image
+    attempts: int = 1  # dumps it took: agent/dumper.py dumps again one that met another's /proc mount point
 
 
 def _criu(rt: runtime.CriuRuntime, command: runtime.CriuCommand | None = None,  # noqa: ANN202
@@ -63,44 +64,59 @@ def _load_image(rt: runtime.CriuRuntime, path: Path) -> dict[str, Any]:
 NET_KEY = "wnet"
 
 
-def dump(root_pid: int, images: Path, *, timeout_s: int = 60, own_netns: int | None = None,
-         rt: runtime.CriuRuntime | None = None, parent: str | None = None,
-         command: runtime.CriuCommand | None = None,
-         log_level: int = 4, leave_running: bool = False, track_mem: bool = False) -> DumpResult:
-    """Dump the tree rooted at root_pid into `images`, leaving it stopped.
+@dataclass(frozen=True)
+class DumpOptions:
+    """How one dump runs: the agent's captures and snapshots alike build one of these
+    (agent/dumper.py), as runc drives CRIU with one options object, instead of passing a
+    handful of keywords that each caller re-derives.
 
     leave_running: a snapshot's dump (agent/snapshots.py): CRIU gives the tree back as it found it
     (a tree the coordinator stopped stays stopped) and takes its sockets out of repair mode.
+    Else the tree is left stopped: until the move commits, it is the job's copy of record.
     track_mem: a whole dump that a later incremental one can take as its parent (CRIU then records
     the dump's time, its pid-reuse check); only with `command`, as for `parent`.
-
     parent: an incremental dump (CRIU's --track-mem) against the image directory at this path
-    (relative to `images`); only with `command`, a CRIU that can tell what changed
-    (criu/criutrack.py)."""
+    (relative to the images); only with `command`, a CRIU that can tell what changed
+    (criu/criutrack.py).
+    own_netns: the inode of the worker's own network namespace, dumped as external."""
+
+    timeout_s: int = 60  # bounds CRIU's freeze of the tree
+    own_netns: int | None = None
+    parent: str | None = None
+    command: runtime.CriuCommand | None = None
+    log_level: int = 4
+    leave_running: bool = False
+    track_mem: bool = False
+
+
+def dump(root_pid: int, images: Path, opts: DumpOptions | None = None, *,
+         rt: runtime.CriuRuntime | None = None) -> DumpResult:
+    """Dump the tree rooted at root_pid into `images`, as `opts` say (left stopped, by default)."""
+    opts = opts or DumpOptions()
     rt = rt or runtime.locate()
-    pycriu, c = _criu(rt, command)
+    pycriu, c = _criu(rt, opts.command)
     images.mkdir(parents=True, exist_ok=True)
     dfd = os.open(images, os.O_DIRECTORY)
     try:
         c.opts.images_dir_fd = dfd
         c.opts.pid = root_pid
-        if leave_running:
+        if opts.leave_running:
             c.opts.leave_running = True
         else:
             c.opts.leave_stopped = True
         c.opts.tcp_established = True
         c.opts.network_lock = pycriu.rpc.NFTABLES
         _no_cgroups(pycriu, c)
-        if own_netns is not None:  # the worker's namespace: external, locked whole by the agent
-            c.opts.external.append(f"net[{own_netns}]:{NET_KEY}")
+        if opts.own_netns is not None:  # the worker's namespace: external, locked whole by the agent
+            c.opts.external.append(f"net[{opts.own_netns}]:{NET_KEY}")
             c.opts.network_lock = pycriu.rpc.SKIP
-        if parent is not None or track_mem:
+        if opts.parent is not None or opts.track_mem:
             c.opts.track_mem = True
-        if parent is not None:
-            c.opts.parent_img = parent
+        if opts.parent is not None:
+            c.opts.parent_img = opts.parent
         c.opts.log_file = DUMP_LOG
-        c.opts.log_level = log_level
-        c.opts.timeout = timeout_s  # bounds CRIU's freeze of the tree
+        c.opts.log_level = opts.log_level
+        c.opts.timeout = opts.timeout_s  # bounds CRIU's freeze of the tree
         t0 = time.monotonic()
         try:
             c.dump()

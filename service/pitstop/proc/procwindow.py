@@ -52,7 +52,7 @@ def clear_for_retry(images: Path, attempt: int) -> None:
     for f in images.iterdir():
         if f.name == "dump.log":
             f.rename(images / f"dump-attempt{attempt}.log")
-        elif f.is_dir():
+        elif f.is_dir() and not f.is_symlink():  # a snapshot's parent is a link to an older part
             shutil.rmtree(f)
         elif not f.name.startswith("dump-attempt"):
             f.unlink()
