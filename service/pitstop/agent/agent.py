@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pitstop import __version__, safepath, shimctl
 from pitstop.agent import imagefs, reclaim
 from pitstop.agent.capturing import SourceSide
+from pitstop.agent.fencing import Fencing
 from pitstop.agent.handles import Handles
 from pitstop.agent.receiving import DestinationSide, Slot
 from pitstop.agent.settings import AgentSettings
@@ -86,6 +87,7 @@ class Agent:
         self.dest.adopt()
         self.handles = Handles(settings, self.state)
         self.snapshots = Snapshots(settings, self.state, self.source, self.dest)
+        self.fencing = Fencing(settings, self.state)
         self.coordinator_seen = time.monotonic()  # the last answer of the coordinator (agent/heartbeat.py)
         self.handles.adopt()
         self.started = time.time()
@@ -195,7 +197,7 @@ class Agent:
         nft = None
         out = []
         for w in list(self.state.workers.values()):
-            if w.state != "paused" or not w.pause_until or now < w.pause_until or w.id in self.snapshots.isolated:
+            if w.state != "paused" or not w.pause_until or now < w.pause_until or w.id in self.fencing.isolated:
                 continue
             net = workerns.from_dict(w.net)
             if net:

@@ -293,8 +293,8 @@ async def _report_loop(agent: Agent, link: Link) -> None:
                 agent.coordinator_seen = time.monotonic()
                 if path == FULL:
                     udp = link.udp = await _udp_for(udp, r, base, agent.s.cluster_token)
-                    if agent.snapshots.isolated:  # back in touch: fenced ranks end, the others run on
-                        await asyncio.to_thread(agent.snapshots.rejoin, _fences(r))
+                    if agent.fencing.isolated:  # back in touch: fenced ranks end, the others run on
+                        await asyncio.to_thread(agent.fencing.rejoin, _fences(r))
                 if udp_missed and udp is not None:  # HTTP got through where UDP did not: a firewall?
                     misses += 1
                     if misses >= UDP_MISSES_BEFORE_HTTP:
@@ -314,7 +314,7 @@ async def _report_loop(agent: Agent, link: Link) -> None:
                 if len(link.urls) > 1 and isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
                     link.switch()  # that coordinator is gone: the next one leads, or names who does
             if agent.s.self_fence_s and time.monotonic() - agent.coordinator_seen > agent.s.self_fence_s:
-                if await asyncio.to_thread(agent.snapshots.isolate, agent.s.self_fence_s):
+                if await asyncio.to_thread(agent.fencing.isolate, agent.s.self_fence_s):
                     rep.failed()  # the next report is a full one: its answer says which jobs were fenced
             await asyncio.sleep(agent.s.heartbeat_s)
 

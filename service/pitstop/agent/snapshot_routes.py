@@ -79,4 +79,4 @@ def stop_workers(agent: AgentDep, job: str, req: agent_requests.WorkersRequest) 
 def fence(agent: AgentDep, job: str, req: agent_requests.FenceRequest) -> dict[str, Any]:
     """The job recovered elsewhere while this host was away: its workers here end before anything
     else, and the epoch is kept so that they are never reported live again."""
-    return agent.snapshots.fence(job, req.epoch, req.reason)
+    return agent.fencing.fence(job, req.epoch, req.reason)

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from pitstop import faults, nsinit, shimctl
+from pitstop import faults, shimctl
 from pitstop.agent.dumper import manifest
+from pitstop.agent.part_tracking import PartTracking
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import AgentState, Worker
-from pitstop.agent.timeouts import FENCED_INIT_DIR_KEEP_S
 from pitstop.criu import criu_ops, criutrack, image_files, runtime, seal
 from pitstop.errors import (
     CaptureFailed,
@@ -47,7 +47,6 @@ from pitstop.errors import (
     PitstopError,
     TransferFailed,
 )
-from pitstop.memory import writetrack
 from pitstop.network import workerns
 from pitstop.proc import file_identity, proctree, written_files
 from pitstop.transfer.manifest import MANIFEST, Manifest, check_image_id, verify
@@ -127,10 +126,7 @@ class Snapshots:
         self.root = settings.images / "snapshots"
         self.lock = threading.Lock()
         self.replications: dict[tuple[str, int], Replication] = {}
-        self.fences_file = settings.state_dir / "fences.json"
-        self.isolated: set[str] = set()  # workers stopped and cut off while the coordinator was out of reach
-        self.trackers: dict[str, dict[int, writetrack.Tracked]] = {}  # worker -> its processes' write tracking
-        self.reset_at: dict[str, tuple[str, int]] = {}  # worker -> (job, the part its tracking was last reset at)
+        self.tracking = PartTracking()  # what each worker wrote since its last part
         self.dumping: dict[str, threading.Event] = {}  # worker -> set when its snapshot dump under way ends
 
     # -- where parts live ----------------------------------------------------------------------
@@ -199,9 +195,9 @@ class Snapshots:
     def _estimate(self, job: str, w: Worker) -> int:
         """What the worker's next part will take: a whole dump holds every resident page of each
         process (a forked child's copy-on-write pages once more); a delta, about what the last one did."""
-        at = self.reset_at.get(w.id)
-        if self.trackers.get(w.id) and at is not None and at[0] == job:
-            last = _meta(self._dir(job, at[1], OWN, w.id))
+        at = self.tracking.last_part(w, job)
+        if at is not None:
+            last = _meta(self._dir(job, at, OWN, w.id))
             if last:
                 return max(64 << 20, 2 * int(last.get("pages_written", 0)) * PAGE)
         return sum(proctree.rss_bytes(p) for p in proctree.tree(w.root_pid))
@@ -325,7 +321,7 @@ class Snapshots:
         try:
             faults.hit("snapshot:before_dump")
             res, parent = self._dump_part(w, d, parent, command)
-            self._reset_tracking(w, number, pids)
+            self.tracking.reset(w, number, pids)
             sealed = seal.take(d)  # a stat of each file, no byte read: checked before any restore of the part
             ids = file_identity.identities(pids)
         finally:
@@ -346,7 +342,7 @@ class Snapshots:
         """The dump itself; (its result, (the part it is against, that part's depth) or None)."""
         dumper = self.source.dumper
         # whole: with the dump's time recorded where a delta may follow it (CRIU's pid-reuse check)
-        tracked = criutrack.command()[0] if self.trackers.get(w.id) else None
+        tracked = criutrack.command()[0] if self.tracking.tracked(w) else None
         whole = dumper.options(w, leave_running=True, track_mem=tracked is not None, command=tracked)
         if parent is None:
             return dumper.dump(w, d, whole), None
@@ -357,55 +353,27 @@ class Snapshots:
             overlap=True, log_name=f"snapshot-incremental-{w.id}.log")
         return res, parent if incremental else None
 
-    # -- what changed since the last part: the kernel's write tracking (memory/writetrack.py) ---
+    # -- what changed since the last part (agent/part_tracking.py) -----------------------------
     def track(self, w: Worker) -> None:
-        """Track the writes of every process of the worker not tracked yet; asked while it runs
-        (the handoff needs its processes to answer a signal), before the snapshot's pause."""
-        if not self.source.precopies.track_writes():
-            return
-        pids = proctree.tree(w.root_pid)
-        have = self.trackers.setdefault(w.id, {})
-        for pid in [p for p in have if p not in pids]:  # ended: their tracking ends with them
-            have.pop(pid).close()
-        new = [p for p in pids if p not in have and not nsinit.is_init(p)]  # the init holds nothing of the job's
-        if new:
-            tracked, why = writetrack.start(new)
-            have.update(tracked)
-            if why:
-                log.info("processes of a snapshot's worker not tracked: each is dumped whole", worker=w.id,
-                         processes=len(why), why=sorted(set(why.values()))[:3])
+        if self.source.precopies.track_writes():
+            self.tracking.track(w)
 
     def _parent_for(self, w: Worker, job: str, number: int) -> tuple[tuple[int, int] | None, runtime.CriuCommand | None]:
         """((the part to dump against, its depth), the CRIU that can) where an incremental dump is
         right: the tracking was reset at that very part, which is still here and complete, and the
         chain is shorter than CHAIN_MAX.  Else (None, None).  A process not tracked (the namespace's
         init, a child forked since) reads as written throughout (native/criutrack.c): dumped whole."""
-        have = self.trackers.get(w.id, {})
-        at = self.reset_at.get(w.id)
-        if not have or at is None or at[0] != job or at[1] >= number:
+        at = self.tracking.last_part(w, job)
+        if at is None or at >= number:
             return None, None
-        prev = self._dir(job, at[1], OWN, w.id)
+        prev = self._dir(job, at, OWN, w.id)
         if not (prev / MANIFEST).exists():
             return None, None
         depth = _meta(prev).get("depth", 0)
         if depth + 1 >= CHAIN_MAX:
             return None, None
         command, _ = criutrack.command()
-        return ((at[1], depth), command) if command else (None, None)
-
-    def _reset_tracking(self, w: Worker, number: int, pids: list[int]) -> None:
-        have = self.trackers.get(w.id, {})
-        if not have:
-            return
-        for pid in pids:
-            if pid in have:
-                have[pid].refresh()  # its new mappings too: else they read as written at every snapshot
-        self.reset_at[w.id] = (w.job, number)
-
-    def end_tracking(self, wid: str) -> None:
-        for t in self.trackers.pop(wid, {}).values():
-            t.close()
-        self.reset_at.pop(wid, None)
+        return ((at, depth), command) if command else (None, None)
 
     def _replicate(self, job: str, number: int, ws: list[Worker], rep: Replication) -> None:
         t0 = time.monotonic()
@@ -562,93 +530,11 @@ class Snapshots:
                 self.state.update_worker(w, state="stopped", reason=why)
                 proctree.kill_and_wait(w.root_pid)
                 stopped.append(wid)
-            self.end_tracking(wid)
+            self.tracking.end(wid)
             net = workerns.from_dict(w.net)
             if net:
                 workerns.destroy(net)
         return stopped
-
-    def fences(self) -> dict[str, int]:
-        try:
-            return {str(k): int(v) for k, v in json.loads(self.fences_file.read_text()).items()}
-        except (FileNotFoundError, ValueError):
-            return {}
-
-    def fence(self, job: str, epoch: int, reason: str) -> dict[str, Any]:
-        """The job was recovered on other hosts while this one was away (epoch: that recovery).
-        Its workers here are killed, first thing, and recorded lost with why; the epoch stays in
-        this agent's state, so a worker of the job registered here under an older epoch is never
-        taken for a live rank again."""
-        why = f"fenced: job {job} was recovered elsewhere (recovery {epoch}) while this host was away" + (
-            f"; {reason}" if reason else "")
-        killed = []
-        for w in [w for w in self.state.workers.values() if w.job == job]:
-            if w.state in ("running", "paused", "capturing", "stopped"):
-                proctree.kill_and_wait(w.root_pid)
-                killed.append(w.id)
-            if w.state not in ("exited", "moved"):
-                self.state.update_worker(w, state="lost", reason=why, fenced_epoch=epoch)
-            else:
-                self.state.update_worker(w, fenced_epoch=epoch)
-            net = workerns.from_dict(w.net)
-            if net:
-                workerns.destroy(net)
-        # its init's directory: empty now, removed once nothing works in it (not at once: on a machine
-        # whose hosts share /run, the rank's copy on the spare is being restored into that very path)
-        for w in [w for w in self.state.workers.values() if w.job == job and w.init_dir]:
-            t = threading.Timer(FENCED_INIT_DIR_KEEP_S, nsinit.remove_unused, args=(w.init_dir,))
-            t.daemon = True
-            t.start()
-        fences = self.fences()
-        fences[job] = max(epoch, fences.get(job, 0))
-        tmp = self.fences_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(fences))
-        os.replace(tmp, self.fences_file)
-        log.warning("job fenced on this host", job=job, epoch=epoch, killed=killed)
-        return {"job": job, "epoch": fences[job], "killed": killed}
-
-    def isolate(self, silent_s: float) -> bool:
-        """The coordinator has not answered for `silent_s`: this host may be the one cut off, and
-        the jobs with snapshots may be recovered elsewhere meanwhile.  Their ranks here stop
-        (SIGSTOP) and their namespaces drop all traffic, so a copy restored on a spare never meets
-        this one on the network.  Whether any was isolated now."""
-        nft = runtime.locate().nft
-        done = False
-        for w in list(self.state.workers.values()):
-            if w.snapshot_every_s and w.state == "running" and w.id not in self.isolated:
-                net = workerns.from_dict(w.net)
-                if net:
-                    workerns.lock(net, nft)
-                proctree.stop(proctree.tree(w.root_pid))
-                self.state.update_worker(w, state="paused", paused_at=time.time(),
-                                           reason=f"isolated: the coordinator did not answer for {silent_s:g} s")
-                self.isolated.add(w.id)
-                done = True
-        if done:
-            log.warning("the coordinator is out of reach: ranks of jobs with snapshots isolated until it answers",
-                        workers=sorted(self.isolated), silent_s=silent_s)
-        return done
-
-    def rejoin(self, fences: dict[str, int]) -> None:
-        """The coordinator answers again: ranks of a job it fenced meanwhile end (the job runs
-        elsewhere now); the others run on where they stopped."""
-        nft = runtime.locate().nft
-        for wid in sorted(self.isolated):
-            w = self.state.workers.get(wid)
-            if w is None:
-                continue
-            if w.job in fences:
-                self.fence(w.job, fences[w.job], "found isolated when the coordinator answered again")
-                continue
-            if w.state == "paused":
-                proctree.resume(proctree.tree(w.root_pid))
-                net = workerns.from_dict(w.net)
-                if net:
-                    workerns.unlock(net, nft)
-                self.state.update_worker(w, state="running", running_since=time.time(), reason=None)
-        log.info("the coordinator answers again; isolated ranks ended or resumed", workers=sorted(self.isolated),
-                 fenced=sorted(fences))
-        self.isolated.clear()
 
     def _verify(self, job: str, number: int, side: str, wid: str) -> None:
         """A part and every part it is a delta against are as they were written: own parts by the
