@@ -140,7 +140,7 @@ def test_a_restore_that_hangs_is_killed_with_what_it_forked(tmp_path, how):
 def test_an_agent_removes_images_of_moves_that_died_with_it(tmp_path):
     """Slots live in memory: at start every in-* directory is a dead move's, unless something
     still works in it (a lazy-pages daemon filling a worker restored before the restart)."""
-    from pitstop.agent.receiving import DestinationSide
+    from pitstop.agent.leftovers import Leftovers
     from pitstop.agent.settings import AgentSettings
     from pitstop.agent.state import AgentState
 
@@ -151,7 +151,7 @@ def test_an_agent_removes_images_of_moves_that_died_with_it(tmp_path):
         (s.images / name / "pages-1.img").write_bytes(b"x" * 4096)
     holder = subprocess.Popen(["sleep", "30"], cwd=s.images / "in-filling")
     try:
-        gone = DestinationSide(s, AgentState(s.state_dir)).remove_stale_slots()
+        gone = Leftovers(s, AgentState(s.state_dir)).remove_stale_slots()
         # while something works in it, the slot stays (checked before the holder ends: a
         # watcher removes it once it is unused, which raced the old assertion after the kill)
         assert gone == ["in-dead"]

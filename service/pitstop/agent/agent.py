@@ -20,6 +20,7 @@ from pitstop.agent import imagefs, reclaim
 from pitstop.agent.capturing import SourceSide
 from pitstop.agent.fencing import Fencing
 from pitstop.agent.handles import Handles
+from pitstop.agent.leftovers import Leftovers
 from pitstop.agent.receiving import DestinationSide, Slot
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.snapshots import Snapshots
@@ -82,7 +83,7 @@ class Agent:
         self.source.on_finished = self._count_capture
         reclaim.sweep(settings.images)
         self.source.reconcile()
-        self.dest.remove_stale_slots()
+        Leftovers(settings, self.state).remove_stale_slots()
         self.image_fs = imagefs.prepare(settings.images, enabled=settings.image_mount, size=settings.image_mount_size)
         self.dest.adopt()
         self.handles = Handles(settings, self.state)

@@ -42,6 +42,7 @@ from pitstop.agent.capture_kinds import (
 from pitstop.agent.dumper import Dumper, manifest
 from pitstop.agent.page_sources import PageSources
 from pitstop.agent.precopies import PRE_DIR_PREFIX, PreCopies
+from pitstop.agent.restore_kinds import RestoreOptions
 from pitstop.agent.sending import ImageSender, StreamingSend, dedup_pages
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import AgentState, Capture, Worker
@@ -457,10 +458,13 @@ class SourceSide:
         self._check_seal(cap)  # before the kill: refused, the source stays as it is (stopped)
         proctree.kill_and_wait(w.root_pid)
         faults.hit("rollback:before_restore")
-        restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
-                                             stdio=cap.stdio, replace=True, output_base=self.output_end(w),
-                                             gpu=cap.gpu, net=w.net, init_dir=w.init_dir,
-                                             reopen=file_identity.Reopen.read(cap.image_dir))
+        return self._restore_here(cap, w)
+
+    def _restore_here(self, cap: Capture, w: Worker) -> str:
+        """Restore the source from its own images, as it was dumped; then lift the dump's network lock."""
+        restored = self.restorer.restore_dir(Path(cap.image_dir), RestoreOptions(
+            worker_id=w.id, job=w.job, rank=w.rank, stdio=cap.stdio, output_base=self.output_end(w), gpu=cap.gpu,
+            net=w.net, init_dir=w.init_dir, reopen=file_identity.Reopen.read(cap.image_dir)))
         netlock.release(cap.run_id)
         return f"restored here as pid {restored.root_pid}"
 
@@ -533,7 +537,7 @@ class SourceSide:
                            action="only a capture whose images were sent can be committed")
         w = self.state.worker(cap.worker_id)
         if w.container is not None:  # gone since its checkpoint; the runtime forgets it here too
-            self._forget_container(w)
+            containers.forget(self.s, w, "it was moved: it runs on the destination")
         elif cap.state != "released":
             proctree.kill_and_wait(w.root_pid)
             self._drop_net(w)
@@ -547,16 +551,6 @@ class SourceSide:
         self.state.update_worker(w, state="moved", moved_to=moved_to)
         log.info("committed", capture=cid, worker=w.id, moved_to=moved_to)
         return cap
-
-    def _forget_container(self, w: Worker) -> None:
-        """The checkpointed container the source's runtime still lists (one not run with --rm):
-        after the commit the container runs on the destination only."""
-        try:
-            containers.podman(self.s).remove((w.container or {})["id"])
-        except PitstopError as e:
-            log.warning("could not remove the moved container from this host's runtime", worker=w.id,
-                        container=(w.container or {}).get("name"), error=e.message,
-                        action="remove it with `podman rm`; it does not run")
 
     def rollback(self, cid: str) -> Capture:
         cap = self.state.capture(cid)
@@ -576,12 +570,7 @@ class SourceSide:
                 self._await_exit(cid)
                 self._check_seal(cap)
                 faults.hit("rollback:before_restore")
-                restored = self.restorer.restore_dir(Path(cap.image_dir), worker_id=w.id, job=w.job, rank=w.rank,
-                                                     stdio=cap.stdio, replace=True, output_base=self.output_end(w),
-                                                     gpu=cap.gpu, net=w.net, init_dir=w.init_dir,
-                                                     reopen=file_identity.Reopen.read(cap.image_dir))
-                netlock.release(cap.run_id)
-                how = f"restored here as pid {restored.root_pid}"
+                how = self._restore_here(cap, w)
         except PitstopError as e:
             self._keep_failed(cap, e)
             raise

@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 
 from pitstop.agent.settings import AgentSettings
+from pitstop.agent.state import AgentState, Worker
 from pitstop.container import needs, ref
 from pitstop.container.podman import Podman, runtime_cannot_checkpoint
 from pitstop.criu import runtime
@@ -161,3 +162,41 @@ def launcher_pid(init: int, container: dict[str, Any]) -> dict[str, int] | None:
     start = proctree.start_time(pid) if pid else None
     return {"pid": pid, "start": start} if pid and start is not None else None
 
+
+def restored_worker(init: int, here: dict[str, Any], wk: dict[str, Any], owner_uid: int) -> Worker:
+    """The record of a container restored here (`restore`), from its manifest's worker entry."""
+    return Worker(id=wk["id"], job=wk["job"], rank=int(wk["rank"]), root_pid=init,
+                  start_time=proctree.start_time(init) or 0, restored=True, container=here,
+                  launcher=launcher_pid(init, here), world=wk.get("world"),
+                  slurm_job=wk.get("slurm_job"), snapshot_every_s=wk.get("snapshot_every_s"),
+                  owner_uid=owner_uid, running_since=time.time())
+
+
+def watch(s: AgentSettings, state: AgentState, w: Worker) -> None:
+    """Until a restored container ends: its status is the container's, as its runtime says
+    (its `pitstop run` reports it first, as a rule)."""
+    while proctree.is_running(w.root_pid, w.start_time):
+        time.sleep(0.5)
+    if w.state != "running":
+        return
+    code = None
+    try:
+        rec = podman(s).inspect((w.container or {}).get("id", ""))
+        code = (rec or {}).get("State", {}).get("ExitCode")
+    except PitstopError:
+        pass
+    if w.state == "running":
+        state.update_worker(w, state="exited", exit_code=code, ended_at=time.time())
+    log.info("restored container ended", worker=w.id, code=code)
+
+
+def forget(s: AgentSettings, w: Worker, why: str) -> None:
+    """Remove a container this host's runtime still lists but that runs elsewhere now (its move
+    committed) or must not run at all (a copy whose move was rolled back); a failure is logged
+    with what to do, never raised: the container does not run either way."""
+    try:
+        podman(s).remove((w.container or {}).get("id", ""))
+    except PitstopError as e:
+        log.warning("could not remove a container from this host's runtime", worker=w.id, why=why,
+                    container=(w.container or {}).get("name"), error=e.message,
+                    action="remove it with `podman rm`; it does not run")

@@ -24,16 +24,15 @@ import httpx
 import structlog
 
 from pitstop import faults, nsinit
-from pitstop.agent import containers, exitkeeper, peercred, reclaim, scope
-from pitstop.agent.restore_kinds import PageFill, RestorePlan
+from pitstop.agent import containers, exitkeeper, leftovers, peercred, reclaim, restore_views, scope
+from pitstop.agent.restore_kinds import PageFill, RestoreOptions, RestorePlan
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import LIVE_STATES, AgentState, Fill, Worker
 from pitstop.agent.timeouts import OUTPUT_PUMP_DRAIN_S
 from pitstop.criu import criu_ops, criufill, image_files, runtime
 from pitstop.errors import Conflict, InvalidRequest, NotFound, PitstopError, RestoreFailed, Unavailable
 from pitstop.gpu.checkpoint import GpuCheckpointer
-from pitstop.memory import cowpages, lazy_pages, lazydelta, lazyrule, precopy
-from pitstop.memory.dumpview import PAGE
+from pitstop.memory import lazy_pages, precopy
 from pitstop.network import workerns
 from pitstop.proc import file_identity, proctree
 from pitstop.transfer import dataport
@@ -42,8 +41,6 @@ from pitstop.transfer.stream import FreeSpace, StreamReceiver, file_stats, verif
 from pitstop.undo import Undo
 
 log = structlog.get_logger("pitstop.agent.restore")
-LAZY_VIEW = "lazy"  # in a delta's slot: what a lazy restore of it reads (memory/lazydelta.py)
-UNFILLED = "its memory could not be filled after a lazy restore: "  # a lost worker's reason
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -158,7 +155,7 @@ class DestinationSide:
         self.state.update_worker(w, state="lost", reason=why + "; this copy was stopped (the source runs the rank)")
         proctree.discard_copy(w.root_pid)
         if w.container is not None:
-            self._forget_container(w)
+            containers.forget(self.s, w, "its move was rolled back")
         log.warning("stopped a restored copy whose move was rolled back", worker=worker_id, reason=why)
 
     # -- restoring -----------------------------------------------------------------------------
@@ -218,14 +215,11 @@ class DestinationSide:
         wk = m.worker
         s.idle.clear()
         try:
-            w, fill = self._restore(directory, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
-                                    stdio=[p.model_dump() for p in m.stdio], replace=True,
-                                    output_base=m.output_base, gpu=m.gpu, phases=sub_phases,
-                                    net={**m.net, "netns": netns} if m.net and netns else m.net,
-                                    keep_peers=m.keep_peers, init_dir=wk.get("init_dir"), slurm_job=wk.get("slurm_job"),
-                                    lazy=plan.lazy, abort=s.abort,
-                                    pages_from=m.pages_from if plan.fill is PageFill.REMOTE else None,
-                                    local_index=index, reopen=file_identity.Reopen.of(m.file_ids, m.host))
+            opts = RestoreOptions.of_manifest(
+                m, net={**m.net, "netns": netns} if m.net and netns else m.net, keep_peers=m.keep_peers,
+                slurm_job=wk.get("slurm_job"), lazy=plan.lazy,
+                pages_from=m.pages_from if plan.fill is PageFill.REMOTE else None, local_index=index)
+            w, fill = self._restore(directory, opts, abort=s.abort, phases=sub_phases)
             with self.lock:
                 s.restored = w.id
                 abandoned = s.abort.is_set()  # discard() sets it under this lock
@@ -261,11 +255,7 @@ class DestinationSide:
             faults.hit("restore:before_criu")
             init, rec, phases = containers.restore(self.s, s.directory, m.container)
             uids = peercred.process_uids(init)
-            w = Worker(id=wk["id"], job=wk["job"], rank=int(wk["rank"]), root_pid=init,
-                       start_time=proctree.start_time(init) or 0, restored=True, container=rec,
-                       launcher=containers.launcher_pid(init, rec), world=wk.get("world"),
-                       slurm_job=wk.get("slurm_job"), snapshot_every_s=wk.get("snapshot_every_s"),
-                       owner_uid=uids.pop() if len(uids) == 1 else 0, running_since=time.time())
+            w = containers.restored_worker(init, rec, wk, owner_uid=uids.pop() if len(uids) == 1 else 0)
             with self.state.lock:
                 self.state.workers[w.id] = w
                 self.state.save()
@@ -278,52 +268,15 @@ class DestinationSide:
                                     action="nothing to do: the source runs the worker")
         finally:
             s.idle.set()
-        threading.Thread(target=self._watch_container, args=(w,), daemon=True, name=f"ctr-{w.id}").start()
+        threading.Thread(target=containers.watch, args=(self.s, self.state, w), daemon=True,
+                         name=f"ctr-{w.id}").start()
         self.discard(s.image_id, abandon=False)
         log.info("restored a container", worker=w.id, container=rec.get("name"), pid=init)
         return w, {"verify": t1 - t0, "restore": time.monotonic() - t1, **phases}
 
-    def _watch_container(self, w: Worker) -> None:
-        """Until the restored container ends: its status is the container's, as its runtime says
-        (its `pitstop run` reports it first, as a rule)."""
-        while proctree.is_running(w.root_pid, w.start_time):
-            time.sleep(0.5)
-        if w.state != "running":
-            return
-        code = None
-        try:
-            rec = containers.podman(self.s).inspect((w.container or {}).get("id", ""))
-            code = (rec or {}).get("State", {}).get("ExitCode")
-        except PitstopError:
-            pass
-        if w.state == "running":
-            self.state.update_worker(w, state="exited", exit_code=code, ended_at=time.time())
-        log.info("restored container ended", worker=w.id, code=code)
-
-    def _forget_container(self, w: Worker) -> None:
-        try:
-            containers.podman(self.s).remove((w.container or {}).get("id", ""))
-        except PitstopError as e:
-            log.warning("could not remove an abandoned container copy", worker=w.id, error=e.message)
-
     def _check_criu_reads(self, s: Slot, plan: RestorePlan) -> None:
-        """An image whose children share pages with their parent (PE_COW, written by the CRIU pitstop
-        carries, or by a pre-copy where it runs) restores only with that CRIU: a stock one would read
-        those pages from the child's own pages file, where they are not, and restore garbage.
-        Refused before CRIU runs."""
-        rt = runtime.locate()
-        if rt.carried:
-            return
         ps = self.slots.get(plan.parent) if plan.parent else None
-        tasks = sorted({pid for d in (s.directory, *([ps.directory] if ps else []))
-                        for pid in cowpages.needs_carried_criu(d, rt.import_pycriu())})
-        if tasks:
-            raise RestoreFailed(f"image {s.image_id} was dumped by pitstop's CRIU: tasks {tasks} share pages with "
-                                f"their parent (PE_COW), which this host's {rt.source} CRIU {rt.version_str} "
-                                "cannot restore",
-                                action="the move rolls back; run `pitstop provision-criu` on this host (it builds "
-                                       "the carried CRIU; `pitstop doctor` says which CRIU runs), or move to a host "
-                                       "that has it")
+        restore_views.check_criu_reads(s.image_id, [s.directory, *([ps.directory] if ps else [])])
 
     def _restore_from(self, s: Slot, plan: RestorePlan) -> tuple[Path, Path | None]:
         """The directory CRIU restores from, and the local page server's index where a delta is
@@ -332,8 +285,8 @@ class DestinationSide:
         if plan.fill is not PageFill.LOCAL:
             return s.directory, None
         if parent is not None:
-            return self._lazy_view(s, parent)
-        return self._marked_view(s), None
+            return restore_views.lazy_delta_view(s.image_id, s.directory, parent)
+        return restore_views.marked_view(s.image_id, s.directory), None
 
     def _link_parent(self, s: Slot, parent_id: str) -> Path:
         """A delta's PE_PARENT pages are read from its pre-copy: CRIU follows `parent` in the images.
@@ -350,35 +303,6 @@ class DestinationSide:
             link.symlink_to(os.path.relpath(ps.directory, s.directory))
         return ps.directory
 
-    def _lazy_view(self, s: Slot, parent: Path) -> tuple[Path, Path]:
-        """A delta restored lazily: CRIU's daemon cannot read its parent, so a local page server
-        answers it (memory/lazydelta.py).  The view to restore from, and the server's index."""
-        view = s.directory / LAZY_VIEW
-        shutil.rmtree(view, ignore_errors=True)  # a restore tried before
-        try:
-            lazydelta.view(s.directory, parent, view)
-        except OSError as e:
-            raise RestoreFailed(f"cannot write the lazy view of image {s.image_id}: {e}",
-                                action="the move rolls back; free space in the agent's image directory, or "
-                                       "restore eagerly (PITSTOP_AGENT_LAZY_RESTORE=0)") from None
-        return view, view / lazydelta.INDEX
-
-    def _marked_view(self, s: Slot) -> Path:
-        """A whole dump restored lazily from here: its pagemaps with pitstop's lazy marks, not
-        CRIU's, which now and then mark nothing lazy (memory/lazyrule.py).  The view to restore from."""
-        view = s.directory / LAZY_VIEW
-        shutil.rmtree(view, ignore_errors=True)  # a restore tried before
-        try:
-            changed = lazyrule.view(s.directory, view, runtime.locate().import_pycriu())
-        except OSError as e:
-            raise RestoreFailed(f"cannot write the lazy view of image {s.image_id}: {e}",
-                                action="the move rolls back; free space in the agent's image directory, or "
-                                       "restore eagerly (PITSTOP_AGENT_LAZY_RESTORE=0)") from None
-        if changed.made_lazy:
-            log.info("pitstop marked pages lazy that CRIU did not", image=s.image_id,
-                     made_lazy_bytes=changed.made_lazy * PAGE, made_eager_bytes=changed.made_eager * PAGE)
-        return view
-
     def _watch_fill(self, w: Worker, fill: lazy_pages.LazyFill, image_id: str) -> None:
         """Until every page is in place the worker depends on the daemon: if it fails, stop the worker.
 
@@ -390,7 +314,7 @@ class DestinationSide:
         ok, why = fill.wait(self.s.lazy_fill_timeout_s)
         if ok:
             log.info("memory filled", worker=w.id, seconds=round(fill.seconds, 3))
-            self._fill_ended(w, "filled", seconds=fill.seconds)
+            self.state.end_fill(w, "filled", seconds=fill.seconds)
             self.discard(image_id, abandon=False)
             return
         live = w.state in LIVE_STATES and proctree.exists(w.root_pid)
@@ -401,20 +325,14 @@ class DestinationSide:
             code = "" if w.exit_code is None else f", exit code {w.exit_code}"
             ended = "" if live or w.state != "exited" else f" (it had already ended{code})"
             self.state.update_worker(w, state="lost",
-                                     reason=UNFILLED + why + ended)
+                                     reason=leftovers.UNFILLED + why + ended)
             log.error("restored worker stopped: its memory could not be filled", worker=w.id, reason=why + ended,
                       action="the move had committed; the job's own recovery takes over from here "
                              f"(see {fill.images / lazy_pages.LOG} before the images go)")
         else:
             log.warning("the lazy fill failed after the worker had ended on its own", worker=w.id, reason=why)
-        self._fill_ended(w, "failed", seconds=fill.seconds, reason=why)
+        self.state.end_fill(w, "failed", seconds=fill.seconds, reason=why)
         self.discard(image_id, abandon=False)
-
-    def _fill_ended(self, w: Worker, state: str, seconds: float | None = None, reason: str | None = None) -> None:
-        if w.fill is not None:
-            self.state.update_worker(w, fill=w.fill.model_copy(update={
-                "state": state, "reason": reason, "ended": round(time.time(), 3),
-                "seconds": round(seconds if seconds is not None else time.time() - w.fill.started, 3)}))
 
     def _criu_restore(self, directory: Path, inherit: dict[str, int], net_fd: int | None, lazy: bool,
                       abort: threading.Event | None, phases: dict[str, float] | None) -> tuple[int, float]:
@@ -441,70 +359,50 @@ class DestinationSide:
                     phases["uffd_fill_threads"] = float(threads)
         return pid, secs
 
-    def restore_dir(self, directory: Path, *, worker_id: str, job: str, rank: int,
-                    stdio: list[dict[str, Any]], replace: bool = False,
-                    output_base: dict[str, int] | None = None, gpu: dict[str, Any] | None = None,
-                    net: dict[str, str] | None = None, init_dir: str | None = None,
-                    reopen: file_identity.Reopen | None = None) -> Worker:
-        """Restore whole images in `directory` (a rollback on the source); register the worker."""
-        return self._restore(directory, worker_id=worker_id, job=job, rank=rank, stdio=stdio, replace=replace,
-                             output_base=output_base, gpu=gpu, net=net, init_dir=init_dir, reopen=reopen)[0]
+    def restore_dir(self, directory: Path, opts: RestoreOptions) -> Worker:
+        """Restore whole images in `directory` (a rollback on the source, a snapshot's part);
+        register the worker."""
+        return self._restore(directory, opts)[0]
 
-    def _restore(self, directory: Path, *, worker_id: str, job: str, rank: int,
-                 stdio: list[dict[str, Any]], replace: bool = False, slurm_job: str | None = None,
-                 output_base: dict[str, int] | None = None, gpu: dict[str, Any] | None = None,
-                 phases: dict[str, float] | None = None, net: dict[str, str] | None = None,
-                 keep_peers: list[str] | None = None, lazy: bool = False,
-                 abort: threading.Event | None = None,
-                 pages_from: dict[str, Any] | None = None,
-                 local_index: Path | None = None,
-                 init_dir: str | None = None,
-                 reopen: file_identity.Reopen | None = None) -> tuple[Worker, lazy_pages.LazyFill | None]:
-        """Restore images in `directory`; register the result as a worker of this agent.
-
-        lazy: restore post-copy, memory filled by a lazy-pages daemon after the worker runs
-        again; the running daemon is returned for the caller to watch.  pages_from: the lazy
-        pages are on the source (post-copy over the network): the daemon fetches them there.
-        local_index: a delta and its pre-copy here, served to the daemon by a local page server.
-        reopen: the files the dump found, which every path CRIU reopens here must still be
-        (proc/file_identity.py); without it, paths through a symbolic link are still refused.
-        """
+    def _restore(self, directory: Path, opts: RestoreOptions, *, abort: threading.Event | None = None,
+                 phases: dict[str, float] | None = None) -> tuple[Worker, lazy_pages.LazyFill | None]:
+        """Restore images in `directory`; register the result as a worker of this agent.  With
+        `opts.lazy`, the running lazy-pages daemon is returned for the caller to watch."""
         with self.state.lock:
-            old = self.state.workers.get(worker_id)
-            if old and old.state in LIVE_STATES and not replace:
-                raise Conflict(f"worker {worker_id} already runs here", action="this would run it twice")
+            old = self.state.workers.get(opts.worker_id)
+            if old and old.state in LIVE_STATES and not opts.replace:
+                raise Conflict(f"worker {opts.worker_id} already runs here", action="this would run it twice")
         # CRIU reopens these as root: none may have become a link or another's file since the dump
-        (reopen or file_identity.Reopen({}, "")).check(image_files.reopened(directory), self.s.name)
+        (opts.reopen or file_identity.Reopen({}, "")).check(image_files.reopened(directory), self.s.name)
         try:  # its namespace's init works there: CRIU restores that working directory (nsinit.py)
-            nsinit.ensure(init_dir)
+            nsinit.ensure(opts.init_dir)
         except (ValueError, OSError) as e:
             raise RestoreFailed(f"cannot make the worker's init directory: {e}",
                                 action="check that this agent may create the directory the worker's "
                                        "launcher chose (PITSTOP_INIT_DIRS on the source host)") from None
-        inherit: dict[str, int] = {}
-        ours: list[tuple[int, str, int]] = []  # (our fd, stream name, their fd number)
-        theirs: list[int] = []
-        for p in stdio:
-            r, wfd = os.pipe()
-            if p["writable"]:
-                inherit[p["key"]] = wfd
-                theirs.append(wfd)
-                ours.append((r, "stderr" if p["fd"] == 2 else "stdout", p["fd"]))
-            else:
-                inherit[p["key"]] = r
-                theirs.append(r)
-                os.close(wfd)  # the worker reads EOF: stdin is never forwarded
+        pipes = _Pipes(opts.stdio)
         # Each step that leaves something behind pushes its way back; a failure unwinds them all
         # (pitstop/undo.py): the pipes, a namespace made here, the fill, a restored copy.
         undo = Undo(resumed_by="")
+        undo.push("pipes", lambda e: pipes.close())
+        try:
+            pid, fill = self._bring_back(directory, opts, pipes, undo, abort, phases)
+        except PitstopError as e:
+            undo.unwind(e)
+            raise
+        wn = workerns.from_dict(opts.net)
+        if wn:
+            reset = workerns.reset_unrelated(wn, opts.keep_peers) if opts.keep_peers is not None else 0
+            workerns.announce(wn)
+            workerns.unlock(wn, runtime.locate().nft)
+            log.info("worker address up here", worker=opts.worker_id, address=wn.address, reset_connections=reset)
+        return self._register(pid, directory, opts, pipes, fill), fill
 
-        def close_pipes(e: BaseException) -> None:
-            for fd in theirs + [o[0] for o in ours]:
-                os.close(fd)
-            theirs.clear()
-
-        undo.push("pipes", close_pipes)
-        wn = workerns.from_dict(net)
+    def _bring_back(self, directory: Path, opts: RestoreOptions, pipes: "_Pipes", undo: Undo,
+                    abort: threading.Event | None, phases: dict[str, float] | None) -> tuple[int, lazy_pages.LazyFill | None]:
+        """The worker's address (locked until its sockets exist again), its fill, CRIU's restore,
+        its GPUs: each with its way back on `undo`.  The restored tree's pid, and its fill."""
+        wn = workerns.from_dict(opts.net)
         nft = runtime.locate().nft if wn else None
         net_fd = None
         try:
@@ -516,13 +414,13 @@ class DestinationSide:
                     undo.push("network", lambda e: workerns.destroy(wn))
                 net_fd = os.open(wn.path, os.O_RDONLY)
             t_fill = time.monotonic()
-            fill = self._start_fill(directory, pages_from, local_index) if lazy else None
+            fill = self._start_fill(directory, opts.pages_from, opts.local_index) if opts.lazy else None
             if fill:
                 undo.push("fill", lambda e: fill.kill())
                 if phases is not None:
                     phases["fill_start"] = time.monotonic() - t_fill
-            with nsinit.pinned(init_dir):
-                pid, secs = self._criu_restore(directory, inherit, net_fd, fill is not None, abort, phases)
+            with nsinit.pinned(opts.init_dir):
+                pid, _ = self._criu_restore(directory, pipes.inherit, net_fd, fill is not None, abort, phases)
             if fill and faults.value("restore:kill_fill"):  # held, so that it cannot finish first
                 os.kill(fill.pid, signal.SIGSTOP)
             gone = fill.guard(pid) if fill else None
@@ -532,55 +430,51 @@ class DestinationSide:
                                     action="the move rolls back and the worker runs on from the source's "
                                            "full dump; check the source agent and the link, then retry")
             undo.push("copy", lambda e: proctree.discard_copy(pid))  # a copy without its GPU memory must never run
-            for fd in theirs:  # the restored tree holds its ends now
-                os.close(fd)
-            theirs.clear()
-            if gpu:
-                timings = self.gpu.resume_restored(pid, gpu)
+            pipes.handed_over()
+            if opts.gpu:
+                timings = self.gpu.resume_restored(pid, opts.gpu)
                 if phases is not None:
                     phases.update(timings)
-        except PitstopError as e:
-            undo.unwind(e)
-            raise
+            return pid, fill
         finally:
             if net_fd is not None:
                 os.close(net_fd)
-        if wn:
-            reset = workerns.reset_unrelated(wn, keep_peers) if keep_peers is not None else 0
-            workerns.announce(wn)
-            workerns.unlock(wn, nft)
-            log.info("worker address up here", worker=worker_id, address=wn.address, reset_connections=reset)
+
+    def _register(self, pid: int, directory: Path, opts: RestoreOptions, pipes: "_Pipes",
+                  fill: lazy_pages.LazyFill | None) -> Worker:
+        """The restored tree runs: its output pumped, its exit status kept, its cgroup, its record."""
+        wid = opts.worker_id
         running = time.time()  # restored and reachable: its pause is over (the ledger's rank_pause_s)
         for stream in ("stdout", "stderr"):  # a fresh file: offsets are relative to output_base
-            (self.outputs / f"{worker_id}.{stream}").unlink(missing_ok=True)
-        pumps = [_start_pump(fd, self.outputs / f"{worker_id}.{stream}") for fd, stream, _ in ours]
+            (self.outputs / f"{wid}.{stream}").unlink(missing_ok=True)
+        pumps = [_start_pump(fd, self.outputs / f"{wid}.{stream}") for fd, stream in pipes.ours]
         started = proctree.start_time(pid) or 0
         # its exit status, should this agent restart (agent/exitkeeper.py)
-        keeper = exitkeeper.start(worker_id, pid, started, owner=str(self.s.state_dir))
+        keeper = exitkeeper.start(wid, pid, started, owner=str(self.s.state_dir))
         # its own cgroup where systemd runs the host, pumps and keeper included (agent/scope.py)
-        scope.place(worker_id, pid, more=tuple(p.pid for p in pumps) + ((keeper.pid,) if keeper else ()))
+        scope.place(wid, pid, more=tuple(p.pid for p in pumps) + ((keeper.pid,) if keeper else ()))
         if fill:  # the worker's memory depends on it: an agent restart must not take it down
-            scope.place(worker_id + "-fill", fill.pid, more=fill.pids[1:])
+            scope.place(wid + "-fill", fill.pid, more=fill.pids[1:])
         faults.hit("restore:before_register")  # the worker runs; a rollback may look for it meanwhile
         uids = peercred.process_uids(pid)  # the restored tree's owner, as the local socket checks callers
         # what the record held of its launcher and scheduler where it ran here before (a rollback):
         # the launcher still ends it, the Slurm job still owns it
-        was = self.state.workers.get(worker_id)
-        w = Worker(id=worker_id, job=job, rank=rank, root_pid=pid, start_time=started,
+        was = self.state.workers.get(wid)
+        w = Worker(id=wid, job=opts.job, rank=opts.rank, root_pid=pid, start_time=started,
                    launcher=was.launcher if was else None, world=was.world if was else None,
-                   slurm_job=slurm_job or (was.slurm_job if was else None),
+                   slurm_job=opts.slurm_job or (was.slurm_job if was else None),
                    snapshot_every_s=was.snapshot_every_s if was else None,
                    protected_by=was.protected_by if was else None,
                    owner_uid=uids.pop() if len(uids) == 1 else 0,
-                   restored=True, output_base=output_base or {}, net=net, init_dir=init_dir, running_since=running,
-                   keeper=keeper.to_dict() if keeper else None,
-                   fill=Fill(source=(pages_from or {}).get("url"), images=str(directory)) if fill else None)
+                   restored=True, output_base=opts.output_base, net=opts.net, init_dir=opts.init_dir,
+                   running_since=running, keeper=keeper.to_dict() if keeper else None,
+                   fill=Fill(source=(opts.pages_from or {}).get("url"), images=str(directory)) if fill else None)
         with self.state.lock:
-            self.state.workers[worker_id] = w
+            self.state.workers[wid] = w
             self.state.save()
-        threading.Thread(target=self._reap, args=(w, pumps), daemon=True, name=f"reap-{worker_id}").start()
-        log.info("restored", worker=worker_id, pid=pid)
-        return w, fill
+        threading.Thread(target=self._reap, args=(w, pumps), daemon=True, name=f"reap-{wid}").start()
+        log.info("restored", worker=wid, pid=pid)
+        return w
 
     def _start_fill(self, directory: Path, pages_from: dict[str, Any] | None,
                     local_index: Path | None = None) -> lazy_pages.LazyFill:
@@ -634,58 +528,6 @@ class DestinationSide:
         k = exitkeeper.Keeper.from_dict(w.keeper)
         return exitkeeper.exit_status(k) if k else None
 
-    def remove_stale_slots(self) -> list[str]:
-        """At start: images an earlier run of this agent was receiving or restoring from.
-
-        Slots live in memory, so every `in-*` directory found now belongs to a move that died
-        with that process; its operation has failed and rolled back on the source.  One still
-        in use (a lazy-pages daemon filling a worker it restored works in it) is kept."""
-        busy = _dirs_in_use(self.s.images)
-        gone = []
-        for d in self.s.images.glob("in-*"):
-            if not d.is_dir():
-                continue
-            if d in busy:  # a fill that outlived the previous agent: its images go when it ends
-                threading.Thread(target=self._remove_when_unused, args=(d,), daemon=True,
-                                 name=f"fill-images-{d.name}").start()
-                continue
-            self._settle_fills(d)
-            shutil.rmtree(d, ignore_errors=True)
-            gone.append(d.name)
-        for w in list(self.state.workers.values()):  # a fill whose images are gone ended too
-            if w.fill and w.fill.state == "filling" and not Path(w.fill.images).exists():
-                self._settle_fills(Path(w.fill.images))
-        if gone:
-            log.info("removed images of moves that died with the previous agent", slots=gone)
-        return gone
-
-    def _settle_fills(self, d: Path) -> None:
-        """Record how the fills that worked in `d` ended, which nobody watched: the previous
-        agent started them and the restart lost their daemons' exit status (lazy_pages.ended_unwatched)."""
-        for w in list(self.state.workers.values()):
-            if not (w.fill and w.fill.state == "filling" and d in (Path(w.fill.images), Path(w.fill.images).parent)):
-                continue  # a delta's fill works in its slot's lazy view (_lazy_view)
-            alive = proctree.is_running(w.root_pid, w.start_time)
-            ok, why = lazy_pages.ended_unwatched(Path(w.fill.images), alive)
-            if ok is False and w.state in ("running", "exited"):  # the relay stopped it, or it read zeros
-                if alive:
-                    proctree.kill_tree(w.root_pid)
-                self.state.update_worker(w, state="lost", reason=UNFILLED + why)
-            self._fill_ended(w, {True: "filled", False: "failed", None: "unknown"}[ok],
-                             reason=why or "it ended while the agent was restarting")
-            log.info("a fill that outlived the previous agent has ended", worker=w.id, state=w.fill.state,
-                     reason=w.fill.reason)
-
-    def _remove_when_unused(self, d: Path, every_s: float = 2.0) -> None:
-        """Nobody watches a fill the previous agent started: its daemon (and page relay) end on
-        their own, the relay stopping the worker if the source fails; then the images go."""
-        log.info("a lazy fill outlived the previous agent; its images go when it ends", slot=d.name)
-        while d.exists() and d in _dirs_in_use(self.s.images):
-            time.sleep(every_s)
-        self._settle_fills(d)
-        shutil.rmtree(d, ignore_errors=True)
-        log.info("removed the images of a fill that outlived the previous agent", slot=d.name)
-
     def adopt(self) -> None:
         """After this agent restarted: watch the workers an earlier run of it restored.
 
@@ -696,8 +538,12 @@ class DestinationSide:
         status unknown."""
         for w in list(self.state.workers.values()):
             if w.restored and w.state == "running":
-                watch = self._watch_container if w.container is not None else self._watch_adopted
-                threading.Thread(target=watch, args=(w,), daemon=True, name=f"adopted-{w.id}").start()
+                if w.container is not None:
+                    threading.Thread(target=containers.watch, args=(self.s, self.state, w), daemon=True,
+                                     name=f"adopted-{w.id}").start()
+                else:
+                    threading.Thread(target=self._watch_adopted, args=(w,), daemon=True,
+                                     name=f"adopted-{w.id}").start()
 
     def _watch_adopted(self, w: Worker) -> None:
         while proctree.is_running(w.root_pid, w.start_time):
@@ -726,33 +572,38 @@ class DestinationSide:
             return f.read(limit)
 
 
-def _dirs_in_use(root: Path) -> set[Path]:
-    """Directories directly under `root` that some process works in or holds a file of."""
-    out: set[Path] = set()
-    top = str(root.resolve()) + "/"
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        # One link at a time: a busy process (a lazy-pages daemon filling, the very one looked
-        # for) closes fds between the listing and the readlink, and one fd gone must not hide
-        # its other files and its working directory.
-        links = []
-        for link in ["cwd", *(f"fd/{fd}" for fd in _listdir(f"/proc/{pid}/fd"))]:
-            try:
-                links.append(os.readlink(f"/proc/{pid}/{link}"))
-            except OSError:
-                continue
-        for ln in links:
-            if ln.startswith(top):
-                out.add(root / ln[len(top):].split("/", 1)[0])
-    return out
+class _Pipes:
+    """The restored tree's stdio: a fresh pipe for each pipe it had, its ends handed to CRIU
+    (inherit_fd), ours pumped into the worker's output files.  stdin is never forwarded: the
+    worker reads EOF."""
 
+    def __init__(self, stdio: list[dict[str, Any]]) -> None:
+        self.inherit: dict[str, int] = {}  # CRIU's key -> the fd the restored tree gets
+        self.ours: list[tuple[int, str]] = []  # (our read end, stream name)
+        self._theirs: list[int] = []
+        for p in stdio:
+            r, wfd = os.pipe()
+            if p["writable"]:
+                self.inherit[p["key"]] = wfd
+                self._theirs.append(wfd)
+                self.ours.append((r, "stderr" if p["fd"] == 2 else "stdout"))
+            else:
+                self.inherit[p["key"]] = r
+                self._theirs.append(r)
+                os.close(wfd)
 
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:  # the process has gone, or its fd table is not ours to read
-        return []
+    def handed_over(self) -> None:
+        """The restored tree holds its ends now: ours of theirs close."""
+        for fd in self._theirs:
+            os.close(fd)
+        self._theirs.clear()
+
+    def close(self) -> None:
+        """Undo: the restore failed; every end closes."""
+        for fd in self._theirs + [o[0] for o in self.ours]:
+            os.close(fd)
+        self._theirs.clear()
+        self.ours.clear()
 
 
 def _start_pump(fd: int, path: Path) -> subprocess.Popen:

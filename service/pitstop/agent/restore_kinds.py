@@ -19,8 +19,11 @@ re-deciding from the manifest's fields at every turn:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+from pitstop.proc import file_identity
 from pitstop.transfer.manifest import Manifest
 
 
@@ -53,3 +56,41 @@ class RestorePlan:
     def describe(self) -> str:
         delta = f"a delta against {self.parent}" if self.parent else "a whole dump"
         return f"{delta}, memory filled {self.fill.value}"
+
+
+@dataclass(frozen=True)
+class RestoreOptions:
+    """What one restore registers, and how: one typed object (DestinationSide._restore), built
+    from a manifest (a move's image, a snapshot's part: `of_manifest`) or from the worker's own
+    record (a rollback on the source), in one place each.
+
+    lazy: restore post-copy, memory filled by a lazy-pages daemon after the worker runs again.
+    pages_from: the lazy pages are on the source (post-copy over the network): the daemon fetches
+    them there.  local_index: a delta and its pre-copy here, served to the daemon by a local page
+    server.  reopen: the files the dump found, which every path CRIU reopens here must still be
+    (proc/file_identity.py); without it, paths through a symbolic link are still refused."""
+
+    worker_id: str
+    job: str
+    rank: int
+    stdio: list[dict[str, Any]]
+    replace: bool = True  # a worker of that id already here (a rollback) is replaced
+    slurm_job: str | None = None
+    output_base: dict[str, int] = field(default_factory=dict)
+    gpu: dict[str, Any] | None = None
+    net: dict[str, str] | None = None
+    keep_peers: list[str] | None = None
+    init_dir: str | None = None
+    reopen: file_identity.Reopen | None = None
+    lazy: bool = False
+    pages_from: dict[str, Any] | None = None
+    local_index: Path | None = None
+
+    @classmethod
+    def of_manifest(cls, m: Manifest, *, net: dict[str, str] | None, **more: Any) -> RestoreOptions:
+        """A dumped worker as its manifest describes it; `net`: its address here (the manifest's,
+        or one under a namespace name of its own); `more`: what only some restores set."""
+        wk = m.worker
+        return cls(worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]), stdio=[p.model_dump() for p in m.stdio],
+                   output_base=m.output_base, gpu=m.gpu or None, net=net, init_dir=wk.get("init_dir"),
+                   reopen=file_identity.Reopen.of(m.file_ids, m.host), **more)

@@ -34,6 +34,7 @@ import structlog
 from pitstop import faults, shimctl
 from pitstop.agent.dumper import manifest
 from pitstop.agent.part_tracking import PartTracking
+from pitstop.agent.restore_kinds import RestoreOptions
 from pitstop.agent.settings import AgentSettings
 from pitstop.agent.state import AgentState, Worker
 from pitstop.criu import criu_ops, criutrack, image_files, runtime, seal
@@ -603,10 +604,7 @@ class Snapshots:
         wn = workerns.from_dict(net)
         if wn and fresh_net:
             net = {**wn.to_dict(), "netns": f"{workerns.netns_name(str(wk['id']))}-{secrets.token_hex(3)}"}
-        w = self.dest.restore_dir(d, worker_id=wk["id"], job=wk["job"], rank=int(wk["rank"]),
-                                    stdio=[p.model_dump() for p in m.stdio], replace=True, output_base=m.output_base,
-                                    gpu=m.gpu or None, net=net, init_dir=wk.get("init_dir"),
-                                    reopen=file_identity.Reopen.of(m.file_ids, m.host))
+        w = self.dest.restore_dir(d, RestoreOptions.of_manifest(m, net=net))
         if wk.get("snapshot_every_s"):
             self.state.update_worker(w, snapshot_every_s=float(wk["snapshot_every_s"]))
         if protected_by is not None:

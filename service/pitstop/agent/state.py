@@ -194,6 +194,13 @@ class AgentState:
             c.updated = time.time()
             self.save()
 
+    def end_fill(self, w: Worker, state: str, seconds: float | None = None, reason: str | None = None) -> None:
+        """Record how the worker's lazy fill ended (filled, failed, unknown), and after how long."""
+        if w.fill is not None:
+            self.update_worker(w, fill=w.fill.model_copy(update={
+                "state": state, "reason": reason, "ended": round(time.time(), 3),
+                "seconds": round(seconds if seconds is not None else time.time() - w.fill.started, 3)}))
+
     def update_worker(self, w: Worker, **changes: Any) -> None:
         with self.lock:
             for k, v in changes.items():
