@@ -11,9 +11,10 @@ import threading
 
 import pytest
 
-from pitstop.coordinator.recovery import TYPE_URL, Recoveries
+from pitstop.coordinator.recovery import Recoveries
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import Store, StoreUnavailable
+from pitstop.wire.recovery_state import TYPE_URL
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,7 +37,7 @@ def _read_only(store: Store, on: bool) -> None:
 def rec(tmp_path):
     store = Store(tmp_path / "c.db")
     store.create_op("recover-1", "host-b", None, {"@type": TYPE_URL, "job": "train", "node": "host-b",
-                                                  "phases": {}, "conditions": []}, None)
+                                                  "snapshot": 1, "phases": {}, "conditions": []}, None)
     return Recoveries(store, CoordinatorSettings(db=tmp_path / "c.db", watchdog_s=0.05), _Snaps(), lambda: {})
 
 
@@ -63,7 +64,8 @@ def test_a_recovery_whose_thread_ended_on_a_refused_write_is_run_again_once_the_
 
     def finishes(op_id, md):  # noqa: ANN001, ANN202
         ran.append(op_id)
-        rec._final(op_id, metadata={**md, "result": "succeeded"}, done=True, result="succeeded")
+        md.result = "succeeded"
+        rec._final(op_id, md, done=True, result="succeeded")
 
     monkeypatch.setattr(rec, "_recover", finishes)
     assert rec.watch() == ["recover-1"]
@@ -79,7 +81,8 @@ def test_a_recovery_over_on_the_agents_is_recorded_not_run_again(rec, monkeypatc
     def finishes(op_id, md):  # noqa: ANN001, ANN202
         ran.append(op_id)
         _read_only(rec.store, True)  # its last write is refused
-        rec._final(op_id, metadata={**md, "result": "succeeded"}, done=True, result="succeeded")
+        md.result = "succeeded"
+        rec._final(op_id, md, done=True, result="succeeded")
 
     monkeypatch.setattr(rec, "_recover", finishes)
     rec.start_thread("recover-1")

@@ -11,6 +11,7 @@ from pitstop.coordinator.snapshots import buddies, interval
 from pitstop.coordinator.store import Store
 from pitstop.errors import FailedPrecondition
 from pitstop.launcher.run import bad_snapshot_every
+from pitstop.wire.snapshot_record import SnapshotRecord
 
 
 def _host(name, role="active", age=0.0, domain=None):
@@ -70,23 +71,23 @@ def test_a_snapshot_begun_before_a_recovery_never_commits(tmp_path):
 
     s = Store(tmp_path / "c.db")
     snaps = Snapshots(s, CoordinatorSettings(insecure=True), busy=dict)
-    s.put_snapshot("j", 1, "committed", {"parts": {}})
+    s.put_snapshot("j", 1, "committed", SnapshotRecord())
     for n in (2, 3, 4):  # each recorded as it began
-        s.put_snapshot("j", n, "taking", {"parts": {}})
-    snaps.commit("j", 2, {"parts": {}}, generation=0)  # no recovery meanwhile: it counts
+        s.put_snapshot("j", n, "taking", SnapshotRecord())
+    snaps.commit("j", 2, SnapshotRecord(), generation=0)  # no recovery meanwhile: it counts
     snaps.hold("j")  # a recovery begins from snapshot 2 ...
     with pytest.raises(Conflict, match="recovery of the job began"):
-        snaps.commit("j", 3, {"parts": {}}, generation=0)
+        snaps.commit("j", 3, SnapshotRecord(), generation=0)
     snaps.release("j")  # ... and ends; snapshot 3, begun before it, completes only now
     with pytest.raises(Conflict, match="recovery of the job began"):
-        snaps.commit("j", 3, {"parts": {}}, generation=0)
-    assert {x["number"]: x["state"] for x in s.snapshots("j")} == {1: "committed", 2: "committed", 3: "failed",
+        snaps.commit("j", 3, SnapshotRecord(), generation=0)
+    assert {x.number: x.state for x in s.snapshots("j")} == {1: "committed", 2: "committed", 3: "failed",
                                                                     4: "taking"}
-    snaps.commit("j", 4, {"parts": {}}, generation=1)  # one begun after the recovery counts
-    s.put_snapshot("j", 5, "taking", {"parts": {}})
+    snaps.commit("j", 4, SnapshotRecord(), generation=1)  # one begun after the recovery counts
+    s.put_snapshot("j", 5, "taking", SnapshotRecord())
     s.forget_snapshots("j", keep=None)  # the job's snapshots dropped (a failed recovery) while 5 was taken
     with pytest.raises(Conflict, match="were dropped"):
-        snaps.commit("j", 5, {"parts": {}}, generation=1)
+        snaps.commit("j", 5, SnapshotRecord(), generation=1)
     assert s.snapshots("j") == []  # nothing written back
 
 
@@ -127,12 +128,12 @@ def test_the_interval_is_the_apis_else_the_smallest_a_rank_asked(tmp_path):
 
 def test_snapshot_records_and_fences_in_the_store(tmp_path):
     s = Store(tmp_path / "c.db")
-    s.put_snapshot("j", 1, "committed", {"parts": {}})
-    s.put_snapshot("j", 2, "taking", {"parts": {}})
-    s.put_snapshot("j", 2, "committed", {"parts": {}, "pause_s": 0.5})
-    assert [(x["number"], x["state"]) for x in s.snapshots("j")] == [(1, "committed"), (2, "committed")]
+    s.put_snapshot("j", 1, "committed", SnapshotRecord())
+    s.put_snapshot("j", 2, "taking", SnapshotRecord())
+    s.put_snapshot("j", 2, "committed", SnapshotRecord(pause_s=0.5))
+    assert [(x.number, x.state) for x in s.snapshots("j")] == [(1, "committed"), (2, "committed")]
     s.forget_snapshots("j", keep=2)
-    assert [x["number"] for x in s.snapshots("j")] == [2] and s.snapshots("j")[0]["pause_s"] == 0.5
+    assert [x.number for x in s.snapshots("j")] == [2] and s.snapshots("j")[0].record.pause_s == 0.5
     s.fence("j", "b", epoch=7)
     assert s.fences(host="b", unacked=True)[0]["epoch"] == 7
     # a fenced host's reports of the job's workers are ignored until the fence is acknowledged
@@ -172,7 +173,7 @@ def _crash_world(tmp_path, ends: dict[str, list[tuple[str, float | None, dict]]]
                        "ended_at": at, **extra})
             rank += 1
         s.heartbeat({"name": host, "url": f"http://{host}:7070", "spare": False, "workers": ws})
-    s.put_snapshot("j", 1, "committed", {"parts": {}})
+    s.put_snapshot("j", 1, "committed", SnapshotRecord())
     s._x("UPDATE snapshots SET created=?", (snapshot_at,))
     settings = CoordinatorSettings(insecure=True)
     return Recoveries(s, settings, Snapshots(s, settings, busy=dict), busy=dict)
@@ -269,7 +270,7 @@ def test_a_snapshot_that_fails_after_the_jobs_snapshots_were_dropped_writes_no_r
                      "workers": [{"id": "j.0", "job": "j", "rank": 0, "state": "running", "world": 2}] if h == "a" else
                      [{"id": "j.1", "job": "j", "rank": 1, "state": "running", "world": 2}] if h == "b" else []})
     snaps = Snapshots(s, CoordinatorSettings(insecure=True), busy=dict)
-    s.put_snapshot("j", 1, "committed", {"parts": {}})
+    s.put_snapshot("j", 1, "committed", SnapshotRecord())
 
     class Silent:
         def __init__(self, *a, **k):  # noqa: ANN002, ANN003
@@ -298,8 +299,8 @@ def test_a_snapshot_that_fails_after_the_jobs_snapshots_were_dropped_writes_no_r
         snaps.take("j")
     assert s.snapshots("j") == [], "no record written back after the drop"
     # a failure with the records still there is recorded as before
-    s.put_snapshot("j", 1, "committed", {"parts": {}})
+    s.put_snapshot("j", 1, "committed", SnapshotRecord())
     monkeypatch.setattr(Silent, "__getattr__", lambda self, name: (_ for _ in ()).throw(PitstopError("refused")))
     with pytest.raises(PitstopError, match="refused"):
         snaps.take("j")
-    assert [(x["number"], x["state"]) for x in s.snapshots("j")] == [(1, "committed"), (2, "failed")]
+    assert [(x.number, x.state) for x in s.snapshots("j")] == [(1, "committed"), (2, "failed")]

@@ -13,6 +13,7 @@ import pytest
 from pitstop.coordinator.database import describe, open_store, parse, shared
 from pitstop.coordinator.schema import MIGRATIONS
 from pitstop.coordinator.store import NotLeader, StoreUnavailable
+from pitstop.wire.snapshot_record import SnapshotRecord
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -126,13 +127,16 @@ def test_snapshots_policies_and_fences(store):
     assert store.snapshot_policy("j") == 30.0
     store.set_snapshot_policy("j", None)
     assert store.snapshot_policy("j") is None
-    store.put_snapshot("j", 1, "taking", {"hosts": ["a"]})
-    store.put_snapshot("j", 1, "committed", {"hosts": ["a"], "bytes": 5})
-    store.put_snapshot("j", 2, "failed", {})
-    assert [(s["number"], s["state"]) for s in store.snapshots("j")] == [(1, "committed"), (2, "failed")]
-    assert store.snapshots("j")[0]["bytes"] == 5 and store.snapshot_jobs() == ["j"]
+    store.put_snapshot("j", 1, "taking", SnapshotRecord(buddies={"a": "b"}))
+    store.put_snapshot("j", 1, "committed", SnapshotRecord(buddies={"a": "b"}, bytes=5))
+    store.put_snapshot("j", 2, "failed", SnapshotRecord(error="a host went silent"))
+    assert [(s.number, s.state) for s in store.snapshots("j")] == [(1, "committed"), (2, "failed")]
+    first = store.snapshots("j")[0]
+    assert first.record.bytes == 5 and first.record.buddies == {"a": "b"} and store.snapshot_jobs() == ["j"]
+    assert first.public() == {"job": "j", "number": 1, "state": "committed", "created": first.created,
+                              "schema_version": 1, "buddies": {"a": "b"}, "bytes": 5}
     store.forget_snapshots("j", keep=1)
-    assert [s["number"] for s in store.snapshots("j")] == [1]
+    assert [s.number for s in store.snapshots("j")] == [1]
     epoch = int(time.time() * 1000)  # milliseconds: past 32 bits
     store.fence("j", "a", epoch)
     assert store.fences(host="a", unacked=True)[0]["epoch"] == epoch

@@ -58,7 +58,7 @@ class Leftovers:
         agent started them and the restart lost their daemons' exit status (lazy_pages.ended_unwatched)."""
         for w in list(self.state.workers.values()):
             if not (w.fill and w.fill.state == "filling" and d in (Path(w.fill.images), Path(w.fill.images).parent)):
-                continue  # a delta's fill works in its slot's lazy view (_lazy_view)
+                continue  # a delta's fill works in its slot's lazy view (restore_views.lazy_delta_view)
             alive = proctree.is_running(w.root_pid, w.start_time)
             ok, why = lazy_pages.ended_unwatched(Path(w.fill.images), alive)
             if ok is False and w.state in ("running", "exited"):  # the relay stopped it, or it read zeros

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from pitstop.wire.evacuation import EvacuationState, PauseEnd
+from pitstop.wire.recovery_state import TYPE_URL as RECOVERY_TYPE_URL
 
 
 def entry(op: dict[str, Any]) -> dict[str, Any]:
     """A finished operation's ledger entry: an evacuation's, or a recovery's (kind says which)."""
-    if op["metadata"].get("@type") == RECOVERY_TYPE:
+    if op["metadata"].get("@type") == RECOVERY_TYPE_URL:
         return recovery_entry(op)
     md = EvacuationState.load(op["metadata"])
     planned = next((c for c in md.conditions if c.type == "Planned"), None)
@@ -90,9 +91,6 @@ def _fill_end(fill: dict[str, Any]) -> float | None:
     if fill.get("started") is not None and fill.get("seconds") is not None:
         return float(fill["started"]) + float(fill["seconds"])
     return None
-
-
-RECOVERY_TYPE = "type.pitstop.dev/RecoverMetadata"  # coordinator/recovery.py's TYPE_URL
 
 
 def recovery_entry(op: dict[str, Any]) -> dict[str, Any]:

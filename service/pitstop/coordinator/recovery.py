@@ -40,10 +40,11 @@ from pitstop.coordinator.store import BaseStore, StoreUnavailable
 from pitstop.coordinator.timeouts import RECOVERY_AGENT_TIMEOUT_S, TAKEOVER_BACKOFF_MAX_S
 from pitstop.errors import Conflict, FailedPrecondition, NotFound, PitstopError
 from pitstop.wire.agent_client import AgentClient, Fence
+from pitstop.wire.recovery_state import TYPE_URL, RecoveryState
+from pitstop.wire.snapshot_record import SnapshotPart
 
 log = structlog.get_logger("pitstop.coordinator.recovery")
 
-TYPE_URL = "type.pitstop.dev/RecoverMetadata"
 CRASH_WINDOW_S = 2.0  # a host's ranks of a job that all failed within this of each other failed "at once"
 CRASH_RECOVERIES_PER_HOUR = 3  # a job whose ranks keep failing so is then left to its operator
 CRASH_BY = "the coordinator (ranks failed"
@@ -67,8 +68,8 @@ class Plan:
     lost: str                         # the failed host
     number: int                       # the committed snapshot everything is rolled back to
     nccl: bool                        # its ranks were parked at the NCCL cut: communicators re-created after
-    parts: dict[str, dict[str, Any]]  # worker -> {host, rank, buddy}, as the snapshot's record has them
-    lost_parts: dict[str, dict[str, Any]]  # the failed host's workers: restored on a spare from replicas
+    parts: dict[str, SnapshotPart]  # worker -> its part's host, rank and buddy, as the snapshot's record has them
+    lost_parts: dict[str, SnapshotPart]  # the failed host's workers: restored on a spare from replicas
     survivors: dict[str, list[str]]   # host -> its workers: rolled back there from its own parts
     alive: set[str]                   # hosts heard from, the failed one aside
     # an NCCL job's progress at the snapshot (per worker): operations issued, and a step's operations
@@ -104,7 +105,7 @@ class Recoveries:
         hosts = {h["name"]: h for h in self.store.hosts()}
         ws = self.store.workers(job=job)
         snap = self.snaps.committed(job)
-        since = max(snap["created"] if snap else float("inf"), self._last_recovery_end(job))
+        since = max(snap.created if snap else float("inf"), self._last_recovery_end(job))
         over = any(w["state"] == "exited" and w.get("exit_code") == 0 or w.get("end_asked") for w in ws)
         out: dict[str, bool] = {}
         for w in ws:
@@ -154,7 +155,7 @@ class Recoveries:
             if not ends or len(ends) != len(on):
                 continue
             first, last = min(ends), max(ends)
-            if first >= snap["created"] and last - first <= CRASH_WINDOW_S:
+            if first >= snap.created and last - first <= CRASH_WINDOW_S:
                 found.append((first, host))
         # ends from before the job's last recovery ended are what that recovery answered (it restored or
         # rolled back every rank), not a new failure: the hosts' reports of the restored ranks lag a beat
@@ -258,11 +259,11 @@ class Recoveries:
                                          code="nothing_lost", action="name the failed host if you know better")
             lost = found[0]
         op_id = f"recover-{uuid.uuid4().hex[:12]}"
-        md = {"@type": TYPE_URL, "job": job, "node": lost, "snapshot": snap["number"],
-              "snapshot_age_s": round(time.time() - snap["created"], 3), "requested_by": requested_by,
-              "cause": requested_by, "detected_after_s": self._detected_after(job, lost),
-              "phases": {}, "conditions": []}
-        self.store.create_op(op_id, lost, None, md, None)
+        md = RecoveryState(job=job, node=lost, snapshot=snap.number,
+                           snapshot_age_s=round(time.time() - snap.created, 3), requested_by=requested_by,
+                           cause=requested_by, detected_after_s=self._detected_after(job, lost),
+                           phases={}, conditions=[])
+        self.store.create_op(op_id, lost, None, md.dump(), None)
         self.start_thread(op_id)
         return op_id
 
@@ -290,12 +291,12 @@ class Recoveries:
             self.threads[op_id] = t
         t.start()
 
-    def _final(self, op_id: str, **fields: Any) -> None:
+    def _final(self, op_id: str, md: RecoveryState, **fields: Any) -> None:
         """The operation's last record: kept in memory where the database refuses it, and written by
         the watchdog once it takes writes (the recovery is over on the agents: never run again)."""
-        md = fields.get("metadata") or {}
+        fields["metadata"] = md.dump()
         try:
-            self.on_done({**md, "result": fields.get("result")})
+            self.on_done({**fields["metadata"], "result": fields.get("result")})
         except Exception:  # noqa: BLE001 - a metric never fails a recovery
             log.exception("recording a recovery's metrics failed", op=op_id)
         try:
@@ -357,8 +358,8 @@ class Recoveries:
     def _run(self, op_id: str) -> None:
         op = self.store.op(op_id)
         assert op is not None
-        md = op["metadata"]
-        job = md["job"]
+        md = RecoveryState.load(op["metadata"])
+        job = md.job
         self.snaps.hold(job)
         while job in self.snaps.pausing:  # a snapshot's pause ends first (its resume must not reach restored ranks)
             time.sleep(0.05)
@@ -369,13 +370,13 @@ class Recoveries:
                       "takes writes", op=op_id, job=job)
         except PitstopError as e:
             log.error("recovery failed", op=op_id, job=job, error=e.message)
-            md["result"] = "failed"
-            self._final(op_id, metadata=md, done=True, result="failed", error=e.to_dict())
+            md.result = "failed"
+            self._final(op_id, md, done=True, result="failed", error=e.to_dict())
             if isinstance(e, Unrecoverable):  # not tried again by itself: the job restarts from its checkpoint
                 self.snaps.drop_everywhere(job, "its recovery failed: " + e.message)
         except Exception as e:  # noqa: BLE001 - recorded, never left running
             log.exception("recovery crashed", op=op_id)
-            self._final(op_id, metadata=md, done=True, result="failed",
+            self._final(op_id, md, done=True, result="failed",
                         error={"code": "internal", "message": repr(e), "action": "see the coordinator's log"})
         finally:
             for c in self._local.__dict__.pop("clients", {}).values():
@@ -383,12 +384,12 @@ class Recoveries:
             self.snaps.release(job)
             self.snaps.restart_clock(job, at=-1e18)  # the next snapshot at once: only then is the job covered again
 
-    def _phase(self, op_id: str, md: dict[str, Any], name: str, t0: float | None = None) -> float:
+    def _phase(self, op_id: str, md: RecoveryState, name: str, t0: float | None = None) -> float:
         now = time.monotonic()
-        if t0 is not None and md.get("phase"):
-            md["phases"][md["phase"]] = round(now - t0, 4)
-        md["phase"] = name
-        self.store.update_op(op_id, phase=name, metadata=md)
+        if t0 is not None and md.phase:
+            md.phases[md.phase] = round(now - t0, 4)
+        md.phase = name
+        self.store.update_op(op_id, phase=name, metadata=md.dump())
         log.info("recovery phase", op=op_id, phase=name)
         faults.hit(f"recovery_phase:{name}")
         return now
@@ -407,7 +408,7 @@ class Recoveries:
                                       fence=self.fence)
         return cache[host]
 
-    def _recover(self, op_id: str, md: dict[str, Any]) -> None:
+    def _recover(self, op_id: str, md: RecoveryState) -> None:
         """The phases in order, each recorded before it starts; the plan is settled once, in `plan`,
         and carried by every later phase."""
         t = self._phase(op_id, md, "plan")
@@ -416,8 +417,9 @@ class Recoveries:
         self._fence(plan, md)
         t = self._phase(op_id, md, "stop", t)
         now, unread = self._survivor_blocks(plan)
-        md.update(self._steps_redone(plan, now, unread))
-        md["survivors"] = self._survivors(plan, now)
+        for k, v in self._steps_redone(plan, now, unread).items():
+            setattr(md, k, v)
+        md.survivors = self._survivors(plan, now)
         t_pause = time.time()
         in_parallel(lambda h: self._client(h).stop_workers(plan.job, plan.survivors[h]), sorted(plan.survivors))
         t = self._phase(op_id, md, "restore", t)
@@ -425,47 +427,48 @@ class Recoveries:
         got = each_while_heard(lambda h: self._client(h).snapshot_restore(plan.job, plan.number, plan.survivors[h],
                                                                           timeout=self.s.step_timeout_s),
                                sorted(plan.survivors), self.snaps.heard, "the restore of its ranks")
-        md["restored"] = {**md.get("restored", {}), **{w: r for g in got for w, r in g["workers"].items()}}
-        md["files"] = {"cut_back": [f for r in md["restored"].values() for f in r.get("files_cut_back", [])]}
+        md.restored = {**md.restored, **{w: r for g in got for w, r in g["workers"].items()}}
+        md.files = {"cut_back": [f for r in md.restored.values() for f in r.get("files_cut_back", [])]}
         t = self._phase(op_id, md, "resume", t)
         self._resume(op_id, md, plan, spare, t)
-        md["pause_s"] = round(time.time() - t_pause, 3)
-        md["destination"] = spare
-        md["phase"] = "done"
-        md["result"] = "succeeded"
+        md.pause_s = round(time.time() - t_pause, 3)
+        md.destination = spare
+        md.phase = "done"
+        md.result = "succeeded"
         self.store.set_role(spare, "active", {"reason": f"took job {plan.job}'s lost ranks", "operation":
-                                              f"operations/{op_id}", "requested_by": md.get("requested_by", "")})
-        md["spares_left"] = sum(1 for h in self.store.hosts() if usable_spare(h)
+                                              f"operations/{op_id}", "requested_by": md.requested_by})
+        md.spares_left = sum(1 for h in self.store.hosts() if usable_spare(h)
                                 and healthy(h, self.s.heartbeat_timeout_s))
-        if not md["spares_left"]:
-            md["conditions"].append({"type": "SpareLeft", "status": "False", "reason": "NoSpareLeft",
+        if not md.spares_left:
+            md.conditions.append({"type": "SpareLeft", "status": "False", "reason": "NoSpareLeft",
                                      "message": f"{spare} was the last spare: the next host to fail has none"})
             log.error("the last spare was used: the next host failure has none", job=plan.job, spare=spare)
-        self._final(op_id, phase="done", metadata=md, done=True, result="succeeded",
+        self._final(op_id, md, phase="done", done=True, result="succeeded",
                     response={"job": plan.job, "destination": spare, "snapshot": plan.number})
         log.info("job recovered", op=op_id, job=plan.job, lost=plan.lost, spare=spare, snapshot=plan.number,
-                 pause_s=md["pause_s"], lost_s=md["lost_s"])
+                 pause_s=md.pause_s, lost_s=md.lost_s)
 
-    def _plan(self, md: dict[str, Any]) -> Plan:
+    def _plan(self, md: RecoveryState) -> Plan:
         """Everything the recovery needs, checked before anything is stopped: the snapshot still
         committed, the survivors' hosts and the lost parts' buddies alive and holding their parts,
         the files the job writes matchable.  Unrecoverable, saying why, where not."""
-        job, lost, number = md["job"], md["node"], md["snapshot"]
+        job, lost, number = md.job, md.node, md.snapshot
         started = time.time()
-        snap = next((s for s in self.store.snapshots(job) if s["number"] == number), None)
-        if snap is None or snap["state"] != "committed":
+        snap = next((s for s in self.store.snapshots(job) if s.number == number), None)
+        if snap is None or snap.state != "committed":
             raise Unrecoverable(f"snapshot {number} of job {job} is no longer complete",
                                 action="restart the job from its own checkpoint")
         hosts = {h["name"]: h for h in self.store.hosts()}
         alive = {n for n, h in hosts.items() if healthy(h, self.s.heartbeat_timeout_s) and n != lost}
-        parts = snap["parts"]  # worker -> {host, rank, buddy}
-        lost_parts = {w: p for w, p in parts.items() if p["host"] == lost}
-        kept = {w: p for w, p in parts.items() if p["host"] != lost}
-        gone = sorted({p["host"] for p in kept.values() if p["host"] not in alive})
+        rec = snap.record
+        parts = rec.parts
+        lost_parts = {w: p for w, p in parts.items() if p.host == lost}
+        kept = {w: p for w, p in parts.items() if p.host != lost}
+        gone = sorted({p.host for p in kept.values() if p.host not in alive})
         if gone:
             raise Unrecoverable(f"hosts {', '.join(gone)} of job {job} are silent too: their own copies of snapshot "
                                 f"{number} cannot be reached", action="restart the job from its own checkpoint")
-        no_replica = sorted({p["buddy"] for p in lost_parts.values() if p["buddy"] not in alive})
+        no_replica = sorted({p.buddy for p in lost_parts.values() if p.buddy not in alive})
         if no_replica:
             raise Unrecoverable(f"the replicas of {lost}'s ranks were on {', '.join(no_replica)}, which is silent "
                                 "too: they were lost with it", action="restart the job from its own checkpoint")
@@ -473,12 +476,12 @@ class Recoveries:
         self._check_files(job, number, kept, lost_parts)
         survivors: dict[str, list[str]] = defaultdict(list)
         for w, p in kept.items():
-            survivors[p["host"]].append(w)
-        md["lost_ranks"] = sorted(p["rank"] for p in lost_parts.values())
-        md["lost_s"] = round(started - snap["created"], 3)  # work the job redoes: since the snapshot
-        return Plan(job=job, lost=lost, number=number, nccl=snap.get("pause") == "nccl_cut", parts=parts,
+            survivors[p.host].append(w)
+        md.lost_ranks = sorted(p.rank for p in lost_parts.values())
+        md.lost_s = round(started - snap.created, 3)  # work the job redoes: since the snapshot
+        return Plan(job=job, lost=lost, number=number, nccl=rec.pause == "nccl_cut", parts=parts,
                     lost_parts=lost_parts, survivors=dict(survivors), alive=alive,
-                    issued_at=snap.get("issued") or {}, ops_per_step=snap.get("ops_per_step") or {},
+                    issued_at=rec.issued, ops_per_step=rec.ops_per_step,
                     lost_heard=lost in hosts and healthy(hosts[lost], self.s.heartbeat_timeout_s))
 
     def _survivor_blocks(self, plan: Plan) -> tuple[dict[str, list[dict[str, Any]]], str | None]:
@@ -532,14 +535,14 @@ class Recoveries:
                     "steps_redone_why": "no step period showed in the ranks' trails at the snapshot"}
         return {"ops_redone": max(ops.values()), "steps_redone": max(steps.values())}
 
-    def _fence(self, plan: Plan, md: dict[str, Any]) -> None:
+    def _fence(self, plan: Plan, md: RecoveryState) -> None:
         epoch = int(time.time() * 1000)
         self.store.fence(plan.job, plan.lost, epoch=epoch)
-        md["fence_epoch"] = epoch
+        md.fence_epoch = epoch
         # a host still heard from (an operator's recovery) is told now; a silent one when it reports again
-        md["fenced_now"] = plan.lost_heard and self._fence_now(plan.job, plan.lost, epoch)
+        md.fenced_now = plan.lost_heard and self._fence_now(plan.job, plan.lost, epoch)
 
-    def _resume(self, op_id: str, md: dict[str, Any], plan: Plan, spare: str, t: float) -> None:
+    def _resume(self, op_id: str, md: RecoveryState, plan: Plan, spare: str, t: float) -> None:
         """Every rank at once; an NCCL job's communicators re-created at their new addresses (its
         ranks were restored parked at the cut, communicators destroyed), as after a move."""
         where = {h: list(ids) for h, ids in plan.survivors.items()}
@@ -552,15 +555,15 @@ class Recoveries:
                 problems.append(f"{h}: {e.message}")
         for w in plan.lost_parts:
             self.store.set_worker_host(w, spare, state="running")
-        md["phases"]["resume"] = round(time.monotonic() - t, 4)
+        md.phases["resume"] = round(time.monotonic() - t, 4)
         if problems:
             raise PitstopError(f"the job was restored but some ranks could not be resumed: {'; '.join(problems)}",
                                code="resume_incomplete", action="send those ranks SIGCONT, or stop the job")
         if plan.nccl:
             t = self._phase(op_id, md, "rewire")
-            hosts_of = {w: spare if w in plan.lost_parts else p["host"] for w, p in plan.parts.items()}
+            hosts_of = {w: spare if w in plan.lost_parts else p.host for w, p in plan.parts.items()}
             job_cut(hosts_of, self._client, self.s.cut_deadline_s).rewire()
-            md["phases"]["rewire"] = round(time.monotonic() - t, 4)
+            md.phases["rewire"] = round(time.monotonic() - t, 4)
 
     def _fence_now(self, job: str, lost: str, epoch: int) -> bool:
         """A lost host whose agent still answers (an operator's recovery, a host whose beats alone
@@ -575,14 +578,15 @@ class Recoveries:
         self.store.ack_fence(job, lost)
         return True
 
-    def _check_parts(self, job: str, number: int, kept: dict[str, Any], lost_parts: dict[str, Any]) -> None:
+    def _check_parts(self, job: str, number: int, kept: dict[str, SnapshotPart],
+                     lost_parts: dict[str, SnapshotPart]) -> None:
         """Every part the recovery needs is complete where the record says, asked before anything
         is stopped: the job runs on (or stays down) as it is when one is missing."""
         need: dict[str, tuple[set[str], set[str]]] = defaultdict(lambda: (set(), set()))
         for w, p in kept.items():
-            need[p["host"]][0].add(w)
+            need[p.host][0].add(w)
         for w, p in lost_parts.items():
-            need[p["buddy"]][1].add(w)
+            need[p.buddy][1].add(w)
 
         def ask(h: str) -> str | None:
             own, replica = need[h]
@@ -601,14 +605,15 @@ class Recoveries:
             raise Unrecoverable(f"snapshot {number} of job {job} is not whole: {'; '.join(problems)}",
                                 action="restart the job from its own checkpoint")
 
-    def _check_files(self, job: str, number: int, kept: dict[str, Any], lost_parts: dict[str, Any]) -> None:
+    def _check_files(self, job: str, number: int, kept: dict[str, SnapshotPart],
+                     lost_parts: dict[str, SnapshotPart]) -> None:
         """The files the job writes can be cut back to the snapshot (proc/written_files.py): asked of
         each survivor's host, and of the buddies for the lost ranks, before anything is stopped."""
         asks: list[tuple[str, str, list[str]]] = []
         for side, key, parts in (("own", "host", kept), ("replica", "buddy", lost_parts)):
             by: dict[str, list[str]] = defaultdict(list)
             for w, p in parts.items():
-                by[p[key]].append(w)
+                by[p.host if key == "host" else p.buddy].append(w)
             asks += [(h, side, ids) for h, ids in sorted(by.items())]
 
         def ask(a: tuple[str, str, list[str]]) -> str | None:
@@ -624,12 +629,12 @@ class Recoveries:
             raise Unrecoverable(f"job {job} cannot be rolled back to snapshot {number}: {'; '.join(problems)}",
                                 action="restart the job from its own checkpoint")
 
-    def _restore_lost(self, op_id: str, md: dict[str, Any], plan: Plan) -> str:
+    def _restore_lost(self, op_id: str, md: RecoveryState, plan: Plan) -> str:
         """The lost host's ranks on a spare; another spare if one fails.  Where none can take
         them, everything restored so far is ended and the recovery fails (nothing runs half)."""
         tried: list[str] = []
         last: PitstopError | None = None
-        earlier = md.get("destination")  # where an earlier run of this recovery (a coordinator since lost) sent them
+        earlier = md.destination  # where an earlier run of this recovery (a coordinator since lost) sent them
         for _ in range(SPARE_TRIES):
             spare = self._spare(plan.alive - set(tried) - set(plan.survivors), op_id)
             if spare is None:
@@ -638,21 +643,21 @@ class Recoveries:
             self.store.clear_fence(plan.job, spare)  # a host fenced for the job earlier takes its ranks now
             if spare == earlier:  # the copies that run restored there are ended first, as the survivors' are
                 self._discard(spare, plan.job, list(plan.lost_parts))
-            md["destination"] = spare
-            self.store.update_op(op_id, dest=spare, metadata=md)
+            md.destination = spare
+            self.store.update_op(op_id, dest=spare, metadata=md.dump())
             try:
                 self._to_spare(plan.job, plan.number, plan.lost_parts, spare, op_id, md)
                 return spare
             except PitstopError as e:
                 last = e
-                md.setdefault("spares_failed", []).append({"spare": spare, "error": e.message})
-                self.store.update_op(op_id, metadata=md)
+                md.spares_failed.append({"spare": spare, "error": e.message})
+                self.store.update_op(op_id, metadata=md.dump())
                 log.warning("a spare could not take the lost ranks; trying another", op=op_id, spare=spare,
                             error=e.message)
                 if not self._discard(spare, plan.job, list(plan.lost_parts)):
                     # unreachable (it died in the restore): whatever it restored is ended if it comes back
-                    self.store.fence(plan.job, spare, epoch=md["fence_epoch"])
-                    md["spares_failed"][-1]["fenced"] = True
+                    self.store.fence(plan.job, spare, epoch=md.fence_epoch or 0)
+                    md.spares_failed[-1]["fenced"] = True
         for h, ids in plan.survivors.items():  # stopped above: they must not stay half-restored either
             self._discard(h, plan.job, ids)
         raise Unrecoverable(f"no spare could take the lost ranks of job {plan.job} (tried: {', '.join(tried) or 'none'})"
@@ -667,24 +672,24 @@ class Recoveries:
         spares = sorted(h["name"] for h in hosts if usable_spare(h))
         return spares[0] if spares else None
 
-    def _to_spare(self, job: str, number: int, lost_parts: dict[str, Any], spare: str, op_id: str,
-                  md: dict[str, Any]) -> None:
+    def _to_spare(self, job: str, number: int, lost_parts: dict[str, SnapshotPart], spare: str, op_id: str,
+                  md: RecoveryState) -> None:
         """The lost ranks' replicas onto the spare (already there where it was their buddy), kept
         there as replicas, then restored from them."""
         spare_url = self.store.host(spare)["url"]  # type: ignore[index]
         by_buddy: dict[str, list[str]] = defaultdict(list)
         for w, p in lost_parts.items():
-            if p["buddy"] != spare:
-                by_buddy[p["buddy"]].append(w)
+            if p.buddy != spare:
+                by_buddy[p.buddy].append(w)
         sent = in_parallel(lambda b: while_heard(
             lambda: self._client(b).send_replicas(job, number, by_buddy[b], spare_url, timeout=self.s.capture_deadline_s),
             (b, spare), self.snaps.heard, f"sending replicas to {spare}"), sorted(by_buddy))
-        md["replicas_sent"] = {w: r for g in sent for w, r in g["workers"].items()}
+        md.replicas_sent = {w: r for g in sent for w, r in g["workers"].items()}
         got = while_heard(lambda: self._client(spare).snapshot_restore(job, number, sorted(lost_parts),
                                                                        timeout=self.s.step_timeout_s, side="replica"),
                           spare, self.snaps.heard, "the restore of the lost ranks")
-        md.setdefault("restored", {}).update(got["workers"])
-        self.store.update_op(op_id, metadata=md)
+        md.restored.update(got["workers"])
+        self.store.update_op(op_id, metadata=md.dump())
 
     def _discard(self, host: str, job: str, ids: list[str]) -> bool:
         """End the ranks restored on `host` so far; False: it could not be reached."""

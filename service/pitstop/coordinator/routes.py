@@ -254,7 +254,7 @@ def job_snapshots(c: CoordinatorDep, job: str) -> dict:
             "effective_every_s": c.snapshots.effective(job, asked), "stretched": c.snapshots.stretched.get(job),
             "paused_s_total": round(c.snapshots.paused_total.get(job, 0.0), 3),
             "paused_share": c.snapshots.lost_share(job), "protection": c.snapshots.protection(job, asked),
-            "snapshots": c.store.snapshots(job), "last_error": c.snapshots.errors.get(job),
+            "snapshots": [s.public() for s in c.store.snapshots(job)], "last_error": c.snapshots.errors.get(job),
             "kept": c.snapshots.kept.get(job),
             "fences": [f for f in c.store.fences() if f["job"] == job]}
 

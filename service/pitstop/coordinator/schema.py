@@ -14,6 +14,9 @@ from typing import Any, Protocol
 
 from pitstop.errors import FailedPrecondition
 from pitstop.wire.evacuation import EvacuationState
+from pitstop.wire.recovery_state import TYPE_URL as RECOVERY_TYPE_URL
+from pitstop.wire.recovery_state import RecoveryState
+from pitstop.wire.snapshot_record import SnapshotRecord
 
 
 class Migrating(Protocol):
@@ -109,9 +112,40 @@ def _add_left_behind(db: Migrating) -> None:
         db.q("ALTER TABLE workers ADD COLUMN left_behind TEXT")
 
 
+def _typed_snapshot_records(db: Migrating) -> None:
+    """Every snapshot's record through the typed model (wire/snapshot_record.py), as
+    _typed_operation_state did for the evacuations: a record of an earlier release gets its schema
+    version, and one this release cannot read stops the upgrade here, naming the snapshot."""
+    for r in db.q("SELECT job, number, info FROM snapshots"):
+        try:
+            rec = SnapshotRecord.load(json.loads(r["info"])).dump()
+        except (ValueError, TypeError) as e:
+            raise FailedPrecondition(f"snapshot {r['number']} of job {r['job']} in the coordinator's database cannot "
+                                     f"be read by this release: {e}", code="database_unreadable",
+                                     action="run the release that wrote it, or drop the job's snapshots "
+                                            "(`pitstop snapshots JOB --drop` with that release)") from None
+        db.q("UPDATE snapshots SET info=? WHERE job=? AND number=?", (json.dumps(rec), r["job"], r["number"]))
+
+
+def _typed_recovery_records(db: Migrating) -> None:
+    """Every recovery's metadata through its typed model (wire/recovery_state.py)."""
+    for r in db.q("SELECT id, metadata FROM operations"):
+        md = json.loads(r["metadata"])
+        if md.get("@type") != RECOVERY_TYPE_URL:
+            continue
+        try:
+            md = RecoveryState.load(md).dump()
+        except (ValueError, TypeError) as e:
+            raise FailedPrecondition(f"recovery {r['id']} in the coordinator's database cannot be read by this "
+                                     f"release: {e}", code="database_unreadable",
+                                     action="run the release that wrote it, or remove that operation's row") from None
+        db.q("UPDATE operations SET metadata=? WHERE id=?", (json.dumps(md), r["id"]))
+
+
 MIGRATIONS: tuple[Callable[[Migrating], None], ...] = (_add_generation, _index_operations,
                                                         _typed_operation_state, _add_cordon,
-                                                        _add_role_change, _add_leadership, _add_left_behind)
+                                                        _add_role_change, _add_leadership, _add_left_behind,
+                                                        _typed_snapshot_records, _typed_recovery_records)
 """Ordered: a database at schema version N (SQLite: PRAGMA user_version; PostgreSQL: the
 schema_version table) gets MIGRATIONS[N:], each in its own transaction with the version it
 reaches.  Append only; never edit one that shipped."""

@@ -46,6 +46,7 @@ from pitstop.coordinator.timeouts import (
 )
 from pitstop.errors import Conflict, FailedPrecondition, PitstopError
 from pitstop.wire.agent_client import AgentClient, Fence
+from pitstop.wire.snapshot_record import SnapshotPart, SnapshotRecord, SnapshotState, StoredSnapshot
 
 log = structlog.get_logger("pitstop.coordinator.snapshots")
 
@@ -206,7 +207,7 @@ class Snapshots:
             return None
         every = self.effective(job, asked) or asked
         snap = self.committed(job)
-        age = time.time() - snap["created"] if snap else None
+        age = time.time() - snap.created if snap else None
         why = None
         if snap is None:
             why = "no snapshot has been committed yet" + (f"; the last one failed: {self.errors[job]}"
@@ -214,7 +215,7 @@ class Snapshots:
         elif age is not None and age > 3 * every + 60:
             why = f"its newest snapshot is {age:.0f} s old" + (f"; the last one failed: {self.errors[job]}"
                                                                if job in self.errors else "")
-        return {"protected": why is None, "snapshot": snap["number"] if snap else None,
+        return {"protected": why is None, "snapshot": snap.number if snap else None,
                 "age_s": round(age, 1) if age is not None else None, "every_s": round(every, 3),
                 "why_not": why, "stretched": self.stretched.get(job),
                 "paused_share": None if self.lost_share(job) is None else round(self.lost_share(job) or 0.0, 5)}
@@ -291,16 +292,15 @@ class Snapshots:
         out = []
         for job in self.store.snapshot_jobs():
             for snap in self.store.snapshots(job):
-                if snap["state"] not in ("taking", "replicating"):
+                if snap.state not in ("taking", "replicating"):
                     continue
-                number = snap["number"]
-                record = {k: v for k, v in snap.items() if k not in ("job", "number", "state", "created")}
-                problems = self._unpause(job, record) if snap["state"] == "taking" else []
-                record["error"] = ("the coordinator restarted during it; the job was resumed" if not problems else
+                number, record = snap.number, snap.record
+                problems = self._unpause(job, record) if snap.state == "taking" else []
+                record.error = ("the coordinator restarted during it; the job was resumed" if not problems else
                                    "the coordinator restarted during it; resuming the job: " + "; ".join(problems))
-                self.errors[job] = record["error"]
+                self.errors[job] = record.error
                 self.store.update_snapshot(job, number, "failed", record)
-                hosts = sorted({p["host"] for p in record.get("parts", {}).values()} | set(record.get("buddies", {}).values()))
+                hosts = sorted({p.host for p in record.parts.values()} | set(record.buddies.values()))
                 clients = {}
                 for h in hosts:
                     try:
@@ -310,16 +310,16 @@ class Snapshots:
                 threading.Thread(target=self._drop, args=(job, clients, self._committed(job)), daemon=True,
                                  name=f"drop-{job}-{number}").start()
                 log.warning("a snapshot left under way by the last coordinator: the job resumed, the snapshot failed",
-                            job=job, number=number, was=snap["state"], problems=problems)
+                            job=job, number=number, was=snap.state, problems=problems)
                 out.append(f"{job}/{number}")
         return out
 
-    def _unpause(self, job: str, record: dict[str, Any]) -> list[str]:
+    def _unpause(self, job: str, record: SnapshotRecord) -> list[str]:
         """Undo whatever of a snapshot's pause may be in effect (each step idempotent); problems."""
         by_host: dict[str, list[str]] = defaultdict(list)
-        for wid, p in (record.get("parts") or {}).items():
-            by_host[p["host"]].append(wid)
-        cut = record.get("pause") == "nccl_cut"
+        for wid, p in record.parts.items():
+            by_host[p.host].append(wid)
+        cut = record.pause == "nccl_cut"
         problems = []
         clients: dict[str, AgentClient] = {}
         try:
@@ -383,18 +383,18 @@ class Snapshots:
         with self.lock:
             self.held.discard(job)
 
-    def commit(self, job: str, number: int, record: dict[str, Any], generation: int) -> None:
+    def commit(self, job: str, number: int, record: SnapshotRecord, generation: int) -> None:
         """Snapshot `number`, complete everywhere, counts from here, unless a recovery of the job
         began since it began (`generation`: the recoveries begun then): a recovery reading the
         previous one needs it to stay the newest, and this one's parts are of ranks it replaced."""
         with self.lock:
             if job in self.held or self.recoveries.get(job, 0) != generation:
-                record["error"] = "a recovery of the job began before this snapshot was complete"
+                record.error = "a recovery of the job began before this snapshot was complete"
                 self.store.update_snapshot(job, number, "failed", record)
-                raise Conflict(record["error"], action="the next snapshot follows the recovery")
+                raise Conflict(record.error, action="the next snapshot follows the recovery")
             self._record(job, number, "committed", record)
 
-    def _record(self, job: str, number: int, state: str, record: dict[str, Any]) -> None:
+    def _record(self, job: str, number: int, state: SnapshotState, record: SnapshotRecord) -> None:
         """The snapshot's record at its next step; a snapshot whose record was dropped meanwhile
         (the job's snapshots dropped by a failed recovery or its end) goes no further."""
         if not self.store.update_snapshot(job, number, state, record):
@@ -424,39 +424,36 @@ class Snapshots:
         if silent:
             raise Conflict(f"hosts {', '.join(silent)} of job {job} are silent; no snapshot is taken meanwhile",
                            code="host_silent", action="the job is recovered from its last snapshot if they stay so")
-        done = [s["number"] for s in self.store.snapshots(job)]
+        done = [s.number for s in self.store.snapshots(job)]
         number = max(done, default=0) + 1
         last = self.committed(job)
-        before = (last or {}).get("buddies") or {}
+        before = last.record.buddies if last else {}
         buddy, buddy_why = buddies(hosts, self.store.hosts(), self.s.heartbeat_timeout_s, previous=before)
-        record: dict[str, Any] = {"parts": {w["id"]: {"host": w["host"], "rank": w["rank"], "buddy": buddy[w["host"]]}
-                                            for w in ws}, "buddies": buddy, "buddy_why": buddy_why, "phases": {}}
-        # a host whose buddy changed dumps whole: its new buddy holds no part a delta would be against
-        record["whole"] = {h: f"its buddy changed from {before[h]} to {buddy[h]}" for h in hosts
-                           if before.get(h) not in (None, buddy[h])}
+        record = SnapshotRecord(
+            parts={w["id"]: SnapshotPart(host=w["host"], rank=w["rank"], buddy=buddy[w["host"]]) for w in ws},
+            buddies=buddy, buddy_why=buddy_why, phases={},
+            # a host whose buddy changed dumps whole: its new buddy holds no part a delta would be against
+            whole={h: f"its buddy changed from {before[h]} to {buddy[h]}" for h in hosts
+                   if before.get(h) not in (None, buddy[h])})
         self.store.put_snapshot(job, number, "taking", record)
         clients = {h: self.agent(h, timeout=SNAPSHOT_STEP_TIMEOUT_S) for h in set(hosts) | set(buddy.values())}
         t0 = time.monotonic()
         try:
             cut = job_cut({w["id"]: w["host"] for w in ws}, lambda h: clients[h], self.s.cut_deadline_s)
             shim = cut.uses_shim()  # NCCL: the shim's consistent cut, communicators destroyed; else SIGSTOP
-            record["pause"] = "nccl_cut" if shim else "sigstop"
+            record.pause = "nccl_cut" if shim else "sigstop"
             self._record(job, number, "taking", record)  # how it pauses, for a restart to undo it
             faults.hit("snapshot_phase:check")
             in_parallel(lambda h: clients[h].snapshot_check(job, by_host[h], cut=shim), hosts)
-            record["phases"]["check"] = round(time.monotonic() - t0, 4)
-            try:
-                pause_s = self._paused_dump(job, number, by_host, buddy, clients, record, cut if shim else None)
-            finally:
-                if record.get("pause_started"):  # the job did pause: its time is lost, whatever came after
-                    self.paused(job, time.monotonic() - record.pop("pause_started"))
-            record["pause_s"] = round(pause_s, 4)
+            record.phases["check"] = round(time.monotonic() - t0, 4)
+            pause_s = self._paused_dump(job, number, by_host, buddy, clients, record, cut if shim else None)
+            record.pause_s = round(pause_s, 4)
             faults.hit("snapshot_phase:resume")  # resumed, not yet recorded replicating
             self._record(job, number, "replicating", record)
             faults.hit("snapshot_phase:replicate")
             self._await_replicas(job, number, hosts, clients, record)
         except PitstopError as e:
-            record["error"] = e.message
+            record.error = e.message
             self.errors[job] = e.message
             # its record, written "taking" as it began, is gone where a failed recovery dropped the job's
             # snapshots meanwhile: a failure is no reason to write one back
@@ -473,7 +470,7 @@ class Snapshots:
         finally:
             for c in clients.values():
                 c.close()
-        record["seconds"] = round(time.monotonic() - t0, 4)
+        record.seconds = round(time.monotonic() - t0, 4)
         faults.hit("snapshot_phase:commit")  # every replica complete, not recorded committed yet
         self.commit(job, number, record, generation)
         self.errors.pop(job, None)
@@ -485,11 +482,11 @@ class Snapshots:
                     c.snapshot_drop(job, keep=number)
             except PitstopError as e:
                 log.info("an older snapshot could not be dropped now", job=job, host=h, error=e.message)
-        log.info("snapshot committed", job=job, number=number, pause_s=record["pause_s"])
-        return {"job": job, "number": number, "state": "committed", **record}
+        log.info("snapshot committed", job=job, number=number, pause_s=record.pause_s)
+        return {"job": job, "number": number, "state": "committed", **record.dump()}
 
     def _paused_dump(self, job: str, number: int, by_host: dict[str, list[str]], buddy: dict[str, str],
-                     clients: dict[str, AgentClient], record: dict[str, Any], cut: Cut | None) -> float:
+                     clients: dict[str, AgentClient], record: SnapshotRecord, cut: Cut | None) -> float:
         """Pause, lock, dump, unlock, resume; the pause the job saw.  The resume runs whatever
         happened, and every host is unlocked and resumed even if one fails.  cut: an NCCL job,
         parked at the shim's consistent cut with its communicators destroyed (no NCCL socket in
@@ -504,7 +501,6 @@ class Snapshots:
             if job in self.held:
                 raise Conflict(f"job {job} is being recovered", action="its next snapshot follows the recovery")
             self.pausing.add(job)
-        record["pause_started"] = t_pause
         try:
             def pause(h: str) -> None:
                 # past this the agents resume the job by themselves: this coordinator would have, unless it died
@@ -513,35 +509,35 @@ class Snapshots:
             if cut is not None:
                 res = cut.quiesce()  # releases the job itself when no cut is reached
                 # where the job stands, for a recovery to say how many steps it redoes (progress.py)
-                record["issued"] = res.issued
-                record["ops_per_step"] = per_step_by_worker(cut.get_all(cut.workers, trail=True) if cut.get_all else {})
+                record.issued = res.issued
+                record.ops_per_step = per_step_by_worker(cut.get_all(cut.workers, trail=True) if cut.get_all else {})
                 destroyed = True
                 cut.destroy()
-                record["cut_rounds"] = res.rounds
+                record.cut_rounds = res.rounds
                 if self.s.release_device_cache:  # every rank is checkpointed: live device bytes only, as a move's
-                    record["device_released_bytes"] = _released(cut.trim(cut.workers, deadline_s=self.s.cut_deadline_s))
+                    record.device_released_bytes = _released(cut.trim(cut.workers, deadline_s=self.s.cut_deadline_s))
             else:
                 in_parallel(pause, hosts)
             t = time.monotonic()
-            record["phases"]["pause"] = round(t - t_pause, 4)
+            record.phases["pause"] = round(t - t_pause, 4)
             faults.hit("snapshot_phase:pause")  # paused, not locked yet
 
             def lock(h: str) -> None:
                 locked.append(h)
                 clients[h].snapshot_lock(job, by_host[h], True, cut=cut is not None)
             in_parallel(lock, hosts)
-            record["phases"]["lock"] = round(time.monotonic() - t, 4)
+            record.phases["lock"] = round(time.monotonic() - t, 4)
             faults.hit("snapshot_phase:lock")  # paused and locked, nothing dumped yet
             t = time.monotonic()
             got = each_while_heard(
                 lambda h: clients[h].snapshot_take(job, number, by_host[h], buddy_url[h], timeout=self.s.capture_deadline_s,
-                                                   whole=h in record["whole"], cut=cut is not None),
+                                                   whole=h in record.whole, cut=cut is not None),
                 hosts, self.heard, "its snapshot dump")
-            record["phases"]["dump"] = round(time.monotonic() - t, 4)
-            record["bytes"] = sum(p["bytes"] for g in got for p in g["parts"].values())
+            record.phases["dump"] = round(time.monotonic() - t, 4)
+            record.bytes = sum(p["bytes"] for g in got for p in g["parts"].values())
             # an incremental part's pages left in the part before it: not dumped, not sent again
-            record["bytes_in_parent"] = sum(p.get("bytes_in_parent", 0) for g in got for p in g["parts"].values())
-            record["incremental"] = sorted(w for g in got for w, p in g["parts"].items() if p.get("parent"))
+            record.bytes_in_parent = sum(p.get("bytes_in_parent", 0) for g in got for p in g["parts"].values())
+            record.incremental = sorted(w for g in got for w, p in g["parts"].items() if p.get("parent"))
             faults.hit("snapshot_phase:dump")  # dumped everywhere, still paused and locked
         finally:
             t = time.monotonic()
@@ -561,22 +557,23 @@ class Snapshots:
                     fn()
                 except PitstopError as e:
                     undo_errors.append(f"{h}: {e.message}")
-            record["phases"]["resume"] = round(time.monotonic() - t, 4)
+            record.phases["resume"] = round(time.monotonic() - t, 4)
             with self.lock:
                 self.pausing.discard(job)
+            self.paused(job, time.monotonic() - t_pause)  # the job did pause: its time is lost, whatever came after
             if undo_errors:
                 log.error("a host could not be unlocked or resumed after a snapshot", job=job, errors=undo_errors)
         return time.monotonic() - t_pause
 
     def _await_replicas(self, job: str, number: int, hosts: list[str], clients: dict[str, AgentClient],
-                        record: dict[str, Any]) -> None:
+                        record: SnapshotRecord) -> None:
         t0 = time.monotonic()
         end = t0 + self.s.capture_deadline_s
         waiting = set(hosts)
         while waiting:
             for h in sorted(waiting):
-                if not self.heard(record["buddies"][h]):
-                    raise HostSilent(f"{record['buddies'][h]}, which keeps {h}'s replica, went silent",
+                if not self.heard(record.buddies[h]):
+                    raise HostSilent(f"{record.buddies[h]}, which keeps {h}'s replica, went silent",
                                      action="the next snapshot picks another buddy")
                 mine = [s for s in clients[h].snapshots(job) if s["number"] == number]
                 rep = mine[0]["replication"] if mine else None
@@ -595,14 +592,14 @@ class Snapshots:
                                          action="check the links between the hosts and their buddies")
             if waiting:
                 time.sleep(0.1)
-        record["phases"]["replicate"] = round(time.monotonic() - t0, 4)
+        record.phases["replicate"] = round(time.monotonic() - t0, 4)
 
     def _committed(self, job: str) -> int | None:
-        c = [s["number"] for s in self.store.snapshots(job) if s["state"] == "committed"]
+        c = [s.number for s in self.store.snapshots(job) if s.state == "committed"]
         return max(c) if c else None
 
-    def committed(self, job: str) -> dict[str, Any] | None:
-        c = [s for s in self.store.snapshots(job) if s["state"] == "committed"]
+    def committed(self, job: str) -> StoredSnapshot | None:
+        c = [s for s in self.store.snapshots(job) if s.state == "committed"]
         return c[-1] if c else None
 
     def _drop(self, job: str, clients: dict[str, AgentClient], keep: int | None) -> None:

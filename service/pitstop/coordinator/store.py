@@ -42,6 +42,7 @@ from typing import Any
 from pitstop.coordinator.liveness import Liveness
 from pitstop.coordinator.schema import MIGRATIONS, SCHEMA
 from pitstop.errors import FailedPrecondition, PitstopError, Unavailable
+from pitstop.wire.snapshot_record import SnapshotRecord, SnapshotState, StoredSnapshot
 
 COLUMNS = ("cordoned", "role_since", "role_why")
 """What Store.hosts() adds from the hosts table's own columns: never taken from (or kept in) a report."""
@@ -503,19 +504,21 @@ class BaseStore:
             self._x("INSERT INTO snapshot_policy(job, every_s, updated) VALUES(?,?,?) ON CONFLICT(job) DO UPDATE "
                     "SET every_s=excluded.every_s, updated=excluded.updated", (job, every_s, time.time()))
 
-    def put_snapshot(self, job: str, number: int, state: str, info: dict[str, Any]) -> None:
+    def put_snapshot(self, job: str, number: int, state: SnapshotState, record: SnapshotRecord) -> None:
         self._x("INSERT INTO snapshots(job, number, state, created, info) VALUES(?,?,?,?,?) ON CONFLICT(job, number) "
-                "DO UPDATE SET state=excluded.state, info=excluded.info", (job, number, state, time.time(), json.dumps(info)))
+                "DO UPDATE SET state=excluded.state, info=excluded.info",
+                (job, number, state, time.time(), json.dumps(record.dump())))
 
-    def update_snapshot(self, job: str, number: int, state: str, info: dict[str, Any]) -> bool:
+    def update_snapshot(self, job: str, number: int, state: SnapshotState, record: SnapshotRecord) -> bool:
         """A snapshot's record, where it still exists: False where it was dropped meanwhile (a failed
         recovery, or the job's end, dropped the job's snapshots), which nothing may write back."""
         return bool(self._x("UPDATE snapshots SET state=?, info=? WHERE job=? AND number=? RETURNING number",
-                            (state, json.dumps(info), job, number)))
+                            (state, json.dumps(record.dump()), job, number)))
 
-    def snapshots(self, job: str) -> list[dict[str, Any]]:
-        return [{"job": r["job"], "number": r["number"], "state": r["state"], "created": r["created"],
-                 **json.loads(r["info"])} for r in self._x("SELECT * FROM snapshots WHERE job=? ORDER BY number", (job,))]
+    def snapshots(self, job: str) -> list[StoredSnapshot]:
+        return [StoredSnapshot(job=r["job"], number=r["number"], state=r["state"], created=r["created"],
+                               record=SnapshotRecord.load(json.loads(r["info"])))
+                for r in self._x("SELECT * FROM snapshots WHERE job=? ORDER BY number", (job,))]
 
     def snapshot_jobs(self) -> list[str]:
         return [r["job"] for r in self._x("SELECT DISTINCT job FROM snapshots")]

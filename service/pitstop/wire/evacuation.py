@@ -18,9 +18,10 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pitstop.wire.capture_report import CaptureReport
+from pitstop.wire.records import Record
 
 SCHEMA_VERSION = 1
 TYPE_URL = "type.pitstop.dev/EvacuateMetadata"
@@ -29,35 +30,7 @@ WorkerStep = Literal["pending", "capturing", "captured", "released", "restored",
 PauseEnd = Literal["last resume", "first step", "fill end"]  # what ended the job's pause (coordinator/ledger.py)
 
 
-class _Record(BaseModel):
-    # Keys an older or newer release wrote that this one does not know are kept as they are:
-    # an upgrade or a downgrade never truncates a record an operator may still need to read.
-    model_config = ConfigDict(extra="allow", validate_assignment=True, populate_by_name=True)
-
-    def unset(self, name: str) -> None:
-        """Take a field out of the record again (its default, and absent from the dump)."""
-        setattr(self, name, type(self).model_fields[name].get_default(call_default_factory=True))
-        self.model_fields_set.discard(name)
-
-    def dump(self) -> dict[str, Any]:
-        _mark_changed(self)
-        return self.model_dump(by_alias=True, exclude_unset=True, mode="json")
-
-
-def _mark_changed(m: BaseModel) -> None:
-    """Count as set every field whose value is no longer its default: a default list or dict
-    changed in place (`phases[p] = s`) never passes through __setattr__, and would otherwise be
-    left out of the dump."""
-    for name, f in type(m).model_fields.items():
-        value = getattr(m, name)
-        if name not in m.model_fields_set and value != f.get_default(call_default_factory=True):
-            m.model_fields_set.add(name)
-        for v in (value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]):
-            if isinstance(v, BaseModel):
-                _mark_changed(v)
-
-
-class WorkerProgress(_Record):
+class WorkerProgress(Record):
     """One leaving worker: where its move stands, and what its capture and restore reported."""
 
     job: str
@@ -107,7 +80,7 @@ class WorkerProgress(_Record):
             self.bytes_after_resume = cap.post_copy.get("lazy_bytes", 0)
 
 
-class CutRecord(_Record):
+class CutRecord(Record):
     """The NCCL consistent cut, where the job's ranks use the shim."""
 
     used: bool = False
@@ -129,7 +102,7 @@ class CutRecord(_Record):
     early_why_not: str | None = None  # why the rewire waited for the restore (setting, an older shim, ...)
 
 
-class Condition(_Record):
+class Condition(Record):
     """A Kubernetes-style condition: the latest word on one aspect of the operation."""
 
     type: str
@@ -139,7 +112,7 @@ class Condition(_Record):
     last_transition_time: str = Field(alias="lastTransitionTime")
 
 
-class MovePlan(_Record):
+class MovePlan(Record):
     """How the move goes, settled once by the coordinator before anything pauses and carried to the
     agents as explicit values: every later step reads it instead of deciding again."""
 
@@ -148,7 +121,7 @@ class MovePlan(_Record):
     pause: Literal["nccl_cut", "sigstop"] | None = None  # who stops the job; known as the pause begins
 
 
-class AfterMove(_Record):
+class AfterMove(Record):
     """What the job did once it ran again (coordinator/progress.py): the time to useful progress,
     measured from the NCCL shim's counters of collectives each rank issued, not copied from the
     pause.  None of it where the job's collectives are not the shim's to count (`why_not`)."""
@@ -176,7 +149,7 @@ class AfterMove(_Record):
     watched_s: float | None = None
 
 
-class EvacuationState(_Record):
+class EvacuationState(Record):
     """The operation's metadata: what the request asked, the plan, and where the move stands."""
 
     type_url: str = Field(default=TYPE_URL, alias="@type")
