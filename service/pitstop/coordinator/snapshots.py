@@ -34,6 +34,7 @@ import structlog
 from pitstop import faults
 from pitstop.coordinator.cut import Cut
 from pitstop.coordinator.fanout import HostSilent, each_while_heard, in_parallel
+from pitstop.coordinator.pausing import JobHold
 from pitstop.coordinator.planner import healthy, usable_spare
 from pitstop.coordinator.progress import per_step_by_worker
 from pitstop.coordinator.settings import CoordinatorSettings
@@ -401,7 +402,9 @@ class Snapshots:
             raise Conflict(f"the snapshots of job {job} were dropped while snapshot {number} was taken",
                            code="snapshot_dropped", action="the next snapshot is taken if the job runs on")
 
-    def _take(self, job: str, generation: int) -> dict[str, Any]:
+    def _ranks(self, job: str) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
+        """The job's ranks and their hosts, if a snapshot may be taken now: every rank registered
+        and running, no host busy with a move, none silent.  Refused (Conflict), saying why, else."""
         ws = [w for w in self.store.workers(job=job) if w["state"] in ("running", "paused", "capturing", "stopped")]
         if not ws:
             raise FailedPrecondition(f"job {job} has no live ranks", action="nothing to snapshot")
@@ -424,6 +427,11 @@ class Snapshots:
         if silent:
             raise Conflict(f"hosts {', '.join(silent)} of job {job} are silent; no snapshot is taken meanwhile",
                            code="host_silent", action="the job is recovered from its last snapshot if they stay so")
+        return ws, dict(by_host)
+
+    def _take(self, job: str, generation: int) -> dict[str, Any]:
+        ws, by_host = self._ranks(job)
+        hosts = sorted(by_host)
         done = [s.number for s in self.store.snapshots(job)]
         number = max(done, default=0) + 1
         last = self.committed(job)
@@ -487,43 +495,28 @@ class Snapshots:
 
     def _paused_dump(self, job: str, number: int, by_host: dict[str, list[str]], buddy: dict[str, str],
                      clients: dict[str, AgentClient], record: SnapshotRecord, cut: Cut | None) -> float:
-        """Pause, lock, dump, unlock, resume; the pause the job saw.  The resume runs whatever
-        happened, and every host is unlocked and resumed even if one fails.  cut: an NCCL job,
-        parked at the shim's consistent cut with its communicators destroyed (no NCCL socket in
-        any image), then rewired and resumed, as a move does; else every rank is stopped."""
+        """Pause, lock, dump, unlock, resume; the pause the job saw.  Each step pushes its way back
+        onto one hold (coordinator/pausing.py), released whatever happened: every host is unlocked
+        and resumed even if one fails.  cut: an NCCL job, parked at the shim's consistent cut with
+        its communicators destroyed (no NCCL socket in any image), then rewired and resumed, as a
+        move does; else every rank is stopped."""
         hosts = sorted(by_host)
         buddy_url = {h: self.store.host(buddy[h])["url"] for h in hosts}  # type: ignore[index]
-        paused: list[str] = []
-        locked: list[str] = []
-        destroyed = False
         t_pause = time.monotonic()
         with self.lock:
             if job in self.held:
                 raise Conflict(f"job {job} is being recovered", action="its next snapshot follows the recovery")
             self.pausing.add(job)
+        hold = JobHold(self.heard)
         try:
-            def pause(h: str) -> None:
-                # past this the agents resume the job by themselves: this coordinator would have, unless it died
-                clients[h].pause_many(by_host[h], deadline_s=self.s.capture_deadline_s + SNAPSHOT_PAUSE_MARGIN_S)
-                paused.append(h)
-            if cut is not None:
-                res = cut.quiesce()  # releases the job itself when no cut is reached
-                # where the job stands, for a recovery to say how many steps it redoes (progress.py)
-                record.issued = res.issued
-                record.ops_per_step = per_step_by_worker(cut.get_all(cut.workers, trail=True) if cut.get_all else {})
-                destroyed = True
-                cut.destroy()
-                record.cut_rounds = res.rounds
-                if self.s.release_device_cache:  # every rank is checkpointed: live device bytes only, as a move's
-                    record.device_released_bytes = _released(cut.trim(cut.workers, deadline_s=self.s.cut_deadline_s))
-            else:
-                in_parallel(pause, hosts)
+            self._pause_job(by_host, clients, record, cut, hold)
             t = time.monotonic()
             record.phases["pause"] = round(t - t_pause, 4)
             faults.hit("snapshot_phase:pause")  # paused, not locked yet
 
             def lock(h: str) -> None:
-                locked.append(h)
+                hold.did("unlock", functools.partial(clients[h].snapshot_lock, job, by_host[h], False,
+                                                     cut=cut is not None), host=h)  # before: a lock half done
                 clients[h].snapshot_lock(job, by_host[h], True, cut=cut is not None)
             in_parallel(lock, hosts)
             record.phases["lock"] = round(time.monotonic() - t, 4)
@@ -534,36 +527,44 @@ class Snapshots:
                                                    whole=h in record.whole, cut=cut is not None),
                 hosts, self.heard, "its snapshot dump")
             record.phases["dump"] = round(time.monotonic() - t, 4)
-            record.bytes = sum(p["bytes"] for g in got for p in g["parts"].values())
+            parts = [p for g in got for p in g["parts"].values()]
+            record.bytes = sum(p["bytes"] for p in parts)
             # an incremental part's pages left in the part before it: not dumped, not sent again
-            record.bytes_in_parent = sum(p.get("bytes_in_parent", 0) for g in got for p in g["parts"].values())
+            record.bytes_in_parent = sum(p.get("bytes_in_parent", 0) for p in parts)
             record.incremental = sorted(w for g in got for w, p in g["parts"].items() if p.get("parent"))
             faults.hit("snapshot_phase:dump")  # dumped everywhere, still paused and locked
         finally:
             t = time.monotonic()
-            undo_errors = []
-            undo: list[tuple[str, Callable[[], object]]] = []
-            for h in locked:
-                undo.append((h, functools.partial(clients[h].snapshot_lock, job, by_host[h], False, cut=cut is not None)))
-            for h in paused:
-                undo.append((h, functools.partial(clients[h].resume_many, by_host[h])))
-            if cut is not None and destroyed:  # the communicators come back before anything runs on
-                undo.append(("the job's communicators", cut.rewire))
-            for h, fn in undo:
-                if h in by_host and not self.heard(h):  # no answer would come; the others wait for none
-                    undo_errors.append(f"{h}: silent, skipped (an agent cut off isolates its snapshot jobs' ranks)")
-                    continue
-                try:
-                    fn()
-                except PitstopError as e:
-                    undo_errors.append(f"{h}: {e.message}")
+            problems = hold.release()
             record.phases["resume"] = round(time.monotonic() - t, 4)
             with self.lock:
                 self.pausing.discard(job)
             self.paused(job, time.monotonic() - t_pause)  # the job did pause: its time is lost, whatever came after
-            if undo_errors:
-                log.error("a host could not be unlocked or resumed after a snapshot", job=job, errors=undo_errors)
+            if problems:
+                log.error("a host could not be unlocked or resumed after a snapshot", job=job, errors=problems)
         return time.monotonic() - t_pause
+
+    def _pause_job(self, by_host: dict[str, list[str]], clients: dict[str, AgentClient], record: SnapshotRecord,
+                   cut: Cut | None, hold: JobHold) -> None:
+        """Every rank of the job paused: parked at the NCCL cut with its communicators destroyed,
+        or stopped (SIGSTOP), all hosts at once; each with its way back on `hold`."""
+        if cut is None:
+            def pause(h: str) -> None:
+                # past this the agents resume the job by themselves: this coordinator would have, unless it died
+                clients[h].pause_many(by_host[h], deadline_s=self.s.capture_deadline_s + SNAPSHOT_PAUSE_MARGIN_S)
+                hold.did("resume", functools.partial(clients[h].resume_many, by_host[h]), host=h)
+            in_parallel(pause, sorted(by_host))
+            return
+        res = cut.quiesce()  # releases the job itself when no cut is reached
+        # where the job stands, for a recovery to say how many steps it redoes (progress.py)
+        record.issued = res.issued
+        record.ops_per_step = per_step_by_worker(cut.get_all(cut.workers, trail=True) if cut.get_all else {})
+        # the communicators come back before anything runs on (pushed first: a destroy half done too)
+        hold.did("the job's communicators", cut.rewire)
+        cut.destroy()
+        record.cut_rounds = res.rounds
+        if self.s.release_device_cache:  # every rank is checkpointed: live device bytes only, as a move's
+            record.device_released_bytes = _released(cut.trim(cut.workers, deadline_s=self.s.cut_deadline_s))
 
     def _await_replicas(self, job: str, number: int, hosts: list[str], clients: dict[str, AgentClient],
                         record: SnapshotRecord) -> None:
