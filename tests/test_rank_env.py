@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from pitstop.launcher.run import rank_and_world, scheduler_env
+from pitstop.launcher.environment import scheduler_env
+from pitstop.launcher.run import rank_and_world
 from pitstop.proc import proctree, signals
 
 from .helpers import until

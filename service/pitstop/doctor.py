@@ -247,7 +247,7 @@ def _image_root() -> Check:
 def _procself(unshare: str | None) -> Check:
     """A worker is init of its own pid namespace under the host's /proc; CUDA needs the
     preloaded fix-up (native/procself.c) to find /proc/self/task/<its tid>."""
-    from pitstop.launcher.run import procself_path
+    from pitstop.launcher.environment import procself_path
 
     name = "worker /proc fix-up"
     lib = procself_path()
@@ -299,7 +299,7 @@ def _worker_init() -> Check:
 def _write_tracking() -> Check:
     """Whether a pre-copy can ask the kernel what a worker wrote (memory/writetrack.py), or must
     hash every page of the dump during the pause."""
-    from pitstop.launcher.run import writetrack_path
+    from pitstop.launcher.environment import writetrack_path
     from pitstop.memory import writetrack
 
     name = "pre-copy write tracking"

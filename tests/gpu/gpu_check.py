@@ -107,7 +107,7 @@ class Proc:
         env = dict(env or {})
         if pidns:  # as `pitstop run` starts workers: init of its own pid namespace and session,
             # with native/procself.c preloaded (CUDA's cuInit fails there without it: error 304)
-            from pitstop.launcher.run import procself_env
+            from pitstop.launcher.environment import procself_env
 
             env.setdefault("LD_PRELOAD", os.environ.get("LD_PRELOAD", ""))
             env, _ = procself_env(env)

@@ -46,14 +46,14 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pitstop import nativelib, nsinit
+from pitstop import nsinit
 from pitstop.endpoints import check_url
 from pitstop.errors import InvalidRequest, NotFound, PitstopError
-from pitstop.launcher import incontainer, stdio
-from pitstop.launcher.seccomp import deny_io_uring
+from pitstop.launcher import environment, incontainer, stdio
 from pitstop.launcher.timeouts import (
     AGENT_ANSWER_AFTER_END_S,
     AGENT_GONE_S,
@@ -65,6 +65,7 @@ from pitstop.launcher.timeouts import (
     SIGNAL_MOVING_FOR_S,
 )
 from pitstop.proc import caps, proctree, signals
+from pitstop.undo import Undo
 from pitstop.wire.agent_client import AgentClient, health
 from pitstop.wire.agent_requests import (
     JOB_NAME_MAX,
@@ -140,139 +141,97 @@ def _pump(fd: int, out) -> None:  # noqa: ANN001
     os.close(fd)
 
 
-def shim_path() -> Path | None:
-    return nativelib.built("PITSTOP_SHIM", "libpitstop_shim.so", nativelib.SHIM_DIR)
+class _Exit(Exception):
+    """The launch ends here: what to print (after "pitstop run: "), and the exit status."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.message, self.code = message, code
 
 
-def host_nccl_dir() -> Path | None:
-    p = Path(os.environ.get("PITSTOP_HOST_NCCL_DIR", nativelib.BUILD))
-    return p if (p / "libnccl.so.2").exists() else None
+@dataclass
+class _Started:
+    """The command, started under its namespace's init, and what this launcher holds of it."""
 
-
-def _preload(env: dict[str, str], lib: Path | None, missing: str) -> tuple[dict[str, str], str | None]:
-    """Append `lib` to LD_PRELOAD; without it, the env as it was and the warning `missing`."""
-    if lib is None:
-        return env, missing
-    env["LD_PRELOAD"] = ":".join(x for x in (env.get("LD_PRELOAD", ""), str(lib)) if x)
-    return env, None
-
-
-def procself_path() -> Path | None:
-    return nativelib.built("PITSTOP_PROCSELF", "libpitstop_procself.so")
-
-
-def procself_env(env: dict[str, str]) -> tuple[dict[str, str], str | None]:
-    """Preload native/procself.c's fix-up: the worker is init of its own pid namespace but sees
-    the host's /proc, where a path built from its own pid or tid names nobody (CUDA's cuInit
-    fails with error 304 on exactly that).  Returns the env and a warning when it is missing."""
-    return _preload(env, procself_path(), "native/build/libpitstop_procself.so is not built: CUDA cannot "
-                                          "initialise in this worker (error 304); run `make native`")
-
-
-def writetrack_path() -> Path | None:
-    return nativelib.built("PITSTOP_WRITETRACK", "libpitstop_writetrack.so")
-
-
-def writetrack_env(env: dict[str, str]) -> tuple[dict[str, str], str | None]:
-    """Preload native/writetrack.c: the worker's half of the pre-copy's write tracking (it makes
-    the userfaultfd its agent asks for).  Returns the env and a warning when it is missing."""
-    return _preload(env, writetrack_path(), "native/build/libpitstop_writetrack.so is not built: a pre-copy "
-                                            "of this worker hashes every page during the pause; run `make native`")
-
-
-def nccl_env(env: dict[str, str], *, shim: bool, host_nccl: bool) -> dict[str, str]:
-    """Preload the NCCL shim (first, so its NCCL symbols win); optionally make host NCCL the libnccl."""
-    if host_nccl:
-        d = host_nccl_dir()
-        if d is None:
-            raise PitstopError("--host-nccl: native/build/libnccl.so.2 is not built",
-                               action="run `make native`, or set PITSTOP_HOST_NCCL_DIR")
-        env["LD_LIBRARY_PATH"] = ":".join(x for x in (str(d), env.get("LD_LIBRARY_PATH", "")) if x)
-    if shim:
-        p = shim_path()
-        if p is None:
-            raise PitstopError("the NCCL shim is not built", action="run `make native`, or pass --no-shim")
-        env["LD_PRELOAD"] = ":".join(x for x in (str(p), env.get("LD_PRELOAD", "")) if x)
-    return env
-
-
-SECRET_PREFIXES = ("PITSTOP_TLS_",)
-SECRET_MARKS = ("TOKEN", "SECRET", "PASSWORD")
-
-
-def without_secrets(env: dict[str, str]) -> dict[str, str]:
-    """The worker's environment less pitstop's own credentials: the tokens (the cluster token
-    amounts to root on every host) and the TLS key and certificate paths.
-
-    Why: a worker's environment is readable in its /proc/PID/environ, copied into its image pages
-    at every move, and printed by any job that logs its environment; the worker never needs them
-    (the launcher talks to the agent for it).  The job's own variables pass unchanged."""
-    return {k: v for k, v in env.items()
-            if not (k.startswith("PITSTOP_") and (k.startswith(SECRET_PREFIXES) or any(m in k for m in SECRET_MARKS)))}
+    p: subprocess.Popen
+    pumps: list[threading.Thread]
+    init_dir: Path | None
+    undo: Undo  # what its start left behind (its init's directory, its address), undone if it fails
 
 
 def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         extra_env: dict[str, str] | None = None, shim: bool = True, host_nccl: bool = False,
         address: str | None = None, snapshot_every_s: float | None = None) -> int:
+    """Start `cmd` as rank `rank` of `job`, registered with the agent at `agent_url`; its exit
+    status, wherever it ran last.  Each stage refuses before the command starts what it already
+    knows cannot work, and what a failed start left behind is undone (one undo stack)."""
+    try:
+        rank, world = _checked(cmd, job, rank, address, snapshot_every_s)
+        try:
+            env = environment.for_worker(extra_env, shim=shim, host_nccl=host_nccl)
+        except PitstopError as e:
+            raise _Exit(str(e), 125) from None
+        client, info = _agent(agent_url)
+        if incontainer.inside(info):  # the container is the worker (launcher/incontainer.py)
+            client.close()
+            if client.uds is None or address:
+                raise _Exit("in a container, give --agent unix:/PATH, the agent's socket mounted into the "
+                            "container (its network is the container runtime's: no --address)", 2)
+            return incontainer.run(cmd, env, job=job, rank=rank, world=world, sock=client.uds,
+                                   snapshot_every_s=snapshot_every_s)
+        started = _start(cmd, env, client, job, rank, address)
+        w, root = _register(started, cmd, client, job, rank, world, address, snapshot_every_s)
+    except _Exit as e:
+        print(f"pitstop run: {e.message}", file=sys.stderr)
+        return e.code
+    return _supervise(started, client, w, root)
+
+
+def _checked(cmd: list[str], job: str, rank: int | None, address: str | None,
+             snapshot_every_s: float | None) -> tuple[int, int | None]:
+    """The rank and world size, once the arguments are known good (exit status 2 else)."""
     if not cmd:
-        print("pitstop run: no command given; usage: pitstop run --job JOB --agent URL -- CMD [ARGS...]",
-              file=sys.stderr)
-        return 2
+        raise _Exit("no command given; usage: pitstop run --job JOB --agent URL -- CMD [ARGS...]", 2)
     why = bad_snapshot_every(snapshot_every_s)
     if why:
-        print(f"pitstop run: {why}", file=sys.stderr)
-        return 2
+        raise _Exit(why, 2)
     try:
         rank, world = rank_and_world(os.environ, rank)
     except ValueError as e:
-        print(f"pitstop run: {e}", file=sys.stderr)
-        return 2
+        raise _Exit(str(e), 2) from None
     why = refused_registration(job, rank, world, address, os.environ.get("SLURM_JOB_ID") or None)
     if why:
-        print(f"pitstop run: {why}; the command was not started", file=sys.stderr)
-        return 2
-    env = scheduler_env(without_secrets(dict(os.environ)))
-    env.setdefault("USE_LIBUV", "0")
-    why = deny_io_uring()  # CRIU cannot dump io_uring (launcher/seccomp.py); inherited by the worker
-    if why:
-        print(f"pitstop run: warning: io_uring stays available to the worker ({why}); a worker that "
-              "uses it cannot be moved", file=sys.stderr)
-    env.update(extra_env or {})
-    try:
-        env = nccl_env(env, shim=shim and (host_nccl or shim_path() is not None), host_nccl=host_nccl)
-        for add in (procself_env, writetrack_env):
-            env, missing = add(env)
-            if missing:
-                print(f"pitstop run: warning: {missing}", file=sys.stderr)
-    except PitstopError as e:
-        print(f"pitstop run: {e}", file=sys.stderr)
-        return 125
+        raise _Exit(f"{why}; the command was not started", 2)
+    return rank, world
+
+
+def _agent(agent_url: str) -> tuple[AgentClient, dict]:
+    """The agent, asked before the command starts: a worker its agent cannot take in is one nobody
+    can move."""
     bad = bad_agent_url(agent_url)
     if bad:
-        print(f"pitstop run: {bad}", file=sys.stderr)
-        return 2
+        raise _Exit(bad, 2)
     client = agent_client(agent_url)
-    try:  # before the command starts: a worker its agent cannot take in is one nobody can move
+    try:
         info = client.info(timeout=AGENT_INFO_TIMEOUT_S)
     except PitstopError as e:
-        print(f"pitstop run: {e}; the command was not started", file=sys.stderr)
-        return 125
+        raise _Exit(f"{e}; the command was not started", 125) from None
     _limit_caps(info)
-    if incontainer.inside(info):  # the container is the worker (launcher/incontainer.py)
-        client.close()
-        if client.uds is None or address:
-            print("pitstop run: in a container, give --agent unix:/PATH, the agent's socket mounted into the "
-                  "container (its network is the container runtime's: no --address)", file=sys.stderr)
-            return 2
-        return incontainer.run(cmd, env, job=job, rank=rank, world=world, sock=client.uds,
-                               snapshot_every_s=snapshot_every_s)
+    return client, info
+
+
+def _start(cmd: list[str], env: dict[str, str], client: AgentClient, job: str, rank: int,
+           address: str | None) -> _Started:
+    """Start the command under its namespace's init, in its own network namespace where it has an
+    address, its output pumped to this launcher's."""
+    undo = Undo(resumed_by="")
     prefix: list[str] = []
     if address:  # its own network namespace and address, made by the agent (network/workerns.py)
         try:
             net = client.prepare_network(job, rank, address)
         except PitstopError as e:
-            print(f"pitstop run: cannot give the worker address {address}: {e}", file=sys.stderr)
-            return 125
+            raise _Exit(f"cannot give the worker address {address}: {e}", 125) from None
+        undo.push("network", lambda e: _safe(client.drop_network, f"{job}.{rank}"))
         prefix = ["nsenter", f"--net={net['path']}", "--"]
         env.setdefault("GLOO_SOCKET_IFNAME", "eth0")  # gloo's default (the hostname's address) is not here
     init, init_dir = nsinit.binary(), None
@@ -284,6 +243,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         if init_dir is None:
             print(f"pitstop run: warning: cannot make a directory under {nsinit.init_dirs()}: the worker starts "
                   "without pitstop's init, and its dumps take turns with its neighbours'", file=sys.stderr)
+        undo.push("init directory", lambda e: nsinit.remove_unused(init_dir))
     start = nsinit.command(init, init_dir, cmd) if init and init_dir else \
         ["unshare", "--pid", "--fork", "setsid", *cmd]
     # One pipe for both where our stdout and stderr are one stream (`>log 2>&1`): the worker's
@@ -291,14 +251,10 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
     rout, wout = os.pipe()
     rerr, werr = (None, wout) if stdio.one_stream() else os.pipe()
     try:
-        p = subprocess.Popen([*prefix, *start], env=env,
-                             stdin=subprocess.DEVNULL, stdout=wout, stderr=werr)
+        p = subprocess.Popen([*prefix, *start], env=env, stdin=subprocess.DEVNULL, stdout=wout, stderr=werr)
     except OSError as e:
-        print(f"pitstop run: cannot start {cmd[0]}: {e}", file=sys.stderr)
-        nsinit.remove_unused(init_dir)
-        if address:
-            _safe(client.drop_network, f"{job}.{rank}")
-        return 127
+        undo.unwind(e)
+        raise _Exit(f"cannot start {cmd[0]}: {e}", 127) from None
     os.close(wout)
     if rerr is not None:
         os.close(werr)
@@ -307,9 +263,16 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         pumps.append(threading.Thread(target=_pump, args=(rerr, sys.stderr), daemon=True))
     for t in pumps:
         t.start()
+    return _Started(p, pumps, init_dir if init else None, undo)
+
+
+def _register(s: _Started, cmd: list[str], client: AgentClient, job: str, rank: int, world: int | None,
+              address: str | None, snapshot_every_s: float | None) -> tuple[dict, int]:
+    """The started tree registered with its agent: (its record there, the namespace's init).  A
+    command that ended at once ends the launch with its status; a refusal kills the tree."""
     root: int | None = None
     try:
-        root = _find_ns_init(p, forks=bool(init and init_dir))
+        root = _find_ns_init(s.p, forks=s.init_dir is not None)
         try:
             w = client.register(job, rank, root, address, world=world,
                                 slurm_job=os.environ.get("SLURM_JOB_ID") or None, snapshot_every_s=snapshot_every_s)
@@ -317,56 +280,54 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
             if proctree.exists(root):
                 raise
             try:
-                p.wait(ENDED_AT_ONCE_WAIT_S)  # it ended while the agent looked at it: the refusal is only that
+                s.p.wait(ENDED_AT_ONCE_WAIT_S)  # it ended while the agent looked at it: the refusal is only that
             except subprocess.TimeoutExpired:
                 raise refused from None  # not ended after all: the refusal stands
             raise EndedAtOnce() from None
-    except EndedAtOnce:
-        for t in pumps:
+    except EndedAtOnce as e:
+        for t in s.pumps:
             t.join(PUMP_DRAIN_S)
-        print(f"pitstop run: {cmd[0]} ended before its agent could take it in (exit status "
-              f"{shell_code(p.returncode)}); nothing to move", file=sys.stderr)
-        nsinit.remove_unused(init_dir)
-        if address:
-            _safe(client.drop_network, f"{job}.{rank}")
-        return shell_code(p.returncode)
+        s.undo.unwind(e)
+        raise _Exit(f"{cmd[0]} ended before its agent could take it in (exit status "
+                    f"{shell_code(s.p.returncode)}); nothing to move", shell_code(s.p.returncode)) from None
     except PitstopError as e:
-        print(f"pitstop run: could not register with the agent: {e}" + (f"; {e.action}" if e.action else ""),
-              file=sys.stderr)
         # The command runs as the namespace's init's child, the init as unshare's: killing the
         # outer process alone would leave the others running.  Where the init was never found
         # (it did not lead its session in time), the tree is taken from the outer process.
-        proctree.kill_tree(root if root is not None else p.pid)
-        p.kill()
-        p.wait()
-        nsinit.remove_unused(init_dir)
-        if address:
-            _safe(client.drop_network, f"{job}.{rank}")
-        return 125
+        proctree.kill_tree(root if root is not None else s.p.pid)
+        s.p.kill()
+        s.p.wait()
+        s.undo.unwind(e)
+        raise _Exit(f"could not register with the agent: {e}" + (f"; {e.action}" if e.action else ""), 125) from None
+    return w, root
+
+
+def _supervise(s: _Started, client: AgentClient, w: dict, root: int) -> int:
+    """Forward signals to the rank wherever it runs, wait for its end here, and follow it where a
+    move or a recovery took it; its exit status."""
     wid = w["id"]
     handle = _handle(w, wid)
-
     asked: list[int] = []  # termination signals forwarded to the rank: its end was asked for
 
     def forward(sig: int, _frame: object) -> None:
         if sig in signals.ASKS_FOR_END:
             asked.append(sig)
         info = _safe(client.worker, wid)
-        if info is None and handle is not None and p.poll() is not None:  # moved, and this host's agent is gone
+        if info is None and handle is not None and s.p.poll() is not None:  # moved, and this host's agent is gone
             threading.Thread(target=_safe, args=(handle.signal, sig), daemon=True).start()
             return
         info = info or {}
         if info.get("state") in MOVING:  # its agent delivers it where the worker runs now (agent/handles.py)
             threading.Thread(target=_signal_moved, args=(client, wid, sig), daemon=True).start()
             return
-        signals.send(info.get("root_pid", root), sig, under_init=bool(init_dir))
+        signals.send(info.get("root_pid", root), sig, under_init=s.init_dir is not None)
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
 
-    code = _wait_handling_signals(p)
+    code = _wait_handling_signals(s.p)
     ended_at = time.time()
-    for t in pumps:
+    for t in s.pumps:
         t.join(PUMP_DRAIN_S)
     info = _after_end(client, wid)
     if info.get("state") not in MOVING and not info.get("restored"):
@@ -374,7 +335,7 @@ def run(cmd: list[str], *, job: str, agent_url: str, rank: int | None = None,
         if not (code != 0 and info.get("snapshot_every_s") and _recovered(client, wid, info.get("root_pid"))):
             info = _safe(client.worker, wid) or {}
             if not info.get("fenced_epoch"):  # a fenced rank's directory is its agent's to remove
-                nsinit.remove_unused(init_dir)  # its init's, where the tree was killed
+                nsinit.remove_unused(s.init_dir)  # its init's, where the tree was killed
             return code
     return _follow_recoveries(client, wid, handle)
 
@@ -547,18 +508,6 @@ def rank_and_world(environ: Mapping[str, str], rank: int | None = None) -> tuple
     if world is not None and rank >= world:
         raise ValueError(f"rank {rank} is not below the job's {world} ranks (WORLD_SIZE or SLURM_NTASKS)")
     return rank, world
-
-
-def scheduler_env(env: dict[str, str]) -> dict[str, str]:
-    """Under `srun pitstop run -- python train.py`, torch.distributed's env:// finds its rank and
-    world where torchrun would have put them: RANK, WORLD_SIZE and LOCAL_RANK from Slurm's
-    SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID, unless they are set already."""
-    for ours, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"), ("LOCAL_RANK", "SLURM_LOCALID")):
-        if slurm in env and ours not in env:
-            env[ours] = env[slurm]
-    return env
-
-
 
 
 def _signal_moved(client: AgentClient, wid: str, sig: int) -> None:
