@@ -17,7 +17,7 @@ import pytest
 
 from pitstop.coordinator.schema import MIGRATIONS
 from pitstop.coordinator.service import operation_view
-from pitstop.coordinator.store import Store
+from pitstop.coordinator.sqlitestore import Store
 from pitstop.errors import FailedPrecondition
 from pitstop.wire.capture_report import CaptureReport
 from pitstop.wire.evacuation import SCHEMA_VERSION, EvacuationState

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from pitstop.agent.heartbeat import Reporter
-from pitstop.coordinator.store import Store
+from pitstop.coordinator.sqlitestore import Store
 from pitstop.dev.devcluster import LocalCluster
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from pitstop.coordinator.planner import plan
-from pitstop.coordinator.store import Store
+from pitstop.coordinator.sqlitestore import Store
 from pitstop.errors import Conflict, FailedPrecondition, InvalidRequest, NotFound
 
 H100 = {"gpu_model": "NVIDIA H100 80GB HBM3", "gpu_count": 8}

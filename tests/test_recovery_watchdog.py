@@ -13,7 +13,8 @@ import pytest
 
 from pitstop.coordinator.recovery import Recoveries
 from pitstop.coordinator.settings import CoordinatorSettings
-from pitstop.coordinator.store import Store, StoreUnavailable
+from pitstop.coordinator.sqlitestore import Store
+from pitstop.coordinator.store import StoreUnavailable
 from pitstop.wire.recovery_state import TYPE_URL
 
 pytestmark = pytest.mark.timeout(60)

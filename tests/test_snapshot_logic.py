@@ -8,7 +8,7 @@ import pytest
 
 from pitstop.coordinator.recovery import is_recovery
 from pitstop.coordinator.snapshots import buddies, interval
-from pitstop.coordinator.store import Store
+from pitstop.coordinator.sqlitestore import Store
 from pitstop.errors import FailedPrecondition
 from pitstop.launcher.run import bad_snapshot_every
 from pitstop.wire.snapshot_record import SnapshotRecord

@@ -311,7 +311,8 @@ def test_a_closed_sqlite_store_answers_unavailable_never_crashes(tmp_path):
     """A thread of an operation still saving as its coordinator closes the store (in-process tests,
     a coordinator stopping): the close waits for the statement under way, and later ones get
     StoreUnavailable.  Closing under a running statement crashed the process (sqlite3)."""
-    from pitstop.coordinator.store import Store, StoreUnavailable
+    from pitstop.coordinator.sqlitestore import Store
+    from pitstop.coordinator.store import StoreUnavailable
 
     s = Store(tmp_path / "c.db")
     errors: list[BaseException] = []

@@ -17,7 +17,8 @@ from pitstop.coordinator.api import build
 from pitstop.coordinator.driver import Driver
 from pitstop.coordinator.evacuation_run import OpRun
 from pitstop.coordinator.settings import CoordinatorSettings
-from pitstop.coordinator.store import Store, StoreUnavailable
+from pitstop.coordinator.sqlitestore import Store
+from pitstop.coordinator.store import StoreUnavailable
 from pitstop.errors import NotFound, PitstopError
 from pitstop.wire.evacuation import EvacuationState
 
@@ -295,7 +296,7 @@ def test_a_database_of_an_earlier_release_is_migrated_in_order_and_a_newer_one_r
     import sqlite3
 
     from pitstop.coordinator.schema import MIGRATIONS
-    from pitstop.coordinator.store import Store
+    from pitstop.coordinator.sqlitestore import Store
     from pitstop.errors import FailedPrecondition
 
     old = tmp_path / "old.db"

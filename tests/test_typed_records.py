@@ -18,7 +18,7 @@ import pytest
 
 from pitstop.coordinator.ledger import recovery_entry
 from pitstop.coordinator.schema import MIGRATIONS
-from pitstop.coordinator.store import Store
+from pitstop.coordinator.sqlitestore import Store
 from pitstop.errors import FailedPrecondition
 from pitstop.wire.recovery_state import RecoveryState
 from pitstop.wire.snapshot_record import SCHEMA_VERSION, SnapshotPart, SnapshotRecord

@@ -17,7 +17,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BeforeValidator
 
-from pitstop.coordinator.store import BaseStore, Store
+from pitstop.coordinator.sqlitestore import Store
+from pitstop.coordinator.store import BaseStore
 
 Kind = Literal["sqlite", "postgresql"]
 

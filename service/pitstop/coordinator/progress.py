@@ -44,6 +44,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -237,3 +238,23 @@ def watch(read: Callable[[], dict[str, int]], cut: Sample, resumed_at: float, be
                      collectives_per_s_after=None if after is None else round(after, 3),
                      step_time_ratio=round(rate_before / after, 3) if rate_before and after else None,
                      watched_s=round((history[-1].at if history else now()) - resumed_at, 3))
+
+
+def steps_redone(nccl: bool, at: dict[str, int], per_step: dict[str, int], now: dict[str, list[dict[str, Any]]],
+                 unread: str | None) -> dict[str, Any]:
+    """The steps the job does again: for an NCCL job, the operations its surviving ranks issued
+    since the snapshot (their shims' counters, read just before they are stopped) over the
+    operations a step takes (the period of their trails at the snapshot: per_step_by_worker).  A job
+    without the shim's communicators shows no progress pitstop can count: `lost_s` only."""
+    if not nccl or not at:
+        return {"steps_redone": None, "steps_redone_why": "the job shows no progress pitstop can count "
+                "without a change to it (no NCCL shim); lost_s says how long it ran since the snapshot"}
+    if unread is not None:
+        return {"steps_redone": None, "steps_redone_why": f"the surviving ranks' counters could not be read: "
+                f"{unread}"}
+    ops = {w: sum(block_ops(b) for b in bs) - at[w] for w, bs in now.items() if w in at and bs}
+    steps = {w: round(n / per_step[w], 1) for w, n in ops.items() if per_step.get(w)}
+    if not steps:
+        return {"ops_redone": max(ops.values(), default=None), "steps_redone": None,
+                "steps_redone_why": "no step period showed in the ranks' trails at the snapshot"}
+    return {"ops_redone": max(ops.values()), "steps_redone": max(steps.values())}

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import structlog
 
 from pitstop import faults
-from pitstop.coordinator.cut import block_ops
+from pitstop.coordinator import progress
 from pitstop.coordinator.fanout import each_while_heard, in_parallel, while_heard
 from pitstop.coordinator.planner import healthy, usable_spare
 from pitstop.coordinator.settings import CoordinatorSettings
@@ -417,7 +417,7 @@ class Recoveries:
         self._fence(plan, md)
         t = self._phase(op_id, md, "stop", t)
         now, unread = self._survivor_blocks(plan)
-        for k, v in self._steps_redone(plan, now, unread).items():
+        for k, v in progress.steps_redone(plan.nccl, plan.issued_at, plan.ops_per_step, now, unread).items():
             setattr(md, k, v)
         md.survivors = self._survivors(plan, now)
         t_pause = time.time()
@@ -515,25 +515,6 @@ class Recoveries:
                 else:
                     out[w] = {"state": "ended" if states.get(w) in ("exited", "lost") else "running"}
         return out
-
-    def _steps_redone(self, plan: Plan, now: dict[str, list[dict[str, Any]]], unread: str | None) -> dict[str, Any]:
-        """The steps the job does again: for an NCCL job, the operations its surviving ranks issued
-        since the snapshot (their shims' counters, read just before they are stopped) over the
-        operations a step takes (the period of their trails at the snapshot, progress.py).  A job
-        without the shim's communicators shows no progress pitstop can count: `lost_s` only."""
-        at, per_step = plan.issued_at, plan.ops_per_step
-        if not plan.nccl or not at:
-            return {"steps_redone": None, "steps_redone_why": "the job shows no progress pitstop can count "
-                    "without a change to it (no NCCL shim); lost_s says how long it ran since the snapshot"}
-        if unread is not None:
-            return {"steps_redone": None, "steps_redone_why": f"the surviving ranks' counters could not be read: "
-                    f"{unread}"}
-        ops = {w: sum(block_ops(b) for b in bs) - at[w] for w, bs in now.items() if w in at and bs}
-        steps = {w: round(n / per_step[w], 1) for w, n in ops.items() if per_step.get(w)}
-        if not steps:
-            return {"ops_redone": max(ops.values(), default=None), "steps_redone": None,
-                    "steps_redone_why": "no step period showed in the ranks' trails at the snapshot"}
-        return {"ops_redone": max(ops.values()), "steps_redone": max(steps.values())}
 
     def _fence(self, plan: Plan, md: RecoveryState) -> None:
         epoch = int(time.time() * 1000)

@@ -2,7 +2,7 @@
 which coordinator leads (coordinator/leadership.py).
 
 Two databases hold the same records through one schema and one ordered list of migrations:
-SQLite (`Store`, the embedded default: one coordinator on one host, `make demo`) and PostgreSQL
+SQLite (`sqlitestore.Store`, the embedded default: one coordinator on one host, `make demo`) and PostgreSQL
 (`pgstore.PostgresStore`: several coordinators, one leading, on a database that outlives any of
 their hosts); coordinator/database.py picks one by the URL given to --db.  Everything here is
 written once, in the SQL both understand (`?` placeholders, ON CONFLICT upserts, RETURNING); a
@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pitstop.coordinator.liveness import Liveness
@@ -49,12 +47,6 @@ COLUMNS = ("cordoned", "role_since", "role_why")
 
 LIVE = ("running", "paused", "capturing", "stopped")  # "released": the process is gone
 CLAIMED = "claimed"  # a rank an agent is about to register (Store.claim_worker), until its report says more
-
-# What the file system or the disk did to SQLite, not a mistake in pitstop's SQL: these pass
-# once an operator (or time) fixes the database's file system, so they are answered as 503.
-_UNAVAILABLE = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED,
-                sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB,
-                sqlite3.SQLITE_NOMEM, sqlite3.SQLITE_PROTOCOL}
 
 Row = Mapping[str, Any]
 
@@ -82,11 +74,6 @@ class NotLeader(StoreUnavailable):
     code = "not_leader"
 
 
-def _unavailable(e: sqlite3.Error) -> bool:
-    code = getattr(e, "sqlite_errorcode", None)
-    return code is not None and code & 0xFF in _UNAVAILABLE
-
-
 def _is_left_behind(reported: dict[str, Any], host: str, left_behind: str | None) -> bool:
     """Whether `host` reports the very copy of a worker that it left when the worker moved away
     (same process, by pid and start time): old news, however late it arrives."""
@@ -98,7 +85,7 @@ def _is_left_behind(reported: dict[str, Any], host: str, left_behind: str | None
 
 
 class BaseStore:
-    """The records, over a backend's connection (Store: SQLite; pgstore.PostgresStore).
+    """The records, over a backend's connection (sqlitestore.Store: SQLite; pgstore.PostgresStore).
 
     A backend implements `_execute`, `_executemany`, `_begin`, `_commit`, `_rollback`,
     `_translate` (its errors as StoreUnavailable, or None for a mistake in the SQL), `columns`,
@@ -624,80 +611,3 @@ class BaseStore:
 
     def request_cancel(self, op_id: str) -> None:
         self._x("UPDATE operations SET cancel_requested=1, updated=? WHERE id=?", (time.time(), op_id))
-
-
-class Store(BaseStore):
-    """The records in SQLite (WAL): the embedded default, one coordinator on one host."""
-
-    BUSY_TIMEOUT_MS = 5000  # two coordinators of one host on one file take turns, briefly
-
-    def __init__(self, path: Path) -> None:
-        super().__init__()
-        self.path = path
-        self.where = str(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute(f"PRAGMA busy_timeout={self.BUSY_TIMEOUT_MS}")
-        self._open()
-
-    def close(self) -> None:
-        """Under the lock: closing the connection while another thread runs a statement on it
-        crashes the process (sqlite3 frees what that statement uses).  A thread that comes later
-        (an operation's, as its coordinator stops) gets StoreUnavailable, as from a database down."""
-        with self.lock:
-            self._closed = True
-            self.db.close()
-
-    def _open_db(self) -> sqlite3.Connection:
-        if getattr(self, "_closed", False):
-            raise StoreUnavailable(f"the coordinator's database {self.path} is closed: the coordinator is stopping",
-                                   action="nothing to do: a coordinator that starts again takes up what it left")
-        return self.db
-
-    def _execute(self, sql: str, args: tuple = ()) -> list[Row]:
-        return self._open_db().execute(sql, args).fetchall()
-
-    def _executemany(self, sql: str, rows: list[tuple]) -> None:
-        self._open_db().executemany(sql, rows)
-
-    def _begin(self) -> None:
-        """SQLite itself rolls back a transaction that hit a full disk or an I/O error: a ROLLBACK
-        sent after that fails with "cannot rollback - no transaction is active", which then hid
-        the real error ("database or disk is full").  So ROLLBACK goes only to a transaction
-        still open, and a failing one never replaces the error that caused it."""
-        if self._open_db().in_transaction:  # one a failed ROLLBACK left open: nothing of it is ours
-            self.db.execute("ROLLBACK")
-        # Where coordinators share the file, a transaction's first read (the term) must not have to
-        # become a write later: SQLite would answer BUSY at once instead of waiting its turn.
-        self.db.execute("BEGIN IMMEDIATE" if self.fenced else "BEGIN")
-
-    def _commit(self) -> None:
-        self.db.execute("COMMIT")
-
-    def _rollback(self) -> None:
-        if self.db.in_transaction:
-            with contextlib.suppress(sqlite3.Error):  # tried again before the next BEGIN
-                self.db.execute("ROLLBACK")
-
-    def _translate(self, e: Exception) -> StoreUnavailable | None:
-        """sqlite3's errors of the file system as StoreUnavailable, saying which one to fix."""
-        if not isinstance(e, sqlite3.Error) or not _unavailable(e):
-            return None
-        return StoreUnavailable(
-            f"the coordinator cannot use its database {self.path}: {e}",
-            action=f"free space on (or repair) the file system that holds {self.path}, then send this "
-                   "request again; the coordinator keeps trying by itself: an evacuation it cannot record "
-                   "is undone on the agents, and written down once the database takes writes again",
-            details={"database": str(self.path), "sqlite_error": getattr(e, "sqlite_errorname", str(e))})
-
-    def columns(self, table: str) -> set[str]:
-        return {r["name"] for r in self.db.execute(f"PRAGMA table_info({table})")}
-
-    def _schema_version(self) -> int:
-        return int(self.db.execute("PRAGMA user_version").fetchone()[0])
-
-    def _set_schema_version(self, version: int) -> None:
-        self.db.execute(f"PRAGMA user_version={int(version)}")

@@ -25,7 +25,7 @@ import structlog
 
 from pitstop.coordinator.driver import Driver
 from pitstop.coordinator.settings import CoordinatorSettings
-from pitstop.coordinator.store import Store
+from pitstop.coordinator.sqlitestore import Store
 from pitstop.errors import DeadlineExceeded, PitstopError
 from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.evacuation import EvacuationState
