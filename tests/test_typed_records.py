@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 
 from pitstop.coordinator.ledger import recovery_entry
+from pitstop.coordinator.recovery import is_recovery
 from pitstop.coordinator.schema import MIGRATIONS
 from pitstop.coordinator.sqlitestore import Store
 from pitstop.errors import FailedPrecondition
+from pitstop.wire.recovery_state import TYPE_URL as RECOVERY_TYPE_URL
 from pitstop.wire.recovery_state import RecoveryState
 from pitstop.wire.snapshot_record import SCHEMA_VERSION, SnapshotPart, SnapshotRecord
 
@@ -86,8 +88,8 @@ def test_a_snapshot_record_this_release_cannot_read_stops_the_upgrade_and_names_
 def test_a_record_shows_only_what_was_set_and_keeps_what_a_newer_release_wrote():
     r = SnapshotRecord(parts={"j.0": SnapshotPart(host="a", rank=0, buddy="b")}, buddies={"a": "b"})
     r.phases["check"] = 0.1  # changed in place: still written
-    assert r.dump() == {"parts": {"j.0": {"host": "a", "rank": 0, "buddy": "b"}}, "buddies": {"a": "b"},
-                        "phases": {"check": 0.1}}
+    assert r.dump() == {"schema_version": SCHEMA_VERSION, "parts": {"j.0": {"host": "a", "rank": 0, "buddy": "b"}},
+                        "buddies": {"a": "b"}, "phases": {"check": 0.1}}
     newer = SnapshotRecord.load({"schema_version": 2, "parts": {}, "replica_checksum": "abc"})
     assert newer.dump()["replica_checksum"] == "abc"  # a downgrade never truncates a record
     with pytest.raises(ValueError):
@@ -138,3 +140,12 @@ def test_a_recovery_this_release_cannot_read_stops_the_upgrade_and_names_it(tmp_
     finally:
         db.close()
     assert _raw_op(path, "recover-0123456789ab") == bad
+
+
+def test_a_new_recovery_says_what_it_is_and_its_version():
+    """The watchdogs tell a recovery from an evacuation by its @type: a record without it would be
+    taken over as a stray evacuation."""
+    md = RecoveryState(job="j", node="host-b", snapshot=3, phases={}, conditions=[]).dump()
+    assert md == {"@type": RECOVERY_TYPE_URL, "schema_version": 1, "job": "j", "node": "host-b", "snapshot": 3,
+                  "phases": {}, "conditions": []}
+    assert is_recovery({"metadata": md})

@@ -535,11 +535,13 @@ class Snapshots:
             faults.hit("snapshot_phase:dump")  # dumped everywhere, still paused and locked
         finally:
             t = time.monotonic()
-            problems = hold.release()
-            record.phases["resume"] = round(time.monotonic() - t, 4)
-            with self.lock:
-                self.pausing.discard(job)
-            self.paused(job, time.monotonic() - t_pause)  # the job did pause: its time is lost, whatever came after
+            try:
+                problems = hold.release()  # raises only what is not an agent's answer, once every step ran
+            finally:
+                record.phases["resume"] = round(time.monotonic() - t, 4)
+                with self.lock:
+                    self.pausing.discard(job)  # else a recovery of the job would wait for this pause for ever
+                self.paused(job, time.monotonic() - t_pause)  # the job did pause: its time is lost, whatever came after
             if problems:
                 log.error("a host could not be unlocked or resumed after a snapshot", job=job, errors=problems)
         return time.monotonic() - t_pause

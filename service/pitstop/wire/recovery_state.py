@@ -51,6 +51,10 @@ class RecoveryState(Record):
     spares_left: int | None = None
     result: str | None = None
 
+    def model_post_init(self, context: Any) -> None:
+        """What the record is and its version are written with every record, set or not."""
+        self.model_fields_set.update({"type_url", "schema_version"})
+
     @classmethod
     def load(cls, stored: dict[str, Any]) -> "RecoveryState":
         """A stored record, of this schema or an older one, as this release's model."""

@@ -51,6 +51,10 @@ class SnapshotRecord(Record):
     seconds: float | None = None  # from its start to its commit
     error: str | None = None  # why it failed
 
+    def model_post_init(self, context: Any) -> None:
+        """What the record is and its version are written with every record, set or not."""
+        self.model_fields_set.update({"schema_version"})
+
     @classmethod
     def load(cls, stored: dict[str, Any]) -> "SnapshotRecord":
         """A stored record, of this schema or an older one, as this release's model."""
