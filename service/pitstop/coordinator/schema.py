@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from pitstop.errors import FailedPrecondition
 from pitstop.wire.evacuation import EvacuationState
+from pitstop.wire.records import Record
 from pitstop.wire.recovery_state import TYPE_URL as RECOVERY_TYPE_URL
 from pitstop.wire.recovery_state import RecoveryState
 from pitstop.wire.snapshot_record import SnapshotRecord
@@ -73,18 +74,27 @@ def _index_operations(db: Migrating) -> None:
     db.q("CREATE INDEX IF NOT EXISTS operations_by_node ON operations(node, created)")
 
 
+_REMOVE_ROW = "run the release that wrote it, or remove that operation's row"
+
+
+def _read(load: Callable[[dict[str, Any]], Record], stored: str, what: str, action: str) -> str:
+    """A stored record through this release's model, as JSON again.  One it cannot read stops the
+    upgrade here, naming it (the step's transaction rolls back), rather than the code that would
+    read it later."""
+    try:
+        return json.dumps(load(json.loads(stored)).dump())
+    except (ValueError, TypeError) as e:
+        raise FailedPrecondition(f"{what} in the coordinator's database cannot be read by this release: {e}",
+                                 code="database_unreadable", action=action) from None
+
+
 def _typed_operation_state(db: Migrating) -> None:
     """Every operation's metadata through the typed evacuation state (wire/evacuation.py): a record
     of an earlier release gets its schema version, and one this release cannot read stops the
     upgrade here, naming the operation, rather than the driver that would reconcile it later."""
     for r in db.q("SELECT id, metadata FROM operations"):
-        try:
-            md = EvacuationState.load(json.loads(r["metadata"])).dump()
-        except (ValueError, TypeError) as e:
-            raise FailedPrecondition(f"operation {r['id']} in the coordinator's database cannot be read by this "
-                                     f"release: {e}", code="database_unreadable",
-                                     action="run the release that wrote it, or remove that operation's row") from None
-        db.q("UPDATE operations SET metadata=? WHERE id=?", (json.dumps(md), r["id"]))
+        md = _read(EvacuationState.load, r["metadata"], f"operation {r['id']}", _REMOVE_ROW)
+        db.q("UPDATE operations SET metadata=? WHERE id=?", (md, r["id"]))
 
 
 def _add_cordon(db: Migrating) -> None:
@@ -117,29 +127,19 @@ def _typed_snapshot_records(db: Migrating) -> None:
     _typed_operation_state did for the evacuations: a record of an earlier release gets its schema
     version, and one this release cannot read stops the upgrade here, naming the snapshot."""
     for r in db.q("SELECT job, number, info FROM snapshots"):
-        try:
-            rec = SnapshotRecord.load(json.loads(r["info"])).dump()
-        except (ValueError, TypeError) as e:
-            raise FailedPrecondition(f"snapshot {r['number']} of job {r['job']} in the coordinator's database cannot "
-                                     f"be read by this release: {e}", code="database_unreadable",
-                                     action="run the release that wrote it, or drop the job's snapshots "
-                                            "(`pitstop snapshots JOB --drop` with that release)") from None
-        db.q("UPDATE snapshots SET info=? WHERE job=? AND number=?", (json.dumps(rec), r["job"], r["number"]))
+        rec = _read(SnapshotRecord.load, r["info"], f"snapshot {r['number']} of job {r['job']}",
+                    "run the release that wrote it, or drop the job's snapshots (`pitstop snapshots JOB --drop` "
+                    "with that release)")
+        db.q("UPDATE snapshots SET info=? WHERE job=? AND number=?", (rec, r["job"], r["number"]))
 
 
 def _typed_recovery_records(db: Migrating) -> None:
     """Every recovery's metadata through its typed model (wire/recovery_state.py)."""
     for r in db.q("SELECT id, metadata FROM operations"):
-        md = json.loads(r["metadata"])
-        if md.get("@type") != RECOVERY_TYPE_URL:
+        if json.loads(r["metadata"]).get("@type") != RECOVERY_TYPE_URL:
             continue
-        try:
-            md = RecoveryState.load(md).dump()
-        except (ValueError, TypeError) as e:
-            raise FailedPrecondition(f"recovery {r['id']} in the coordinator's database cannot be read by this "
-                                     f"release: {e}", code="database_unreadable",
-                                     action="run the release that wrote it, or remove that operation's row") from None
-        db.q("UPDATE operations SET metadata=? WHERE id=?", (json.dumps(md), r["id"]))
+        md = _read(RecoveryState.load, r["metadata"], f"recovery {r['id']}", _REMOVE_ROW)
+        db.q("UPDATE operations SET metadata=? WHERE id=?", (md, r["id"]))
 
 
 MIGRATIONS: tuple[Callable[[Migrating], None], ...] = (_add_generation, _index_operations,
