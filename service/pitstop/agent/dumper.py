@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -88,7 +87,7 @@ class Dumper:
             kept = diagnostics.keep(self.s.state_dir, images / criu_ops.DUMP_LOG, log_name)
             log.warning("CRIU's incremental dump failed; dumping whole", worker=w.id, reason=e.message,
                         log=str(kept) if kept else None)
-            _empty(images)  # the parent goes too: a whole dump has none; its log is kept above
+            procwindow.clear_for_retry(images, 0, keep_log=False)  # the parent too: a whole dump has none
             fell_back(e)
         return self.dump(w, images, whole, overlap=overlap), False
 
@@ -105,15 +104,6 @@ class Dumper:
             cwd = ""
         with self._guard:
             return self._cwd_locks.setdefault(cwd, threading.Lock()), cwd
-
-
-def _empty(images: Path) -> None:
-    """Nothing of a failed attempt stays to be sealed, sent or counted with the dump that follows."""
-    for f in images.iterdir():
-        if f.is_dir() and not f.is_symlink():
-            shutil.rmtree(f)
-        else:
-            f.unlink()
 
 
 def worker_entry(w: Worker, *, snapshot: bool = False) -> dict[str, Any]:

@@ -47,14 +47,15 @@ def collided(details: dict) -> bool:
     return any(COLLISION in line for line in details.get("criu_errors", []))
 
 
-def clear_for_retry(images: Path, attempt: int) -> None:
-    """Empty the image directory for the next attempt; keep the failed attempt's log beside it."""
+def clear_for_retry(images: Path, attempt: int, keep_log: bool = True) -> None:
+    """Empty the image directory for the next attempt; keep the failed attempt's log beside it
+    (`keep_log`), or not where it is kept elsewhere (agent/diagnostics.py)."""
     for f in images.iterdir():
-        if f.name == "dump.log":
+        if f.name == "dump.log" and keep_log:
             f.rename(images / f"dump-attempt{attempt}.log")
         elif f.is_dir() and not f.is_symlink():  # a snapshot's parent is a link to an older part
             shutil.rmtree(f)
-        elif not f.name.startswith("dump-attempt"):
+        elif not (keep_log and f.name.startswith("dump-attempt")):
             f.unlink()
 
 

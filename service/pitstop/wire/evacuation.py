@@ -152,6 +152,7 @@ class AfterMove(Record):
 class EvacuationState(Record):
     """The operation's metadata: what the request asked, the plan, and where the move stands."""
 
+    always = ("type_url", "schema_version")
     type_url: str = Field(default=TYPE_URL, alias="@type")
     schema_version: int = SCHEMA_VERSION
     node: str

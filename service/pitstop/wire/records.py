@@ -6,7 +6,7 @@ operator's tools reading them see no difference."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -15,6 +15,13 @@ class Record(BaseModel):
     # Keys an older or newer release wrote that this one does not know are kept as they are:
     # an upgrade or a downgrade never truncates a record an operator may still need to read.
     model_config = ConfigDict(extra="allow", validate_assignment=True, populate_by_name=True)
+    # Fields every record of the type is written with, set or not: what it is and its version.
+    # Left to each constructor, a record made without them lost them in its dump (a recovery
+    # without its @type was taken for an evacuation).
+    always: ClassVar[tuple[str, ...]] = ()
+
+    def model_post_init(self, context: Any) -> None:
+        self.model_fields_set.update(self.always)
 
     def unset(self, name: str) -> None:
         """Take a field out of the record again (its default, and absent from the dump)."""

@@ -22,6 +22,7 @@ TYPE_URL = "type.pitstop.dev/RecoverMetadata"
 
 
 class RecoveryState(Record):
+    always = ("type_url", "schema_version")
     type_url: str = Field(default=TYPE_URL, alias="@type")
     schema_version: int = SCHEMA_VERSION
     job: str
@@ -50,10 +51,6 @@ class RecoveryState(Record):
     pause_s: float | None = None
     spares_left: int | None = None
     result: str | None = None
-
-    def model_post_init(self, context: Any) -> None:
-        """What the record is and its version are written with every record, set or not."""
-        self.model_fields_set.update({"type_url", "schema_version"})
 
     @classmethod
     def load(cls, stored: dict[str, Any]) -> "RecoveryState":

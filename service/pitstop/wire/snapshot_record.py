@@ -33,6 +33,7 @@ class SnapshotPart(Record):
 
 
 class SnapshotRecord(Record):
+    always = ("schema_version",)
     schema_version: int = SCHEMA_VERSION
     parts: dict[str, SnapshotPart] = Field(default_factory=dict)  # worker -> where its part and replica are
     buddies: dict[str, str] = Field(default_factory=dict)  # host -> the host that keeps its replicas
@@ -50,10 +51,6 @@ class SnapshotRecord(Record):
     incremental: list[str] = Field(default_factory=list)  # workers whose part is a delta
     seconds: float | None = None  # from its start to its commit
     error: str | None = None  # why it failed
-
-    def model_post_init(self, context: Any) -> None:
-        """What the record is and its version are written with every record, set or not."""
-        self.model_fields_set.update({"schema_version"})
 
     @classmethod
     def load(cls, stored: dict[str, Any]) -> "SnapshotRecord":
