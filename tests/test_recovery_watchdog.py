@@ -1,8 +1,8 @@
 """The audit's M3: a recovery whose database write failed left its operation "running" for good,
 with the survivors possibly already stopped; the driver's watchdog covered evacuations only.  The
-recoveries' watchdog (coordinator/recovery.py, Recoveries.watch) runs such a recovery again from
-its start once the database takes writes, and writes the last record of one that ended on the
-agents.  A real SQLite store, made read-only as a remounted file system would; the recovery's
+operations' watchdog (coordinator/operations.py, Operations.watch), which drives evacuations and
+recoveries alike, runs such a recovery again from its start once the database takes writes, and
+writes the last record of one that ended on the agents.  A real SQLite store, made read-only as a remounted file system would; the recovery's
 own work is the one faked part (its end-to-end runs are tests/test_recovery_e2e.py)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from pitstop.coordinator.recovery import Recoveries
+from pitstop.coordinator.recovery_run import RecoveryRun
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.sqlitestore import Store
 from pitstop.coordinator.store import StoreUnavailable
@@ -28,6 +29,7 @@ class _Snaps:
     def release(self, job: str) -> None: ...
     def restart_clock(self, job: str, at: float) -> None: ...
     def drop_everywhere(self, job: str, why: str) -> None: ...
+    def heard(self, host: str) -> bool: return True
 
 
 def _read_only(store: Store, on: bool) -> None:
@@ -46,66 +48,66 @@ def test_a_recovery_whose_thread_ended_on_a_refused_write_is_run_again_once_the_
     ran: list[str] = []
     stopped = threading.Event()
 
-    def recover(op_id, md):  # noqa: ANN001, ANN202
-        ran.append(op_id)
+    def recover(run: RecoveryRun) -> None:
+        ran.append(run.id)
         stopped.set()  # the survivors stopped; then the next phase's write is refused
-        rec._phase(op_id, md, "restore")
+        run.enter("restore", leaving="stop")
 
-    monkeypatch.setattr(rec, "_recover", recover)
+    monkeypatch.setattr(RecoveryRun, "drive", recover)
     _read_only(rec.store, True)
-    rec.start_thread("recover-1")
-    rec.threads["recover-1"].join(30)
+    rec.ops.spawn("recover-1", lambda r: r.run())
+    rec.ops.threads["recover-1"].join(30)
     assert stopped.is_set() and ran == ["recover-1"]
     assert not rec.store.op("recover-1")["done"], "left running, with nothing driving it"
-    assert rec.watch() == ["recover-1"]  # run again: while the database refuses, it ends so again
-    rec.threads["recover-1"].join(30)
+    assert rec.ops.watch() == ["recover-1"]  # run again: while the database refuses, it ends so again
+    rec.ops.threads["recover-1"].join(30)
     assert not rec.store.op("recover-1")["done"] and len(ran) == 2
     _read_only(rec.store, False)
-    rec.takeovers["recover-1"] = (1, 0.0)  # past its back-off
+    rec.ops.runs["recover-1"].next_takeover = 0.0  # past its back-off
 
-    def finishes(op_id, md):  # noqa: ANN001, ANN202
-        ran.append(op_id)
-        md.result = "succeeded"
-        rec._final(op_id, md, done=True, result="succeeded")
+    def finishes(run: RecoveryRun) -> None:
+        ran.append(run.id)
+        run.md.result = "succeeded"
+        run.end(done=True, result="succeeded")
 
-    monkeypatch.setattr(rec, "_recover", finishes)
-    assert rec.watch() == ["recover-1"]
-    rec.threads["recover-1"].join(30)
+    monkeypatch.setattr(RecoveryRun, "drive", finishes)
+    assert rec.ops.watch() == ["recover-1"]
+    rec.ops.threads["recover-1"].join(30)
     op = rec.store.op("recover-1")
     assert op["done"] and op["result"] == "succeeded" and len(ran) == 3
-    assert rec.watch() == []
+    assert rec.ops.watch() == [] and not rec.ops.runs
 
 
 def test_a_recovery_over_on_the_agents_is_recorded_not_run_again(rec, monkeypatch):
     ran: list[str] = []
 
-    def finishes(op_id, md):  # noqa: ANN001, ANN202
-        ran.append(op_id)
+    def finishes(run: RecoveryRun) -> None:
+        ran.append(run.id)
         _read_only(rec.store, True)  # its last write is refused
-        md.result = "succeeded"
-        rec._final(op_id, md, done=True, result="succeeded")
+        run.md.result = "succeeded"
+        run.end(done=True, result="succeeded")
 
-    monkeypatch.setattr(rec, "_recover", finishes)
-    rec.start_thread("recover-1")
-    rec.threads["recover-1"].join(30)
+    monkeypatch.setattr(RecoveryRun, "drive", finishes)
+    rec.ops.spawn("recover-1", lambda r: r.run())
+    rec.ops.threads["recover-1"].join(30)
     _read_only(rec.store, False)
     assert not rec.store.op("recover-1")["done"]
-    assert rec.watch() == [] and ran == ["recover-1"], "recorded, never run a second time"
+    assert rec.ops.watch() == [] and ran == ["recover-1"], "recorded, never run a second time"
     assert rec.store.op("recover-1")["result"] == "succeeded"
 
 
 def test_a_recovery_that_keeps_ending_is_taken_over_later_not_at_every_look(rec, monkeypatch):
-    def dies(op_id, md):  # noqa: ANN001, ANN202
+    def dies(run: RecoveryRun) -> None:
         raise StoreUnavailable("full", action="free space")
 
-    monkeypatch.setattr(rec, "_recover", dies)
+    monkeypatch.setattr(RecoveryRun, "drive", dies)
     rec.s.watchdog_s = 30.0
-    assert rec.watch() == ["recover-1"]  # nothing drives it: adopted
-    rec.threads["recover-1"].join(30)
-    assert rec.watch() == []  # backing off
-    rec.takeovers["recover-1"] = (1, 0.0)
-    assert rec.watch() == ["recover-1"]
-    rec.threads["recover-1"].join(30)
+    assert rec.ops.watch() == ["recover-1"]  # nothing drives it: adopted
+    rec.ops.threads["recover-1"].join(30)
+    assert rec.ops.watch() == []  # backing off
+    rec.ops.runs["recover-1"].next_takeover = 0.0
+    assert rec.ops.watch() == ["recover-1"]
+    rec.ops.threads["recover-1"].join(30)
 
 
 def test_a_recovery_of_a_job_nobody_knows_says_so_not_that_it_has_no_snapshot(rec):

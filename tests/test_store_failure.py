@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from pitstop.coordinator import evacuation_run
+from pitstop.coordinator import operations
 from pitstop.coordinator.api import build
 from pitstop.coordinator.driver import Driver
 from pitstop.coordinator.evacuation_run import OpRun
@@ -154,7 +154,7 @@ def world(tmp_path, monkeypatch):
     """A store and driver with one evacuation (train.1 from host-b to spare-1) caught in its
     capture: train.0 on host-a paused, train.1's capture under way.  Agents are fakes."""
     calls: list = []
-    monkeypatch.setattr(evacuation_run, "AgentClient", lambda url, token=None, timeout=None, fence=None: FakeAgent(url, calls))
+    monkeypatch.setattr(operations, "AgentClient", lambda url, token=None, timeout=None, fence=None: FakeAgent(url, calls))
     store = Store(tmp_path / "c.db")
     for name in ("host-a", "host-b", "spare-1"):
         store.heartbeat(_report(name, workers=0))
@@ -178,9 +178,9 @@ def _undone(calls: list) -> None:
 
 
 def _drive(d: Driver, op_id: str, fn) -> None:  # noqa: ANN001
-    d._spawn(op_id, fn)
-    d.threads[op_id].join(30)
-    assert not d.threads[op_id].is_alive()
+    d.ops.spawn(op_id, fn)
+    d.ops.threads[op_id].join(30)
+    assert not d.ops.threads[op_id].is_alive()
 
 
 def test_a_rollback_undoes_on_the_agents_though_the_database_refuses_every_write(world):
@@ -192,10 +192,10 @@ def test_a_rollback_undoes_on_the_agents_though_the_database_refuses_every_write
                                                             action="free space")))
     _undone(world.calls)
     assert not s.op("op-1")["done"], "recorded while the database refused writes?"
-    assert d.watch() == [] and not s.op("op-1")["done"]  # its record waits; the undo is not done again
+    assert d.ops.watch() == [] and not s.op("op-1")["done"]  # its record waits; the undo is not done again
     assert len([c for c in world.calls if c[1] == "resume"]) == 1
     _read_only(s, False)  # the database takes writes again: the watchdog writes the record
-    assert d.watch() == [] and "op-1" not in d.runs
+    assert d.ops.watch() == [] and "op-1" not in d.ops.runs
     op = s.op("op-1")
     assert op["done"] and op["result"] == "failed" and op["phase"] == "done", op
     meta = op["error"]["details"][0]["metadata"]
@@ -226,21 +226,21 @@ def test_the_watchdog_rolls_back_an_operation_whose_driver_died(world):
 
     _drive(d, "op-1", dies)
     assert world.calls == [] and not s.op("op-1")["done"]  # the driver is gone; the peer is still paused
-    assert d.watch() == ["op-1"]
-    d.threads["op-1"].join(30)
+    assert d.ops.watch() == ["op-1"]
+    d.ops.threads["op-1"].join(30)
     _undone(world.calls)
     op = s.op("op-1")
     assert op["done"] and op["result"] == "failed", op
     assert op["error"]["details"][0]["reason"] == "driver_stopped" and "RuntimeError: boom" in op["error"]["message"]
-    assert d.watch() == [] and not d.runs
+    assert d.ops.watch() == [] and not d.ops.runs
 
 
 def test_the_watchdog_adopts_an_operation_nothing_drives(world):
     """Its record says it runs and no thread of this coordinator drives it (a start that failed
     between writing the operation and starting its thread)."""
     s, d = world.store, world.driver
-    assert d.watch() == ["op-1"]
-    d.threads["op-1"].join(30)
+    assert d.ops.watch() == ["op-1"]
+    d.ops.threads["op-1"].join(30)
     _undone(world.calls)
     assert s.op("op-1")["result"] == "failed" and "no driver" in s.op("op-1")["error"]["message"]
 
@@ -250,13 +250,13 @@ def test_a_driver_that_keeps_dying_is_taken_over_again_later_not_at_every_look(w
     d.s.watchdog_s = 30.0  # the second takeover no sooner than 60 s after the first
     monkeypatch.setattr(OpRun, "rollback", lambda self, err: (_ for _ in ()).throw(PitstopError("still broken")))
     _drive(d, "op-1", lambda r: r.rollback(PitstopError("x")))
-    assert d.watch() == ["op-1"]
-    d.threads["op-1"].join(30)
-    assert d.watch() == []  # backing off: the next try after watchdog_s * 2 ** takeovers
-    run = d.runs["op-1"]
+    assert d.ops.watch() == ["op-1"]
+    d.ops.threads["op-1"].join(30)
+    assert d.ops.watch() == []  # backing off: the next try after watchdog_s * 2 ** takeovers
+    run = d.ops.runs["op-1"]
     run.next_takeover = 0.0
-    assert d.watch() == ["op-1"] and run.takeovers == 2
-    d.threads["op-1"].join(30)
+    assert d.ops.watch() == ["op-1"] and run.takeovers == 2
+    d.ops.threads["op-1"].join(30)
 
 
 def test_a_takeover_reaches_the_agents_though_the_database_cannot_even_be_read(world, monkeypatch):
@@ -280,13 +280,13 @@ def test_a_takeover_reaches_the_agents_though_the_database_cannot_even_be_read(w
 
     monkeypatch.setattr(s, "host", host)
     _read_only(s, True)
-    assert d.watch() == ["op-1"]
-    d.threads["op-1"].join(30)
+    assert d.ops.watch() == ["op-1"]
+    d.ops.threads["op-1"].join(30)
     _undone(world.calls)
     assert not s.op("op-1")["done"]
     broken[0] = False  # readable and writable again
     _read_only(s, False)
-    d.watch()
+    d.ops.watch()
     assert s.op("op-1")["result"] == "failed" and "RuntimeError: boom" in s.op("op-1")["error"]["message"]
 
 

@@ -17,16 +17,18 @@ Before the commit point any failure, cancel, deadline or coordinator restart
 rolls back: copies on the spare are discarded, sources are resumed in place
 (or restored from their own images once released), peers resumed.  After it,
 the driver only moves forward.  Nothing here ever leaves a job paused or
-running twice: see reconcile() for what a restarted coordinator does.
+running twice: see resume() for what a restarted coordinator does.
 
 The database can fail too (a full file system).  Before the commit point a phase
 that cannot be recorded is not started: the move rolls back.  The rollback, and
 everything past the commit point, acts on the agents whatever the database does:
 its writes there are best effort, kept, and written once the database takes
-writes again (OpRun.save, OpRun.finish).  And Driver.watch, every few seconds,
-looks for an operation whose driving thread ended without ending it (a bug, an
-error nobody expected) and drives its rollback, or its commit, itself: no rank
-stays paused because a thread died (driver.py).
+writes again (journal.py).  And the operations' watchdog (operations.Operations.watch),
+every few seconds, looks for an operation whose driving thread ended without ending
+it (a bug, an error nobody expected) and drives its rollback, or its commit
+(take_over): no rank stays paused because a thread died.  OpRun is an operation of
+that framework (operations.Operation): its record, phases and agents' clients are
+the framework's; FORWARD is its phase table.
 
 The phases' collaborators hold their own state and see the operation through
 evacuation_ops.Evacuation: the pre-copies (precopies.py), the early rewire
@@ -37,7 +39,6 @@ evacuation_ops.Evacuation: the pre-copies (precopies.py), the early rewire
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -54,18 +55,18 @@ from pitstop.coordinator.evacuation_ops import DriverHooks
 from pitstop.coordinator.fanout import by_agent, in_parallel
 from pitstop.coordinator.filecheck import check_files
 from pitstop.coordinator.fills import AfterCommit
-from pitstop.coordinator.journal import Journal
+from pitstop.coordinator.operations import Operation
 from pitstop.coordinator.precopies import PreCopies
 from pitstop.coordinator.prewire import EarlyRewire
 from pitstop.coordinator.rollback import Undo
 from pitstop.coordinator.settings import CoordinatorSettings
-from pitstop.coordinator.store import BaseStore, StoreUnavailable
+from pitstop.coordinator.store import StoreUnavailable
 from pitstop.coordinator.timeouts import (
     AGENT_QUESTION_TIMEOUT_S,
     MOVE_PAUSE_MARGIN_S,
 )
 from pitstop.errors import DeadlineExceeded, PitstopError, Unavailable, rpc_status
-from pitstop.wire.agent_client import AgentClient, Fence
+from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.capture_report import CaptureReport
 from pitstop.wire.evacuation import AfterMove, CutRecord, EvacuationState, MovePlan
 
@@ -79,43 +80,27 @@ class Cancelled(PitstopError):
 
 
 
-class OpRun:
-    """One operation being driven (or reconciled) by this coordinator process."""
+class OpRun(Operation):
+    """One evacuation being driven (or taken over, or resumed) by this coordinator process."""
+
+    md: EvacuationState
 
     @property
     def settings(self) -> CoordinatorSettings:
-        return self.d.s
-
-    @property
-    def fence(self) -> Fence | None:
-        return self.d.fence
-
-    @property
-    def store(self) -> BaseStore:
-        return self.d.store
+        return self.s
 
     def pause_deadline_s(self) -> float:
         """How long the peers' pause may last before their agents end it by themselves: the whole
         operation's deadline (its rollback comes before it) and a margin."""
-        return self.d.s.operation_deadline_s + MOVE_PAUSE_MARGIN_S
+        return self.s.operation_deadline_s + MOVE_PAUSE_MARGIN_S
 
     def __init__(self, driver: DriverHooks, op_id: str) -> None:
-        self.d = driver
-        self.id = op_id
         op = driver.store.op(op_id)
         assert op is not None
-        self.op = op
-        self.md = EvacuationState.load(op["metadata"])
-        self.lock = threading.RLock()
-        self._phase_t0 = time.monotonic()
-        self.started = time.monotonic()
-        self._clients: dict[str, AgentClient] = {}
-        self._urls: dict[str, str] = {}  # host -> its agent's URL, as last read from the store
-        self.journal = Journal(driver.store, op_id, lambda: self.md.dump(), self.lock)
+        super().__init__(driver.store, driver.s, driver.fence, op, EvacuationState.load(op["metadata"]),
+                         observe=driver.observe_phase)
+        self.d = driver
         self.undoing: PitstopError | None = None  # why the rollback began, for a takeover to finish it
-        self.crash: str | None = None  # what ended the driving thread, when something did (Driver.watch)
-        self.takeovers = 0
-        self.next_takeover = 0.0  # time.monotonic() before which the watchdog leaves it alone
         # the job's collectives counted while it ran and at the cut (coordinator/progress.py)
         self.progress_before: progress.Sample | None = None
         self.progress_cut: progress.Sample | None = None
@@ -126,53 +111,6 @@ class OpRun:
         # The early rewire's first half, on a thread beside the capture (prewire.py).
         self.prewire = EarlyRewire(self)
 
-    def close_clients(self) -> None:
-        """Close this operation's agent clients (a takeover, or a later retry, opens its own)."""
-        for c in self._clients.values():
-            c.close()
-        self._clients.clear()
-
-    # -- bookkeeping: the store's writes go through the journal (journal.py) -------------------
-    @property
-    def best_effort(self) -> bool:
-        """Past the commit point or rolling back: a write the database refuses waits (journal.py)."""
-        return self.journal.best_effort
-
-    @best_effort.setter
-    def best_effort(self, on: bool) -> None:
-        self.journal.best_effort = on
-
-    @property
-    def store_error(self) -> str | None:
-        return self.journal.store_error
-
-    def save(self, **kw: Any) -> None:
-        self.journal.save(**kw)
-
-    def record(self, write: Callable[[], None]) -> None:
-        self.journal.record(write)
-
-    def finish(self, **kw: Any) -> bool:
-        return self.journal.finish(**kw)
-
-    def write_final(self) -> bool:
-        return self.journal.write_final()
-
-    def enter(self, phase: str) -> None:
-        with self.lock:
-            self.md.phase = phase
-            self._phase_t0 = time.monotonic()
-            self.save(phase=phase)
-        log.info("phase", op=self.id, phase=phase)
-        faults.hit(f"phase:{phase}")
-
-    def leave(self, phase: str) -> None:
-        with self.lock:
-            dt = time.monotonic() - self._phase_t0
-            self.md.phases[phase] = round(dt, 4)
-            self.d.observe_phase(phase, dt)
-            self.save()
-
     def condition(self, type_: str, status: bool, reason: str, message: str = "") -> None:
         with self.lock:
             self.md.set_condition(type_, status, reason, message)
@@ -180,36 +118,13 @@ class OpRun:
 
     def check(self) -> None:
         """Between phases: honour cancel and the operation's deadline."""
-        op = self.d.store.op(self.id)
+        op = self.store.op(self.id)
         if op and op["cancel_requested"]:
             raise Cancelled("cancelled by the operator before the commit point", action="nothing to do; "
                             "the job keeps running where it was")
-        if time.monotonic() - self.started > self.d.s.operation_deadline_s:
+        if time.monotonic() - self.started > self.s.operation_deadline_s:
             raise DeadlineExceeded(f"the evacuation did not reach its commit point within "
-                                   f"{self.d.s.operation_deadline_s:.0f} s", action="check the agents' logs")
-
-    def agent(self, host: str) -> AgentClient:
-        """The host's agent; one client (one connection pool) per host for the whole operation."""
-        with self.lock:
-            c = self._clients.get(host)
-            if c is None:
-                c = self._clients[host] = AgentClient(self.url(host), self.d.s.cluster_token,
-                                                      timeout=self.d.s.step_timeout_s, fence=self.d.fence)
-            return c
-
-    def url(self, host: str) -> str:
-        """The host's agent, as the store knows it; else as this operation last reached it: a
-        database that cannot even be read must not keep an undo from the agents."""
-        try:
-            h = self.d.store.host(host)
-        except StoreUnavailable:
-            if host in self._urls:
-                return self._urls[host]
-            raise
-        if h is None:
-            raise PitstopError(f"host {host} is unknown", action="it must heartbeat to the coordinator")
-        self._urls[host] = h["url"]
-        return h["url"]
+                                   f"{self.s.operation_deadline_s:.0f} s", action="check the agents' logs")
 
     def cut(self, moved: bool = False) -> Cut:
         """The consistent-cut driver over every worker of the affected jobs, through their agents.
@@ -227,7 +142,7 @@ class OpRun:
             return out
 
         return Cut(sorted(hosts), lambda w: self.agent(hosts[w]).shim_blocks(w),
-                   lambda w, body: self.agent(hosts[w]).shim_op(w, body), deadline_s=self.d.s.cut_deadline_s,
+                   lambda w, body: self.agent(hosts[w]).shim_op(w, body), deadline_s=self.s.cut_deadline_s,
                    get_all=get_all)
 
     def image_id(self, wid: str) -> str:
@@ -239,8 +154,11 @@ class OpRun:
 
     # -- the forward path ---------------------------------------------------------------------
     def run(self) -> None:
+        """The move, phase by phase (FORWARD), then the commit.  Any failure before the commit point
+        goes to `rollback`, which undoes on the agents what the record says was done, whichever
+        phase it stopped in (it may run in a restarted coordinator, from the record alone)."""
         try:
-            self._forward()
+            self.drive()
         except Exception as e:  # noqa: BLE001 - every failure before commit rolls back
             err = e if isinstance(e, PitstopError) else PitstopError(f"internal error: {e!r}",
                                                                      action="see the coordinator's log")
@@ -249,14 +167,11 @@ class OpRun:
             else:
                 self.rollback(err)
 
-    def _forward(self) -> None:
-        """The move, phase by phase (FORWARD).  Any failure before the commit point goes to
-        `rollback`, which undoes on the agents what the record says was done, whichever phase
-        it stopped in (it may run in a restarted coordinator, from the record alone)."""
-        m = _Move(node=self.md.node, dest=self.md.destination, src=self.agent(self.md.node),
-                  dst=self.agent(self.md.destination))
-        for step in FORWARD:
-            step(self, m)
+    def begin(self) -> "_Move":
+        return _Move(node=self.md.node, dest=self.md.destination, src=self.agent(self.md.node),
+                     dst=self.agent(self.md.destination))
+
+    def commit(self, m: "_Move") -> None:
         self._commit()
 
     def _plan(self, m: "_Move") -> None:
@@ -304,7 +219,7 @@ class OpRun:
             with self.lock:
                 self.md.cut = CutRecord(used=True, destroyed=True, rounds=res.rounds, seconds=round(res.seconds, 4))
                 self.save()
-            if self.d.s.release_device_cache:
+            if self.s.release_device_cache:
                 self._release_device_cache(cut)
             self.leave("pause")
             self.condition("Quiesced", True, "ConsistentCut",
@@ -339,7 +254,7 @@ class OpRun:
         keep their caches (nothing of theirs is checkpointed).  A failure raises: the move rolls
         back and the job runs on where it was."""
         t0 = time.monotonic()
-        got = cut.trim(sorted(self.md.workers), deadline_s=self.d.s.cut_deadline_s)
+        got = cut.trim(sorted(self.md.workers), deadline_s=self.s.cut_deadline_s)
         with self.lock:
             for wid, blocks in got.items():
                 self.md.workers[wid].device_memory = device_memory(blocks)
@@ -370,7 +285,7 @@ class OpRun:
                     self.md.bytes_done = sum(x.bytes_done for x in self.md.workers.values())
                     self.save()
 
-            report = CaptureReport.model_validate(src.wait_capture(cap["id"], self.d.s.capture_deadline_s, progress))
+            report = CaptureReport.model_validate(src.wait_capture(cap["id"], self.s.capture_deadline_s, progress))
             if report.state == "failed":
                 raise PitstopError.from_dict(report.error or {"message": "capture failed"})
             if report.stopped_at:
@@ -414,7 +329,7 @@ class OpRun:
         self.enter("restore")
 
         def restore(wid: str) -> None:
-            r = m.dst.restore(self.image_id(wid), timeout=self.d.s.step_timeout_s)
+            r = m.dst.restore(self.image_id(wid), timeout=self.s.step_timeout_s)
             with self.lock:
                 self.md.workers[wid].state = "restored"
                 self.md.workers[wid].restored_pid = r["worker"]["root_pid"]
@@ -483,7 +398,7 @@ class OpRun:
         coordinator's settings.  Post-copy by default gives way, logged, where the source cannot
         serve it (asked for, it was refused before anything paused: service.check_post_copy)."""
         post = self.md.post_copy
-        if post is None and self.d.s.post_copy:
+        if post is None and self.s.post_copy:
             support = src.info(timeout=AGENT_QUESTION_TIMEOUT_S).get("post_copy") or {}
             why = support.get("unavailable") if "unavailable" in support else "its agent predates post-copy"
             post = not why
@@ -491,7 +406,7 @@ class OpRun:
                 log.warning("post-copy by default is unavailable on the source; the images travel whole",
                             op=self.id, node=self.md.node, reason=why)
         post = bool(post)
-        pre = (self.d.s.pre_copy if self.md.pre_copy is None else self.md.pre_copy) and not post
+        pre = (self.s.pre_copy if self.md.pre_copy is None else self.md.pre_copy) and not post
         with self.lock:
             self.md.plan = MovePlan(pre_copy=pre, post_copy=post)
             self.save()
@@ -519,11 +434,11 @@ class OpRun:
         faults.hit("after_commit_point")
         for wid, w in self.md.workers.items():  # the membership first: the coordinator's own record, no agent asked
             left = {"host": node, **w.left_copy} if w.left_copy else None
-            self.record(functools.partial(self.d.store.set_worker_host, wid, dest, left=left))
+            self.record(functools.partial(self.store.set_worker_host, wid, dest, left=left))
         why = {"reason": self.md.reason, "requested_by": self.md.requested_by, "operation": f"operations/{self.id}"}
-        self.record(lambda: self.d.store.set_role(dest, "active", {**why, "reason": f"took {node}'s workers"}))
+        self.record(lambda: self.store.set_role(dest, "active", {**why, "reason": f"took {node}'s workers"}))
         filling = bool(self.md.bytes_after_resume)
-        self.record(lambda: self.d.store.set_role(node, "draining" if filling else "drained", why))
+        self.record(lambda: self.store.set_role(node, "draining" if filling else "drained", why))
         self.save()
         self.leave("commit")
         self.condition("Committed", True, "MembershipRecorded", f"{dest} now runs the workers; {node} is drained")
@@ -621,8 +536,8 @@ class OpRun:
         return [p for p in in_parallel(resume, by_agent(list(self.md.peers.items()))) if p]
 
     # -- the way back -------------------------------------------------------------------------
-    def recover(self) -> None:
-        """Driven by the watchdog (Driver.watch): the thread that drove this operation ended
+    def take_over(self) -> None:
+        """Driven by the watchdog (Operations.watch): the thread that drove this operation ended
         without ending it.  Before the commit point: roll back (or finish the rollback it
         began); past it: finish the commit."""
         why = self.crash or "it ended without a word"
@@ -670,6 +585,29 @@ class OpRun:
         self.d.count("cancelled" if cancelled else "failed", 0)
         self.finish(phase="done", done=True, result="cancelled" if cancelled else "failed", error=rpc_status(out))
 
+    def resume(self, by: str) -> None:
+        """Found running by a coordinator that did not start it (a restart, a new leader): past the
+        commit point it is finished, before it rolled back.  Its first write says who, and when."""
+        committed = self.md.committed
+        try:
+            self.condition("Resumed", True, "CoordinatorChanged",
+                           f"resumed by {by}: {'finished past the commit point' if committed else 'rolled back'}")
+        except StoreUnavailable:
+            pass  # a database that refuses it delays nothing on the agents
+        if committed:
+            log.info("reconcile: finishing committed operation", op=self.id)
+            self.finish_commit(PitstopError("coordinator restarted"))
+            return
+        log.info("reconcile: rolling back operation", op=self.id, phase=self.md.phase)
+        self.rollback(PitstopError(
+            f"the coordinator restarted (or another took over) during phase {self.op['phase']!r}, before the "
+            "commit point; rolled back", code="coordinator_restarted",
+            action="evacuate again if the host must still be drained"))
+
+    # The forward phases, in order, up to the commit point (commit and after: only forward).  The
+    # way back from any of them is rollback, driven by the record each phase writes.
+    FORWARD = (_plan, _precopy_phase, _pause, _capture, _verify, _release, _restore, _rewire)
+
 @dataclass
 class _Move:
     """What every forward phase of one operation works with."""
@@ -679,13 +617,6 @@ class _Move:
     src: AgentClient
     dst: AgentClient
     plan: MovePlan | None = None
-
-
-# The forward phases, in order, up to the commit point (OpRun._commit and after: only forward).
-# The way back from any of them is OpRun.rollback, driven by the record each phase writes.
-FORWARD: tuple[Callable[[OpRun, _Move], None], ...] = (
-    OpRun._plan, OpRun._precopy_phase, OpRun._pause, OpRun._capture, OpRun._verify, OpRun._release,
-    OpRun._restore, OpRun._rewire)
 
 
 def _times(answers: list[list[dict[str, Any]]], key: str) -> dict[str, float]:

@@ -6,7 +6,7 @@ and the move rolls back.  In the rollback and past the commit point (`best_effor
 write is only noted, kept, and written, in order, before the next one that passes; the
 operation's metadata goes whole with every write, so that one carries it.  The last write (done,
 the result) waits here until the database takes it: until then the operation reads as running,
-and the watchdog (driver.Driver.watch) writes it later."""
+and the watchdog (operations.Operations.watch) writes it later."""
 
 from __future__ import annotations
 

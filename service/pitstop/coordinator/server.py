@@ -64,7 +64,7 @@ async def prune_loop(store: BaseStore, retention_s: float, every_s: float = 3600
 
 
 async def watch_loop(watches: list[Callable[[], list[str]]], every_s: float, leading: Leading = lambda: True) -> None:
-    """The watchdogs (Driver.watch, Recoveries.watch), off the event loop, until cancelled: an
+    """The watchdog (operations.Operations.watch), off the event loop, until cancelled: an
     operation whose thread died is driven out (an evacuation rolled back, or committed; a recovery
     run again), and its record written once the database takes writes again.  Only the leader's."""
     while True:
@@ -200,7 +200,7 @@ def serve(s: CoordinatorSettings) -> None:
             udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(app.datagrams, sock=udp_sock)
         dog = asyncio.create_task(watchdog_loop())
         flusher = asyncio.create_task(flush_loop(driver.store, s.flush_s, leading))
-        watcher = asyncio.create_task(watch_loop([driver.watch, coord.recoveries.watch], s.watchdog_s, coord.on_duty))
+        watcher = asyncio.create_task(watch_loop([coord.operations.watch], s.watchdog_s, coord.on_duty))
         pruner = asyncio.create_task(prune_loop(driver.store, s.ops_retention_days * 86400, leading=leading))
         duties = [asyncio.create_task(tick_loop("snapshot schedule", coord.snapshots.tick, DUTY_TICK_S, coord.on_duty)),
                   asyncio.create_task(tick_loop("failure detection", coord.recoveries.tick, DUTY_TICK_S, coord.on_duty))]

@@ -23,6 +23,7 @@ from pitstop.coordinator.fanout import in_parallel
 from pitstop.coordinator.filecheck import check_files
 from pitstop.coordinator.health_policy import AutoEvacuator
 from pitstop.coordinator.leadership import Leadership
+from pitstop.coordinator.operations import Operations
 from pitstop.coordinator.planner import plan
 from pitstop.coordinator.recovery import Recoveries
 from pitstop.coordinator.settings import CoordinatorSettings
@@ -217,11 +218,14 @@ class Coordinator:
         self._taken_over = threading.Event()
         self.fence: Fence | None = lead  # every call to an agent carries the lease's term
         self.metrics = Metrics()
+        # one framework runs, watches and reconciles the evacuations and the recoveries (operations.py)
+        self.operations = Operations(self.store, settings)
         self.driver = Driver(self.store, settings, on_phase=lambda p, s: self.metrics.phase.labels(p).observe(s),
-                             on_result=self.metrics.result, on_after_move=self.metrics.after_move, fence=lead)
+                             on_result=self.metrics.result, on_after_move=self.metrics.after_move, fence=lead,
+                             operations=self.operations)
         self.snapshots = Snapshots(self.store, settings, self.driver.busy_hosts, fence=lead)
         self.recoveries = Recoveries(self.store, settings, self.snapshots, self.driver.busy_hosts,
-                                     on_done=self.metrics.recovered, fence=lead)
+                                     on_done=self.metrics.recovered, fence=lead, operations=self.operations)
         self.policy = settings.health_policy()
         self.auto = AutoEvacuator(
             start=lambda node, reason: self.start_evacuation(node, None, reason,

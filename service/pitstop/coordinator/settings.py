@@ -54,7 +54,7 @@ class CoordinatorSettings(BaseSettings):
     beat_udp: bool = True                 # also take beats as datagrams on the listen port (wire/beats.py)
     flush_s: float = 1.0                  # how often beats kept in memory are written to the database
     # How often the coordinator looks for an operation whose driving thread ended without ending it
-    # (driver.Driver.watch): its rollback (or commit) is then driven again, and a last write the
+    # (operations.Operations.watch): its rollback (or commit) is then driven again, and a last write the
     # database refused (a full file system) is tried again.
     watchdog_s: float = Field(default=5.0, gt=0)
     capture_deadline_s: float = 300.0     # dump + stream of one worker

@@ -11,7 +11,7 @@ version.
 
 One connection, serialised by a lock.  Every operation phase is written here *before* it starts,
 which is what lets a restarted coordinator (or a standby that takes over) reconcile
-(driver.reconcile).
+(operations.Operations.reconcile).
 
 Liveness is kept in memory and written in batches (coordinator/liveness.py): a beat touches
 memory, `flush()` writes every changed last_seen in one transaction about once a second.  Full

@@ -1,8 +1,8 @@
 """What a coordinator does when it takes the lease (coordinator/leadership.py): at its own start, or
 as a standby whose leader was lost.  The same path in both cases, and the same reconcile a
-restarted coordinator has always run (driver.reconcile, snapshots.reconcile, recoveries.reconcile):
-every operation past its commit point is finished, every other rolled back, every recovery run
-again from its start, a snapshot left under way undone.
+restarted coordinator has always run (operations.Operations.reconcile, snapshots.reconcile): every
+evacuation past its commit point is finished, every other rolled back, every recovery run again
+from its start, a snapshot left under way undone.
 
 Before any of that, two things a single restarted coordinator never needed:
 - the agents the operations in flight touch are told the new term first (POST
@@ -28,7 +28,7 @@ from pitstop.wire.agent_client import AgentClient
 if TYPE_CHECKING:
     from pitstop.coordinator.driver import Driver
     from pitstop.coordinator.leadership import Leadership
-    from pitstop.coordinator.recovery import Recoveries
+    from pitstop.coordinator.operations import Operations
     from pitstop.coordinator.settings import CoordinatorSettings
     from pitstop.coordinator.snapshots import Snapshots
     from pitstop.coordinator.store import BaseStore
@@ -48,7 +48,7 @@ class Leader(Protocol):
     fence: "Fence | None"
     driver: "Driver"
     snapshots: "Snapshots"
-    recoveries: "Recoveries"
+    operations: "Operations"
 
 
 def take_over(c: Leader, term: int, gap_s: float) -> list[str]:
@@ -59,13 +59,12 @@ def take_over(c: Leader, term: int, gap_s: float) -> list[str]:
     log.info("took the lease; resuming the operations in flight", term=term, leaderless_s=round(gap_s, 3),
              agents_told=told, agents_not_answering=untold)
     me = c.lead.me if c.lead is not None else "this coordinator"
-    touched = c.driver.reconcile(by=f"coordinator {me} (term {term})")
+    c.driver.reconcile_cleanups()
     # a snapshot the last coordinator left under way: its job resumed off the start's path (a host's
     # answer may wait for its dump under way to end), before the recoveries run again
     undo = threading.Thread(target=c.snapshots.reconcile, name="reconcile-snapshots", daemon=True)
     undo.start()
-    touched += c.recoveries.reconcile(after=undo)
-    return touched
+    return c.operations.reconcile(by=f"coordinator {me} (term {term})", snapshots_undone=undo)
 
 
 def in_flight_hosts(c: Leader) -> set[str]:

@@ -87,7 +87,7 @@ def _move(store: Store, tmp: Path, src: AgentClient, dst: AgentClient, worker_id
                                    capture_deadline_s=capture_deadline_s)
     driver = Driver(store, settings, await_fills=False)
     op_id = driver.start(plan, "one-worker move", None, post_copy=post_copy)
-    t = driver.threads[op_id]
+    t = driver.ops.threads[op_id]
     t.join(capture_deadline_s + MOVE_SLACK_S)
     if t.is_alive():
         raise DeadlineExceeded(f"the move of {worker_id} did not end within {capture_deadline_s + MOVE_SLACK_S:.0f} s",
@@ -96,7 +96,7 @@ def _move(store: Store, tmp: Path, src: AgentClient, dst: AgentClient, worker_id
     assert op is not None
     md = EvacuationState.load(op["metadata"])
     if not op["done"]:  # its thread ended without ending it; no watchdog here to drive it out
-        run = driver.runs.get(op_id)
+        run = driver.ops.runs.get(op_id)
         raise PitstopError(f"the move of {worker_id} stopped in phase {md.phase!r}: "
                            f"{run.crash if run else 'no word'}", action="see the agents' logs")
     if op["result"] != "succeeded":
