@@ -466,3 +466,29 @@ def device_memory(blocks: list[dict[str, Any]]) -> dict[str, Any]:
     if before and after:
         out.update(reserved_before=sum(before), reserved_after=sum(after), released=sum(before) - sum(after))
     return out
+
+
+class ShimAgent(Protocol):
+    """What the cut asks of an agent (wire/agent_client.AgentClient): its workers' shim blocks, and
+    an operation posted to one worker's."""
+
+    def shim_blocks(self, wid: str) -> list[dict[str, Any]]: ...
+    def shim_blocks_many(self, ids: list[str], trail: bool = False) -> dict[str, list[dict[str, Any]]]: ...
+    def shim_op(self, wid: str, body: dict[str, Any]) -> Any: ...
+
+
+def through_agents(hosts_of: dict[str, str], agent: Callable[[str], ShimAgent], deadline_s: float) -> Cut:
+    """The cut over workers (worker -> its host), through their hosts' agents: every worker's
+    blocks read in one call per host, all hosts at once.  The one transport every operation
+    uses: an evacuation's (before and after the move), a snapshot's, a recovery's rewire."""
+    def get_all(workers: list[str], trail: bool = False) -> dict[str, list[dict[str, Any]]]:
+        by: dict[str, list[str]] = defaultdict(list)
+        for w in workers:
+            by[hosts_of[w]].append(w)
+        out: dict[str, list[dict[str, Any]]] = {}
+        for got in in_parallel(lambda h: agent(h).shim_blocks_many(by[h], trail=trail), sorted(by)):
+            out.update(got)
+        return out
+
+    return Cut(sorted(hosts_of), lambda w: agent(hosts_of[w]).shim_blocks(w),
+               lambda w, body: agent(hosts_of[w]).shim_op(w, body), deadline_s=deadline_s, get_all=get_all)

@@ -47,10 +47,10 @@ import httpx
 import structlog
 
 from pitstop import faults, priority
-from pitstop.coordinator import ledger, progress
+from pitstop.coordinator import ledger, pausing, progress
 from pitstop.coordinator.aftermove import AfterMoveWatch
 from pitstop.coordinator.cleanup import SourceCleanup
-from pitstop.coordinator.cut import Cut, device_memory, issued_by_worker
+from pitstop.coordinator.cut import Cut, device_memory, issued_by_worker, through_agents
 from pitstop.coordinator.evacuation_ops import DriverHooks
 from pitstop.coordinator.fanout import by_agent, in_parallel
 from pitstop.coordinator.filecheck import check_files
@@ -133,17 +133,7 @@ class OpRun(Operation):
         hosts = dict(self.md.peers)
         for wid in self.md.workers:
             hosts[wid] = self.md.destination if moved else self.md.node
-
-        def get_all(workers: list[str], trail: bool = False) -> dict[str, list[dict[str, Any]]]:
-            groups = by_agent([(w, hosts[w]) for w in workers])
-            out: dict[str, list[dict[str, Any]]] = {}
-            for got in in_parallel(lambda g: self.agent(g[0]).shim_blocks_many(g[1], trail=trail), groups):
-                out.update(got)
-            return out
-
-        return Cut(sorted(hosts), lambda w: self.agent(hosts[w]).shim_blocks(w),
-                   lambda w, body: self.agent(hosts[w]).shim_op(w, body), deadline_s=self.s.cut_deadline_s,
-                   get_all=get_all)
+        return through_agents(hosts, self.agent, self.s.cut_deadline_s)
 
     def image_id(self, wid: str) -> str:
         return f"{self.id}-{wid}".replace(".", "_")
@@ -237,9 +227,7 @@ class OpRun(Operation):
                 self.save()
                 # past the operation's deadline and a margin the agents resume them by themselves: this
                 # coordinator would have (rolled back), unless it died and never came back
-                got = in_parallel(lambda g: self.agent(g[0]).pause_many(g[1], deadline_s=self.pause_deadline_s()),
-                                  by_agent(peers))
-                self.rank_stopped.update(_times(got, "paused_at"))
+                self.rank_stopped.update(pausing.stop(self.agent, dict(by_agent(peers)), self.pause_deadline_s()))
                 with self.lock:  # leave() writes them: one state write after the round, not two
                     self.md.paused.extend(wid for wid, _ in peers)
                     # the round alone: the phase also holds the shim check, made while the job runs
@@ -335,7 +323,7 @@ class OpRun(Operation):
                 self.md.workers[wid].restored_pid = r["worker"]["root_pid"]
                 self.md.workers[wid].restore_phases = r.get("phases", {})
                 self.save()
-            self.rank_running.update(_times([[r["worker"]]], "running_since"))
+            self.rank_running.update(pausing.answered_at([[r["worker"]]], "running_since"))
 
         self.each(restore)
         ran = [self.rank_running[w] for w in self.md.workers if w in self.rank_running]
@@ -523,17 +511,10 @@ class OpRun(Operation):
                                              "may still be paused (SIGSTOP) and continue when sent SIGCONT")))
 
     def _resume_peers(self) -> list[str]:
-        """Resume every peer, one call per agent, all at once; what went wrong for which, not the
-        first failure only."""
-        def resume(group: tuple[str, list[str]]) -> str | None:
-            try:
-                got = self.agent(group[0]).resume_many(group[1])
-            except PitstopError as e:
-                return f"{', '.join(group[1])}: {e.message}"
-            self.rank_running.update(_times([got], "running_since"))
-            return None
-
-        return [p for p in in_parallel(resume, by_agent(list(self.md.peers.items()))) if p]
+        """Resume every peer (pausing.resume); what went wrong for which host."""
+        got = pausing.resume(self.agent, dict(by_agent(list(self.md.peers.items()))))
+        self.rank_running.update(got.running_since)
+        return got.problems
 
     # -- the way back -------------------------------------------------------------------------
     def take_over(self) -> None:
@@ -617,8 +598,3 @@ class _Move:
     src: AgentClient
     dst: AgentClient
     plan: MovePlan | None = None
-
-
-def _times(answers: list[list[dict[str, Any]]], key: str) -> dict[str, float]:
-    """Each worker's `key` (a wall-clock time its agent wrote) from the agents' answers, where given."""
-    return {w["id"]: float(w[key]) for ws in answers for w in (ws or []) if isinstance(w, dict) and w.get(key)}

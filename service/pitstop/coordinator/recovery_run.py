@@ -29,12 +29,12 @@ from typing import Any, Callable, Protocol
 
 import structlog
 
-from pitstop.coordinator import progress
+from pitstop.coordinator import pausing, progress
+from pitstop.coordinator.cut import through_agents
 from pitstop.coordinator.fanout import each_while_heard, in_parallel, while_heard
 from pitstop.coordinator.operations import Operation
 from pitstop.coordinator.planner import healthy, usable_spare
 from pitstop.coordinator.settings import CoordinatorSettings
-from pitstop.coordinator.snapshots import job_cut
 from pitstop.coordinator.store import BaseStore, StoreUnavailable
 from pitstop.coordinator.timeouts import RECOVERY_AGENT_TIMEOUT_S
 from pitstop.errors import FailedPrecondition, PitstopError
@@ -304,12 +304,7 @@ class RecoveryRun(Operation):
         ranks were restored parked at the cut, communicators destroyed), as after a move."""
         where = {h: list(ids) for h, ids in plan.survivors.items()}
         where.setdefault(spare, []).extend(plan.lost_parts)
-        problems = []
-        for h, ids in sorted(where.items()):
-            try:
-                self.agent(h).resume_many(ids)
-            except PitstopError as e:
-                problems.append(f"{h}: {e.message}")
+        problems = pausing.resume(self.agent, where).problems
         for w in plan.lost_parts:
             self.store.set_worker_host(w, spare, state="running")
         self.md.phases["resume"] = round(self.phase_seconds(), 4)
@@ -319,7 +314,7 @@ class RecoveryRun(Operation):
         if plan.nccl:
             self.enter("rewire")
             hosts_of = {w: spare if w in plan.lost_parts else p.host for w, p in plan.parts.items()}
-            job_cut(hosts_of, self.agent, self.s.cut_deadline_s).rewire()
+            through_agents(hosts_of, self.agent, self.s.cut_deadline_s).rewire()
             self.md.phases["rewire"] = round(self.phase_seconds(), 4)
 
     def _fence_now(self, job: str, lost: str, epoch: int) -> bool:

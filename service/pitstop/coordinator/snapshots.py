@@ -32,7 +32,8 @@ from typing import Any, Callable
 import structlog
 
 from pitstop import faults
-from pitstop.coordinator.cut import Cut
+from pitstop.coordinator import pausing
+from pitstop.coordinator.cut import Cut, through_agents
 from pitstop.coordinator.fanout import HostSilent, each_while_heard, in_parallel
 from pitstop.coordinator.pausing import JobHold
 from pitstop.coordinator.planner import healthy, usable_spare
@@ -115,21 +116,6 @@ def _released(got: dict[str, list[dict[str, Any]]]) -> int:
             if t.get("reserved_before") is not None and t.get("reserved_after") is not None:
                 total += int(t["reserved_before"]) - int(t["reserved_after"])
     return total
-
-
-def job_cut(hosts_of: dict[str, str], client: Callable[[str], AgentClient], deadline_s: float) -> Cut:
-    """The consistent-cut driver (coordinator/cut.py) over a job's workers where they run now."""
-    def get_all(workers: list[str], trail: bool = False) -> dict[str, list[dict[str, Any]]]:
-        by: dict[str, list[str]] = defaultdict(list)
-        for w in workers:
-            by[hosts_of[w]].append(w)
-        out: dict[str, list[dict[str, Any]]] = {}
-        for got in in_parallel(lambda h: client(h).shim_blocks_many(by[h], trail=trail), sorted(by)):
-            out.update(got)
-        return out
-
-    return Cut(sorted(hosts_of), lambda w: client(hosts_of[w]).shim_blocks(w),
-               lambda w, body: client(hosts_of[w]).shim_op(w, body), deadline_s=deadline_s, get_all=get_all)
 
 
 class Snapshots:
@@ -336,7 +322,8 @@ class Snapshots:
                 except PitstopError as e:
                     problems.append(f"{h}: {e.message}")
             if cut and len(clients) == len(by_host):  # every host answered: the job's communicators come back
-                c = job_cut({w: h for h, ws in by_host.items() for w in ws}, lambda h: clients[h], self.s.cut_deadline_s)
+                c = through_agents({w: h for h, ws in by_host.items() for w in ws}, lambda h: clients[h],
+                                   self.s.cut_deadline_s)
                 try:
                     states = {b["state"] for bs in c.get_all(c.workers).values() for b in bs} if c.get_all else set()
                     c.rewire() if "destroyed" in states else c.release()
@@ -447,7 +434,7 @@ class Snapshots:
         clients = {h: self.agent(h, timeout=SNAPSHOT_STEP_TIMEOUT_S) for h in set(hosts) | set(buddy.values())}
         t0 = time.monotonic()
         try:
-            cut = job_cut({w["id"]: w["host"] for w in ws}, lambda h: clients[h], self.s.cut_deadline_s)
+            cut = through_agents({w["id"]: w["host"] for w in ws}, lambda h: clients[h], self.s.cut_deadline_s)
             shim = cut.uses_shim()  # NCCL: the shim's consistent cut, communicators destroyed; else SIGSTOP
             record.pause = "nccl_cut" if shim else "sigstop"
             self._record(job, number, "taking", record)  # how it pauses, for a restart to undo it
@@ -551,11 +538,8 @@ class Snapshots:
         """Every rank of the job paused: parked at the NCCL cut with its communicators destroyed,
         or stopped (SIGSTOP), all hosts at once; each with its way back on `hold`."""
         if cut is None:
-            def pause(h: str) -> None:
-                # past this the agents resume the job by themselves: this coordinator would have, unless it died
-                clients[h].pause_many(by_host[h], deadline_s=self.s.capture_deadline_s + SNAPSHOT_PAUSE_MARGIN_S)
-                hold.did("resume", functools.partial(clients[h].resume_many, by_host[h]), host=h)
-            in_parallel(pause, sorted(by_host))
+            # past the deadline the agents resume the job by themselves: this coordinator would have, unless it died
+            pausing.stop(lambda h: clients[h], by_host, self.s.capture_deadline_s + SNAPSHOT_PAUSE_MARGIN_S, hold)
             return
         res = cut.quiesce()  # releases the job itself when no cut is reached
         # where the job stands, for a recovery to say how many steps it redoes (progress.py)
