@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Draw docs/img/overview.svg (the parts of pitstop and what flows between them during a move),
 docs/img/layers.svg (the packages of service/pitstop by layer, from the table that
-tests/test_layers.py holds the imports to) and docs/img/dump-path.svg (who pauses, dumps and
-sends a worker: a move's capture, a pre-copy and a snapshot's part, through one path each).
+tests/test_layers.py holds the imports to) and docs/img/dump-path.svg (the operation framework
+and the one pause the coordinator's operations share; who dumps and sends a worker on the agent:
+a move's capture, a pre-copy and a snapshot's part, through one path each).
 
 Plain SVG written by hand (no plotting library needed): `python3 scripts/diagram.py` redraws all three.
 """
@@ -126,10 +127,19 @@ def draw_layers() -> str:
 
 
 def draw_dump_path() -> str:
-    """Coordinator above, agent below: who pauses a job's ranks, and how each kind of image is
-    dumped and sent."""
-    w, h = 960, 580
+    """Coordinator above, agent below: the operation framework and the one pause the coordinator's
+    operations share, and how each kind of image is dumped and sent on the agent."""
+    w, h = 960, 710
     coord, agent, shared = "#eef3fb", "#f2f8ee", "#fff6e6"
+
+    def poly(points: str) -> str:
+        return (f'<polyline points="{points}" fill="none" stroke="#444" stroke-width="1.6" '
+                'marker-end="url(#head)"/>')
+
+    def vlabel(x: int, y: int, text: str) -> str:
+        return (f'<text x="{x}" y="{y}" font-size="12" fill="#444" text-anchor="middle" '
+                f'transform="rotate(-90 {x} {y})">{text}</text>')
+
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
         'font-family="Helvetica, Arial, sans-serif" font-size="14">',
@@ -137,40 +147,51 @@ def draw_dump_path() -> str:
         '<path d="M0,0 L10,4 L0,8 z" fill="#444"/></marker></defs>',
         '<rect width="100%" height="100%" fill="white"/>',
         '<text x="40" y="24" font-size="13" fill="#666">coordinator</text>',
-        box(40, 35, 260, 95, "evacuation", ("evacuation_run.py: phases,", "rollback from the record"), fill=coord),
-        box(350, 35, 260, 95, "snapshot", ("snapshots.py: pause, lock, dump,", "resume; each way back on",
-                                           "one JobHold (pausing.py)"), fill=coord),
-        box(660, 35, 280, 95, "recovery", ("recovery.py: plan, fence, stop,", "restore, resume"), fill=coord),
-        '<line x1="20" y1="160" x2="940" y2="160" stroke="#bbb" stroke-dasharray="5 4"/>',
-        '<text x="40" y="185" font-size="13" fill="#666">agent</text>',
-        box(40, 195, 260, 95, "capture", ("capturing.py: stop the world,", "dump, send; one kind of four"),
+        box(40, 32, 900, 62, "one pause (pausing.py, cut.py)",
+            ("stop / resume: one call per host, all hosts at once  \u00b7  JobHold: the snapshot's undo stack  "
+             "\u00b7  through_agents: the NCCL cut",), fill=shared, stroke="#b07a1f"),
+        '<rect x="28" y="116" width="594" height="136" rx="10" fill="none" stroke="#35598f" '
+        'stroke-dasharray="6 4"/>',
+        '<text x="40" y="134" font-size="12" fill="#35598f">operations.py, one framework: the journal, '
+        'the phase table, the watchdog, the reconcile</text>',
+        box(40, 145, 260, 95, "evacuation", ("evacuation_run.py: OpRun,", "rollback from the record"), fill=coord),
+        box(350, 145, 260, 95, "recovery", ("recovery_run.py: RecoveryRun,", "run again from its start"),
+            fill=coord),
+        box(660, 145, 280, 95, "snapshot", ("snapshots.py: pause, lock, dump,", "resume; each way back on",
+                                           "one JobHold"), fill=coord),
+        arrow(170, 145, 170, 96, "pause", dx=24),
+        arrow(480, 145, 480, 96, "resume", dx=28),
+        arrow(800, 145, 800, 96, "pause", dx=24),
+        '<line x1="20" y1="285" x2="940" y2="285" stroke="#bbb" stroke-dasharray="5 4"/>',
+        '<text x="40" y="310" font-size="13" fill="#666">agent</text>',
+        box(40, 325, 260, 95, "capture", ("capturing.py: stop the world,", "dump, send; one kind of four"),
             fill=agent),
-        box(350, 195, 260, 95, "snapshot part", ("snapshots.py: leave_running,", "against the last part",
-                                                "(part_tracking.py)"), fill=agent),
-        box(660, 195, 280, 95, "restore", ("receiving.py: one RestoreOptions,", "bring back, register",
+        box(350, 325, 260, 95, "restore", ("receiving.py: one RestoreOptions,", "bring back, register",
                                            "(restore_views.py, leftovers.py)"), fill=agent),
-        box(40, 330, 260, 80, "pre-copies", ("precopies.py: memory ahead", "of the pause, kept as a basis"),
+        box(660, 325, 280, 95, "snapshot part", ("snapshots.py: leave_running,", "against the last part",
+                                                "(part_tracking.py)"), fill=agent),
+        box(40, 460, 260, 80, "pre-copies", ("precopies.py: memory ahead", "of the pause, kept as a basis"),
             fill=agent),
-        box(350, 330, 260, 95, "one dump path", ("dumper.py: one DumpOptions,", "one start window per directory,",
+        box(350, 460, 260, 95, "one dump path", ("dumper.py: one DumpOptions,", "one start window per directory,",
                                                 "incremental, else whole"), fill=shared, stroke="#b07a1f"),
-        box(40, 465, 260, 80, "lazy pages", ("page_sources.py: served after", "a post-copy move"), fill=agent),
-        box(350, 465, 260, 80, "sender", ("sending.py: data port or HTTP,", "compression per destination"),
+        box(40, 595, 260, 80, "lazy pages", ("page_sources.py: served after", "a post-copy move"), fill=agent),
+        box(350, 595, 260, 80, "sender", ("sending.py: data port or HTTP,", "compression per destination"),
             fill=shared, stroke="#b07a1f"),
-        arrow(170, 130, 170, 195, "capture", dx=32),
-        arrow(480, 130, 480, 195, "take a part", dx=42),
-        arrow(800, 130, 800, 195, "restore", dx=32),
-        arrow(170, 290, 170, 330, "its basis", dx=38),
-        arrow(300, 270, 350, 350, "dump", dx=18, dy=-2),
-        arrow(480, 290, 480, 330, "dump", dx=24),
-        arrow(300, 385, 350, 385, "parent", dy=-6),
-        arrow(480, 425, 480, 465, "images", dx=30),
-        arrow(300, 400, 350, 490, "pre-copy", dx=-26, dy=10),
-        arrow(600, 290, 600, 465, "replicas", dx=32, dy=-30),
-        arrow(610, 505, 790, 290, "to the destination", dx=60, dy=40),
-        '<polyline points="40,250 22,250 22,505 38,505" fill="none" stroke="#444" stroke-width="1.6" '
-        'marker-end="url(#head)"/>',
-        '<text x="16" y="378" font-size="12" fill="#444" text-anchor="middle" transform="rotate(-90 16 378)">'
-        'post-copy</text>',
+        arrow(170, 240, 170, 325, "capture", dx=32),
+        arrow(480, 240, 480, 325, "restore", dx=32),
+        arrow(800, 240, 800, 325, "take a part", dx=42),
+        arrow(170, 420, 170, 460, "its basis", dx=38),
+        arrow(300, 400, 350, 480, "dump", dx=18, dy=-2),
+        arrow(700, 420, 612, 480, "dump", dx=20, dy=-2),
+        arrow(300, 505, 350, 505, "parent", dy=-6),
+        arrow(480, 555, 480, 595, "images", dx=30),
+        arrow(300, 525, 350, 620, "pre-copy", dx=-26, dy=10),
+        poly("800,420 800,695 480,695 480,677"),
+        '<text x="812" y="560" font-size="12" fill="#444">replicas</text>',
+        poly("610,620 636,620 636,372 612,372"),
+        vlabel(650, 500, "to the destination"),
+        poly("40,380 22,380 22,635 38,635"),
+        vlabel(16, 508, "post-copy"),
         "</svg>",
     ]
     return "\n".join(parts) + "\n"
