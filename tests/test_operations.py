@@ -32,7 +32,7 @@ class _Snaps:
 @pytest.fixture
 def world(tmp_path, monkeypatch):
     store = Store(tmp_path / "c.db")
-    settings = CoordinatorSettings(db=tmp_path / "c.db", watchdog_s=0.05)
+    settings = CoordinatorSettings(db=tmp_path / "c.db", watchdog_s=30.0)  # back-offs moved by hand below
     ops = Operations(store, settings)
     driver = Driver(store, settings, operations=ops)
     recoveries = Recoveries(store, settings, _Snaps(), lambda: {}, operations=ops)  # type: ignore[arg-type]
@@ -101,3 +101,13 @@ def test_a_record_without_its_type_is_an_evacuation_and_an_unknown_kind_is_left_
     assert ops.watch() == ["op-1"]
     _join(ops)
     assert world.driven == [("op-1", "take_over")]
+
+
+def test_a_record_that_cannot_be_read_holds_up_no_other_operation(world):
+    world.store.create_op("recover-bad", "host-d", None, {"@type": "type.pitstop.dev/RecoverMetadata"}, None)
+    assert sorted(world.ops.watch()) == ["op-1", "recover-1"], "the unreadable one is passed over, said in the log"
+    _join(world.ops)
+    world.driven.clear()
+    assert sorted(world.ops.reconcile(by="a test")) == ["op-1", "recover-1"]
+    _join(world.ops)
+    assert sorted(world.driven) == [("op-1", "resume"), ("recover-1", "resume")]

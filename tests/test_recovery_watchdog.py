@@ -130,3 +130,27 @@ def test_a_recovery_of_a_job_nobody_knows_says_so_not_that_it_has_no_snapshot(re
     with pytest.raises(PitstopError) as e:  # a job it knows, without a snapshot: that is what it says
         rec.start("llama")
     assert e.value.code != "no_such_job" and "has no complete snapshot" in e.value.message
+
+
+def test_while_the_database_cannot_be_read_a_recovery_is_not_taken_over_and_builds_no_back_off(rec, monkeypatch):
+    """A recovery runs again from the record the store holds: taking it over while the store cannot
+    be read would only end again, and each such end would push its next try further out."""
+    def dies(run: RecoveryRun) -> None:
+        raise StoreUnavailable("full", action="free space")
+
+    monkeypatch.setattr(RecoveryRun, "drive", dies)
+    rec.ops.spawn("recover-1", lambda r: r.run())
+    rec.ops.threads["recover-1"].join(30)
+    run = rec.ops.runs["recover-1"]
+
+    def unreadable(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        raise StoreUnavailable("the coordinator cannot use its database: disk I/O error", action="check the disk")
+
+    with monkeypatch.context() as m:
+        m.setattr(rec.store, "ops", unreadable)
+        m.setattr(rec.store, "op", unreadable)
+        for _ in range(3):
+            assert rec.ops.watch() == []
+        assert run.takeovers == 0 and run.next_takeover == 0.0, "no back-off built while nothing could be read"
+    assert rec.ops.watch() == ["recover-1"], "taken over at the first look once the store reads again"
+    rec.ops.threads["recover-1"].join(30)

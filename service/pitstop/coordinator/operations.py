@@ -61,6 +61,9 @@ class Operation(ABC):
     # resumed after a restart only once a snapshot the last coordinator left under way is undone
     # (a recovery: that snapshot's resume must not reach the ranks it restores)
     after_snapshots: ClassVar[bool] = False
+    # its takeover reads its record from the store first (a recovery runs again from what the
+    # store holds): while the store cannot be read it is not taken over, and no back-off builds up
+    reads_store_to_take_over: ClassVar[bool] = False
 
     def __init__(self, store: BaseStore, settings: CoordinatorSettings, fence: Fence | None,
                  op: dict[str, Any], md: Recorded,
@@ -265,6 +268,11 @@ class Operations:
         is adopted the same way.  The operations taken over."""
         taken = []
         with self._lock:
+            try:
+                running: list[dict[str, Any]] | None = self.store.ops(running_only=True)
+            except StoreUnavailable:
+                running = None  # read again at the next look
+            ended: set[str] = set()
             for op_id, run in list(self.runs.items()):
                 t = self.threads.get(op_id)
                 if t is not None and t.is_alive():
@@ -272,19 +280,21 @@ class Operations:
                 if run.journal.finished or run.write_final():
                     del self.runs[op_id]
                     self.threads.pop(op_id, None)
-                elif run.journal.final is None and time.monotonic() >= run.next_takeover:
+                    ended.add(op_id)  # done now, though `running` was read before its last write
+                elif run.journal.final is None and time.monotonic() >= run.next_takeover \
+                        and (running is not None or not run.reads_store_to_take_over):
                     self._take_over(run)
                     taken.append(op_id)
-            try:
-                stray = [op for op in self.store.ops(running_only=True)
-                         if op["id"] not in self.runs and self.kind_of(op)]
-            except StoreUnavailable:
-                stray = []
-            for op in stray:  # its record says it runs, and nothing here drives it
+            for op in running or []:  # its record says it runs, and nothing here drives it
+                if op["id"] in self.runs or op["id"] in ended or not self.kind_of(op):
+                    continue
                 try:
                     run = self._kinds[self.kind_of(op)](op["id"])  # type: ignore[index]
                 except StoreUnavailable:
                     continue  # read again at the next look
+                except Exception:  # noqa: BLE001 - one record it cannot read holds up no other operation
+                    log.exception("the watchdog could not load an operation the store says runs", op=op["id"])
+                    continue
                 run.crash = "no driver in this coordinator"
                 self._take_over(run)
                 taken.append(op["id"])
@@ -306,7 +316,12 @@ class Operations:
             kind = self.kind_of(op)
             if kind is None:
                 continue
-            run = self._kinds[kind](op["id"])
+            try:
+                run = self._kinds[kind](op["id"])
+            except Exception:  # noqa: BLE001 - one record it cannot read holds up no other operation
+                log.exception("reconcile: an operation the store says runs could not be loaded; the watchdog "
+                              "tries again", op=op["id"])
+                continue
             log.info("reconcile: resuming an operation", op=op["id"], phase=op["phase"], kind=kind)
             self.spawn(op["id"], lambda r: r.resume(by), run,
                        after=snapshots_undone if run.after_snapshots else None)

@@ -97,6 +97,7 @@ class RecoveryRun(Operation):
     md: RecoveryState
     fault_prefix = "recovery_phase"
     after_snapshots = True  # a snapshot left under way is undone first: its resume must not reach restored ranks
+    reads_store_to_take_over = True  # it runs again from the record the store holds
 
     def __init__(self, store: BaseStore, settings: CoordinatorSettings, fence: Fence | None, op_id: str,
                  snaps: SnapshotHold, busy: Callable[[], dict[str, str]],
