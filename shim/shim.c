@@ -27,7 +27,7 @@
  * its time in the trail (ctl.h): four stores and a vDSO clock read, some 20 ns against the
  * microseconds an NCCL launch takes. */
 #define _GNU_SOURCE
-#include "shim.h"
+#include "nccl_shim.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -38,10 +38,6 @@
 #include <time.h>
 #include <unistd.h>
 
-struct pitstop_ctl *pitstop_ctl;
-uint32_t pitstop_seen;               /* the quiesce generation this rank has finished with */
-pthread_mutex_t pitstop_real_lock = PTHREAD_MUTEX_INITIALIZER;
-__thread struct pitstop_lib *pitstop_in __attribute__((tls_model("initial-exec")));
 static struct vcomm *vcomms[PITSTOP_MAX_COMMS];
 static int nvcomms;
 static __thread int groupDepth, groupChecked;
@@ -59,43 +55,14 @@ static double lostDeadlineS(void) {
   double v = e ? atof(e) : 120;
   return v > 0 ? v : 120;
 }
-static void note(const char *fmt, const char *a, long b) {
+static void sayInBlock(const char *fmt, const char *a, long b) {
   if (pitstop_ctl) snprintf(pitstop_ctl->note, sizeof pitstop_ctl->note, fmt, a, b);
 }
-
-static uint64_t mix(uint64_t h, uint64_t v) { h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); return h * 0xff51afd7ed558ccdull; }
-
-static struct pitstop_ctl *ctl(void) {
-  static pthread_mutex_t made = PTHREAD_MUTEX_INITIALIZER;
-  if (pitstop_ctl) return pitstop_ctl;
-  pthread_mutex_lock(&made); /* a thread of its own may meet something unmovable (dl.c) */
-  if (pitstop_ctl) { pthread_mutex_unlock(&made); return pitstop_ctl; }
-  int fd = memfd_create("pitstop-ctl", MFD_CLOEXEC);
-  void *p = MAP_FAILED;
-  if (fd >= 0 && ftruncate(fd, sizeof(struct pitstop_ctl)) == 0)
-    p = mmap(NULL, sizeof(struct pitstop_ctl), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (fd >= 0) close(fd);
-  if (p == MAP_FAILED) { /* still correct, just not movable: the agent will find no block */
-    static struct pitstop_ctl fallback;
-    p = &fallback;
-  }
-  struct pitstop_ctl *c = p;
-  memcpy(c->magic, PITSTOP_CTL_MAGIC, sizeof PITSTOP_CTL_MAGIC);
-  c->version = 5;
-  c->lost_comm = -1;
-  c->token = mix((uint64_t)getpid(), (uint64_t)(now() * 1e9));
-  c->parked_comm = -1;
-  __atomic_store_n(&pitstop_ctl, c, __ATOMIC_RELEASE);
-  pthread_mutex_unlock(&made);
-  return c;
-}
-
-struct pitstop_ctl *pitstop_ctl_get(void) { return ctl(); }
 
 static struct vcomm *newVcomm(struct pitstop_lib *L, int kind, int nranks, int rank, uint64_t key, int parent,
                               int color, int keyArg, const ncclConfig_t *config) {
   if (nvcomms >= PITSTOP_MAX_COMMS) return NULL;
-  struct pitstop_ctl *c = ctl();
+  struct pitstop_ctl *c = pitstop_ctl_get();
   struct vcomm *v = calloc(1, sizeof *v);
   v->magic = VCOMM_MAGIC;
   v->idx = nvcomms;
@@ -128,7 +95,7 @@ static ncclResult_t adoptInit(struct pitstop_lib *L, ncclComm_t *comm, ncclComm_
   pitstop_scan_now(); /* the process uses NCCL: anything loaded it cannot see, and lazy bindings since */
   uint64_t key = scalable ? 0x2ull : 0x1ull;
   for (int j = 0; j < nId; j++)
-    for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++) key = mix(key, (uint8_t)ids[j].internal[i]);
+    for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++) key = pitstop_mix(key, (uint8_t)ids[j].internal[i]);
   struct vcomm *v = newVcomm(L, KIND_INIT, nranks, rank, key, -1, 0, 0, config);
   if (!v) { L->fn.ncclCommDestroy(real); return ncclInternalError; }
   v->real = real;
@@ -176,7 +143,7 @@ ncclResult_t pitstop_split(struct pitstop_lib *L, ncclComm_t comm, int color, in
   }
   int nranks = 0, rank = 0;
   if (r == ncclSuccess) { L->fn.ncclCommCount(real, &nranks); L->fn.ncclCommUserRank(real, &rank); }
-  uint64_t k = mix(mix(mix(pitstop_ctl->comms[p->idx].key, p->splits), (uint64_t)(uint32_t)color), 0x5b);
+  uint64_t k = pitstop_mix(pitstop_mix(pitstop_mix(pitstop_ctl->comms[p->idx].key, p->splits), (uint64_t)(uint32_t)color), 0x5b);
   struct vcomm *v = newVcomm(L, KIND_SPLIT, nranks, rank, k, p->idx, color, key, config);
   if (!v) { L->fn.ncclCommDestroy(real); return ncclInternalError; }
   v->real = real;
@@ -209,7 +176,7 @@ ncclResult_t pitstop_peer_lost(struct vcomm *v, ncclResult_t r, const char *call
     c->lost_ns = at;
     c->lost_deadline_ns = at + (uint64_t)(limit * 1e9);
     __atomic_store_n(&c->lost, LOST_PARKED, __ATOMIC_RELEASE);
-    note("%s failed after a peer was lost: parked for the job's recovery (%ld s at most)", call, (long)limit);
+    sayInBlock("%s failed after a peer was lost: parked for the job's recovery (%ld s at most)", call, (long)limit);
   }
   int withdrawn = 0;
   while (now() < end) {
@@ -255,15 +222,6 @@ ncclResult_t pitstop_async_error(struct pitstop_lib *L, ncclComm_t comm, ncclRes
   return r;
 }
 
-/* Said once per call name (the application's stderr is the operator's only view here). */
-static int firstTime(const char *call) {
-  static char said[64][48];
-  static int nsaid;
-  for (int i = 0; i < nsaid; i++) if (!strcmp(said[i], call)) return 0;
-  if (nsaid < 64) snprintf(said[nsaid++], sizeof said[0], "%s", call);
-  return 1;
-}
-
 /* A communicator the shim did not make (an NCCL call it does not wrap made it): the call
  * goes to NCCL unchanged, so the job runs as it would without the shim, and the control
  * block counts it, so that a cut refuses to move a job whose communicators it cannot
@@ -272,22 +230,12 @@ struct pitstop_lib *pitstop_foreign(const char *call, const void *comm, struct p
   if (!comm) return L; /* NULL is no communicator: NCCL answers it as it would without the shim */
   for (int i = 0; i < nvcomms; i++) /* one of ours, seen from a thread of NCCL's own */
     if (vcomms[i]->real == (ncclComm_t)comm) return vcomms[i]->lib;
-  struct pitstop_ctl *c = ctl();
+  struct pitstop_ctl *c = pitstop_ctl_get();
   if (c) __atomic_add_fetch(&c->foreign, 1, __ATOMIC_RELAXED);
-  if (firstTime(call))
+  if (pitstop_first_time(call))
     fprintf(stderr, "pitstop shim: %s was given a communicator the shim did not create (%p); passing it to NCCL "
                     "unchanged (the job runs, but pitstop cannot move it)\n", call, comm);
   return L;
-}
-
-/* Sticky: what the shim saw that it could not re-create after a move (the agent reports the
- * worker unmovable with the first note; the cut refuses it).  Said once per note on stderr. */
-void pitstop_refuse(const char *note) {
-  struct pitstop_ctl *c = ctl();
-  if (__atomic_fetch_add(&c->refused, 1, __ATOMIC_RELAXED) == 0)
-    snprintf(c->refused_note, sizeof c->refused_note, "%s", note);
-  if (firstTime(note))
-    fprintf(stderr, "pitstop shim: %s (the job runs, but pitstop cannot move it)\n", note);
 }
 
 void pitstop_unmovable(const char *call, const char *why) {
@@ -297,7 +245,7 @@ void pitstop_unmovable(const char *call, const char *why) {
 }
 
 ncclResult_t pitstop_missing(const char *call) {
-  if (firstTime(call))
+  if (pitstop_first_time(call))
     fprintf(stderr, "pitstop shim: the NCCL library behind the shim has no %s (older than the caller expects); "
                     "returning ncclInvalidUsage\n", call);
   return ncclInvalidUsage;
@@ -448,7 +396,7 @@ static void destroyAll(void) {
 
 /* A nonblocking communicator being re-created: wait until NCCL says it is ready (the
  * next one may be split from it), within the shim's deadline. */
-static ncclResult_t ready(struct pitstop_lib *L, ncclComm_t c) {
+static ncclResult_t commReady(struct pitstop_lib *L, ncclComm_t c) {
   double end = now() + deadlineS();
   ncclResult_t st = ncclInProgress;
   while (now() < end) {
@@ -458,7 +406,7 @@ static ncclResult_t ready(struct pitstop_lib *L, ncclComm_t c) {
     struct timespec ms = {0, 1000000};
     nanosleep(&ms, NULL);
   }
-  note("a re-created communicator was not ready within %s (%ld s)", "the deadline", (long)deadlineS());
+  sayInBlock("a re-created communicator was not ready within %s (%ld s)", "the deadline", (long)deadlineS());
   return ncclRemoteError;
 }
 
@@ -486,13 +434,13 @@ static ncclResult_t makeAll(newids_t ids, ncclComm_t *tmp) {
       r = v->scalable ? L->fn.ncclCommInitRankScalable(&tmp[ev.idx], cc->nranks, cc->rank, 1, &id, v->config)
         : v->hasConfig ? L->fn.ncclCommInitRankConfig(&tmp[ev.idx], cc->nranks, id, cc->rank, v->config)
                        : L->fn.ncclCommInitRank(&tmp[ev.idx], cc->nranks, id, cc->rank);
-      if (r == ncclInProgress) r = ready(L, tmp[ev.idx]);
+      if (r == ncclInProgress) r = commReady(L, tmp[ev.idx]);
     } else {
       struct pitstop_lib *L = pitstop_in = vcomms[ev.parent]->lib; /* the parent's library makes its splits */
       ncclComm_t out = NULL;
       r = L->fn.ncclCommSplit(tmp[ev.parent], ev.color, ev.key, &out,
                               ev.idx >= 0 && vcomms[ev.idx]->hasConfig ? vcomms[ev.idx]->config : NULL);
-      if (r == ncclInProgress) r = out ? ready(L, out) : ncclSuccess;
+      if (r == ncclInProgress) r = out ? commReady(L, out) : ncclSuccess;
       if (ev.idx >= 0) tmp[ev.idx] = out;
       else if (out) L->fn.ncclCommDestroy(out);
     }
@@ -511,7 +459,7 @@ static ncclResult_t installAll(ncclComm_t *tmp) {
     if (vcomms[i]->appDestroyed || !tmp[i]) continue;
     ncclResult_t r = remakeRedops(vcomms[i], tmp[i]);
     if (r != ncclSuccess) {
-      note("re-creating a reduction operator failed (%s %ld)", "ncclResult_t", (long)r);
+      sayInBlock("re-creating a reduction operator failed (%s %ld)", "ncclResult_t", (long)r);
       dropAll(tmp);
       return r;
     }
@@ -537,7 +485,7 @@ static void rebuilt(ncclResult_t r) {
   struct pitstop_ctl *c = pitstop_ctl;
   c->error = (int32_t)r;
   c->state = r == ncclSuccess ? ST_REBUILT : ST_FAILED;
-  note("rebuilt communicators: %s (%ld)", r == ncclSuccess ? "ok" : "FAILED", (long)r);
+  sayInBlock("rebuilt communicators: %s (%ld)", r == ncclSuccess ? "ok" : "FAILED", (long)r);
 }
 
 /* ---- the early rewire: a rebuild on a thread of the shim (CMD_PREBUILD) ----------------------
@@ -605,7 +553,7 @@ static void prebuild(void) {
   pthread_t t;
   int made = pthread_create(&t, &at, rebuildMain, job) == 0;
   pthread_attr_destroy(&at);
-  if (made) note("rebuilding communicators on a thread of the %s (%ld of them)", "shim", nvcomms);
+  if (made) sayInBlock("rebuilding communicators on a thread of the %s (%ld of them)", "shim", nvcomms);
   else underWay = NULL;
   pthread_mutex_unlock(&rebuildLock);
   if (!made) { /* no thread to be had: the same rebuild on this one */
@@ -648,10 +596,10 @@ static void runCommand(uint32_t cmd) {
   struct pitstop_ctl *c = pitstop_ctl;
   switch (cmd) {
     case CMD_DESTROY:
-      if (abandonRebuild()) note("abandoned the rebuild under %s (%ld communicators)", "way", nvcomms);
+      if (abandonRebuild()) sayInBlock("abandoned the rebuild under %s (%ld communicators)", "way", nvcomms);
       destroyAll();
       c->state = ST_DESTROYED;
-      note("destroyed %s communicators (%ld)", "all", nvcomms);
+      sayInBlock("destroyed %s communicators (%ld)", "all", nvcomms);
       break;
     case CMD_GENIDS: /* rank 0 of each INIT communicator */
       makeIds(0);
@@ -748,7 +696,7 @@ ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer) {
     if (now() - start > limit) {
       if (c->state == ST_REBUILDING) { /* the restored ranks never joined: the program is told */
         if (!abandonRebuild()) continue; /* it ended just now: look again */
-        note("quiesce %s: the early rebuild did not finish within %ld s; abandoned", "failed", (long)limit);
+        sayInBlock("quiesce %s: the early rebuild did not finish within %ld s; abandoned", "failed", (long)limit);
         fprintf(stderr, "pitstop shim: the communicators' rebuild did not finish within %.0f s "
                         "(PITSTOP_SHIM_DEADLINE_S): no word from the agent and no rank joined; returning "
                         "ncclRemoteError\n", limit);
@@ -756,10 +704,10 @@ ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer) {
       }
       if (!destroyed) { /* the agent vanished: carry on as if nothing happened */
         pitstop_seen = gen; c->state = ST_RUNNING; c->parked_comm = -1;
-        note("quiesce %s: no word from the agent for %ld s; resumed", "timed out", (long)limit);
+        sayInBlock("quiesce %s: no word from the agent for %ld s; resumed", "timed out", (long)limit);
         return ncclSuccess;
       }
-      note("quiesce %s: communicators gone and no rebuild for %ld s", "failed", (long)limit);
+      sayInBlock("quiesce %s: communicators gone and no rebuild for %ld s", "failed", (long)limit);
       return ncclRemoteError;
     }
     struct timespec ts = {0, 500000};
@@ -767,7 +715,7 @@ ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer) {
   }
 }
 
-/* The slow half of pitstop_enter (shim.h): a quiesce is requested.  Groups are checked
+/* The slow half of pitstop_enter (fastpath.h): a quiesce is requested.  Groups are checked
  * once, at their first operation, so they stay whole. */
 ncclResult_t pitstop_enter_slow(struct vcomm *v, int op, int peer) {
   if (groupDepth > 0) {

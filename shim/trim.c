@@ -20,7 +20,7 @@
  * a GIL held elsewhere for longer must not hold the move; the coordinator then rolls the move
  * back with the job running (trim_error).  Results go into the control block (ctl.h). */
 #define _GNU_SOURCE
-#include "shim.h"
+#include "nccl_shim.h"
 
 #include <dlfcn.h>
 #include <errno.h>

@@ -1,7 +1,10 @@
-/* Internal interface between the generated wrappers (build/wrappers.c) and shim.c. */
+/* The shim's internal interface: its types, limits and calls, shared by shim.c, dl.c, trim.c and
+ * the generated wrappers (build/wrappers.c).  The collective path's inline half is fastpath.h,
+ * which only the wrappers include; the control block and the shim's shared state are block.h. */
 #ifndef PITSTOP_SHIM_H
 #define PITSTOP_SHIM_H
 #include "../native/nccl.h"
+#include "block.h"
 #include "ctl.h"
 
 #include <pthread.h>
@@ -15,12 +18,12 @@
 /* struct pitstop_nccl: one library's real function per NCCL call, from wrappers.c */
 #include "real.h" /* generated into build/ */
 #if PITSTOP_GEN_MAX_LIBS != PITSTOP_MAX_LIBS
-#error "shim.h and gen_wrappers.py disagree on PITSTOP_MAX_LIBS"
+#error "nccl_shim.h and gen_wrappers.py disagree on PITSTOP_MAX_LIBS"
 #endif
 
 /* One NCCL library the program reaches.  Slot 0 answers the calls that reach the shim by name
  * (the PLT, dlsym(RTLD_DEFAULT)): the next definition in the global scope, else the loaded
- * libnccl (resolve.c).  Further slots are other copies the program reached through dlsym on a
+ * libnccl (dl.c, slot 0).  Further slots are other copies the program reached through dlsym on a
  * handle of its own (dl.c).  A communicator remembers its library: its calls go there. */
 struct pitstop_lib {
   struct pitstop_nccl fn;
@@ -29,9 +32,6 @@ struct pitstop_lib {
   char path[256];
 };
 extern struct pitstop_lib pitstop_libs[PITSTOP_MAX_LIBS];
-/* Non-NULL while this thread is inside the shim: the library whose call is under way.  NCCL's
- * calls to its own API (through the PLT, back into the shim) then go straight to it. */
-extern __thread struct pitstop_lib *pitstop_in __attribute__((tls_model("initial-exec"))); /* preloaded: static TLS */
 
 #define PITSTOP_MAX_REDOPS 64 /* live reduction operators per communicator the shim re-creates */
 
@@ -62,11 +62,6 @@ struct vcomm {
   struct pitstop_redop *redops; /* PITSTOP_MAX_REDOPS of them once the first is made; never moved */
 };
 
-extern struct pitstop_ctl *pitstop_ctl;
-/* Held while real communicators are destroyed or swapped, and by calls that may come from
- * another thread (PyTorch's watchdog polls ncclCommGetAsyncError): none sees a freed one. */
-extern pthread_mutex_t pitstop_real_lock;
-extern uint32_t pitstop_seen;
 
 ncclResult_t pitstop_init(struct pitstop_lib *L, ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
                           ncclConfig_t *config, int withConfig);
@@ -83,10 +78,11 @@ ncclResult_t pitstop_missing(const char *call); /* a call the NCCL behind the sh
 /* A call that leaves state in the real communicator a rebuild would not re-create: the process
  * is marked unmovable (sticky), the call named once. */
 void pitstop_unmovable(const char *call, const char *why);
-/* Something the shim cannot stand in front of (dl.c): the process is marked unmovable with this note. */
-void pitstop_refuse(const char *note);
-struct pitstop_ctl *pitstop_ctl_get(void); /* the control block, made on first use */
-ncclResult_t pitstop_enter_slow(struct vcomm *v, int op, int peer);
+/* A 64-bit mix of two values (the block's token, a split's key). */
+static inline uint64_t pitstop_mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  return h * 0xff51afd7ed558ccdull;
+}
 /* A call's communicator error in a job that snapshots protect (ctl.h, version 4): the thread parks
  * until the recovery ends the process, the protection is withdrawn or the deadline passes; then,
  * or for any other result, r.  v: NULL for a group's end. */
@@ -96,12 +92,6 @@ ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer);
 ncclResult_t pitstop_redop_create(struct pitstop_lib *L, ncclRedOp_t *op, void *scalar, ncclDataType_t datatype,
                                   ncclScalarResidence_t residence, ncclComm_t comm);
 ncclResult_t pitstop_redop_destroy(struct pitstop_lib *L, ncclRedOp_t op, ncclComm_t comm);
-ncclRedOp_t pitstop_redop_slow(struct vcomm *v, ncclRedOp_t op);
-/* The reduction operator to give NCCL for the program's: built-in ones as they are (one compare);
- * one the program made, NCCL's current value for it. */
-static inline ncclRedOp_t pitstop_redop(struct vcomm *v, ncclRedOp_t op) {
-  return __builtin_expect((int)op < (int)ncclNumOps, 1) ? op : pitstop_redop_slow(v, op);
-}
 
 /* The collective path, inline: a handle check, one load and compare, one store. */
 static inline struct vcomm *pitstop_v(ncclComm_t comm) {
@@ -109,32 +99,12 @@ static inline struct vcomm *pitstop_v(ncclComm_t comm) {
   return (v && v->magic == VCOMM_MAGIC) ? v : NULL;
 }
 
-static inline ncclResult_t pitstop_enter(struct vcomm *v, int op, int peer) {
-  if (__builtin_expect(!pitstop_ctl || pitstop_ctl->request == pitstop_seen, 1)) return ncclSuccess;
-  return pitstop_enter_slow(v, op, peer);
-}
 
-/* Count the operation, and sign it into the trail: `call` names the NCCL function (a constant
- * gen_wrappers.py derives from its name), count and type are its arguments (0 where it has none). */
-static inline void pitstop_count(struct vcomm *v, int op, int peer, uint32_t call, uint64_t count, int type) {
-  struct pitstop_ctl *c = pitstop_ctl;
-  struct pitstop_comm_ctl *cc = &c->comms[v->idx];
-  if (op == OP_COLL) cc->issued++;
-  else if (peer >= 0 && peer < PITSTOP_MAX_PEERS) { if (op == OP_SEND) cc->sent[peer]++; else cc->recvd[peer]++; }
-  uint32_t h = call ^ ((uint32_t)v->idx * 0x9e3779b1u) ^ ((uint32_t)(peer + 1) * 0x85ebca6bu);
-  h ^= (uint32_t)count * 0xc2b2ae35u ^ (uint32_t)(count >> 32) ^ ((uint32_t)type << 24);
-  uint64_t n = c->trail_n;
-  struct timespec t;
-  clock_gettime(CLOCK_REALTIME, &t); /* the vDSO: no system call */
-  c->trail[n % PITSTOP_TRAIL] = h;
-  c->trail_ns[n % PITSTOP_TRAIL] = (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
-  c->trail_n = n + 1;
-}
 void pitstop_group_start(void);
 void pitstop_group_end(void);
 void pitstop_trim(struct pitstop_ctl *c); /* trim.c */
 
-/* resolve.c: fill slot 0 (the library behind the shim's exported names) on first use; 0 when
+/* dl.c: fill slot 0 (the library behind the shim's exported names) on first use; 0 when
  * some NCCL lies behind the shim, else -1 and said once. */
 int pitstop_resolve(struct pitstop_lib *L);
 int pitstop_resolve_quiet(struct pitstop_lib *L); /* ... and says nothing when none */
