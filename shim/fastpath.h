@@ -5,9 +5,6 @@
 #define PITSTOP_FASTPATH_H
 #include "nccl_shim.h"
 
-/* The slow half of pitstop_enter: a quiesce is requested (shim.c). */
-ncclResult_t pitstop_enter_slow(struct vcomm *v, int op, int peer);
-ncclRedOp_t pitstop_redop_slow(struct vcomm *v, ncclRedOp_t op);
 /* The reduction operator to give NCCL for the program's: built-in ones as they are (one compare);
  * one the program made, NCCL's current value for it. */
 static inline ncclRedOp_t pitstop_redop(struct vcomm *v, ncclRedOp_t op) {

@@ -179,7 +179,7 @@ def category(f: dict) -> str:
 
 
 def signature(name: str) -> int:
-    """A constant per NCCL function for the shim's trail of operations (nccl_shim.h pitstop_count)."""
+    """A constant per NCCL function for the shim's trail of operations (fastpath.h pitstop_count)."""
     return zlib.crc32(name.encode())
 
 
@@ -220,7 +220,7 @@ def _body(f: dict) -> list[str]:
         dtype = "(int)datatype" if "datatype" in names else "0"
         if "peer" in names:  # point to point: counted per peer, in its direction
             op, peer = ("OP_SEND" if name.endswith("Send") else "OP_RECV"), "peer"
-        # an operator the program made: NCCL's value for it on the current communicator (nccl_shim.h)
+        # an operator the program made: NCCL's value for it on the current communicator (fastpath.h)
         redop = ["  op = pitstop_redop(v, op);"] if "op" in names else []
         return ["  struct vcomm *v = pitstop_v(comm);", *foreign,
                 f"  ncclResult_t q = pitstop_enter(v, {op}, {peer});", "  if (q != ncclSuccess) return q;",

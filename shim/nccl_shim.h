@@ -62,7 +62,6 @@ struct vcomm {
   struct pitstop_redop *redops; /* PITSTOP_MAX_REDOPS of them once the first is made; never moved */
 };
 
-
 ncclResult_t pitstop_init(struct pitstop_lib *L, ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
                           ncclConfig_t *config, int withConfig);
 ncclResult_t pitstop_split(struct pitstop_lib *L, ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
@@ -78,7 +77,7 @@ ncclResult_t pitstop_missing(const char *call); /* a call the NCCL behind the sh
 /* A call that leaves state in the real communicator a rebuild would not re-create: the process
  * is marked unmovable (sticky), the call named once. */
 void pitstop_unmovable(const char *call, const char *why);
-/* A 64-bit mix of two values (the block's token, a split's key). */
+/* A 64-bit mix of two values (a communicator's key, from its unique ids or its split). */
 static inline uint64_t pitstop_mix(uint64_t h, uint64_t v) {
   h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
   return h * 0xff51afd7ed558ccdull;
@@ -92,13 +91,16 @@ ncclResult_t pitstop_quiesce_point(struct vcomm *v, int op, int peer);
 ncclResult_t pitstop_redop_create(struct pitstop_lib *L, ncclRedOp_t *op, void *scalar, ncclDataType_t datatype,
                                   ncclScalarResidence_t residence, ncclComm_t comm);
 ncclResult_t pitstop_redop_destroy(struct pitstop_lib *L, ncclRedOp_t op, ncclComm_t comm);
+/* The slow halves of the collective path (fastpath.h): a quiesce is requested; a reduction
+ * operator the program made.  Declared here, where shim.c that defines them sees them too. */
+ncclResult_t pitstop_enter_slow(struct vcomm *v, int op, int peer);
+ncclRedOp_t pitstop_redop_slow(struct vcomm *v, ncclRedOp_t op);
 
-/* The collective path, inline: a handle check, one load and compare, one store. */
+/* One of the shim's handles, or NULL (a handle the shim did not make). */
 static inline struct vcomm *pitstop_v(ncclComm_t comm) {
   struct vcomm *v = (struct vcomm *)comm;
   return (v && v->magic == VCOMM_MAGIC) ? v : NULL;
 }
-
 
 void pitstop_group_start(void);
 void pitstop_group_end(void);
