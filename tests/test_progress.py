@@ -109,6 +109,26 @@ def test_operations_per_step_by_worker_add_up_its_processes_and_want_all_of_them
     assert progress.per_step_by_worker(blocks) == {"w.0": 3, "w.3": 2}
 
 
+def test_steps_redone_take_the_snapshots_period_or_else_the_survivors_trails_now():
+    def block(issued: int, trail: list[int]) -> dict:
+        return {"comms": [{"issued": issued, "sent": [], "recvd": []}], "trail": trail}
+    at = {"w.0": 4, "w.1": 4}
+    now = {"w.0": [block(44, [1, 2] * 20)], "w.1": [block(46, [1, 2] * 20)]}
+    # the snapshot's trails showed the period: it is used
+    assert progress.steps_redone(True, at, {"w.0": 2, "w.1": 2}, now, None) == {"ops_redone": 42, "steps_redone": 21.0}
+    # a snapshot taken two steps in (four operations: no period yet): the survivors' trails give it
+    assert progress.steps_redone(True, at, {}, now, None) == {"ops_redone": 42, "steps_redone": 21.0}
+    # nothing shows one: the operations only, and why
+    odd = {"w.0": [block(44, list(range(40)))]}
+    got = progress.steps_redone(True, at, {}, odd, None)
+    assert got["steps_redone"] is None and got["ops_redone"] == 40 and "trails" in got["steps_redone_why"]
+    # survivors that had ended have no counters to read: said so, not "no period"
+    got = progress.steps_redone(True, at, {}, {"w.0": [], "w.1": []}, None)
+    assert got["steps_redone"] is None and "ended" in got["steps_redone_why"]
+    assert "could not be read: timed out" in progress.steps_redone(True, at, {}, now, "timed out")["steps_redone_why"]
+    assert progress.steps_redone(False, {}, {}, {}, None)["steps_redone"] is None
+
+
 def test_the_first_full_step_is_a_steps_calls_and_one_more_after_the_cut():
     clock = Clock(101.0)
     # 3 calls a step: from the cut, a rank's 4th call means its 3rd had returned

@@ -244,8 +244,11 @@ def steps_redone(nccl: bool, at: dict[str, int], per_step: dict[str, int], now: 
                  unread: str | None) -> dict[str, Any]:
     """The steps the job does again: for an NCCL job, the operations its surviving ranks issued
     since the snapshot (their shims' counters, read just before they are stopped) over the
-    operations a step takes (the period of their trails at the snapshot: per_step_by_worker).  A job
-    without the shim's communicators shows no progress pitstop can count: `lost_s` only."""
+    operations a step takes: the period of their trails at the snapshot (per_step_by_worker), or,
+    for a snapshot taken before a rank had run three steps (its trail too short to show one), the
+    period of the survivors' trails now (`now` read with its trail: the program's step is the same
+    one).  A job without the shim's communicators shows no progress pitstop can count: `lost_s`
+    only."""
     if not nccl or not at:
         return {"steps_redone": None, "steps_redone_why": "the job shows no progress pitstop can count "
                 "without a change to it (no NCCL shim); lost_s says how long it ran since the snapshot"}
@@ -253,8 +256,12 @@ def steps_redone(nccl: bool, at: dict[str, int], per_step: dict[str, int], now: 
         return {"steps_redone": None, "steps_redone_why": f"the surviving ranks' counters could not be read: "
                 f"{unread}"}
     ops = {w: sum(block_ops(b) for b in bs) - at[w] for w, bs in now.items() if w in at and bs}
+    if not ops:
+        return {"steps_redone": None, "steps_redone_why": "no surviving rank's counters could be read: "
+                "each had ended (or runs no NCCL communicator of the job)"}
+    per_step = {**per_step_by_worker(now), **per_step}
     steps = {w: round(n / per_step[w], 1) for w, n in ops.items() if per_step.get(w)}
     if not steps:
-        return {"ops_redone": max(ops.values(), default=None), "steps_redone": None,
-                "steps_redone_why": "no step period showed in the ranks' trails at the snapshot"}
+        return {"ops_redone": max(ops.values()), "steps_redone": None,
+                "steps_redone_why": "no step period showed in the ranks' trails, at the snapshot or now"}
     return {"ops_redone": max(ops.values()), "steps_redone": max(steps.values())}

@@ -261,14 +261,14 @@ class RecoveryRun(Operation):
                     lost_heard=lost in hosts and healthy(hosts[lost], self.s.heartbeat_timeout_s))
 
     def _survivor_blocks(self, plan: Plan) -> tuple[dict[str, list[dict[str, Any]]], str | None]:
-        """The surviving ranks' shim blocks, read just before they are stopped (none for a job
-        without the shim's communicators), and why not where they could not be read."""
+        """The surviving ranks' shim blocks with their trails, read just before they are stopped
+        (none for a job without the shim's communicators), and why not where they could not be read."""
         if not plan.nccl:
             return {}, None
         try:
             now: dict[str, list[dict[str, Any]]] = {}
             for got in in_parallel(lambda h: self.asking(h, RECOVERY_AGENT_TIMEOUT_S).shim_blocks_many(
-                    plan.survivors[h]), sorted(plan.survivors)):
+                    plan.survivors[h], trail=True), sorted(plan.survivors)):
                 now.update(got)
         except PitstopError as e:
             return {}, e.message
