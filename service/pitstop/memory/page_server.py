@@ -65,17 +65,21 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 def serve(sock: socket.socket, split: LazySplit, *, idle_timeout_s: float,
           stop_after: int | None = None, stall_after: int | None = None,
+          faults_from: Callable[[], bool] | None = None,
           on_progress: Callable[[Served], None] | None = None) -> Served:
     """Answer one daemon until it says it is done.  Raises ProtocolError, OSError or TimeoutError.
 
     idle_timeout_s bounds each wait for the next request (the daemon asks continuously while it
     fills).  Fault hooks: stop_after, drop the connection after that many pages; stall_after,
-    stop answering then (a hung host) until the other side gives up."""
+    stop answering then (a hung host) until the other side gives up.  Both count the pages served
+    from the first request at which `faults_from()` is true (the agent: once the move committed,
+    so that a fault meant for the fill never lands in the restore, however many pages it took)."""
     sock.settimeout(idle_timeout_s)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     fds: dict[tuple[int, int], int] = {}
     out = Served()
+    counted_from: int | None = None  # out.pages when the fault hooks began to count
     t0 = time.monotonic()
     try:
         while True:
@@ -97,9 +101,12 @@ def serve(sock: socket.socket, split: LazySplit, *, idle_timeout_s: float,
                 raise ProtocolError(f"task {dst} asked for {nr} pages at {vaddr:#x}, which the dump does not "
                                     "hold as lazy pages")
             fi, off, n = where
-            if stop_after is not None and out.pages + n > stop_after:
+            if counted_from is None and (faults_from is None or faults_from()):
+                counted_from = out.pages
+            counted = None if counted_from is None else out.pages - counted_from + n
+            if stop_after is not None and counted is not None and counted > stop_after:
                 raise ProtocolError(f"injected fault: page server stopped after {out.pages} pages")
-            if stall_after is not None and out.pages + n > stall_after:
+            if stall_after is not None and counted is not None and counted > stall_after:
                 while sock.recv(1 << 16):  # until the destination hangs up (or the idle timeout)
                     pass
                 raise ProtocolError(f"injected fault: page server stalled after {out.pages} pages")
