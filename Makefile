@@ -54,12 +54,11 @@ check: $(STAMP) native
 	$(BIN)/mypy service/pitstop
 	$(BIN)/python -m pytest -q -m "not e2e and not slow" -p no:cacheprovider --durations=5 $(PYTEST_ARGS)
 
-# TEST_WORKERS=2: the suite's modules on two parallel workers, each module whole on one (most of
-# an end-to-end test's time is waiting on a job, not computing), and the REST APIs' fuzzing apart
-# (schemathesis does not parametrize its cases on a worker): about 22-25 minutes on 2 cores
-# instead of 34-40.  Not yet the default: one test's fault still races a busy machine
-# (docs/reliability.md).
-TEST_WORKERS ?= 0
+# The suite's modules on two parallel workers (TEST_WORKERS, default 2), each module whole on one
+# (most of an end-to-end test's time is waiting on a job, not computing), and the REST APIs'
+# fuzzing apart (schemathesis does not parametrize its cases on a worker): about 22-25 minutes on 2
+# cores instead of 34-40.  TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: setup
 ifeq ($(TEST_WORKERS),0)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
