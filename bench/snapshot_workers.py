@@ -66,7 +66,9 @@ def arm(workers: int, state_mb: float, every: float, window: float, warmup: int)
             for s in snaps:
                 if s["state"] == "committed" and s["number"] not in seen:
                     seen[s["number"]] = {"number": s["number"], "pause_s": s["pause_s"], "bytes": s.get("bytes", 0),
-                                         "whole": not s.get("incremental")}
+                                         "whole": not s.get("incremental"), "phases": s.get("phases", {}),
+                                         "parts": {w: {"processes": p.get("processes"), "steps": p.get("steps", {})}
+                                                   for w, p in (s.get("parts") or {}).items()}}
             time.sleep(0.2)
         last_error = cc.snapshots("train").get("last_error")
         for r in ranks:
@@ -82,10 +84,20 @@ def arm(workers: int, state_mb: float, every: float, window: float, warmup: int)
                    "delta_bytes": statistics.median([s["bytes"] for s in kept if not s["whole"]]) if deltas else None,
                    "whole_pause_s": statistics.median(wholes) if wholes else None,
                    "whole_bytes": statistics.median([s["bytes"] for s in kept if s["whole"]]) if wholes else None}
+    delta_kept = [s for s in kept if not s["whole"]]
+    # where a delta's pause goes: the coordinator's phases, and the slowest part's agent steps
+    out_d["delta_phases_s"] = _medians([s["phases"] for s in delta_kept])
+    out_d["delta_part_steps_s"] = _medians([max(s["parts"].values(), key=lambda p: sum(p["steps"].values()))["steps"]
+                                            for s in delta_kept if s["parts"]])
     if deltas:
         chain = ((CHAIN - 1) * out_d["delta_pause_s"] + (out_d["whole_pause_s"] or out_d["delta_pause_s"])) / CHAIN
         out_d["share_at_one_a_minute"] = chain / 60.0
     return out_d
+
+
+def _medians(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for r in rows for k in r})
+    return {k: round(statistics.median([r[k] for r in rows if k in r]), 4) for k in keys}
 
 
 def main() -> None:
@@ -108,6 +120,7 @@ def main() -> None:
               f"({(r['delta_bytes'] or 0) / 1e6:.0f} MB), whole {r['whole_pause_s']} s "
               f"({(r['whole_bytes'] or 0) / 1e6:.0f} MB), share of time at one a minute "
               f"{r.get('share_at_one_a_minute', 0):.3%}")
+        print(f"  a delta's phases (s): {r['delta_phases_s']}; its slowest part's steps (s): {r['delta_part_steps_s']}")
     print(f"delta pause with {a.workers} workers / without: {ratio:.2f} x" if ratio else "no ratio")
 
 

@@ -63,6 +63,10 @@ def ranks_die_first_then_their_host(cluster, tmp_path) -> dict:
     snap = _committed(cc, "train")
     snap = _committed(cc, "train", after=snap["number"])
     assert snap["incremental"], "with loader workers too, the second snapshot is a delta"
+    # each part says how many processes its rank's tree had (the rank and its two loader workers, and
+    # the init of its own address's namespace) and where the agent's time in the pause went
+    assert {w: p["processes"] for w, p in snap["parts"].items()} == {f"train.{r}": 4 for r in range(4)}, snap["parts"]
+    assert all({"criu", "track_reset", "seal_and_files"} <= set(p["steps"]) for p in snap["parts"].values()), snap
     wait_for_step(ranks[0].log, 60)
     lost = cluster.kill_host("host-b", processes_first_s=1.5)
     assert sorted(lost) == ["train.2", "train.3"]

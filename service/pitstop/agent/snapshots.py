@@ -71,6 +71,21 @@ FILES = "files.json"  # the regular files the worker writes, as of the snapshot 
 _DUMPED = Exception("the part is dumped")  # why a part's undo stack is unwound once its dump is over: always
 
 
+class Laps:
+    """Where a part's time in the pause goes, step by step (seconds, rounded): each call ends the
+    step it names.  Kept in the part's answer, so that an operator (and bench/snapshot_workers.py)
+    sees which step grows with a rank's processes."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._t = time.monotonic()
+
+    def __call__(self, step: str) -> None:
+        t = time.monotonic()
+        self.seconds[step] = round(t - self._t, 4)
+        self._t = t
+
+
 def _meta(d: Path) -> dict[str, Any]:
     try:
         return dict(json.loads((d / META).read_text()))
@@ -312,19 +327,25 @@ class Snapshots:
         tracked and the chain is short enough (and `whole` was not asked); else whole.  Then the
         tracking is reset (the job is still paused), so the next part holds what is written from
         now on.  The GPUs' suspension is an undo step: they run again whatever the dump did."""
+        lap = Laps()
         pids = proctree.tree(w.root_pid)
         stdio = [p.__dict__ for p in proctree.stdio_pipes(pids)]
         parent, command = (None, None) if whole else self._parent_for(w, job, number)
+        lap("tree")
         gpu = self.source.gpu.suspend(pids, rescan=lambda: proctree.tree(w.root_pid))
+        lap("gpu")
         undo = Undo(resumed_by="the snapshot's dump (CRIU leaves the tree as it found it)")
         if gpu:
             undo.push("gpu", lambda e: self.source.gpu.resume_in_place(gpu.record()))
         try:
             faults.hit("snapshot:before_dump")
             res, parent = self._dump_part(w, d, parent, command)
+            lap("criu")
             self.tracking.reset(w, number, pids)
+            lap("track_reset")
             sealed = seal.take(d)  # a stat of each file, no byte read: checked before any restore of the part
             ids = file_identity.identities(pids)
+            lap("seal_and_files")
         finally:
             undo.unwind(_DUMPED)
         (d / META).write_text(json.dumps({"parent": parent[0] if parent else None,
@@ -335,8 +356,10 @@ class Snapshots:
         size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
         manifest(w, d.name, host=self.s.name, stdio=stdio, output_base=self.source.output_end(w),
                  gpu=gpu.record() if gpu else {}, file_ids=ids, snapshot=True).write(d)  # last: the part is complete
+        lap("manifest")
         return {"bytes": size, "dump_s": round(res.seconds, 4), "frozen_s": round(res.frozen_s, 4),
-                "parent": parent[0] if parent else None, "bytes_in_parent": res.pages_in_parent * PAGE}
+                "parent": parent[0] if parent else None, "bytes_in_parent": res.pages_in_parent * PAGE,
+                "processes": len(pids), "steps": lap.seconds}
 
     def _dump_part(self, w: Worker, d: Path, parent: tuple[int, int] | None,
                    command: runtime.CriuCommand | None) -> tuple[criu_ops.DumpResult, tuple[int, int] | None]:

@@ -30,6 +30,10 @@ class SnapshotPart(Record):
     host: str
     rank: int
     buddy: str
+    # Once dumped: how many processes its rank's tree had, and where the agent's time in the pause
+    # went (agent/snapshots.py Laps: tree, gpu, criu, track_reset, seal_and_files, manifest)
+    processes: int | None = None
+    steps: dict[str, float] = Field(default_factory=dict)
 
 
 class SnapshotRecord(Record):
