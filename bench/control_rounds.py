@@ -45,7 +45,7 @@ def rounds(world: int, realtime: bool, n: int) -> dict:
         for rk in ranks:
             wait_for_step(rk.log, 20, timeout_s=300)
         cl = c.agents["host-a"].client()
-        peers = sorted(w["id"] for w in cl.workers() if w["state"] == "running")[1:]
+        peers = sorted(w.id for w in cl.workers() if w.state == "running")[1:]
         pause, resume = [], []
         for _ in range(n):
             time.sleep(0.3)

@@ -82,12 +82,12 @@ def main() -> None:
         time.sleep(0.3)  # CRIU's processes are reaped, their time counted in their agent's
         cpu = {f"{n} {what}": round(cpu_seconds(x.proc.pid)[i] - cpu0[n][i], 3)
                for n, x in (("source", src), ("destination", dst)) for i, what in enumerate(("agent", "CRIU"))}
-        cap = next(x for x in src.client().captures() if x["id"] == rep.capture_id)
+        cap = next(x for x in src.client().captures() if x.id == rep.capture_id)
         codes = [r.proc.wait(300) for r in ranks]
         # post-copy: the fill after the resume (the last "memory filled" line is the measured move's)
         fills = re.findall(r"memory filled\s+seconds=([0-9.]+)", dst.log.read_text(errors="replace"))
-        fill_s = float(fills[-1]) if fills and (cap.get("post_copy") or env.get("PITSTOP_AGENT_LAZY_RESTORE")) else None
-        lazy_bytes = (cap.get("post_copy") or {}).get("lazy_bytes")
+        fill_s = float(fills[-1]) if fills and (cap.post_copy or env.get("PITSTOP_AGENT_LAZY_RESTORE")) else None
+        lazy_bytes = (cap.post_copy or {}).get("lazy_bytes")
         if args.keep_logs:
             for f in c.root.rglob("*"):
                 if f.is_file() and f.suffix in (".log", ".stdout", ".stderr"):
@@ -105,8 +105,8 @@ def main() -> None:
         "workers": args.workers,
         "agent_env": env,
         "bytes": rep.bytes,
-        "bytes_deduplicated": cap.get("bytes_deduplicated", 0),
-        "compression": cap.get("compression"),  # what the stream compressed (transfer/compress.py)
+        "bytes_deduplicated": cap.bytes_deduplicated,
+        "compression": cap.compression,  # what the stream compressed (transfer/compress.py)
         "phases_s": {k: round(v, 4) for k, v in rep.phases.items()},
         "downtime_s": round(rep.downtime_s, 4),
         "warmup_downtimes_s": [round(x, 4) for x in warm],

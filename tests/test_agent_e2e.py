@@ -59,7 +59,7 @@ def _finish(ranks, out, timeout=120):
 def test_move_rank_mid_training_bitwise_equal(cluster, tmp_path):
     a, b, out, ranks = _job(cluster, tmp_path, steps=100)
     wait_for_step(ranks[1].log, 10)
-    src_pid = a.client().worker("j.1")["root_pid"]
+    src_pid = a.client().worker("j.1").root_pid
     rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     assert rep.bytes > 10_000_000 and rep.restored_pid
     for phase in ("freeze", "dump", "transfer", "verify", "restore"):
@@ -67,8 +67,8 @@ def test_move_rank_mid_training_bitwise_equal(cluster, tmp_path):
     # The moved tree is gone from A, and runs on B.
     assert not proctree.exists(src_pid)
     wa = a.client().worker("j.1")
-    assert wa["state"] == "moved" and wa["moved_to"]["agent"] == "b"
-    assert b.client().worker("j.1")["state"] == "running"
+    assert wa.state == "moved" and wa.moved_to is not None and wa.moved_to["agent"] == "b"
+    assert b.client().worker("j.1").state == "running"
     logs = _finish(ranks, out)
     # pitstop run on A kept streaming rank 1's output after the move, to the end.
     assert "done rank=1 steps=100" in logs[1]
@@ -80,7 +80,7 @@ def test_move_rank_mid_training_bitwise_equal(cluster, tmp_path):
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=100))
     # No images left on either side.
     assert not any(a.image_dir.iterdir()) and not any(b.image_dir.iterdir())
-    assert b.client().worker("j.1")["state"] == "exited" and b.client().worker("j.1")["exit_code"] == 0
+    assert b.client().worker("j.1").state == "exited" and b.client().worker("j.1").exit_code == 0
 
 
 @pytest.mark.parametrize("shape", ["parent reads child", "piped through tee"])
@@ -119,7 +119,7 @@ def test_move_whole_tree_with_dataloader_children(cluster, tmp_path):
     cluster.start_agent("a", env={"PITSTOP_AGENT_DEDUP_PAGES": "on"})
     a, b, out, ranks = _job(cluster, tmp_path, steps=80, workers=2)
     wait_for_step(ranks[1].log, 8)
-    root = a.client().worker("j.1")["root_pid"]
+    root = a.client().worker("j.1").root_pid
     before = proctree.tree(root)
     assert len(before) >= 3, "the rank should have DataLoader worker children"
     rss = sum(_rss_bytes(p) for p in before)  # each process's pages, shared ones counted in each
@@ -127,14 +127,14 @@ def test_move_whole_tree_with_dataloader_children(cluster, tmp_path):
     after = proctree.tree(rep.restored_pid)
     assert len(after) == len(before)
     assert all(not proctree.exists(p) for p in before)
-    cap = next(c for c in a.client().captures() if c["id"] == rep.capture_id)
+    cap = next(c for c in a.client().captures() if c.id == rep.capture_id)
     if runtime.locate().carried:
         # The children's copy-on-write pages are not in the images at all: the CRIU pitstop carries
         # marks them as their parent's (PE_COW, criu/patches/), so the tree dumps about its unique memory.
-        assert cap["bytes_total"] < 0.6 * rss, (cap, rss)
+        assert cap.bytes_total is not None and cap.bytes_total < 0.6 * rss, (cap, rss)
     else:
         # A stock CRIU dumps them in each child; they went as references to their parent's (transfer/dedup.py).
-        assert cap["bytes_deduplicated"] > 0.3 * cap["bytes_total"], cap
+        assert cap.bytes_total and cap.bytes_deduplicated > 0.3 * cap.bytes_total, cap
     _finish(ranks, out)
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80, workers=2))
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80, workers=2))
@@ -152,7 +152,7 @@ def test_a_move_to_a_host_whose_criu_cannot_read_shared_pages_rolls_back(cluster
     with pytest.raises(PitstopError) as e:
         move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     assert "PE_COW" in str(e.value) and "pitstop provision-criu" in str(e.value), e.value
-    assert a.client().worker("j.1")["state"] == "running"
+    assert a.client().worker("j.1").state == "running"
     _finish(ranks, out)
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80, workers=2))
 
@@ -164,7 +164,7 @@ def test_corrupt_image_refused_before_criu_and_source_resumes(cluster, tmp_path)
     ca.pause("j.0")  # as the coordinator does: nothing flows into j.1's connections while it is dumped
     cap = ca.capture("j.1", dest_url=b.url, image_id="img-corrupt")
     cap = ca.wait_capture(cap["id"], 120)
-    assert cap["state"] == "sent"
+    assert cap.state == "sent"
     pages = max((b.image_dir / "in-img-corrupt").glob("pages-*.img"), key=lambda p: p.stat().st_size)
     with open(pages, "r+b") as f:
         f.seek(4096)
@@ -175,9 +175,9 @@ def test_corrupt_image_refused_before_criu_and_source_resumes(cluster, tmp_path)
         cb.verify("img-corrupt")
     assert "differs from the manifest" in e.value.message and pages.name in e.value.message
     assert not (b.image_dir / "in-img-corrupt").exists(), "a bad copy must be discarded"
-    assert ca.rollback(cap["id"])["state"] == "rolled_back"
+    assert ca.rollback(cap.id)["state"] == "rolled_back"
     ca.resume("j.0")
-    assert ca.worker("j.1")["state"] == "running"
+    assert ca.worker("j.1").state == "running"
     _finish(ranks, out)
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=80))
 
@@ -206,7 +206,7 @@ def test_transfer_cut_halfway_source_resumes(cluster, tmp_path, path):
     finally:
         proxy.close()
     assert "transfer" in e.value.message
-    assert a.client().worker("j.1")["state"] == "running"
+    assert a.client().worker("j.1").state == "running"
     caps = [c for c in a.client()._req("GET", "/v1/captures")]
     assert caps[-1]["state"] == "failed" and caps[-1]["error"]["code"] == "transfer_failed"
     _finish(ranks, out)
@@ -227,7 +227,7 @@ def test_bad_requests_change_nothing(cluster, tmp_path):
     assert r.status_code == 401 and "PITSTOP_CLUSTER_TOKEN" in r.json()["error"]["action"]
     r = httpx.post(a.url + "/v1/captures", json={"worker_id": "j.1"}, headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401
-    assert ca.worker("j.1")["state"] == "running" and ca._req("GET", "/v1/captures") == []
+    assert ca.worker("j.1").state == "running" and ca._req("GET", "/v1/captures") == []
     # Registering a dead pid, or a process that is not a capturable tree root.
     local = httpx.Client(transport=httpx.HTTPTransport(uds=str(a.state_dir / "agent.sock")), base_url="http://a")
     dead = subprocess.Popen(["true"])

@@ -49,7 +49,7 @@ def test_batch_pause_is_all_or_nothing_and_resume_undoes_it(cluster):
     a = cluster.start_agent("a")
     ranks = cluster.start_job("idle", SLEEPER, 3, {0: "a", 1: "a", 2: "a"})
     c = a.client()
-    roots = {f"idle.{r}": cluster.wait_registered("a", f"idle.{r}")["root_pid"] for r in range(3)}
+    roots = {f"idle.{r}": cluster.wait_registered("a", f"idle.{r}").root_pid for r in range(3)}
     own = _schedule(a.proc.pid)
     if os.geteuid() == 0:
         assert own == {(os.SCHED_OTHER, -10)}  # the agent's default priority, every thread
@@ -58,15 +58,15 @@ def test_batch_pause_is_all_or_nothing_and_resume_undoes_it(cluster):
     with pytest.raises(PitstopError) as e:
         c.pause_many(["idle.0", "idle.9"])
     assert e.value.http_status == 404 and "idle.9" in e.value.message
-    assert not any(_stopped(roots["idle.0"])) and c.worker("idle.0")["state"] == "running"
+    assert not any(_stopped(roots["idle.0"])) and c.worker("idle.0").state == "running"
     _back_to_own(a.proc.pid, own)  # a refused call gives its boost back too
 
     # Two workers in one call: every process of both trees stops; the third runs on.
     got = c.pause_many(["idle.0", "idle.1", "idle.0"])
-    assert [w["id"] for w in got] == ["idle.0", "idle.1"] and {w["state"] for w in got} == {"paused"}
+    assert [w.id for w in got] == ["idle.0", "idle.1"] and {w.state for w in got} == {"paused"}
     for wid in ("idle.0", "idle.1"):
         until(lambda: all(_stopped(roots[wid])), what=f"{wid} stopped")
-    assert not any(_stopped(roots["idle.2"])) and c.worker("idle.2")["state"] == "running"
+    assert not any(_stopped(roots["idle.2"])) and c.worker("idle.2").state == "running"
     _back_to_own(a.proc.pid, own)
 
     # The shim's blocks of several workers in one read; an unknown one fails the read.
@@ -80,18 +80,18 @@ def test_batch_pause_is_all_or_nothing_and_resume_undoes_it(cluster):
     # A worker that has ended cannot be paused: the call is refused and changes nothing.
     ranks[2].proc.kill()
     ranks[2].proc.wait(30)
-    until(lambda: c.worker("idle.2")["state"] in ("exited", "lost"), what="idle.2 ended")
+    until(lambda: c.worker("idle.2").state in ("exited", "lost"), what="idle.2 ended")
     with pytest.raises(PitstopError) as e:
         c.pause_many(["idle.2"])
     assert e.value.http_status == 409 and "nothing was paused" in e.value.message
 
     # Resume is idempotent: paused ones run again, a running or ended one is left as it is.
     got = c.resume_many(["idle.0", "idle.1", "idle.2"])
-    assert [w["state"] for w in got][:2] == ["running", "running"]
+    assert [w.state for w in got][:2] == ["running", "running"]
     for wid in ("idle.0", "idle.1"):
         until(lambda: not any(_stopped(roots[wid])), what=f"{wid} running")
     c.resume_many(["idle.0"])
-    assert c.worker("idle.0")["state"] == "running"
+    assert c.worker("idle.0").state == "running"
     _back_to_own(a.proc.pid, own)
     for r in ranks[:2]:
         r.proc.kill()
@@ -109,7 +109,8 @@ def _fake_agent(batch_route: bool, calls: list[str]) -> AgentClient:
         if path.endswith("/shim"):
             return httpx.Response(200, json={"blocks": [{"token": path.split("/")[3]}]})
         wid = path.rsplit("/", 1)[1].split(":")[0]
-        return httpx.Response(200, json={"id": wid, "state": "paused"})
+        return httpx.Response(200, json={"id": wid, "job": "j", "rank": 0, "root_pid": 1, "start_time": 0,
+                                         "state": "paused"})
 
     c = AgentClient("http://agent")
     c.http = httpx.Client(base_url="http://agent", transport=httpx.MockTransport(handle))
@@ -119,7 +120,7 @@ def _fake_agent(batch_route: bool, calls: list[str]) -> AgentClient:
 def test_an_agent_without_the_batch_call_gets_one_call_per_worker():
     calls: list[str] = []
     got = _fake_agent(False, calls).pause_many(["j.0", "j.1"])
-    assert [w["id"] for w in got] == ["j.0", "j.1"]
+    assert [w.id for w in got] == ["j.0", "j.1"]
     assert calls == ["POST /v1/workers:batchPause", "POST /v1/workers/j.0:pause", "POST /v1/workers/j.1:pause"]
 
 

@@ -25,6 +25,7 @@ from pitstop.dev.containers import PodmanHost, image_store, image_tarball, podma
 from pitstop.dev.devcluster import free_port
 from pitstop.errors import PitstopError
 from pitstop.migration.move import move_worker
+from pitstop.wire.worker_report import WorkerReport
 
 from .helpers import WORKLOADS, assert_same_as_reference, ddp_cmd, let_finish, reference_hashes
 
@@ -62,7 +63,7 @@ class Pods:
         return self.hosts[host].run_rank(name, self.image, "j", rank, world, self.socks[host], cmd, env,
                                          mounts=[(str(self.jobdir), str(self.jobdir)), *kw.pop("mounts", [])], **kw)
 
-    def wait_registered(self, host: str, wid: str, timeout_s: float = 90.0) -> dict:
+    def wait_registered(self, host: str, wid: str, timeout_s: float = 90.0) -> WorkerReport:
         try:
             return self.c.wait_registered(host, wid, timeout_s=timeout_s)
         except TimeoutError:
@@ -133,9 +134,9 @@ def test_a_rank_in_a_container_moves_mid_training_bitwise_equal(pods, tmp_path):
     out, ws = _job(pods)
     # The worker is the container: its root is the container's init, its record names it.
     for r, w in enumerate(ws):
-        assert w["container"]["name"] == f"j-{r}" and w["container"]["runtime"] == "runc", w["container"]
-        assert w["container"]["unmovable"] is None
-        assert w["root_pid"] == pods.hosts["a"].inspect(f"j-{r}")["State"]["Pid"]
+        assert w.container["name"] == f"j-{r}" and w.container["runtime"] == "runc", w.container
+        assert w.container["unmovable"] is None
+        assert w.root_pid == pods.hosts["a"].inspect(f"j-{r}")["State"]["Pid"]
     pods.wait_for_step("a", "j-1", 10)
     rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     assert rep.bytes > 10_000_000 and rep.restored_pid
@@ -143,8 +144,8 @@ def test_a_rank_in_a_container_moves_mid_training_bitwise_equal(pods, tmp_path):
     assert pods.hosts["b"].names() == ["j-1"] and pods.hosts["a"].names() == ["j-0"]
     assert rep.restored_pid == pods.hosts["b"].inspect("j-1")["State"]["Pid"]
     moved = b.client().worker("j.1")
-    assert moved["state"] == "running" and moved["container"]["name"] == "j-1"
-    assert a.client().worker("j.1")["state"] == "moved"
+    assert moved.state == "running" and moved.container["name"] == "j-1"
+    assert a.client().worker("j.1").state == "moved"
     let_finish(out)
     assert pods.hosts["a"].wait("j-0") == 0, pods.hosts["a"].logs("j-0")[-1500:]
     assert pods.hosts["b"].wait("j-1") == 0, pods.hosts["b"].logs("j-1")[-1500:]
@@ -153,7 +154,7 @@ def test_a_rank_in_a_container_moves_mid_training_bitwise_equal(pods, tmp_path):
     assert "pitstop run: warning" not in log, log[:1500]  # io_uring: refused already by podman's profile
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=STEPS))
     w = b.client().worker("j.1")
-    assert w["state"] == "exited" and w["exit_code"] == 0, w
+    assert w.state == "exited" and w.exit_code == 0, w
     assert not any(a.image_dir.iterdir()) and not any(b.image_dir.iterdir())
 
 
@@ -171,10 +172,10 @@ def test_a_moved_container_is_its_runtimes_on_the_spare_and_stops_there(pods):
     code = pods.hosts["b"].wait("s-0", 30)
     assert code == 128 + signal.SIGTERM, code  # the sleeper ends of the SIGTERM its launcher passed on
     end = time.monotonic() + 10
-    while b.client().worker("j.0")["state"] == "running" and time.monotonic() < end:
+    while b.client().worker("j.0").state == "running" and time.monotonic() < end:
         time.sleep(0.2)
     w = b.client().worker("j.0")
-    assert w["state"] == "exited" and w["exit_code"] == 128 + signal.SIGTERM, w
+    assert w.state == "exited" and w.exit_code == 128 + signal.SIGTERM, w
 
 
 def test_what_the_spare_lacks_is_refused_before_anything_pauses(pods, tmp_path):
@@ -191,7 +192,7 @@ def test_what_the_spare_lacks_is_refused_before_anything_pauses(pods, tmp_path):
         w = pods.wait_registered("a", "j.0")
     finally:
         node.unlink()
-    assert str(node) in w["container"]["devices"], w["container"]
+    assert str(node) in w.container["devices"], w.container
     data.rmdir()
     with pytest.raises(PitstopError) as e:
         move_worker(a.client(), spare.client(), "j.0", dest_name="spare-1")
@@ -203,5 +204,5 @@ def test_what_the_spare_lacks_is_refused_before_anything_pauses(pods, tmp_path):
     assert {x["path"] for x in lacking} >= {str(data), str(node)}
     assert all(x["why"] for x in lacking)
     # nothing moved or stopped: the container runs on where it was
-    assert a.client().worker("j.0")["state"] == "running"
+    assert a.client().worker("j.0").state == "running"
     assert pods.hosts["a"].inspect("s-0")["State"]["Running"] and pods.hosts["spare-1"].names() == []

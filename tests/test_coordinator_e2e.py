@@ -194,7 +194,7 @@ def test_concurrent_evacuation_is_409_and_cancel_rolls_back(cluster, tmp_path):
     a = cluster.agents["host-b"].client()
     # Resumed in place, or (when the cancel came after the source was released) restored there
     # from its own images: either way it ran to its end on host-b.
-    assert a.worker("train.1")["state"] == "exited"
+    assert a.worker("train.1").state == "exited"
     assert not any(cluster.agents["spare-1"].image_dir.iterdir())
     with pytest.raises(PitstopError) as e:
         cc.cancel(op["name"])
@@ -262,7 +262,7 @@ def test_coordinator_killed_after_the_commit_point_finishes_on_restart(cluster, 
     let_finish(out)
     assert [r.proc.wait(240) for r in ranks] == [0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150))
-    assert cluster.agents["spare-1"].client().worker("train.1")["exit_code"] == 0
+    assert cluster.agents["spare-1"].client().worker("train.1").exit_code == 0
 
 
 def test_a_node_whose_agent_dies_past_the_commit_point_holds_up_nobody(cluster, tmp_path, monkeypatch):
@@ -290,12 +290,12 @@ def test_a_node_whose_agent_dies_past_the_commit_point_holds_up_nobody(cluster, 
     assert node.proc.poll() is not None
     cid = md["workers"]["train.1"]["capture_id"]
     back = cluster.start_agent("host-b", port=port)  # back: its first report brings the cleanup
-    assert back.client().get_capture(cid)["state"] in ("released", "committed")
+    assert back.client().get_capture(cid).state in ("released", "committed")
     o = _wait_op(cc, op["name"], timeout=60, until=lambda o: not o["metadata"].get("source_cleanup_pending"))
     assert "source_cleanup_pending" not in o["response"], o["response"]
     assert {c["type"]: c["status"] for c in o["metadata"]["conditions"]}["SourceCleaned"] == "True"
-    assert back.client().get_capture(cid)["state"] == "committed"
-    assert back.client().worker("train.1")["state"] == "moved"
+    assert back.client().get_capture(cid).state == "committed"
+    assert back.client().worker("train.1").state == "moved"
     let_finish(out)
     assert [r.proc.wait(240) for r in ranks] == [0, 0]  # rank 1's launcher follows its worker to the end
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150))
@@ -419,7 +419,7 @@ def test_a_spare_without_the_jobs_files_is_refused_before_anything_pauses(cluste
     assert "pause" not in op["metadata"]["phases"] and not op["metadata"].get("first_pause"), op["metadata"]
     after = _wait_jobs(cc, "f", 1)["workers"][0]
     assert (after["host"], after["state"]) == ("host-a", "running") and after["id"] == before["id"]
-    assert proctree.exists(cluster.agents["host-a"].client().worker("f.0")["root_pid"])
+    assert proctree.exists(cluster.agents["host-a"].client().worker("f.0").root_pid)
     assert ranks[0].proc.poll() is None
     # The same job on a spare that has its files moves: the dry run says so first.
     with cluster.starting():

@@ -125,11 +125,11 @@ def test_a_rollback_refuses_images_changed_after_the_dump(cluster, tmp_path):
     ca.pause("j.0")
     cap = ca.wait_capture(ca.capture("j.1", dest_url=b.url, image_id="img-tamper")["id"], 120)
     try:
-        assert cap["state"] == "sent" and cap["seal"]
-        images = Path(cap["image_dir"])
+        assert cap.state == "sent" and cap.seal
+        images = Path(cap.image_dir)
         assert stat.S_IMODE(os.stat(a.image_dir).st_mode) == 0o700
         pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
-        assert len(cap["seal"][pages.name]) == 5, "the stream's digest joins the seal"
+        assert len(cap.seal[pages.name]) == 5, "the stream's digest joins the seal"
         assert all(stat.S_IMODE(f.stat().st_mode) & 0o077 == 0 for f in images.iterdir() if f.is_file()), \
             "the dump's files are root's alone (the agent's umask 077)"
         with open(pages, "r+b") as f:  # what an attacker with write access would do: same size, same inode
@@ -137,16 +137,16 @@ def test_a_rollback_refuses_images_changed_after_the_dump(cluster, tmp_path):
             byte = f.read(1)
             f.seek(8192)
             f.write(bytes([byte[0] ^ 0xFF]))
-        pid = ca.worker("j.1")["root_pid"]
+        pid = ca.worker("j.1").root_pid
         with pytest.raises(IntegrityError) as e:
-            ca.rollback(cap["id"])
+            ca.rollback(cap.id)
         assert pages.name in e.value.message and "changed after the dump" in e.value.message
         assert proctree.state(pid) == "T", "the source is left stopped, not replaced by a tampered copy"
-        assert ca.worker("j.1")["root_pid"] == pid
+        assert ca.worker("j.1").root_pid == pid
     finally:  # the stopped source holds its dump's network lock: lifted, the job ended
-        netlock.release(cap.get("run_id", ""))
+        netlock.release(getattr(cap, "run_id", ""))
         for wid in ("j.0", "j.1"):
-            for p in reversed(proctree.tree(ca.worker(wid)["root_pid"])):
+            for p in reversed(proctree.tree(ca.worker(wid).root_pid)):
                 try:
                     os.kill(p, 9)
                 except ProcessLookupError:
@@ -173,20 +173,20 @@ def test_the_images_of_a_failed_rollback_expire(cluster, tmp_path):
     ca.pause("j.0")
     cap = ca.wait_capture(ca.capture("j.1", dest_url=b.url, image_id="img-expire")["id"], 120)
     try:
-        assert cap["state"] == "sent"
-        images = Path(cap["image_dir"])
+        assert cap.state == "sent"
+        images = Path(cap.image_dir)
         with pytest.raises(Exception):  # the injected restore failure
-            ca.rollback(cap["id"])
+            ca.rollback(cap.id)
         assert images.is_dir(), "kept for a while: a retry may still succeed"
         def ended():  # noqa: ANN202
-            c = [c for c in ca.captures() if c["id"] == cap["id"]][0]
-            return c if c["state"] == "failed" else None
+            c = [c for c in ca.captures() if c.id == cap.id][0]
+            return c if c.state == "failed" else None
 
         after = until(ended, timeout=30, what="the failed rollback's capture ended")
-        assert not images.exists() and "deleted after" in after["error"]["details"]["images"], after
+        assert not images.exists() and "deleted after" in after.error["details"]["images"], after
     finally:
-        netlock.release(cap.get("run_id", ""))
-        for p in reversed(proctree.tree(ca.worker("j.0")["root_pid"])):
+        netlock.release(getattr(cap, "run_id", ""))
+        for p in reversed(proctree.tree(ca.worker("j.0").root_pid)):
             try:
                 os.kill(p, 9)
             except ProcessLookupError:

@@ -35,7 +35,7 @@ def _cluster(cluster):
 
 
 def _worker(cluster, agent, wid):
-    return next((w for w in cluster.agents[agent].client().workers() if w["id"] == wid), None)
+    return next((w for w in cluster.agents[agent].client().workers() if w.id == wid), None)
 
 
 def _evacuated(cc, host):
@@ -60,7 +60,7 @@ def test_a_signal_to_the_launcher_reaches_the_rank_that_moved(cluster):
     until(lambda: b"tick 3" in ranks[0].log.read_bytes(), what="the rank ticks")
     op = _evacuated(cc, "host-a")
     w = _worker(cluster, "spare-1", "h.0")
-    assert w["state"] == "running" and w["restored"], w
+    assert w.state == "running" and w.restored, w
     # the ledger has it; a job whose collectives the shim does not count shows no progress, and says so
     m = until(lambda: next((x for x in cc.moves() if x["operation"] == op["name"] and x["after_move"]), None),
               what="the ledger's entry")
@@ -82,21 +82,21 @@ def test_a_signal_to_the_launcher_reaches_the_rank_that_moved(cluster):
     # the launcher passes it to its agent, which passes it to the spare's: the rank dies of it there,
     # and the launcher exits as the rank did (128 + 15)
     assert ranks[0].proc.wait(60) == 128 + signal.SIGTERM
-    until(lambda: _worker(cluster, "spare-1", "h.0")["state"] == "exited", what="the moved rank ended")
-    assert not proctree.exists(w["root_pid"])
+    until(lambda: _worker(cluster, "spare-1", "h.0").state == "exited", what="the moved rank ended")
+    assert not proctree.exists(w.root_pid)
 
 
 def test_a_launcher_killed_outright_ends_the_rank_beside_it(cluster):
     _cluster(cluster)
     ranks = cluster.start_job("k", SLEEPER, 1, {0: "host-b"})
     w = cluster.wait_registered("host-b", "k.0")
-    assert w["launcher"]["pid"] == ranks[0].proc.pid, w
-    tree = proctree.tree(w["root_pid"])
+    assert w.launcher["pid"] == ranks[0].proc.pid, w
+    tree = proctree.tree(w.root_pid)
     ranks[0].proc.kill()  # SIGKILL: nothing can be passed on; the agent sees the launcher go
     ranks[0].proc.wait(10)
-    w = until(lambda: (x := _worker(cluster, "host-b", "k.0")) and x["state"] == "exited" and x,
+    w = until(lambda: (x := _worker(cluster, "host-b", "k.0")) and x.state == "exited" and x,
               timeout=15, what="the agent ended the rank of a launcher that died")
-    assert w["exit_code"] == 128 + signal.SIGKILL and "launcher" in w["reason"], w
+    assert w.exit_code == 128 + signal.SIGKILL and "launcher" in w.reason, w
     until(lambda: not any(proctree.exists(p) for p in tree), timeout=10, what="the rank's processes are gone")
 
 
@@ -121,21 +121,21 @@ def test_a_moved_ranks_handle_is_taken_up_where_it_runs_now(cluster, tmp_path):
                                 start_new_session=True) for r in (0, 1)]
     try:
         for r, h in enumerate(holders):
-            until(lambda r=r, h=h: (_worker(cluster, "spare-1", f"t.{r}")["launcher"] or {}).get("pid") == h.pid,
+            until(lambda r=r, h=h: (_worker(cluster, "spare-1", f"t.{r}").launcher or {}).get("pid") == h.pid,
                   what=f"the holder of t.{r} took up its handle")
         r = _cli(cluster, "hold", "t.0", "--agent", spare)
         assert r.returncode == 125 and "already has a launcher on this host" in r.stderr, r.stderr
         until(lambda: b"tick" in (tmp_path / "hold0.out").read_bytes(), what="the rank's output through its holder")
         holders[0].send_signal(signal.SIGTERM)  # as scancel does to a step
         assert holders[0].wait(60) == 128 + signal.SIGTERM
-        w = until(lambda: (x := _worker(cluster, "spare-1", "t.0")) and x["state"] == "exited" and x,
+        w = until(lambda: (x := _worker(cluster, "spare-1", "t.0")) and x.state == "exited" and x,
                   what="the rank ended by its holder's signal")
-        assert w["exit_code"] == 128 + signal.SIGTERM, w
+        assert w.exit_code == 128 + signal.SIGTERM, w
         holders[1].kill()  # SIGKILL: nothing passed on; the agent sees its holder go
         holders[1].wait(10)
-        w = until(lambda: (x := _worker(cluster, "spare-1", "t.1")) and x["state"] == "exited" and x,
+        w = until(lambda: (x := _worker(cluster, "spare-1", "t.1")) and x.state == "exited" and x,
                   timeout=15, what="the rank of a holder that died")
-        assert w["exit_code"] == 128 + signal.SIGKILL and "launcher" in w["reason"], w
+        assert w.exit_code == 128 + signal.SIGKILL and "launcher" in w.reason, w
     finally:
         for h in holders:
             if h.poll() is None:
@@ -167,9 +167,9 @@ def test_the_evacuated_host_can_go_and_the_operator_ends_moved_ranks(cluster, tm
                               stdout=open(attach_out, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     let_finish(out)
     assert train[0].proc.wait(180) == 0, train[0].log.read_text(errors="replace")[-2000:]
-    w = until(lambda: (x := _worker(cluster, "spare-1", "train.1")) and x["state"] == "exited" and x,
+    w = until(lambda: (x := _worker(cluster, "spare-1", "train.1")) and x.state == "exited" and x,
               timeout=60, what="the moved rank finished on the spare")
-    assert w["exit_code"] == 0, w
+    assert w.exit_code == 0, w
     assert len(spare.output("train.1", "stdout", 0)[0]) > seen  # it went on writing there
     assert attach.wait(60) == 0  # the rank's exit status
     said = attach_out.read_text(errors="replace")
@@ -185,7 +185,7 @@ def test_the_evacuated_host_can_go_and_the_operator_ends_moved_ranks(cluster, tm
         {("idle.0", "host-a", True), ("idle.1", "spare-1", True)}, said
     assert not said["running"]
     assert idle[0].proc.wait(30) == 128 + signal.SIGTERM
-    until(lambda: _worker(cluster, "spare-1", "idle.1")["state"] == "exited", what="the moved idle rank ended")
+    until(lambda: _worker(cluster, "spare-1", "idle.1").state == "exited", what="the moved idle rank ended")
     # a job with nothing running: said plainly, nothing signalled
     r = _cli(cluster, "kill", "idle")
     assert r.returncode == 1 and "no running ranks" in r.stderr and "pitstop jobs" in r.stderr, r.stderr
@@ -213,7 +213,7 @@ def test_a_launcher_follows_its_moved_rank_through_the_coordinator_once_its_agen
     assert ranks[0].proc.poll() is None
     ranks[0].proc.send_signal(signal.SIGTERM)
     assert ranks[0].proc.wait(60) == 128 + signal.SIGTERM
-    until(lambda: _worker(cluster, "spare-1", "f.0")["state"] == "exited", what="the moved rank ended")
+    until(lambda: _worker(cluster, "spare-1", "f.0").state == "exited", what="the moved rank ended")
 
 
 def test_under_srun_the_rank_and_world_come_from_slurm(cluster, tmp_path):
@@ -228,7 +228,7 @@ def test_under_srun_the_rank_and_world_come_from_slurm(cluster, tmp_path):
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         w = cluster.wait_registered("host-a", "s.1")
-        assert w["rank"] == 1 and w["world"] == 2, w
+        assert w.rank == 1 and w.world == 2, w
         assert p.stdout.readline().decode().strip() == "rank=1 world=2 local=1"
         # the same rank of the same job a second time on this host is refused, and said why
         twin = subprocess.run([*pitstop_cmd(), "run", "--job", "s", "--agent", a.url, "--", "sleep", "30"],

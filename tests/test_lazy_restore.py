@@ -30,14 +30,14 @@ def test_lazy_restore_moves_rank_bitwise_equal(cluster, tmp_path, workers):
     for r in range(2):
         cluster.wait_registered("a", f"j.{r}")
     wait_for_step(ranks[1].log, 8)
-    before = proctree.tree(a.client().worker("j.1")["root_pid"])
+    before = proctree.tree(a.client().worker("j.1").root_pid)
     rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     assert len(proctree.tree(rep.restored_pid)) == len(before)
     # The fill ends by itself, and then the images go.
     until(lambda: "memory filled" in b.log.read_text(errors="replace"))
     until(lambda: not any(b.image_dir.iterdir()))
     assert_job_ends_intact(out, ranks, tmp_path, 80, **kw)
-    assert b.client().worker("j.1")["state"] == "exited"
+    assert b.client().worker("j.1").state == "exited"
 
 
 def test_fill_daemon_dies_worker_is_stopped_and_says_why(cluster, tmp_path):
@@ -51,7 +51,7 @@ def test_fill_daemon_dies_worker_is_stopped_and_says_why(cluster, tmp_path):
         cluster.wait_registered("a", f"j.{r}")
     wait_for_step(ranks[1].log, 5)
     rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
-    until(lambda: b.client().worker("j.1")["state"] == "lost")
+    until(lambda: b.client().worker("j.1").state == "lost")
     w = b.client().worker("j.1")
     assert "lazy-pages daemon stopped with signal 9" in w["reason"], w
     assert not proctree.exists(rep.restored_pid)

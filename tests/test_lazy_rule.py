@@ -151,7 +151,7 @@ def _ends_intact(rank) -> None:  # noqa: ANN001
 def test_it_moves_post_copy_over_the_network_with_its_memory_lazy(cluster):
     a, b, rank = _start(cluster)
     rep = move_worker(a.client(), b.client(), "s.0", dest_name="b", peers=[], post_copy=True)
-    pc = a.client().get_capture(rep.capture_id)["post_copy"]
+    pc = a.client().get_capture(rep.capture_id).post_copy
     assert pc["lazy_bytes"] >= MB << 20 and pc["made_lazy_bytes"] >= MB << 20, pc  # CRIU would have sent it whole
     until(lambda: "memory filled" in b.log.read_text(errors="replace"))
     _ends_intact(rank)

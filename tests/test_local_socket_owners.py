@@ -53,17 +53,17 @@ def test_a_group_member_cannot_register_or_end_what_is_not_theirs(cluster, tmp_p
         ranks = cluster.start_job("j", ddp_cmd(out, steps=400), 1, {0: "a"})
         w = cluster.wait_registered("a", "j.0")
         wait_for_step(ranks[0].log, 2)
-        assert w["owner_uid"] == 0
+        assert w.owner_uid == 0
 
-        status, body = _as_nobody(sock, "POST", "/v1/workers", {"job": "mine", "rank": 0, "pid": w["root_pid"]})
+        status, body = _as_nobody(sock, "POST", "/v1/workers", {"job": "mine", "rank": 0, "pid": w.root_pid})
         assert status == 403 and body["error"]["code"] == "not_your_process", body
         status, body = _as_nobody(sock, "POST", "/v1/workers/j.0:exited", {"code": 0})
         assert status == 403 and body["error"]["code"] == "not_your_worker", body
         status, body = _as_nobody(sock, "DELETE", "/v1/networks/j.0", {})
         assert status == 403, body
 
-        ids = {x["id"]: x for x in a.client().workers()}
-        assert "mine.0" not in ids and ids["j.0"]["state"] == "running"
+        ids = {x.id: x for x in a.client().workers()}
+        assert "mine.0" not in ids and ids["j.0"].state == "running"
         # what is theirs they may do: a process of their own
         mine = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "setsid",
                                  "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"])

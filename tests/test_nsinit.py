@@ -184,9 +184,9 @@ def test_pitstop_run_starts_the_worker_under_the_init_and_passes_signals_on(clus
                          start_new_session=True)
     try:
         w = cluster.wait_registered("host-a", "sig.0")
-        root = w["root_pid"]
+        root = w.root_pid
         assert nsinit.is_init(root)
-        d = w["init_dir"]
+        d = w.init_dir
         assert d and Path(d).parent == cluster.root / "init" and os.readlink(f"/proc/{root}/cwd") == d
         assert Path(d).name.startswith("pitstop-init.sig.0.")
         os.kill(p.pid, signal.SIGTERM)  # to the launcher, as a scheduler would
@@ -209,7 +209,7 @@ def test_pitstop_run_without_the_init_built_registers_the_command_as_the_init(cl
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         w = cluster.wait_registered("host-a", "plain.0")
-        assert not nsinit.is_init(w["root_pid"]) and not w.get("init_dir")
+        assert not nsinit.is_init(w.root_pid) and not w.init_dir
         os.kill(p.pid, signal.SIGTERM)  # its end goes as unshare's does (its exit status, not this test's)
         p.wait(60)
         assert "pitstop-init is not built" in p.stderr.read()

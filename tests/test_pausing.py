@@ -7,6 +7,7 @@ from __future__ import annotations
 from pitstop.coordinator import pausing
 from pitstop.coordinator.pausing import JobHold
 from pitstop.errors import PitstopError
+from pitstop.wire.worker_report import WorkerReport
 
 
 def test_every_way_back_runs_last_first_skipping_silent_hosts_and_saying_what_failed():
@@ -39,15 +40,19 @@ class _Agent:
     def __init__(self, host: str, calls: list, refuse_resume: bool = False) -> None:
         self.host, self.calls, self.refuse = host, calls, refuse_resume
 
-    def pause_many(self, ids: list[str], deadline_s: float | None = None) -> list[dict]:
+    def pause_many(self, ids: list[str], deadline_s: float | None = None) -> list[WorkerReport]:
         self.calls.append((self.host, "pause", tuple(ids), deadline_s))
-        return [{"id": w, "paused_at": 100.0 + len(self.calls)} for w in ids]
+        return [_report(w, paused_at=100.0 + len(self.calls)) for w in ids]
 
-    def resume_many(self, ids: list[str]) -> list[dict]:
+    def resume_many(self, ids: list[str]) -> list[WorkerReport]:
         self.calls.append((self.host, "resume", tuple(ids)))
         if self.refuse:
             raise PitstopError("agent gone", action="none")
-        return [{"id": w, "running_since": 200.0} for w in ids]
+        return [_report(w, running_since=200.0) for w in ids]
+
+
+def _report(wid: str, **at: float) -> WorkerReport:
+    return WorkerReport(id=wid, job="j", rank=int(wid.split(".")[1]), root_pid=1, start_time=0, **at)
 
 
 def test_stop_is_one_call_per_host_with_its_deadline_and_its_way_back_on_the_hold():

@@ -125,8 +125,8 @@ def test_a_delta_restored_lazily_is_filled_from_its_pre_copy_here(cluster, tmp_p
     assert md["bytes_total"] < md["pre_copy_bytes"] / 3
     rp = md["workers"]["train.1"]["restore_phases"]
     assert rp["lazy_view"] > 0 and rp["fill_start"] > 0 and rp["criu_restore"] > 0, rp
-    until(lambda: (spare.client().worker("train.1").get("fill") or {}).get("state") == "filled", timeout=60)
-    assert spare.client().worker("train.1")["fill"]["source"] is None  # served here, not by the source
+    until(lambda: getattr(spare.client().worker("train.1").fill, "state", None) == "filled", timeout=60)
+    assert spare.client().worker("train.1").fill.source is None  # served here, not by the source
     until(lambda: not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()))  # both slots go
     _finish(tmp_path, out, kw, ranks)
 
@@ -137,9 +137,9 @@ def test_a_local_page_server_that_dies_stops_its_worker(cluster, tmp_path):
     cc, spare, op, out, kw, ranks = _evacuate(cluster, tmp_path, steps=400,
                                               dst_env={**LAZY, **FAULTY, "PITSTOP_FAULTS": "restore:kill_page_server=1"})
     assert op["metadata"]["result"] == "succeeded", op
-    until(lambda: spare.client().worker("train.1")["state"] == "lost", timeout=60)
+    until(lambda: spare.client().worker("train.1").state == "lost", timeout=60)
     w = spare.client().worker("train.1")
-    assert w["reason"].startswith("its memory could not be filled") and w["fill"]["state"] == "failed", w
+    assert w.reason.startswith("its memory could not be filled") and w.fill.state == "failed", w
     until(lambda: not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()))
     for r in ranks:  # the job's own recovery would take over; here the test ends it
         r.proc.kill()
@@ -182,7 +182,7 @@ def test_a_coordinator_restarted_mid_pre_copy_stops_it_so_nothing_lands_after_th
     op = _wait_op(cc, op["name"])
     assert op["metadata"]["result"] == "failed" and not op["metadata"]["paused"], op
     src = cluster.agents["host-b"].client()
-    assert src.precopies() == [] and src.worker("train.1")["state"] == "running"
+    assert src.precopies() == [] and src.worker("train.1").state == "running"
     time.sleep(2)  # long enough for a pre-copy left running to have landed
     assert not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()), list(spare.image_dir.iterdir())
     _finish(tmp_path, out, kw, ranks)
@@ -245,7 +245,7 @@ def test_cancelling_during_the_pre_copy_stops_it_and_leaves_the_job_where_it_was
                        timeout=60)
     assert p.returncode == 1 and "already done (cancelled)" in p.stderr and "nothing to cancel" in p.stderr
     src = cluster.agents["host-b"].client()
-    assert src.precopies() == [] and src.worker("train.1")["state"] == "running"
+    assert src.precopies() == [] and src.worker("train.1").state == "running"
     until(lambda: not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()), 30)
     _finish(tmp_path, out, kw, ranks)
 
@@ -263,7 +263,7 @@ def test_a_failure_after_the_pre_copy_rolls_back_and_leaves_nothing(cluster, tmp
     assert md["result"] == "failed" and "injected fault" in op["error"]["message"], op
     assert _condition(op, "PreCopied")["status"] == "True"
     assert not any(p.name.startswith("in-") for p in spare.image_dir.iterdir())
-    assert not any(w["state"] == "running" for w in spare.client().workers())
+    assert not any(w.state == "running" for w in spare.client().workers())
     _finish(tmp_path, out, kw, ranks)
 
 
@@ -284,7 +284,7 @@ def test_a_pre_copy_is_not_restored_by_itself(cluster, tmp_path):
         with pytest.raises(PitstopError) as e:
             spare.client().restore("img-x-pre")
         assert e.value.http_status == 400 and "is a pre-copy" in e.value.message
-        assert proctree.exists(src.worker("train.0")["root_pid"])
+        assert proctree.exists(src.worker("train.0").root_pid)
         spare.client().discard("img-x")  # the move's discard takes its pre-copy with it
         assert not any(p.name.startswith("in-") for p in spare.image_dir.iterdir())
     finally:
@@ -314,7 +314,7 @@ def test_a_kept_pre_copy_whose_move_never_comes_is_dropped(cluster, tmp_path):
         assert r["kept_for_incremental_dump"] is True and (src_agent.image_dir / "pre-img-y").is_dir()
         assert src.stop_precopy("img-y") == {"image_id": "img-y", "discarded": True}
         assert not (src_agent.image_dir / "pre-img-y").exists()
-        assert src.worker("train.0")["state"] == "running"
+        assert src.worker("train.0").state == "running"
         for image_id in ("img-x", "img-y"):
             spare.client().discard(image_id)
     finally:
@@ -356,7 +356,7 @@ def test_a_pre_copy_stopped_by_its_caller_ends_and_leaves_nothing(cluster, tmp_p
         assert src.precopies() == []
         until(lambda: not any(p.name.startswith("in-") for p in spare.image_dir.iterdir()), 30)
         assert not any(p.name.startswith("pre-") for p in cluster.agents["host-b"].image_dir.iterdir())
-        assert src.worker("train.0")["state"] == "running"
+        assert src.worker("train.0").state == "running"
     finally:
         for r in ranks:
             r.proc.kill()
@@ -405,7 +405,7 @@ def test_an_agent_stopped_mid_pre_copy_stops_within_its_deadline(cluster, tmp_pa
         cluster.wait_registered("host-b", "train.0")
         wait_for_step(ranks[0].log, 3)
         src = src_agent.client()
-        pid = src.worker("train.0")["root_pid"]
+        pid = src.worker("train.0").root_pid
         threading.Thread(target=lambda: _swallow(lambda: src.precopy("train.0", spare.url, "img-s")),
                          daemon=True).start()
         until(src.precopies, 30, "the pre-copy to be under way")

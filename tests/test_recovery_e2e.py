@@ -15,6 +15,7 @@ from pitstop.dev.devcluster import step_times
 from pitstop.dev.netns import NetHosts
 from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.coordinator_client import CoordinatorClient
+from pitstop.wire.worker_report import WorkerReport
 
 from .helpers import assert_same_as_reference, ddp_cmd, let_finish, reference_hashes, until, wait_for_step
 from .test_coordinator_e2e import _wait_jobs
@@ -128,7 +129,7 @@ def host_dies_during_a_snapshot(cluster, tmp_path) -> dict:
     cluster.start_agent("host-b", port=int(cluster.agents["host-b"].url.rsplit(":", 1)[1]))
     assert until(lambda: [f["acked"] for f in cc.snapshots("train")["fences"] if f["host"] == "host-b"] == [True],
                  timeout=30, what="the fence acknowledged by host-b's agent")
-    assert not [w for w in _agent_workers(cluster, "host-b").values() if w["state"] in ("running", "paused")]
+    assert not [w for w in _agent_workers(cluster, "host-b").values() if w.state in ("running", "paused")]
     assert {w["rank"]: w["host"] for w in _wait_jobs(cc, "train", 4)["workers"]} == hosts
 
     let_finish(out)
@@ -171,7 +172,7 @@ def nccl_host_dies(cluster, tmp_path) -> dict:
     assert m["steps_redone"] is not None, m.get("steps_redone_why")
     assert reached - last - 1 <= m["steps_redone"] <= reached - first + 1, (m["steps_redone"], reached, first, last)
     assert [f["spare"] for f in m["spares_failed"]] == ["spare-1"] and "injected fault" in m["spares_failed"][0]["error"]
-    assert not [w for w in _agent_workers(cluster, "spare-1").values() if w["state"] in ("running", "paused")], \
+    assert not [w for w in _agent_workers(cluster, "spare-1").values() if w.state in ("running", "paused")], \
         "the failed spare keeps nothing of the job"
     let_finish(out)
     for r in ranks[:2]:
@@ -190,18 +191,18 @@ def _dies_processes_first(cluster, name: str) -> list[str]:
     killed, as kill_host does.  The ids of the workers it ran."""
     import signal
 
-    ws = [w for w in _agent_workers(cluster, name).values() if w["state"] in ("running", "paused")]
+    ws = [w for w in _agent_workers(cluster, name).values() if w.state in ("running", "paused")]
     a = cluster.agents[name]
     a.proc.kill()
     a.proc.wait(10)
     for w in ws:
-        subprocess.run(["pkill", "-KILL", "-s", str(os.getsid(w["root_pid"]))], capture_output=True, timeout=10)
+        subprocess.run(["pkill", "-KILL", "-s", str(os.getsid(w.root_pid))], capture_output=True, timeout=10)
     time.sleep(0.5)  # their connections' ends reach the survivors
     cluster.net.cut(name)
     for r in cluster.ranks:
         if r.agent == name and r.proc.poll() is None:
             os.killpg(r.proc.pid, signal.SIGKILL)
-    return [w["id"] for w in ws]
+    return [w.id for w in ws]
 
 
 def nccl_survivors_park(cluster, tmp_path) -> dict:
@@ -228,7 +229,7 @@ def nccl_survivors_park(cluster, tmp_path) -> dict:
     until(lambda: all(b["protect"] >= first["number"] for bs in shims().values() for b in bs), timeout=30,
           what="the survivors' shims told of the committed snapshot")
     snap = _committed(cc, "nccl", after=first["number"])  # right after a commit: no snapshot under way when b dies
-    pids = {w: _agent_workers(cluster, "host-a")[w]["root_pid"] for w in survivors}
+    pids = {w: _agent_workers(cluster, "host-a")[w].root_pid for w in survivors}
     lost = _dies_processes_first(cluster, "host-b")
     assert sorted(lost) == ["nccl.2", "nccl.3"]
 
@@ -242,17 +243,17 @@ def nccl_survivors_park(cluster, tmp_path) -> dict:
     for w, pid in pids.items():  # alive, and their launchers hold them: nothing ended
         os.kill(pid, 0)
     assert all(r.proc.poll() is None for r in ranks[:2])
-    reported = until(lambda: {w["id"]: w for w in _agent_workers(cluster, "host-a").values()
-                              if (w.get("peer_lost") or "").startswith("parked on a peer's failure")},
+    reported = until(lambda: {w.id: w for w in _agent_workers(cluster, "host-a").values()
+                              if (w.peer_lost or "").startswith("parked on a peer's failure")},
                      timeout=30, what="host-a's agent reporting its parked ranks", every=0.1)
-    assert sorted(reported) == survivors and all(w["state"] == "running" for w in reported.values()), reported
+    assert sorted(reported) == survivors and all(w.state == "running" for w in reported.values()), reported
 
     m = _recovered(cc, "nccl", "host-b")
     assert m["snapshot"] >= snap["number"] and m["destination"] == "spare-1" and "rewire" in m["phases"], m
     assert {w: s["state"] for w, s in m["survivors"].items()} == {w: "parked" for w in survivors}, m["survivors"]
     assert all(s["error"] == "ncclRemoteError" for s in m["survivors"].values()), m["survivors"]
     after = _agent_workers(cluster, "host-a")
-    assert all(after[w]["root_pid"] != pids[w] for w in survivors), "the parked processes were rolled back"
+    assert all(after[w].root_pid != pids[w] for w in survivors), "the parked processes were rolled back"
     let_finish(out)
     for r in ranks[:2]:  # their launchers followed the rolled-back ranks
         assert r.proc.wait(180) == 0, r.log.read_text(errors="replace")[-2000:]
@@ -269,9 +270,9 @@ def _recovered(cc: CoordinatorClient, job: str, node: str, timeout: float = 120)
     return op["metadata"]
 
 
-def _agent_workers(cluster, name: str) -> dict[str, dict]:
+def _agent_workers(cluster, name: str) -> dict[str, WorkerReport]:
     with AgentClient(cluster.agents[name].url, cluster.token) as c:
-        return {w["id"]: w for w in c.workers()}
+        return {w.id: w for w in c.workers()}
 
 
 RACKS = {"host-a": "rack-1", "host-b": "rack-2", "spare-1": "rack-1", "spare-2": "rack-2"}
@@ -310,9 +311,9 @@ def partitioned_host_back_during_the_recovery_then_a_second_failure(cluster, tmp
 
     def fenced():
         ws = _agent_workers(cluster, "host-b")
-        return all(ws[w]["state"] in ("lost", "exited") for w in ("train.2", "train.3")) and ws
+        return all(ws[w].state in ("lost", "exited") for w in ("train.2", "train.3")) and ws
     ws = until(fenced, timeout=60, what="host-b's ranks ended once it is back")
-    assert "fenced" in ws["train.2"]["reason"], ws["train.2"]
+    assert "fenced" in ws["train.2"].reason, ws["train.2"]
     assert not cc.op(op["name"])["done"], "b's ranks were ended during the recovery, not after it"
     m1 = _recovered(cc, "train", "host-b")
     assert m1["destination"] == "spare-1" and m1["lost_ranks"] == [2, 3]
@@ -336,7 +337,7 @@ def partitioned_host_back_during_the_recovery_then_a_second_failure(cluster, tmp
     for r in ranks[2:]:  # their launchers on host-b followed them until they were fenced there
         assert r.proc.wait(30) != 0
     cluster.net.cut("spare-1", up=True)
-    return {"first": m1, "second": m2, "fenced": ws["train.2"]["reason"]}
+    return {"first": m1, "second": m2, "fenced": ws["train.2"].reason}
 
 
 def ranks_fail_at_once_on_a_live_host(cluster, tmp_path) -> dict:
@@ -348,7 +349,7 @@ def ranks_fail_at_once_on_a_live_host(cluster, tmp_path) -> dict:
     _committed(cc, "train")
     ws = _agent_workers(cluster, "host-b")
     for wid in ("train.2", "train.3"):
-        subprocess.run(["pkill", "-KILL", "-s", str(os.getsid(ws[wid]["root_pid"]))], timeout=10)
+        subprocess.run(["pkill", "-KILL", "-s", str(os.getsid(ws[wid].root_pid))], timeout=10)
     m = _recovered(cc, "train", "host-b", timeout=60)
     assert m["requested_by"].startswith("the coordinator (ranks failed") and "host-b" in m["requested_by"], m
     assert m["destination"] == "spare-1" and m["lost_ranks"] == [2, 3] and m["fenced_now"], m
@@ -385,7 +386,7 @@ def replicas_lost_with_their_host(cluster, tmp_path) -> dict:
     assert "lost with it" in op["error"]["message"] and "own checkpoint" in op["error"]["action"]
     assert op["metadata"]["phase"] == "plan", "it failed before it stopped anything"
     after = _agent_workers(cluster, "host-a")["pair.0"]
-    assert after["root_pid"] == before["root_pid"] and after["state"] == "running"
+    assert after.root_pid == before.root_pid and after.state == "running"
     time.sleep(3)
     assert len([o for o in cc.ops() if o["metadata"].get("job") == "pair"]) == 1, "not tried again by itself"
     assert cc.snapshots("pair")["snapshots"] == []

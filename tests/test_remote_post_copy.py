@@ -69,11 +69,11 @@ def test_moves_rank_bitwise_equal_sending_only_eager_pages(cluster, tmp_path, wo
     """With DataLoader children, whose tree holds the one-process case (its root); the other
     post-copy tests here move one process each."""
     a, b, out, kw, ranks = _job(cluster, tmp_path, 80, workers)
-    before = proctree.tree(a.client().worker("j.1")["root_pid"])
+    before = proctree.tree(a.client().worker("j.1").root_pid)
     rep = _post_copy_move(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     assert len(proctree.tree(rep.restored_pid)) == len(before)
     cap = a.client().get_capture(rep.capture_id)
-    pc = cap["post_copy"]
+    pc = cap.post_copy
     assert pc["tasks"] == len(before) and pc["lazy_bytes"] > 64 << 20, pc
     assert rep.bytes < pc["lazy_bytes"] / 4, (rep.bytes, pc)  # the bulk did not travel before the restore
     until(lambda: "memory filled" in b.log.read_text(errors="replace"))
@@ -98,11 +98,11 @@ def test_source_failing_mid_fill_stops_the_worker_before_it_reads_zeros(cluster,
     a, b, out, kw, ranks = _job(cluster, tmp_path, 400, src_env={"PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": fault},
                                 dst_env=dst_env)
     rep = _post_copy_move(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
-    pc = a.client().get_capture(rep.capture_id)["post_copy"]
+    pc = a.client().get_capture(rep.capture_id).post_copy
     assert pc["lazy_bytes"] > 64 << 20, pc  # the premise: pages left to fetch, so the fault can bite
-    until(lambda: b.client().worker("j.1")["state"] == "lost")
+    until(lambda: b.client().worker("j.1").state == "lost")
     w = b.client().worker("j.1")
-    assert said in w["reason"], w
+    assert said in w.reason, w
     assert not proctree.exists(rep.restored_pid)
     # The relay killed the tree while the daemon still held its userfaultfd: SIGKILL, never the
     # SIGSEGV (or SIGBUS) of a worker that read zeros.
@@ -128,7 +128,7 @@ def test_moving_again_while_the_fill_runs_waits_for_it_and_loses_no_page(cluster
     assert proctree.filling(proctree.tree(first.restored_pid)), "the fill should still be running"
     back = move_worker(b.client(), a.client(), "j.1", dest_name="a", peers=[(a.client(), "j.0")])
     assert "memory filled" in b.log.read_text(errors="replace")  # the first fill had ended ...
-    assert b.client().get_capture(back.capture_id)["phases"]["wait_fill"] > 0.1  # ... because it waited
+    assert b.client().get_capture(back.capture_id).phases["wait_fill"] > 0.1  # ... because it waited
     let_finish(out)
     codes = [r.proc.wait(120) for r in ranks]
     assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
@@ -150,8 +150,8 @@ def test_fill_outlives_a_destination_agent_restart_and_its_images_go_after(clust
     assert [d.name for d in b.image_dir.glob("in-*")], "a running fill's images were removed"
     until(lambda: not proctree.filling(proctree.tree(first.restored_pid)), timeout=180, what="the fill to end")
     until(lambda: not any(b.image_dir.iterdir()), what="the fill's images removed by the restarted agent")
-    fill = b.client().worker("j.1")["fill"]  # the restarted agent learnt how the fill ended
-    assert fill["state"] == "filled" and fill["source"] == a.url, fill
+    fill = b.client().worker("j.1").fill  # the restarted agent learnt how the fill ended
+    assert fill is not None and fill.state == "filled" and fill.source == a.url, fill
     let_finish(out)
     codes = [r.proc.wait(120) for r in ranks]
     assert codes[0] == 0, ranks[0].log.read_text()[-1500:]
@@ -171,9 +171,9 @@ def test_capture_refuses_while_the_fill_outlasts_its_wait_and_the_worker_runs_on
     with pytest.raises(PitstopError, match="still being filled") as e:
         move_worker(b.client(), a.client(), "j.1", dest_name="a", peers=[(a.client(), "j.0")])
     assert "PITSTOP_AGENT_CAPTURE_FILL_WAIT_S" in e.value.action
-    assert b.client().worker("j.1")["state"] == "running"
+    assert b.client().worker("j.1").state == "running"
     until(lambda: "memory filled" in b.log.read_text(errors="replace"), timeout=90)
-    assert b.client().worker("j.1")["fill"]["seconds"] > 0.2  # the premise: the fill outlasted the wait (12 s seen)
+    assert b.client().worker("j.1").fill.seconds > 0.2  # the premise: the fill outlasted the wait (12 s seen)
     n = step_times(ranks[1].log)[-1][0]
     wait_for_step(ranks[1].log, n + 3)  # it trains on, its memory whole
     _stop_job(ranks)
@@ -186,7 +186,7 @@ def test_failed_restore_rolls_back_from_the_full_dump(cluster, tmp_path):
         "PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "restore:before_criu=fail"})
     with pytest.raises(PitstopError, match="injected fault"):
         _post_copy_move(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
-    assert a.client().worker("j.1")["state"] == "running"
+    assert a.client().worker("j.1").state == "running"
     let_finish(out)
     codes = [r.proc.wait(120) for r in ranks]
     assert codes == [0, 0], [r.log.read_text()[-1500:] for r in ranks]
@@ -497,7 +497,7 @@ def test_coordinator_restarted_during_the_fill_waits_for_it_again(cluster, tmp_p
     port = int(cluster.coordinator_url.rsplit(":", 1)[1])
     os.killpg(cluster.coordinator_proc.pid, signal.SIGKILL)
     cluster.coordinator_proc.wait(10)
-    assert cluster.agents["spare-1"].client().worker("j.1")["fill"]["state"] == "filling"
+    assert cluster.agents["spare-1"].client().worker("j.1").fill.state == "filling"
     cluster.start_coordinator(port=port)
     op, seen = _follow(cc, name)
     md = op["metadata"]
@@ -522,7 +522,7 @@ def test_evacuation_whose_fill_fails_ends_failed_and_says_why(cluster, tmp_path)
     assert "restart the job from its last checkpoint" in op["error"]["details"][0]["action"]
     assert md["downtime_s"] is not None
     assert _role(cc, "host-b") == "drained"  # not needed any more
-    assert cluster.agents["spare-1"].client().worker("j.1")["state"] == "lost"
+    assert cluster.agents["spare-1"].client().worker("j.1").state == "lost"
     _stop_job(ranks)
 
 
@@ -537,7 +537,7 @@ def test_fill_past_the_coordinators_deadline_keeps_the_node_draining(cluster, tm
     assert "keep host-b up" in op["error"]["details"][0]["action"]
     assert _role(cc, "host-b") == "draining"
     spare = cluster.agents["spare-1"].client()
-    until(lambda: spare.worker("j.1")["fill"]["state"] == "filled", timeout=120)
+    until(lambda: spare.worker("j.1").fill.state == "filled", timeout=120)
     _ends_bitwise_equal(ranks, out, tmp_path, kw)
 
 
@@ -568,8 +568,8 @@ def test_a_move_that_does_not_ask_for_post_copy_sends_whole_images(cluster, tmp_
     """The agent owns no default: a capture that does not ask is not split."""
     a, b, out, kw, ranks = _job(cluster, tmp_path, 60)
     rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
-    assert a.client().get_capture(rep.capture_id)["post_copy"] is None
-    assert b.client().worker("j.1")["fill"] is None
+    assert a.client().get_capture(rep.capture_id).post_copy is None
+    assert b.client().worker("j.1").fill is None
     assert rep.bytes > 64 << 20  # the whole image travelled
     let_finish(out)
     codes = [r.proc.wait(120) for r in ranks]

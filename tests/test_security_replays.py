@@ -134,8 +134,8 @@ def test_h1_a_network_is_named_by_its_whole_worker_id(cluster, group_socket, mon
     status, body = _on_socket_as_nobody(group_socket, "DELETE", "/v1/networks/victim.0")
     assert status == 403 and body["error"]["code"] == "not_your_worker", body
     assert names <= _netns(), "nothing of root's was removed"
-    ws = {w["id"]: w for w in cluster.agents["host-a"].client().workers()}
-    assert all(ws[w]["state"] == "running" for w in ("victim.0", f"{long_job}.0", f"{long_job}.1"))
+    ws = {w.id: w for w in cluster.agents["host-a"].client().workers()}
+    assert all(ws[w].state == "running" for w in ("victim.0", f"{long_job}.0", f"{long_job}.1"))
     for r in ranks:
         r.proc.terminate()
         r.proc.wait(30)
@@ -287,8 +287,8 @@ def test_h3_a_flood_of_idle_connections_forces_no_recovery(cluster, tmp_path, mo
             ops = [o for o in CoordinatorClient(cluster.coordinator_url, cluster.operator_token).ops()
                    if o["metadata"].get("job") == "app"]
             assert ops == [], f"a recovery was forced by a flood from {len(sources)} address(es): {ops}"
-            w = {x["id"]: x for x in cluster.agents["host-b"].client().workers()}["app.0"]
-            assert w["state"] == "running" and "isolated" not in (w.get("reason") or ""), w
+            w = {x.id: x for x in cluster.agents["host-b"].client().workers()}["app.0"]
+            assert w.state == "running" and "isolated" not in (w.reason or ""), w
         assert ranks[0].proc.wait(120) == 0
         for r in side:
             r.proc.terminate()

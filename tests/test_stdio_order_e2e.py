@@ -63,7 +63,7 @@ def test_stdout_and_stderr_keep_their_order_across_a_move(cluster, tmp_path):
         for wid in ("merged.0", "split.0"):
             cluster.wait_registered("a", wid)
         # one pipe for both streams where the launcher's are one file, two where they are two
-        roots = {wid: a.client().worker(wid)["root_pid"] for wid in ("merged.0", "split.0")}
+        roots = {wid: a.client().worker(wid).root_pid for wid in ("merged.0", "split.0")}
         assert {o == t for o, t in _fds_of_tree(roots["merged.0"])} == {True}
         assert {o == t for o, t in _fds_of_tree(roots["split.0"])} == {False}
         until(lambda: "out 4.0" in merged_log.read_text(), timeout=60, what="the worker's fifth step")
@@ -71,7 +71,7 @@ def test_stdout_and_stderr_keep_their_order_across_a_move(cluster, tmp_path):
             rep = move_worker(a.client(), b.client(), wid, dest_name="b")
             assert rep.restored_pid
         # restored as they were: one pipe at fds 1 and 2, or two
-        moved = {wid: b.client().worker(wid)["root_pid"] for wid in ("merged.0", "split.0")}
+        moved = {wid: b.client().worker(wid).root_pid for wid in ("merged.0", "split.0")}
         assert {o == t for o, t in _fds_of_tree(moved["merged.0"])} == {True}
         assert {o == t for o, t in _fds_of_tree(moved["split.0"])} == {False}
         assert "out 39.0" not in merged_log.read_text(), "the worker ended before it moved"

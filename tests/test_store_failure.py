@@ -20,6 +20,7 @@ from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.sqlitestore import Store
 from pitstop.coordinator.store import StoreUnavailable
 from pitstop.errors import NotFound, PitstopError
+from pitstop.wire.capture_report import CaptureReport
 from pitstop.wire.evacuation import EvacuationState
 
 pytestmark = pytest.mark.timeout(60)
@@ -137,13 +138,14 @@ class FakeAgent:
         return []
 
     def get_capture(self, cid):  # noqa: ANN001, ANN201
-        return {"id": cid, "state": "dumped"}
+        return CaptureReport(id=cid, worker_id="train.1", state="dumped")
 
     def rollback(self, cid):  # noqa: ANN001, ANN201
         self._note("rollback", cid)
 
     def resume_many(self, wids):  # noqa: ANN001, ANN201
         self._note("resume", sorted(wids))
+        return []
 
     def close(self) -> None:
         pass

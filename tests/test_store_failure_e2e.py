@@ -96,8 +96,8 @@ def test_a_database_that_fills_mid_capture_leaves_no_rank_stopped(cluster, tmp_p
         op = cc.evacuate("host-b")
         _wait_op(cc, op["name"], timeout=120, until=lambda o: o["metadata"]["phase"] == "capture")
         peer = cluster.agents["host-a"].client()
-        assert peer.worker("train.0")["state"] == "paused"
-        peer_pid = peer.worker("train.0")["root_pid"]
+        assert peer.worker("train.0").state == "paused"
+        peer_pid = peer.worker("train.0").root_pid
         assert _stopped(peer_pid)
         filler = fill(cluster.coordinator_db)
         try:
@@ -108,12 +108,12 @@ def test_a_database_that_fills_mid_capture_leaves_no_rank_stopped(cluster, tmp_p
             assert err["code"] == "database_unavailable" and "database or disk is full" in err["message"], err
             assert str(cluster.coordinator_db) in err["message"] and "free space" in err["action"], err
             # ... and the move is undone on the agents all the same: no rank left stopped.
-            until(lambda: peer.worker("train.0")["state"] == "running" and not _stopped(peer_pid), timeout=60,
+            until(lambda: peer.worker("train.0").state == "running" and not _stopped(peer_pid), timeout=60,
                   what="the paused peer resumed while the database is full")
             source = cluster.agents["host-b"].client().worker("train.1")
-            assert source["state"] == "running" and not _stopped(source["root_pid"]), source
-            copies = [w for w in cluster.agents["spare-1"].client().workers() if w["id"] == "train.1"]
-            assert all(w["state"] not in ("running", "paused") for w in copies), copies
+            assert source.state == "running" and not _stopped(source.root_pid), source
+            copies = [w for w in cluster.agents["spare-1"].client().workers() if w.id == "train.1"]
+            assert all(w.state not in ("running", "paused") for w in copies), copies
             seen = len(step_times(ranks[0].log))
             wait_for_step(ranks[0].log, seen + 3)  # the job trains on, where it was
             assert not cc.op(op["name"])["done"]  # its record waits for space; reads still answer

@@ -253,7 +253,7 @@ def test_units_under_real_systemd_move_and_keep_a_worker(cluster, tmp_path):
 
         # The agent, restarted twice, still knows the worker it restored.
         ws = AgentClient(f"http://127.0.0.1:{aport}", cluster.token).workers()
-        assert any(w["id"] == "train.0" and w["state"] == "running" for w in ws), ws
+        assert any(w.id == "train.0" and w.state == "running" for w in ws), ws
         # Its output reached `pitstop run` to the end, and so did its exit status: the agent that
         # was its parent is gone, and the restarted one reads it through the pidfd the worker's
         # keeper held in the scope (agent/exitkeeper.py; before Linux 6.15: unknown, 255).

@@ -122,10 +122,10 @@ def test_restore_finishing_after_the_coordinator_gave_up(cluster, tmp_path, reco
     op = _wait_op(w.cc, w.evacuate()["name"])
     msg = _failed(op)
     copy = cluster.agents["spare-1"].client().worker("train.1")
-    assert copy["state"] == "lost" and not proctree.exists(copy["root_pid"]), copy
+    assert copy.state == "lost" and not proctree.exists(copy.root_pid), copy
     record("a restore finishing after the coordinator gave up on it (registered after the rollback looked)",
            "its copy stopped silently by the rollback's discard; " + w.finished_intact(),
-           msg + " ... copy: " + copy["reason"][:100])
+           msg + " ... copy: " + (copy.reason or "")[:100])
 
 
 def test_source_stops_serving_mid_fill(cluster, tmp_path, record):
@@ -134,7 +134,7 @@ def test_source_stops_serving_mid_fill(cluster, tmp_path, record):
     assert op["metadata"]["result"] == "failed" and op["metadata"]["committed"], op
     assert op["error"]["details"][0]["reason"] == "fill_failed", op["error"]
     copy = cluster.agents["spare-1"].client().worker("train.1")
-    assert copy["state"] == "lost" and not proctree.exists(copy["root_pid"]), copy
+    assert copy.state == "lost" and not proctree.exists(copy.root_pid), copy
     log = cluster.agents["spare-1"].log.read_text(errors="replace")
     assert "code=-11" not in log and "code=-7" not in log  # killed, never ran on zeros
     w.ranks[0].proc.terminate()  # the job's own recovery from here
@@ -182,7 +182,7 @@ def test_coordinator_database_full_during_the_capture(cluster, tmp_path, record)
                            headers={"Authorization": f"Bearer {cluster.operator_token}"}, timeout=30)
             assert r.status_code == 503 and r.json()["error"]["code"] == "database_unavailable", r.text
             end = time.monotonic() + 60
-            while peer.worker("train.0")["state"] != "running":
+            while peer.worker("train.0").state != "running":
                 assert time.monotonic() < end, "the paused peer was not resumed while the database was full"
                 time.sleep(0.2)
         finally:
@@ -201,7 +201,7 @@ def test_coordinator_database_full_during_the_capture(cluster, tmp_path, record)
 def test_worker_dies_during_the_freeze(cluster, tmp_path, record):
     w = World(cluster, tmp_path, agents={"host-b": "capture:before_dump=sleep:4"})
     op = w.until_phase(w.evacuate(), "capture")
-    pid = cluster.agents["host-b"].client().worker("train.1")["root_pid"]
+    pid = cluster.agents["host-b"].client().worker("train.1").root_pid
     os.kill(pid, signal.SIGKILL)
     op = _wait_op(w.cc, op["name"])
     assert op["metadata"]["result"] == "failed" and op["error"]["message"]
@@ -212,8 +212,8 @@ def test_worker_dies_during_the_freeze(cluster, tmp_path, record):
     # timeout (30 min by default), running, with no connection to the peer left (seen with
     # py-spy and ss, 2026-11-29).
     survivor = cluster.agents["host-a"].client().worker("train.0")
-    assert survivor["state"] == "running", survivor
-    assert proctree.state(survivor["root_pid"]) not in ("T", "t"), "the surviving rank was left stopped"
+    assert survivor.state == "running", survivor
+    assert proctree.state(survivor.root_pid) not in ("T", "t"), "the surviving rank was left stopped"
     try:
         code0 = w.ranks[0].proc.wait(30)
         how = f"exited on its own (code {code0}): gloo saw its dead peer"
@@ -247,10 +247,10 @@ def test_source_agent_restarted_during_capture(cluster, tmp_path, record):
     op = _wait_op(w.cc, op["name"])
     assert op["metadata"]["result"] == "failed"
     caps = cluster.agents["host-b"].client().captures()
-    assert caps and caps[-1]["state"] == "failed" and caps[-1]["error"]["code"] == "agent_restarted"
+    assert caps and caps[-1].state == "failed" and caps[-1].error["code"] == "agent_restarted"
     record("source agent restarted during the capture (the host comes back mid-move)",
            "op failed, worker resumed by the restarted agent; " + w.finished_intact(),
-           f"op: {op['error']['message'][:100]}; agent: {caps[-1]['error']['message'][:100]}")
+           f"op: {op['error']['message'][:100]}; agent: {caps[-1].error['message'][:100]}")
 
 
 def test_source_agent_restarted_during_the_pre_copy(cluster, tmp_path, record):
@@ -273,7 +273,7 @@ def test_replacement_dies_right_after_commit(cluster, tmp_path, record):
     w = World(cluster, tmp_path, coord="phase:resume=sleep:4")
     op = w.until_phase(w.evacuate(), "resume")
     wk = cluster.agents["spare-1"].client().worker("train.1")
-    os.kill(wk["root_pid"], signal.SIGKILL)
+    os.kill(wk.root_pid, signal.SIGKILL)
     op = _wait_op(w.cc, op["name"])
     assert op["metadata"]["result"] == "succeeded"
     cond = {c["type"]: c for c in op["metadata"]["conditions"]}["ReplacementsRunning"]
@@ -350,12 +350,12 @@ def test_pid_clash_on_the_destination(cluster, tmp_path, record):
     assert op["metadata"]["result"] == "succeeded", op.get("error")
     spare = cluster.agents["spare-1"].client()
     ours, theirs = spare.worker("train.1"), spare.worker("other.0")
-    assert ours["state"] == "running" and theirs["state"] == "running" and ours["root_pid"] != theirs["root_pid"]
+    assert ours.state == "running" and theirs.state == "running" and ours.root_pid != theirs.root_pid
     outcome = w.finished_intact()
     other[0].proc.terminate()
     record("PID clash on the destination (another worker there with the same in-namespace PIDs)",
            "no clash: each restore gets a fresh PID namespace; " + outcome,
-           f"pid 1 of both namespaces; host pids {ours['root_pid']} and {theirs['root_pid']}")
+           f"pid 1 of both namespaces; host pids {ours.root_pid} and {theirs.root_pid}")
 
 
 @pytest.mark.parametrize("phase", ["capture", "restore", "rewire"])

@@ -47,14 +47,14 @@ class AfterMoveWatch:
                 while waiting and time.monotonic() < deadline:
                     for wid in list(waiting):
                         try:
-                            f = a.worker(wid).get("fill")
+                            fill = a.worker(wid).fill
                         except PitstopError:
                             continue  # asked again next round, until the deadline
-                        if not f or f.get("state") != "filling":
+                        if fill is None or fill.state != "filling":
                             waiting.remove(wid)
-                            if f:
+                            if fill:
                                 with self.run.lock:
-                                    self.run.md.workers[wid].fill = f
+                                    self.run.md.workers[wid].fill = fill.model_dump(mode="json")
                                     self.run.best_effort = True  # the operation is done: a refused write waits
                                     self.run.save()
                     if waiting:

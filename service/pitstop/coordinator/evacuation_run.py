@@ -69,6 +69,7 @@ from pitstop.errors import DeadlineExceeded, PitstopError, Unavailable, rpc_stat
 from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.capture_report import CaptureReport
 from pitstop.wire.evacuation import AfterMove, CutRecord, EvacuationState, MovePlan
+from pitstop.wire.worker_report import WorkerReport
 
 log = structlog.get_logger("pitstop.coordinator.driver")
 
@@ -267,13 +268,13 @@ class OpRun(Operation):
                 w.capture_id, w.state = cap["id"], "capturing"
                 self.save()
 
-            def progress(c: dict) -> None:
+            def progress(c: CaptureReport) -> None:
                 with self.lock:
-                    w.bytes_done, w.bytes_total = c.get("bytes_sent", 0), c.get("bytes_total")
+                    w.bytes_done, w.bytes_total = c.bytes_sent, c.bytes_total
                     self.md.bytes_done = sum(x.bytes_done for x in self.md.workers.values())
                     self.save()
 
-            report = CaptureReport.model_validate(src.wait_capture(cap["id"], self.s.capture_deadline_s, progress))
+            report = src.wait_capture(cap["id"], self.s.capture_deadline_s, progress)
             if report.state == "failed":
                 raise PitstopError.from_dict(report.error or {"message": "capture failed"})
             if report.stopped_at:
@@ -323,7 +324,7 @@ class OpRun(Operation):
                 self.md.workers[wid].restored_pid = r["worker"]["root_pid"]
                 self.md.workers[wid].restore_phases = r.get("phases", {})
                 self.save()
-            self.rank_running.update(pausing.answered_at([[r["worker"]]], "running_since"))
+            self.rank_running.update(pausing.answered_at([[WorkerReport.model_validate(r["worker"])]], "running_since"))
 
         self.each(restore)
         ran = [self.rank_running[w] for w in self.md.workers if w in self.rank_running]

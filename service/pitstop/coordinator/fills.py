@@ -41,12 +41,13 @@ class AfterCommit:
             while waiting and time.monotonic() < deadline:
                 for wid in list(waiting):
                     try:
-                        f = a.worker(wid).get("fill")
+                        fill = a.worker(wid).fill
                     except PitstopError as e:
                         last_error = e.message
                         continue  # asked again next round, until the deadline
-                    if not f or f.get("state") != "filling":
-                        ended[wid] = f or {"state": "unknown", "reason": f"{dest} has no fill on record for it"}
+                    if fill is None or fill.state != "filling":
+                        ended[wid] = (fill.model_dump(mode="json") if fill else
+                                      {"state": "unknown", "reason": f"{dest} has no fill on record for it"})
                         waiting.remove(wid)
                         with self.run.lock:
                             self.run.md.workers[wid].fill = ended[wid]
@@ -90,9 +91,8 @@ class AfterCommit:
             except PitstopError as e:
                 gone.append(f"{wid}: destination agent unreachable ({e.message})")
                 continue
-            if w.get("state") not in ("running", "paused"):
-                gone.append(f"{wid}: {w.get('state')}" + (f" (exit code {w['exit_code']})"
-                                                           if w.get("exit_code") is not None else ""))
+            if w.state not in ("running", "paused"):
+                gone.append(f"{wid}: {w.state}" + (f" (exit code {w.exit_code})" if w.exit_code is not None else ""))
         if gone:
             self.run.condition("ReplacementsRunning", False, "ReplacementEnded",
                            "after the commit point: " + "; ".join(gone) + ". The job's state was moved intact; "

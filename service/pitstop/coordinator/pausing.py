@@ -22,11 +22,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Literal, Protocol
 
 from pitstop.coordinator.fanout import in_parallel
 from pitstop.errors import PitstopError
 from pitstop.undo import Undo
+from pitstop.wire.worker_report import WorkerReport
 
 _RELEASED = Exception("the job's pause is over")  # why the hold is unwound: always, at its end
 
@@ -58,8 +59,8 @@ class JobHold:
 class PauseAgent(Protocol):
     """What pausing asks of an agent (wire/agent_client.AgentClient)."""
 
-    def pause_many(self, ids: list[str], deadline_s: float | None = None) -> list[dict]: ...
-    def resume_many(self, ids: list[str]) -> list[dict]: ...
+    def pause_many(self, ids: list[str], deadline_s: float | None = None) -> list[WorkerReport]: ...
+    def resume_many(self, ids: list[str]) -> list[WorkerReport]: ...
 
 
 def stop(agent: Callable[[str], PauseAgent], by_host: dict[str, list[str]], deadline_s: float,
@@ -68,7 +69,7 @@ def stop(agent: Callable[[str], PauseAgent], by_host: dict[str, list[str]], dead
     one per worker).  deadline_s: past it each agent resumes its workers by itself, should the
     caller be gone.  hold: each host's resume is pushed on it as its stop takes effect.  Each
     worker's stop time (wall clock), as its agent timed it."""
-    def one(h: str) -> list[dict]:
+    def one(h: str) -> list[WorkerReport]:
         got = agent(h).pause_many(by_host[h], deadline_s=deadline_s)
         if hold is not None:
             hold.did("resume", functools.partial(agent(h).resume_many, by_host[h]), host=h)
@@ -85,7 +86,7 @@ class Resumed:
 def resume(agent: Callable[[str], PauseAgent], by_host: dict[str, list[str]]) -> Resumed:
     """Every worker resumed, one call per host, all hosts at once; what went wrong for which host,
     not the first failure only (resuming is idempotent: a caller tries again)."""
-    def one(h: str) -> tuple[str | None, list[dict]]:
+    def one(h: str) -> tuple[str | None, list[WorkerReport]]:
         try:
             return None, agent(h).resume_many(by_host[h])
         except PitstopError as e:
@@ -94,6 +95,6 @@ def resume(agent: Callable[[str], PauseAgent], by_host: dict[str, list[str]]) ->
     return Resumed([p for p, _ in got if p], answered_at([a for _, a in got], "running_since"))
 
 
-def answered_at(answers: list[list[dict[str, Any]]], key: str) -> dict[str, float]:
+def answered_at(answers: list[list[WorkerReport]], key: Literal["paused_at", "running_since"]) -> dict[str, float]:
     """Each worker's `key` (a wall-clock time its agent wrote) from the agents' answers, where given."""
-    return {w["id"]: float(w[key]) for ws in answers for w in (ws or []) if isinstance(w, dict) and w.get(key)}
+    return {w.id: at for ws in answers for w in ws if (at := getattr(w, key)) is not None}

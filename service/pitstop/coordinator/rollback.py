@@ -28,7 +28,7 @@ class Undo:
         left = []
         try:
             got = dst.worker(wid)
-            if got.get("restored") and got["state"] in ("running", "paused", "capturing", "stopped"):
+            if got.restored and got.state in ("running", "paused", "capturing", "stopped"):
                 dst.discard_worker(wid)
         except PitstopError as e:
             if e.http_status != 404:
@@ -49,14 +49,13 @@ class Undo:
             return
         in_flight = False
         try:
-            cid = w.capture_id or next((c["id"] for c in src.captures()
-                                        if c.get("image_id") == self.run.image_id(wid)), None)
+            cid = w.capture_id or next((c.id for c in src.captures() if c.image_id == self.run.image_id(wid)), None)
             if cid:
                 c = src.get_capture(cid)
-                if c["state"] == "dumping":
+                if c.state == "dumping":
                     in_flight = True
                     c = src.wait_capture(cid, self.run.settings.capture_deadline_s)
-                if c["state"] not in ("failed", "rolled_back", "committed"):
+                if c.state not in ("failed", "rolled_back", "committed"):
                     src.rollback(cid)
             w.state = "rolled_back"
         except PitstopError as e:

@@ -193,7 +193,7 @@ def sync_workers(store: BaseStore, settings: CoordinatorSettings, node: str, fen
     def one(h: dict) -> None:
         try:
             with AgentClient(h["url"], settings.cluster_token, timeout=PLAN_SYNC_TIMEOUT_S, fence=fence) as a:
-                store.sync_workers(h["name"], a.workers())
+                store.sync_workers(h["name"], [w.model_dump(mode="json") for w in a.workers()])
         except (PitstopError, httpx.HTTPError, httpx.InvalidURL, ValueError):
             pass  # planned with what its heartbeats said
 

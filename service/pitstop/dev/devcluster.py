@@ -34,6 +34,7 @@ from pitstop.dev.netns import NetHosts
 from pitstop.network import workerns
 from pitstop.proc import proctree
 from pitstop.wire.agent_client import AgentClient
+from pitstop.wire.worker_report import WorkerReport
 
 _handed_out: set[int] = set()
 
@@ -372,7 +373,7 @@ class LocalCluster:
         launchers and the link go."""
         a = self.agents[name]
         with AgentClient(a.url, self.token) as c:
-            ws = [w for w in c.workers() if w["state"] in ("running", "paused")]
+            ws = [w for w in c.workers() if w.state in ("running", "paused")]
         if processes_first_s is not None:
             self._kill_sessions(ws)
             time.sleep(processes_first_s)
@@ -386,16 +387,16 @@ class LocalCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(r.proc.pid, signal.SIGKILL)
         for w in ws:
-            if w.get("net"):
-                subprocess.run(["ip", "netns", "delete", w["net"]["netns"]], capture_output=True, timeout=10)
-        return [w["id"] for w in ws]
+            if w.net:
+                subprocess.run(["ip", "netns", "delete", w.net["netns"]], capture_output=True, timeout=10)
+        return [w.id for w in ws]
 
     @staticmethod
-    def _kill_sessions(ws: list[dict]) -> None:
+    def _kill_sessions(ws: list[WorkerReport]) -> None:
         """SIGKILL every process of the workers' sessions (a rank and its DataLoader workers)."""
         for w in ws:
             with contextlib.suppress(ProcessLookupError):
-                sid = os.getsid(w["root_pid"])
+                sid = os.getsid(w.root_pid)
                 subprocess.run(["pkill", "-KILL", "-s", str(sid)], capture_output=True, timeout=10)
 
     def worker_address(self, index: int) -> str:
@@ -427,12 +428,12 @@ class LocalCluster:
             out.append(rk)
         return out
 
-    def wait_registered(self, agent: str, worker_id: str, timeout_s: float = 30.0) -> dict:
+    def wait_registered(self, agent: str, worker_id: str, timeout_s: float = 30.0) -> WorkerReport:
         c = self.agents[agent].client()
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             for w in c.workers():
-                if w["id"] == worker_id and w["state"] == "running":
+                if w.id == worker_id and w.state == "running":
                     return w
             time.sleep(0.05)
         raise TimeoutError(f"{worker_id} did not register with {agent}")

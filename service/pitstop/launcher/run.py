@@ -77,6 +77,7 @@ from pitstop.wire.agent_requests import (
     body,
 )
 from pitstop.wire.coordinator_client import HandleClient
+from pitstop.wire.worker_report import WorkerReport
 
 MOVING = ("capturing", "stopped", "released", "moved")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
@@ -312,15 +313,14 @@ def _supervise(s: _Started, client: AgentClient, w: dict, root: int) -> int:
     def forward(sig: int, _frame: object) -> None:
         if sig in signals.ASKS_FOR_END:
             asked.append(sig)
-        info = _safe(client.worker, wid)
+        info = _worker(client, wid)
         if info is None and handle is not None and s.p.poll() is not None:  # moved, and this host's agent is gone
             threading.Thread(target=_safe, args=(handle.signal, sig), daemon=True).start()
             return
-        info = info or {}
-        if info.get("state") in MOVING:  # its agent delivers it where the worker runs now (agent/handles.py)
+        if info is not None and info.state in MOVING:  # its agent delivers it where the worker runs now (agent/handles.py)
             threading.Thread(target=_signal_moved, args=(client, wid, sig), daemon=True).start()
             return
-        signals.send(info.get("root_pid", root), sig, under_init=s.init_dir is not None)
+        signals.send(info.root_pid if info else root, sig, under_init=s.init_dir is not None)
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
@@ -330,17 +330,17 @@ def _supervise(s: _Started, client: AgentClient, w: dict, root: int) -> int:
     for t in s.pumps:
         t.join(PUMP_DRAIN_S)
     info = _after_end(client, wid)
-    if info.get("state") not in MOVING and not info.get("restored"):
+    if info is None or (info.state not in MOVING and not info.restored):
         _safe(lambda: client.exited(wid, code, at=ended_at, asked=bool(asked)))
-        if not (code != 0 and info.get("snapshot_every_s") and _recovered(client, wid, info.get("root_pid"))):
-            info = _safe(client.worker, wid) or {}
-            if not info.get("fenced_epoch"):  # a fenced rank's directory is its agent's to remove
+        if not (code != 0 and info and info.snapshot_every_s and _recovered(client, wid, info.root_pid)):
+            now = _worker(client, wid)
+            if not (now and now.fenced_epoch):  # a fenced rank's directory is its agent's to remove
                 nsinit.remove_unused(s.init_dir)  # its init's, where the tree was killed
             return code
     return _follow_recoveries(client, wid, handle)
 
 
-def _after_end(client: AgentClient, wid: str) -> dict:
+def _after_end(client: AgentClient, wid: str) -> WorkerReport | None:
     """The rank's record once its process here has ended: whether a move took it (then it is
     followed where it runs now) or it ended.  An agent that does not answer is asked again: it may
     be busy with the very move that ended the process (a capture, the commit) on a loaded machine,
@@ -351,12 +351,12 @@ def _after_end(client: AgentClient, wid: str) -> dict:
         try:
             return client.worker(wid)
         except NotFound:
-            return {}
+            return None
         except PitstopError as e:
             if time.monotonic() >= end:
                 print(f"pitstop run: this host's agent did not say what became of worker {wid} "
                       f"({e.message}); taking it as ended", file=sys.stderr)
-                return {}
+                return None
         time.sleep(0.5)
 
 
@@ -389,12 +389,12 @@ def _recovered(client: AgentClient, wid: str, ended_pid: int | None) -> bool:
     end that the recovery undoes; a rank that failed on its own is reported after the wait."""
     end = time.monotonic() + recovery_wait_s()
     while time.monotonic() < end:
-        info = _safe(client.worker, wid) or {}
-        if info.get("fenced_epoch") or info.get("state") == "moved":  # it runs on elsewhere, or never here again
+        info = _worker(client, wid)
+        if info is not None and (info.fenced_epoch or info.state == "moved"):  # it runs on elsewhere, or never here again
             return False
-        if info.get("end_asked"):  # `pitstop stop|kill`: an end asked for, never recovered
+        if info is not None and info.end_asked:  # `pitstop stop|kill`: an end asked for, never recovered
             return False
-        if info.get("root_pid") not in (None, ended_pid) and info.get("state") not in ("exited", "lost"):
+        if info is not None and info.root_pid != ended_pid and info.state not in ("exited", "lost"):
             return True
         time.sleep(0.5)
     return False
@@ -404,8 +404,8 @@ def _follow_recoveries(client: AgentClient, wid: str, handle: OutputSource | Non
     """Follow the rank where it runs now, and again after each recovery that restores it."""
     while True:
         code = shell_code(follow(client, wid, fallback=handle))
-        info = _safe(client.worker, wid) or {}
-        if code == 0 or not info.get("snapshot_every_s") or not _recovered(client, wid, info.get("root_pid")):
+        info = _worker(client, wid)
+        if code == 0 or info is None or not info.snapshot_every_s or not _recovered(client, wid, info.root_pid):
             return code
 
 
@@ -607,6 +607,11 @@ def follow(client: OutputSource, wid: str, echo: bool = True, fallback: OutputSo
             unreachable_since = None
         if not got:
             time.sleep(0.2)
+
+
+def _worker(client: AgentClient, wid: str) -> WorkerReport | None:
+    """What this host's agent says of the worker now; None where it does not answer."""
+    return _safe(client.worker, wid)
 
 
 def _safe(fn, *a):  # noqa: ANN001, ANN202

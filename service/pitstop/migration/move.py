@@ -29,6 +29,7 @@ from pitstop.coordinator.sqlitestore import Store
 from pitstop.errors import DeadlineExceeded, PitstopError
 from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.evacuation import EvacuationState
+from pitstop.wire.worker_report import WorkerReport
 
 log = structlog.get_logger("pitstop.move")
 
@@ -80,8 +81,8 @@ def _move(store: Store, tmp: Path, src: AgentClient, dst: AgentClient, worker_id
     w = src.worker(worker_id)
     node, dest = names[src.url], names[dst.url]
     plan = SimpleNamespace(
-        node={"name": node}, dest={"name": dest}, jobs=[w["job"]],
-        leaving=[{"id": worker_id, "job": w["job"], "rank": w["rank"], "host": node, "address": None}],
+        node={"name": node}, dest={"name": dest}, jobs=[w.job],
+        leaving=[{"id": worker_id, "job": w.job, "rank": w.rank, "host": node, "address": None}],
         peers=[{"id": wid, "host": names[p.url], "address": None} for p, wid in peers])
     settings = CoordinatorSettings(db=tmp / "move.db", cluster_token=src.token, pre_copy=pre_copy,
                                    capture_deadline_s=capture_deadline_s)
@@ -115,8 +116,8 @@ def _move(store: Store, tmp: Path, src: AgentClient, dst: AgentClient, worker_id
     return report
 
 
-def _report(w: dict[str, Any]) -> dict[str, Any]:
-    return {k: w.get(k) for k in ("id", "job", "rank", "state")} | {"caps": w.get("caps")}
+def _report(w: WorkerReport) -> dict[str, Any]:
+    return w.model_dump(include={"id", "job", "rank", "state", "caps"})
 
 
 def _error(status: dict[str, Any]) -> PitstopError:

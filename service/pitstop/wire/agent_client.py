@@ -30,6 +30,8 @@ from pitstop.wire.agent_requests import (
     body,
 )
 from pitstop.wire.auth import bearer
+from pitstop.wire.capture_report import CaptureReport
+from pitstop.wire.worker_report import WorkerReport
 
 TERM_HEADER = "x-pitstop-term"
 """The coordinator's term on every call it makes to an agent (coordinator/leadership.py): an agent
@@ -57,6 +59,10 @@ async def fetch_output(url: str, token: str | None, wid: str, stream: str, offse
     an agent to pass on (agent/shared_routes.py); httpx.HTTPError where it cannot be reached."""
     async with httpx.AsyncClient(timeout=timeout_s, verify=tls.client_context(), headers=bearer(token)) as c:
         return await c.get(f"{url.rstrip('/')}/v1/workers/{wid}/output", params={"stream": stream, "offset": offset})
+
+
+def _workers(got: list[dict[str, Any]]) -> list[WorkerReport]:
+    return [WorkerReport.model_validate(w) for w in got]
 
 
 def raise_for(r: httpx.Response) -> Any:
@@ -133,11 +139,11 @@ class AgentClient:
     def info(self, timeout: float | None = None) -> dict:
         return self._req("GET", "/v1/info", **({"timeout": timeout} if timeout else {}))
 
-    def workers(self) -> list[dict]:
-        return self._req("GET", "/v1/workers")
+    def workers(self) -> list[WorkerReport]:
+        return [WorkerReport.model_validate(w) for w in self._req("GET", "/v1/workers")]
 
-    def worker(self, wid: str) -> dict:
-        return self._req("GET", f"/v1/workers/{wid}")
+    def worker(self, wid: str) -> WorkerReport:
+        return WorkerReport.model_validate(self._req("GET", f"/v1/workers/{wid}"))
 
     # local (Unix socket) calls
     def register(self, job: str, rank: int, pid: int, address: str | None = None, world: int | None = None,
@@ -195,21 +201,22 @@ class AgentClient:
                                                json=body(FilesCheckRequest, files=files, container=container),
                                                timeout=timeout)["lacking"], lambda: None)
 
-    def pause(self, wid: str) -> dict:
-        return self._req("POST", f"/v1/workers/{wid}:pause")
+    def pause(self, wid: str) -> WorkerReport:
+        return WorkerReport.model_validate(self._req("POST", f"/v1/workers/{wid}:pause"))
 
-    def resume(self, wid: str) -> dict:
-        return self._req("POST", f"/v1/workers/{wid}:resume")
+    def resume(self, wid: str) -> WorkerReport:
+        return WorkerReport.model_validate(self._req("POST", f"/v1/workers/{wid}:resume"))
 
-    def pause_many(self, ids: list[str], deadline_s: float | None = None) -> list[dict]:
+    def pause_many(self, ids: list[str], deadline_s: float | None = None) -> list[WorkerReport]:
         """All of `ids` in one call; an agent older than the batch call gets one call each.
         deadline_s: the agent resumes them by itself past it, should nobody else (the caller gone)."""
-        return self._or_each(lambda: self._req("POST", "/v1/workers:batchPause",
-                                               json=body(WorkersRequest, ids=ids, pause_deadline_s=deadline_s)),
+        return self._or_each(lambda: _workers(self._req("POST", "/v1/workers:batchPause",
+                                                        json=body(WorkersRequest, ids=ids, pause_deadline_s=deadline_s))),
                              lambda: [self.pause(wid) for wid in ids])
 
-    def resume_many(self, ids: list[str]) -> list[dict]:
-        return self._or_each(lambda: self._req("POST", "/v1/workers:batchResume", json=body(WorkersRequest, ids=ids)),
+    def resume_many(self, ids: list[str]) -> list[WorkerReport]:
+        return self._or_each(lambda: _workers(self._req("POST", "/v1/workers:batchResume",
+                                                        json=body(WorkersRequest, ids=ids))),
                              lambda: [self.resume(wid) for wid in ids])
 
     @staticmethod
@@ -240,8 +247,8 @@ class AgentClient:
     def shim_op(self, wid: str, op: dict) -> dict:
         return self._req("POST", f"/v1/workers/{wid}/shim", json=body(ShimOp, **op))
 
-    def captures(self) -> list[dict]:
-        return self._req("GET", "/v1/captures")
+    def captures(self) -> list[CaptureReport]:
+        return [CaptureReport.model_validate(c) for c in self._req("GET", "/v1/captures")]
 
     # the leaving side
     def capture(self, worker_id: str, dest_url: str | None = None, image_id: str | None = None,
@@ -262,17 +269,18 @@ class AgentClient:
     def stop_precopy(self, image_id: str, timeout: float = 5.0) -> dict:
         return self._req("DELETE", f"/v1/precopies/{image_id}", timeout=timeout)
 
-    def get_capture(self, cid: str, wait: float = 0.0) -> dict:
-        return self._req("GET", f"/v1/captures/{cid}", params={"wait": wait} if wait else None,
-                         timeout=max(30.0, wait + 10))
+    def get_capture(self, cid: str, wait: float = 0.0) -> CaptureReport:
+        return CaptureReport.model_validate(self._req("GET", f"/v1/captures/{cid}", params={"wait": wait} if wait else None,
+                                                      timeout=max(30.0, wait + 10)))
 
-    def wait_capture(self, cid: str, deadline_s: float, on_progress: Any = None) -> dict:
+    def wait_capture(self, cid: str, deadline_s: float,
+                     on_progress: Callable[[CaptureReport], None] | None = None) -> CaptureReport:
         end = time.monotonic() + deadline_s
         while True:
             c = self.get_capture(cid, wait=0.5)
             if on_progress:
                 on_progress(c)
-            if c["state"] != "dumping":
+            if c.state != "dumping":
                 return c
             if time.monotonic() > end:
                 raise DeadlineExceeded(f"capture {cid} did not finish within {deadline_s:.0f} s",
