@@ -316,22 +316,7 @@ class SourceSide:
         faults.hit("capture:before_dump")
         # A checkpoint that fails leaves the container running: runc's CRIU thaws it
         undo.stage("the container runtime (the checkpoint failed; the container ran on)")
-        t_dump = time.monotonic()
-        export = images.parent / f"{cap.id}.export.tar"
-        try:
-            stats = containers.podman(self.s).checkpoint(ctr["id"], ctr.get("static_dir", ""), images, export,
-                                                         timeout_s=self.s.dump_timeout_s + 60)
-            container_config.keep_from_export(export, images)
-        except (OSError, ValueError) as e:
-            raise CaptureFailed(f"the container's checkpoint could not be kept: {e}",
-                                action="the container is restored here from its images; see the agent's log") from None
-        finally:
-            export.unlink(missing_ok=True)
-        dump_end = time.monotonic()
-        self.state.update_capture(cap, run_id=_run_id(images), seal=seal.take(images), phases={
-            **cap.phases, "before_dump": t_dump - t0, "freeze": stats.get("freezing_time", 0.0),
-            "dump": dump_end - t_dump, "frozen": stats.get("frozen_time", 0.0),
-            "memdump": stats.get("memdump_time", 0.0), "runtime_checkpoint": stats.get("runtime_checkpoint", 0.0)})
+        dump_end = self._checkpoint_container(cap, ctr, images, t0)
         self.state.update_worker(w, state="stopped")
         undo.stage("pitstop", replace=("gpu", "stream"),
                    push=(("rollback", lambda e: self._restore_container_here(cap, w)), ("stream", stop_stream)))
@@ -358,6 +343,27 @@ class SourceSide:
                                   compression=tail.compression.summary() if tail.compression else None)
         log.info("captured and sent", capture=cap.id, worker=w.id, dest=cap.dest_url, kind="container",
                  bytes=cap.bytes_total, **{k: round(v, 4) for k, v in ph.items()})
+
+    def _checkpoint_container(self, cap: Capture, ctr: dict[str, Any], images: Path, t0: float) -> float:
+        """The container checkpointed by its runtime into `images`, its own files kept beside them,
+        the dump sealed and its phases recorded; when the dump ended."""
+        t_dump = time.monotonic()
+        export = images.parent / f"{cap.id}.export.tar"
+        try:
+            stats = containers.podman(self.s).checkpoint(ctr["id"], ctr.get("static_dir", ""), images, export,
+                                                         timeout_s=self.s.dump_timeout_s + 60)
+            container_config.keep_from_export(export, images)
+        except (OSError, ValueError) as e:
+            raise CaptureFailed(f"the container's checkpoint could not be kept: {e}",
+                                action="the container is restored here from its images; see the agent's log") from None
+        finally:
+            export.unlink(missing_ok=True)
+        dump_end = time.monotonic()
+        self.state.update_capture(cap, run_id=_run_id(images), seal=seal.take(images), phases={
+            **cap.phases, "before_dump": t_dump - t0, "freeze": stats.get("freezing_time", 0.0),
+            "dump": dump_end - t_dump, "frozen": stats.get("frozen_time", 0.0),
+            "memdump": stats.get("memdump_time", 0.0), "runtime_checkpoint": stats.get("runtime_checkpoint", 0.0)})
+        return dump_end
 
     def _restore_container_here(self, cap: Capture, w: Worker) -> str:
         """Bring a checkpointed container back on this host, from its own images, as its runtime

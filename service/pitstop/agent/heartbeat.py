@@ -244,6 +244,51 @@ async def heartbeat_loop(agent: Agent) -> None:
         alive.cancel()
 
 
+async def _datagram_beat(agent: Agent, udp: UdpBeats, body: dict) -> int | None:
+    """A beat as a datagram; the coordinator's answer (ACK_OK, ACK_RESYNC), None where none came.
+    Any answer is contact, even one that asks for the report again."""
+    status = await udp.beat(body["name"], body["generation"], min(1.0, agent.s.heartbeat_s))
+    if status is not None:
+        agent.coordinator_seen = time.monotonic()
+    return status
+
+
+async def _post_report(c: Reports, agent: Agent, rep: Reporter, base: str, path: str,
+                       body: dict) -> tuple[str, str, httpx.Response]:
+    """The report over HTTP; where the coordinator lacks the last full one (409), the full one at
+    once instead.  (The URL, the path sent, the answer.)"""
+    r = await c.post(base + path, body)
+    if r.status_code == 409:
+        rep.failed()
+        path, body = rep.next(payload(agent))
+        r = await c.post(base + path, body)
+    return base + path, path, r
+
+
+def _udp_missed(udp: UdpBeats, misses: int, off_until: float) -> tuple[int, float]:
+    """One more datagram unanswered where HTTP got through; past UDP_MISSES_BEFORE_HTTP of them,
+    beats go by HTTP for UDP_RETRY_AFTER_S.  (The misses counted, until when UDP is off.)"""
+    misses += 1
+    if misses < UDP_MISSES_BEFORE_HTTP:
+        return misses, off_until
+    log.warning("UDP beats not answered while HTTP works; beating over HTTP for a while",
+                coordinator=udp.addr, retry_after_s=UDP_RETRY_AFTER_S)
+    return 0, time.monotonic() + UDP_RETRY_AFTER_S
+
+
+def _report_failed(link: Link, rep: Reporter, path: str, url: str, e: Exception) -> None:
+    """A report that did not get through: a full one is due again; said once until one does; the
+    next coordinator tried where this one cannot be reached."""
+    if path == FULL:
+        rep.failed()
+    if not link.failing:
+        log.warning("heartbeat failed; will keep trying (beats by datagram meanwhile)", url=url,
+                    error=repr(e)[:200])
+    link.failing = True
+    if len(link.urls) > 1 and isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+        link.switch()  # that coordinator is gone: the next one leads, or names who does
+
+
 async def _report_loop(agent: Agent, link: Link) -> None:
     rep = Reporter(agent.s.full_report_s)
     misses, udp_off_until = 0, 0.0
@@ -257,9 +302,7 @@ async def _report_loop(agent: Agent, link: Link) -> None:
                 link.generation = body["generation"]
                 if path == BEAT and "gpu_health" not in body and udp is not None \
                         and time.monotonic() >= udp_off_until:
-                    status = await udp.beat(body["name"], body["generation"], min(1.0, agent.s.heartbeat_s))
-                    if status is not None:  # answered: contact, even where the report must be sent again
-                        agent.coordinator_seen = time.monotonic()
+                    status = await _datagram_beat(agent, udp, body)
                     if status == ACK_OK:
                         misses, link.failing = 0, False
                         await asyncio.sleep(agent.s.heartbeat_s)
@@ -270,12 +313,7 @@ async def _report_loop(agent: Agent, link: Link) -> None:
                     else:
                         udp_missed = True  # this beat goes by HTTP
                 url = base + path
-                r = await c.post(url, body)
-                if r.status_code == 409:  # the coordinator lacks our last full report: send it now
-                    rep.failed()
-                    path, body = rep.next(payload(agent))
-                    url = base + path
-                    r = await c.post(url, body)
+                url, path, r = await _post_report(c, agent, rep, base, path, body)
                 if r.status_code >= 300:
                     if path == FULL:  # not stored: say it all again (a lost beat needs nothing: 409 tells)
                         rep.failed()
@@ -296,23 +334,12 @@ async def _report_loop(agent: Agent, link: Link) -> None:
                     if agent.fencing.isolated:  # back in touch: fenced ranks end, the others run on
                         await asyncio.to_thread(agent.fencing.rejoin, _fences(r))
                 if udp_missed and udp is not None:  # HTTP got through where UDP did not: a firewall?
-                    misses += 1
-                    if misses >= UDP_MISSES_BEFORE_HTTP:
-                        udp_off_until, misses = time.monotonic() + UDP_RETRY_AFTER_S, 0
-                        log.warning("UDP beats not answered while HTTP works; beating over HTTP for a while",
-                                    coordinator=udp.addr, retry_after_s=UDP_RETRY_AFTER_S)
+                    misses, udp_off_until = _udp_missed(udp, misses, udp_off_until)
                 if link.failing:
                     log.info("coordinator reachable again", url=url)
                 link.failing = False
             except (httpx.HTTPError, OSError) as e:
-                if path == FULL:
-                    rep.failed()
-                if not link.failing:
-                    log.warning("heartbeat failed; will keep trying (beats by datagram meanwhile)", url=url,
-                                error=repr(e)[:200])
-                link.failing = True
-                if len(link.urls) > 1 and isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
-                    link.switch()  # that coordinator is gone: the next one leads, or names who does
+                _report_failed(link, rep, path, url, e)
             if agent.s.self_fence_s and time.monotonic() - agent.coordinator_seen > agent.s.self_fence_s:
                 if await asyncio.to_thread(agent.fencing.isolate, agent.s.self_fence_s):
                     rep.failed()  # the next report is a full one: its answer says which jobs were fenced

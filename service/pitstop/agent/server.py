@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import grp
 import os
+import socket
 from pathlib import Path
 
 import structlog
@@ -155,18 +156,11 @@ def _preload() -> None:
         log.warning("CRIU not loaded at start", error=str(e))
 
 
-def serve(s: AgentSettings) -> None:
-    priority.apply(s.nice, "agent", realtime=s.realtime)  # first: every thread started later inherits it
-    os.umask(0o077)  # as the systemd unit's UMask=: what it writes (state, images, outputs) is its own
-    check_security(s)
-    check_advertised(s)
-    check_lazy_restore(s)
-    warn_moved_settings(dict(os.environ))
-    _preload()
-    become_subreaper()
-    host, port = s.host_port()
-    data_host, data_port = s.data_host_port()
-    socks = [listening_socket(host, port, "the agent's API (--listen)")]  # first: a failure changes nothing
+def _bind_and_load(s: AgentSettings, host: str, port: int, data_host: str,
+                   data_port: int) -> tuple[socket.socket, socket.socket, Agent]:
+    """The API's and the image streams' sockets (first: a port in use changes nothing), then the
+    state directory held and the agent loaded from it.  What fails closes the sockets."""
+    socks = [listening_socket(host, port, "the agent's API (--listen)")]
     try:
         socks.append(listening_socket(data_host, data_port, "image streams (PITSTOP_AGENT_DATA_LISTEN)"))
         hold_state_dir(s)  # after the ports (a port in use changes nothing), before anything reads the directory
@@ -183,7 +177,12 @@ def serve(s: AgentSettings) -> None:
         for x in socks:
             x.close()
         raise
-    tcp_sock, data_sock = socks
+    return socks[0], socks[1], agent
+
+
+def _servers(s: AgentSettings, agent: Agent, host: str, port: int) -> tuple[uvicorn.Server, uvicorn.Server]:
+    """The peers' API over TCP (the cluster's token) and the local one on the Unix socket (the
+    caller's credentials, checked by `checked`)."""
     peers = RequestGuard(peer_app(agent), tokens=lambda: (s.cluster_token,), large=_image_upload)
     tcp = uvicorn.Server(uvicorn.Config(peers, host=host, port=port, log_level="warning",
                                         http=with_header_deadline(tls.http_protocol(), s.header_timeout_s,
@@ -196,6 +195,22 @@ def serve(s: AgentSettings) -> None:
                                         http=with_header_deadline(checked(HttpToolsProtocol, s.local_group), s.header_timeout_s),
                                         lifespan="off",
                                         timeout_graceful_shutdown=int(STOP_S // 2)))
+    return tcp, uds
+
+
+def serve(s: AgentSettings) -> None:
+    priority.apply(s.nice, "agent", realtime=s.realtime)  # first: every thread started later inherits it
+    os.umask(0o077)  # as the systemd unit's UMask=: what it writes (state, images, outputs) is its own
+    check_security(s)
+    check_advertised(s)
+    check_lazy_restore(s)
+    warn_moved_settings(dict(os.environ))
+    _preload()
+    become_subreaper()
+    host, port = s.host_port()
+    data_host, data_port = s.data_host_port()
+    tcp_sock, data_sock, agent = _bind_and_load(s, host, port, data_host, data_port)
+    tcp, uds = _servers(s, agent, host, port)
     port_ = DataPort(data_host, data_port, sock=data_sock, token=s.cluster_token, open_slot=agent.dest.open_slot,
                      fail_slot=agent.dest.fail_slot, finished=agent.finish_slot, on_error=agent.storage_error,
                      idle_timeout_s=min(s.transfer_timeout_s, 60.0), pages_for=agent.pages.pages_for).start()

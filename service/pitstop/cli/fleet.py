@@ -7,7 +7,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
@@ -20,6 +20,9 @@ from pitstop.cli.common import (
     setup_logs,
 )
 from pitstop.errors import FailedPrecondition, InvalidRequest, PitstopError
+
+if TYPE_CHECKING:
+    from pitstop.replay.pricing import Stack
 
 
 @app.command("slurm-watch")
@@ -78,6 +81,38 @@ def _same_coordinator(url: str) -> None:
                                         "token), or give --move-pause-s")
 
 
+def _checked(given: dict[str, float | None], ranks: str, stack: str) -> tuple[Stack, ...]:
+    """The replay's figures finite, its rank kind and its stacks known; the stacks to price."""
+    from pitstop.replay.pricing import STACKS
+
+    bad = [f"--{n.replace('_', '-')} {v}" for n, v in given.items() if v is not None and not math.isfinite(v)]
+    if bad:
+        raise InvalidRequest(f"not a finite number: {', '.join(bad)}", code="bad_input",
+                             action="give each figure as a finite number")
+    if ranks not in ("gpu", "cpu"):
+        raise InvalidRequest(f"--ranks {ranks}: neither gpu nor cpu", code="bad_input", action="give gpu or cpu")
+    stacks: tuple[Stack, ...] | None = {"both": STACKS, "optimised": ("optimised",),
+                                         "default": ("default",)}.get(stack)
+    if stacks is None:
+        raise InvalidRequest(f"--stack {stack}: not optimised, default or both", code="bad_input",
+                             action="give optimised, default or both")
+    return stacks
+
+
+def _median_move_pause(moves_from: str) -> float:
+    """The median pause of the succeeded evacuations the coordinator at `moves_from` keeps."""
+    from pitstop.replay.model import median_move_pause_s
+    from pitstop.wire.coordinator_client import CoordinatorClient
+
+    _same_coordinator(moves_from)
+    with CoordinatorClient(moves_from) as c:
+        pause = median_move_pause_s(c.ops(done=True, limit=1000))
+    if pause is None:
+        raise PitstopError(f"the coordinator at {moves_from} has no succeeded evacuation to measure",
+                           code="no_moves", action="give --move-pause-s")
+    return pause
+
+
 @app.command()
 def replay(
     trace_file: Path = typer.Argument(..., help="the failure and maintenance history: CSV or JSON with "
@@ -116,38 +151,19 @@ def replay(
     break-even snapshot interval and CUDA checkpoint rate; where pitstop loses; every input with
     its kind and source."""
     from pitstop.replay import report, study, trace
-    from pitstop.replay.pricing import STACKS, Stack
 
     try:
         given = {"move_pause_s": move_pause_s, "snapshot_pause_s": snapshot_pause_s,
                  "recovery_pause_s": recovery_pause_s, "detection_s": detection_s, "restart_s": restart_s,
                  "checkpoint_save_s": checkpoint_save_s, "checkpoint_interval_h": checkpoint_interval_h,
                  "repair_h": repair_h, "duration_h": duration_h, "snapshot_every_min": snapshot_every_min}
-        bad = [f"--{n.replace('_', '-')} {v}" for n, v in given.items() if v is not None and not math.isfinite(v)]
-        if bad:
-            raise InvalidRequest(f"not a finite number: {', '.join(bad)}", code="bad_input",
-                                 action="give each figure as a finite number")
-        if ranks not in ("gpu", "cpu"):
-            raise InvalidRequest(f"--ranks {ranks}: neither gpu nor cpu", code="bad_input", action="give gpu or cpu")
-        stacks: tuple[Stack, ...] | None = {"both": STACKS, "optimised": ("optimised",),
-                                             "default": ("default",)}.get(stack)
-        if stacks is None:
-            raise InvalidRequest(f"--stack {stack}: not optimised, default or both", code="bad_input",
-                                 action="give optimised, default or both")
+        stacks = _checked(given, ranks, stack)
         overrides = _settings(set_ or [])
         events = trace.read(trace_file)
         source = str(trace_file)
         pause = move_pause_s
         if pause is None and moves_from:
-            from pitstop.replay.model import median_move_pause_s
-            from pitstop.wire.coordinator_client import CoordinatorClient
-
-            _same_coordinator(moves_from)
-            with CoordinatorClient(moves_from) as c:
-                pause = median_move_pause_s(c.ops(done=True, limit=1000))
-            if pause is None:
-                raise PitstopError(f"the coordinator at {moves_from} has no succeeded evacuation to measure",
-                                   code="no_moves", action="give --move-pause-s")
+            pause = _median_move_pause(moves_from)
             source += f"; move pause: the median of {moves_from}'s succeeded evacuations ({pause:.2f} s)"
         pit = {k: x for k, x in (("planned_s", pause), ("each_s", snapshot_pause_s),
                                  ("recover_s", recovery_pause_s), ("detection_s", detection_s)) if x is not None}

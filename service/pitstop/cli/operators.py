@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.table import Table
@@ -24,6 +24,9 @@ from pitstop.cli.common import (
     until_done,
 )
 from pitstop.errors import InvalidRequest, PitstopError
+
+if TYPE_CHECKING:
+    from pitstop.wire.coordinator_client import CoordinatorClient
 
 hosts_app = typer.Typer(invoke_without_command=True, help="List hosts (role, health, GPUs, last heartbeat); "
                         "cordon a host, return a cordoned or evacuated host to service, change a role, "
@@ -432,10 +435,6 @@ def evacuate(
     """Move every worker off NODE to a spare while its jobs keep training.
 
     Done when NODE may leave: with post-copy, once the moved memory has all arrived."""
-    import time
-
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
-
     c = client(coordinator, as_json)
     try:
         o = c.evacuate(node, to, idempotency_key, reason=reason, post_copy=post_copy, pre_copy=pre_copy,
@@ -443,21 +442,45 @@ def evacuate(
     except PitstopError as e:
         fail(e, as_json)
     if dry_run:
-        if as_json:
-            print(json.dumps(o, indent=1))
-            return
-        out.print(f"{node} could be evacuated now: {len(o['workers'])} worker(s) of {', '.join(o['jobs'])} "
-                  f"would move to {o['destination']}" + (f", {len(o['peers'])} peer(s) pausing meanwhile"
-                                                         if o["peers"] else ""))
-        if o["files"]["unchecked"]:
-            out.print(f"not checked: the files of {', '.join(o['files']['unchecked'])} (an agent predates the "
-                      "check; the restore would say what is missing)")
-        else:
-            out.print(f"{o['destination']} has every file the leaving workers use")
+        _print_dry_run(node, o, as_json)
         return
     if not wait:
         print(json.dumps(o, indent=1)) if as_json else out.print(f"started {o['name']}")
         return
+    o = _follow(c, o, timeout, as_json)
+    if as_json:
+        print(json.dumps(o, indent=1))
+    else:
+        _print_op(o)
+    if not o["done"]:
+        err.print(f"[yellow]still running after {timeout:.0f} s; follow with `pitstop ops {o['name']}`[/]")
+        raise typer.Exit(EXIT_STILL_RUNNING)
+    if o.get("error"):
+        raise typer.Exit(1)
+
+
+def _print_dry_run(node: str, o: dict, as_json: bool) -> None:
+    """What an evacuation of `node` would do, as its checks found (nothing was moved)."""
+    if as_json:
+        print(json.dumps(o, indent=1))
+        return
+    out.print(f"{node} could be evacuated now: {len(o['workers'])} worker(s) of {', '.join(o['jobs'])} "
+              f"would move to {o['destination']}" + (f", {len(o['peers'])} peer(s) pausing meanwhile"
+                                                     if o["peers"] else ""))
+    if o["files"]["unchecked"]:
+        out.print(f"not checked: the files of {', '.join(o['files']['unchecked'])} (an agent predates the "
+                  "check; the restore would say what is missing)")
+    else:
+        out.print(f"{o['destination']} has every file the leaving workers use")
+
+
+def _follow(c: CoordinatorClient, o: dict, timeout: float, as_json: bool) -> dict:
+    """The operation followed until it is done or `timeout` passes: a progress bar on a terminal,
+    else a line per phase (and one every 10 s while the bytes move).  Its last state."""
+    import time
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
     end = time.monotonic() + timeout
     show = not as_json and err.is_terminal or os.environ.get("PITSTOP_PROGRESS") == "1"
     with Progress(TextColumn("[bold]{task.fields[phase]:<9}"), BarColumn(), DownloadColumn(),
@@ -473,24 +496,14 @@ def evacuate(
             m = o["metadata"]
             done, total = _progress(m)
             prog.update(task, phase=m["phase"], completed=done, total=total)
-            # without a terminal: a line per phase, and one every 10 s while the bytes move
             if not show and not as_json and (last is None or m["phase"] != last[0]
                                              or (done != last[1] and time.monotonic() - last_line >= 10)):
                 of = " of about" if m["phase"] == "precopy" else " of"  # a pre-copy's total is an estimate
                 err.print(f"phase: {m['phase']}  bytes: {done:,}" + (f"{of} {total:,}" if total else ""))
                 last, last_line = (m["phase"], done), time.monotonic()
             if o["done"] or time.monotonic() > end:
-                break
+                return o
             time.sleep(0.2)
-    if as_json:
-        print(json.dumps(o, indent=1))
-    else:
-        _print_op(o)
-    if not o["done"]:
-        err.print(f"[yellow]still running after {timeout:.0f} s; follow with `pitstop ops {o['name']}`[/]")
-        raise typer.Exit(EXIT_STILL_RUNNING)
-    if o.get("error"):
-        raise typer.Exit(1)
 
 
 def _progress(m: dict) -> tuple[int, int | None]:

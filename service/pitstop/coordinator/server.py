@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sqlite3
 import sys
 import threading
@@ -122,28 +123,32 @@ class _Server(uvicorn.Server):
             self.handed_over.set()
 
 
-def serve(s: CoordinatorSettings) -> None:
-    priority.apply(s.nice, "coordinator", realtime=s.realtime)  # first: every thread started later inherits it
-    os.umask(0o077)  # as the systemd unit's UMask=: what it writes (state, images, outputs) is its own
+def _refuse_unsafe(s: CoordinatorSettings, host: str) -> None:
+    """What the coordinator will not start with, said before it binds anything."""
     if not s.insecure and not (s.operator_token and s.cluster_token):
         missing = [n for n, v in (("PITSTOP_TOKEN", s.operator_token), ("PITSTOP_CLUSTER_TOKEN", s.cluster_token))
                    if not v]
         raise FailedPrecondition(f"refusing to start without {' and '.join(missing)}", code="no_token",
                                  action="set them (operators use PITSTOP_TOKEN, agents PITSTOP_CLUSTER_TOKEN), "
                                         "or pass --insecure for local development")
-    host, port = s.host_port()
     if shared(s.db) and not s.advertise_url and host in ("0.0.0.0", "::", ""):
         raise FailedPrecondition(f"--listen {s.listen} says on which addresses, not how the agents and the other "
                                  "coordinators reach this one", code="no_advertise_url",
                                  action="give --advertise-url http(s)://HOST:PORT (PITSTOP_COORDINATOR_ADVERTISE_URL): "
                                         "standbys send clients there while this coordinator leads")
+
+
+def _bind_and_open(s: CoordinatorSettings, host: str, port: int) -> tuple[socket.socket, socket.socket | None,
+                                                                          BaseStore, BaseStore]:
+    """The API's socket (and the beats' datagram socket on the same port), then the database twice:
+    the lease on a connection of its own.  A database that cannot be opened closes the sockets."""
     sock = listening_socket(host, port, "the coordinator's API (--listen)")
     udp_sock = None
     try:
         if s.beat_udp:  # the same port, for beats as datagrams
             udp_sock = listening_socket(host, port, "heartbeats (--listen)", datagram=True)
         try:
-            store, lease_store = open_store(s.db), open_store(s.db)  # the lease on a connection of its own
+            return sock, udp_sock, open_store(s.db), open_store(s.db)
         except (OSError, sqlite3.Error) as e:
             raise FailedPrecondition(f"cannot open the database {s.db}: {getattr(e, 'strerror', None) or e}",
                                      code="database", action="give --db a path on a writable local file system "
@@ -156,6 +161,14 @@ def serve(s: CoordinatorSettings) -> None:
         if udp_sock is not None:
             udp_sock.close()
         raise
+
+
+def serve(s: CoordinatorSettings) -> None:
+    priority.apply(s.nice, "coordinator", realtime=s.realtime)  # first: every thread started later inherits it
+    os.umask(0o077)  # as the systemd unit's UMask=: what it writes (state, images, outputs) is its own
+    host, port = s.host_port()
+    _refuse_unsafe(s, host)
+    sock, udp_sock, store, lease_store = _bind_and_open(s, host, port)
     coords: list[Coordinator] = []
     lead = Leadership(store, lease_store, s.url(), s.lease_s,
                       on_lead=lambda term, gap: log.info("took over as leader", term=term,
@@ -198,24 +211,20 @@ def serve(s: CoordinatorSettings) -> None:
         udp = None
         if udp_sock is not None:
             udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(app.datagrams, sock=udp_sock)
-        dog = asyncio.create_task(watchdog_loop())
-        flusher = asyncio.create_task(flush_loop(driver.store, s.flush_s, leading))
-        watcher = asyncio.create_task(watch_loop([coord.operations.watch], s.watchdog_s, coord.on_duty))
-        pruner = asyncio.create_task(prune_loop(driver.store, s.ops_retention_days * 86400, leading=leading))
-        duties = [asyncio.create_task(tick_loop("snapshot schedule", coord.snapshots.tick, DUTY_TICK_S, coord.on_duty)),
-                  asyncio.create_task(tick_loop("failure detection", coord.recoveries.tick, DUTY_TICK_S, coord.on_duty))]
+        loops = [watchdog_loop(), flush_loop(driver.store, s.flush_s, leading),
+                 watch_loop([coord.operations.watch], s.watchdog_s, coord.on_duty),
+                 prune_loop(driver.store, s.ops_retention_days * 86400, leading=leading),
+                 tick_loop("snapshot schedule", coord.snapshots.tick, DUTY_TICK_S, coord.on_duty),
+                 tick_loop("failure detection", coord.recoveries.tick, DUTY_TICK_S, coord.on_duty)]
+        tasks = [asyncio.create_task(c) for c in loops]
         role = lead.view()
         log.info("coordinator up", listen=s.listen, url=s.url(), db=describe(s.db), role=role["role"],
                  term=role["term"], leader=role["leader"], reconciled=touched)
         notify(f"READY=1\nSTATUS=coordinator serving {s.listen} ({role['role']})")
         await serving
         notify("STOPPING=1")
-        dog.cancel()
-        flusher.cancel()
-        pruner.cancel()
-        watcher.cancel()
-        for d in duties:
-            d.cancel()
+        for t in tasks:
+            t.cancel()
         if udp is not None:
             udp.close()
         server.handed_over.wait(STOP_S / 4)

@@ -18,9 +18,10 @@ def _h(x: float | None) -> str:
     return f"{x * 60:,.1f} min" if x < 2 else f"{x:,.1f} h"
 
 
-def markdown(d: dict[str, Any], source: str) -> str:
+def _summary(d: dict[str, Any], source: str) -> list[str]:
+    """The history in a paragraph, and the head of the per-event table."""
     j = d["job"]
-    lines = [
+    return [
         f"# Replay: {d['events']} events over {d['duration_h'] / 24:,.1f} days, a job of {j['gpus']:,} "
         f"{'GPUs' if j['ranks'] == 'gpu' else 'CPU ranks'}",
         "",
@@ -35,6 +36,11 @@ def markdown(d: dict[str, Any], source: str) -> str:
                                                           for s in d["stacks"]) + " |",
         "|---|" + "---|---|" * len(d["stacks"]),
     ]
+
+
+def _costs(d: dict[str, Any]) -> list[str]:
+    """Each event's cost in the job's seconds, then the GPU-hours lost, per stack and method."""
+    lines: list[str] = []
     rows = [("a planned event (pitstop: a move)", lambda c: c["planned_s"]),
             ("a failure: detection", lambda c: c["detection_s"]),
             ("a failure: pause (pitstop: the recovery; else the restart)", lambda c: c["recover_s"]),
@@ -60,7 +66,12 @@ def markdown(d: dict[str, Any], source: str) -> str:
             g = run["per_event"][kind]["gpu_h"]
             cells += [_n(g["pitstop"]), _n(g["checkpoint_restart"])]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines.append("")
+    return lines
+
+
+def _stacks(d: dict[str, Any]) -> list[str]:
+    """Per stack: the saving, the snapshot interval, the break-even rates, where pitstop loses."""
+    lines = [""]
     for s, run in d["stacks"].items():
         be = run["break_even"]
         iv = be["snapshot_interval"]
@@ -89,6 +100,12 @@ def markdown(d: dict[str, Any], source: str) -> str:
                          "planned event).")
         lines.append("- Where pitstop loses: " + ("; ".join(run["where_pitstop_loses"]) or "nowhere here") + ".")
         lines.append("")
+    return lines
+
+
+def _appendix(d: dict[str, Any]) -> list[str]:
+    """What both pay, the inputs with their sources, the sensitivity and the failure domains."""
+    lines: list[str] = []
     lines += ["Common to both, not counted above: " + "; ".join(
         f"{s}: the job's checkpoints {_n(run['common']['checkpoints_gpu_h'], 0)} GPU-hours" for s, run in
         d["stacks"].items()) + f"; the spares held idle {_n(next(iter(d['stacks'].values()))['common']['spares_idle_gpu_h'], 0)}"
@@ -110,7 +127,11 @@ def markdown(d: dict[str, Any], source: str) -> str:
     for dom, c in sorted(d["coverage"].items(), key=lambda kv: -kv[1]["events"]):
         lines.append(f"| {dom} | {c['events']} | {c['own_spare']} | {c['pooled']} | {c['waited']} | "
                      f"{c['wait_h']:,.1f} | {c['covered_share']:.0%} |")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def markdown(d: dict[str, Any], source: str) -> str:
+    return "\n".join(_summary(d, source) + _costs(d) + _stacks(d) + _appendix(d)) + "\n"
 
 
 def svg(d: dict[str, Any]) -> str:
