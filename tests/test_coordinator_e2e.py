@@ -77,7 +77,7 @@ def test_demo_scenario_through_the_cli(cluster, tmp_path):
     wait_for_step(ranks[2].log, 10)
     # Each rank's tree has pitstop's init at its root, working in a directory of its own (so the
     # two dumps on host-b start at once: nsinit.py), while the training works where it started.
-    roots = {w["id"]: w["root_pid"] for a in ("host-a", "host-b") for w in cluster.agents[a].client().workers()}
+    roots = {w.id: w.root_pid for a in ("host-a", "host-b") for w in cluster.agents[a].client().workers()}
     dirs = {wid: os.readlink(f"/proc/{pid}/cwd") for wid, pid in roots.items()}
     assert len(set(dirs.values())) == 4 and all(os.path.dirname(d) == str(cluster.root / "init") for d in dirs.values())
     assert os.readlink(f"/proc/{proctree.children(roots['train.2'])[0]}/cwd") == os.getcwd()
@@ -112,7 +112,7 @@ def test_demo_scenario_through_the_cli(cluster, tmp_path):
     with pytest.raises(PitstopError) as e:  # same key, other body
         cc.evacuate("host-b", to="host-a", idempotency_key="k-1")
     assert e.value.http_status == 422 and "Idempotency-Key" in e.value.message
-    moved = {w["id"]: w["root_pid"] for w in cluster.agents["spare-1"].client().workers()}
+    moved = {w.id: w.root_pid for w in cluster.agents["spare-1"].client().workers()}
     assert {wid: os.readlink(f"/proc/{pid}/cwd") for wid, pid in moved.items()} == \
         {wid: dirs[wid] for wid in ("train.2", "train.3")}  # made again on the spare, the same for CRIU
     let_finish(out)
@@ -309,8 +309,8 @@ def test_a_restored_worker_outlives_a_restart_of_its_agent(cluster, tmp_path):
     steps = len(step_times(ranks[0].log))
     time.sleep(1.0)
     cluster.start_agent("spare-1", spare=True, port=port)
-    w = next(w for w in spare.client().workers() if w["id"] == "train.0")
-    assert w["state"] == "running" and w["restored"], w
+    w = next(w for w in spare.client().workers() if w.id == "train.0")
+    assert w.state == "running" and w.restored, w
     _ends_with_its_status(cluster, ranks[0], out, tmp_path, steps)
 
 
@@ -338,22 +338,22 @@ def _ends_with_its_status(cluster, rank, out, tmp_path, steps_before: int) -> No
     assert len(step_times(rank.log)) == 120 > steps_before and "done rank=0 steps=120" in log, log[-1500:]
     assert ("exit status is unknown" in log) != known
     assert_same_as_reference(out, reference_hashes(tmp_path, 1, steps=120))
-    w = next(w for w in cluster.agents["spare-1"].client().workers() if w["id"] == "train.0")
+    w = next(w for w in cluster.agents["spare-1"].client().workers() if w.id == "train.0")
     if known:
-        assert w["state"] == "exited" and w["exit_code"] == 0 and not w["reason"], w
+        assert w.state == "exited" and w.exit_code == 0 and not w.reason, w
     else:
-        assert w["state"] == "exited" and w["exit_code"] is None and "restarting" in w["reason"], w
+        assert w.state == "exited" and w.exit_code is None and "restarting" in w.reason, w
 
 
 def test_a_restored_worker_that_ends_while_no_agent_runs_keeps_its_status(cluster, tmp_path):
     """Its agent is down from before the worker ends until after: only the keeper held its pidfd."""
     ranks, out, spare, port = _one_rank_moved_to_the_spare(cluster, tmp_path)
-    w = next(w for w in spare.client().workers() if w["id"] == "train.0")
+    w = next(w for w in spare.client().workers() if w.id == "train.0")
     cluster.stop_agent("spare-1")
     steps = len(step_times(ranks[0].log))
     let_finish(out)
     deadline = time.monotonic() + 180
-    while proctree.is_running(w["root_pid"], w["start_time"]):
+    while proctree.is_running(w.root_pid, w.start_time):
         assert time.monotonic() < deadline, "the worker did not finish"
         time.sleep(0.2)
     cluster.start_agent("spare-1", spare=True, port=port)
@@ -379,8 +379,8 @@ def test_a_restore_that_outlives_its_call_is_stopped_by_the_rollback(cluster, tm
     op = _wait_op(cc, cc.evacuate("host-b")["name"])
     assert op["metadata"]["result"] == "failed", op
     w = spare.client().worker("train.1")  # registered after the rollback looked ...
-    assert w["state"] == "lost" and "rolled back" in w["reason"], w
-    assert not proctree.exists(w["root_pid"])  # ... and stopped by its discard
+    assert w.state == "lost" and "rolled back" in w.reason, w
+    assert not proctree.exists(w.root_pid)  # ... and stopped by its discard
     let_finish(out)
     assert [r.proc.wait(240) for r in ranks] == [0, 0]
     assert_same_as_reference(out, reference_hashes(tmp_path, 2, steps=150))

@@ -53,7 +53,7 @@ def test_fill_daemon_dies_worker_is_stopped_and_says_why(cluster, tmp_path):
     rep = move_worker(a.client(), b.client(), "j.1", dest_name="b", peers=[(a.client(), "j.0")])
     until(lambda: b.client().worker("j.1").state == "lost")
     w = b.client().worker("j.1")
-    assert "lazy-pages daemon stopped with signal 9" in w["reason"], w
+    assert "lazy-pages daemon stopped with signal 9" in w.reason, w
     assert not proctree.exists(rep.restored_pid)
     until(lambda: not any(b.image_dir.iterdir()))
     for r in ranks:  # the job's own recovery would take over; here the test ends it

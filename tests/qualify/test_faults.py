@@ -219,7 +219,7 @@ def test_worker_dies_during_the_freeze(cluster, tmp_path, record):
         how = f"exited on its own (code {code0}): gloo saw its dead peer"
     except subprocess.TimeoutExpired:
         how = "still running, waiting in gloo for its dead peer (gloo's own timeout ends it)"
-        proctree.kill_and_wait(survivor["root_pid"])  # the test ends it; its launcher then exits
+        proctree.kill_and_wait(survivor.root_pid)  # the test ends it; its launcher then exits
         w.ranks[0].proc.wait(30)
     record("a worker dies during the freeze", "op failed; the surviving rank was resumed and " + how,
            f"op failed: {op['error']['message'][:160]}")
