@@ -60,12 +60,17 @@ def ranks_die_first_then_their_host(cluster, tmp_path) -> dict:
                               {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}, addresses=addrs,
                               run_args=["--snapshot-every", "5"])
     _wait_jobs(cc, "train", 4)
-    snap = _committed(cc, "train")
-    snap = _committed(cc, "train", after=snap["number"])
-    assert snap["incremental"], "with loader workers too, the second snapshot is a delta"
-    # each part says how many processes its rank's tree had (the rank and its two loader workers, and
-    # the init of its own address's namespace) and where the agent's time in the pause went
+    wait_for_step(ranks[0].log, 2)  # the loader workers start with the first batch
+    # each part says how many processes its rank's tree had: the rank, its two loader workers and the
+    # init of its own address's namespace (a snapshot taken as the job started may precede the workers)
+    def whole_trees() -> dict | None:
+        return next((s for s in reversed(cc.snapshots("train")["snapshots"]) if s["state"] == "committed"
+                     and all(p.get("processes") == 4 for p in s["parts"].values())), None)
+    first = until(whole_trees, timeout=90, what="a snapshot of every rank with its loader workers")
+    snap = _committed(cc, "train", after=first["number"])
+    assert snap["incremental"], "with loader workers too, the next snapshot is a delta"
     assert {w: p["processes"] for w, p in snap["parts"].items()} == {f"train.{r}": 4 for r in range(4)}, snap["parts"]
+    # ... and where the agent's time in the pause went
     assert all({"criu", "track_reset", "seal_and_files"} <= set(p["steps"]) for p in snap["parts"].values()), snap
     wait_for_step(ranks[0].log, 60)
     lost = cluster.kill_host("host-b", processes_first_s=1.5)
