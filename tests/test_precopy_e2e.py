@@ -232,8 +232,10 @@ def test_a_pre_copy_given_up_on_is_stopped_before_the_pause(cluster, tmp_path, c
 
 
 def test_cancelling_during_the_pre_copy_stops_it_and_leaves_the_job_where_it_was(cluster, tmp_path):
+    # 400 steps: at 150 the paced job (13 s) once ended before the cancel's checks on a machine a
+    # CPU-bound process shared, and "running where it was" could not be seen
     cc, spare, op, out, kw, ranks = _evacuate(
-        cluster, tmp_path, src_env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_finish=sleep:5"},
+        cluster, tmp_path, steps=400, src_env={**FAULTY, "PITSTOP_FAULTS": "precopy:before_finish=sleep:5"},
         until=lambda o: o["metadata"].get("pre_copy_bytes", 0) > 0 or o["done"])
     assert op["metadata"]["phase"] == "precopy", op
     p = subprocess.run([*pitstop_cmd(), "cancel", op["name"], "--wait", "--json"], env=cluster.env(),

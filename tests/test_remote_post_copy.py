@@ -512,8 +512,12 @@ def test_coordinator_restarted_during_the_fill_waits_for_it_again(cluster, tmp_p
 def test_evacuation_whose_fill_fails_ends_failed_and_says_why(cluster, tmp_path):
     """Past the commit point nothing rolls back: the operation says the rank was stopped, and
     why, instead of reporting success."""
+    # the fault counts from the commit, and the fill is slowed so that it outlasts the commit: on a
+    # busy machine the restore's own pages reached a budget counted from the first page (a rollback),
+    # and an unslowed fill ended before the commit arrived (nothing left to fail)
     cc, out, kw, ranks = _coordinated(cluster, tmp_path, 1, 400, b_env={
-        "PITSTOP_ENABLE_FAULTS": "1", "PITSTOP_FAULTS": "postcopy:stop_after_pages=2000"})
+        "PITSTOP_ENABLE_FAULTS": "1",
+        "PITSTOP_FAULTS": "postcopy:stop_after_pages=2000,postcopy:faults_from=commit,postcopy:after_reply=sleep:0.01"})
     op, _ = _follow(cc, cc.evacuate("host-b", post_copy=True)["name"])
     md = op["metadata"]
     assert md["result"] == "failed" and md["committed"], op

@@ -33,13 +33,15 @@ damage what it handles, as CRIU's zdtm does with its own hooks.  Points:
                         run on zeros; stopped any earlier, the restore itself hangs)
   restore:kill_page_server destination agent, value = 1: kill the local page relay that serves a lazy
                         restore's pages once the restore returns (the worker must then be stopped)
-  postcopy:stop_after_pages  source agent, value = N: its page server hangs up after N pages served
-                        once the move committed (post-copy over the network; the moved worker
-                        must then be stopped; the restore's own pages never count)
+  postcopy:stop_after_pages  source agent, value = N: its page server hangs up after N pages
+                        (post-copy over the network; the moved worker must then be stopped)
   postcopy:after_reply  source agent, after each reply of its page server (sleep:S slows the fill)
   postcopy:stall_after_pages source agent, value = N: its page server stops answering after N pages
-                        served once the move committed (a hung source: the destination's relay
-                        must stop the worker at its deadline)
+                        (a hung source: the destination's relay must stop the worker at its deadline)
+  postcopy:faults_from  source agent, value = commit: the two above count the pages served once the
+                        move committed, so that the restore's own pages never reach them (a fault
+                        meant for the fill past the commit point; pair it with after_reply=sleep:S
+                        so that the fill outlasts the commit)
 """
 
 from __future__ import annotations

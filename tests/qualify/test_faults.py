@@ -129,7 +129,8 @@ def test_restore_finishing_after_the_coordinator_gave_up(cluster, tmp_path, reco
 
 
 def test_source_stops_serving_mid_fill(cluster, tmp_path, record):
-    w = World(cluster, tmp_path, agents={"host-b": "postcopy:stop_after_pages=2000"})
+    w = World(cluster, tmp_path, agents={"host-b": "postcopy:stop_after_pages=2000,postcopy:faults_from=commit,"
+                                                   "postcopy:after_reply=sleep:0.01"})
     op = _wait_op(w.cc, w.evacuate(post_copy=True)["name"])
     assert op["metadata"]["result"] == "failed" and op["metadata"]["committed"], op
     assert op["error"]["details"][0]["reason"] == "fill_failed", op["error"]

@@ -126,7 +126,8 @@ class PageSources:
                     conn, src.split, idle_timeout_s=min(self.s.lazy_fill_timeout_s, 60.0),  # type: ignore[arg-type]
                     stop_after=int(faults.value("postcopy:stop_after_pages") or 0) or None,
                     stall_after=int(faults.value("postcopy:stall_after_pages") or 0) or None,
-                    faults_from=lambda: cap.state == "committed",
+                    faults_from=(lambda: cap.state == "committed") if faults.value("postcopy:faults_from") == "commit"
+                    else None,
                     on_progress=progress)
                 log.info("lazy pages served", capture=cap.id, pages=served.pages, requests=served.requests,
                          seconds=round(served.seconds, 3))

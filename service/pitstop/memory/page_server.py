@@ -72,8 +72,9 @@ def serve(sock: socket.socket, split: LazySplit, *, idle_timeout_s: float,
     idle_timeout_s bounds each wait for the next request (the daemon asks continuously while it
     fills).  Fault hooks: stop_after, drop the connection after that many pages; stall_after,
     stop answering then (a hung host) until the other side gives up.  Both count the pages served
-    from the first request at which `faults_from()` is true (the agent: once the move committed,
-    so that a fault meant for the fill never lands in the restore, however many pages it took)."""
+    from the first request at which `faults_from()` is true, where given (the agent's
+    `postcopy:faults_from=commit`: once the move committed, so that a fault meant for the fill
+    never lands in the restore, however many pages the restore took)."""
     sock.settimeout(idle_timeout_s)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
