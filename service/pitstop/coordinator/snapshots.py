@@ -519,8 +519,10 @@ class Snapshots:
             # an incremental part's pages left in the part before it: not dumped, not sent again
             record.bytes_in_parent = sum(p.get("bytes_in_parent", 0) for p in parts)
             record.incremental = sorted(w for g in got for w, p in g["parts"].items() if p.get("parent"))
-            for w, p in ((w, p) for g in got for w, p in g["parts"].items() if w in record.parts):
-                record.parts[w].processes, record.parts[w].steps = p.get("processes"), p.get("steps") or {}
+            for g in got:  # each part's process count and where its agent's time in the pause went
+                for w, p in g["parts"].items():
+                    if w in record.parts:
+                        record.parts[w].processes, record.parts[w].steps = p.get("processes"), p.get("steps") or {}
             faults.hit("snapshot_phase:dump")  # dumped everywhere, still paused and locked
         finally:
             t = time.monotonic()
