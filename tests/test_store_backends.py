@@ -122,6 +122,23 @@ def test_a_report_of_the_copy_a_move_left_arriving_after_the_commit_keeps_the_wo
     assert store.workers(job="j")[0]["host"] == "b"
 
 
+def test_a_copy_restored_elsewhere_runs_there_only_once_its_operation_records_it(store):
+    """A spare's report of the copy it restored, written before the move rolled back (and the
+    copy was discarded) and read after, took the rank from the host that ran it again; that
+    host's next reports were beats, and its rank's end is no news from a host that does not hold
+    it, so the job's ranks stayed listed on the spare for good.  The commit (or a recovery's
+    resume) says where a restored copy runs."""
+    store.heartbeat(_report("b", [_w("j", 3, root_pid=100, start_time=7)]))
+    store.heartbeat(_report("spare", [_w("j", 3, state="paused", restored=True, root_pid=200, start_time=9)]))
+    assert store.workers(job="j")[0]["host"] == "b"  # restored, not committed: still b's
+    store.heartbeat(_report("b", [_w("j", 3, state="exited", root_pid=100, start_time=7)]))
+    assert [(w["host"], w["state"]) for w in store.workers(job="j")] == [("b", "exited")]
+    store.heartbeat(_report("b", [_w("j", 3, root_pid=101, start_time=8)]))
+    store.set_worker_host("j.3", "spare", "running", left={"host": "b", "pid": 101, "start_time": 8})  # committed
+    store.heartbeat(_report("spare", [_w("j", 3, restored=True, root_pid=200, start_time=9)]))
+    assert [(w["host"], w["state"]) for w in store.workers(job="j")] == [("spare", "running")]
+
+
 def test_snapshots_policies_and_fences(store):
     store.set_snapshot_policy("j", 30.0)
     assert store.snapshot_policy("j") == 30.0

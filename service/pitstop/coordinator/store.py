@@ -393,6 +393,13 @@ class BaseStore:
                     continue
                 if cur and cur["host"] != name and _is_left_behind(w, name, cur["left_behind"]):
                     continue  # a report written before the move committed, read after: the copy it left
+                if cur and cur["host"] != name and w.get("restored"):
+                    # A copy restored here by a move or a recovery runs here once that operation
+                    # records it (its commit, or the recovery's resume), never by a report: the
+                    # spare's report of a copy that a rollback then discarded, read after the
+                    # rollback, took the rank from the host that ran it again, for good (that
+                    # host's next reports were only beats, and its rank's end no news).
+                    continue
                 self.q(
                     "INSERT INTO workers(id,job,rank,host,state,info,updated) VALUES(?,?,?,?,?,?,?) "
                     "ON CONFLICT(id) DO UPDATE SET host=excluded.host, state=excluded.state, "
