@@ -10,7 +10,9 @@ import threading
 import time
 from pathlib import Path
 
+from pitstop.coordinator.planner import Plan
 from pitstop.dev.devcluster import free_port, step_times, wait_for_step  # noqa: F401 (re-exported for tests)
+from pitstop.wire.store_rows import StoredHost, StoredWorker
 
 WORKLOADS = Path(__file__).parent / "workloads"
 DDP = str(WORKLOADS / "ddp_train.py")
@@ -235,3 +237,17 @@ def assert_job_ends_intact(out: Path, ranks: list, tmp: Path, last_step: int, **
     assert codes == [0] * len(ranks), [r.log.read_text()[-1500:] for r in ranks]
     assert [s for s, _ in step_times(ranks[-1].log)][-1] == last_step
     assert_same_as_reference(out, reference_hashes(tmp, len(ranks), **kw))
+
+
+def plan_of(node: str, dest: str, leaving: dict[str, tuple[int, str]],
+            peers: dict[str, tuple[int, str]] | None = None) -> Plan:
+    """An evacuation's plan (coordinator/planner.Plan) as the planner would make it, for a test
+    that records an operation without a fleet: worker id -> (rank, host); the job is the id's prefix."""
+    def row(wid: str, rank: int, host: str) -> StoredWorker:
+        return StoredWorker(id=wid, job=wid.rsplit(".", 1)[0], rank=rank, host=host, state="running", updated=0.0)
+
+    def host(name: str) -> StoredHost:
+        return StoredHost(name=name, url=f"http://{name}:7070", role="active", last_seen=0.0, age_s=0.0)
+    rows = [row(w, *at) for w, at in leaving.items()]
+    return Plan(node=host(node), dest=host(dest), jobs=sorted({r.job for r in rows}), leaving=rows,
+                peers=[row(w, *at) for w, at in (peers or {}).items()])

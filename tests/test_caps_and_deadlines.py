@@ -17,6 +17,7 @@ from pitstop.coordinator import planner
 from pitstop.criu import criu_ops, runtime
 from pitstop.errors import FailedPrecondition, RestoreFailed
 from pitstop.proc import caps, proctree
+from pitstop.wire.store_rows import StoredHost, StoredWorker
 
 pytestmark = pytest.mark.timeout(60)
 UNIT_SET = (1 << 40) | (1 << 21) | (1 << 19) | (1 << 8)  # checkpoint_restore, sys_admin, sys_ptrace, setpcap
@@ -49,17 +50,15 @@ class _Store:
     def __init__(self, dst_bnd: str | None, need: str | None) -> None:
         self.dst_bnd, self.need = dst_bnd, need
 
-    def host(self, n: str) -> dict:
-        h = {"name": n, "last_seen": time.time(), "age_s": 0.0, "role": "spare"}
-        if n == "dst" and self.dst_bnd is not None:
-            h["cap_bnd"] = self.dst_bnd
-        return h
+    def host(self, n: str) -> StoredHost:
+        return StoredHost(name=n, url=f"http://{n}:7070", last_seen=time.time(), age_s=0.0, role="spare",
+                          cap_bnd=self.dst_bnd if n == "dst" else None)
 
-    def hosts(self) -> list[dict]:
+    def hosts(self) -> list[StoredHost]:
         return [self.host("src"), self.host("dst")]
 
-    def workers(self, host: str | None = None, job: str | None = None) -> list[dict]:
-        return [{"id": "j.0", "job": "j", "rank": 0, "host": "src", "state": "running", "caps": self.need}]
+    def workers(self, host: str | None = None, job: str | None = None) -> list[StoredWorker]:
+        return [StoredWorker(id="j.0", job="j", rank=0, host="src", state="running", updated=0.0, caps=self.need)]
 
 
 def test_capabilities_held_only_inside_a_user_namespace_are_not_needs():
@@ -90,7 +89,7 @@ def test_the_planner_refuses_a_destination_that_cannot_grant_a_workers_capabilit
         planner.plan(_Store(f"{UNIT_SET:x}", f"{UNIT_SET | 1 << 16:x}"), "src", "dst", {}, 5.0)
     assert "cannot grant cap_sys_module, which worker j.0 holds" in e.value.message
     assert "CapabilityBoundingSet" in e.value.action and e.value.code == "no_compatible_spare"
-    assert planner.plan(_Store(f"{UNIT_SET:x}", f"{UNIT_SET:x}"), "src", "dst", {}, 5.0).dest["name"] == "dst"
+    assert planner.plan(_Store(f"{UNIT_SET:x}", f"{UNIT_SET:x}"), "src", "dst", {}, 5.0).dest.name == "dst"
     assert planner.plan(_Store(f"{UNIT_SET:x}", None), "src", "dst", {}, 5.0)  # nothing held, nothing needed
     assert planner.plan(_Store(None, f"{UNIT_SET | 1 << 16:x}"), "src", "dst", {}, 5.0)  # an agent not saying
     with pytest.raises(FailedPrecondition) as e:  # the same, when pitstop picks the spare: the remedy is said too

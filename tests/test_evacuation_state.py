@@ -11,16 +11,17 @@ import json
 import shutil
 import sqlite3
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
+from pitstop.coordinator.planner import Plan
 from pitstop.coordinator.schema import MIGRATIONS
 from pitstop.coordinator.service import operation_view
 from pitstop.coordinator.sqlitestore import Store
 from pitstop.errors import FailedPrecondition
 from pitstop.wire.capture_report import CaptureReport
 from pitstop.wire.evacuation import SCHEMA_VERSION, EvacuationState
+from pitstop.wire.store_rows import StoredHost, StoredWorker
 
 OLD_DB = Path(__file__).parent / "data" / "coordinator-0.1.0.db"
 
@@ -41,15 +42,15 @@ def test_a_database_of_the_previous_release_is_read_whole_and_served_as_before(t
     s = Store(path)
     try:
         assert s.db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
-        ops = {op["id"]: op for op in s.ops()}
+        ops = {op.id: op for op in s.ops()}
         for op_id, old in before.items():
-            md = ops[op_id]["metadata"]
+            md = ops[op_id].metadata
             assert md == {**old, "schema_version": SCHEMA_VERSION}  # the shape operators read is unchanged
             state = EvacuationState.load(md)
             assert state.dump() == md
             view = operation_view(ops[op_id])
             assert view["metadata"]["node"] == state.node and view["done"]
-        by_result = {op["result"]: EvacuationState.load(op["metadata"]) for op in ops.values()}
+        by_result = {op.result: EvacuationState.load(op.metadata) for op in ops.values()}
         ok, undone = by_result["succeeded"], by_result["cancelled"]
         assert ok.committed and ok.downtime_s is not None and ok.downtime_s > 0
         assert [w.state for w in ok.workers.values()] == ["committed"] and ok.reason == "maintenance"
@@ -59,7 +60,7 @@ def test_a_database_of_the_previous_release_is_read_whole_and_served_as_before(t
         s.db.close()
     # a second start finds nothing more to do
     s = Store(path)
-    assert {op["id"]: op["metadata"] for op in s.ops()} == {i: {**m, "schema_version": 1} for i, m in before.items()}
+    assert {op.id: op.metadata for op in s.ops()} == {i: {**m, "schema_version": 1} for i, m in before.items()}
     s.db.close()
 
 
@@ -82,10 +83,12 @@ def test_a_record_this_release_cannot_read_stops_the_upgrade_and_names_the_opera
     db.close()
 
 
-def _plan() -> SimpleNamespace:
-    w = lambda wid, rank, host, addr=None: {"id": wid, "job": "j", "rank": rank, "host": host, "address": addr}  # noqa: E731
-    return SimpleNamespace(node={"name": "a"}, dest={"name": "s"}, jobs=["j"],
-                           leaving=[w("j.1", 1, "a", "10.0.0.2/24")], peers=[w("j.0", 0, "b", "10.0.0.1/24")])
+def _plan() -> Plan:
+    w = lambda wid, rank, host, addr=None: StoredWorker(id=wid, job="j", rank=rank, host=host,  # noqa: E731
+                                                        state="running", updated=0.0, address=addr)
+    h = lambda name: StoredHost(name=name, url=f"http://{name}:7070", role="active", last_seen=0.0, age_s=0.0)  # noqa: E731
+    return Plan(node=h("a"), dest=h("s"), jobs=["j"],
+                leaving=[w("j.1", 1, "a", "10.0.0.2/24")], peers=[w("j.0", 0, "b", "10.0.0.1/24")])
 
 
 def test_what_the_driver_changes_in_place_is_written_and_fields_appear_once_set():

@@ -57,14 +57,14 @@ def test_store_answers_beats_from_memory_and_writes_them_in_batches(tmp_path):
     assert not s.beat("gpu-1", "abc-0") and not s.beat("gpu-2", "abc-1")  # unknown: resync
     time.sleep(0.2)
     assert s.beat("gpu-1", "abc-1")
-    assert s.host("gpu-1")["age_s"] < 0.1  # fresh in memory before any write
-    assert Store(db).host("gpu-1")["age_s"] >= 0.2  # ...and not yet in the database
+    assert s.host("gpu-1").age_s < 0.1  # fresh in memory before any write
+    assert Store(db).host("gpu-1").age_s >= 0.2  # ...and not yet in the database
     s.set_health("gpu-1", [{"index": 0, "ecc_uncorrected_volatile": 3}], {"degraded": True, "reasons": ["ecc"]})
-    assert s.host("gpu-1")["health"]["degraded"]
+    assert s.host("gpu-1").health["degraded"]
     assert s.flush() == 1 and s.flush() == 0
     again = Store(db)  # a restarted coordinator
     h = again.host("gpu-1")
-    assert h["age_s"] < 0.15 and h["health"] == {"degraded": True, "reasons": ["ecc"]}
+    assert h.age_s < 0.15 and h.health == {"degraded": True, "reasons": ["ecc"]}
     assert again.beat("gpu-1", "abc-1"), "a restarted coordinator knows the last full report: no resync storm"
     assert not again.beat("gpu-1", "abc-0")
     s.heartbeat({**copy.deepcopy(hb), "generation": None})  # an agent that does not beat: no generation

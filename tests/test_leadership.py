@@ -224,7 +224,7 @@ def test_a_standby_serves_reads_and_names_the_leader_for_the_rest(tmp_path):
                 err = r.json()["error"]
                 assert r.status_code == 503 and err["code"] == "not_leader", (path, r.text)
                 assert err["details"]["leader"] == "http://a:7000" and r.headers["x-pitstop-leader"] == "http://a:7000"
-            assert standby.records.host("h")["cordoned"] is None  # nothing was done
+            assert standby.records.host("h").cordoned is None  # nothing was done
         app, _ = build(s, leader.records, leader.lead)
         with TestClient(app) as http:
             assert http.post("/v1/hosts/h:cordon", json={}).status_code == 200

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pitstop.coordinator import ledger
 from pitstop.wire.evacuation import AfterMove, EvacuationState, WorkerProgress
+from pitstop.wire.store_rows import StoredOp
 
 PAUSED, RESUMED = 1000.0, 1001.0  # a downtime of 1 s
 
@@ -61,6 +62,6 @@ def test_a_fill_done_by_the_resume_adds_nothing():
 
 def test_the_ledger_entry_gives_the_jobs_pause_what_ended_it_and_the_downtime():
     md = _md(_lazy(3.1, network=True), first_step_s=0.5)
-    e = ledger.entry({"id": "op-1", "result": "succeeded", "created": 990.0, "updated": 1010.0,
-                      "metadata": md.dump()})
+    e = ledger.entry(StoredOp(id="op-1", node="a", result="succeeded", created=990.0, updated=1010.0,
+                              metadata=md.dump()))
     assert (e["pause_s"], e["pause_until"], e["downtime_s"]) == (4.0, "fill end", 1.0)

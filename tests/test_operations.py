@@ -22,6 +22,8 @@ from pitstop.coordinator.sqlitestore import Store
 from pitstop.wire.evacuation import EvacuationState
 from pitstop.wire.recovery_state import RecoveryState
 
+from .helpers import plan_of
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -36,9 +38,7 @@ def world(tmp_path, monkeypatch):
     ops = Operations(store, settings)
     driver = Driver(store, settings, operations=ops)
     recoveries = Recoveries(store, settings, _Snaps(), lambda: {}, operations=ops)  # type: ignore[arg-type]
-    plan = SimpleNamespace(node={"name": "host-b"}, dest={"name": "spare-1"}, jobs=["train"],
-                           leaving=[{"id": "train.1", "job": "train", "rank": 1, "host": "host-b", "address": None}],
-                           peers=[])
+    plan = plan_of("host-b", "spare-1", {"train.1": (1, "host-b")})
     store.create_op("op-1", "host-b", "spare-1", EvacuationState.new(plan, "test").dump(), None)
     store.create_op("recover-1", "host-c", None, RecoveryState(job="llama", node="host-c", snapshot=1).dump(), None)
     driven: list[tuple[str, str]] = []
@@ -92,7 +92,7 @@ def test_reconcile_resumes_both_kinds_and_a_recovery_waits_for_the_snapshot_undo
 def test_a_record_without_its_type_is_an_evacuation_and_an_unknown_kind_is_left_alone(world):
     ops = Operations(world.store, world.ops.s)  # a one-worker move's driver: evacuations only
     Driver(world.store, world.ops.s, operations=ops)
-    md = world.store.op("op-1")["metadata"]
+    md = world.store.op("op-1").metadata
     md.pop("@type")
     world.store.update_op("op-1", metadata=md)
     world.store.create_op("op-x", "host-d", None, {"@type": "type.example/Other"}, None)

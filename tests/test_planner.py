@@ -31,8 +31,8 @@ def test_picks_a_matching_spare_and_names_the_peers(store):
     beat(store, "s1", spare=True, **H200)
     beat(store, "s2", spare=True, **H100)
     p = plan(store, "a", None, {}, 5.0)
-    assert p.dest["name"] == "s2" and [w["id"] for w in p.leaving] == ["j.0", "j.1"]
-    assert [w["id"] for w in p.peers] == ["j.2"] and p.jobs == ["j"]
+    assert p.dest.name == "s2" and [w.id for w in p.leaving] == ["j.0", "j.1"]
+    assert [w.id for w in p.peers] == ["j.2"] and p.jobs == ["j"]
 
 
 @pytest.mark.parametrize("spare_info,why", [
@@ -51,7 +51,7 @@ def test_gpu_mismatch_refused_with_the_reason(store, spare_info, why):
 def test_cpu_workers_go_to_any_spare(store):
     beat(store, "a", workers=["j.0"], gpu_model=None, gpu_count=0)
     beat(store, "s1", spare=True, **H200)
-    assert plan(store, "a", None, {}, 5.0).dest["name"] == "s1"
+    assert plan(store, "a", None, {}, 5.0).dest.name == "s1"
 
 
 def test_busy_silent_and_degraded_spares_are_skipped_with_reasons(store):
@@ -85,7 +85,7 @@ def test_refusals(store):
         plan(store, "empty", None, {}, 5.0)
     assert e.value.code == "nothing_to_do"
     # an explicit destination need not be a spare, but must be usable
-    assert plan(store, "a", "empty", {}, 5.0).dest["name"] == "empty"
+    assert plan(store, "a", "empty", {}, 5.0).dest.name == "empty"
 
 
 def test_a_workers_host_is_whoever_reports_it_alive(store):
@@ -94,7 +94,7 @@ def test_a_workers_host_is_whoever_reports_it_alive(store):
     beat(store, "a", workers=[])                 # a no longer reports it
     store.heartbeat({"name": "a", "url": "http://a:7070",
                      "workers": [{"id": "j.0", "job": "j", "rank": 0, "state": "moved"}]})
-    assert [(w["id"], w["host"], w["state"]) for w in store.workers()] == [("j.0", "b", "running")]
+    assert [(w.id, w.host, w.state) for w in store.workers()] == [("j.0", "b", "running")]
 
 
 def test_a_cordoned_host_is_no_destination_moves_nothing_and_comes_back(store):
@@ -112,7 +112,7 @@ def test_a_cordoned_host_is_no_destination_moves_nothing_and_comes_back(store):
     assert h["cordoned"]["requested_by"] == "an operator" and h["cordoned"]["since"] <= time.time()
     beat(store, "s1", spare=True)  # its agent's next report changes nothing of it
     store.sync_workers("s1", [])  # nor a report of its workers alone
-    assert store.host("s1")["cordoned"]["reason"] == "fan noise" and not usable_spare(store.host("s1"))
+    assert store.host("s1").cordoned["reason"] == "fan noise" and not usable_spare(store.host("s1"))
     with pytest.raises(FailedPrecondition) as e:
         plan(store, "a", None, {}, 5.0)
     assert "s1: cordoned (fan noise)" in e.value.message and "pitstop hosts uncordon s1" in e.value.action
@@ -121,19 +121,19 @@ def test_a_cordoned_host_is_no_destination_moves_nothing_and_comes_back(store):
     assert "cordoned" in e.value.message
     # a cordoned host's own workers stay, and may still leave it
     lifecycle.cordon(store, "b", "", "an operator")
-    assert [w["host"] for w in store.workers(job="k")] == ["b"]
-    assert plan(store, "b", "a", {}, 5.0).dest["name"] == "a"
+    assert [w.host for w in store.workers(job="k")] == ["b"]
+    assert plan(store, "b", "a", {}, 5.0).dest.name == "a"
     with pytest.raises(FailedPrecondition):
         plan(store, "a", "b", {}, 5.0)
     # replicas: a cordoned spare is no spare (here the next host by name instead)
     out, why = buddies(["a"], store.hosts(), 5.0)
     assert why["a"].startswith("the next host by name")
     # a second cordon keeps the first's time; uncordon lets it back, role unchanged
-    first = store.host("s1")["cordoned"]["since"]
+    first = store.host("s1").cordoned["since"]
     assert lifecycle.cordon(store, "s1", "fans replaced, burn-in", "x")["cordoned"]["since"] == first
     h = lifecycle.uncordon(store, "s1", {"s1": "op-3"})  # nothing moves: an operation under way is no bar
     assert h["role"] == "spare" and h["cordoned"] is None
-    assert plan(store, "a", None, {}, 5.0).dest["name"] == "s1"
+    assert plan(store, "a", None, {}, 5.0).dest.name == "s1"
     with pytest.raises(FailedPrecondition) as e:
         lifecycle.uncordon(store, "s1", {})
     assert e.value.code == "host_in_service"
@@ -157,22 +157,22 @@ def test_a_role_keeps_since_when_and_why(store):
     from pitstop.coordinator import lifecycle
 
     beat(store, "a")
-    joined = store.host("a")["role_since"]
-    assert joined and store.host("a")["role_why"] is None
+    joined = store.host("a").role_since
+    assert joined and store.host("a").role_why is None
     why = {"reason": "disk replacement", "requested_by": "the operator token", "operation": "operations/x"}
     store.set_role("a", "draining", why)
     h = store.host("a")
-    assert h["role_why"] == why and h["role_since"] >= joined
-    since = h["role_since"]
+    assert h.role_why == why and h.role_since >= joined
+    since = h.role_since
     time.sleep(0.01)
     store.set_role("a", "drained")
     beat(store, "a")  # a report touches neither
-    assert (store.host("a")["role"], store.host("a")["role_since"], store.host("a")["role_why"]) == \
+    assert (store.host("a").role, store.host("a").role_since, store.host("a").role_why) == \
         ("drained", since, why)
     lifecycle.uncordon(store, "a", {}, "an operator")
     h = store.host("a")
-    assert h["role"] == "active" and h["role_since"] > since
-    assert h["role_why"] == {"reason": "returned to service (uncordon)", "requested_by": "an operator"}
-    back = h["role_since"]
+    assert h.role == "active" and h.role_since > since
+    assert h.role_why == {"reason": "returned to service (uncordon)", "requested_by": "an operator"}
+    back = h.role_since
     store.set_role("a", "active")  # a consumed spare, or a named destination, already active
-    assert store.host("a")["role_since"] == back
+    assert store.host("a").role_since == back

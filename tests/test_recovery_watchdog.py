@@ -58,10 +58,10 @@ def test_a_recovery_whose_thread_ended_on_a_refused_write_is_run_again_once_the_
     rec.ops.spawn("recover-1", lambda r: r.run())
     rec.ops.threads["recover-1"].join(30)
     assert stopped.is_set() and ran == ["recover-1"]
-    assert not rec.store.op("recover-1")["done"], "left running, with nothing driving it"
+    assert not rec.store.op("recover-1").done, "left running, with nothing driving it"
     assert rec.ops.watch() == ["recover-1"]  # run again: while the database refuses, it ends so again
     rec.ops.threads["recover-1"].join(30)
-    assert not rec.store.op("recover-1")["done"] and len(ran) == 2
+    assert not rec.store.op("recover-1").done and len(ran) == 2
     _read_only(rec.store, False)
     rec.ops.runs["recover-1"].next_takeover = 0.0  # past its back-off
 
@@ -74,7 +74,7 @@ def test_a_recovery_whose_thread_ended_on_a_refused_write_is_run_again_once_the_
     assert rec.ops.watch() == ["recover-1"]
     rec.ops.threads["recover-1"].join(30)
     op = rec.store.op("recover-1")
-    assert op["done"] and op["result"] == "succeeded" and len(ran) == 3
+    assert op.done and op.result == "succeeded" and len(ran) == 3
     assert rec.ops.watch() == [] and not rec.ops.runs
 
 
@@ -91,9 +91,9 @@ def test_a_recovery_over_on_the_agents_is_recorded_not_run_again(rec, monkeypatc
     rec.ops.spawn("recover-1", lambda r: r.run())
     rec.ops.threads["recover-1"].join(30)
     _read_only(rec.store, False)
-    assert not rec.store.op("recover-1")["done"]
+    assert not rec.store.op("recover-1").done
     assert rec.ops.watch() == [] and ran == ["recover-1"], "recorded, never run a second time"
-    assert rec.store.op("recover-1")["result"] == "succeeded"
+    assert rec.store.op("recover-1").result == "succeeded"
 
 
 def test_a_recovery_that_keeps_ending_is_taken_over_later_not_at_every_look(rec, monkeypatch):

@@ -405,7 +405,10 @@ def test_a_job_the_shim_cannot_move_is_refused_before_anything_pauses(cluster, t
     """A second communicator made through NCCL linked into another library (its calls bound inside
     it): what the shim cannot stand in front of, seen when the library is loaded.  Refused before
     anything pauses, with the reason and what to do."""
-    cc, ranks, out = _start(cluster, tmp_path, "nccl_private_comm.py", job_env={"PRIVATE_NCCL": str(builds["trainer"])})
+    # 2,000 steps (40 s at the job's pace): it must still run when the evacuation is asked, after
+    # the agents' reports, a CLI call and the checks (300 steps had ended by then on a loaded machine)
+    cc, ranks, out = _start(cluster, tmp_path, "nccl_private_comm.py", steps=2000,
+                            job_env={"PRIVATE_NCCL": str(builds["trainer"])})
     wait_for_step(ranks[3].log, 10)
     until(lambda: cc.jobs() and all(w["unmovable"] for w in cc.jobs()[0]["workers"]), timeout=30,
           what="every rank reported unmovable by its agent")

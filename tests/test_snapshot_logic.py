@@ -12,10 +12,12 @@ from pitstop.coordinator.sqlitestore import Store
 from pitstop.errors import FailedPrecondition
 from pitstop.launcher.run import bad_snapshot_every
 from pitstop.wire.snapshot_record import SnapshotRecord
+from pitstop.wire.store_rows import StoredHost, StoredOp, StoredWorker
 
 
-def _host(name, role="active", age=0.0, domain=None):
-    return {"name": name, "role": role, "last_seen": time.time() - age, "failure_domain": domain}
+def _host(name: str, role: str = "active", age: float = 0.0, domain: str | None = None) -> StoredHost:
+    return StoredHost(name=name, url=f"http://{name}:7070", role=role, last_seen=time.time() - age, age_s=age,
+                      failure_domain=domain)
 
 
 def test_buddies_prefer_spares_then_the_next_host_and_never_the_host_itself():
@@ -113,11 +115,16 @@ def test_an_interval_whose_pauses_would_take_more_than_the_share_is_lengthened_a
     assert snaps.effective("j", None) is None  # a job that asked for no snapshots gets none
 
 
+def _row(rank: int, every: float | None) -> StoredWorker:
+    return StoredWorker(id=f"j.{rank}", job="j", rank=rank, host="a", state="running", updated=0.0,
+                        snapshot_every_s=every)
+
+
 def test_the_interval_is_the_apis_else_the_smallest_a_rank_asked(tmp_path):
     s = Store(tmp_path / "c.db")
-    ws = [{"snapshot_every_s": 60.0}, {"snapshot_every_s": 30.0}, {"snapshot_every_s": None}]
+    ws = [_row(r, every) for r, every in enumerate((60.0, 30.0, None))]
     assert interval(s, "j", ws) == 30.0
-    assert interval(s, "j", [{"snapshot_every_s": None}]) is None
+    assert interval(s, "j", [_row(0, None)]) is None
     s.set_snapshot_policy("j", 120.0)
     assert interval(s, "j", ws) == 120.0
     s.set_snapshot_policy("j", 0.0)  # off, whatever the launchers asked
@@ -135,7 +142,7 @@ def test_snapshot_records_and_fences_in_the_store(tmp_path):
     s.forget_snapshots("j", keep=2)
     assert [x.number for x in s.snapshots("j")] == [2] and s.snapshots("j")[0].record.pause_s == 0.5
     s.fence("j", "b", epoch=7)
-    assert s.fences(host="b", unacked=True)[0]["epoch"] == 7
+    assert s.fences(host="b", unacked=True)[0].epoch == 7
     # a fenced host's reports of the job's workers are ignored until the fence is acknowledged
     s.heartbeat({"name": "b", "url": "http://b:1", "workers": [{"id": "j.1", "job": "j", "rank": 1, "state": "running"}]})
     assert s.workers(job="j") == []
@@ -144,12 +151,13 @@ def test_snapshot_records_and_fences_in_the_store(tmp_path):
     assert s.workers(job="j") == []
     s.clear_fence("j", "b")  # a later recovery restores the job's ranks there
     s.heartbeat({"name": "b", "url": "http://b:1", "workers": [{"id": "j.1", "job": "j", "rank": 1, "state": "running"}]})
-    assert [w["id"] for w in s.workers(job="j")] == ["j.1"]
+    assert [w.id for w in s.workers(job="j")] == ["j.1"]
 
 
 def test_recovery_operations_are_told_from_evacuations():
-    assert is_recovery({"metadata": {"@type": "type.pitstop.dev/RecoverMetadata"}})
-    assert not is_recovery({"metadata": {"@type": "type.pitstop.dev/EvacuateMetadata"}})
+    op = lambda t: StoredOp(id="op-1", node="a", metadata={"@type": t}, created=0.0, updated=0.0)  # noqa: E731
+    assert is_recovery(op("type.pitstop.dev/RecoverMetadata"))
+    assert not is_recovery(op("type.pitstop.dev/EvacuateMetadata"))
 
 
 @pytest.mark.parametrize("every,ok", [(None, True), (5, True), (3600, True), (4.9, False), (1e9, False)])

@@ -55,15 +55,15 @@ def test_urls_name_the_database():
 def test_hosts_workers_and_beats_read_back_the_same(store, url):
     store.heartbeat(_report("gpu-1", [_w("j", 0, net={"address": "10.0.0.5/24"}, world=2)]))
     store.heartbeat(_report("spare-1", spare=True))
-    hosts = {h["name"]: h for h in store.hosts()}
-    assert hosts["gpu-1"]["role"] == "active" and hosts["spare-1"]["role"] == "spare"
-    assert hosts["gpu-1"]["gpus"] == [{"index": 0}] and hosts["gpu-1"]["age_s"] < 5
-    assert store.workers(host="gpu-1")[0] | {"updated": 0} == {
+    hosts = {h.name: h for h in store.hosts()}
+    assert hosts["gpu-1"].role == "active" and hosts["spare-1"].role == "spare"
+    assert hosts["gpu-1"].gpus == [{"index": 0}] and hosts["gpu-1"].age_s < 5
+    assert store.workers(host="gpu-1")[0].public() | {"updated": 0} == {
         "id": "j.0", "job": "j", "rank": 0, "host": "gpu-1", "state": "running", "updated": 0,
         "address": "10.0.0.5/24", "caps": None, "unmovable": None, "slurm_job": None, "snapshot_every_s": None,
         "world": 2, "exit_code": None, "ended_at": None, "end_asked": None, "peer_lost": None}
     # a beat of the generation last reported is answered from memory, and written by the next flush
-    before = store.host("gpu-1")["last_seen"]
+    before = store.host("gpu-1").last_seen
     time.sleep(0.05)
     assert store.beat("gpu-1", "g-1") and not store.beat("gpu-1", "g-0") and not store.beat("nobody", "g-1")
     store.set_health("gpu-1", [{"index": 0, "temperature_c": 99}], {"degraded": True, "reasons": ["hot"]})
@@ -71,7 +71,7 @@ def test_hosts_workers_and_beats_read_back_the_same(store, url):
     again = open_store(url)  # a restarted coordinator
     try:
         h = again.host("gpu-1")
-        assert h["last_seen"] > before and h["health"] == {"degraded": True, "reasons": ["hot"]}
+        assert h.last_seen > before and h.health == {"degraded": True, "reasons": ["hot"]}
         # beats taken at once after a restart: the generations held are read back
         assert again.beat("gpu-1", "g-1") and again.beat("spare-1", "g-1") and not again.beat("gpu-1", "g-0")
     finally:
@@ -84,9 +84,9 @@ def test_roles_cordons_claims_and_removal(store):
     store.set_role("a", "draining", {"reason": "maintenance"})
     store.set_role("a", "drained")
     h = store.host("a")
-    assert h["role"] == "drained" and h["role_why"] == {"reason": "maintenance"} and h["role_since"]
+    assert h.role == "drained" and h.role_why == {"reason": "maintenance"} and h.role_since
     store.set_cordon("b", {"reason": "flaky", "by": "op"})
-    assert store.host("b")["cordoned"] == {"reason": "flaky", "by": "op"}
+    assert store.host("b").cordoned == {"reason": "flaky", "by": "op"}
     assert store.claim_worker("a", "j.0", "j", 0, 5.0, owner_uid=1000) is None
     assert store.claim_worker("b", "j.0", "j", 0, 5.0, owner_uid=1000) == "a"  # a's fresh claim holds
     store.heartbeat(_report("a", [_w("j", 0)]))
@@ -95,9 +95,9 @@ def test_roles_cordons_claims_and_removal(store):
     got = store.claim_worker("b", "j.1", "j", 1, 5.0, owner_uid=1001)
     assert got is not None and not isinstance(got, str) and got.uid == 1000  # another user's job
     store.set_worker_host("j.0", "b", "running")
-    assert store.workers(job="j")[0]["host"] == "b"
+    assert store.workers(job="j")[0].host == "b"
     store.remove_host("a")
-    assert store.host("a") is None and [h["name"] for h in store.hosts()] == ["b"]
+    assert store.host("a") is None and [h.name for h in store.hosts()] == ["b"]
 
 
 def test_a_report_of_the_copy_a_move_left_arriving_after_the_commit_keeps_the_worker_where_it_went(store):
@@ -110,16 +110,16 @@ def test_a_report_of_the_copy_a_move_left_arriving_after_the_commit_keeps_the_wo
     store.heartbeat(_report("b", [_w("j", 0, state="paused", root_pid=200, start_time=9)]))  # restored, before
     store.set_worker_host("j.0", "b", "running", left={"host": "a", "pid": 100, "start_time": 7})  # committed
     store.heartbeat(_report("a", [_w("j", 0, state="stopped", root_pid=100, start_time=7)]))  # written before
-    assert store.workers(job="j")[0]["host"] == "b"
+    assert store.workers(job="j")[0].host == "b"
     store.heartbeat(_report("a", [_w("j", 0, state="running", root_pid=100, start_time=8)]))  # pid reused: new
-    assert store.workers(job="j")[0]["host"] == "a"
+    assert store.workers(job="j")[0].host == "a"
     store.set_worker_host("j.0", "b", "running", left={"host": "a", "pid": 100, "start_time": 8})
     store.set_worker_host("j.0", "a", "running", left={"host": "b", "pid": 200, "start_time": 9})  # moved back
     store.heartbeat(_report("a", [_w("j", 0, root_pid=300, start_time=11)]))
     store.heartbeat(_report("b", [_w("j", 0, state="capturing", root_pid=200, start_time=9)]))  # b's late report
-    assert store.workers(job="j")[0]["host"] == "a"
+    assert store.workers(job="j")[0].host == "a"
     store.heartbeat(_report("b", [_w("j", 0, root_pid=400, start_time=12)]))  # another process: b runs it now
-    assert store.workers(job="j")[0]["host"] == "b"
+    assert store.workers(job="j")[0].host == "b"
 
 
 def test_a_copy_restored_elsewhere_runs_there_only_once_its_operation_records_it(store):
@@ -130,13 +130,13 @@ def test_a_copy_restored_elsewhere_runs_there_only_once_its_operation_records_it
     resume) says where a restored copy runs."""
     store.heartbeat(_report("b", [_w("j", 3, root_pid=100, start_time=7)]))
     store.heartbeat(_report("spare", [_w("j", 3, state="paused", restored=True, root_pid=200, start_time=9)]))
-    assert store.workers(job="j")[0]["host"] == "b"  # restored, not committed: still b's
+    assert store.workers(job="j")[0].host == "b"  # restored, not committed: still b's
     store.heartbeat(_report("b", [_w("j", 3, state="exited", root_pid=100, start_time=7)]))
-    assert [(w["host"], w["state"]) for w in store.workers(job="j")] == [("b", "exited")]
+    assert [(w.host, w.state) for w in store.workers(job="j")] == [("b", "exited")]
     store.heartbeat(_report("b", [_w("j", 3, root_pid=101, start_time=8)]))
     store.set_worker_host("j.3", "spare", "running", left={"host": "b", "pid": 101, "start_time": 8})  # committed
     store.heartbeat(_report("spare", [_w("j", 3, restored=True, root_pid=200, start_time=9)]))
-    assert [(w["host"], w["state"]) for w in store.workers(job="j")] == [("spare", "running")]
+    assert [(w.host, w.state) for w in store.workers(job="j")] == [("spare", "running")]
 
 
 def test_snapshots_policies_and_fences(store):
@@ -156,11 +156,11 @@ def test_snapshots_policies_and_fences(store):
     assert [s.number for s in store.snapshots("j")] == [1]
     epoch = int(time.time() * 1000)  # milliseconds: past 32 bits
     store.fence("j", "a", epoch)
-    assert store.fences(host="a", unacked=True)[0]["epoch"] == epoch
+    assert store.fences(host="a", unacked=True)[0].epoch == epoch
     store.heartbeat(_report("a", [_w("j", 0)]))
     assert store.workers(job="j") == []  # a fenced host's reports of the job are ignored
     store.ack_fence("j", "a")
-    assert store.fences(unacked=True) == [] and store.fences()[0]["acked"] == 1
+    assert store.fences(unacked=True) == [] and store.fences()[0].acked is True
     store.clear_fence("j", "a")
     assert store.fences() == []
 
@@ -174,17 +174,17 @@ def test_operations_pages_idempotency_and_pruning(store):
     store.update_op("op-2", done=True, result="succeeded", response={"ok": 1})
     store.request_cancel("op-3")
     op1, op2 = store.op("op-1"), store.op("op-2")
-    assert (op1["phase"], op1["metadata"], op1["error"], op1["dest"], op1["done"]) == \
+    assert (op1.phase, op1.metadata, op1.error, op1.dest, op1.done) == \
         ("capture", {"i": 1, "x": True}, {"code": 13}, "c", False)
-    assert op2["done"] and op2["result"] == "succeeded" and op2["response"] == {"ok": 1}
-    assert store.op("op-3")["cancel_requested"] and store.op("nope") is None
-    assert [o["id"] for o in store.ops()] == [f"op-{i}" for i in range(5)]
-    assert [o["id"] for o in store.ops(running_only=True)] == ["op-0", "op-1", "op-3", "op-4"]
-    assert [o["id"] for o in store.ops(done=True)] == ["op-2"]
+    assert op2.done and op2.result == "succeeded" and op2.response == {"ok": 1}
+    assert store.op("op-3").cancel_requested and store.op("nope") is None
+    assert [o.id for o in store.ops()] == [f"op-{i}" for i in range(5)]
+    assert [o.id for o in store.ops(running_only=True)] == ["op-0", "op-1", "op-3", "op-4"]
+    assert [o.id for o in store.ops(done=True)] == ["op-2"]
     page = store.ops(limit=2)
-    assert [o["id"] for o in page] == ["op-3", "op-4"]
-    assert [o["id"] for o in store.ops(limit=2, before=page[0]["created"])] == ["op-1", "op-2"]
-    assert [o["id"] for o in store.ops(node="c")] == ["op-1"]
+    assert [o.id for o in page] == ["op-3", "op-4"]
+    assert [o.id for o in store.ops(limit=2, before=page[0].created)] == ["op-1", "op-2"]
+    assert [o.id for o in store.ops(node="c")] == ["op-1"]
     assert store.prune_ops(older_than_s=0) == 1 and store.op("op-2") is None
 
 
@@ -319,7 +319,7 @@ def test_a_postgresql_restarted_under_the_store_is_unavailable_then_reconnected(
         finally:
             postgres.start()
         s.create_op("op-1", "a", None, {}, None)  # a new connection, made by the call itself
-        assert s.op("op-1") is not None and [h["name"] for h in s.hosts()] == ["a"]
+        assert s.op("op-1") is not None and [h.name for h in s.hosts()] == ["a"]
     finally:
         s.close()
 

@@ -23,6 +23,8 @@ from pitstop.errors import NotFound, PitstopError
 from pitstop.wire.capture_report import CaptureReport
 from pitstop.wire.evacuation import EvacuationState
 
+from .helpers import plan_of
+
 pytestmark = pytest.mark.timeout(60)
 CLUSTER, OPERATOR = "cluster-token", "op-token"
 
@@ -78,7 +80,7 @@ def test_a_transaction_left_open_is_rolled_back_before_the_next_one(tmp_path):
     s.db.execute("BEGIN")  # as a ROLLBACK that itself failed would leave it
     s.db.execute("INSERT INTO hosts(name,url,role,info,last_seen) VALUES('ghost','u','active','{}',0)")
     s.heartbeat(_report("gpu-1"))
-    assert [h["name"] for h in Store(tmp_path / "c.db").hosts()] == ["gpu-1"]
+    assert [h.name for h in Store(tmp_path / "c.db").hosts()] == ["gpu-1"]
 
 
 def test_a_mistake_in_sql_stays_a_mistake(tmp_path):
@@ -160,9 +162,7 @@ def world(tmp_path, monkeypatch):
     store = Store(tmp_path / "c.db")
     for name in ("host-a", "host-b", "spare-1"):
         store.heartbeat(_report(name, workers=0))
-    w = lambda wid, rank, host: {"id": wid, "job": "train", "rank": rank, "host": host, "address": None}  # noqa: E731
-    plan = SimpleNamespace(node={"name": "host-b"}, dest={"name": "spare-1"}, jobs=["train"],
-                           leaving=[w("train.1", 1, "host-b")], peers=[w("train.0", 0, "host-a")])
+    plan = plan_of("host-b", "spare-1", {"train.1": (1, "host-b")}, peers={"train.0": (0, "host-a")})
     state = EvacuationState.new(plan, "test")
     state.phase, state.paused, state.capture_begun = "capture", ["train.0"], True
     state.workers["train.1"].capture_id, state.workers["train.1"].state = "cap-1", "capturing"
@@ -193,18 +193,18 @@ def test_a_rollback_undoes_on_the_agents_though_the_database_refuses_every_write
     _drive(d, "op-1", lambda r: r.rollback(StoreUnavailable("the coordinator cannot use its database: full",
                                                             action="free space")))
     _undone(world.calls)
-    assert not s.op("op-1")["done"], "recorded while the database refused writes?"
-    assert d.ops.watch() == [] and not s.op("op-1")["done"]  # its record waits; the undo is not done again
+    assert not s.op("op-1").done, "recorded while the database refused writes?"
+    assert d.ops.watch() == [] and not s.op("op-1").done  # its record waits; the undo is not done again
     assert len([c for c in world.calls if c[1] == "resume"]) == 1
     _read_only(s, False)  # the database takes writes again: the watchdog writes the record
     assert d.ops.watch() == [] and "op-1" not in d.ops.runs
     op = s.op("op-1")
-    assert op["done"] and op["result"] == "failed" and op["phase"] == "done", op
-    meta = op["error"]["details"][0]["metadata"]
-    assert op["error"]["status"] == "UNAVAILABLE" and "free space" in op["error"]["details"][0]["action"]
+    assert op.done and op.result == "failed" and op.phase == "done", op
+    meta = op.error["details"][0]["metadata"]
+    assert op.error["status"] == "UNAVAILABLE" and "free space" in op.error["details"][0]["action"]
     assert meta["rollback_problems"] == [] and "readonly" in meta["database_error"], meta
-    assert {c["type"]: c["status"] for c in op["metadata"]["conditions"]}["RolledBack"] == "True"
-    assert op["metadata"]["workers"]["train.1"]["state"] == "rolled_back"
+    assert {c["type"]: c["status"] for c in op.metadata["conditions"]}["RolledBack"] == "True"
+    assert op.metadata["workers"]["train.1"]["state"] == "rolled_back"
 
 
 def test_a_phase_that_cannot_be_recorded_is_not_started_and_the_move_rolls_back(world):
@@ -217,7 +217,7 @@ def test_a_phase_that_cannot_be_recorded_is_not_started_and_the_move_rolls_back(
         run._pass_commit_point()
     assert not run.md.committed and not run.best_effort
     _read_only(s, False)
-    assert not s.op("op-1")["metadata"]["committed"]
+    assert not s.op("op-1").metadata["committed"]
 
 
 def test_the_watchdog_rolls_back_an_operation_whose_driver_died(world):
@@ -227,13 +227,13 @@ def test_the_watchdog_rolls_back_an_operation_whose_driver_died(world):
         raise RuntimeError("boom")  # an error nobody expected, past run()'s own handling
 
     _drive(d, "op-1", dies)
-    assert world.calls == [] and not s.op("op-1")["done"]  # the driver is gone; the peer is still paused
+    assert world.calls == [] and not s.op("op-1").done  # the driver is gone; the peer is still paused
     assert d.ops.watch() == ["op-1"]
     d.ops.threads["op-1"].join(30)
     _undone(world.calls)
     op = s.op("op-1")
-    assert op["done"] and op["result"] == "failed", op
-    assert op["error"]["details"][0]["reason"] == "driver_stopped" and "RuntimeError: boom" in op["error"]["message"]
+    assert op.done and op.result == "failed", op
+    assert op.error["details"][0]["reason"] == "driver_stopped" and "RuntimeError: boom" in op.error["message"]
     assert d.ops.watch() == [] and not d.ops.runs
 
 
@@ -244,7 +244,7 @@ def test_the_watchdog_adopts_an_operation_nothing_drives(world):
     assert d.ops.watch() == ["op-1"]
     d.ops.threads["op-1"].join(30)
     _undone(world.calls)
-    assert s.op("op-1")["result"] == "failed" and "no driver" in s.op("op-1")["error"]["message"]
+    assert s.op("op-1").result == "failed" and "no driver" in s.op("op-1").error["message"]
 
 
 def test_a_driver_that_keeps_dying_is_taken_over_again_later_not_at_every_look(world, monkeypatch):
@@ -285,11 +285,11 @@ def test_a_takeover_reaches_the_agents_though_the_database_cannot_even_be_read(w
     assert d.ops.watch() == ["op-1"]
     d.ops.threads["op-1"].join(30)
     _undone(world.calls)
-    assert not s.op("op-1")["done"]
+    assert not s.op("op-1").done
     broken[0] = False  # readable and writable again
     _read_only(s, False)
     d.ops.watch()
-    assert s.op("op-1")["result"] == "failed" and "RuntimeError: boom" in s.op("op-1")["error"]["message"]
+    assert s.op("op-1").result == "failed" and "RuntimeError: boom" in s.op("op-1").error["message"]
 
 
 def test_a_database_of_an_earlier_release_is_migrated_in_order_and_a_newer_one_refused(tmp_path):
@@ -316,7 +316,7 @@ INSERT INTO hosts VALUES ('gpu-1', 'http://gpu-1:7070', 'spare', '{}', 1.0);
     s = Store(old)
     assert s.db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
     assert "generation" in {r["name"] for r in s.db.execute("PRAGMA table_info(hosts)")}
-    assert s.host("gpu-1")["role"] == "spare"
+    assert s.host("gpu-1").role == "spare"
     s.db.execute(f"PRAGMA user_version={len(MIGRATIONS) + 1}")
     s.db.close()
     with pytest.raises(FailedPrecondition, match="newer than this pitstop"):

@@ -24,6 +24,7 @@ from pitstop.errors import FailedPrecondition
 from pitstop.wire.recovery_state import TYPE_URL as RECOVERY_TYPE_URL
 from pitstop.wire.recovery_state import RecoveryState
 from pitstop.wire.snapshot_record import SCHEMA_VERSION, SnapshotPart, SnapshotRecord
+from pitstop.wire.store_rows import StoredOp
 
 OLD_DB = Path(__file__).parent / "data" / "coordinator-41f7d2e.db"
 
@@ -112,9 +113,9 @@ def test_the_previous_releases_recovery_is_read_whole_and_served_as_before(tmp_p
     s = Store(path)
     try:
         op = s.op("recover-0123456789ab")
-        assert op["metadata"] == {**before, "schema_version": 1}  # the shape operators read is unchanged
-        md = RecoveryState.load(op["metadata"])
-        assert md.dump() == op["metadata"]
+        assert op.metadata == {**before, "schema_version": 1}  # the shape operators read is unchanged
+        md = RecoveryState.load(op.metadata)
+        assert md.dump() == op.metadata
         assert md.job == "train" and md.node == "host-b" and md.snapshot == 1 and md.lost_ranks == [1]
         assert md.steps_redone == 12.0 and md.restored["train.0"]["files_cut_back"] == ["/data/log.txt"]
         entry = recovery_entry(op)  # the ledger reads it as before
@@ -148,4 +149,4 @@ def test_a_new_recovery_says_what_it_is_and_its_version():
     md = RecoveryState(job="j", node="host-b", snapshot=3, phases={}, conditions=[]).dump()
     assert md == {"@type": RECOVERY_TYPE_URL, "schema_version": 1, "job": "j", "node": "host-b", "snapshot": 3,
                   "phases": {}, "conditions": []}
-    assert is_recovery({"metadata": md})
+    assert is_recovery(StoredOp(id="recover-1", node="host-b", metadata=md, created=0.0, updated=0.0))

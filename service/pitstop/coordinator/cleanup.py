@@ -35,7 +35,7 @@ class SourceCleanup:
         (Driver.node_seen, with `later`: the operation is done and keeps its phase).  Whether
         nothing is left."""
         node, dest = self.run.md.node, self.run.md.destination
-        moved_to = {"agent": dest, "url": (self.run.store.host(dest) or {}).get("url", "")}
+        moved_to = {"agent": dest, "url": getattr(self.run.store.host(dest), "url", "")}
         deadline = time.monotonic() + self.run.settings.source_cleanup_deadline_s
         if not later:
             self.run.enter("cleanup")
@@ -65,7 +65,7 @@ class SourceCleanup:
         pending = self.run.md.pending_cleanup()
         with self.run.lock:
             self.run.md.source_cleanup_pending = pending
-            resp = self.run.op.get("response") if later else None
+            resp = self.run.op.response if later else None
             if resp and not pending and "source_cleanup_pending" in resp:
                 resp = {k: v for k, v in resp.items() if k != "source_cleanup_pending"}
                 self.run.save(response=resp)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from typing import Callable
 
 import structlog
 
 from pitstop.coordinator.evacuation_run import OpRun
 from pitstop.coordinator.operations import Operations
+from pitstop.coordinator.planner import Plan
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import BaseStore
 from pitstop.wire.agent_client import Fence
@@ -94,16 +95,16 @@ class Driver:
     def busy_hosts(self) -> dict[str, str]:
         out = {}
         for op in self.store.ops(running_only=True):
-            out[op["node"]] = op["id"]
-            if op["dest"]:
-                out[op["dest"]] = op["id"]
+            out[op.node] = op.id
+            if op.dest:
+                out[op.dest] = op.id
         return out
 
-    def start(self, plan: Any, reason: str, idem: tuple[str, str] | None, post_copy: bool | None = None,
+    def start(self, plan: Plan, reason: str, idem: tuple[str, str] | None, post_copy: bool | None = None,
               pre_copy: bool | None = None, requested_by: str = "") -> str:
         op_id = "op-" + uuid.uuid4().hex[:12]
         self.ops.start(op_id, lambda: self.store.create_op(
-            op_id, plan.node["name"], plan.dest["name"],
+            op_id, plan.node.name, plan.dest.name,
             EvacuationState.new(plan, reason, post_copy, pre_copy, requested_by).dump(), idem))
         return op_id
 
@@ -111,5 +112,5 @@ class Driver:
         """After a restart, or a standby's takeover: the nodes that still hold what an earlier move
         left there are asked again at their next report (node_seen)."""
         for op in self.store.ops():
-            if op["done"] and op["metadata"].get("source_cleanup_pending"):
-                self.cleanup_pending(op["node"], op["id"], True)
+            if op.done and op.metadata.get("source_cleanup_pending"):
+                self.cleanup_pending(op.node, op.id, True)

@@ -15,6 +15,7 @@ from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.store import BaseStore
 from pitstop.wire.agent_client import AgentClient, Fence
 from pitstop.wire.evacuation import AfterMove, EvacuationState
+from pitstop.wire.store_rows import StoredOp
 
 
 class Ends(Protocol):
@@ -24,7 +25,7 @@ class Ends(Protocol):
 class Evacuation(Protocol):
     id: str
     md: EvacuationState
-    op: dict[str, Any]  # the operation's row as last read (its response, for a later cleanup)
+    op: StoredOp  # the operation's row as last read (its response, for a later cleanup)
     lock: threading.RLock
     best_effort: bool  # past the commit point or rolling back: a refused write waits, nothing else does
     progress_before: progress.Sample | None

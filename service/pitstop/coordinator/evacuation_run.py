@@ -98,7 +98,7 @@ class OpRun(Operation):
     def __init__(self, driver: DriverHooks, op_id: str) -> None:
         op = driver.store.op(op_id)
         assert op is not None
-        super().__init__(driver.store, driver.s, driver.fence, op, EvacuationState.load(op["metadata"]),
+        super().__init__(driver.store, driver.s, driver.fence, op, EvacuationState.load(op.metadata),
                          observe=driver.observe_phase)
         self.d = driver
         self.undoing: PitstopError | None = None  # why the rollback began, for a takeover to finish it
@@ -120,7 +120,7 @@ class OpRun(Operation):
     def check(self) -> None:
         """Between phases: honour cancel and the operation's deadline."""
         op = self.store.op(self.id)
-        if op and op["cancel_requested"]:
+        if op and op.cancel_requested:
             raise Cancelled("cancelled by the operator before the commit point", action="nothing to do; "
                             "the job keeps running where it was")
         if time.monotonic() - self.started > self.s.operation_deadline_s:
@@ -582,7 +582,7 @@ class OpRun(Operation):
             return
         log.info("reconcile: rolling back operation", op=self.id, phase=self.md.phase)
         self.rollback(PitstopError(
-            f"the coordinator restarted (or another took over) during phase {self.op['phase']!r}, before the "
+            f"the coordinator restarted (or another took over) during phase {self.op.phase!r}, before the "
             "commit point; rolled back", code="coordinator_restarted",
             action="evacuate again if the host must still be drained"))
 

@@ -12,23 +12,24 @@ from typing import Any
 
 from pitstop.wire.evacuation import EvacuationState, PauseEnd
 from pitstop.wire.recovery_state import TYPE_URL as RECOVERY_TYPE_URL
+from pitstop.wire.store_rows import StoredOp
 
 
-def entry(op: dict[str, Any]) -> dict[str, Any]:
+def entry(op: StoredOp) -> dict[str, Any]:
     """A finished operation's ledger entry: an evacuation's, or a recovery's (kind says which)."""
-    if op["metadata"].get("@type") == RECOVERY_TYPE_URL:
+    if op.metadata.get("@type") == RECOVERY_TYPE_URL:
         return recovery_entry(op)
-    md = EvacuationState.load(op["metadata"])
+    md = EvacuationState.load(op.metadata)
     planned = next((c for c in md.conditions if c.type == "Planned"), None)
     after = md.after_move.model_dump(exclude_none=True) if md.after_move else None
     spread = (md.pause_round_s or 0.0) + md.phases.get("resume", 0.0)
     pause, until = job_pause(md)
     return {
-        "operation": f"operations/{op['id']}",
+        "operation": f"operations/{op.id}",
         "kind": "evacuation",
-        "result": op["result"],
-        "created": op["created"],
-        "finished": op["updated"],
+        "result": op.result,
+        "created": op.created,
+        "finished": op.updated,
         "why": {"reason": md.reason, "requested_by": md.requested_by},
         "decision": {"node": md.node, "destination": md.destination,
                      "planned": planned.message if planned else None,
@@ -49,7 +50,7 @@ def entry(op: dict[str, Any]) -> dict[str, Any]:
         # ... and as each rank saw it, where its shim kept the times (NCCL jobs)
         "rank_pause_s": md.after_move.rank_pause_s if md.after_move else None,
         "after_move": after,
-        "error": op.get("error"),
+        "error": op.error,
     }
 
 
@@ -93,17 +94,17 @@ def _fill_end(fill: dict[str, Any]) -> float | None:
     return None
 
 
-def recovery_entry(op: dict[str, Any]) -> dict[str, Any]:
+def recovery_entry(op: StoredOp) -> dict[str, Any]:
     """A recovery in the ledger's shape: what failed and how it was found, the snapshot the job went
     back to, the pause, the work redone, the spare it took and the spares left after it."""
-    md = op["metadata"]
+    md = op.metadata
     sent = sum(int(r.get("bytes", 0)) for r in (md.get("replicas_sent") or {}).values())
     return {
-        "operation": f"operations/{op['id']}",
+        "operation": f"operations/{op.id}",
         "kind": "recovery",
-        "result": op["result"],
-        "created": op["created"],
-        "finished": op["updated"],
+        "result": op.result,
+        "created": op.created,
+        "finished": op.updated,
         "why": {"reason": md.get("cause") or md.get("requested_by"), "requested_by": md.get("requested_by")},
         "decision": {"node": md.get("node"), "destination": md.get("destination"), "planned": None, "plan": None},
         "jobs": [md.get("job")],
@@ -121,6 +122,6 @@ def recovery_entry(op: dict[str, Any]) -> dict[str, Any]:
                      "snapshot_age_s": md.get("snapshot_age_s"), "lost_ranks": md.get("lost_ranks"),
                      "work_redone_s": md.get("lost_s"), "steps_redone": md.get("steps_redone"),
                      "spares_failed": md.get("spares_failed") or [], "spares_left": md.get("spares_left")},
-        "error": op.get("error"),
+        "error": op.error,
     }
 

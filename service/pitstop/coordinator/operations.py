@@ -40,6 +40,7 @@ from pitstop.coordinator.store import BaseStore, StoreUnavailable
 from pitstop.coordinator.timeouts import TAKEOVER_BACKOFF_MAX_S
 from pitstop.errors import NotFound
 from pitstop.wire.agent_client import AgentClient, Fence
+from pitstop.wire.store_rows import StoredOp
 
 log = structlog.get_logger("pitstop.coordinator.operations")
 
@@ -66,12 +67,12 @@ class Operation(ABC):
     reads_store_to_take_over: ClassVar[bool] = False
 
     def __init__(self, store: BaseStore, settings: CoordinatorSettings, fence: Fence | None,
-                 op: dict[str, Any], md: Recorded,
+                 op: StoredOp, md: Recorded,
                  observe: Callable[[str, float], None] | None = None) -> None:
         self.store = store
         self.s = settings
         self.fence = fence  # the leader's term on every call to an agent (coordinator/leadership.py)
-        self.id: str = op["id"]
+        self.id: str = op.id
         self.op = op  # the operation's row as read when this object was made
         self.md = md
         self.lock = threading.RLock()
@@ -191,8 +192,8 @@ class Operation(ABC):
             raise
         if h is None:
             raise NotFound(f"host {host} is unknown", action="it must heartbeat to the coordinator")
-        self._urls[host] = h["url"]
-        return str(h["url"])
+        self._urls[host] = h.url
+        return str(h.url)
 
     def close_clients(self) -> None:
         """Close this operation's agent clients (a takeover, or a later retry, opens its own)."""
@@ -222,9 +223,9 @@ class Operations:
         if default:
             self._default = type_url
 
-    def kind_of(self, op: dict[str, Any]) -> str | None:
+    def kind_of(self, op: StoredOp) -> str | None:
         """The operation's kind, where this process drives that kind (else None)."""
-        t = op["metadata"].get("@type") or self._default
+        t = op.metadata.get("@type") or self._default
         return t if t in self._kinds else None
 
     def start(self, op_id: str, create: Callable[[], None]) -> None:
@@ -269,7 +270,7 @@ class Operations:
         taken = []
         with self._lock:
             try:
-                running: list[dict[str, Any]] | None = self.store.ops(running_only=True)
+                running: list[StoredOp] | None = self.store.ops(running_only=True)
             except StoreUnavailable:
                 running = None  # read again at the next look
             ended: set[str] = set()
@@ -286,18 +287,18 @@ class Operations:
                     self._take_over(run)
                     taken.append(op_id)
             for op in running or []:  # its record says it runs, and nothing here drives it
-                if op["id"] in self.runs or op["id"] in ended or not self.kind_of(op):
+                if op.id in self.runs or op.id in ended or not self.kind_of(op):
                     continue
                 try:
-                    run = self._kinds[self.kind_of(op)](op["id"])  # type: ignore[index]
+                    run = self._kinds[self.kind_of(op)](op.id)  # type: ignore[index]
                 except StoreUnavailable:
                     continue  # read again at the next look
                 except Exception:  # noqa: BLE001 - one record it cannot read holds up no other operation
-                    log.exception("the watchdog could not load an operation the store says runs", op=op["id"])
+                    log.exception("the watchdog could not load an operation the store says runs", op=op.id)
                     continue
                 run.crash = "no driver in this coordinator"
                 self._take_over(run)
-                taken.append(op["id"])
+                taken.append(op.id)
         return taken
 
     def _take_over(self, run: Operation) -> None:
@@ -317,13 +318,13 @@ class Operations:
             if kind is None:
                 continue
             try:
-                run = self._kinds[kind](op["id"])
+                run = self._kinds[kind](op.id)
             except Exception:  # noqa: BLE001 - one record it cannot read holds up no other operation
                 log.exception("reconcile: an operation the store says runs could not be loaded; the watchdog "
-                              "tries again", op=op["id"])
+                              "tries again", op=op.id)
                 continue
-            log.info("reconcile: resuming an operation", op=op["id"], phase=op["phase"], kind=kind)
-            self.spawn(op["id"], lambda r: r.resume(by), run,
+            log.info("reconcile: resuming an operation", op=op.id, phase=op.phase, kind=kind)
+            self.spawn(op.id, lambda r: r.resume(by), run,
                        after=snapshots_undone if run.after_snapshots else None)
-            touched.append(op["id"])
+            touched.append(op.id)
         return touched

@@ -23,6 +23,7 @@ from pitstop.coordinator.timeouts import RECOVERY_AGENT_TIMEOUT_S
 from pitstop.errors import Conflict, FailedPrecondition, NotFound, PitstopError
 from pitstop.wire.agent_client import AgentClient, Fence
 from pitstop.wire.recovery_state import TYPE_URL, RecoveryState
+from pitstop.wire.store_rows import StoredOp, StoredWorker
 
 log = structlog.get_logger("pitstop.coordinator.recovery")
 
@@ -33,8 +34,8 @@ REPORTED_SINCE_S = 1.5  # agents report every second: a host not heard this long
 SPARE_TRIES = 2
 
 
-def is_recovery(op: dict[str, Any]) -> bool:
-    return op["metadata"].get("@type") == TYPE_URL
+def is_recovery(op: StoredOp) -> bool:
+    return op.metadata.get("@type") == TYPE_URL
 
 
 class Recoveries:
@@ -64,26 +65,26 @@ class Recoveries:
 
     def _silent(self, job: str) -> list[tuple[str, bool]]:
         """(host, whether its ranks had ended before it went silent) for failed_hosts."""
-        hosts = {h["name"]: h for h in self.store.hosts()}
+        hosts = {h.name: h for h in self.store.hosts()}
         ws = self.store.workers(job=job)
         snap = self.snaps.committed(job)
         since = max(snap.created if snap else float("inf"), self._last_recovery_end(job))
-        over = any(w["state"] == "exited" and w.get("exit_code") == 0 or w.get("end_asked") for w in ws)
+        over = any(w.state == "exited" and w.exit_code == 0 or w.end_asked for w in ws)
         out: dict[str, bool] = {}
         for w in ws:
-            h = hosts.get(w["host"])
+            h = hosts.get(w.host)
             if h is None or healthy(h, self.s.failure_deadline_s):
                 continue
-            if w["state"] in ("running", "paused", "capturing", "stopped"):
-                out[w["host"]] = False
-            elif w["state"] in ("exited", "lost") and not over and float(w.get("ended_at") or 0) >= since:
-                out.setdefault(w["host"], True)
+            if w.state in ("running", "paused", "capturing", "stopped"):
+                out[w.host] = False
+            elif w.state in ("exited", "lost") and not over and float(w.ended_at or 0) >= since:
+                out.setdefault(w.host, True)
         return sorted(out.items())
 
     def _last_recovery_end(self, job: str) -> float:
         """When the job's last recovery ended: ends before it are what that recovery answered."""
-        return max((op["updated"] for op in self.store.ops(done=True) if is_recovery(op)
-                    and op["metadata"].get("job") == job), default=0.0)
+        return max((op.updated for op in self.store.ops(done=True) if is_recovery(op)
+                    and op.metadata.get("job") == job), default=0.0)
 
     def crashed_host(self, job: str) -> tuple[str, str] | None:
         """A host still heard from on which every rank of the job failed at once since its last
@@ -101,19 +102,19 @@ class Recoveries:
         if snap is None:
             return None
         ws = self.store.workers(job=job)
-        if any(w["state"] == "exited" and w.get("exit_code") == 0 or w.get("end_asked") for w in ws):
+        if any(w.state == "exited" and w.exit_code == 0 or w.end_asked for w in ws):
             return None
-        hosts = {h["name"]: h for h in self.store.hosts()}
-        fenced = {f["host"] for f in self.store.fences() if f["job"] == job}
-        by_host: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        hosts = {h.name: h for h in self.store.hosts()}
+        fenced = {f.host for f in self.store.fences() if f.job == job}
+        by_host: dict[str, list[StoredWorker]] = defaultdict(list)
         for w in ws:
-            by_host[w["host"]].append(w)
+            by_host[w.host].append(w)
         found = []
         for host, on in by_host.items():
             h = hosts.get(host)
             if h is None or host in fenced or not healthy(h, self.s.failure_deadline_s):
                 continue  # a silent host is failed_hosts' to find
-            ends = [float(w["ended_at"]) for w in on if w["state"] in ("exited", "lost") and w.get("ended_at")]
+            ends = [float(w.ended_at) for w in on if w.state in ("exited", "lost") and w.ended_at]
             if not ends or len(ends) != len(on):
                 continue
             first, last = min(ends), max(ends)
@@ -128,15 +129,15 @@ class Recoveries:
         first, host = min(found)
         # every other host of the job reported since: one that did not may be dying itself (its ranks'
         # peers fail first then), and the silent host is the one to recover; wait for the next tick
-        if any(hosts[o]["last_seen"] < first + REPORTED_SINCE_S for o in by_host if o != host and o in hosts):
+        if any(hosts[o].last_seen < first + REPORTED_SINCE_S for o in by_host if o != host and o in hosts):
             return None
         return host, (f"every rank of the job on {host} failed within {CRASH_WINDOW_S:g} s of each other, "
                       "before any other host's")
 
     def _recent_crash_recoveries(self, job: str) -> int:
         since = time.time() - 3600
-        return sum(1 for op in self.store.ops() if is_recovery(op) and op["metadata"].get("job") == job
-                   and op["created"] >= since and op["metadata"].get("requested_by", "").startswith(CRASH_BY))
+        return sum(1 for op in self.store.ops() if is_recovery(op) and op.metadata.get("job") == job
+                   and op.created >= since and op.metadata.get("requested_by", "").startswith(CRASH_BY))
 
     def tick(self) -> None:
         """Start a recovery for every job with a committed snapshot that lost a host (silent, or
@@ -177,24 +178,24 @@ class Recoveries:
 
     def enforce_fences(self) -> None:
         """A fenced host that reports again ends the job's old workers before anything else."""
-        hosts = {h["name"]: h for h in self.store.hosts()}
+        hosts = {h.name: h for h in self.store.hosts()}
         for f in self.store.fences(unacked=True):
-            h = hosts.get(f["host"])
+            h = hosts.get(f.host)
             if h is None or not healthy(h, self.s.heartbeat_timeout_s):
                 continue
             try:
-                with AgentClient(h["url"], self.s.cluster_token, timeout=RECOVERY_AGENT_TIMEOUT_S, fence=self.fence) as c:
-                    got = c.fence(f["job"], f["epoch"], "the coordinator fenced this host")
-                self.store.ack_fence(f["job"], f["host"])
-                log.warning("a fenced host came back; its old workers were ended", job=f["job"], host=f["host"],
+                with AgentClient(h.url, self.s.cluster_token, timeout=RECOVERY_AGENT_TIMEOUT_S, fence=self.fence) as c:
+                    got = c.fence(f.job, f.epoch, "the coordinator fenced this host")
+                self.store.ack_fence(f.job, f.host)
+                log.warning("a fenced host came back; its old workers were ended", job=f.job, host=f.host,
                             killed=got.get("killed"))
             except PitstopError as e:
-                log.warning("a fenced host came back but could not be told yet", host=f["host"], error=e.message)
+                log.warning("a fenced host came back but could not be told yet", host=f.host, error=e.message)
 
     def running(self, job: str) -> str | None:
         for op in self.store.ops(running_only=True):
-            if is_recovery(op) and op["metadata"].get("job") == job:
-                return op["id"]
+            if is_recovery(op) and op.metadata.get("job") == job:
+                return op.id
         return None
 
     # -- the operation ------------------------------------------------------------------------
@@ -234,11 +235,11 @@ class Recoveries:
         ranks run (an operator's recovery of it)."""
         now = time.time()
         since = self._last_recovery_end(job)
-        ends = [float(w["ended_at"]) for w in self.store.workers(job=job) if w["host"] == lost
-                and w["state"] in ("exited", "lost") and w.get("ended_at") and float(w["ended_at"]) >= since
-                and not w.get("end_asked")]
+        ends = [float(w.ended_at) for w in self.store.workers(job=job) if w.host == lost
+                and w.state in ("exited", "lost") and w.ended_at and float(w.ended_at) >= since
+                and not w.end_asked]
         h = self.store.host(lost)
-        silent_since = h["last_seen"] if h is not None and not healthy(h, self.s.failure_deadline_s) else None
+        silent_since = h.last_seen if h is not None and not healthy(h, self.s.failure_deadline_s) else None
         at = min([*ends, *([silent_since] if silent_since else [])], default=None)
         return round(now - at, 3) if at is not None else None
 

@@ -104,7 +104,7 @@ class RecoveryRun(Operation):
                  on_done: Callable[[dict[str, Any]], None]) -> None:
         op = store.op(op_id)
         assert op is not None
-        super().__init__(store, settings, fence, op, RecoveryState.load(op["metadata"]))
+        super().__init__(store, settings, fence, op, RecoveryState.load(op.metadata))
         self.snaps = snaps
         self.busy = busy  # hosts other operations hold (a spare must be free)
         self.on_done = on_done  # the metrics, once the record is final
@@ -149,7 +149,7 @@ class RecoveryRun(Operation):
     def _reload(self) -> None:
         op = self.store.op(self.id)
         assert op is not None
-        self.op, self.md = op, RecoveryState.load(op["metadata"])
+        self.op, self.md = op, RecoveryState.load(op.metadata)
 
     def end(self, **fields: Any) -> None:
         """The operation's last record: kept in memory where the database refuses it, and written by
@@ -234,7 +234,7 @@ class RecoveryRun(Operation):
         if snap is None or snap.state != "committed":
             raise Unrecoverable(f"snapshot {number} of job {job} is no longer complete",
                                 action="restart the job from its own checkpoint")
-        hosts = {h["name"]: h for h in self.store.hosts()}
+        hosts = {h.name: h for h in self.store.hosts()}
         alive = {n for n, h in hosts.items() if healthy(h, self.s.heartbeat_timeout_s) and n != lost}
         rec = snap.record
         parts = rec.parts
@@ -280,7 +280,7 @@ class RecoveryRun(Operation):
         error, since when), `ended` (its collective failed and the error ended it: a job without
         the shim, or not yet covered when its peer failed), or `running` (blocked in a call, or it
         never met the failure).  Each is rolled back the same way: a live process is ended first."""
-        states = {w["id"]: w["state"] for w in self.store.workers(job=plan.job)}
+        states = {w.id: w.state for w in self.store.workers(job=plan.job)}
         out: dict[str, Any] = {}
         for ids in plan.survivors.values():
             for w in ids:
@@ -422,8 +422,8 @@ class RecoveryRun(Operation):
         """The first usable spare of `candidates` that no other operation holds (this recovery's own
         record names the spare an earlier run of it chose: that one stays a candidate)."""
         busy = {h: o for h, o in self.busy().items() if o != self.id}
-        hosts = [h for h in self.store.hosts() if h["name"] in candidates and h["name"] not in busy]
-        spares = sorted(h["name"] for h in hosts if usable_spare(h))
+        hosts = [h for h in self.store.hosts() if h.name in candidates and h.name not in busy]
+        spares = sorted(h.name for h in hosts if usable_spare(h))
         return spares[0] if spares else None
 
     def _to_spare(self, job: str, number: int, lost_parts: dict[str, SnapshotPart], spare: str) -> None:

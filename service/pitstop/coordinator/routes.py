@@ -35,6 +35,7 @@ from pitstop.wire.coordinator_requests import (
     SignalJobRequest,
     SnapshotPolicyRequest,
 )
+from pitstop.wire.store_rows import StoredWorker
 
 
 def operator(request: Request, c: CoordinatorDep) -> None:
@@ -104,16 +105,16 @@ def prom(c: CoordinatorDep) -> Response:
     hs = c.store.hosts()
     roles = dict.fromkeys(ROLES, 0)  # a role with no host left reads 0, so "no spare left" can alert
     for h in hs:
-        roles[h["role"]] = roles.get(h["role"], 0) + 1
+        roles[h.role] = roles.get(h.role, 0) + 1
     m = c.metrics
     cordoned = dict.fromkeys(roles, 0)
     for h in hs:
-        if h.get("cordoned"):
-            cordoned[h["role"]] += 1
+        if h.cordoned:
+            cordoned[h.role] += 1
     for role, n in roles.items():
         m.hosts.labels(role).set(n)
         m.cordoned.labels(role).set(cordoned[role])
-    m.degraded.set(sum(1 for h in hs if (h.get("health") or {}).get("degraded")))
+    m.degraded.set(sum(1 for h in hs if (h.health or {}).get("degraded")))
     m.in_flight.set(len(c.store.ops(running_only=True)))
     m.leadership(c.lead.view() if c.lead is not None else None)
     m.protection(jobs(c), c.snapshots.paused_total)
@@ -135,7 +136,7 @@ def heartbeat(c: CoordinatorDep, hb: Heartbeat) -> dict:
     c.metrics.heartbeats.labels("full").inc()
     c.health_verdict(hb.name, reasons)
     # jobs recovered elsewhere while this host was away: their workers here end (coordinator/recovery.py)
-    fences = [{"job": f["job"], "epoch": f["epoch"]} for f in c.store.fences(host=hb.name, unacked=True)]
+    fences = [{"job": f.job, "epoch": f.epoch} for f in c.store.fences(host=hb.name, unacked=True)]
     return {"ok": True, "beat_udp_port": c.settings.host_port()[1] if c.settings.beat_udp else None,
             "fences": fences, **_term(c)}
 
@@ -180,14 +181,10 @@ def hosts(c: CoordinatorDep) -> list[dict]:
     """Every host: role, since when and why (`role_since`, `role_why`: the evacuation's reason, its
     operation and who asked), `cordoned`, `live_workers`, inventory, health, and whether it is heard
     from (`silent`: not within the failure deadline; its jobs with snapshots are recovered elsewhere)."""
-    hs = c.store.hosts()
-    live = Counter(w["host"] for w in c.store.workers() if w["state"] in LIVE)
-    for h in hs:
-        if h["name"] in c.auto.status:
-            h["auto_evacuation"] = c.auto.status[h["name"]]
-        h["silent"] = h["age_s"] > c.settings.failure_deadline_s
-        h["live_workers"] = live[h["name"]]
-    return hs
+    live = Counter(w.host for w in c.store.workers() if w.state in LIVE)
+    return [h.public() | ({"auto_evacuation": c.auto.status[h.name]} if h.name in c.auto.status else {})
+            | {"silent": h.age_s > c.settings.failure_deadline_s, "live_workers": live[h.name]}
+            for h in c.store.hosts()]
 
 
 @operators.post("/hosts/{name}:cordon")
@@ -222,23 +219,23 @@ def remove_host(c: CoordinatorDep, name: str) -> dict:
 
 @operators.get("/jobs")
 def jobs(c: CoordinatorDep) -> list[dict]:
-    by: dict[str, list] = {}
+    by: dict[str, list[StoredWorker]] = {}
     for w in c.store.workers():
-        by.setdefault(w["job"], []).append(w)
-    return [{"job": j, "workers": ws, "hosts": sorted({w["host"] for w in ws}),
+        by.setdefault(w.job, []).append(w)
+    return [{"job": j, "workers": [w.public() for w in ws], "hosts": sorted({w.host for w in ws}),
              "state": job_state(ws), "movable": not unmovable_workers(ws),
              "protection": c.snapshots.protection(j, interval(c.store, j, ws)) if job_state(ws) == "running" else None}
             for j, ws in sorted(by.items())]
 
 
-def job_state(ws: list[dict]) -> str:
+def job_state(ws: list[StoredWorker]) -> str:
     """running while a rank is live; finished when every rank ended and one exited 0; stopped when
     an end was asked for (`pitstop stop|kill`, a forwarded signal); failed otherwise."""
-    if any(w["state"] in ("running", "paused", "capturing", "stopped") for w in ws):
+    if any(w.state in ("running", "paused", "capturing", "stopped") for w in ws):
         return "running"
-    if any(w.get("end_asked") for w in ws):
+    if any(w.end_asked for w in ws):
         return "stopped"
-    if any(w["state"] == "exited" and w.get("exit_code") == 0 for w in ws):
+    if any(w.state == "exited" and w.exit_code == 0 for w in ws):
         return "finished"
     return "failed"
 
@@ -256,7 +253,7 @@ def job_snapshots(c: CoordinatorDep, job: str) -> dict:
             "paused_share": c.snapshots.lost_share(job), "protection": c.snapshots.protection(job, asked),
             "snapshots": [s.public() for s in c.store.snapshots(job)], "last_error": c.snapshots.errors.get(job),
             "kept": c.snapshots.kept.get(job),
-            "fences": [f for f in c.store.fences() if f["job"] == job]}
+            "fences": [f.public() for f in c.store.fences() if f.job == job]}
 
 
 @operators.delete("/jobs/{job}/snapshots")
@@ -354,7 +351,7 @@ def moves(c: CoordinatorDep,
           limit: int = Query(100, ge=1, le=1000, description="at most this many, the newest")) -> list[dict]:
     """The ledger: every finished move and recovery, newest first (coordinator/ledger.py)."""
     ops = c.store.ops(node=node, done=True, before=before, limit=limit if result is None else 1000)
-    out = [ledger.entry(o) for o in ops if (result is None or o["result"] == result)]
+    out = [ledger.entry(o) for o in ops if (result is None or o.result == result)]
     return out[:limit]
 
 
@@ -397,10 +394,10 @@ def cancel(c: CoordinatorDep, op_id: str) -> dict:
     op = c.store.op(op_id.removeprefix("operations/"))
     if op is None:
         raise NotFound(f"no operation {op_id!r}", action="list operations with `pitstop ops`")
-    if op["done"]:
-        raise Conflict(f"operation {op['id']} is already done ({op['result']})", action="nothing to cancel")
-    if op["metadata"].get("committed"):
-        raise Conflict(f"operation {op['id']} is past its commit point", code="past_commit_point",
+    if op.done:
+        raise Conflict(f"operation {op.id} is already done ({op.result})", action="nothing to cancel")
+    if op.metadata.get("committed"):
+        raise Conflict(f"operation {op.id} is past its commit point", code="past_commit_point",
                        action="it will finish; evacuate the destination to move the workers again")
-    c.store.request_cancel(op["id"])
-    return operation_view(c.store.op(op["id"]))
+    c.store.request_cancel(op.id)
+    return operation_view(c.store.op(op.id))

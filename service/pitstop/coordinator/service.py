@@ -39,6 +39,7 @@ from pitstop.errors import Conflict, FailedPrecondition, Forbidden, NotFound, Pi
 from pitstop.wire.agent_client import AgentClient, Fence
 from pitstop.wire.coordinator_requests import EvacuateRequest
 from pitstop.wire.evacuation import AfterMove
+from pitstop.wire.store_rows import StoredHost, StoredOp, StoredWorker
 
 ROLES = ("active", "spare", "draining", "drained")
 
@@ -166,19 +167,19 @@ class Metrics:
             self.downtime.observe(downtime_s)
 
 
-def operation_view(op: dict[str, Any] | None) -> dict[str, Any]:
+def operation_view(op: StoredOp | None) -> dict[str, Any]:
     """An operation in the AIP-151 shape (None: an operation just read back that is gone, which
     only the retention's pruning between two reads can cause)."""
     if op is None:
         raise NotFound("the operation is no longer recorded", action="list operations with `pitstop ops`")
-    md = dict(op["metadata"])
-    md.update({"phase": op["phase"], "cancel_requested": op["cancel_requested"], "result": op["result"],
-               "create_time": op["created"], "update_time": op["updated"]})
-    out: dict[str, Any] = {"name": f"operations/{op['id']}", "done": op["done"], "metadata": md}
-    if op["error"]:
-        out["error"] = op["error"]
-    elif op["response"]:
-        out["response"] = op["response"]
+    md = dict(op.metadata)
+    md.update({"phase": op.phase, "cancel_requested": op.cancel_requested, "result": op.result,
+               "create_time": op.created, "update_time": op.updated})
+    out: dict[str, Any] = {"name": f"operations/{op.id}", "done": op.done, "metadata": md}
+    if op.error:
+        out["error"] = op.error
+    elif op.response:
+        out["response"] = op.response
     return out
 
 
@@ -188,12 +189,12 @@ def sync_workers(store: BaseStore, settings: CoordinatorSettings, node: str, fen
     that has heartbeated recently is asked, in parallel, with a short deadline; an agent that
     does not answer is planned with what its heartbeats said.  (For very large fleets this
     should narrow to the hosts of the affected jobs.)"""
-    hosts = [h for h in store.hosts() if h["name"] == node or h["age_s"] <= settings.heartbeat_timeout_s]
+    hosts = [h for h in store.hosts() if h.name == node or h.age_s <= settings.heartbeat_timeout_s]
 
-    def one(h: dict) -> None:
+    def one(h: StoredHost) -> None:
         try:
-            with AgentClient(h["url"], settings.cluster_token, timeout=PLAN_SYNC_TIMEOUT_S, fence=fence) as a:
-                store.sync_workers(h["name"], [w.model_dump(mode="json") for w in a.workers()])
+            with AgentClient(h.url, settings.cluster_token, timeout=PLAN_SYNC_TIMEOUT_S, fence=fence) as a:
+                store.sync_workers(h.name, [w.model_dump(mode="json") for w in a.workers()])
         except (PitstopError, httpx.HTTPError, httpx.InvalidURL, ValueError):
             pass  # planned with what its heartbeats said
 
@@ -231,7 +232,7 @@ class Coordinator:
             start=lambda node, reason: self.start_evacuation(node, None, reason,
                                                              requested_by="the coordinator's health policy"),
             busy=self.driver.busy_hosts,
-            has_workers=lambda node: any(w["state"] in LIVE for w in self.store.workers(host=node)),
+            has_workers=lambda node: any(w.state in LIVE for w in self.store.workers(host=node)),
             retry_s=settings.health_retry_s)
 
     def leading(self) -> bool:
@@ -283,35 +284,35 @@ class Coordinator:
         p = plan(self.store, node, body.to, self.driver.busy_hosts(), s.heartbeat_timeout_s)
         if body.post_copy:
             self.check_post_copy(p.node)
-        ids = [w["id"] for w in p.leaving]
+        ids = [w.id for w in p.leaving]
         t = min(30.0, s.step_timeout_s)  # an answer now, not a move's patience
-        with AgentClient(p.node["url"], s.cluster_token, timeout=t, fence=self.fence) as src, \
-                AgentClient(p.dest["url"], s.cluster_token, timeout=t, fence=self.fence) as dst:
+        with AgentClient(p.node.url, s.cluster_token, timeout=t, fence=self.fence) as src, \
+                AgentClient(p.dest.url, s.cluster_token, timeout=t, fence=self.fence) as dst:
             files = check_files(src, dst, ids)
-        err = files.error(p.dest["name"])
+        err = files.error(p.dest.name)
         if err:
             raise err
-        return {"validate_only": True, "node": node, "destination": p.dest["name"], "workers": ids,
-                "jobs": p.jobs, "peers": [w["id"] for w in p.peers],
+        return {"validate_only": True, "node": node, "destination": p.dest.name, "workers": ids,
+                "jobs": p.jobs, "peers": [w.id for w in p.peers],
                 "files": {"checked": [w for w in ids if w not in files.unchecked], "unchecked": files.unchecked}}
 
-    def check_post_copy(self, host: dict[str, Any]) -> None:
+    def check_post_copy(self, host: StoredHost) -> None:
         """Refuse post-copy the source cannot serve before anything pauses, not mid-move."""
         try:
-            with AgentClient(host["url"], self.settings.cluster_token, timeout=POST_COPY_CHECK_TIMEOUT_S,
+            with AgentClient(host.url, self.settings.cluster_token, timeout=POST_COPY_CHECK_TIMEOUT_S,
                              fence=self.fence) as a:
                 support = a.info().get("post_copy") or {}
         except (PitstopError, httpx.HTTPError, ValueError) as e:
-            raise FailedPrecondition(f"cannot ask {host['name']}'s agent whether it can serve post-copy: "
+            raise FailedPrecondition(f"cannot ask {host.name}'s agent whether it can serve post-copy: "
                                      f"{getattr(e, 'message', None) or e}", code="post_copy_unconfirmed",
                                      action="check that the agent runs and is reachable, or evacuate "
                                             "without post-copy") from None
         if "unavailable" not in support:
-            raise FailedPrecondition(f"{host['name']}'s agent is too old to serve post-copy",
+            raise FailedPrecondition(f"{host.name}'s agent is too old to serve post-copy",
                                      code="post_copy_unavailable",
                                      action="upgrade it, or evacuate without post-copy")
         if support["unavailable"]:
-            raise FailedPrecondition(f"{host['name']} cannot serve post-copy: {support['unavailable']}",
+            raise FailedPrecondition(f"{host.name} cannot serve post-copy: {support['unavailable']}",
                                      code="post_copy_unavailable",
                                      action="evacuate without post-copy (the images travel whole)")
 
@@ -320,11 +321,11 @@ class Coordinator:
         rank runs under now: what each agent said, per rank.  The agents are asked what they run
         first, so a rank that just moved or started is not missed."""
         sync_workers(self.store, self.settings, "", self.fence)
-        ws = [w for w in self.store.workers(job=job) if w["state"] in LIVE]
+        ws = [w for w in self.store.workers(job=job) if w.state in LIVE]
         if not ws:
             raise NotFound(f"job {job!r} has no running ranks", code="no_such_job",
                            action="list jobs and their ranks with `pitstop jobs`")
-        urls = {h["name"]: h["url"] for h in self.store.hosts()}
+        urls = {h.name: h.url for h in self.store.hosts()}
         results: list[dict[str, Any]] = []
         in_parallel(lambda w: results.append(self._signal(w, sig, urls)), ws)
         return {"job": job, "signal": sig, "workers": sorted(results, key=lambda r: r["worker"])}
@@ -333,22 +334,22 @@ class Coordinator:
         """A signal for one rank (its launcher's, passed through its handle), where it runs now."""
         job = wid.rpartition(".")[0]
         sync_workers(self.store, self.settings, "", self.fence)
-        w = next((x for x in self.store.workers(job=job) if x["id"] == wid), None)
-        if w is None or w["state"] not in LIVE:
+        w = next((x for x in self.store.workers(job=job) if x.id == wid), None)
+        if w is None or w.state not in LIVE:
             raise NotFound(f"worker {wid} does not run", code="no_such_worker",
                            action="it ended; its launcher reports its exit status")
-        return self._signal(w, sig, {h["name"]: h["url"] for h in self.store.hosts()})
+        return self._signal(w, sig, {h.name: h.url for h in self.store.hosts()})
 
-    def _signal(self, w: dict[str, Any], sig: int, urls: dict[str, str]) -> dict[str, Any]:
-        r: dict[str, Any] = {"worker": w["id"], "host": w["host"], "delivered": False}
+    def _signal(self, w: StoredWorker, sig: int, urls: dict[str, str]) -> dict[str, Any]:
+        r: dict[str, Any] = {"worker": w.id, "host": w.host, "delivered": False}
         try:
-            with AgentClient(urls[w["host"]], self.settings.cluster_token, timeout=SIGNAL_TIMEOUT_S,
+            with AgentClient(urls[w.host], self.settings.cluster_token, timeout=SIGNAL_TIMEOUT_S,
                              fence=self.fence) as a:
-                r["delivered"] = bool(a.signal(w["id"], sig).get("delivered"))
+                r["delivered"] = bool(a.signal(w.id, sig).get("delivered"))
         except PitstopError as e:
             r.update(error=e.message, code=e.code)
         except (httpx.HTTPError, KeyError, ValueError) as e:
-            r.update(error=f"cannot reach {w['host']}'s agent: {e!r}", code="unavailable")
+            r.update(error=f"cannot reach {w.host}'s agent: {e!r}", code="unavailable")
         return r
 
     def claim(self, host: str, job: str, rank: int, owner_uid: int | None = None,
@@ -373,15 +374,15 @@ class Coordinator:
         of the host it runs on now or ran on last: the job's handle for whoever no longer has its
         launcher (`pitstop attach`)."""
         job = wid.rpartition(".")[0]
-        w = next((x for x in self.store.workers(job=job) if x["id"] == wid), None)
+        w = next((x for x in self.store.workers(job=job) if x.id == wid), None)
         if w is None:
             raise NotFound(f"no worker {wid!r} is known", code="no_such_worker",
                            action="list jobs and their ranks with `pitstop jobs` (a worker is JOB.RANK)")
-        h = self.store.host(w["host"])
+        h = self.store.host(w.host)
         if h is None:
-            return b"", {"x-pitstop-state": "unreachable", "x-pitstop-error": f"host {w['host']} is not known"}
+            return b"", {"x-pitstop-state": "unreachable", "x-pitstop-error": f"host {w.host} is not known"}
         try:
-            with AgentClient(h["url"], self.settings.cluster_token, timeout=ATTACH_OUTPUT_TIMEOUT_S, fence=self.fence) as a:
+            with AgentClient(h.url, self.settings.cluster_token, timeout=ATTACH_OUTPUT_TIMEOUT_S, fence=self.fence) as a:
                 return a.output(wid, stream, offset)
         except PitstopError as e:
             return b"", {"x-pitstop-state": "unreachable", "x-pitstop-error": e.message[:200]}

@@ -49,23 +49,24 @@ from pitstop.coordinator.timeouts import (
 from pitstop.errors import Conflict, FailedPrecondition, PitstopError
 from pitstop.wire.agent_client import AgentClient, Fence
 from pitstop.wire.snapshot_record import SnapshotPart, SnapshotRecord, SnapshotState, StoredSnapshot
+from pitstop.wire.store_rows import StoredHost, StoredWorker
 
 log = structlog.get_logger("pitstop.coordinator.snapshots")
 
 MIN_EVERY_S = 5.0  # as `pitstop run --snapshot-every` (wire/agent_requests.py)
 
 
-def interval(store: BaseStore, job: str, workers: list[dict[str, Any]]) -> float | None:
+def interval(store: BaseStore, job: str, workers: list[StoredWorker]) -> float | None:
     """The job's snapshot interval: the API's value where one was set (0: off), else the
     smallest `pitstop run --snapshot-every` among its live ranks; None: no snapshots."""
     set_ = store.snapshot_policy(job)
     if set_ is not None:
         return set_ or None
-    asked = [float(w["snapshot_every_s"]) for w in workers if w.get("snapshot_every_s")]
+    asked = [float(w.snapshot_every_s) for w in workers if w.snapshot_every_s]
     return min(asked) if asked else None
 
 
-def buddies(hosts: list[str], all_hosts: list[dict[str, Any]], timeout_s: float,
+def buddies(hosts: list[str], all_hosts: list[StoredHost], timeout_s: float,
             previous: dict[str, str] | None = None) -> tuple[dict[str, str], dict[str, str]]:
     """Each host of the job -> the host that keeps its replica, and why that one (both written in
     the snapshot's record).  In order of preference: a spare in another failure domain (where a
@@ -76,10 +77,10 @@ def buddies(hosts: list[str], all_hosts: list[dict[str, Any]], timeout_s: float,
     `--failure-domain` is in no known domain: for it the spare-then-next rule alone decides.
     previous: the last snapshot's choice, kept while it is still among the best: a part is a delta
     against the one before it, which only the same buddy holds (another would refuse it)."""
-    alive = [h for h in all_hosts if healthy(h, timeout_s) and h["role"] in ("active", "spare")]
-    domain = {h["name"]: h.get("failure_domain") for h in all_hosts}
-    spares = sorted(h["name"] for h in alive if usable_spare(h))  # a cordoned spare: as any other host
-    names = sorted(h["name"] for h in alive)
+    alive = [h for h in all_hosts if healthy(h, timeout_s) and h.role in ("active", "spare")]
+    domain = {h.name: h.failure_domain for h in all_hosts}
+    spares = sorted(h.name for h in alive if usable_spare(h))  # a cordoned spare: as any other host
+    names = sorted(h.name for h in alive)
     out, why = {}, {}
     for i, host in enumerate(sorted(hosts)):
         mine = domain.get(host)
@@ -143,15 +144,15 @@ class Snapshots:
         h = self.store.host(host)
         if h is None:
             raise PitstopError(f"host {host} is unknown", action="it must heartbeat to the coordinator")
-        return AgentClient(h["url"], self.s.cluster_token, timeout=timeout or self.s.step_timeout_s, fence=self.fence)
+        return AgentClient(h.url, self.s.cluster_token, timeout=timeout or self.s.step_timeout_s, fence=self.fence)
 
     # -- the schedule --------------------------------------------------------------------------
     def due(self) -> list[str]:
         """Jobs whose snapshot is due now."""
-        jobs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        jobs: dict[str, list[StoredWorker]] = defaultdict(list)
         for w in self.store.workers():
-            if w["state"] in LIVE:
-                jobs[w["job"]].append(w)
+            if w.state in LIVE:
+                jobs[w.job].append(w)
         out = []
         now = time.monotonic()
         for job, ws in jobs.items():
@@ -228,18 +229,18 @@ class Snapshots:
         that answers after ENDED_JOB_SNAPSHOTS_KEEP_S, then forgotten.  A job that ended by failing keeps its last
         committed snapshot (a recovery, by itself or an operator's, may still restore it) for
         failed_snapshot_keep_s, and says why in its listing (`kept`)."""
-        by_job: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        by_job: dict[str, list[StoredWorker]] = defaultdict(list)
         for w in self.store.workers():
-            by_job[w["job"]].append(w)
+            by_job[w.job].append(w)
         now = time.monotonic()
         for job in self.store.snapshot_jobs():
             ws = by_job.get(job, [])
-            if any(w["state"] in LIVE for w in ws) or job in self.held or job in self.taking:
+            if any(w.state in LIVE for w in ws) or job in self.held or job in self.taking:
                 self.ended.pop(job, None)
                 self.kept.pop(job, None)
                 continue
             since = self.ended.setdefault(job, now)
-            over = any(w["state"] == "exited" and w.get("exit_code") == 0 or w.get("end_asked") for w in ws)
+            over = any(w.state == "exited" and w.exit_code == 0 or w.end_asked for w in ws)
             if over or self.committed(job) is None:
                 if now - since >= ENDED_JOB_SNAPSHOTS_KEEP_S:
                     self._forget(job, "its ranks have all ended (it finished or was stopped)")
@@ -262,10 +263,10 @@ class Snapshots:
         """Every snapshot of the job, on every host that answers, and its records."""
         for h in [h for h in self.store.hosts() if healthy(h, self.s.heartbeat_timeout_s)]:
             try:
-                with self.agent(h["name"], timeout=SNAPSHOT_DROP_TIMEOUT_S) as c:
+                with self.agent(h.name, timeout=SNAPSHOT_DROP_TIMEOUT_S) as c:
                     c.snapshot_drop(job)
             except PitstopError as e:
-                log.info("a job's snapshots could not be dropped there now", job=job, host=h["name"], error=e.message)
+                log.info("a job's snapshots could not be dropped there now", job=job, host=h.name, error=e.message)
         self.store.forget_snapshots(job, keep=None)
         log.info("a job's snapshots dropped", job=job, why=why)
 
@@ -389,27 +390,27 @@ class Snapshots:
             raise Conflict(f"the snapshots of job {job} were dropped while snapshot {number} was taken",
                            code="snapshot_dropped", action="the next snapshot is taken if the job runs on")
 
-    def _ranks(self, job: str) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
+    def _ranks(self, job: str) -> tuple[list[StoredWorker], dict[str, list[str]]]:
         """The job's ranks and their hosts, if a snapshot may be taken now: every rank registered
         and running, no host busy with a move, none silent.  Refused (Conflict), saying why, else."""
-        ws = [w for w in self.store.workers(job=job) if w["state"] in ("running", "paused", "capturing", "stopped")]
+        ws = [w for w in self.store.workers(job=job) if w.state in ("running", "paused", "capturing", "stopped")]
         if not ws:
             raise FailedPrecondition(f"job {job} has no live ranks", action="nothing to snapshot")
-        world = max((w["world"] or 0 for w in ws), default=0)
-        if world and sorted(w["rank"] for w in ws) != list(range(world)):
+        world = max((w.world or 0 for w in ws), default=0)
+        if world and sorted(w.rank for w in ws) != list(range(world)):
             raise Conflict(f"job {job} runs {len(ws)} of its {world} ranks; a snapshot takes them all",
                            code="job_incomplete", action="it is taken once every rank has registered")
         busy_hosts = self.busy()
-        busy = {w["host"]: busy_hosts[w["host"]] for w in ws if w["host"] in busy_hosts}
-        not_running = [f"{w['id']} is {w['state']}" for w in ws if w["state"] != "running"]
+        busy = {w.host: busy_hosts[w.host] for w in ws if w.host in busy_hosts}
+        not_running = [f"{w.id} is {w.state}" for w in ws if w.state != "running"]
         if busy or not_running:
             raise Conflict(f"job {job} is being moved ({busy or '; '.join(not_running)}); its snapshot waits",
                            action="it is taken at the next tick after the move")
         by_host: dict[str, list[str]] = defaultdict(list)
         for w in ws:
-            by_host[w["host"]].append(w["id"])
+            by_host[w.host].append(w.id)
         hosts = sorted(by_host)
-        known = {h["name"]: h for h in self.store.hosts()}
+        known = {h.name: h for h in self.store.hosts()}
         silent = [h for h in hosts if h not in known or not healthy(known[h], self.s.heartbeat_timeout_s)]
         if silent:
             raise Conflict(f"hosts {', '.join(silent)} of job {job} are silent; no snapshot is taken meanwhile",
@@ -425,7 +426,7 @@ class Snapshots:
         before = last.record.buddies if last else {}
         buddy, buddy_why = buddies(hosts, self.store.hosts(), self.s.heartbeat_timeout_s, previous=before)
         record = SnapshotRecord(
-            parts={w["id"]: SnapshotPart(host=w["host"], rank=w["rank"], buddy=buddy[w["host"]]) for w in ws},
+            parts={w.id: SnapshotPart(host=w.host, rank=w.rank, buddy=buddy[w.host]) for w in ws},
             buddies=buddy, buddy_why=buddy_why, phases={},
             # a host whose buddy changed dumps whole: its new buddy holds no part a delta would be against
             whole={h: f"its buddy changed from {before[h]} to {buddy[h]}" for h in hosts
@@ -434,7 +435,7 @@ class Snapshots:
         clients = {h: self.agent(h, timeout=SNAPSHOT_STEP_TIMEOUT_S) for h in set(hosts) | set(buddy.values())}
         t0 = time.monotonic()
         try:
-            cut = through_agents({w["id"]: w["host"] for w in ws}, lambda h: clients[h], self.s.cut_deadline_s)
+            cut = through_agents({w.id: w.host for w in ws}, lambda h: clients[h], self.s.cut_deadline_s)
             shim = cut.uses_shim()  # NCCL: the shim's consistent cut, communicators destroyed; else SIGSTOP
             record.pause = "nccl_cut" if shim else "sigstop"
             self._record(job, number, "taking", record)  # how it pauses, for a restart to undo it
@@ -470,7 +471,7 @@ class Snapshots:
         self.commit(job, number, record, generation)
         self.errors.pop(job, None)
         self.store.forget_snapshots(job, keep=number)
-        everyone = {h["name"]: h for h in self.store.hosts() if healthy(h, self.s.heartbeat_timeout_s)}
+        everyone = {h.name: h for h in self.store.hosts() if healthy(h, self.s.heartbeat_timeout_s)}
         for h in everyone:
             try:
                 with self.agent(h, timeout=SNAPSHOT_DROP_TIMEOUT_S) as c:

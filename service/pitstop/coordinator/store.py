@@ -41,9 +41,12 @@ from pitstop.coordinator.liveness import Liveness
 from pitstop.coordinator.schema import MIGRATIONS, SCHEMA
 from pitstop.errors import FailedPrecondition, PitstopError, Unavailable
 from pitstop.wire.snapshot_record import SnapshotRecord, SnapshotState, StoredSnapshot
+from pitstop.wire.store_rows import StoredFence, StoredHost, StoredOp, StoredWorker
 
-COLUMNS = ("cordoned", "role_since", "role_why")
-"""What Store.hosts() adds from the hosts table's own columns: never taken from (or kept in) a report."""
+REPORT_NOT_KEPT = ("name", "url", "spare", "role", "offers_spare", "cordoned", "role_since", "role_why", "last_seen",
+                   "age_s", "workers", "generation")
+"""Keys of a stored report that are the hosts table's own columns (or not the report's): never
+taken from it."""
 
 LIVE = ("running", "paused", "capturing", "stopped")  # "released": the process is gone
 CLAIMED = "claimed"  # a rank an agent is about to register (Store.claim_worker), until its report says more
@@ -301,8 +304,7 @@ class BaseStore:
         """What the host's agent says it runs right now (fresher than its last heartbeat)."""
         h = self.host(host)
         if h is not None:
-            info = {k: v for k, v in h.items() if k not in ("role", "last_seen", "age_s") + COLUMNS}
-            self.heartbeat({**info, "name": host, "url": h["url"], "workers": workers}, touch=False)
+            self.heartbeat({**h.report(), "workers": workers}, touch=False)
 
     def claim_worker(self, host: str, wid: str, job: str, rank: int, max_age_s: float,
                      owner_uid: int | None = None, privileged: bool = False) -> "str | JobOwner | None":
@@ -408,25 +410,25 @@ class BaseStore:
         if touch:
             self.live.reported(name, now, hb.get("generation"))
 
-    def hosts(self) -> list[dict[str, Any]]:
+    def hosts(self) -> list[StoredHost]:
         return [self._host(r) for r in self._x("SELECT * FROM hosts ORDER BY name")]
 
-    def host(self, name: str) -> dict[str, Any] | None:
+    def host(self, name: str) -> StoredHost | None:
         r = self._x("SELECT * FROM hosts WHERE name=?", (name,))
         return self._host(r[0]) if r else None
 
-    def _host(self, r: Row) -> dict[str, Any]:
+    def _host(self, r: Row) -> StoredHost:
         info = json.loads(r["info"])
         name = r["name"]
         last_seen = self.live.last_seen(name, r["last_seen"])
         health = self.live.health(name)
         if health is not None:
             info["gpu_health"], info["health"] = health
-        return {"name": name, "url": r["url"], "role": r["role"], "offers_spare": bool(info.get("spare")),
-                "cordoned": json.loads(r["cordon"]) if r["cordon"] else None, "role_since": r["role_since"],
-                "role_why": json.loads(r["role_why"]) if r["role_why"] else None, "last_seen": last_seen,
-                "age_s": round(time.time() - last_seen, 3), **{k: v for k, v in info.items()
-                                                              if k not in ("name", "url", "spare") + COLUMNS}}
+        return StoredHost(name=name, url=r["url"], role=r["role"], offers_spare=bool(info.get("spare")),
+                          cordoned=json.loads(r["cordon"]) if r["cordon"] else None, role_since=r["role_since"],
+                          role_why=json.loads(r["role_why"]) if r["role_why"] else None, last_seen=last_seen,
+                          age_s=round(time.time() - last_seen, 3),
+                          **{k: v for k, v in info.items() if k not in REPORT_NOT_KEPT})
 
     def set_role(self, name: str, role: str, why: dict[str, Any] | None = None) -> None:
         """A host's new role, since now, and why (an evacuation's reason, its operation, who asked).
@@ -452,7 +454,7 @@ class BaseStore:
             self.q("DELETE FROM hosts WHERE name=?", (name,))
         self.live.forget(name)
 
-    def workers(self, host: str | None = None, job: str | None = None) -> list[dict[str, Any]]:
+    def workers(self, host: str | None = None, job: str | None = None) -> list[StoredWorker]:
         q, a = "SELECT * FROM workers WHERE 1=1", []
         if host:
             q += " AND host=?"
@@ -463,14 +465,14 @@ class BaseStore:
         return [self._worker(r) for r in self._x(q + " ORDER BY job, rank", tuple(a))]
 
     @staticmethod
-    def _worker(r: Row) -> dict[str, Any]:
+    def _worker(r: Row) -> StoredWorker:
         info = json.loads(r["info"])
-        return {"id": r["id"], "job": r["job"], "rank": r["rank"], "host": r["host"], "state": r["state"],
-                "updated": r["updated"], "address": (info.get("net") or {}).get("address"),
-                "caps": info.get("caps"), "unmovable": info.get("unmovable"), "slurm_job": info.get("slurm_job"),
-                "snapshot_every_s": info.get("snapshot_every_s"), "world": info.get("world"),
-                "exit_code": info.get("exit_code"), "ended_at": info.get("ended_at"), "end_asked": info.get("end_asked"),
-                "peer_lost": info.get("peer_lost")}
+        return StoredWorker(
+            id=r["id"], job=r["job"], rank=r["rank"], host=r["host"], state=r["state"], updated=r["updated"],
+            address=(info.get("net") or {}).get("address"), caps=info.get("caps"), unmovable=info.get("unmovable"),
+            slurm_job=info.get("slurm_job"), snapshot_every_s=info.get("snapshot_every_s"), world=info.get("world"),
+            exit_code=info.get("exit_code"), ended_at=info.get("ended_at"), end_asked=info.get("end_asked"),
+            peer_lost=info.get("peer_lost"))
 
     def set_worker_host(self, wid: str, host: str, state: str = "running",
                         left: dict[str, Any] | None = None) -> None:
@@ -525,14 +527,15 @@ class BaseStore:
         self._x("INSERT INTO fences(job, host, epoch, acked, created) VALUES(?,?,?,0,?) ON CONFLICT(job, host) DO UPDATE "
                 "SET epoch=excluded.epoch, acked=0", (job, host, epoch, time.time()))
 
-    def fences(self, host: str | None = None, unacked: bool = False) -> list[dict[str, Any]]:
+    def fences(self, host: str | None = None, unacked: bool = False) -> list[StoredFence]:
         q, a = "SELECT * FROM fences WHERE 1=1", []
         if host:
             q += " AND host=?"
             a.append(host)
         if unacked:
             q += " AND acked=0"
-        return [dict(r) for r in self._x(q, tuple(a))]
+        return [StoredFence(job=r["job"], host=r["host"], epoch=r["epoch"], acked=bool(r["acked"]), created=r["created"])
+                for r in self._x(q, tuple(a))]
 
     def clear_fence(self, job: str, host: str) -> None:
         """The job's ranks may run on that host again (a recovery restores them there)."""
@@ -556,12 +559,12 @@ class BaseStore:
         r = self._x("SELECT body_hash, op_id FROM idempotency WHERE key=?", (key,))
         return (r[0]["body_hash"], r[0]["op_id"]) if r else None
 
-    def op(self, op_id: str) -> dict[str, Any] | None:
+    def op(self, op_id: str) -> StoredOp | None:
         r = self._x("SELECT * FROM operations WHERE id=?", (op_id,))
         return self._op(r[0]) if r else None
 
     def ops(self, running_only: bool = False, *, node: str | None = None, done: bool | None = None,
-            before: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+            before: float | None = None, limit: int | None = None) -> list[StoredOp]:
         """Operations, oldest first; or, with `limit`, the newest `limit` created before `before`
         (a page: the next one is asked with `before` = the oldest `created` of this one)."""
         q, a = "SELECT * FROM operations WHERE 1=1", list[Any]()
@@ -591,12 +594,12 @@ class BaseStore:
         return len(old)
 
     @staticmethod
-    def _op(r: Row) -> dict[str, Any]:
-        return {"id": r["id"], "node": r["node"], "dest": r["dest"], "done": bool(r["done"]), "result": r["result"],
-                "phase": r["phase"], "cancel_requested": bool(r["cancel_requested"]),
-                "metadata": json.loads(r["metadata"]), "error": json.loads(r["error"]) if r["error"] else None,
-                "response": json.loads(r["response"]) if r["response"] else None,
-                "created": r["created"], "updated": r["updated"]}
+    def _op(r: Row) -> StoredOp:
+        return StoredOp(id=r["id"], node=r["node"], dest=r["dest"], done=bool(r["done"]), result=r["result"],
+                        phase=r["phase"], cancel_requested=bool(r["cancel_requested"]),
+                        metadata=json.loads(r["metadata"]), error=json.loads(r["error"]) if r["error"] else None,
+                        response=json.loads(r["response"]) if r["response"] else None,
+                        created=r["created"], updated=r["updated"])
 
     def update_op(self, op_id: str, *, phase: str | None = None, metadata: dict | None = None,
                   done: bool | None = None, result: str | None = None, error: dict | None = None,

@@ -72,11 +72,11 @@ def in_flight_hosts(c: Leader) -> set[str]:
     the jobs it concerns (an evacuation's peers, a recovery's survivors)."""
     hosts: set[str] = set()
     for op in c.store.ops(running_only=True):
-        hosts |= {h for h in (op["node"], op["dest"]) if h}
-        md = op["metadata"]
+        hosts |= {h for h in (op.node, op.dest) if h}
+        md = op.metadata
         jobs = list(md.get("jobs") or []) + ([md["job"]] if md.get("job") else [])
         for job in jobs:
-            hosts |= {w["host"] for w in c.store.workers(job=job)}
+            hosts |= {w.host for w in c.store.workers(job=job)}
         hosts |= set((md.get("peers") or {}).values())
     return hosts
 
@@ -85,7 +85,7 @@ def announce(c: Leader, term: int) -> tuple[int, int]:
     """Tell the agents the new term: those of the operations in flight now, before anything is
     resumed; the others in the background (their heartbeats' answers carry it too).  (told,
     not answering) of the first group."""
-    urls = {h["name"]: h["url"] for h in c.store.hosts()}
+    urls = {h.name: h.url for h in c.store.hosts()}
     first = sorted(in_flight_hosts(c) & urls.keys())
     me = c.lead.me if c.lead is not None else ""
 

@@ -15,20 +15,22 @@ rather than waiting for a network post-copy's fill to end (a test may want to wa
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import structlog
 
 from pitstop.coordinator.driver import Driver
+from pitstop.coordinator.planner import Plan
 from pitstop.coordinator.settings import CoordinatorSettings
 from pitstop.coordinator.sqlitestore import Store
 from pitstop.errors import DeadlineExceeded, PitstopError
 from pitstop.wire.agent_client import AgentClient
 from pitstop.wire.evacuation import EvacuationState
+from pitstop.wire.store_rows import StoredHost, StoredWorker
 from pitstop.wire.worker_report import WorkerReport
 
 log = structlog.get_logger("pitstop.move")
@@ -80,10 +82,11 @@ def _move(store: Store, tmp: Path, src: AgentClient, dst: AgentClient, worker_id
                              "workers": [_report(w) for w in c.workers()]})
     w = src.worker(worker_id)
     node, dest = names[src.url], names[dst.url]
-    plan = SimpleNamespace(
-        node={"name": node}, dest={"name": dest}, jobs=[w.job],
-        leaving=[{"id": worker_id, "job": w.job, "rank": w.rank, "host": node, "address": None}],
-        peers=[{"id": wid, "host": names[p.url], "address": None} for p, wid in peers])
+    plan = Plan(node=_stored(store.host(node), node), dest=_stored(store.host(dest), dest), jobs=[w.job],
+                leaving=[StoredWorker(id=worker_id, job=w.job, rank=w.rank, host=node, state=w.state,
+                                      updated=time.time())],
+                peers=[StoredWorker(id=wid, job=w.job, rank=-1, host=names[p.url], state="running", updated=time.time())
+                       for p, wid in peers])  # a peer's id and host are all the move reads of it
     settings = CoordinatorSettings(db=tmp / "move.db", cluster_token=src.token, pre_copy=pre_copy,
                                    capture_deadline_s=capture_deadline_s)
     driver = Driver(store, settings, await_fills=False)
@@ -95,13 +98,13 @@ def _move(store: Store, tmp: Path, src: AgentClient, dst: AgentClient, worker_id
                                action="the driver goes on in the background; see the agents' logs")
     op = store.op(op_id)
     assert op is not None
-    md = EvacuationState.load(op["metadata"])
-    if not op["done"]:  # its thread ended without ending it; no watchdog here to drive it out
+    md = EvacuationState.load(op.metadata)
+    if not op.done:  # its thread ended without ending it; no watchdog here to drive it out
         run = driver.ops.runs.get(op_id)
         raise PitstopError(f"the move of {worker_id} stopped in phase {md.phase!r}: "
                            f"{run.crash if run else 'no word'}", action="see the agents' logs")
-    if op["result"] != "succeeded":
-        raise _error(op.get("error") or {})
+    if op.result != "succeeded":
+        raise _error(op.error or {})
     wp = md.workers[worker_id]
     seconds = {**wp.capture_phases, "verify": md.phases.get("verify", 0.0),
                **{k: v for k, v in wp.restore_phases.items() if k != "verify"},
@@ -114,6 +117,12 @@ def _move(store: Store, tmp: Path, src: AgentClient, dst: AgentClient, worker_id
     log.info("moved", worker=worker_id, src=src.url, dst=dst.url, downtime_s=round(report.downtime_s, 3),
              bytes=report.bytes, **{k: round(v, 4) for k, v in phases.items()})
     return report
+
+
+def _stored(h: StoredHost | None, name: str) -> StoredHost:
+    if h is None:  # each agent's report was written just above
+        raise PitstopError(f"{name}'s report was not recorded", action="see the agents' logs")
+    return h
 
 
 def _report(w: WorkerReport) -> dict[str, Any]:

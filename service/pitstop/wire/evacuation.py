@@ -22,6 +22,7 @@ from pydantic import Field
 
 from pitstop.wire.capture_report import CaptureReport
 from pitstop.wire.records import Record
+from pitstop.wire.store_rows import StoredHost, StoredWorker
 
 SCHEMA_VERSION = 1
 TYPE_URL = "type.pitstop.dev/EvacuateMetadata"
@@ -200,15 +201,18 @@ class EvacuationState(Record):
     def new(cls, plan: Any, reason: str, post_copy: bool | None = None, pre_copy: bool | None = None,
             requested_by: str = "") -> "EvacuationState":
         """The record of a new evacuation of `plan` (coordinator/planner.Plan)."""
-        leaving, peers = plan.leaving, plan.peers
+        node: StoredHost = plan.node
+        dest: StoredHost = plan.dest
+        leaving: list[StoredWorker] = plan.leaving
+        peers: list[StoredWorker] = plan.peers
         return cls(
             type_url=TYPE_URL, schema_version=SCHEMA_VERSION,
-            node=plan.node["name"], destination=plan.dest["name"], reason=reason, requested_by=requested_by,
+            node=node.name, destination=dest.name, reason=reason, requested_by=requested_by,
             post_copy=post_copy, pre_copy=pre_copy, jobs=plan.jobs,
-            workers={w["id"]: WorkerProgress(job=w["job"], rank=w["rank"], state="pending", capture_id=None,
-                                             bytes_done=0, bytes_total=None) for w in leaving},
-            peers={w["id"]: w["host"] for w in peers},
-            keep_peers=sorted({w["address"].split("/")[0] for w in leaving + peers if w.get("address")}) or None,
+            workers={w.id: WorkerProgress(job=w.job, rank=w.rank, state="pending", capture_id=None,
+                                          bytes_done=0, bytes_total=None) for w in leaving},
+            peers={w.id: w.host for w in peers},
+            keep_peers=sorted({w.address.split("/")[0] for w in leaving + peers if w.address}) or None,
             paused=[], committed=False, capture_begun=False, phases={}, bytes_done=0, bytes_total=None,
             conditions=[], downtime_s=None)
 
