@@ -141,10 +141,14 @@ class Snapshots:
         self.lock = threading.Lock()
 
     def agent(self, host: str, timeout: float | None = None) -> AgentClient:
+        return AgentClient(self.url(host), self.s.cluster_token, timeout=timeout or self.s.step_timeout_s,
+                           fence=self.fence)
+
+    def url(self, host: str) -> str:
         h = self.store.host(host)
         if h is None:
             raise PitstopError(f"host {host} is unknown", action="it must heartbeat to the coordinator")
-        return AgentClient(h.url, self.s.cluster_token, timeout=timeout or self.s.step_timeout_s, fence=self.fence)
+        return h.url
 
     # -- the schedule --------------------------------------------------------------------------
     def due(self) -> list[str]:
@@ -489,7 +493,7 @@ class Snapshots:
         its communicators destroyed (no NCCL socket in any image), then rewired and resumed, as a
         move does; else every rank is stopped."""
         hosts = sorted(by_host)
-        buddy_url = {h: self.store.host(buddy[h])["url"] for h in hosts}  # type: ignore[index]
+        buddy_url = {h: self.url(buddy[h]) for h in hosts}
         t_pause = time.monotonic()
         with self.lock:
             if job in self.held:
