@@ -78,6 +78,20 @@ def test_hosts_workers_and_beats_read_back_the_same(store, url):
         again.close()
 
 
+def test_a_hosts_report_from_a_newer_agent_keeps_what_this_release_does_not_know(store):
+    """A host's row is typed, but a field a newer agent reports is kept and shown, not dropped;
+    and the report read back (Store.sync_workers rewrites it with fresher workers) is the one sent."""
+    store.heartbeat({**_report("s", spare=True), "gpu_model": "H100", "gpu_count": 8, "nvlink_domains": [0, 1]})
+    h = store.host("s")
+    assert (h.offers_spare, h.gpu_model, h.gpu_count, h.role) == (True, "H100", 8, "spare")
+    assert h.public()["nvlink_domains"] == [0, 1]
+    assert h.report() == {"name": "s", "url": "http://s:7070", "spare": True, "gpus": [{"index": 0}],
+                          "gpu_model": "H100", "gpu_count": 8, "nvlink_domains": [0, 1]}
+    store.sync_workers("s", [_w("j", 0)])
+    assert store.host("s").public() == h.public() | {"age_s": store.host("s").age_s}
+    assert [w.host for w in store.workers(job="j")] == ["s"]
+
+
 def test_roles_cordons_claims_and_removal(store):
     store.heartbeat(_report("a"))
     store.heartbeat(_report("b"))
