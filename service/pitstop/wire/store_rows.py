@@ -14,7 +14,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class StoredHost(BaseModel):
+class _Row(BaseModel):
+    def public(self) -> dict[str, Any]:
+        """As the REST API shows it (the keys it always showed)."""
+        return self.model_dump(mode="json")
+
+
+class StoredHost(_Row):
     """A host: the role the coordinator gave it (since when, why), an operator's cordon, when its
     agent was last heard from, and its agent's last full report (wire/coordinator_requests.Heartbeat
     less its workers), which the planner and the recoveries choose destinations by."""
@@ -50,11 +56,8 @@ class StoredHost(BaseModel):
                                        "age_s"}, exclude_unset=True)
         return out | {"spare": self.offers_spare}
 
-    def public(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
 
-
-class StoredWorker(BaseModel):
+class StoredWorker(_Row):
     """A rank where the coordinator last knew it: its host, its state (the agent's, or `claimed`
     while it registers) and what the planner and the recovery read of its last report."""
 
@@ -77,12 +80,8 @@ class StoredWorker(BaseModel):
     end_asked: bool | None = None
     peer_lost: str | None = None     # its shim holds a communicator error back for a recovery
 
-    def public(self) -> dict[str, Any]:
-        """As the REST API shows it (the keys it always showed)."""
-        return self.model_dump(mode="json")
 
-
-class StoredFence(BaseModel):
+class StoredFence(_Row):
     """A job fenced off a host: it was recovered elsewhere while that host was away, and its
     ranks there are ended for good when the host is heard from again (`acked` once it said so)."""
 
@@ -94,11 +93,8 @@ class StoredFence(BaseModel):
     acked: bool
     created: float
 
-    def public(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
 
-
-class StoredOp(BaseModel):
+class StoredOp(_Row):
     """An operation's row (an evacuation or a recovery): its columns, and its record (`metadata`,
     read as its own model by evacuation.EvacuationState / recovery_state.RecoveryState)."""
 
